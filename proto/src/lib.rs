@@ -1,0 +1,12 @@
+//! Generated protocol buffer types for the RookWorld GRPO services.
+//!
+//! - [`v1`]: messages shared by every service (`rookworld.v1`).
+//! - [`FILE_DESCRIPTOR_SET`]: the encoded descriptors that gRPC server reflection serves.
+
+/// `rookworld.v1`: sampling parameters and completions.
+pub mod v1 {
+    tonic::include_proto!("rookworld.v1");
+}
+
+/// Encoded `FileDescriptorSet` of every `.proto` in this crate, for server reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("rookworld_descriptor");
