@@ -1,0 +1,280 @@
+//! Hugging Face GPT-2 checkpoints: load, save, and seeded random initialisation.
+//!
+//! A checkpoint directory holds `config.json` and either `model.safetensors` or a sharded
+//! set listed by `model.safetensors.index.json`. Tensor names may carry the
+//! `transformer.` prefix or not; `attn.bias`/`attn.masked_bias` buffers and an `lm_head`
+//! tied to `wte` are ignored; f32, f16 and bf16 files load into any requested dtype.
+//! Saving writes the layout `transformers`' `GPT2LMHeadModel.from_pretrained` reads.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use rand::SeedableRng;
+use rand_distr::{Distribution, Normal};
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::model::Gpt2;
+
+pub const CONFIG_FILE: &str = "config.json";
+pub const WEIGHTS_FILE: &str = "model.safetensors";
+pub const WEIGHTS_INDEX_FILE: &str = "model.safetensors.index.json";
+const PREFIX: &str = "transformer.";
+
+/// Name and shape of every tensor the model reads, without the `transformer.` prefix
+/// (an untied `lm_head.weight` is listed with its root name).
+pub fn tensor_specs(cfg: &Config) -> Vec<(String, Vec<usize>)> {
+    let (v, e, i) = (cfg.vocab_size, cfg.n_embd, cfg.inner_dim());
+    let mut specs = vec![
+        ("wte.weight".to_owned(), vec![v, e]),
+        ("wpe.weight".to_owned(), vec![cfg.n_positions, e]),
+    ];
+    for l in 0..cfg.n_layer {
+        let p = format!("h.{l}");
+        for (name, shape) in [
+            ("ln_1.weight", vec![e]),
+            ("ln_1.bias", vec![e]),
+            ("attn.c_attn.weight", vec![e, 3 * e]),
+            ("attn.c_attn.bias", vec![3 * e]),
+            ("attn.c_proj.weight", vec![e, e]),
+            ("attn.c_proj.bias", vec![e]),
+            ("ln_2.weight", vec![e]),
+            ("ln_2.bias", vec![e]),
+            ("mlp.c_fc.weight", vec![e, i]),
+            ("mlp.c_fc.bias", vec![i]),
+            ("mlp.c_proj.weight", vec![i, e]),
+            ("mlp.c_proj.bias", vec![e]),
+        ] {
+            specs.push((format!("{p}.{name}"), shape));
+        }
+    }
+    specs.push(("ln_f.weight".to_owned(), vec![e]));
+    specs.push(("ln_f.bias".to_owned(), vec![e]));
+    if !cfg.tie_word_embeddings {
+        specs.push(("lm_head.weight".to_owned(), vec![v, e]));
+    }
+    specs
+}
+
+/// The safetensors files of a checkpoint directory: `model.safetensors`, or every shard
+/// named by `model.safetensors.index.json`.
+pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let single = dir.join(WEIGHTS_FILE);
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join(WEIGHTS_INDEX_FILE);
+    if index.is_file() {
+        let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|source| Error::Json {
+                path: index.clone(),
+                source,
+            })?;
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| Error::Config {
+                path: index.clone(),
+                reason: "no `weight_map` object".into(),
+            })?;
+        let shards: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
+        let files: Vec<PathBuf> = shards.into_iter().map(|s| dir.join(s)).collect();
+        if let Some(missing) = files.iter().find(|f| !f.is_file()) {
+            return Err(Error::MissingFile(format!(
+                "shard {} named in {} does not exist",
+                missing.display(),
+                index.display()
+            )));
+        }
+        return Ok(files);
+    }
+    let hint = if dir.join("pytorch_model.bin").is_file() {
+        " (pytorch_model.bin is not supported: convert it to safetensors)"
+    } else {
+        ""
+    };
+    Err(Error::MissingFile(format!(
+        "no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} in {}{hint}",
+        dir.display()
+    )))
+}
+
+/// Loads `config.json` and the weights of `dir` into `dtype` on `device`.
+pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Gpt2> {
+    if !dir.is_dir() {
+        return Err(Error::MissingFile(format!(
+            "model directory {} does not exist",
+            dir.display()
+        )));
+    }
+    let config_path = dir.join(CONFIG_FILE);
+    if !config_path.is_file() {
+        return Err(Error::MissingFile(format!(
+            "no {CONFIG_FILE} in {}",
+            dir.display()
+        )));
+    }
+    let cfg = Config::from_file(&config_path)?;
+    let files = weight_files(dir)?;
+    // SAFETY: the files are mapped read-only; like every safetensors reader we rely on
+    // nobody truncating them while the model is being built (tensors are copied out).
+    let st = unsafe { MmapedSafetensors::multi(&files)? };
+    let shapes: HashMap<String, Vec<usize>> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| (name, view.shape().to_vec()))
+        .collect();
+    let prefixed = shapes.contains_key(&format!("{PREFIX}wte.weight"));
+    check_tensors(&cfg, &shapes, if prefixed { PREFIX } else { "" })?;
+
+    let root = VarBuilder::from_backend(Box::new(st), dtype, device.clone());
+    let vb = if prefixed {
+        root.pp("transformer")
+    } else {
+        root.clone()
+    };
+    Ok(Gpt2::load(vb, root, &cfg)?)
+}
+
+/// Names the first missing or misshaped tensor, with the prefix the file uses.
+fn check_tensors(cfg: &Config, shapes: &HashMap<String, Vec<usize>>, prefix: &str) -> Result<()> {
+    for (name, expected) in tensor_specs(cfg) {
+        let full = if name.starts_with("lm_head") {
+            name
+        } else {
+            format!("{prefix}{name}")
+        };
+        match shapes.get(&full) {
+            None => return Err(Error::MissingTensor(full)),
+            Some(actual) if *actual != expected => {
+                return Err(Error::TensorShape {
+                    name: full,
+                    expected,
+                    actual: actual.clone(),
+                });
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
+/// GPT-2's initialisation, reproducible from `seed`: N(0, 0.02) weights, residual
+/// projections (`c_proj`) scaled by 1/√(2·n_layer), zero biases, unit layer-norm gains.
+/// Values come from one ChaCha8 stream in [`tensor_specs`] order, so the same seed gives
+/// the same weights on every machine.
+pub fn init_random(cfg: &Config, seed: u64, dtype: DType, device: &Device) -> Result<Gpt2> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let std = 0.02f32;
+    let proj_std = std / (2.0 * cfg.n_layer as f32).sqrt();
+    let mut tensors = HashMap::new();
+    for (name, shape) in tensor_specs(cfg) {
+        let n: usize = shape.iter().product();
+        let is_ln = name.contains("ln_");
+        let data: Vec<f32> = if name.ends_with(".bias") {
+            vec![0.0; n]
+        } else if is_ln {
+            vec![1.0; n]
+        } else {
+            let sd = if name.ends_with("c_proj.weight") {
+                proj_std
+            } else {
+                std
+            };
+            let normal = Normal::new(0.0f32, sd).expect("positive std");
+            (0..n).map(|_| normal.sample(&mut rng)).collect()
+        };
+        let t = Tensor::from_vec(data, shape, &Device::Cpu)?;
+        tensors.insert(name, t);
+    }
+    let vb = VarBuilder::from_tensors(tensors, dtype, device);
+    Ok(Gpt2::load(vb.clone(), vb, cfg)?)
+}
+
+/// Saves `model` into `dir` as `config.json` + `model.safetensors` in `dtype`, the layout
+/// `GPT2LMHeadModel.from_pretrained` loads. Files are written to temporaries and renamed,
+/// so a crash never leaves a half-written checkpoint under the final names.
+pub fn save(model: &Gpt2, dir: &Path, dtype: DType) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let torch_dtype = match dtype {
+        DType::F32 => "float32",
+        DType::F16 => "float16",
+        DType::BF16 => "bfloat16",
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "cannot save weights as {other:?}: use f32, f16 or bf16"
+            )));
+        }
+    };
+    let tensors = model
+        .named_tensors()
+        .into_iter()
+        .map(|(name, t)| Ok((name, t.to_dtype(dtype)?.to_device(&Device::Cpu)?)))
+        .collect::<Result<Vec<(String, Tensor)>>>()?;
+    let metadata = HashMap::from([("format".to_owned(), "pt".to_owned())]);
+    let bytes = safetensors::serialize(tensors, Some(metadata))?;
+    write_atomic(&dir.join(WEIGHTS_FILE), &bytes)?;
+
+    let config = serde_json::to_string_pretty(&model.config().to_hf_json(torch_dtype))
+        .expect("config serialises");
+    write_atomic(&dir.join(CONFIG_FILE), config.as_bytes())
+}
+
+/// Writes `bytes` to `path` through a temporary file and a rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let name = path
+        .file_name()
+        .map_or("file".into(), |n| n.to_string_lossy());
+    let tmp = path.with_file_name(format!(".{name}.tmp"));
+    std::fs::write(&tmp, bytes).map_err(|e| Error::io(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_cover_the_124m_parameter_count() {
+        let cfg = Config::gpt2_124m();
+        let n: usize = tensor_specs(&cfg)
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum();
+        assert_eq!(n, cfg.num_parameters());
+    }
+
+    #[test]
+    fn saved_names_match_the_loader_specs() {
+        let cfg = Config::tiny();
+        let model = init_random(&cfg, 0, DType::F32, &Device::Cpu).unwrap();
+        let saved: Vec<String> = model.named_tensors().into_iter().map(|(n, _)| n).collect();
+        let specs: Vec<String> = tensor_specs(&cfg)
+            .into_iter()
+            .map(|(n, _)| format!("{PREFIX}{n}"))
+            .collect();
+        assert_eq!(saved, specs);
+    }
+
+    #[test]
+    fn random_init_is_reproducible() {
+        let cfg = Config::tiny();
+        let a = init_random(&cfg, 7, DType::F32, &Device::Cpu).unwrap();
+        let b = init_random(&cfg, 7, DType::F32, &Device::Cpu).unwrap();
+        let c = init_random(&cfg, 8, DType::F32, &Device::Cpu).unwrap();
+        let first = |m: &Gpt2| {
+            m.named_tensors()[0]
+                .1
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        assert_eq!(first(&a), first(&b));
+        assert_ne!(first(&a), first(&c));
+    }
+}

@@ -1,0 +1,33 @@
+//! RookWorld-LM (GPT-2) in candle: the model, its checkpoints, tokenizer, sampling and
+//! generation, shared by the rollout worker and the learner.
+//!
+//! - [`config`]: hyper-parameters, presets (`gpt2-124m`, `tiny`), Hugging Face `config.json`.
+//! - [`model`]: the forward pass ([`Gpt2`]); weights only, no per-sequence state.
+//! - [`cache`]: the KV cache ([`KvCache`]), owned by the caller.
+//! - [`mask`]: position ids and attention bias for left-padded batches ([`LeftPadding`]).
+//! - [`checkpoint`]: loading and saving Hugging Face checkpoints, seeded random init.
+//! - [`tokenizer`]: GPT-2 byte-level BPE, built in.
+//! - [`sampling`]: greedy / temperature / top-k / top-p with per-row seeded streams.
+//! - [`generate`]: G completions per prompt, prompt prefilled once.
+//! - [`device`]: device and dtype selection.
+//! - [`cli`]: the model options every binary shares (`--model`/`--preset`, `--device`, `--dtype`).
+//! - [`error`]: the crate's [`Error`].
+
+pub mod cache;
+pub mod checkpoint;
+pub mod cli;
+pub mod config;
+pub mod device;
+pub mod error;
+pub mod generate;
+pub mod mask;
+pub mod model;
+pub mod sampling;
+pub mod tokenizer;
+
+pub use cache::KvCache;
+pub use config::{Config, EOT_TOKEN};
+pub use error::{Error, Result};
+pub use mask::LeftPadding;
+pub use model::Gpt2;
+pub use tokenizer::Tokenizer;
