@@ -1,0 +1,57 @@
+//! `learner init` writes a loadable Hugging Face checkpoint.
+
+use std::process::Command;
+
+use candle_core::{DType, Device};
+
+const BIN: &str = env!("CARGO_BIN_EXE_learner");
+
+#[test]
+fn init_writes_a_checkpoint_that_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("ckpt");
+    let status = Command::new(BIN)
+        .args([
+            "init",
+            "--preset",
+            "tiny",
+            "--init-seed",
+            "4",
+            "--save-dtype",
+            "bf16",
+            "--out",
+        ])
+        .arg(&out)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        assert!(out.join(f).is_file(), "{f} missing");
+    }
+    let model = rookworld_lm::checkpoint::load(&out, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(model.config(), &rookworld_lm::Config::tiny());
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["model_type"], "gpt2");
+    assert_eq!(config["dtype"], "bfloat16");
+}
+
+#[test]
+fn help_and_bad_arguments() {
+    let out = Command::new(BIN).arg("--help").output().unwrap();
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("init"));
+    let out = Command::new(BIN)
+        .args([
+            "init",
+            "--preset",
+            "tiny",
+            "--save-dtype",
+            "f64",
+            "--out",
+            "/tmp/x",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("f64"));
+}

@@ -1,0 +1,164 @@
+//! `rollout-worker generate`: G completions for each prompt, one JSON object per prompt.
+//!
+//! Each prompt is fed as `[bos] + tokens(prompt)`, where `bos` is the model's
+//! `bos_token_id`: end-of-text (50256) for RookWorld-LM, exactly as its training
+//! documents began. `prompt_ids` in the output are the ids fed.
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use rookworld_lm::cli::ModelArgs;
+use rookworld_lm::generate::{GenerationConfig, generate_group, validate_prompt};
+use rookworld_lm::sampling::SamplingParams;
+use rookworld_lm::{Error, Result};
+use serde::Serialize;
+
+/// Options of `rollout-worker generate`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// A prompt (repeatable), e.g. 'P: <FEN>    M:'.
+    #[arg(long = "prompt", value_name = "TEXT")]
+    pub prompts: Vec<String>,
+    /// File with one prompt per line (blank lines skipped).
+    #[arg(long, value_name = "FILE")]
+    pub prompts_file: Option<PathBuf>,
+    /// Completions per prompt (G).
+    #[arg(short = 'n', long = "num-completions", default_value_t = 1)]
+    pub n: usize,
+    #[arg(long, default_value_t = 128)]
+    pub max_new_tokens: usize,
+    /// Softmax temperature; 0 = greedy.
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f32,
+    /// Keep the k most likely tokens; 0 = off.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Nucleus sampling threshold; 1 = off.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Sampling seed: the same seed, weights and device give the same completions.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+#[derive(Debug, Serialize)]
+struct CompletionJson {
+    ids: Vec<u32>,
+    text: String,
+    logprobs: Vec<f32>,
+    finish_reason: &'static str,
+}
+
+#[derive(Debug, Serialize)]
+struct TimingJson {
+    prefill_seconds: f64,
+    decode_seconds: f64,
+    new_tokens: usize,
+    tokens_per_second: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct PromptJson {
+    prompt: String,
+    prompt_ids: Vec<u32>,
+    completions: Vec<CompletionJson>,
+    timing: TimingJson,
+}
+
+impl GenerateArgs {
+    /// Prompts from `--prompt` then `--prompts-file`; at least one is required.
+    fn collect_prompts(&self) -> Result<Vec<String>> {
+        let mut prompts = self.prompts.clone();
+        if let Some(path) = &self.prompts_file {
+            let file = std::fs::File::open(path).map_err(|e| io_error(path, e))?;
+            for line in std::io::BufReader::new(file).lines() {
+                let line = line.map_err(|e| io_error(path, e))?;
+                let line = line.trim_end_matches('\r');
+                if !line.trim().is_empty() {
+                    prompts.push(line.to_owned());
+                }
+            }
+        }
+        if prompts.is_empty() {
+            return Err(Error::InvalidArgument(
+                "no prompts: give --prompt TEXT or --prompts-file FILE".into(),
+            ));
+        }
+        Ok(prompts)
+    }
+}
+
+fn io_error(path: &std::path::Path, e: std::io::Error) -> Error {
+    Error::InvalidArgument(format!("{}: {e}", path.display()))
+}
+
+/// Runs the command, writing one JSON line per prompt to `out`. Every prompt is
+/// checked before the first is generated, so bad input fails before any output.
+pub fn run(args: &GenerateArgs, out: &mut impl Write) -> Result<()> {
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+    };
+    sampling.validate()?;
+    let prompts = args.collect_prompts()?;
+    let loaded = args.model.load()?;
+    tracing::info!(
+        source = %loaded.source,
+        device = ?loaded.device,
+        dtype = ?loaded.model.dtype(),
+        "model loaded"
+    );
+
+    let bos = loaded.model.config().bos_token_id;
+    let encoded = prompts
+        .iter()
+        .map(|p| {
+            let mut ids = vec![bos];
+            ids.extend(loaded.tokenizer.encode(p)?);
+            validate_prompt(&loaded.model, &ids)?;
+            Ok(ids)
+        })
+        .collect::<Result<Vec<_>>>()?;
+
+    let cfg = GenerationConfig {
+        n: args.n,
+        max_new_tokens: args.max_new_tokens,
+        sampling,
+        seed: args.seed,
+    };
+    for (i, (prompt, ids)) in prompts.into_iter().zip(encoded).enumerate() {
+        let started = Instant::now();
+        let group = generate_group(&loaded.model, &ids, &cfg, i as u32)?;
+        let seconds = started.elapsed().as_secs_f64();
+        let completions = group
+            .completions
+            .iter()
+            .map(|c| {
+                Ok(CompletionJson {
+                    text: loaded.tokenizer.decode(&c.ids)?,
+                    ids: c.ids.clone(),
+                    logprobs: c.logprobs.clone(),
+                    finish_reason: c.finish_reason.as_str(),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let line = PromptJson {
+            prompt,
+            prompt_ids: ids,
+            completions,
+            timing: TimingJson {
+                prefill_seconds: group.prefill_seconds,
+                decode_seconds: group.decode_seconds,
+                new_tokens: group.new_tokens(),
+                tokens_per_second: group.new_tokens() as f64 / seconds.max(1e-9),
+            },
+        };
+        let json = serde_json::to_string(&line).expect("output serialises");
+        writeln!(out, "{json}").map_err(|e| io_error(std::path::Path::new("<stdout>"), e))?;
+    }
+    Ok(())
+}

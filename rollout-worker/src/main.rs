@@ -1,0 +1,26 @@
+//! `rollout-worker`: thin entry point; the work lives in the library.
+
+use clap::{Parser, Subcommand};
+use rollout_worker::generate_cmd::{self, GenerateArgs};
+
+/// Rollout worker of the RookWorld GRPO trainer: samples completions from the policy.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Sample G completions per prompt and print one JSON object per prompt.
+    Generate(GenerateArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    rookworld_lm::cli::init_tracing();
+    let cli = Cli::parse();
+    rookworld_lm::cli::exit_with(match &cli.command {
+        Command::Generate(args) => generate_cmd::run(args, &mut std::io::stdout().lock()),
+    })
+}
