@@ -1,11 +1,19 @@
 //! Generated protocol buffer types for the RookWorld GRPO services.
 //!
 //! - [`v1`]: messages shared by every service (`rookworld.v1`).
+//! - [`reward::v1`]: the reward server (`rookworld.reward.v1`).
 //! - [`FILE_DESCRIPTOR_SET`]: the encoded descriptors that gRPC server reflection serves.
 
 /// `rookworld.v1`: sampling parameters and completions.
 pub mod v1 {
     tonic::include_proto!("rookworld.v1");
+}
+
+/// `rookworld.reward.v1`: the reward server.
+pub mod reward {
+    pub mod v1 {
+        tonic::include_proto!("rookworld.reward.v1");
+    }
 }
 
 /// Encoded `FileDescriptorSet` of every `.proto` in this crate, for server reflection.

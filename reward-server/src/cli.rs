@@ -1,0 +1,231 @@
+//! Command-line options and the `serve` and `score` commands.
+
+use std::io::{BufRead, Write};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::engine::{EngineConfig, EnginePool, SearchLimit};
+use crate::score::{RewardConfig, Score};
+use crate::scorer::{Item, Scorer};
+use crate::service::{self, ServiceConfig};
+
+/// Engine and weight options shared by `serve`, `score` and `bench`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ScoringArgs {
+    /// UCI engine (Stockfish) to grade policy answers; without it, format + legality only.
+    #[arg(long, env = "REWARD_ENGINE")]
+    pub engine: Option<PathBuf>,
+    /// Engine processes in the pool.
+    #[arg(long, env = "REWARD_ENGINE_PROCESSES", default_value_t = 1)]
+    pub engine_processes: usize,
+    /// Search depth per position (ignored when --engine-movetime-ms is given).
+    #[arg(long, env = "REWARD_ENGINE_DEPTH", default_value_t = 10)]
+    pub engine_depth: u32,
+    /// Search time per position instead of a depth.
+    #[arg(long, env = "REWARD_ENGINE_MOVETIME_MS")]
+    pub engine_movetime_ms: Option<u64>,
+    #[arg(long, env = "REWARD_ENGINE_THREADS", default_value_t = 1)]
+    pub engine_threads: u32,
+    #[arg(long, env = "REWARD_ENGINE_HASH_MB", default_value_t = 16)]
+    pub engine_hash_mb: u32,
+    /// Deadline of one engine query; a hung engine is replaced after it.
+    #[arg(long, env = "REWARD_ENGINE_TIMEOUT_MS", default_value_t = 10_000)]
+    pub engine_timeout_ms: u64,
+    /// Analyses kept in the position cache.
+    #[arg(long, env = "REWARD_ENGINE_CACHE", default_value_t = 100_000)]
+    pub engine_cache: usize,
+    /// JSON file of component weights (missing keys keep their defaults).
+    #[arg(long, env = "REWARD_WEIGHTS")]
+    pub weights: Option<PathBuf>,
+}
+
+/// A configuration problem: one clear line, non-zero exit.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+impl ScoringArgs {
+    /// Reads the weights and starts the engine pool, if any.
+    pub async fn scorer(&self) -> Result<Scorer, ConfigError> {
+        let config = match &self.weights {
+            None => RewardConfig::default(),
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| ConfigError(format!("{}: {e}", path.display())))?;
+                serde_json::from_str(&text)
+                    .map_err(|e| ConfigError(format!("{}: {e}", path.display())))?
+            }
+        };
+        config.validate().map_err(ConfigError)?;
+        let engine = match &self.engine {
+            None => None,
+            Some(path) => {
+                let mut cfg = EngineConfig::new(path);
+                cfg.processes = self.engine_processes.max(1);
+                cfg.limit = match self.engine_movetime_ms {
+                    Some(ms) => SearchLimit::MoveTime(Duration::from_millis(ms)),
+                    None => SearchLimit::Depth(self.engine_depth),
+                };
+                cfg.threads = self.engine_threads;
+                cfg.hash_mb = self.engine_hash_mb;
+                cfg.timeout = Duration::from_millis(self.engine_timeout_ms);
+                cfg.cache_capacity = self.engine_cache;
+                let pool = EnginePool::start(cfg).await.map_err(|e| {
+                    ConfigError(format!("cannot start engine {}: {e}", path.display()))
+                })?;
+                Some(Arc::new(pool))
+            }
+        };
+        Ok(Scorer::new(config, engine))
+    }
+}
+
+/// Options of `reward-server serve`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    #[arg(long, env = "REWARD_LISTEN", default_value = "0.0.0.0:50052")]
+    pub listen: SocketAddr,
+    /// Address of the Prometheus `/metrics` endpoint.
+    #[arg(long, env = "REWARD_METRICS", default_value = "0.0.0.0:9092")]
+    pub metrics: SocketAddr,
+    #[arg(long, env = "REWARD_MAX_ITEMS_IN_FLIGHT", default_value_t = 65_536)]
+    pub max_items_in_flight: usize,
+    #[arg(long, env = "REWARD_MAX_ITEMS_PER_CALL", default_value_t = 16_384)]
+    pub max_items_per_call: usize,
+    #[command(flatten)]
+    pub scoring: ScoringArgs,
+}
+
+/// `reward-server serve`: until Ctrl-C or SIGTERM.
+pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let scorer = args.scoring.scorer().await?;
+    crate::metrics::install_exporter(args.metrics)
+        .map_err(|e| ConfigError(format!("metrics on {}: {e}", args.metrics)))?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", args.listen)))?;
+    tracing::info!(listen = %listener.local_addr()?, metrics = %args.metrics, engine = scorer.engine().is_some(), "reward server ready");
+    let cfg = ServiceConfig {
+        max_items_in_flight: args.max_items_in_flight,
+        max_items_per_call: args.max_items_per_call,
+        ..ServiceConfig::default()
+    };
+    service::run(scorer, cfg, listener, shutdown_signal()).await
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+    tracing::info!("shutting down");
+}
+
+/// Options of `reward-server score`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ScoreArgs {
+    /// JSONL input, `-` for stdin.
+    #[arg(long, default_value = "-")]
+    pub input: String,
+    #[command(flatten)]
+    pub scoring: ScoringArgs,
+}
+
+#[derive(Deserialize)]
+struct InputLine {
+    task: String,
+    prompt: String,
+    completion: String,
+}
+
+/// Lines scored per batch.
+const CHUNK: usize = 4096;
+
+/// `reward-server score`: one JSON line out per line in, in order. A bad line gets
+/// `{"error": …}` and never stops the rest; only I/O errors end the command.
+pub async fn score<R: BufRead, W: Write>(
+    scorer: &Scorer,
+    mut input: R,
+    out: &mut W,
+) -> std::io::Result<()> {
+    let mut line_no = 0usize;
+    loop {
+        let mut parsed: Vec<Result<Item, String>> = Vec::with_capacity(CHUNK);
+        let mut buf = Vec::new();
+        while parsed.len() < CHUNK {
+            buf.clear();
+            if input.read_until(b'\n', &mut buf)? == 0 {
+                break;
+            }
+            line_no += 1;
+            parsed.push(parse_line(&buf).map_err(|e| format!("line {line_no}: {e}")));
+        }
+        if parsed.is_empty() {
+            return Ok(());
+        }
+        let items: Vec<Item> = parsed
+            .iter()
+            .filter_map(|p| p.as_ref().ok().cloned())
+            .collect();
+        let mut scores = scorer.score_each(&items).await.into_iter();
+        for p in &parsed {
+            let json = match p {
+                Err(e) => serde_json::json!({ "error": e }),
+                Ok(_) => match scores.next().expect("one score per item") {
+                    Ok(score) => score_json(&score),
+                    Err(e) => serde_json::json!({ "error": e.to_string() }),
+                },
+            };
+            writeln!(out, "{json}")?;
+        }
+        out.flush()?;
+    }
+}
+
+fn parse_line(raw: &[u8]) -> Result<Item, String> {
+    let text = std::str::from_utf8(raw).map_err(|e| format!("not UTF-8: {e}"))?;
+    let line: InputLine =
+        serde_json::from_str(text.trim_end_matches(['\n', '\r'])).map_err(|e| e.to_string())?;
+    Ok(Item {
+        task: line
+            .task
+            .parse()
+            .map_err(|e: crate::error::RequestError| e.to_string())?,
+        prompt: line.prompt,
+        completion: line.completion,
+    })
+}
+
+/// `{"reward", "verdict", "engine_graded", "components": {…, "reason"?}}`.
+pub fn score_json(score: &Score) -> serde_json::Value {
+    let mut components: serde_json::Map<String, serde_json::Value> = score
+        .components
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).into()))
+        .collect();
+    if let Some(m) = &score.malformed {
+        components.insert("reason".into(), m.detail.clone().into());
+    }
+    serde_json::json!({
+        "reward": score.reward,
+        "verdict": score.verdict.label(),
+        "engine_graded": score.engine_graded,
+        "components": components,
+    })
+}

@@ -1,0 +1,377 @@
+//! A pool of UCI engines (Stockfish) giving multipv analyses, with a position cache.
+//!
+//! Each engine is a child process spoken to over pipes. A query that times out, or
+//! whose engine dies, kills that engine, starts a fresh one in its place and retries
+//! the query on it, so a crashed or hung engine never loses a request. Analyses are
+//! cached by position (FEN without clocks) and search limit.
+
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::Mutex as StdMutex;
+use std::time::Duration;
+
+use shakmaty::fen::Fen;
+use shakmaty::uci::UciMove;
+use shakmaty::{CastlingMode, Chess, EnPassantMode, Move};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+use tokio::sync::{Mutex, Semaphore};
+
+/// How an engine searches each position.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SearchLimit {
+    Depth(u32),
+    MoveTime(Duration),
+}
+
+/// Engine pool settings.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub path: PathBuf,
+    pub processes: usize,
+    pub limit: SearchLimit,
+    pub threads: u32,
+    pub hash_mb: u32,
+    pub multipv: u32,
+    /// Deadline of one query, start-up included.
+    pub timeout: Duration,
+    /// Attempts per query (each on a fresh engine after a failure).
+    pub attempts: u32,
+    /// Analyses kept in the cache.
+    pub cache_capacity: usize,
+}
+
+impl EngineConfig {
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self {
+            path: path.into(),
+            processes: 1,
+            limit: SearchLimit::Depth(10),
+            threads: 1,
+            hash_mb: 16,
+            multipv: 5,
+            timeout: Duration::from_secs(10),
+            attempts: 3,
+            cache_capacity: 100_000,
+        }
+    }
+}
+
+/// One engine line: a move and its evaluation from the side to move, in pawns
+/// (mate in n is ±(1000 − n/10), like the data's ±999.9).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineLine {
+    pub mv: Move,
+    pub uci: String,
+    pub eval_pawns: f64,
+}
+
+/// The engine's multipv lines, best first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Analysis {
+    pub lines: Vec<EngineLine>,
+}
+
+/// Why an analysis failed after every attempt.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("engine {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("engine query timed out after {0:?}")]
+    Timeout(Duration),
+    #[error("engine protocol error: {0}")]
+    Protocol(String),
+}
+
+struct Process {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: Lines<BufReader<ChildStdout>>,
+}
+
+impl Process {
+    async fn start(cfg: &EngineConfig) -> Result<Self, EngineError> {
+        let io = |source| EngineError::Io {
+            path: cfg.path.display().to_string(),
+            source,
+        };
+        let mut child = Command::new(&cfg.path)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(io)?;
+        let stdin = child.stdin.take().expect("piped stdin");
+        let stdout = BufReader::new(child.stdout.take().expect("piped stdout")).lines();
+        let mut p = Self {
+            child,
+            stdin,
+            stdout,
+        };
+        p.send("uci").await?;
+        p.wait_for("uciok").await?;
+        let options = format!(
+            "setoption name Threads value {}\nsetoption name Hash value {}\nsetoption name MultiPV value {}",
+            cfg.threads, cfg.hash_mb, cfg.multipv
+        );
+        p.send(&options).await?;
+        p.send("isready").await?;
+        p.wait_for("readyok").await?;
+        Ok(p)
+    }
+
+    async fn send(&mut self, line: &str) -> Result<(), EngineError> {
+        let write = async {
+            self.stdin.write_all(line.as_bytes()).await?;
+            self.stdin.write_all(b"\n").await?;
+            self.stdin.flush().await
+        };
+        write.await.map_err(|source| EngineError::Io {
+            path: "stdin".into(),
+            source,
+        })
+    }
+
+    async fn next_line(&mut self) -> Result<String, EngineError> {
+        match self.stdout.next_line().await {
+            Ok(Some(line)) => Ok(line),
+            Ok(None) => Err(EngineError::Protocol(
+                "engine closed its output (crashed?)".into(),
+            )),
+            Err(source) => Err(EngineError::Io {
+                path: "stdout".into(),
+                source,
+            }),
+        }
+    }
+
+    async fn wait_for(&mut self, token: &str) -> Result<(), EngineError> {
+        while self.next_line().await?.trim() != token {}
+        Ok(())
+    }
+
+    async fn analyse(
+        &mut self,
+        pos: &Chess,
+        fen: &str,
+        limit: &SearchLimit,
+    ) -> Result<Analysis, EngineError> {
+        let go = match limit {
+            SearchLimit::Depth(d) => format!("go depth {d}"),
+            SearchLimit::MoveTime(t) => format!("go movetime {}", t.as_millis().max(1)),
+        };
+        self.send(&format!("position fen {fen}\n{go}")).await?;
+        let mut lines: Vec<Option<EngineLine>> = Vec::new();
+        loop {
+            let line = self.next_line().await?;
+            if line.starts_with("bestmove") {
+                return Ok(Analysis {
+                    lines: lines.into_iter().flatten().collect(),
+                });
+            }
+            if let Some((k, parsed)) = parse_info(pos, &line) {
+                if lines.len() < k {
+                    lines.resize(k, None);
+                }
+                lines[k - 1] = Some(parsed);
+            }
+        }
+    }
+}
+
+/// Parses `info … multipv k … score cp x|mate n … pv m …` (bounds skipped).
+fn parse_info(pos: &Chess, line: &str) -> Option<(usize, EngineLine)> {
+    let tokens: Vec<&str> = line.split_whitespace().collect();
+    if tokens.first() != Some(&"info")
+        || tokens.contains(&"lowerbound")
+        || tokens.contains(&"upperbound")
+    {
+        return None;
+    }
+    let after = |key: &str| {
+        tokens
+            .iter()
+            .position(|t| *t == key)
+            .and_then(|i| tokens.get(i + 1))
+    };
+    let k: usize = after("multipv").map_or(Some(1), |v| v.parse().ok())?;
+    let score_at = tokens.iter().position(|t| *t == "score")?;
+    let value: f64 = tokens.get(score_at + 2)?.parse().ok()?;
+    let eval_pawns = match *tokens.get(score_at + 1)? {
+        "cp" => value / 100.0,
+        "mate" => value.signum() * (1000.0 - value.abs() / 10.0),
+        _ => return None,
+    };
+    let uci = *after("pv")?;
+    let mv = UciMove::from_ascii(uci.as_bytes())
+        .ok()?
+        .to_move(pos)
+        .ok()?;
+    (k >= 1).then(|| {
+        (
+            k,
+            EngineLine {
+                mv,
+                uci: uci.to_owned(),
+                eval_pawns,
+            },
+        )
+    })
+}
+
+/// Bounded cache, oldest entries evicted first.
+struct Cache {
+    map: HashMap<String, Arc<Analysis>>,
+    order: VecDeque<String>,
+    capacity: usize,
+}
+
+impl Cache {
+    fn get(&self, key: &str) -> Option<Arc<Analysis>> {
+        self.map.get(key).cloned()
+    }
+
+    fn insert(&mut self, key: String, value: Arc<Analysis>) {
+        if self.capacity == 0 || self.map.contains_key(&key) {
+            return;
+        }
+        while self.map.len() >= self.capacity {
+            match self.order.pop_front() {
+                Some(old) => {
+                    self.map.remove(&old);
+                }
+                None => break,
+            }
+        }
+        self.order.push_back(key.clone());
+        self.map.insert(key, value);
+    }
+}
+
+/// N engine processes behind a semaphore, plus the cache.
+pub struct EnginePool {
+    cfg: EngineConfig,
+    idle: Mutex<Vec<Process>>,
+    slots: Semaphore,
+    cache: StdMutex<Cache>,
+}
+
+impl std::fmt::Debug for EnginePool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EnginePool")
+            .field("cfg", &self.cfg)
+            .finish()
+    }
+}
+
+impl EnginePool {
+    /// Starts every engine; fails if the first cannot be started (bad path, not UCI).
+    pub async fn start(cfg: EngineConfig) -> Result<Self, EngineError> {
+        let mut procs = Vec::with_capacity(cfg.processes);
+        for _ in 0..cfg.processes.max(1) {
+            let p = tokio::time::timeout(cfg.timeout, Process::start(&cfg))
+                .await
+                .map_err(|_| EngineError::Timeout(cfg.timeout))??;
+            procs.push(p);
+        }
+        Ok(Self {
+            slots: Semaphore::new(procs.len()),
+            idle: Mutex::new(procs),
+            cache: StdMutex::new(Cache {
+                map: HashMap::new(),
+                order: VecDeque::new(),
+                capacity: cfg.cache_capacity,
+            }),
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// Engine PIDs now idle (for tests that kill or stop engines).
+    pub async fn idle_pids(&self) -> Vec<u32> {
+        self.idle
+            .lock()
+            .await
+            .iter()
+            .filter_map(|p| p.child.id())
+            .collect()
+    }
+
+    /// The multipv analysis of `pos`, from the cache or an engine.
+    pub async fn analyse(&self, pos: &Chess) -> Result<Arc<Analysis>, EngineError> {
+        let fen = Fen::from_position(pos, EnPassantMode::Legal).to_string();
+        let key = format!(
+            "{}|{:?}",
+            fen.rsplitn(3, ' ').nth(2).unwrap_or(&fen),
+            self.cfg.limit
+        );
+        if let Some(hit) = self.cache.lock().expect("cache lock").get(&key) {
+            metrics::counter!("reward_engine_cache_hits_total").increment(1);
+            return Ok(hit);
+        }
+        metrics::counter!("reward_engine_cache_misses_total").increment(1);
+
+        let _slot = self.slots.acquire().await.expect("semaphore never closed");
+        let mut process = self.idle.lock().await.pop();
+        let mut last_error = None;
+        for _ in 0..self.cfg.attempts.max(1) {
+            let mut p = match process.take() {
+                Some(p) => p,
+                None => {
+                    match tokio::time::timeout(self.cfg.timeout, Process::start(&self.cfg)).await {
+                        Ok(Ok(p)) => p,
+                        Ok(Err(e)) => {
+                            last_error = Some(e);
+                            continue;
+                        }
+                        Err(_) => {
+                            last_error = Some(EngineError::Timeout(self.cfg.timeout));
+                            continue;
+                        }
+                    }
+                }
+            };
+            match tokio::time::timeout(self.cfg.timeout, p.analyse(pos, &fen, &self.cfg.limit))
+                .await
+            {
+                Ok(Ok(analysis)) => {
+                    self.idle.lock().await.push(p);
+                    let analysis = Arc::new(analysis);
+                    self.cache
+                        .lock()
+                        .expect("cache lock")
+                        .insert(key, analysis.clone());
+                    return Ok(analysis);
+                }
+                Ok(Err(e)) => last_error = Some(e),
+                Err(_) => last_error = Some(EngineError::Timeout(self.cfg.timeout)),
+            }
+            // The engine failed or hung: kill it; the next attempt starts a fresh one.
+            let _ = p.child.start_kill();
+            metrics::counter!("reward_engine_restarts_total").increment(1);
+            tracing::warn!(error = %last_error.as_ref().expect("set"), "engine replaced");
+        }
+        // Keep the pool at full strength even when every attempt failed.
+        if let Ok(Ok(p)) = tokio::time::timeout(self.cfg.timeout, Process::start(&self.cfg)).await {
+            self.idle.lock().await.push(p);
+        }
+        Err(last_error.unwrap_or_else(|| EngineError::Protocol("no attempt made".into())))
+    }
+}
+
+/// Parses a FEN for engine use (helper for tests and tools).
+pub fn position(fen: &str) -> Option<Chess> {
+    Fen::from_ascii(fen.as_bytes())
+        .ok()?
+        .into_position(CastlingMode::Standard)
+        .ok()
+}
