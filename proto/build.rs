@@ -13,9 +13,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut protos = Vec::new();
     collect_protos(&root.join("rookworld"), &mut protos)?;
     protos.sort();
-    for p in &protos {
-        println!("cargo:rerun-if-changed={}", p.display());
-    }
+    // Watching the directory (cargo scans it recursively) also catches new files.
+    println!(
+        "cargo:rerun-if-changed={}",
+        root.join("rookworld").display()
+    );
 
     let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
     tonic_prost_build::configure()

@@ -89,12 +89,14 @@ impl Checked {
     /// 1 when there are 1–5 distinct candidates and exactly one numeric eval per
     /// candidate, else 0.
     fn format(&self) -> f64 {
-        let n = self.answer.moves.len();
-        let mut distinct = self.answer.moves.clone();
-        distinct.sort();
-        distinct.dedup();
+        let moves = &self.answer.moves;
+        let n = moves.len();
+        let distinct = moves
+            .iter()
+            .enumerate()
+            .all(|(i, m)| !moves[..i].contains(m));
         let ok = n <= MAX_CANDIDATES
-            && distinct.len() == n
+            && distinct
             && self.evals.len() == n
             && self.evals.iter().all(Option::is_some);
         f64::from(ok)

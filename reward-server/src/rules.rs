@@ -130,10 +130,13 @@ impl EnvBoard {
 }
 
 fn ending<P: Position>(pos: &P, insufficient_material: bool) -> Ending {
-    if pos.is_checkmate() {
-        Ending::Checkmate
-    } else if pos.legal_moves().is_empty() {
-        Ending::Stalemate
+    // One move generation decides both checkmate and stalemate.
+    if pos.legal_moves().is_empty() {
+        if pos.is_check() {
+            Ending::Checkmate
+        } else {
+            Ending::Stalemate
+        }
     } else if insufficient_material {
         Ending::InsufficientMaterial
     } else if pos.halfmoves() >= 150 {

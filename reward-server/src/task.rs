@@ -92,8 +92,9 @@ pub struct EnvPrompt {
     pub fen: String,
     pub uci: String,
     pub mv: Move,
-    /// The last ≤ 10 moves, current last.
-    pub history: Vec<String>,
+    /// Moves in the history field (the last ≤ 10, current last). Only counted: the
+    /// history cannot decide anything the position does not (see `env_task`).
+    pub history_moves: usize,
 }
 
 impl EnvPrompt {
@@ -117,13 +118,12 @@ impl EnvPrompt {
             fen: fen.to_owned(),
             reason,
         })?;
-        let history: Vec<String> = history.split_whitespace().map(str::to_owned).collect();
         Ok(Self {
             board,
             fen: fen.to_owned(),
             uci: uci.to_owned(),
             mv,
-            history,
+            history_moves: history.split_whitespace().count(),
         })
     }
 }
@@ -147,7 +147,7 @@ mod tests {
             "A: rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1+e2e4+e2e4+",
         )
         .unwrap();
-        assert_eq!((a.uci.as_str(), a.history.len()), ("e2e4", 1));
+        assert_eq!((a.uci.as_str(), a.history_moves), ("e2e4", 1));
 
         assert!(matches!(
             PolicyPrompt::parse("Q: x"),
