@@ -129,6 +129,7 @@ pub fn run(args: &GenerateArgs, out: &mut impl Write) -> Result<()> {
         max_new_tokens: args.max_new_tokens,
         sampling,
         seed: args.seed,
+        ignore_eos: false,
     };
     for (i, (prompt, ids)) in prompts.into_iter().zip(encoded).enumerate() {
         let started = Instant::now();

@@ -1,6 +1,7 @@
 //! `rollout-worker`: thin entry point; the work lives in the library.
 
 use clap::{Parser, Subcommand};
+use rollout_worker::bench_cmd::{self, BenchArgs};
 use rollout_worker::generate_cmd::{self, GenerateArgs};
 
 /// Rollout worker of the RookWorld GRPO trainer: samples completions from the policy.
@@ -15,6 +16,8 @@ struct Cli {
 enum Command {
     /// Sample G completions per prompt and print one JSON object per prompt.
     Generate(GenerateArgs),
+    /// Measure new tokens per second (P prompts × G completions, and one stream).
+    Bench(BenchArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -22,5 +25,6 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     rookworld_lm::cli::exit_with(match &cli.command {
         Command::Generate(args) => generate_cmd::run(args, &mut std::io::stdout().lock()),
+        Command::Bench(args) => bench_cmd::run(args, &mut std::io::stdout().lock()),
     })
 }

@@ -23,6 +23,8 @@ pub struct GenerationConfig {
     pub max_new_tokens: usize,
     pub sampling: SamplingParams,
     pub seed: u64,
+    /// Keep sampling after end-of-text (benchmarks: every row runs full length).
+    pub ignore_eos: bool,
 }
 
 /// Why a completion stopped.
@@ -148,7 +150,7 @@ pub fn generate_group(
         let mut still_active = Vec::with_capacity(active.len());
         for (k, &r) in active.iter().enumerate() {
             let c = &mut completions[r];
-            if c.ids.last() == Some(&eos) {
+            if !cfg.ignore_eos && c.ids.last() == Some(&eos) {
                 c.finish_reason = FinishReason::Eos;
             } else if c.ids.len() < budget {
                 kept_rows.push(k as u32);

@@ -28,6 +28,7 @@ fn sampled(n: usize, seed: u64) -> GenerationConfig {
             top_p: 1.0,
         },
         seed,
+        ignore_eos: false,
     }
 }
 
@@ -78,6 +79,7 @@ fn greedy_rows_are_identical_batched_and_alone() {
         max_new_tokens: 10,
         sampling: SamplingParams::greedy(),
         seed: 0,
+        ignore_eos: false,
     };
     let alone = generate_group(&m, &p, &greedy(1), 0)
         .unwrap()

@@ -158,6 +158,7 @@ fn greedy_decoding_equals_transformers_generate() {
             max_new_tokens: want.len(),
             sampling: SamplingParams::greedy(),
             seed: 0,
+            ignore_eos: false,
         };
         let out = generate_group(&model, &prompt, &cfg, 0).unwrap();
         assert_eq!(out.completions[0].ids, want, "greedy case {j}");

@@ -1,0 +1,101 @@
+//! `rollout-worker bench`: new tokens per second on the benchmark shape of the
+//! rollout-worker issue — P prompts × G completions of the 46-token start-position policy
+//! prompt, a fixed number of new tokens each (end-of-text ignored, so every row runs full
+//! length) — and one stream alone. `bench/compare_transformers.py` runs Hugging Face
+//! transformers on the same shape in the same run.
+
+use std::io::Write;
+use std::time::Instant;
+
+use rookworld_lm::cli::ModelArgs;
+use rookworld_lm::generate::{GenerationConfig, generate_group};
+use rookworld_lm::sampling::SamplingParams;
+use rookworld_lm::{Gpt2, Result};
+
+/// The start-position policy prompt: 46 tokens.
+pub const BENCH_PROMPT: &str = "P: rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1    M:";
+
+/// Options of `rollout-worker bench`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompts per batch (P).
+    #[arg(long, default_value_t = 4)]
+    pub prompts: usize,
+    /// Completions per prompt (G).
+    #[arg(short = 'n', long = "num-completions", default_value_t = 8)]
+    pub n: usize,
+    /// New tokens per completion.
+    #[arg(long, default_value_t = 64)]
+    pub max_new_tokens: usize,
+    /// Timed repetitions; the fastest is reported.
+    #[arg(long, default_value_t = 2)]
+    pub repeat: usize,
+}
+
+/// New tokens per second of `prompts` × `n` completions, best of `repeat`.
+fn measure(
+    model: &Gpt2,
+    prompt: &[u32],
+    prompts: usize,
+    n: usize,
+    args: &BenchArgs,
+) -> Result<serde_json::Value> {
+    let cfg = GenerationConfig {
+        n,
+        max_new_tokens: args.max_new_tokens,
+        sampling: SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+        },
+        seed: 0,
+        ignore_eos: true,
+    };
+    let mut best = f64::INFINITY;
+    let mut tokens = 0;
+    for _ in 0..args.repeat.max(1) {
+        let start = Instant::now();
+        tokens = 0;
+        for p in 0..prompts {
+            tokens += generate_group(model, prompt, &cfg, p as u32)?.new_tokens();
+        }
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    Ok(serde_json::json!({
+        "prompts": prompts,
+        "completions_per_prompt": n,
+        "new_tokens": tokens,
+        "seconds": best,
+        "tokens_per_second": tokens as f64 / best,
+    }))
+}
+
+/// Runs the benchmark and prints one JSON object.
+pub fn run(args: &BenchArgs, out: &mut impl Write) -> Result<()> {
+    let loaded = args.model.load()?;
+    let prompt = loaded.tokenizer.encode(BENCH_PROMPT)?;
+    // Warm-up: allocator and thread pool.
+    measure(
+        &loaded.model,
+        &prompt,
+        1,
+        1,
+        &BenchArgs {
+            max_new_tokens: 4,
+            repeat: 1,
+            ..args.clone()
+        },
+    )?;
+    let report = serde_json::json!({
+        "source": loaded.source,
+        "device": format!("{:?}", loaded.device),
+        "dtype": format!("{:?}", loaded.model.dtype()),
+        "prompt_tokens": prompt.len(),
+        "batch": measure(&loaded.model, &prompt, args.prompts, args.n, args)?,
+        "single": measure(&loaded.model, &prompt, 1, 1, args)?,
+    });
+    writeln!(out, "{report}")
+        .map_err(|e| rookworld_lm::Error::InvalidArgument(format!("<stdout>: {e}")))
+}
