@@ -8,7 +8,7 @@ use std::io::Write;
 use std::time::Instant;
 
 use rookworld_lm::cli::ModelArgs;
-use rookworld_lm::generate::{GenerationConfig, generate_group};
+use rookworld_lm::generate::{GenerationConfig, generate_batch};
 use rookworld_lm::sampling::SamplingParams;
 use rookworld_lm::{Gpt2, Result};
 
@@ -57,10 +57,8 @@ fn measure(
     let mut tokens = 0;
     for _ in 0..args.repeat.max(1) {
         let start = Instant::now();
-        tokens = 0;
-        for p in 0..prompts {
-            tokens += generate_group(model, prompt, &cfg, p as u32)?.new_tokens();
-        }
+        let batch = vec![prompt.to_vec(); prompts];
+        tokens = generate_batch(model, &batch, &cfg, 0)?.new_tokens();
         best = best.min(start.elapsed().as_secs_f64());
     }
     Ok(serde_json::json!({

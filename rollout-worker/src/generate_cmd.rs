@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use rookworld_lm::cli::ModelArgs;
-use rookworld_lm::generate::{GenerationConfig, generate_group, validate_prompt};
+use rookworld_lm::generate::{GenerationConfig, generate_batch, validate_prompt};
 use rookworld_lm::sampling::SamplingParams;
 use rookworld_lm::{Error, Result};
 use serde::Serialize;
@@ -42,6 +42,9 @@ pub struct GenerateArgs {
     /// Sampling seed: the same seed, weights and device give the same completions.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Prompts generated together in one batch (all their completions decode together).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
+    pub batch_prompts: u32,
 }
 
 #[derive(Debug, Serialize)]
@@ -52,12 +55,15 @@ struct CompletionJson {
     finish_reason: &'static str,
 }
 
+/// Timing of the batch the prompt ran in (prompts of a batch share it).
 #[derive(Debug, Serialize)]
 struct TimingJson {
     prefill_seconds: f64,
     decode_seconds: f64,
+    /// Tokens sampled for this prompt.
     new_tokens: usize,
-    tokens_per_second: f64,
+    batch_prompts: usize,
+    batch_tokens_per_second: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -131,35 +137,39 @@ pub fn run(args: &GenerateArgs, out: &mut impl Write) -> Result<()> {
         seed: args.seed,
         ignore_eos: false,
     };
-    for (i, (prompt, ids)) in prompts.into_iter().zip(encoded).enumerate() {
+    let chunk = args.batch_prompts as usize;
+    for (c, (texts, ids)) in prompts.chunks(chunk).zip(encoded.chunks(chunk)).enumerate() {
         let started = Instant::now();
-        let group = generate_group(&loaded.model, &ids, &cfg, i as u32)?;
+        let batch = generate_batch(&loaded.model, ids, &cfg, (c * chunk) as u32)?;
         let seconds = started.elapsed().as_secs_f64();
-        let completions = group
-            .completions
-            .iter()
-            .map(|c| {
-                Ok(CompletionJson {
-                    text: loaded.tokenizer.decode(&c.ids)?,
-                    ids: c.ids.clone(),
-                    logprobs: c.logprobs.clone(),
-                    finish_reason: c.finish_reason.as_str(),
+        let batch_tokens = batch.new_tokens();
+        for ((prompt, prompt_ids), group) in texts.iter().zip(ids).zip(&batch.groups) {
+            let completions = group
+                .iter()
+                .map(|c| {
+                    Ok(CompletionJson {
+                        text: loaded.tokenizer.decode(&c.ids)?,
+                        ids: c.ids.clone(),
+                        logprobs: c.logprobs.clone(),
+                        finish_reason: c.finish_reason.as_str(),
+                    })
                 })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let line = PromptJson {
-            prompt,
-            prompt_ids: ids,
-            completions,
-            timing: TimingJson {
-                prefill_seconds: group.prefill_seconds,
-                decode_seconds: group.decode_seconds,
-                new_tokens: group.new_tokens(),
-                tokens_per_second: group.new_tokens() as f64 / seconds.max(1e-9),
-            },
-        };
-        let json = serde_json::to_string(&line).expect("output serialises");
-        writeln!(out, "{json}").map_err(|e| io_error(std::path::Path::new("<stdout>"), e))?;
+                .collect::<Result<Vec<_>>>()?;
+            let line = PromptJson {
+                prompt: prompt.clone(),
+                prompt_ids: prompt_ids.clone(),
+                timing: TimingJson {
+                    prefill_seconds: batch.prefill_seconds,
+                    decode_seconds: batch.decode_seconds,
+                    new_tokens: completions.iter().map(|c| c.ids.len()).sum(),
+                    batch_prompts: texts.len(),
+                    batch_tokens_per_second: batch_tokens as f64 / seconds.max(1e-9),
+                },
+                completions,
+            };
+            let json = serde_json::to_string(&line).expect("output serialises");
+            writeln!(out, "{json}").map_err(|e| io_error(std::path::Path::new("<stdout>"), e))?;
+        }
     }
     Ok(())
 }
