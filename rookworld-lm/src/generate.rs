@@ -1,10 +1,10 @@
-//! Sampling G completions of a prompt with the KV cache.
+//! Sampling G completions of each of a batch of prompts with the KV cache.
 //!
-//! The prompt is prefilled once (batch 1) and its cache repeated to the G sample rows;
-//! every decode step then feeds one token per unfinished row, and rows that finish
-//! leave the batch. Sample j of prompt i draws from stream `(i << 32) | j` of the
-//! request's seed, so the same seed, weights and device give the same completions
-//! whatever else is batched with them.
+//! The prompts are prefilled once, together (left-padded), and each prompt's cache row is
+//! repeated to its G sample rows; every decode step then feeds one token per unfinished
+//! row of every prompt, and rows that finish leave the batch. Sample j of prompt i draws
+//! from stream `(i << 32) | j` of the request's seed, so the same seed, weights and device
+//! give the same completions whatever else is batched with them.
 
 use std::time::Instant;
 
@@ -233,94 +233,18 @@ pub fn generate_batch(
     })
 }
 
-/// Samples `cfg.n` completions of `prompt` (token ids, BOS included if wanted).
-/// `prompt_index` selects the prompt's random streams.
+/// Samples `cfg.n` completions of `prompt` (token ids, BOS included if wanted): a batch
+/// of one prompt. `prompt_index` selects the prompt's random streams.
 pub fn generate_group(
     model: &Gpt2,
     prompt: &[u32],
     cfg: &GenerationConfig,
     prompt_index: u32,
 ) -> Result<GroupOutput> {
-    validate_prompt(model, prompt)?;
-    cfg.sampling.validate()?;
-    let device = model.device();
-    // The context bounds the completion: its last token needs no position of its own.
-    let budget = cfg
-        .max_new_tokens
-        .min(model.config().n_positions + 1 - prompt.len());
-    let mut samplers: Vec<Sampler> = (0..cfg.n as u64)
-        .map(|j| Sampler::new(cfg.sampling, cfg.seed, (u64::from(prompt_index) << 32) | j))
-        .collect();
-    let mut completions: Vec<Completion> = (0..cfg.n)
-        .map(|_| Completion {
-            ids: Vec::new(),
-            logprobs: Vec::new(),
-            finish_reason: FinishReason::Length,
-        })
-        .collect();
-    if budget == 0 || cfg.n == 0 {
-        return Ok(GroupOutput {
-            completions,
-            prefill_seconds: 0.0,
-            decode_seconds: 0.0,
-        });
-    }
-
-    let start = Instant::now();
-    let mut cache = model.new_cache();
-    let ids = Tensor::new(prompt, device)?.unsqueeze(0)?; // (1, L)
-    let logits = model
-        .forward_last(&ids, &LeftPadding::none(1), &mut cache)? // (1, V)
-        .squeeze(0)?
-        .to_vec1::<f32>()?;
-    for (sampler, completion) in samplers.iter_mut().zip(&mut completions) {
-        let s = sampler.sample(&logits)?;
-        completion.ids.push(s.token);
-        completion.logprobs.push(s.logprob);
-    }
-    let prefill_seconds = start.elapsed().as_secs_f64();
-
-    let start = Instant::now();
-    let eos = model.config().eos_token_id;
-    let mut active: Vec<usize> = (0..cfg.n).collect();
-    let mut cache = cache.repeat_rows(cfg.n)?; // (G, H, L, D) per layer
-    loop {
-        // Row k of the cache belongs to completion active[k]; finished rows leave.
-        let mut kept_rows = Vec::with_capacity(active.len());
-        let mut still_active = Vec::with_capacity(active.len());
-        for (k, &r) in active.iter().enumerate() {
-            let c = &mut completions[r];
-            if !cfg.ignore_eos && c.ids.last() == Some(&eos) {
-                c.finish_reason = FinishReason::Eos;
-            } else if c.ids.len() < budget {
-                kept_rows.push(k as u32);
-                still_active.push(r);
-            }
-        }
-        if still_active.is_empty() {
-            break;
-        }
-        if still_active.len() != active.len() {
-            cache = cache.select_rows(&Tensor::new(kept_rows.as_slice(), device)?)?;
-        }
-        active = still_active;
-        let last: Vec<u32> = active
-            .iter()
-            .map(|&r| *completions[r].ids.last().expect("sampled"))
-            .collect();
-        let ids = Tensor::new(last.as_slice(), device)?.unsqueeze(1)?; // (A, 1)
-        let logits = model
-            .forward_last(&ids, &LeftPadding::none(active.len()), &mut cache)? // (A, V)
-            .to_vec2::<f32>()?;
-        for (&r, row) in active.iter().zip(&logits) {
-            let s = samplers[r].sample(row)?;
-            completions[r].ids.push(s.token);
-            completions[r].logprobs.push(s.logprob);
-        }
-    }
+    let mut batch = generate_batch(model, &[prompt.to_vec()], cfg, prompt_index)?;
     Ok(GroupOutput {
-        completions,
-        prefill_seconds,
-        decode_seconds: start.elapsed().as_secs_f64(),
+        completions: batch.groups.pop().expect("one group per prompt"),
+        prefill_seconds: batch.prefill_seconds,
+        decode_seconds: batch.decode_seconds,
     })
 }
