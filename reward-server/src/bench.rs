@@ -13,11 +13,11 @@ use std::time::Instant;
 use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use shakmaty::fen::Fen;
 use shakmaty::uci::UciMove;
-use shakmaty::{CastlingMode, Chess, EnPassantMode, Position};
+use shakmaty::{CastlingMode, Chess, Position};
 
 use crate::env_task::EnvTruth;
+use crate::rules::fen;
 use crate::score::RewardConfig;
 use crate::scorer::{Item, Scorer};
 use crate::task::{EnvPrompt, Task};
@@ -55,10 +55,6 @@ pub fn random_position(rng: &mut impl Rng, max_plies: usize) -> (Chess, Vec<Stri
         pos = next;
     }
     (pos, history)
-}
-
-fn fen(pos: &Chess) -> String {
-    Fen::from_position(pos, EnPassantMode::Legal).to_string()
 }
 
 /// Environment items with true completions and policy items with random legal

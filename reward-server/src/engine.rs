@@ -11,9 +11,8 @@ use std::sync::Arc;
 use std::sync::Mutex as StdMutex;
 use std::time::Duration;
 
-use shakmaty::fen::Fen;
 use shakmaty::uci::UciMove;
-use shakmaty::{CastlingMode, Chess, EnPassantMode, Move};
+use shakmaty::{Chess, Move};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::{Mutex, Semaphore};
@@ -308,7 +307,7 @@ impl EnginePool {
 
     /// The multipv analysis of `pos`, from the cache or an engine.
     pub async fn analyse(&self, pos: &Chess) -> Result<Arc<Analysis>, EngineError> {
-        let fen = Fen::from_position(pos, EnPassantMode::Legal).to_string();
+        let fen = crate::rules::fen(pos);
         let key = format!(
             "{}|{:?}",
             fen.rsplitn(3, ' ').nth(2).unwrap_or(&fen),
@@ -366,12 +365,4 @@ impl EnginePool {
         }
         Err(last_error.unwrap_or_else(|| EngineError::Protocol("no attempt made".into())))
     }
-}
-
-/// Parses a FEN for engine use (helper for tests and tools).
-pub fn position(fen: &str) -> Option<Chess> {
-    Fen::from_ascii(fen.as_bytes())
-        .ok()?
-        .into_position(CastlingMode::Standard)
-        .ok()
 }

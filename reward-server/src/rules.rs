@@ -25,6 +25,12 @@ fn relaxed<P>(r: Result<P, PositionError<P>>) -> Result<P, PositionError<P>> {
         .or_else(PositionError::ignore_impossible_check)
 }
 
+/// The FEN of a position, en passant square written only when a capture is legal (what
+/// python-chess's `board.fen()` writes).
+pub fn fen<P: Position>(pos: &P) -> String {
+    Fen::from_position(pos, EnPassantMode::Legal).to_string()
+}
+
 /// A standard position (lenient about material counts and impossible checks, which
 /// python-chess plays).
 pub fn standard(fen: &str) -> Result<Chess, PositionProblem> {
@@ -99,10 +105,7 @@ impl EnvBoard {
                 let mut pos = pos.clone();
                 pos.play_unchecked(m);
                 let ending = ending(&pos, pos.is_insufficient_material());
-                (
-                    Fen::from_position(&pos, EnPassantMode::Legal).to_string(),
-                    ending,
-                )
+                (fen(&pos), ending)
             }
             Self::Kingless { pos, mirrored } => {
                 let black_moved = (pos.turn() == Color::Black) != *mirrored;

@@ -5,10 +5,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use reward_server::engine::{EngineConfig, EnginePool, SearchLimit, position};
+use reward_server::engine::{EngineConfig, EnginePool, SearchLimit};
 use reward_server::score::{RewardConfig, Verdict};
 use reward_server::scorer::{Item, Scorer};
 use reward_server::task::Task;
+
+fn position(fen: &str) -> Option<shakmaty::Chess> {
+    reward_server::rules::standard(fen).ok()
+}
 
 /// Stockfish from $STOCKFISH, PATH, or Debian's /usr/games.
 fn stockfish() -> Option<PathBuf> {

@@ -8,9 +8,8 @@ use reward_server::env_task::EnvTruth;
 use reward_server::score::{MAX_REWARD, RewardConfig};
 use reward_server::scorer::{Item, Scorer};
 use reward_server::task::{EnvPrompt, Task};
-use shakmaty::fen::Fen;
 use shakmaty::uci::UciMove;
-use shakmaty::{CastlingMode, EnPassantMode, Position};
+use shakmaty::{CastlingMode, Position};
 
 const START_A: &str = "A: rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1+e2e4+e2e4+";
 const START_P: &str = "P: rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1    ";
@@ -53,7 +52,7 @@ proptest! {
     fn every_legal_move_s_truth_scores_max_and_fen_corruptions_less(seed in any::<u64>()) {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let (pos, history) = random_position(&mut rng, 120);
-        let fen = Fen::from_position(&pos, EnPassantMode::Legal).to_string();
+        let fen = reward_server::rules::fen(&pos);
         for m in pos.legal_moves() {
             let uci = UciMove::from_move(m, CastlingMode::Standard).to_string();
             let mut h = history.clone();
