@@ -119,6 +119,15 @@ impl KvCache {
         self.layers.first().and_then(|l| l.kv.as_ref())
     }
 
+    /// Layer `i`'s keys and values (B, H, S, D); `None` before the first forward.
+    pub(crate) fn layer_kv(&self, i: usize) -> Option<(Tensor, Tensor)> {
+        let kv = self.layers.get(i)?.kv.as_ref()?;
+        Some((
+            kv.k.narrow(2, 0, kv.len).ok()?,
+            kv.v.narrow(2, 0, kv.len).ok()?,
+        ))
+    }
+
     pub(crate) fn layers_mut(&mut self) -> impl Iterator<Item = &mut LayerCache> {
         self.layers.iter_mut()
     }

@@ -4,6 +4,7 @@
 //! - [`config`]: hyper-parameters, presets (`gpt2-124m`, `tiny`), Hugging Face `config.json`.
 //! - [`model`]: the forward pass ([`Gpt2`]); weights only, no per-sequence state.
 //! - [`cache`]: the KV cache ([`KvCache`]), owned by the caller.
+//! - [`grouped`]: the decode cache of continuous batching, one prompt cache per group ([`GroupedCache`]).
 //! - [`mask`]: position ids and attention bias for left-padded batches ([`LeftPadding`]).
 //! - [`checkpoint`]: loading and saving Hugging Face checkpoints, seeded random init.
 //! - [`tokenizer`]: GPT-2 byte-level BPE, built in.
@@ -20,6 +21,7 @@ pub mod config;
 pub mod device;
 pub mod error;
 pub mod generate;
+pub mod grouped;
 pub mod mask;
 pub mod model;
 pub mod sampling;
@@ -28,6 +30,7 @@ pub mod tokenizer;
 pub use cache::KvCache;
 pub use config::{Config, EOT_TOKEN};
 pub use error::{Error, Result};
+pub use grouped::GroupedCache;
 pub use mask::LeftPadding;
 pub use model::Gpt2;
 pub use tokenizer::Tokenizer;

@@ -14,6 +14,7 @@ use candle_nn::VarBuilder;
 
 use crate::cache::{KvCache, LayerCache};
 use crate::config::{Activation, Config};
+use crate::grouped::{GroupedCache, GroupedLayer, StepPlan, with_zero_row};
 use crate::mask::LeftPadding;
 
 /// True when gradients may flow through `t` (it is, or derives from, a trainable `Var`).
@@ -101,6 +102,22 @@ impl Attention {
         })
     }
 
+    /// Queries, keys and values of `x` (B, T, E): (B, H, T, D) each.
+    fn qkv(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let (b, t, _) = x.dims3()?;
+        let (h, d) = (self.n_head, self.head_dim);
+        let qkv = self
+            .c_attn
+            .forward(x)? // (B, T, 3E)
+            .reshape((b, t, 3, h, d))?
+            .permute((2, 0, 3, 1, 4))?; // (3, B, H, T, D)
+        Ok((
+            qkv.get(0)?.contiguous()?,
+            qkv.get(1)?.contiguous()?,
+            qkv.get(2)?.contiguous()?,
+        ))
+    }
+
     /// `bias`: additive attention bias (B or 1, 1, T, S) in f32, `None` when every key is
     /// visible (a single new token with no padding).
     fn forward(
@@ -110,15 +127,8 @@ impl Attention {
         cache: &mut LayerCache,
     ) -> candle_core::Result<Tensor> {
         let (b, t, e) = x.dims3()?;
-        let (h, d) = (self.n_head, self.head_dim);
-        let qkv = self
-            .c_attn
-            .forward(x)? // (B, T, 3E)
-            .reshape((b, t, 3, h, d))?
-            .permute((2, 0, 3, 1, 4))?; // (3, B, H, T, D)
-        let q = qkv.get(0)?.contiguous()?; // (B, H, T, D)
-        let k = qkv.get(1)?.contiguous()?; // (B, H, T, D)
-        let v = qkv.get(2)?.contiguous()?; // (B, H, T, D)
+        let d = self.head_dim;
+        let (q, k, v) = self.qkv(x)?; // (B, H, T, D) each
         let (k, v) = cache.append(&k, &v)?; // (B, H, S, D) each
 
         let scale = 1.0 / (d as f64).sqrt();
@@ -137,6 +147,57 @@ impl Attention {
             .matmul(&v)? // (B, H, T, D)
             .transpose(1, 2)? // (B, T, H, D)
             .reshape((b, t, e))?; // (B, T, E)
+        self.c_proj.forward(&y)
+    }
+
+    /// One decode step (T = 1) of rows that share their prompts' caches (see
+    /// [`GroupedCache`]): each row attends to its group's prefix and its own suffix under
+    /// one softmax, in f32.
+    fn forward_grouped(
+        &self,
+        x: &Tensor,
+        plan: &StepPlan,
+        cache: &mut GroupedLayer,
+    ) -> candle_core::Result<Tensor> {
+        let (b, _, e) = x.dims3()?;
+        let (h, d) = (self.n_head, self.head_dim);
+        let (q, k, v) = self.qkv(x)?; // (B, H, 1, D) each
+        let (ks, vs) = cache.append(&k, &v, plan)?; // (B, H, W, D) each
+        let (kp, vp) = cache.prefix(); // (N, H, L, D) each
+        let (n, _, l, _) = kp.dims4()?;
+        let r = plan.group_rows;
+        let scale = 1.0 / (d as f64).sqrt();
+        // Rows -> group slots: (B, X) -> (N, H, R, X), empty slots zero.
+        let to_groups = |t: &Tensor, x: usize| -> candle_core::Result<Tensor> {
+            with_zero_row(&t.reshape((b, h * x))?)?
+                .index_select(&plan.scatter, 0)? // (N·R, H·X)
+                .reshape((n, r, h, x))?
+                .transpose(1, 2)? // (N, H, R, X)
+                .contiguous()
+        };
+        // Group slots -> rows: (N, H, R, X) -> (B, H, 1, X).
+        let to_rows = |t: &Tensor, x: usize| -> candle_core::Result<Tensor> {
+            t.transpose(1, 2)? // (N, R, H, X)
+                .contiguous()?
+                .reshape((n * r, h * x))?
+                .index_select(&plan.gather, 0)? // (B, H·X)
+                .reshape((b, h, 1, x))
+        };
+        let prefix_scores = (to_groups(&q, d)?.matmul(&kp.t()?)? * scale)? // (N, H, R, L)
+            .to_dtype(DType::F32)?
+            .broadcast_add(&plan.prefix_bias)?;
+        let suffix_scores = (q.matmul(&ks.t()?)? * scale)? // (B, H, 1, W)
+            .to_dtype(DType::F32)?
+            .broadcast_add(&plan.suffix_bias)?;
+        let w = suffix_scores.dim(3)?;
+        let scores = Tensor::cat(&[&to_rows(&prefix_scores, l)?, &suffix_scores], 3)?; // (B, H, 1, L+W)
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(vs.dtype())?;
+        let prefix_probs = to_groups(&probs.narrow(3, 0, l)?.contiguous()?, l)?; // (N, H, R, L)
+        let from_prefix = to_rows(&prefix_probs.matmul(vp)?, d)?; // (B, H, 1, D)
+        let from_suffix = probs.narrow(3, l, w)?.matmul(&vs)?; // (B, H, 1, D)
+        let y = (from_prefix + from_suffix)?
+            .transpose(1, 2)? // (B, 1, H, D)
+            .reshape((b, 1, e))?;
         self.c_proj.forward(&y)
     }
 }
@@ -188,13 +249,14 @@ impl Block {
         })
     }
 
-    fn forward(
+    /// Pre-norm residual block with `attend` as its attention: x + attn(ln_1 x), then
+    /// x + mlp(ln_2 x).
+    fn forward_with(
         &self,
         x: &Tensor,
-        bias: Option<&Tensor>,
-        cache: &mut LayerCache,
+        attend: impl FnOnce(&Attention, &Tensor) -> candle_core::Result<Tensor>,
     ) -> candle_core::Result<Tensor> {
-        let x = (x + self.attn.forward(&self.ln_1.forward(x)?, bias, cache)?)?;
+        let x = (x + attend(&self.attn, &self.ln_1.forward(x)?)?)?;
         &x + self.mlp.forward(&self.ln_2.forward(&x)?)?
     }
 }
@@ -281,7 +343,7 @@ impl Gpt2 {
         let pos = self.wpe.embedding_rows(&positions)?; // (B, T, E)
         let mut x = (tok + pos)?;
         for (block, layer_cache) in self.blocks.iter().zip(cache.layers_mut()) {
-            x = block.forward(&x, bias.as_ref(), layer_cache)?;
+            x = block.forward_with(&x, |attn, x| attn.forward(x, bias.as_ref(), layer_cache))?;
         }
         debug_assert_eq!(x.dims3()?, (b, t, self.cfg.n_embd));
         self.ln_f.forward(&x)
@@ -319,6 +381,29 @@ impl Gpt2 {
         let hidden = self.forward_hidden(ids, padding, cache)?; // (B, T, E)
         let t = hidden.dim(1)?;
         self.logits(&hidden.narrow(1, t - 1, 1)?)?.squeeze(1) // (B, V)
+    }
+
+    /// One decode step for the live rows of `cache`: `ids[r]` is the token row r feeds
+    /// (its last sampled one). Returns the next-token logits (B, V) in f32.
+    pub fn decode_grouped(
+        &self,
+        ids: &[u32],
+        cache: &mut GroupedCache,
+    ) -> candle_core::Result<Tensor> {
+        let device = self.device();
+        let plan = cache.plan_step(device)?;
+        if ids.len() != plan.rows {
+            candle_core::bail!("{} ids for {} live rows", ids.len(), plan.rows);
+        }
+        let ids = Tensor::new(ids, device)?.unsqueeze(1)?; // (B, 1)
+        let tok = self.wte.embedding_rows(&ids)?; // (B, 1, E)
+        let pos = self.wpe.embedding_rows(&plan.positions)?; // (B, 1, E)
+        let mut x = (tok + pos)?;
+        for (block, layer) in self.blocks.iter().zip(cache.layers_mut()) {
+            x = block.forward_with(&x, |attn, x| attn.forward_grouped(x, &plan, layer))?;
+        }
+        cache.finish_step();
+        self.logits(&self.ln_f.forward(&x)?)?.squeeze(1) // (B, V)
     }
 
     /// Every parameter under its Hugging Face name (with the `transformer.` prefix),

@@ -1,0 +1,146 @@
+//! The grouped decode cache: rows that share their prompt's cache, join late, leave in any
+//! order and outlive buffer moves compute what each sequence computes alone.
+
+use candle_core::{DType, Device, Tensor};
+use rookworld_lm::checkpoint::init_random;
+use rookworld_lm::{Config, Gpt2, GroupedCache, LeftPadding};
+
+fn tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i * 7919 + seed * 104_729) % 50257)
+        .collect()
+}
+
+/// Next-token logits after `seq`, from one plain forward of the whole sequence.
+fn alone(m: &Gpt2, seq: &[u32]) -> Vec<f32> {
+    let input = Tensor::new(seq, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    m.forward_last(&input, &LeftPadding::none(1), &mut m.new_cache())
+        .unwrap()
+        .squeeze(0)
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// Prefills `prompts` together (left-padded) into new groups of `cache`.
+fn prefill(m: &Gpt2, cache: &mut GroupedCache, prompts: &[Vec<u32>]) -> usize {
+    let lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    let padding = LeftPadding::for_lengths(&lengths);
+    let longest = *lengths.iter().max().unwrap();
+    let mut flat = Vec::new();
+    for p in prompts {
+        flat.extend(std::iter::repeat_n(0u32, longest - p.len()));
+        flat.extend(p);
+    }
+    let ids = Tensor::from_vec(flat, (prompts.len(), longest), &Device::Cpu).unwrap();
+    let mut kv = m.new_cache();
+    m.forward_last(&ids, &padding, &mut kv).unwrap();
+    cache.add_groups(&kv, &padding).unwrap()
+}
+
+struct Live {
+    seq: Vec<u32>,
+    fed: usize,
+    budget: usize,
+}
+
+#[test]
+fn rows_sharing_prompts_joining_and_leaving_match_each_sequence_alone() {
+    let m = init_random(&Config::tiny(), 3, DType::F32, &Device::Cpu).unwrap();
+    let mut cache = GroupedCache::new(m.config().n_layer);
+    let mut prompts: Vec<Vec<u32>> = vec![tokens(1, 9), tokens(2, 4), tokens(3, 13)];
+    prefill(&m, &mut cache, &prompts);
+    // (group, tokens it will feed): lengths differ so rows leave at different steps.
+    let plan = [
+        (0, 5),
+        (0, 70),
+        (1, 3),
+        (2, 90),
+        (0, 12),
+        (1, 40),
+        (2, 30),
+        (2, 31),
+        (0, 33),
+        (2, 8),
+    ];
+    let mut live: Vec<Live> = Vec::new();
+    let mut checked = 0;
+    for step in 0..100 {
+        // Rows join at different steps; one new prompt arrives (longer than the pool).
+        if step < plan.len() {
+            let (g, budget) = plan[step];
+            cache.add_row(g);
+            live.push(Live {
+                seq: prompts[g].clone(),
+                fed: 0,
+                budget,
+            });
+        }
+        if step == 12 {
+            let g = prefill(&m, &mut cache, &[tokens(4, 20)]);
+            assert_eq!(g, 3);
+            prompts.push(tokens(4, 20));
+            cache.add_row(3);
+            live.push(Live {
+                seq: prompts[3].clone(),
+                fed: 0,
+                budget: 60,
+            });
+        }
+        if live.is_empty() {
+            break;
+        }
+        let ids: Vec<u32> = live
+            .iter()
+            .map(|l| tokens(100 + l.seq.len() as u32, 1)[0])
+            .collect();
+        for (l, &id) in live.iter_mut().zip(&ids) {
+            l.seq.push(id);
+            l.fed += 1;
+        }
+        let logits = m
+            .decode_grouped(&ids, &mut cache)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        for (l, row) in live.iter().zip(&logits) {
+            let want = alone(&m, &l.seq);
+            let d = want
+                .iter()
+                .zip(row)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(d < 1e-4, "step {step}: max |Δ| = {d}");
+            checked += 1;
+        }
+        // Finished rows leave (swap-remove, as the engine does).
+        let mut r = 0;
+        while r < live.len() {
+            if live[r].fed == live[r].budget {
+                cache.swap_remove_row(r).unwrap();
+                live.swap_remove(r);
+            } else {
+                r += 1;
+            }
+        }
+        // Groups with no live row are dropped (group 1 after its two rows finish).
+        let mut keep = vec![false; cache.groups()];
+        for r in 0..cache.rows() {
+            keep[cache.row_group(r)] = true;
+        }
+        if step > plan.len() && keep.iter().any(|k| !k) {
+            let remap = cache.retain_groups(&keep).unwrap();
+            prompts = prompts
+                .iter()
+                .enumerate()
+                .filter(|(g, _)| remap[*g].is_some())
+                .map(|(_, p)| p.clone())
+                .collect();
+        }
+    }
+    assert!(live.is_empty());
+    assert_eq!(checked, 5 + 70 + 3 + 90 + 12 + 40 + 30 + 31 + 33 + 8 + 60);
+}
