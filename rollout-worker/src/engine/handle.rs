@@ -1,0 +1,387 @@
+//! The engine thread: owns the [`Scheduler`], takes requests and weight swaps from async
+//! callers, streams each request's finished samples back, and exports metrics.
+//!
+//! Commands are handled between steps, so a swap always lands between two decode steps.
+//! With [`SwapPolicy::Drain`] the engine stops admitting work once a swap is staged,
+//! finishes the sequences in flight on the old weights, then swaps; with
+//! [`SwapPolicy::Restart`] it swaps at once and restarts the sequences in flight.
+
+use std::collections::HashMap;
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use rookworld_lm::Gpt2;
+use tokio::sync::{mpsc, oneshot};
+
+use super::{EngineConfig, EngineError, Event, Request, RequestId, Scheduler, SwapPolicy};
+use crate::metrics;
+
+enum Command {
+    Submit {
+        request: Request,
+        events: mpsc::UnboundedSender<Event>,
+        reply: oneshot::Sender<Result<RequestId, EngineError>>,
+    },
+    Cancel(RequestId),
+    Swap {
+        model: Arc<Gpt2>,
+        version: u64,
+        reply: oneshot::Sender<()>,
+    },
+    Shutdown,
+}
+
+/// A snapshot of the engine, refreshed every step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineStatus {
+    pub weight_version: u64,
+    pub live_rows: usize,
+    /// Row limit in force (below `max_seqs` after an out-of-memory error).
+    pub row_limit: usize,
+    pub max_seqs: usize,
+    pub pending_requests: usize,
+    pub pending_samples: usize,
+    pub reserved_kv_tokens: usize,
+    pub max_kv_tokens: usize,
+    pub tokens_generated: u64,
+    /// New tokens per second over the last few seconds of work.
+    pub tokens_per_second: f64,
+    /// A weight swap is waiting for the sequences in flight.
+    pub swap_pending: bool,
+    pub device: String,
+    pub dtype: String,
+}
+
+/// The finished samples of one request, in the order they finish. Dropping it cancels
+/// whatever of the request is still queued or running.
+#[derive(Debug)]
+pub struct RequestStream {
+    id: RequestId,
+    events: mpsc::UnboundedReceiver<Event>,
+    commands: std_mpsc::Sender<Command>,
+}
+
+impl RequestStream {
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// The next event; `None` after `Done`/`Failed` (or if the engine stopped).
+    pub async fn next(&mut self) -> Option<Event> {
+        self.events.recv().await
+    }
+
+    /// Blocking variant for synchronous callers.
+    pub fn blocking_next(&mut self) -> Option<Event> {
+        self.events.blocking_recv()
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        let _ = self.commands.send(Command::Cancel(self.id));
+    }
+}
+
+/// Handle of a running engine thread; cheap to share behind an `Arc`.
+#[derive(Debug)]
+pub struct Engine {
+    commands: std_mpsc::Sender<Command>,
+    status: Arc<Mutex<EngineStatus>>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Submit { .. } => "Submit",
+            Self::Cancel(_) => "Cancel",
+            Self::Swap { .. } => "Swap",
+            Self::Shutdown => "Shutdown",
+        })
+    }
+}
+
+impl Engine {
+    /// Starts the engine thread with `model` as weight version `version`.
+    pub fn start(model: Gpt2, version: u64, cfg: EngineConfig) -> Self {
+        let status = Arc::new(Mutex::new(EngineStatus {
+            weight_version: version,
+            live_rows: 0,
+            row_limit: cfg.max_seqs,
+            max_seqs: cfg.max_seqs,
+            pending_requests: 0,
+            pending_samples: 0,
+            reserved_kv_tokens: 0,
+            max_kv_tokens: cfg.max_kv_tokens,
+            tokens_generated: 0,
+            tokens_per_second: 0.0,
+            swap_pending: false,
+            device: device_name(model.device()),
+            dtype: format!("{:?}", model.dtype()).to_lowercase(),
+        }));
+        metrics::set_weight_version(version);
+        let (commands, inbox) = std_mpsc::channel();
+        let scheduler = Scheduler::new(Arc::new(model), version, cfg);
+        let shared = status.clone();
+        let thread = std::thread::Builder::new()
+            .name("rollout-engine".into())
+            .spawn(move || EngineLoop::new(scheduler, cfg, inbox, shared).run())
+            .expect("spawn the engine thread");
+        Self {
+            commands,
+            status,
+            thread: Mutex::new(Some(thread)),
+        }
+    }
+
+    /// Queues a request; refused requests return the reason and queue nothing.
+    pub async fn submit(&self, request: Request) -> Result<RequestStream, EngineError> {
+        let (events_tx, events) = mpsc::unbounded_channel();
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::Submit {
+                request,
+                events: events_tx,
+                reply,
+            })
+            .map_err(|_| EngineError::Stopped)?;
+        let id = answer.await.map_err(|_| EngineError::Stopped)??;
+        Ok(RequestStream {
+            id,
+            events,
+            commands: self.commands.clone(),
+        })
+    }
+
+    /// [`Self::submit`] for synchronous callers (not inside an async runtime).
+    pub fn blocking_submit(&self, request: Request) -> Result<RequestStream, EngineError> {
+        let (events_tx, events) = mpsc::unbounded_channel();
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::Submit {
+                request,
+                events: events_tx,
+                reply,
+            })
+            .map_err(|_| EngineError::Stopped)?;
+        let id = answer.blocking_recv().map_err(|_| EngineError::Stopped)??;
+        Ok(RequestStream {
+            id,
+            events,
+            commands: self.commands.clone(),
+        })
+    }
+
+    /// Installs `model` as weight version `version` between two decode steps and
+    /// returns once it is in use (see the module doc for what happens to work in flight).
+    pub async fn swap(&self, model: Gpt2, version: u64) -> Result<(), EngineError> {
+        let (reply, done) = oneshot::channel();
+        self.commands
+            .send(Command::Swap {
+                model: Arc::new(model),
+                version,
+                reply,
+            })
+            .map_err(|_| EngineError::Stopped)?;
+        done.await.map_err(|_| EngineError::Stopped)
+    }
+
+    pub fn status(&self) -> EngineStatus {
+        self.status.lock().expect("status lock").clone()
+    }
+
+    /// Stops the thread; requests still running get no more events.
+    pub fn shutdown(&self) {
+        let _ = self.commands.send(Command::Shutdown);
+        if let Some(thread) = self.thread.lock().expect("thread lock").take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn device_name(device: &candle_core::Device) -> String {
+    match device {
+        candle_core::Device::Cpu => "cpu".into(),
+        candle_core::Device::Cuda(_) => "cuda".into(),
+        candle_core::Device::Metal(_) => "metal".into(),
+    }
+}
+
+/// Tokens per second over a window of at least this many seconds.
+const RATE_WINDOW_SECONDS: f64 = 2.0;
+
+struct EngineLoop {
+    scheduler: Scheduler,
+    cfg: EngineConfig,
+    inbox: std_mpsc::Receiver<Command>,
+    status: Arc<Mutex<EngineStatus>>,
+    streams: HashMap<RequestId, mpsc::UnboundedSender<Event>>,
+    staged: Option<(Arc<Gpt2>, u64, oneshot::Sender<()>)>,
+    tokens_generated: u64,
+    window: (Instant, u64),
+    tokens_per_second: f64,
+}
+
+impl EngineLoop {
+    fn new(
+        scheduler: Scheduler,
+        cfg: EngineConfig,
+        inbox: std_mpsc::Receiver<Command>,
+        status: Arc<Mutex<EngineStatus>>,
+    ) -> Self {
+        Self {
+            scheduler,
+            cfg,
+            inbox,
+            status,
+            streams: HashMap::new(),
+            staged: None,
+            tokens_generated: 0,
+            window: (Instant::now(), 0),
+            tokens_per_second: 0.0,
+        }
+    }
+
+    fn run(mut self) {
+        loop {
+            // Idle: wait for a command. Busy: take whatever arrived, then step.
+            let idle = !self.scheduler.has_work() && self.staged.is_none();
+            let first = if idle {
+                match self.inbox.recv() {
+                    Ok(c) => Some(c),
+                    Err(_) => return,
+                }
+            } else {
+                None
+            };
+            let arrived: Vec<Command> = first
+                .into_iter()
+                .chain(std::iter::from_fn(|| self.inbox.try_recv().ok()))
+                .collect();
+            for command in arrived {
+                if !self.handle(command) {
+                    return;
+                }
+            }
+            self.maybe_swap();
+            if self.scheduler.has_work() {
+                let admit = self.staged.is_none();
+                let (events, stats) = self.scheduler.step(admit);
+                self.route(events);
+                self.account(stats.first_tokens + stats.decode_rows, &stats);
+            }
+            self.publish();
+        }
+    }
+
+    /// Returns false on shutdown.
+    fn handle(&mut self, command: Command) -> bool {
+        match command {
+            Command::Submit {
+                request,
+                events,
+                reply,
+            } => {
+                let result = self.scheduler.submit(request);
+                if let Ok(id) = &result {
+                    self.streams.insert(*id, events);
+                }
+                let _ = reply.send(result);
+            }
+            Command::Cancel(id) => {
+                self.streams.remove(&id);
+                if let Err(e) = self.scheduler.cancel(id) {
+                    tracing::error!(error = %e, "cancelling a request failed");
+                }
+            }
+            Command::Swap {
+                model,
+                version,
+                reply,
+            } => {
+                // A newer staged swap replaces an older one; its caller is told it landed
+                // (its version is superseded before any token used it).
+                if let Some((_, _, old)) = self.staged.replace((model, version, reply)) {
+                    let _ = old.send(());
+                }
+            }
+            Command::Shutdown => return false,
+        }
+        true
+    }
+
+    fn maybe_swap(&mut self) {
+        let ready = match self.cfg.swap_policy {
+            SwapPolicy::Restart => true,
+            SwapPolicy::Drain => self.scheduler.live_rows() == 0,
+        };
+        if ready && let Some((model, version, reply)) = self.staged.take() {
+            self.scheduler.set_model(model, version);
+            metrics::set_weight_version(version);
+            tracing::info!(version, "weights swapped in");
+            let _ = reply.send(());
+        }
+    }
+
+    fn route(&mut self, events: Vec<Event>) {
+        for event in events {
+            let id = match &event {
+                Event::Sample(s) => {
+                    metrics::record_completion(s.completion.finish_reason);
+                    s.request
+                }
+                Event::Done(id) | Event::Failed(id, _) => *id,
+            };
+            let last = !matches!(event, Event::Sample(_));
+            let delivered = self
+                .streams
+                .get(&id)
+                .is_some_and(|tx| tx.send(event).is_ok());
+            if last || !delivered {
+                self.streams.remove(&id);
+            }
+            if !delivered && !last {
+                // The caller went away: stop its work.
+                let _ = self.scheduler.cancel(id);
+            }
+        }
+    }
+
+    fn account(&mut self, new_tokens: usize, stats: &super::StepStats) {
+        self.tokens_generated += new_tokens as u64;
+        metrics::record_step(new_tokens, stats);
+        let elapsed = self.window.0.elapsed().as_secs_f64();
+        if elapsed >= RATE_WINDOW_SECONDS {
+            self.tokens_per_second = (self.tokens_generated - self.window.1) as f64 / elapsed;
+            self.window = (Instant::now(), self.tokens_generated);
+        }
+    }
+
+    fn publish(&mut self) {
+        if !self.scheduler.has_work()
+            && self.window.0.elapsed().as_secs_f64() >= RATE_WINDOW_SECONDS
+        {
+            self.tokens_per_second = 0.0;
+        }
+        let s = &self.scheduler;
+        let mut status = self.status.lock().expect("status lock");
+        status.weight_version = s.version();
+        status.live_rows = s.live_rows();
+        status.row_limit = s.row_limit();
+        status.pending_requests = s.pending_requests();
+        status.pending_samples = s.pending_samples();
+        status.reserved_kv_tokens = s.reserved_kv_tokens();
+        status.tokens_generated = self.tokens_generated;
+        status.tokens_per_second = self.tokens_per_second;
+        status.swap_pending = self.staged.is_some();
+        metrics::set_load(&status, s.model().device());
+    }
+}

@@ -1,0 +1,165 @@
+//! The generation engine: continuous batching of G samples per prompt over one model,
+//! with the prompt's cache shared by its samples, bounded memory, and model swaps that
+//! never mix weight versions inside a completion.
+//!
+//! - [`scheduler`]: the synchronous core ([`Scheduler`]): admission, prefill, decode.
+//! - [`handle`]: the engine thread behind an async handle ([`Engine`]), weight swaps and
+//!   metrics; what the gRPC service uses.
+
+pub mod handle;
+pub mod scheduler;
+
+pub use handle::{Engine, EngineStatus};
+pub use scheduler::Scheduler;
+
+use rookworld_lm::Gpt2;
+use rookworld_lm::generate::{Completion, validate_prompt};
+use rookworld_lm::sampling::SamplingParams;
+
+/// Identifies a request inside one engine.
+pub type RequestId = u64;
+
+/// Most samples (prompts × G) one request may ask for.
+pub const MAX_SAMPLES_PER_REQUEST: usize = 1 << 16;
+
+/// What happens to sequences in flight when new weights arrive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SwapPolicy {
+    /// Admit nothing new; finish the sequences in flight on the old weights, then swap.
+    /// Nothing is wasted; the swap waits at most one completion's length.
+    Drain,
+    /// Swap at the next step; sequences in flight restart from their prompt on the new
+    /// weights (their partial tokens are discarded).
+    Restart,
+}
+
+/// Limits of the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Most sequences decoded together (rows of the batch).
+    pub max_seqs: usize,
+    /// Most KV-cache tokens reserved: each held prompt's length once, plus each live
+    /// sequence's token budget. Admission stops at this bound.
+    pub max_kv_tokens: usize,
+    /// Most prompt tokens prefilled in one step (one prompt always may be).
+    pub max_prefill_tokens: usize,
+    pub swap_policy: SwapPolicy,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            max_seqs: 64,
+            max_kv_tokens: 64 * 1024,
+            max_prefill_tokens: 4096,
+            swap_policy: SwapPolicy::Drain,
+        }
+    }
+}
+
+/// P prompts × `n` samples each.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    /// Token ids of each prompt (BOS included when wanted).
+    pub prompts: Vec<Vec<u32>>,
+    /// Samples per prompt (G).
+    pub n: usize,
+    pub max_new_tokens: usize,
+    pub sampling: SamplingParams,
+    pub seed: u64,
+    /// Keep sampling after end-of-text (benchmarks: every row runs full length).
+    pub ignore_eos: bool,
+}
+
+impl Request {
+    /// Everything that would make the request fail later is refused here.
+    pub fn validate(&self, model: &Gpt2, cfg: &EngineConfig) -> Result<(), EngineError> {
+        let bad = |m: String| Err(EngineError::InvalidRequest(m));
+        if self.prompts.is_empty() {
+            return bad("no prompts".into());
+        }
+        if self.n == 0 {
+            return bad("n (completions per prompt) must be at least 1".into());
+        }
+        if self.max_new_tokens == 0 {
+            return bad("max_new_tokens must be at least 1".into());
+        }
+        let samples = self.prompts.len().saturating_mul(self.n);
+        if samples > MAX_SAMPLES_PER_REQUEST {
+            return bad(format!(
+                "{} prompts × {} completions = {samples} samples; one request may ask for at most {MAX_SAMPLES_PER_REQUEST}",
+                self.prompts.len(),
+                self.n
+            ));
+        }
+        self.sampling
+            .validate()
+            .map_err(|e| EngineError::InvalidRequest(e.to_string()))?;
+        let context = model.config().n_positions;
+        for (i, p) in self.prompts.iter().enumerate() {
+            validate_prompt(model, p)
+                .map_err(|e| EngineError::InvalidRequest(format!("prompt {i}: {e}")))?;
+            let need = p.len() + self.max_new_tokens.min(context + 1 - p.len());
+            if need > cfg.max_kv_tokens {
+                return bad(format!(
+                    "prompt {i} needs {need} KV tokens (prompt + max_new_tokens) but the engine holds at most {}",
+                    cfg.max_kv_tokens
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A finished sample.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FinishedSample {
+    pub request: RequestId,
+    pub prompt_index: u32,
+    pub sample_index: u32,
+    pub completion: Completion,
+    /// The weights that produced every token of the completion.
+    pub weight_version: u64,
+}
+
+/// What the engine reports.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    Sample(FinishedSample),
+    /// Every sample of the request has been reported.
+    Done(RequestId),
+    /// The request failed; nothing more comes for it.
+    Failed(RequestId, String),
+}
+
+/// Work and time of one scheduling step.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepStats {
+    pub prefill_tokens: usize,
+    pub prefill_seconds: f64,
+    /// Samples started: each drew its first token from its prompt's prefill logits.
+    pub first_tokens: usize,
+    /// Rows decoded (= tokens sampled by the decode step).
+    pub decode_rows: usize,
+    pub decode_seconds: f64,
+}
+
+/// Errors of the engine.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The request cannot be served as asked (empty, too long, bad parameters).
+    #[error("{0}")]
+    InvalidRequest(String),
+    /// The model failed (device, numerics).
+    #[error(transparent)]
+    Model(#[from] rookworld_lm::Error),
+    /// The engine thread has stopped.
+    #[error("the generation engine has stopped")]
+    Stopped,
+}
+
+impl From<candle_core::Error> for EngineError {
+    fn from(e: candle_core::Error) -> Self {
+        Self::Model(e.into())
+    }
+}
