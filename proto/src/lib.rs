@@ -2,11 +2,22 @@
 //!
 //! - [`v1`]: messages shared by every service (`rookworld.v1`).
 //! - [`reward::v1`]: the reward server (`rookworld.reward.v1`).
+//! - [`rollout::v1`]: the rollout worker (`rookworld.rollout.v1`).
+//! - [`serve`]: reflection services and the shutdown signal every server uses.
 //! - [`FILE_DESCRIPTOR_SET`]: the encoded descriptors that gRPC server reflection serves.
+
+pub mod serve;
 
 /// `rookworld.v1`: sampling parameters and completions.
 pub mod v1 {
     tonic::include_proto!("rookworld.v1");
+}
+
+/// `rookworld.rollout.v1`: the rollout worker.
+pub mod rollout {
+    pub mod v1 {
+        tonic::include_proto!("rookworld.rollout.v1");
+    }
 }
 
 /// `rookworld.reward.v1`: the reward server.

@@ -114,27 +114,13 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
         max_items_per_call: args.max_items_per_call,
         ..ServiceConfig::default()
     };
-    service::run(scorer, cfg, listener, shutdown_signal()).await
-}
-
-/// Resolves on Ctrl-C or SIGTERM.
-pub async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
-    tracing::info!("shutting down");
+    service::run(
+        scorer,
+        cfg,
+        listener,
+        rookworld_proto::serve::shutdown_signal(),
+    )
+    .await
 }
 
 /// Options of `reward-server score`.

@@ -192,18 +192,14 @@ pub async fn run(
     health
         .set_serving::<RewardServiceServer<RewardServer>>()
         .await;
-    let reflection = || {
-        tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(rookworld_proto::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-    };
+    let (reflection_v1, reflection_v1alpha) = rookworld_proto::serve::reflection_services()?;
     let service = RewardServiceServer::new(RewardServer::new(scorer, cfg))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
     tonic::transport::Server::builder()
         .add_service(health_service)
-        .add_service(reflection().build_v1()?)
-        .add_service(reflection().build_v1alpha()?)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
         .add_service(service)
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
         .await?;

@@ -7,10 +7,14 @@
 use std::io::Write;
 use std::time::Instant;
 
+use std::sync::Arc;
+
+use rookworld_lm::Gpt2;
 use rookworld_lm::cli::ModelArgs;
 use rookworld_lm::generate::{GenerationConfig, generate_batch};
 use rookworld_lm::sampling::SamplingParams;
-use rookworld_lm::{Gpt2, Result};
+
+use crate::engine::{EngineConfig, EngineError, Request, Scheduler};
 
 /// The start-position policy prompt: 46 tokens.
 pub const BENCH_PROMPT: &str = "P: rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1    M:";
@@ -34,31 +38,63 @@ pub struct BenchArgs {
     pub repeat: usize,
 }
 
+/// Which generation path a measurement runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Path {
+    /// The engine: grouped prompt caches, continuous batching.
+    Engine,
+    /// The reference: static batch, each prompt's cache copied to its G rows.
+    Reference,
+}
+
 /// New tokens per second of `prompts` × `n` completions, best of `repeat`.
 fn measure(
-    model: &Gpt2,
+    model: &Arc<Gpt2>,
     prompt: &[u32],
     prompts: usize,
     n: usize,
     args: &BenchArgs,
-) -> Result<serde_json::Value> {
-    let cfg = GenerationConfig {
-        n,
-        max_new_tokens: args.max_new_tokens,
-        sampling: SamplingParams {
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 1.0,
-        },
-        seed: 0,
-        ignore_eos: true,
+    path: Path,
+) -> Result<serde_json::Value, EngineError> {
+    let sampling = SamplingParams {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
     };
+    let batch = vec![prompt.to_vec(); prompts];
     let mut best = f64::INFINITY;
     let mut tokens = 0;
     for _ in 0..args.repeat.max(1) {
         let start = Instant::now();
-        let batch = vec![prompt.to_vec(); prompts];
-        tokens = generate_batch(model, &batch, &cfg, 0)?.new_tokens();
+        tokens = match path {
+            Path::Engine => {
+                let cfg = EngineConfig {
+                    max_seqs: prompts * n,
+                    ..EngineConfig::default()
+                };
+                let mut engine = Scheduler::new(model.clone(), 0, cfg);
+                engine.submit(Request {
+                    prompts: batch.clone(),
+                    n,
+                    max_new_tokens: args.max_new_tokens,
+                    sampling,
+                    seed: 0,
+                    ignore_eos: true,
+                })?;
+                let (samples, _) = engine.run_to_completion()?;
+                samples.iter().map(|s| s.completion.ids.len()).sum()
+            }
+            Path::Reference => {
+                let cfg = GenerationConfig {
+                    n,
+                    max_new_tokens: args.max_new_tokens,
+                    sampling,
+                    seed: 0,
+                    ignore_eos: true,
+                };
+                generate_batch(model, &batch, &cfg, 0)?.new_tokens()
+            }
+        };
         best = best.min(start.elapsed().as_secs_f64());
     }
     Ok(serde_json::json!({
@@ -70,30 +106,27 @@ fn measure(
     }))
 }
 
-/// Runs the benchmark and prints one JSON object.
-pub fn run(args: &BenchArgs, out: &mut impl Write) -> Result<()> {
+/// Runs the benchmark and prints one JSON object: the engine on the batch and on one
+/// stream, and the reference static-batch path on the batch as an in-run baseline.
+pub fn run(args: &BenchArgs, out: &mut impl Write) -> Result<(), EngineError> {
     let loaded = args.model.load()?;
     let prompt = loaded.tokenizer.encode(BENCH_PROMPT)?;
+    let model = Arc::new(loaded.model);
     // Warm-up: allocator and thread pool.
-    measure(
-        &loaded.model,
-        &prompt,
-        1,
-        1,
-        &BenchArgs {
-            max_new_tokens: 4,
-            repeat: 1,
-            ..args.clone()
-        },
-    )?;
+    let warm = BenchArgs {
+        max_new_tokens: 4,
+        repeat: 1,
+        ..args.clone()
+    };
+    measure(&model, &prompt, 1, 1, &warm, Path::Engine)?;
     let report = serde_json::json!({
         "source": loaded.source,
         "device": format!("{:?}", loaded.device),
-        "dtype": format!("{:?}", loaded.model.dtype()),
+        "dtype": format!("{:?}", model.dtype()),
         "prompt_tokens": prompt.len(),
-        "batch": measure(&loaded.model, &prompt, args.prompts, args.n, args)?,
-        "single": measure(&loaded.model, &prompt, 1, 1, args)?,
+        "batch": measure(&model, &prompt, args.prompts, args.n, args, Path::Engine)?,
+        "single": measure(&model, &prompt, 1, 1, args, Path::Engine)?,
+        "reference_batch": measure(&model, &prompt, args.prompts, args.n, args, Path::Reference)?,
     });
-    writeln!(out, "{report}")
-        .map_err(|e| rookworld_lm::Error::InvalidArgument(format!("<stdout>: {e}")))
+    writeln!(out, "{report}").map_err(|e| EngineError::Failed(format!("<stdout>: {e}")))
 }

@@ -8,17 +8,22 @@ use std::io::{BufRead, Write};
 use std::path::PathBuf;
 use std::time::Instant;
 
+use std::sync::Arc;
+
 use rookworld_lm::cli::ModelArgs;
-use rookworld_lm::generate::{GenerationConfig, generate_batch, validate_prompt};
 use rookworld_lm::sampling::SamplingParams;
 use rookworld_lm::{Error, Result};
 use serde::Serialize;
+
+use crate::engine::{EngineArgs, EngineError, Request, Scheduler};
 
 /// Options of `rollout-worker generate`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct GenerateArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// A prompt (repeatable), e.g. 'P: <FEN>    M:'.
     #[arg(long = "prompt", value_name = "TEXT")]
     pub prompts: Vec<String>,
@@ -42,9 +47,6 @@ pub struct GenerateArgs {
     /// Sampling seed: the same seed, weights and device give the same completions.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Prompts generated together in one batch (all their completions decode together).
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
-    pub batch_prompts: u32,
 }
 
 #[derive(Debug, Serialize)]
@@ -53,17 +55,17 @@ struct CompletionJson {
     text: String,
     logprobs: Vec<f32>,
     finish_reason: &'static str,
+    weight_version: u64,
 }
 
-/// Timing of the batch the prompt ran in (prompts of a batch share it).
+/// Timing of the whole run (all prompts generate together).
 #[derive(Debug, Serialize)]
 struct TimingJson {
     prefill_seconds: f64,
     decode_seconds: f64,
     /// Tokens sampled for this prompt.
     new_tokens: usize,
-    batch_prompts: usize,
-    batch_tokens_per_second: f64,
+    run_tokens_per_second: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -101,9 +103,10 @@ fn io_error(path: &std::path::Path, e: std::io::Error) -> Error {
     Error::InvalidArgument(format!("{}: {e}", path.display()))
 }
 
-/// Runs the command, writing one JSON line per prompt to `out`. Every prompt is
-/// checked before the first is generated, so bad input fails before any output.
-pub fn run(args: &GenerateArgs, out: &mut impl Write) -> Result<()> {
+/// Runs the command on the generation engine (every prompt is one request's prompt, so
+/// all generate together under continuous batching), writing one JSON line per prompt to
+/// `out`. Every prompt is checked before anything is generated.
+pub fn run(args: &GenerateArgs, out: &mut impl Write) -> std::result::Result<(), EngineError> {
     let sampling = SamplingParams {
         temperature: args.temperature,
         top_k: args.top_k,
@@ -125,51 +128,48 @@ pub fn run(args: &GenerateArgs, out: &mut impl Write) -> Result<()> {
         .map(|p| {
             let mut ids = vec![bos];
             ids.extend(loaded.tokenizer.encode(p)?);
-            validate_prompt(&loaded.model, &ids)?;
             Ok(ids)
         })
         .collect::<Result<Vec<_>>>()?;
 
-    let cfg = GenerationConfig {
+    let mut engine = Scheduler::new(Arc::new(loaded.model), 0, args.engine.config());
+    engine.submit(Request {
+        prompts: encoded.clone(),
         n: args.n,
         max_new_tokens: args.max_new_tokens,
         sampling,
         seed: args.seed,
         ignore_eos: false,
-    };
-    let chunk = args.batch_prompts as usize;
-    for (c, (texts, ids)) in prompts.chunks(chunk).zip(encoded.chunks(chunk)).enumerate() {
-        let started = Instant::now();
-        let batch = generate_batch(&loaded.model, ids, &cfg, (c * chunk) as u32)?;
-        let seconds = started.elapsed().as_secs_f64();
-        let batch_tokens = batch.new_tokens();
-        for ((prompt, prompt_ids), group) in texts.iter().zip(ids).zip(&batch.groups) {
-            let completions = group
-                .iter()
-                .map(|c| {
-                    Ok(CompletionJson {
-                        text: loaded.tokenizer.decode(&c.ids)?,
-                        ids: c.ids.clone(),
-                        logprobs: c.logprobs.clone(),
-                        finish_reason: c.finish_reason.as_str(),
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let line = PromptJson {
-                prompt: prompt.clone(),
-                prompt_ids: prompt_ids.clone(),
-                timing: TimingJson {
-                    prefill_seconds: batch.prefill_seconds,
-                    decode_seconds: batch.decode_seconds,
-                    new_tokens: completions.iter().map(|c| c.ids.len()).sum(),
-                    batch_prompts: texts.len(),
-                    batch_tokens_per_second: batch_tokens as f64 / seconds.max(1e-9),
-                },
-                completions,
-            };
-            let json = serde_json::to_string(&line).expect("output serialises");
-            writeln!(out, "{json}").map_err(|e| io_error(std::path::Path::new("<stdout>"), e))?;
+    })?;
+    let started = Instant::now();
+    let (samples, stats) = engine.run_to_completion()?;
+    let seconds = started.elapsed().as_secs_f64();
+    let total_tokens: usize = samples.iter().map(|s| s.completion.ids.len()).sum();
+    let mut samples = samples.into_iter().peekable();
+    for (i, (prompt, prompt_ids)) in prompts.iter().zip(encoded).enumerate() {
+        let mut completions = Vec::with_capacity(args.n);
+        while let Some(s) = samples.next_if(|s| s.prompt_index as usize == i) {
+            completions.push(CompletionJson {
+                text: loaded.tokenizer.decode(&s.completion.ids)?,
+                ids: s.completion.ids,
+                logprobs: s.completion.logprobs,
+                finish_reason: s.completion.finish_reason.as_str(),
+                weight_version: s.weight_version,
+            });
         }
+        let line = PromptJson {
+            prompt: prompt.clone(),
+            prompt_ids,
+            timing: TimingJson {
+                prefill_seconds: stats.prefill_seconds,
+                decode_seconds: stats.decode_seconds,
+                new_tokens: completions.iter().map(|c| c.ids.len()).sum(),
+                run_tokens_per_second: total_tokens as f64 / seconds.max(1e-9),
+            },
+            completions,
+        };
+        let json = serde_json::to_string(&line).expect("output serialises");
+        writeln!(out, "{json}").map_err(|e| io_error(std::path::Path::new("<stdout>"), e))?;
     }
     Ok(())
 }

@@ -1,11 +1,19 @@
 //! The rollout worker: holds the current policy and samples G completions per prompt.
 //!
 //! - [`engine`]: continuous-batching generation with shared prompt caches.
+//! - [`service`]: the gRPC service (`rookworld.rollout.v1.RolloutService`); [`error`]
+//!   maps its errors to gRPC status codes.
+//! - [`weights`]: weight sets on the wire (chunks, checksum, checks).
 //! - [`metrics`]: the Prometheus metrics the worker exports.
 //! - [`generate_cmd`]: `rollout-worker generate`, one-shot generation printing JSON lines.
+//! - [`serve_cmd`]: `rollout-worker serve`, the gRPC service and metrics endpoint.
 //! - [`bench_cmd`]: `rollout-worker bench`, new tokens per second on the benchmark shape.
 
 pub mod bench_cmd;
 pub mod engine;
+pub mod error;
 pub mod generate_cmd;
 pub mod metrics;
+pub mod serve_cmd;
+pub mod service;
+pub mod weights;

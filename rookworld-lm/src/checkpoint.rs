@@ -210,18 +210,45 @@ pub fn save(model: &Gpt2, dir: &Path, dtype: DType) -> Result<()> {
             )));
         }
     };
+    write_atomic(&dir.join(WEIGHTS_FILE), &to_bytes(model, dtype)?)?;
+
+    let config = serde_json::to_string_pretty(&model.config().to_hf_json(torch_dtype))
+        .expect("config serialises");
+    write_atomic(&dir.join(CONFIG_FILE), config.as_bytes())
+}
+
+/// The model's weights as a safetensors file in `dtype` (Hugging Face names, `format: pt`
+/// metadata): what [`save`] writes and what a weight push sends.
+pub fn to_bytes(model: &Gpt2, dtype: DType) -> Result<Vec<u8>> {
     let tensors = model
         .named_tensors()
         .into_iter()
         .map(|(name, t)| Ok((name, t.to_dtype(dtype)?.to_device(&Device::Cpu)?)))
         .collect::<Result<Vec<(String, Tensor)>>>()?;
     let metadata = HashMap::from([("format".to_owned(), "pt".to_owned())]);
-    let bytes = safetensors::serialize(tensors, Some(metadata))?;
-    write_atomic(&dir.join(WEIGHTS_FILE), &bytes)?;
+    Ok(safetensors::serialize(tensors, Some(metadata))?)
+}
 
-    let config = serde_json::to_string_pretty(&model.config().to_hf_json(torch_dtype))
-        .expect("config serialises");
-    write_atomic(&dir.join(CONFIG_FILE), config.as_bytes())
+/// Builds a model of shape `cfg` from safetensors `bytes` (any stored float dtype, with
+/// or without the `transformer.` prefix), into `dtype` on `device`. A missing or
+/// misshaped tensor is named; nothing is trusted before every tensor is checked.
+pub fn from_bytes(bytes: &[u8], cfg: &Config, dtype: DType, device: &Device) -> Result<Gpt2> {
+    let st = safetensors::SafeTensors::deserialize(bytes)?;
+    let shapes: HashMap<String, Vec<usize>> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| (name, view.shape().to_vec()))
+        .collect();
+    let prefixed = shapes.contains_key(&format!("{PREFIX}wte.weight"));
+    check_tensors(cfg, &shapes, if prefixed { PREFIX } else { "" })?;
+    let tensors = candle_core::safetensors::load_buffer(bytes, &Device::Cpu)?;
+    let root = VarBuilder::from_tensors(tensors, dtype, device);
+    let vb = if prefixed {
+        root.pp("transformer")
+    } else {
+        root.clone()
+    };
+    Ok(Gpt2::load(vb, root, cfg)?)
 }
 
 /// Writes `bytes` to `path` through a temporary file and a rename.

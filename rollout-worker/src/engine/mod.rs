@@ -46,6 +46,34 @@ pub struct EngineConfig {
     pub swap_policy: SwapPolicy,
 }
 
+/// Engine options shared by `generate`, `bench` and `serve`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EngineArgs {
+    /// Most sequences decoded together.
+    #[arg(long, env = "ROLLOUT_MAX_SEQS", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_seqs: u32,
+    /// Most KV-cache tokens reserved (prompt once + each sequence's token budget).
+    #[arg(long, env = "ROLLOUT_MAX_KV_TOKENS", default_value_t = 65_536, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_kv_tokens: u32,
+    /// Most prompt tokens prefilled in one step.
+    #[arg(long, env = "ROLLOUT_MAX_PREFILL_TOKENS", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_prefill_tokens: u32,
+    /// What a weight swap does to sequences in flight.
+    #[arg(long, env = "ROLLOUT_SWAP_POLICY", value_enum, default_value_t = SwapPolicy::Drain)]
+    pub swap_policy: SwapPolicy,
+}
+
+impl EngineArgs {
+    pub fn config(&self) -> EngineConfig {
+        EngineConfig {
+            max_seqs: self.max_seqs as usize,
+            max_kv_tokens: self.max_kv_tokens as usize,
+            max_prefill_tokens: self.max_prefill_tokens as usize,
+            swap_policy: self.swap_policy,
+        }
+    }
+}
+
 impl Default for EngineConfig {
     fn default() -> Self {
         Self {
@@ -153,6 +181,9 @@ pub enum EngineError {
     /// The model failed (device, numerics).
     #[error(transparent)]
     Model(#[from] rookworld_lm::Error),
+    /// Generation failed after the request was accepted.
+    #[error("generation failed: {0}")]
+    Failed(String),
     /// The engine thread has stopped.
     #[error("the generation engine has stopped")]
     Stopped,

@@ -213,6 +213,29 @@ impl Scheduler {
         self.version = version;
     }
 
+    /// Steps until every request is done; returns the samples by (request, prompt,
+    /// sample) and the summed step statistics. A failed request is an error.
+    pub fn run_to_completion(&mut self) -> Result<(Vec<FinishedSample>, StepStats), EngineError> {
+        let (mut samples, mut total) = (Vec::new(), StepStats::default());
+        while self.has_work() {
+            let (events, stats) = self.step(true);
+            total.prefill_tokens += stats.prefill_tokens;
+            total.prefill_seconds += stats.prefill_seconds;
+            total.first_tokens += stats.first_tokens;
+            total.decode_rows += stats.decode_rows;
+            total.decode_seconds += stats.decode_seconds;
+            for event in events {
+                match event {
+                    Event::Sample(s) => samples.push(s),
+                    Event::Done(_) => {}
+                    Event::Failed(_, why) => return Err(EngineError::Failed(why)),
+                }
+            }
+        }
+        samples.sort_by_key(|s| (s.request, s.prompt_index, s.sample_index));
+        Ok((samples, total))
+    }
+
     /// One scheduling round: admits work into free rows (when `admit`), then decodes one
     /// token for every live row. Returns what finished.
     pub fn step(&mut self, admit: bool) -> (Vec<Event>, StepStats) {

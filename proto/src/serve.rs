@@ -1,0 +1,46 @@
+//! What every RookWorld gRPC server shares: reflection (v1 and v1alpha, our descriptors
+//! plus health's, so tools see every service) and the shutdown signal.
+
+use tonic_reflection::server::v1::{ServerReflection, ServerReflectionServer};
+use tonic_reflection::server::v1alpha::{
+    ServerReflection as ServerReflectionAlpha,
+    ServerReflectionServer as ServerReflectionAlphaServer,
+};
+
+fn builder() -> tonic_reflection::server::Builder<'static> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+}
+
+/// Server reflection, v1 and v1alpha (grpcurl and older clients use either).
+#[allow(clippy::type_complexity)]
+pub fn reflection_services() -> Result<
+    (
+        ServerReflectionServer<impl ServerReflection>,
+        ServerReflectionAlphaServer<impl ServerReflectionAlpha>,
+    ),
+    tonic_reflection::server::Error,
+> {
+    Ok((builder().build_v1()?, builder().build_v1alpha()?))
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+    tracing::info!("shutting down");
+}

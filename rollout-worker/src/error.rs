@@ -1,0 +1,68 @@
+//! Errors of the gRPC service, and their one mapping to gRPC status codes.
+
+use tonic::Status;
+
+use crate::engine::EngineError;
+use crate::weights::WeightError;
+
+/// Why a call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    /// The request is malformed or cannot be served as asked.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// Too much work is queued; retry later.
+    #[error("overloaded: {0}")]
+    Overloaded(String),
+    /// A control call without credentials.
+    #[error("unauthenticated: {0}")]
+    Unauthenticated(String),
+    /// A control call with wrong credentials (or none accepted).
+    #[error("permission denied: {0}")]
+    PermissionDenied(String),
+    /// A weight set was refused; the old weights stay.
+    #[error("weight update refused: {0}")]
+    Weights(#[from] WeightError),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("internal: {0}")]
+    Internal(String),
+}
+
+impl ServiceError {
+    /// Short stable label for metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::InvalidArgument(_) => "invalid",
+            Self::Overloaded(_) => "overloaded",
+            Self::Unauthenticated(_) => "unauthenticated",
+            Self::PermissionDenied(_) => "permission_denied",
+            Self::Weights(WeightError::Checksum { .. }) => "checksum",
+            Self::Weights(WeightError::Stale { .. }) => "stale",
+            Self::Weights(_) => "invalid",
+            Self::Engine(_) | Self::Internal(_) => "failed",
+        }
+    }
+}
+
+impl From<ServiceError> for Status {
+    fn from(e: ServiceError) -> Self {
+        let message = e.to_string();
+        match e {
+            ServiceError::InvalidArgument(_) => Status::invalid_argument(message),
+            ServiceError::Overloaded(_) => Status::resource_exhausted(message),
+            ServiceError::Unauthenticated(_) => Status::unauthenticated(message),
+            ServiceError::PermissionDenied(_) => Status::permission_denied(message),
+            ServiceError::Weights(WeightError::Checksum { .. }) => Status::data_loss(message),
+            ServiceError::Weights(WeightError::Stale { .. }) => {
+                Status::failed_precondition(message)
+            }
+            ServiceError::Weights(_) => Status::invalid_argument(message),
+            ServiceError::Engine(EngineError::InvalidRequest(_)) => {
+                Status::invalid_argument(message)
+            }
+            ServiceError::Engine(EngineError::Stopped) => Status::unavailable(message),
+            ServiceError::Engine(_) | ServiceError::Internal(_) => Status::internal(message),
+        }
+    }
+}

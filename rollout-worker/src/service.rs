@@ -1,0 +1,339 @@
+//! The gRPC service: streaming generation, chunked weight updates (shared-token
+//! authenticated), status, health and server reflection (v1 and v1alpha).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+
+use rookworld_lm::{Config, Tokenizer};
+use rookworld_proto::rollout::v1 as pb;
+use rookworld_proto::rollout::v1::rollout_service_server::{RolloutService, RolloutServiceServer};
+use rookworld_proto::v1 as common;
+use tokio::net::TcpListener;
+use tokio::sync::{Mutex, mpsc};
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::engine::{Engine, Event, Request as EngineRequest};
+use crate::error::ServiceError;
+use crate::metrics;
+use crate::weights::Assembler;
+
+/// Settings of the service around the engine.
+#[derive(Debug, Clone)]
+pub struct ServiceConfig {
+    /// Shared token that control calls must carry; `None` refuses every control call.
+    pub token: Option<String>,
+    /// Samples queued (not started) across all calls beyond which Generate is refused
+    /// with RESOURCE_EXHAUSTED.
+    pub max_queued_samples: usize,
+    /// Largest gRPC message, bytes (weight chunks are 1 MiB).
+    pub max_message_bytes: usize,
+}
+
+impl Default for ServiceConfig {
+    fn default() -> Self {
+        Self {
+            token: None,
+            max_queued_samples: 1 << 16,
+            max_message_bytes: 16 * 1024 * 1024,
+        }
+    }
+}
+
+/// The `RolloutService` implementation.
+#[derive(Debug)]
+pub struct RolloutServer {
+    engine: Arc<Engine>,
+    tokenizer: Tokenizer,
+    model_config: Config,
+    dtype: candle_core::DType,
+    device: candle_core::Device,
+    cfg: ServiceConfig,
+    /// One weight update at a time.
+    updating: Mutex<()>,
+}
+
+impl RolloutServer {
+    pub fn new(
+        engine: Arc<Engine>,
+        tokenizer: Tokenizer,
+        model_config: Config,
+        dtype: candle_core::DType,
+        device: candle_core::Device,
+        cfg: ServiceConfig,
+    ) -> Self {
+        Self {
+            engine,
+            tokenizer,
+            model_config,
+            dtype,
+            device,
+            cfg,
+            updating: Mutex::new(()),
+        }
+    }
+
+    /// The request's prompts as token ids.
+    fn prompt_ids(&self, prompts: Vec<pb::Prompt>) -> Result<Vec<Vec<u32>>, ServiceError> {
+        prompts
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| match (p.text.is_empty(), p.ids.is_empty()) {
+                (false, true) => {
+                    let mut ids = vec![self.model_config.bos_token_id];
+                    ids.extend(
+                        self.tokenizer.encode(&p.text).map_err(|e| {
+                            ServiceError::InvalidArgument(format!("prompt {i}: {e}"))
+                        })?,
+                    );
+                    Ok(ids)
+                }
+                (true, false) => Ok(p.ids),
+                _ => Err(ServiceError::InvalidArgument(format!(
+                    "prompt {i}: set exactly one of `text` and `ids`"
+                ))),
+            })
+            .collect()
+    }
+
+    fn engine_request(&self, r: pb::GenerateRequest) -> Result<EngineRequest, ServiceError> {
+        let sampling = r.sampling.unwrap_or_default();
+        let n = r.num_completions as usize;
+        let queued = self.engine.status().pending_samples;
+        let asked = r.prompts.len().saturating_mul(n);
+        if queued + asked > self.cfg.max_queued_samples {
+            return Err(ServiceError::Overloaded(format!(
+                "{queued} samples queued; {asked} more would exceed the limit of {}",
+                self.cfg.max_queued_samples
+            )));
+        }
+        Ok(EngineRequest {
+            prompts: self.prompt_ids(r.prompts)?,
+            n,
+            max_new_tokens: sampling.max_new_tokens as usize,
+            sampling: rookworld_lm::sampling::SamplingParams {
+                temperature: sampling.temperature,
+                top_k: sampling.top_k as usize,
+                top_p: if sampling.top_p == 0.0 {
+                    1.0
+                } else {
+                    sampling.top_p
+                },
+            },
+            seed: sampling.seed,
+            ignore_eos: false,
+        })
+    }
+
+    /// Refuses a control call whose `authorization` is not `Bearer <token>`.
+    fn authorize<T>(&self, request: &Request<T>) -> Result<(), ServiceError> {
+        let Some(token) = &self.cfg.token else {
+            return Err(ServiceError::PermissionDenied(
+                "this worker has no token configured, so it accepts no control calls".into(),
+            ));
+        };
+        let given = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .ok_or_else(|| {
+                ServiceError::Unauthenticated("missing `authorization: Bearer <token>`".into())
+            })?;
+        if !constant_time_eq(given.as_bytes(), token.as_bytes()) {
+            return Err(ServiceError::PermissionDenied("wrong token".into()));
+        }
+        Ok(())
+    }
+
+    async fn update_weights(
+        &self,
+        mut stream: Streaming<pb::WeightChunk>,
+    ) -> Result<pb::UpdateWeightsResponse, ServiceError> {
+        let _one_at_a_time = self.updating.lock().await;
+        let started = Instant::now();
+        // A payload may be somewhat larger than bf16 weights (header, an untied head).
+        let expected = self.model_config.num_parameters() * 2;
+        let mut assembler = Assembler::new(expected * 2 + (1 << 20));
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|s| {
+                ServiceError::InvalidArgument(format!("weight stream broke: {}", s.message()))
+            })?;
+            assembler.push(chunk)?;
+        }
+        let bytes = assembler.received();
+        let set = assembler.finish()?;
+        let (cfg, dtype, device) = (self.model_config.clone(), self.dtype, self.device.clone());
+        let current = self.engine.status().weight_version;
+        let (version, model) =
+            tokio::task::spawn_blocking(move || set.into_model(&cfg, dtype, &device, current))
+                .await
+                .map_err(|e| ServiceError::Internal(format!("weight loading panicked: {e}")))??;
+        self.engine.swap(model, version).await?;
+        let seconds = started.elapsed().as_secs_f64();
+        tracing::info!(version, bytes, seconds, "weights updated");
+        Ok(pb::UpdateWeightsResponse {
+            version,
+            bytes: bytes as u64,
+            seconds,
+        })
+    }
+}
+
+/// Equality that takes the same time wherever the first difference is.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl RolloutService for RolloutServer {
+    type GenerateStream = GenerateStream;
+
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<GenerateStream>, Status> {
+        let request = self.engine_request(request.into_inner())?;
+        let mut prompt_ids: Vec<Option<Vec<u32>>> =
+            request.prompts.iter().cloned().map(Some).collect();
+        let mut events = self
+            .engine
+            .submit(request)
+            .await
+            .map_err(ServiceError::from)?;
+        let (tx, rx) = mpsc::channel(64);
+        tokio::spawn(async move {
+            // Ends when the request is done or failed, or when the caller goes away (the
+            // send fails): dropping `events` then cancels the rest of its work.
+            while let Some(event) = events.next().await {
+                let item = match event {
+                    Event::Sample(s) => Ok(pb::GenerateResponse {
+                        prompt_index: s.prompt_index,
+                        sample_index: s.sample_index,
+                        prompt_ids: prompt_ids
+                            .get_mut(s.prompt_index as usize)
+                            .and_then(Option::take)
+                            .unwrap_or_default(),
+                        completion: Some(common::Completion {
+                            text: String::new(),
+                            finish_reason: match s.completion.finish_reason {
+                                rookworld_lm::generate::FinishReason::Eos => {
+                                    common::FinishReason::Eos
+                                }
+                                rookworld_lm::generate::FinishReason::Length => {
+                                    common::FinishReason::Length
+                                }
+                            } as i32,
+                            ids: s.completion.ids,
+                            logprobs: s.completion.logprobs,
+                            weight_version: s.weight_version,
+                        }),
+                    }),
+                    Event::Done(_) => break,
+                    Event::Failed(_, why) => Err(Status::internal(why)),
+                };
+                let last = item.is_err();
+                if tx.send(item).await.is_err() || last {
+                    break;
+                }
+            }
+        });
+        let tokenizer = self.tokenizer.clone();
+        let stream = ReceiverStream::new(rx).map(move |item| {
+            item.map(|mut r| {
+                if let Some(c) = r.completion.as_mut() {
+                    c.text = decode_text(&tokenizer, &c.ids);
+                }
+                r
+            })
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn update_weights(
+        &self,
+        request: Request<Streaming<pb::WeightChunk>>,
+    ) -> Result<Response<pb::UpdateWeightsResponse>, Status> {
+        let started = Instant::now();
+        let result = match self.authorize(&request) {
+            Ok(()) => self.update_weights(request.into_inner()).await,
+            Err(e) => Err(e),
+        };
+        let (label, bytes) = match &result {
+            Ok(r) => ("ok", r.bytes as usize),
+            Err(e) => (e.label(), 0),
+        };
+        metrics::record_weight_update(label, bytes, started.elapsed().as_secs_f64());
+        if let Err(e) = &result {
+            tracing::warn!(error = %e, "weight update refused; the old weights stay");
+        }
+        Ok(Response::new(result?))
+    }
+
+    async fn status(
+        &self,
+        _: Request<pb::StatusRequest>,
+    ) -> Result<Response<pb::StatusResponse>, Status> {
+        let s = self.engine.status();
+        let c = &self.model_config;
+        let (used, total) =
+            metrics::gpu_memory(&self.device).map_or((0, 0), |(free, total)| (total - free, total));
+        Ok(Response::new(pb::StatusResponse {
+            weight_version: s.weight_version,
+            device: s.device,
+            dtype: s.dtype,
+            live_sequences: s.live_rows as u32,
+            max_sequences: s.max_seqs as u32,
+            row_limit: s.row_limit as u32,
+            pending_requests: s.pending_requests as u32,
+            pending_samples: s.pending_samples as u64,
+            kv_tokens_reserved: s.reserved_kv_tokens as u64,
+            max_kv_tokens: s.max_kv_tokens as u64,
+            tokens_generated: s.tokens_generated,
+            tokens_per_second: s.tokens_per_second,
+            swap_pending: s.swap_pending,
+            model: format!(
+                "gpt2 n_layer={} n_embd={} n_head={} vocab={} ctx={}",
+                c.n_layer, c.n_embd, c.n_head, c.vocab_size, c.n_positions
+            ),
+            gpu_memory_used_bytes: used as u64,
+            gpu_memory_total_bytes: total as u64,
+        }))
+    }
+}
+
+/// Completion text without end-of-text; undecodable ids give an empty text, never an error.
+fn decode_text(tokenizer: &Tokenizer, ids: &[u32]) -> String {
+    tokenizer.decode(ids).unwrap_or_default()
+}
+
+/// Serves the rollout service, health and reflection on `listener` until `shutdown`
+/// completes; calls in flight finish first.
+pub async fn run(
+    server: RolloutServer,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let max = server.cfg.max_message_bytes;
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<RolloutServiceServer<RolloutServer>>()
+        .await;
+    let (reflection_v1, reflection_v1alpha) = rookworld_proto::serve::reflection_services()?;
+    let service = RolloutServiceServer::new(server)
+        .max_decoding_message_size(max)
+        .max_encoding_message_size(max);
+    tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(service)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,306 @@
+//! Weight sets on the wire: a model serialised as a bfloat16 safetensors payload,
+//! cut into chunks with a header (version, size, SHA-256), and put back together with
+//! every check made before anything is trusted.
+
+use rookworld_lm::{Config, Gpt2, checkpoint};
+use rookworld_proto::rollout::v1 as pb;
+use sha2::{Digest, Sha256};
+
+/// The one payload format accepted.
+pub const FORMAT: &str = "safetensors-bf16";
+
+/// Default chunk size: 1 MiB, far below any message-size limit.
+pub const CHUNK_BYTES: usize = 1 << 20;
+
+/// Why a weight set was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum WeightError {
+    /// The stream is not a well-formed weight set (header, order, sizes).
+    #[error("{0}")]
+    Malformed(String),
+    /// The payload's SHA-256 differs from the header's: corrupted in transit.
+    #[error("checksum mismatch: header says {expected}, payload hashes to {actual}")]
+    Checksum { expected: String, actual: String },
+    /// The payload does not hold this worker's model (names, shapes, parse).
+    #[error("payload is not a model of this worker's shape: {0}")]
+    Model(#[from] rookworld_lm::Error),
+    /// The version is not newer than the one in use.
+    #[error("version {offered} is not above the version in use ({current})")]
+    Stale { offered: u64, current: u64 },
+}
+
+/// A model serialised for a push: bfloat16 safetensors bytes and their SHA-256.
+#[derive(Debug, Clone)]
+pub struct WeightSet {
+    pub version: u64,
+    pub bytes: Vec<u8>,
+    pub sha256: [u8; 32],
+}
+
+impl WeightSet {
+    /// Serialises `model` (converted to bfloat16) as version `version`.
+    pub fn from_model(model: &Gpt2, version: u64) -> rookworld_lm::Result<Self> {
+        let bytes = checkpoint::to_bytes(model, candle_core::DType::BF16)?;
+        Ok(Self {
+            version,
+            sha256: Sha256::digest(&bytes).into(),
+            bytes,
+        })
+    }
+
+    /// The chunks of this set, header on the first.
+    pub fn chunks(&self, chunk_bytes: usize) -> Vec<pb::WeightChunk> {
+        let mut out: Vec<pb::WeightChunk> = self
+            .bytes
+            .chunks(chunk_bytes.max(1))
+            .enumerate()
+            .map(|(i, data)| pb::WeightChunk {
+                header: None,
+                offset: (i * chunk_bytes.max(1)) as u64,
+                data: data.to_vec(),
+            })
+            .collect();
+        if out.is_empty() {
+            out.push(pb::WeightChunk::default());
+        }
+        out[0].header = Some(pb::WeightSetHeader {
+            version: self.version,
+            total_bytes: self.bytes.len() as u64,
+            sha256: self.sha256.to_vec(),
+            format: FORMAT.into(),
+        });
+        out
+    }
+}
+
+/// Puts a chunk stream back together, refusing anything out of order or over size.
+#[derive(Debug)]
+pub struct Assembler {
+    max_bytes: usize,
+    header: Option<pb::WeightSetHeader>,
+    bytes: Vec<u8>,
+}
+
+impl Assembler {
+    /// Accepts payloads of at most `max_bytes`.
+    pub fn new(max_bytes: usize) -> Self {
+        Self {
+            max_bytes,
+            header: None,
+            bytes: Vec::new(),
+        }
+    }
+
+    /// Bytes received so far.
+    pub fn received(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// Takes the next chunk.
+    pub fn push(&mut self, chunk: pb::WeightChunk) -> Result<(), WeightError> {
+        let bad = |m: String| Err(WeightError::Malformed(m));
+        match (&self.header, chunk.header) {
+            (None, None) => return bad("the first chunk carries no header".into()),
+            (Some(_), Some(_)) => return bad("a header in a chunk after the first".into()),
+            (None, Some(h)) => {
+                if h.format != FORMAT {
+                    return bad(format!(
+                        "format `{}` is not supported (use `{FORMAT}`)",
+                        h.format
+                    ));
+                }
+                if h.sha256.len() != 32 {
+                    return bad(format!("sha256 has {} bytes, not 32", h.sha256.len()));
+                }
+                if h.total_bytes > self.max_bytes as u64 {
+                    return bad(format!(
+                        "payload of {} bytes exceeds this worker's limit of {} bytes",
+                        h.total_bytes, self.max_bytes
+                    ));
+                }
+                self.bytes.reserve_exact(h.total_bytes as usize);
+                self.header = Some(h);
+            }
+            (Some(_), None) => {}
+        }
+        let total = self.header.as_ref().expect("set above").total_bytes;
+        if chunk.offset != self.bytes.len() as u64 {
+            return bad(format!(
+                "chunk at offset {} but {} bytes received so far",
+                chunk.offset,
+                self.bytes.len()
+            ));
+        }
+        if self.bytes.len() as u64 + chunk.data.len() as u64 > total {
+            return bad(format!("chunks exceed the announced {total} bytes"));
+        }
+        self.bytes.extend_from_slice(&chunk.data);
+        Ok(())
+    }
+
+    /// The complete payload, after the size and checksum checks.
+    pub fn finish(self) -> Result<WeightSet, WeightError> {
+        let Some(h) = self.header else {
+            return Err(WeightError::Malformed("empty stream: no chunks".into()));
+        };
+        if self.bytes.len() as u64 != h.total_bytes {
+            return Err(WeightError::Malformed(format!(
+                "stream ended after {} of {} bytes",
+                self.bytes.len(),
+                h.total_bytes
+            )));
+        }
+        let actual: [u8; 32] = Sha256::digest(&self.bytes).into();
+        if actual[..] != h.sha256[..] {
+            return Err(WeightError::Checksum {
+                expected: hex(&h.sha256),
+                actual: hex(&actual),
+            });
+        }
+        Ok(WeightSet {
+            version: h.version,
+            bytes: self.bytes,
+            sha256: actual,
+        })
+    }
+}
+
+impl WeightSet {
+    /// Builds the model (`cfg`'s shape, into `dtype` on `device`) after checking every
+    /// tensor, for a worker whose current version is `current`.
+    pub fn into_model(
+        self,
+        cfg: &Config,
+        dtype: candle_core::DType,
+        device: &candle_core::Device,
+        current: u64,
+    ) -> Result<(u64, Gpt2), WeightError> {
+        if self.version <= current {
+            return Err(WeightError::Stale {
+                offered: self.version,
+                current,
+            });
+        }
+        let model = checkpoint::from_bytes(&self.bytes, cfg, dtype, device)?;
+        Ok((self.version, model))
+    }
+}
+
+/// Pushes `set` to a worker in `chunk_bytes` chunks with the shared `token`; the answer
+/// comes once the worker uses the new weights.
+pub async fn push(
+    client: &mut pb::rollout_service_client::RolloutServiceClient<tonic::transport::Channel>,
+    set: &WeightSet,
+    token: &str,
+    chunk_bytes: usize,
+) -> Result<pb::UpdateWeightsResponse, tonic::Status> {
+    let mut request = tonic::Request::new(tokio_stream::iter(set.chunks(chunk_bytes)));
+    let value = format!("Bearer {token}")
+        .parse()
+        .map_err(|_| tonic::Status::invalid_argument("the token is not valid in a header"))?;
+    request.metadata_mut().insert("authorization", value);
+    Ok(client.update_weights(request).await?.into_inner())
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device};
+    use rookworld_lm::checkpoint::init_random;
+
+    use super::*;
+
+    fn set() -> WeightSet {
+        let m = init_random(&Config::tiny(), 1, DType::F32, &Device::Cpu).unwrap();
+        WeightSet::from_model(&m, 3).unwrap()
+    }
+
+    fn assemble(chunks: Vec<pb::WeightChunk>) -> Result<WeightSet, WeightError> {
+        let mut a = Assembler::new(1 << 30);
+        for c in chunks {
+            a.push(c)?;
+        }
+        a.finish()
+    }
+
+    #[test]
+    fn chunks_reassemble_into_the_same_model() {
+        let s = set();
+        let chunks = s.chunks(10_000);
+        assert!(chunks.len() > 10);
+        let back = assemble(chunks).unwrap();
+        assert_eq!(
+            (back.version, back.sha256, back.bytes.len()),
+            (3, s.sha256, s.bytes.len())
+        );
+        let (v, m) = back
+            .into_model(&Config::tiny(), DType::F32, &Device::Cpu, 2)
+            .unwrap();
+        assert_eq!(v, 3);
+        assert_eq!(m.named_tensors().len(), Config::tiny().n_layer * 12 + 4);
+    }
+
+    #[test]
+    fn corruption_gaps_and_stale_versions_are_refused() {
+        let s = set();
+        let mut chunks = s.chunks(10_000);
+        chunks[3].data[17] ^= 0x40;
+        assert!(matches!(
+            assemble(chunks).unwrap_err(),
+            WeightError::Checksum { .. }
+        ));
+
+        let mut chunks = s.chunks(10_000);
+        chunks.remove(2);
+        assert!(assemble(chunks).unwrap_err().to_string().contains("offset"));
+
+        let mut chunks = s.chunks(10_000);
+        chunks.pop();
+        assert!(
+            assemble(chunks)
+                .unwrap_err()
+                .to_string()
+                .contains("ended after")
+        );
+
+        let mut chunks = s.chunks(10_000);
+        chunks[0].header = None;
+        assert!(
+            assemble(chunks)
+                .unwrap_err()
+                .to_string()
+                .contains("no header")
+        );
+
+        let mut a = Assembler::new(1000);
+        assert!(
+            a.push(s.chunks(10_000).remove(0))
+                .unwrap_err()
+                .to_string()
+                .contains("limit")
+        );
+
+        let err = set()
+            .into_model(&Config::tiny(), DType::F32, &Device::Cpu, 3)
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            WeightError::Stale {
+                offered: 3,
+                current: 3
+            }
+        ));
+
+        let other = Config {
+            n_layer: 3,
+            ..Config::tiny()
+        };
+        let err = set()
+            .into_model(&other, DType::F32, &Device::Cpu, 0)
+            .unwrap_err();
+        assert!(err.to_string().contains("h.2"), "{err}");
+    }
+}

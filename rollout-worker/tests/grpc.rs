@@ -1,0 +1,452 @@
+//! The real gRPC service on 127.0.0.1:0: streaming generation, weight updates (refused
+//! without the token, rejected when corrupted, old weights kept), a swap in the middle of
+//! generation, status, health, reflection and a Prometheus scrape.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use candle_core::{DType, Device};
+use rollout_worker::engine::{
+    Engine, EngineConfig, Request as EngineRequest, Scheduler, SwapPolicy,
+};
+use rollout_worker::service::{self, RolloutServer, ServiceConfig};
+use rollout_worker::weights::{self, WeightSet};
+use rookworld_lm::checkpoint::{self, init_random};
+use rookworld_lm::sampling::SamplingParams;
+use rookworld_lm::{Config, Gpt2, Tokenizer};
+use rookworld_proto::rollout::v1 as pb;
+use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
+use rookworld_proto::v1::SamplingParams as PbSampling;
+use tokio::sync::oneshot;
+use tokio_stream::StreamExt;
+use tonic::Code;
+use tonic::transport::Channel;
+
+const TOKEN: &str = "s3cret-token";
+const PROMPTS: [&str; 2] = [
+    "P: rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1    M:",
+    "A: rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1+e2e4+e2e4+",
+];
+
+fn model(seed: u64) -> Gpt2 {
+    init_random(&Config::tiny(), seed, DType::F32, &Device::Cpu).unwrap()
+}
+
+struct Server {
+    addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    handle: tokio::task::JoinHandle<()>,
+}
+
+impl Server {
+    async fn start(engine_cfg: EngineConfig) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let engine = Arc::new(Engine::start(model(1), 0, engine_cfg));
+        let server = RolloutServer::new(
+            engine,
+            Tokenizer::gpt2(),
+            Config::tiny(),
+            DType::F32,
+            Device::Cpu,
+            ServiceConfig {
+                token: Some(TOKEN.into()),
+                ..ServiceConfig::default()
+            },
+        );
+        let (tx, rx) = oneshot::channel::<()>();
+        let handle = tokio::spawn(async move {
+            service::run(server, listener, async {
+                let _ = rx.await;
+            })
+            .await
+            .unwrap();
+        });
+        Self {
+            addr,
+            stop: Some(tx),
+            handle,
+        }
+    }
+
+    async fn channel(&self) -> Channel {
+        Channel::from_shared(format!("http://{}", self.addr))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap()
+    }
+
+    async fn client(&self) -> RolloutServiceClient<Channel> {
+        RolloutServiceClient::new(self.channel().await)
+    }
+
+    async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        self.handle.await.unwrap();
+    }
+}
+
+fn generate_request(n: u32, max_new_tokens: u32, seed: u64) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        prompts: PROMPTS
+            .iter()
+            .map(|t| pb::Prompt {
+                text: (*t).into(),
+                ids: vec![],
+            })
+            .collect(),
+        num_completions: n,
+        sampling: Some(PbSampling {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            max_new_tokens,
+            seed,
+        }),
+    }
+}
+
+/// Every response of a Generate call, by (prompt, sample).
+async fn generate(
+    client: &mut RolloutServiceClient<Channel>,
+    r: pb::GenerateRequest,
+) -> BTreeMap<(u32, u32), pb::GenerateResponse> {
+    let mut stream = client.generate(r).await.unwrap().into_inner();
+    let mut out = BTreeMap::new();
+    while let Some(item) = stream.next().await {
+        let item = item.unwrap();
+        assert!(
+            out.insert((item.prompt_index, item.sample_index), item)
+                .is_none(),
+            "a sample came twice"
+        );
+    }
+    out
+}
+
+/// What the engine alone makes of the same request with `m`.
+fn expected(m: Gpt2, n: usize, max_new_tokens: usize, seed: u64) -> Vec<Vec<u32>> {
+    let tok = Tokenizer::gpt2();
+    let prompts = PROMPTS
+        .iter()
+        .map(|t| {
+            let mut ids = vec![m.config().bos_token_id];
+            ids.extend(tok.encode(t).unwrap());
+            ids
+        })
+        .collect();
+    let mut s = Scheduler::new(Arc::new(m), 0, EngineConfig::default());
+    s.submit(EngineRequest {
+        prompts,
+        n,
+        max_new_tokens,
+        sampling: SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+        },
+        seed,
+        ignore_eos: false,
+    })
+    .unwrap();
+    s.run_to_completion()
+        .unwrap()
+        .0
+        .into_iter()
+        .map(|x| x.completion.ids)
+        .collect()
+}
+
+/// The bfloat16 weight set of `m` and the model a worker builds from it.
+fn bf16_set(m: &Gpt2, version: u64) -> (WeightSet, Gpt2) {
+    let set = WeightSet::from_model(m, version).unwrap();
+    let received =
+        checkpoint::from_bytes(&set.bytes, &Config::tiny(), DType::F32, &Device::Cpu).unwrap();
+    (set, received)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generate_streams_every_completion_with_logprobs_and_version() {
+    let server = Server::start(EngineConfig::default()).await;
+    let mut client = server.client().await;
+    let got = generate(&mut client, generate_request(3, 10, 4)).await;
+    assert_eq!(got.len(), 6);
+    let want = expected(model(1), 3, 10, 4);
+    for (k, ((p, _), r)) in got.iter().enumerate() {
+        let c = r.completion.as_ref().unwrap();
+        assert_eq!(c.ids, want[k]);
+        assert_eq!(c.logprobs.len(), c.ids.len());
+        assert!(c.logprobs.iter().all(|l| l.is_finite() && *l <= 0.0));
+        assert_eq!(c.weight_version, 0);
+        assert!(
+            r.prompt_ids.is_empty() || r.prompt_ids[0] == 50256,
+            "prompt {p} fed with BOS"
+        );
+    }
+    // Prompt ids come once per prompt.
+    assert_eq!(got.values().filter(|r| !r.prompt_ids.is_empty()).count(), 2);
+
+    // Bad requests fail before anything is generated.
+    let mut bad = generate_request(0, 10, 4);
+    let err = client.generate(bad.clone()).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    bad.num_completions = 1;
+    bad.prompts[0].ids = vec![1, 2];
+    let err = client.generate(bad.clone()).await.unwrap_err();
+    assert!(err.message().contains("exactly one"), "{err:?}");
+    bad.prompts[0].text.clear();
+    bad.prompts[0].ids = vec![70_000];
+    let err = client.generate(bad).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("vocabulary"), "{err:?}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weight_updates_need_the_token_and_a_valid_payload_and_keep_old_weights_otherwise() {
+    let server = Server::start(EngineConfig::default()).await;
+    let mut client = server.client().await;
+    let status = |c: &mut RolloutServiceClient<Channel>| {
+        let mut c = c.clone();
+        async move { c.status(pb::StatusRequest {}).await.unwrap().into_inner() }
+    };
+    let before = generate(&mut client, generate_request(2, 8, 1)).await;
+    let (set, received) = bf16_set(&model(2), 1);
+
+    // No token, wrong token: refused before any byte is read.
+    let err = client
+        .update_weights(tokio_stream::iter(set.chunks(64 * 1024)))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
+    let err = weights::push(&mut client, &set, "wrong", 64 * 1024)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+
+    // A corrupted chunk: rejected by the checksum.
+    let mut corrupted = set.clone();
+    corrupted.bytes[1000] ^= 1;
+    corrupted.sha256 = set.sha256;
+    let err = weights::push(&mut client, &corrupted, TOKEN, 64 * 1024)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::DataLoss, "{err:?}");
+    assert_eq!(status(&mut client).await.weight_version, 0);
+    // The old weights are still in use: same output as before.
+    assert_eq!(
+        generate(&mut client, generate_request(2, 8, 1)).await,
+        before
+    );
+
+    // A valid update lands and is used.
+    let answer = weights::push(&mut client, &set, TOKEN, 64 * 1024)
+        .await
+        .unwrap();
+    assert_eq!((answer.version, answer.bytes), (1, set.bytes.len() as u64));
+    let s = status(&mut client).await;
+    assert_eq!(
+        (s.weight_version, s.device.as_str(), s.dtype.as_str()),
+        (1, "cpu", "f32")
+    );
+    let after = generate(&mut client, generate_request(2, 8, 1)).await;
+    let want = expected(received, 2, 8, 1);
+    for (k, r) in after.values().enumerate() {
+        let c = r.completion.as_ref().unwrap();
+        assert_eq!((c.weight_version, &c.ids), (1, &want[k]));
+    }
+    // The same version again is stale.
+    let err = weights::push(&mut client, &set, TOKEN, 64 * 1024)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_swap_during_generation_never_mixes_versions_in_a_completion() {
+    for policy in [SwapPolicy::Drain, SwapPolicy::Restart] {
+        // Two rows for eight samples: most samples wait while the swap arrives.
+        let server = Server::start(EngineConfig {
+            max_seqs: 2,
+            swap_policy: policy,
+            ..EngineConfig::default()
+        })
+        .await;
+        let mut client = server.client().await;
+        let (set, received) = bf16_set(&model(3), 7);
+        let mut stream = client
+            .generate(generate_request(4, 40, 9))
+            .await
+            .unwrap()
+            .into_inner();
+        let first = stream.next().await.unwrap().unwrap();
+        let mut pusher = client.clone();
+        let push =
+            tokio::spawn(async move { weights::push(&mut pusher, &set, TOKEN, 64 * 1024).await });
+        let mut got = BTreeMap::from([((first.prompt_index, first.sample_index), first)]);
+        while let Some(item) = stream.next().await {
+            let item = item.unwrap();
+            got.insert((item.prompt_index, item.sample_index), item);
+        }
+        assert_eq!(push.await.unwrap().unwrap().version, 7);
+        assert_eq!(got.len(), 8);
+        let old = expected(model(1), 4, 40, 9);
+        let new = expected(received.clone(), 4, 40, 9);
+        let mut versions = std::collections::BTreeSet::new();
+        for (k, r) in got.values().enumerate() {
+            let c = r.completion.as_ref().unwrap();
+            versions.insert(c.weight_version);
+            let want = if c.weight_version == 0 {
+                &old[k]
+            } else {
+                &new[k]
+            };
+            assert_eq!(
+                &c.ids, want,
+                "{policy:?}: sample {k} is not all version {}",
+                c.weight_version
+            );
+        }
+        assert_eq!(versions.len(), 2, "{policy:?}: the swap landed mid-request");
+        server.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_reflection_and_metrics_are_served() {
+    let metrics_addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    rollout_worker::metrics::install_exporter(metrics_addr).unwrap();
+    let server = Server::start(EngineConfig::default()).await;
+    let mut client = server.client().await;
+    generate(&mut client, generate_request(2, 6, 0)).await;
+
+    let mut health = tonic_health::pb::health_client::HealthClient::new(server.channel().await);
+    let reply = health
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "rookworld.rollout.v1.RolloutService".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        reply.status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+
+    for alpha in [false, true] {
+        let services = list_services(server.channel().await, alpha).await;
+        for s in [
+            "rookworld.rollout.v1.RolloutService",
+            "grpc.health.v1.Health",
+        ] {
+            assert!(
+                services.iter().any(|x| x == s),
+                "{s} missing from {services:?} (v1alpha: {alpha})"
+            );
+        }
+    }
+
+    let body = tokio::task::spawn_blocking(move || scrape(metrics_addr))
+        .await
+        .unwrap();
+    for name in [
+        "rollout_tokens_generated_total",
+        "rollout_weight_version",
+        "rollout_batch_occupancy",
+        "rollout_pending_requests",
+        "rollout_decode_step_seconds_bucket",
+        "rollout_prefill_seconds_sum",
+        "rollout_completions_total{finish_reason=",
+    ] {
+        assert!(body.contains(name), "{name} missing from\n{body}");
+    }
+    let tokens: f64 = body
+        .lines()
+        .find(|l| l.starts_with("rollout_tokens_generated_total "))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(tokens >= 12.0, "{tokens}");
+    server.stop().await;
+}
+
+async fn list_services(channel: Channel, alpha: bool) -> Vec<String> {
+    if alpha {
+        use tonic_reflection::pb::v1alpha::ServerReflectionRequest;
+        use tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient;
+        use tonic_reflection::pb::v1alpha::server_reflection_request::MessageRequest;
+        use tonic_reflection::pb::v1alpha::server_reflection_response::MessageResponse;
+        let request = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut client = ServerReflectionClient::new(channel);
+        let mut stream = client
+            .server_reflection_info(tokio_stream::iter([request]))
+            .await
+            .unwrap()
+            .into_inner();
+        match stream
+            .next()
+            .await
+            .unwrap()
+            .unwrap()
+            .message_response
+            .unwrap()
+        {
+            MessageResponse::ListServicesResponse(l) => {
+                l.service.into_iter().map(|s| s.name).collect()
+            }
+            other => panic!("{other:?}"),
+        }
+    } else {
+        use tonic_reflection::pb::v1::ServerReflectionRequest;
+        use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+        use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+        use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+        let request = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut client = ServerReflectionClient::new(channel);
+        let mut stream = client
+            .server_reflection_info(tokio_stream::iter([request]))
+            .await
+            .unwrap()
+            .into_inner();
+        match stream
+            .next()
+            .await
+            .unwrap()
+            .unwrap()
+            .message_response
+            .unwrap()
+        {
+            MessageResponse::ListServicesResponse(l) => {
+                l.service.into_iter().map(|s| s.name).collect()
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+fn scrape(addr: SocketAddr) -> String {
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        stream,
+        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut body = String::new();
+    stream.read_to_string(&mut body).unwrap();
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    body
+}
