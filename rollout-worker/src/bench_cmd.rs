@@ -14,7 +14,7 @@ use rookworld_lm::cli::ModelArgs;
 use rookworld_lm::generate::{GenerationConfig, generate_batch};
 use rookworld_lm::sampling::SamplingParams;
 
-use crate::engine::{EngineConfig, EngineError, Request, Scheduler};
+use crate::engine::{EngineConfig, EngineError, Request, Scheduler, prepare_model};
 
 /// The start-position policy prompt: 46 tokens.
 pub const BENCH_PROMPT: &str = "P: rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1    M:";
@@ -36,6 +36,9 @@ pub struct BenchArgs {
     /// Timed repetitions; the fastest is reported.
     #[arg(long, default_value_t = 2)]
     pub repeat: usize,
+    /// Measure only the engine on the batch (no single stream, no reference): for profiling.
+    #[arg(long)]
+    pub batch_only: bool,
 }
 
 /// Which generation path a measurement runs.
@@ -111,7 +114,8 @@ fn measure(
 pub fn run(args: &BenchArgs, out: &mut impl Write) -> Result<(), EngineError> {
     let loaded = args.model.load()?;
     let prompt = loaded.tokenizer.encode(BENCH_PROMPT)?;
-    let model = Arc::new(loaded.model);
+    let reference = Arc::new(loaded.model.clone());
+    let model = Arc::new(prepare_model(loaded.model)?);
     // Warm-up: allocator and thread pool.
     let warm = BenchArgs {
         max_new_tokens: 4,
@@ -119,6 +123,11 @@ pub fn run(args: &BenchArgs, out: &mut impl Write) -> Result<(), EngineError> {
         ..args.clone()
     };
     measure(&model, &prompt, 1, 1, &warm, Path::Engine)?;
+    if args.batch_only {
+        let batch = measure(&model, &prompt, args.prompts, args.n, args, Path::Engine)?;
+        return writeln!(out, "{}", serde_json::json!({ "batch": batch }))
+            .map_err(|e| EngineError::Failed(format!("<stdout>: {e}")));
+    }
     let report = serde_json::json!({
         "source": loaded.source,
         "device": format!("{:?}", loaded.device),
@@ -126,7 +135,7 @@ pub fn run(args: &BenchArgs, out: &mut impl Write) -> Result<(), EngineError> {
         "prompt_tokens": prompt.len(),
         "batch": measure(&model, &prompt, args.prompts, args.n, args, Path::Engine)?,
         "single": measure(&model, &prompt, 1, 1, args, Path::Engine)?,
-        "reference_batch": measure(&model, &prompt, args.prompts, args.n, args, Path::Reference)?,
+        "reference_batch": measure(&reference, &prompt, args.prompts, args.n, args, Path::Reference)?,
     });
     writeln!(out, "{report}").map_err(|e| EngineError::Failed(format!("<stdout>: {e}")))
 }

@@ -15,7 +15,7 @@ use rookworld_lm::sampling::SamplingParams;
 use rookworld_lm::{Error, Result};
 use serde::Serialize;
 
-use crate::engine::{EngineArgs, EngineError, Request, Scheduler};
+use crate::engine::{EngineArgs, EngineError, Request, Scheduler, prepare_model};
 
 /// Options of `rollout-worker generate`.
 #[derive(Debug, Clone, clap::Args)]
@@ -132,7 +132,8 @@ pub fn run(args: &GenerateArgs, out: &mut impl Write) -> std::result::Result<(),
         })
         .collect::<Result<Vec<_>>>()?;
 
-    let mut engine = Scheduler::new(Arc::new(loaded.model), 0, args.engine.config());
+    let model = Arc::new(prepare_model(loaded.model)?);
+    let mut engine = Scheduler::new(model, 0, args.engine.config());
     engine.submit(Request {
         prompts: encoded.clone(),
         n: args.n,

@@ -86,8 +86,9 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", args.listen)))?;
+    let model = crate::engine::prepare_model(loaded.model)?;
     let engine = Arc::new(Engine::start(
-        loaded.model,
+        model,
         args.initial_version,
         args.engine.config(),
     ));

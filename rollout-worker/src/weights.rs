@@ -166,8 +166,8 @@ impl Assembler {
 }
 
 impl WeightSet {
-    /// Builds the model (`cfg`'s shape, into `dtype` on `device`) after checking every
-    /// tensor, for a worker whose current version is `current`.
+    /// Builds the model (`cfg`'s shape, into `dtype` on `device`, packed for the CPU
+    /// kernel where it applies) after checking every tensor, for a worker whose current version is `current`.
     pub fn into_model(
         self,
         cfg: &Config,
@@ -181,7 +181,8 @@ impl WeightSet {
                 current,
             });
         }
-        let model = checkpoint::from_bytes(&self.bytes, cfg, dtype, device)?;
+        let mut model = checkpoint::from_bytes(&self.bytes, cfg, dtype, device)?;
+        model.pack_for_cpu().map_err(rookworld_lm::Error::from)?;
         Ok((self.version, model))
     }
 }

@@ -76,8 +76,14 @@ fn four_completions_and_47_prompt_ids_for_the_start_position() {
         assert!(["eos", "length"].contains(&c["finish_reason"].as_str().unwrap()));
         assert!(c["text"].is_string());
     }
-    assert!(line["timing"]["batch_tokens_per_second"].as_f64().unwrap() > 0.0);
-    assert_eq!(line["timing"]["batch_prompts"], 1);
+    assert!(line["timing"]["run_tokens_per_second"].as_f64().unwrap() > 0.0);
+    assert!(
+        line["completions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|c| c["weight_version"] == 0)
+    );
     // Same seed, same output.
     let again = json_lines(&run(&[
         "generate",
@@ -112,7 +118,7 @@ fn prompts_file_and_repeated_prompts_give_one_line_each_in_order() {
         "0",
         "--max-new-tokens",
         "4",
-        "--batch-prompts",
+        "--max-seqs",
         "2",
     ]);
     let lines = json_lines(&out);
@@ -121,11 +127,13 @@ fn prompts_file_and_repeated_prompts_give_one_line_each_in_order() {
         .map(|l| l["prompt"].as_str().unwrap())
         .collect();
     assert_eq!(prompts, ["P: zero", "A: first", "A: second"]);
-    let batches: Vec<u64> = lines
-        .iter()
-        .map(|l| l["timing"]["batch_prompts"].as_u64().unwrap())
-        .collect();
-    assert_eq!(batches, [2, 2, 1], "two batches: 2 prompts, then 1");
+    // Two rows for three prompts: the third starts when a row frees, and every prompt
+    // still gets its completion.
+    assert!(
+        lines
+            .iter()
+            .all(|l| l["completions"].as_array().unwrap().len() == 1)
+    );
 }
 
 #[test]

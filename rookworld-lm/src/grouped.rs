@@ -17,6 +17,7 @@
 use candle_core::{Device, Result, Tensor};
 
 use crate::cache::KvCache;
+use crate::cpu_attention::{Geometry, decode_attention, with_f32};
 use crate::mask::LeftPadding;
 
 /// Smallest suffix buffer, in columns and in rows.
@@ -60,6 +61,11 @@ pub(crate) struct StepPlan {
     pub suffix_bias: Tensor,
     /// (B, 1) u32 position id of the token each row feeds.
     pub positions: Tensor,
+    /// The same geometry as plain numbers, for the CPU attention kernel.
+    pub row_group: Vec<usize>,
+    pub row_start: Vec<usize>,
+    pub group_pad: Vec<usize>,
+    pub pool_len: usize,
 }
 
 /// Prompt caches held once per prompt, plus the per-row caches of their samples.
@@ -253,6 +259,10 @@ impl GroupedCache {
             prefix_bias: Tensor::from_vec(prefix_bias, (n, 1, 1, self.pool_len), device)?,
             suffix_bias: Tensor::from_vec(suffix_bias, (b, 1, 1, window), device)?,
             positions: Tensor::from_vec(positions, (b, 1), device)?,
+            row_group: self.rows.iter().map(|r| r.group).collect(),
+            row_start: self.rows.iter().map(|r| r.start).collect(),
+            group_pad: self.prefix_len.iter().map(|&l| self.pool_len - l).collect(),
+            pool_len: self.pool_len,
         })
     }
 
@@ -359,6 +369,46 @@ impl GroupedLayer {
         let window = plan.cursor + 1 - plan.first;
         let view = |t: &Tensor| t.narrow(0, 0, b)?.narrow(2, plan.first, window);
         Ok((view(sk)?, view(sv)?))
+    }
+}
+
+impl GroupedLayer {
+    /// The step's attention output (B, H·D) computed on the CPU straight from the
+    /// buffers ([`crate::cpu_attention`]), after [`Self::append`]; `None` when the cache
+    /// is not f32 on the CPU (then the tensor path runs).
+    pub(crate) fn cpu_attention(
+        &self,
+        q: &Tensor, // (B, H, 1, D)
+        plan: &StepPlan,
+    ) -> Result<Option<Tensor>> {
+        let (Some((pk, pv)), Some((sk, sv))) = (&self.prefix, &self.suffix) else {
+            return Ok(None);
+        };
+        let (b, h, _, d) = q.dims4()?;
+        let geometry = Geometry {
+            heads: h,
+            head_dim: d,
+            pool_len: plan.pool_len,
+            suffix_cols: sk.dim(2)?,
+            group_pad: &plan.group_pad,
+            row_group: &plan.row_group,
+            row_start: &plan.row_start,
+            cursor: plan.cursor,
+            scale: 1.0 / (d as f32).sqrt(),
+        };
+        let out = with_f32(q, |q| {
+            with_f32(pk, |pk| {
+                with_f32(pv, |pv| {
+                    with_f32(sk, |sk| {
+                        with_f32(sv, |sv| decode_attention(&geometry, q, (pk, pv), (sk, sv)))
+                    })
+                })
+            })
+        });
+        match out.flatten().flatten().flatten().flatten() {
+            Some(y) => Ok(Some(Tensor::from_vec(y, (b, h * d), q.device())?)),
+            None => Ok(None),
+        }
     }
 }
 

@@ -7,6 +7,8 @@
 //! - [`grouped`]: the decode cache of continuous batching, one prompt cache per group ([`GroupedCache`]).
 //! - [`mask`]: position ids and attention bias for left-padded batches ([`LeftPadding`]).
 //! - [`checkpoint`]: loading and saving Hugging Face checkpoints, seeded random init.
+//! - [`cpu_gemm`]: packed-weight f32 matmul for CPU inference (AVX2/FMA).
+//! - [`simd`]: vectorised exp and GELU for the CPU hot paths.
 //! - [`tokenizer`]: GPT-2 byte-level BPE, built in.
 //! - [`sampling`]: greedy / temperature / top-k / top-p with per-row seeded streams.
 //! - [`generate`]: G completions per prompt, prompt prefilled once.
@@ -18,6 +20,8 @@ pub mod cache;
 pub mod checkpoint;
 pub mod cli;
 pub mod config;
+mod cpu_attention;
+pub mod cpu_gemm;
 pub mod device;
 pub mod error;
 pub mod generate;
@@ -25,6 +29,7 @@ pub mod grouped;
 pub mod mask;
 pub mod model;
 pub mod sampling;
+pub mod simd;
 pub mod tokenizer;
 
 pub use cache::KvCache;

@@ -9,11 +9,14 @@
 //! kept in Hugging Face's Conv1D layout `[in, out]`, so loading and saving are mechanical.
 //! No dropout exists anywhere: training and inference run the same deterministic forward.
 
+use std::sync::Arc;
+
 use candle_core::{D, DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::cache::{KvCache, LayerCache};
 use crate::config::{Activation, Config};
+use crate::cpu_gemm::{Epilogue, PackedMatrix};
 use crate::grouped::{GroupedCache, GroupedLayer, StepPlan, with_zero_row};
 use crate::mask::LeftPadding;
 
@@ -29,6 +32,8 @@ fn tracked(t: &Tensor) -> bool {
 struct Conv1D {
     weight: Tensor, // (in, out)
     bias: Tensor,   // (out)
+    /// `weight` and `bias` packed for the CPU kernel ([`Gpt2::pack_for_cpu`]).
+    packed: Option<Arc<PackedMatrix>>,
 }
 
 impl Conv1D {
@@ -36,12 +41,45 @@ impl Conv1D {
         Ok(Self {
             weight: vb.get((d_in, d_out), "weight")?,
             bias: vb.get(d_out, "bias")?,
+            packed: None,
         })
+    }
+
+    fn pack(&mut self, epilogue: Epilogue) -> candle_core::Result<()> {
+        let (d_in, d_out) = self.weight.dims2()?;
+        let w = self.weight.flatten_all()?.to_vec1::<f32>()?;
+        let bias = self.bias.to_vec1::<f32>()?;
+        let packed = PackedMatrix::pack(&w, d_in, d_out, false, Some(bias)).with_epilogue(epilogue);
+        self.packed = Some(Arc::new(packed));
+        Ok(())
+    }
+
+    /// `act(x W + b)` in one pass when the packed kernel fuses `act` and applies to `x`.
+    fn forward_fused(&self, x: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let Some(packed) = self
+            .packed
+            .as_ref()
+            .filter(|p| p.epilogue() != Epilogue::None)
+        else {
+            return Ok(None);
+        };
+        let (b, t, d_in) = x.dims3()?;
+        packed_matmul(packed, &x.reshape((b * t, d_in))?)?
+            .map(|y| y.reshape((b, t, packed.n())))
+            .transpose()
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (b, t, d_in) = x.dims3()?;
         let d_out = self.bias.dim(0)?;
+        if let Some(packed) = self
+            .packed
+            .as_ref()
+            .filter(|p| p.epilogue() == Epilogue::None)
+            && let Some(y) = packed_matmul(packed, &x.reshape((b * t, d_in))?)?
+        {
+            return y.reshape((b, t, d_out)); // (B, T, out)
+        }
         x.reshape((b * t, d_in))? // (B*T, in)
             .matmul(&self.weight)? // (B*T, out)
             .broadcast_add(&self.bias)?
@@ -163,6 +201,11 @@ impl Attention {
         let (h, d) = (self.n_head, self.head_dim);
         let (q, k, v) = self.qkv(x)?; // (B, H, 1, D) each
         let (ks, vs) = cache.append(&k, &v, plan)?; // (B, H, W, D) each
+        if !tracked(&q)
+            && let Some(y) = cache.cpu_attention(&q, plan)?
+        {
+            return self.c_proj.forward(&y.reshape((b, 1, e))?); // (B, 1, E)
+        }
         let (kp, vp) = cache.prefix(); // (N, H, L, D) each
         let (n, _, l, _) = kp.dims4()?;
         let r = plan.group_rows;
@@ -220,6 +263,9 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if let Some(h) = self.c_fc.forward_fused(x)? {
+            return self.c_proj.forward(&h); // (B, T, E)
+        }
         let h = self.c_fc.forward(x)?; // (B, T, I)
         let h = match self.act {
             Activation::GeluNew => h.gelu()?, // tanh approximation
@@ -270,6 +316,8 @@ pub struct Gpt2 {
     ln_f: LayerNorm,
     /// Separate LM head, only when `tie_word_embeddings` is false.
     lm_head: Option<Tensor>, // (V, E)
+    /// The LM head packed for the CPU kernel ([`Gpt2::pack_for_cpu`]).
+    head_packed: Option<Arc<PackedMatrix>>,
     cfg: Config,
 }
 
@@ -293,6 +341,7 @@ impl Gpt2 {
             blocks,
             ln_f: LayerNorm::load(vb.pp("ln_f"), e, cfg.layer_norm_epsilon)?,
             lm_head,
+            head_packed: None,
             cfg: cfg.clone(),
         })
     }
@@ -349,10 +398,45 @@ impl Gpt2 {
         self.ln_f.forward(&x)
     }
 
+    /// For inference on the CPU in f32: packs every weight matrix and the LM head for
+    /// the [`cpu_gemm`](crate::cpu_gemm) kernel (a second copy of the weights; outputs
+    /// agree with candle's matmul to float rounding). Returns false, changing nothing,
+    /// off the CPU, in other dtypes, without AVX2/FMA, or for trainable weights (the
+    /// packed copy would not follow optimizer steps).
+    pub fn pack_for_cpu(&mut self) -> candle_core::Result<bool> {
+        if !self.device().is_cpu()
+            || self.dtype() != DType::F32
+            || !crate::cpu_gemm::supported()
+            || tracked(&self.wte)
+        {
+            return Ok(false);
+        }
+        for block in &mut self.blocks {
+            block.attn.c_attn.pack(Epilogue::None)?;
+            block.attn.c_proj.pack(Epilogue::None)?;
+            let fc_epilogue = match block.mlp.act {
+                Activation::GeluNew => Epilogue::GeluNew,
+                Activation::Gelu | Activation::Relu => Epilogue::None,
+            };
+            block.mlp.c_fc.pack(fc_epilogue)?;
+            block.mlp.c_proj.pack(Epilogue::None)?;
+        }
+        let head = self.lm_head.as_ref().unwrap_or(&self.wte); // (V, E)
+        let (v, e) = head.dims2()?;
+        let w = head.flatten_all()?.to_vec1::<f32>()?;
+        self.head_packed = Some(Arc::new(PackedMatrix::pack(&w, e, v, true, None)));
+        Ok(true)
+    }
+
     /// Logits (B, T, V) in f32 for hidden states (B, T, E).
     pub fn logits(&self, hidden: &Tensor) -> candle_core::Result<Tensor> {
         let (b, t, e) = hidden.dims3()?;
         let head = self.lm_head.as_ref().unwrap_or(&self.wte); // (V, E)
+        if let Some(packed) = &self.head_packed
+            && let Some(y) = packed_matmul(packed, &hidden.reshape((b * t, e))?)?
+        {
+            return y.reshape((b, t, packed.n())); // (B, T, V)
+        }
         hidden
             .reshape((b * t, e))? // (B*T, E)
             .matmul(&head.t()?)? // (B*T, V)
@@ -446,6 +530,17 @@ impl Gpt2 {
         }
         out
     }
+}
+
+/// `x` (M, K) times a packed weight: (M, N), or `None` when `x` is not an untracked f32
+/// CPU tensor (then candle's matmul runs).
+fn packed_matmul(packed: &PackedMatrix, x: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    if tracked(x) || !x.device().is_cpu() || x.dtype() != DType::F32 {
+        return Ok(None);
+    }
+    let m = x.dim(0)?;
+    let data = x.flatten_all()?.to_vec1::<f32>()?;
+    Tensor::from_vec(packed.matmul(&data, m), (m, packed.n()), x.device()).map(Some)
 }
 
 /// Row lookup `table[ids]` for a (B, T) id tensor: (B, T, E).

@@ -71,6 +71,8 @@ pub struct Sampled {
 pub struct Sampler {
     params: SamplingParams,
     rng: ChaCha8Rng,
+    /// Scratch: the row's unnormalised probabilities (plain temperature sampling).
+    weights: Vec<f32>,
 }
 
 impl Sampler {
@@ -78,13 +80,20 @@ impl Sampler {
     pub fn new(params: SamplingParams, seed: u64, stream: u64) -> Self {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         rng.set_stream(stream);
-        Self { params, rng }
+        Self {
+            params,
+            rng,
+            weights: Vec::new(),
+        }
     }
 
     /// Draws the next token from one row of logits (V).
     pub fn sample(&mut self, logits: &[f32]) -> Result<Sampled> {
         if self.params.is_greedy() {
             return greedy(logits);
+        }
+        if self.params.top_k == 0 && self.params.top_p >= 1.0 {
+            return self.sample_full(logits);
         }
         let inv_t = 1.0 / self.params.temperature as f64;
         let scaled = |i: usize| sanitize(logits[i]) * inv_t;
@@ -129,6 +138,45 @@ impl Sampler {
         Ok(Sampled {
             token: chosen as u32,
             logprob: (scaled(chosen) - lse) as f32,
+        })
+    }
+}
+
+impl Sampler {
+    /// Temperature sampling over the whole vocabulary (GRPO's default), in one vectorised
+    /// pass: w_i = exp((l_i − max) / T), token i drawn with probability w_i / Σw, and
+    /// logprob = (l_i − max) / T − ln Σw. The same draw as the general path.
+    fn sample_full(&mut self, logits: &[f32]) -> Result<Sampled> {
+        let inv_t = 1.0 / self.params.temperature;
+        let max = logits
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+        if !max.is_finite() {
+            return Err(not_finite());
+        }
+        self.weights.clear();
+        self.weights.extend(logits.iter().map(|&v| {
+            if v.is_nan() {
+                f32::NEG_INFINITY
+            } else {
+                (v - max) * inv_t
+            }
+        }));
+        crate::simd::exp_inplace(&mut self.weights);
+        let total: f64 = self.weights.iter().map(|&w| w as f64).sum();
+        let target = self.rng.random::<f64>() * total;
+        let mut cumulative = 0.0;
+        let mut chosen = logits.len() - 1;
+        for (i, &w) in self.weights.iter().enumerate() {
+            cumulative += w as f64;
+            if target < cumulative {
+                chosen = i;
+                break;
+            }
+        }
+        Ok(Sampled {
+            token: chosen as u32,
+            logprob: (((logits[chosen] - max) * inv_t) as f64 - total.ln()) as f32,
         })
     }
 }

@@ -16,6 +16,15 @@ use rookworld_lm::Gpt2;
 use rookworld_lm::generate::{Completion, validate_prompt};
 use rookworld_lm::sampling::SamplingParams;
 
+/// Readies a model for the engine: on the CPU in f32, its weights are packed for the
+/// AVX2/FMA kernel ([`Gpt2::pack_for_cpu`]); elsewhere it is unchanged.
+pub fn prepare_model(mut model: Gpt2) -> Result<Gpt2, EngineError> {
+    if model.pack_for_cpu()? {
+        tracing::debug!("weights packed for the CPU kernel");
+    }
+    Ok(model)
+}
+
 /// Identifies a request inside one engine.
 pub type RequestId = u64;
 

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::Tensor;
+use rayon::prelude::*;
 use rookworld_lm::generate::{Completion, FinishReason};
 use rookworld_lm::sampling::Sampler;
 use rookworld_lm::{Gpt2, GroupedCache, LeftPadding};
@@ -422,11 +423,18 @@ impl Scheduler {
             }
             Err(e) => return Err(e),
         };
-        for (row, logits) in self.rows.iter_mut().zip(&logits) {
-            let s = row.sampler.sample(logits)?;
-            row.completion.ids.push(s.token);
-            row.completion.logprobs.push(s.logprob);
-        }
+        // Rows sample in parallel; each draws from its own stream, so the result does
+        // not depend on the thread.
+        let vocab = logits.len() / ids.len();
+        self.rows
+            .par_iter_mut()
+            .zip(logits.par_chunks(vocab))
+            .try_for_each(|(row, logits)| {
+                let s = row.sampler.sample(logits)?;
+                row.completion.ids.push(s.token);
+                row.completion.logprobs.push(s.logprob);
+                Ok::<_, rookworld_lm::Error>(())
+            })?;
         stats.decode_seconds += started.elapsed().as_secs_f64();
         stats.decode_rows = ids.len();
         for r in (0..self.rows.len()).rev() {
@@ -441,7 +449,8 @@ impl Scheduler {
         self.drop_idle_groups()
     }
 
-    fn forward_rows(&mut self, ids: &[u32]) -> Result<Vec<Vec<f32>>, EngineError> {
+    /// Next-token logits of every live row, row-major (B·V).
+    fn forward_rows(&mut self, ids: &[u32]) -> Result<Vec<f32>, EngineError> {
         #[cfg(test)]
         if self.fail_above_rows.is_some_and(|n| ids.len() > n) {
             return Err(EngineError::Model(rookworld_lm::Error::Candle(
@@ -453,7 +462,8 @@ impl Scheduler {
         Ok(self
             .model
             .decode_grouped(ids, &mut self.cache)?
-            .to_vec2::<f32>()?)
+            .flatten_all()?
+            .to_vec1::<f32>()?)
     }
 
     /// After an out-of-memory error: keeps the first `keep` rows; the others restart later

@@ -1,0 +1,108 @@
+//! The decode step's attention on the CPU in f32, read straight from the grouped cache's
+//! buffers: for each row and head, scores against its prompt's keys and its own suffix,
+//! one softmax, the weighted sum of values. Rows run in parallel (rayon).
+//!
+//! candle would run this as hundreds of tiny matmuls per layer (one per row and head);
+//! here each (row, head) is a few thousand multiply-adds done in place, which at decode
+//! batch sizes costs less than the dispatch of those matmuls.
+
+use candle_core::{CpuStorage, Layout, Storage, Tensor};
+use rayon::prelude::*;
+
+/// Where one decode step's rows find their keys (letters as in `grouped.rs`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Geometry<'a> {
+    pub heads: usize,
+    pub head_dim: usize,
+    /// Pool columns L and suffix buffer columns C (capacity).
+    pub pool_len: usize,
+    pub suffix_cols: usize,
+    /// Per group: padded columns at the start of its prefix.
+    pub group_pad: &'a [usize],
+    /// Per row: its group and the suffix column it starts at.
+    pub row_group: &'a [usize],
+    pub row_start: &'a [usize],
+    /// The column this step wrote (each row attends to `start..=cursor`).
+    pub cursor: usize,
+    pub scale: f32,
+}
+
+/// Runs `f` on the f32 CPU data of a contiguous tensor; `None` for anything else.
+pub(crate) fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Option<R> {
+    let (storage, layout): (_, &Layout) = t.storage_and_layout();
+    match (&*storage, layout.contiguous_offsets()) {
+        (Storage::Cpu(CpuStorage::F32(data)), Some((start, end))) => Some(f(&data[start..end])),
+        _ => None,
+    }
+}
+
+/// `q` (B, H, D); prefix keys/values (N, H, L, D); suffix keys/values (rows capacity, H,
+/// C, D). Returns the attention output (B, H·D).
+pub(crate) fn decode_attention(
+    g: &Geometry,
+    q: &[f32],
+    prefix: (&[f32], &[f32]),
+    suffix: (&[f32], &[f32]),
+) -> Vec<f32> {
+    let (h, d) = (g.heads, g.head_dim);
+    let b = g.row_group.len();
+    let mut out = vec![0f32; b * h * d];
+    out.par_chunks_mut(d).enumerate().for_each_init(
+        || Vec::with_capacity(g.pool_len + g.suffix_cols),
+        |scores, (bh, y)| {
+            let (row, head) = (bh / h, bh % h);
+            let group = g.row_group[row];
+            let qv = &q[bh * d..(bh + 1) * d];
+            let prefix_base = (group * h + head) * g.pool_len * d;
+            let suffix_base = (row * h + head) * g.suffix_cols * d;
+            let prefix_cols = g.group_pad[group]..g.pool_len;
+            let suffix_cols = g.row_start[row]..g.cursor + 1;
+            scores.clear();
+            for j in prefix_cols.clone() {
+                scores.push(dot(qv, &prefix.0[prefix_base + j * d..][..d]) * g.scale);
+            }
+            for c in suffix_cols.clone() {
+                scores.push(dot(qv, &suffix.0[suffix_base + c * d..][..d]) * g.scale);
+            }
+            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut total = 0f32;
+            for s in scores.iter_mut() {
+                *s = (*s - max).exp();
+                total += *s;
+            }
+            let inv = 1.0 / total;
+            let values = prefix_cols
+                .map(|j| &prefix.1[prefix_base + j * d..][..d])
+                .chain(suffix_cols.map(|c| &suffix.1[suffix_base + c * d..][..d]));
+            for (p, v) in scores.iter().zip(values) {
+                axpy(p * inv, v, y);
+            }
+        },
+    );
+    out
+}
+
+/// Σ a·b over 8 independent lanes (vectorises without fast-math).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            lanes[i] += x[i] * y[i];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
+/// y += a·x.
+fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
