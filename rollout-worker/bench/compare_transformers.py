@@ -10,8 +10,9 @@ weights, 4 prompts x 8 completions of the 46-token start-position policy prompt,
 tokens each (end-of-text ignored, so every row runs full length), f32 on the CPU,
 sampling at temperature 1 with the KV cache; and one stream alone. transformers runs
 `generate(do_sample=True, top_k=0, num_return_sequences=8, min_new_tokens=max_new_tokens)`;
-rollout-worker runs `rollout-worker bench --preset gpt2-124m`. Both in this one run, on
-this machine, one after the other (run it on an idle machine).
+rollout-worker runs `rollout-worker bench --preset gpt2-124m` (the engine, and the
+reference static-batch path of `rookworld_lm::generate` on candle's matmul). All in this one
+run, on this machine, one after the other (run it on an idle machine).
 """
 import argparse
 import json
@@ -82,6 +83,7 @@ def main():
     for name, hf, r in [
         (f"{args.prompts} x {args.n} batch", hf_batch, ours["batch"]["tokens_per_second"]),
         ("1 stream", hf_single, ours["single"]["tokens_per_second"]),
+        (f"{args.prompts} x {args.n} reference path", hf_batch, ours["reference_batch"]["tokens_per_second"]),
     ]:
         print(f"{name:24} {hf:19,.1f} {r:21,.1f} {r / hf:6.2f}x")
 

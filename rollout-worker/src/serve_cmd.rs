@@ -17,10 +17,10 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub engine: EngineArgs,
     /// Address of the gRPC service (port 0 picks a free port).
-    #[arg(long, env = "ROLLOUT_LISTEN", default_value = "127.0.0.1:50052")]
+    #[arg(long, env = "ROLLOUT_LISTEN", default_value = "127.0.0.1:50053")]
     pub listen: SocketAddr,
     /// Address of the Prometheus `/metrics` endpoint.
-    #[arg(long, env = "ROLLOUT_METRICS", default_value = "127.0.0.1:9102")]
+    #[arg(long, env = "ROLLOUT_METRICS", default_value = "127.0.0.1:9093")]
     pub metrics: SocketAddr,
     /// Shared token that control calls (UpdateWeights) must carry.
     #[arg(

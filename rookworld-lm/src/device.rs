@@ -54,10 +54,46 @@ impl DeviceChoice {
     }
 }
 
+/// Compute capability the CUDA kernels were built for (`CUDA_COMPUTE_CAP` at build time).
+#[cfg(feature = "cuda")]
+pub const BUILT_COMPUTE_CAP: &str = match option_env!("CUDA_COMPUTE_CAP") {
+    Some(cap) => cap,
+    None => "unknown (CUDA_COMPUTE_CAP unset at build time)",
+};
+
+/// Opens CUDA device `ordinal` and runs a tiny kernel on it, so that a build without
+/// kernels for this GPU fails here, naming both the GPU's and the build's capability,
+/// instead of in the middle of a run.
 #[cfg(feature = "cuda")]
 fn open_cuda(ordinal: usize) -> Result<Device> {
-    Device::new_cuda(ordinal)
-        .map_err(|e| Error::InvalidArgument(format!("CUDA device {ordinal} is unavailable: {e}")))
+    let device = Device::new_cuda(ordinal).map_err(|e| {
+        Error::InvalidArgument(format!("CUDA device {ordinal} is unavailable: {e}"))
+    })?;
+    let probe = candle_core::Tensor::ones(8, DType::F32, &device)
+        .and_then(|t| t.affine(2.0, 1.0))
+        .and_then(|t| t.sum_all())
+        .and_then(|t| t.to_scalar::<f32>());
+    match probe {
+        Ok(_) => Ok(device),
+        Err(e) => {
+            let gpu = match &device {
+                Device::Cuda(d) => d
+                    .cuda_stream()
+                    .context()
+                    .compute_capability()
+                    .map(|(major, minor)| {
+                        format!("{major}.{minor} (CUDA_COMPUTE_CAP={major}{minor})")
+                    })
+                    .unwrap_or_else(|_| "unknown".into()),
+                _ => "unknown".into(),
+            };
+            Err(Error::InvalidArgument(format!(
+                "CUDA device {ordinal} cannot run this build's kernels: the GPU has compute \
+                 capability {gpu}, the kernels were built for {BUILT_COMPUTE_CAP}; rebuild with \
+                 the GPU's CUDA_COMPUTE_CAP ({e})"
+            )))
+        }
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
