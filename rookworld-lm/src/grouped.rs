@@ -66,6 +66,8 @@ pub(crate) struct StepPlan {
     pub row_start: Vec<usize>,
     pub group_pad: Vec<usize>,
     pub pool_len: usize,
+    /// Use the CPU attention kernel when the buffers allow it.
+    pub cpu_kernel: bool,
 }
 
 /// Prompt caches held once per prompt, plus the per-row caches of their samples.
@@ -78,6 +80,8 @@ pub struct GroupedCache {
     pool_len: usize,
     rows: Vec<Row>,
     cursor: usize,
+    /// Whether f32 CPU steps use the in-place attention kernel (the default).
+    cpu_kernel: bool,
 }
 
 impl GroupedCache {
@@ -88,7 +92,15 @@ impl GroupedCache {
             pool_len: 0,
             rows: Vec::new(),
             cursor: 0,
+            cpu_kernel: true,
         }
+    }
+
+    /// Turns the CPU attention kernel off, so the tensor path (what CUDA runs) is used
+    /// on the CPU too: for tests that compare the two.
+    pub fn without_cpu_kernel(mut self) -> Self {
+        self.cpu_kernel = false;
+        self
     }
 
     /// Prompt groups held (N).
@@ -212,7 +224,9 @@ impl GroupedCache {
 
     /// Drops every row and group.
     pub fn clear(&mut self) {
+        let cpu_kernel = self.cpu_kernel;
         *self = Self::new(self.layers.len());
+        self.cpu_kernel = cpu_kernel;
     }
 
     /// Makes room for this step's column and rows, and builds what every layer shares.
@@ -263,6 +277,7 @@ impl GroupedCache {
             row_start: self.rows.iter().map(|r| r.start).collect(),
             group_pad: self.prefix_len.iter().map(|&l| self.pool_len - l).collect(),
             pool_len: self.pool_len,
+            cpu_kernel: self.cpu_kernel,
         })
     }
 
@@ -381,7 +396,8 @@ impl GroupedLayer {
         q: &Tensor, // (B, H, 1, D)
         plan: &StepPlan,
     ) -> Result<Option<Tensor>> {
-        let (Some((pk, pv)), Some((sk, sv))) = (&self.prefix, &self.suffix) else {
+        let (Some((pk, pv)), Some((sk, sv)), true) = (&self.prefix, &self.suffix, plan.cpu_kernel)
+        else {
             return Ok(None);
         };
         let (b, h, _, d) = q.dims4()?;

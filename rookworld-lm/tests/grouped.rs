@@ -47,10 +47,21 @@ struct Live {
     budget: usize,
 }
 
+/// Both attention paths: the in-place CPU kernel, and the tensor path (batched matmuls
+/// over the prefix pool) that CUDA runs.
 #[test]
 fn rows_sharing_prompts_joining_and_leaving_match_each_sequence_alone() {
+    for cpu_kernel in [true, false] {
+        check_against_alone(cpu_kernel);
+    }
+}
+
+fn check_against_alone(cpu_kernel: bool) {
     let m = init_random(&Config::tiny(), 3, DType::F32, &Device::Cpu).unwrap();
     let mut cache = GroupedCache::new(m.config().n_layer);
+    if !cpu_kernel {
+        cache = cache.without_cpu_kernel();
+    }
     let mut prompts: Vec<Vec<u32>> = vec![tokens(1, 9), tokens(2, 4), tokens(3, 13)];
     prefill(&m, &mut cache, &prompts);
     // (group, tokens it will feed): lengths differ so rows leave at different steps.
@@ -113,7 +124,10 @@ fn rows_sharing_prompts_joining_and_leaving_match_each_sequence_alone() {
                 .zip(row)
                 .map(|(a, b)| (a - b).abs())
                 .fold(0f32, f32::max);
-            assert!(d < 1e-4, "step {step}: max |Δ| = {d}");
+            assert!(
+                d < 1e-4,
+                "CPU kernel {cpu_kernel}, step {step}: max |Δ| = {d}"
+            );
             checked += 1;
         }
         // Finished rows leave (swap-remove, as the engine does).
