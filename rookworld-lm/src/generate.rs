@@ -1,4 +1,6 @@
-//! Sampling G completions of each of a batch of prompts with the KV cache.
+//! Sampling G completions of each of a batch of prompts with the KV cache: the simple
+//! static-batch path, kept as the reference the rollout worker's engine is tested and
+//! benchmarked against.
 //!
 //! The prompts are prefilled once, together (left-padded), and each prompt's cache row is
 //! repeated to its G sample rows; every decode step then feeds one token per unfinished

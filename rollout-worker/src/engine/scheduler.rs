@@ -285,7 +285,7 @@ impl Scheduler {
             return Ok(());
         }
         let started = Instant::now();
-        let first = match self.prefill(&batch) {
+        let first = match self.prefill(&mut batch) {
             Ok(first) => first,
             Err(e) if is_out_of_memory(&e) && batch.len() > 1 => {
                 self.prefill_limit = (tokens / 2).max(1);
@@ -323,26 +323,31 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Prefills `batch` (left-padded) into new cache groups; returns each prompt's
-    /// next-token logits.
-    fn prefill(&mut self, batch: &[PromptWork]) -> Result<Vec<Vec<f32>>, EngineError> {
-        let lengths: Vec<usize> = batch.iter().map(|w| w.ids.len()).collect();
-        let padding = LeftPadding::for_lengths(&lengths);
-        let longest = lengths.iter().copied().max().unwrap_or(0);
-        let eos = self.model.config().eos_token_id;
-        let mut flat = Vec::with_capacity(batch.len() * longest);
-        for w in batch {
-            flat.extend(std::iter::repeat_n(eos, longest - w.ids.len()));
-            flat.extend(w.ids.iter());
-        }
+    /// Prefills `batch` into new cache groups; returns each prompt's next-token logits.
+    /// Prompts run in batches of equal length, with no padding, so a prompt's cache and
+    /// logits are what it gets prefilled alone, bit for bit, whatever else is admitted
+    /// with it. `batch` is reordered (stably, by length) into cache order.
+    fn prefill(&mut self, batch: &mut [PromptWork]) -> Result<Vec<Vec<f32>>, EngineError> {
+        batch.sort_by_key(|w| w.ids.len());
         let device = self.model.device();
-        let ids = Tensor::from_vec(flat, (batch.len(), longest), device)?; // (P, L)
-        let mut kv = self.model.new_cache();
-        let logits = self
-            .model
-            .forward_last(&ids, &padding, &mut kv)?
-            .to_vec2::<f32>()?; // (P, V)
-        self.cache.add_groups(&kv, &padding)?;
+        let mut prefilled = Vec::new();
+        for same in batch.chunk_by(|a, b| a.ids.len() == b.ids.len()) {
+            let flat: Vec<u32> = same.iter().flat_map(|w| w.ids.iter().copied()).collect();
+            let ids = Tensor::from_vec(flat, (same.len(), same[0].ids.len()), device)?; // (P, L)
+            let padding = LeftPadding::none(same.len());
+            let mut kv = self.model.new_cache();
+            let logits = self
+                .model
+                .forward_last(&ids, &padding, &mut kv)?
+                .to_vec2::<f32>()?; // (P, V)
+            prefilled.push((kv, padding, logits));
+        }
+        // Only now, with every forward done, does the cache change.
+        let mut logits = Vec::with_capacity(batch.len());
+        for (kv, padding, l) in prefilled {
+            self.cache.add_groups(&kv, &padding)?;
+            logits.extend(l);
+        }
         Ok(logits)
     }
 
