@@ -3,9 +3,11 @@
 //! - [`v1`]: messages shared by every service (`rookworld.v1`).
 //! - [`reward::v1`]: the reward server (`rookworld.reward.v1`).
 //! - [`rollout::v1`]: the rollout worker (`rookworld.rollout.v1`).
+//! - [`probe`]: reflection listing and metrics scrapes of a running service.
 //! - [`serve`]: reflection services and the shutdown signal every server uses.
 //! - [`FILE_DESCRIPTOR_SET`]: the encoded descriptors that gRPC server reflection serves.
 
+pub mod probe;
 pub mod serve;
 
 /// `rookworld.v1`: sampling parameters and completions.

@@ -1,6 +1,14 @@
 //! What every RookWorld gRPC server shares: reflection (v1 and v1alpha, our descriptors
 //! plus health's, so tools see every service) and the shutdown signal.
 
+use std::convert::Infallible;
+use std::future::Future;
+
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::body::Body;
+use tonic::codegen::{Service, http};
+use tonic::server::NamedService;
 use tonic_reflection::server::v1::{ServerReflection, ServerReflectionServer};
 use tonic_reflection::server::v1alpha::{
     ServerReflection as ServerReflectionAlpha,
@@ -43,4 +51,33 @@ pub async fn shutdown_signal() {
     let term = std::future::pending::<()>();
     tokio::select! { _ = ctrl_c => {}, _ = term => {} }
     tracing::info!("shutting down");
+}
+
+/// Serves `service` with health (marked serving) and reflection v1 and v1alpha on
+/// `listener` until `shutdown` completes; calls in flight finish first.
+pub async fn serve<S>(
+    service: S,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>
+        + NamedService
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<S>().await;
+    let (reflection_v1, reflection_v1alpha) = reflection_services()?;
+    tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(service)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await?;
+    Ok(())
 }

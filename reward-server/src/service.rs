@@ -8,7 +8,6 @@ use rookworld_proto::reward::v1 as pb;
 use rookworld_proto::reward::v1::reward_service_server::{RewardService, RewardServiceServer};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{Request, Response, Status};
 
 use crate::error::{RequestError, ServiceError};
@@ -188,20 +187,8 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let max = cfg.max_message_bytes;
-    let (health, health_service) = tonic_health::server::health_reporter();
-    health
-        .set_serving::<RewardServiceServer<RewardServer>>()
-        .await;
-    let (reflection_v1, reflection_v1alpha) = rookworld_proto::serve::reflection_services()?;
     let service = RewardServiceServer::new(RewardServer::new(scorer, cfg))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
-    tonic::transport::Server::builder()
-        .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
-        .add_service(service)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
-        .await?;
-    Ok(())
+    rookworld_proto::serve::serve(service, listener, shutdown).await
 }

@@ -287,38 +287,13 @@ async fn reflection_v1_and_v1alpha_list_and_describe_the_services() {
             other => panic!("unexpected {other:?}"),
         }
     }
-    {
-        use tonic_reflection::pb::v1alpha::ServerReflectionRequest;
-        use tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient;
-        use tonic_reflection::pb::v1alpha::server_reflection_request::MessageRequest;
-        use tonic_reflection::pb::v1alpha::server_reflection_response::MessageResponse;
-        let mut client = ServerReflectionClient::new(server.channel().await);
-        let request = ServerReflectionRequest {
-            host: String::new(),
-            message_request: Some(MessageRequest::ListServices(String::new())),
-        };
-        let mut stream = client
-            .server_reflection_info(tokio_stream::iter([request]))
-            .await
-            .unwrap()
-            .into_inner();
-        match stream
-            .next()
-            .await
-            .unwrap()
-            .unwrap()
-            .message_response
-            .unwrap()
-        {
-            MessageResponse::ListServicesResponse(list) => {
-                assert!(
-                    list.service
-                        .iter()
-                        .any(|s| s.name == "rookworld.reward.v1.RewardService")
-                );
-            }
-            other => panic!("unexpected {other:?}"),
-        }
-    }
+    let services = rookworld_proto::probe::list_services(server.channel().await, true)
+        .await
+        .unwrap();
+    assert!(
+        services
+            .iter()
+            .any(|s| s == "rookworld.reward.v1.RewardService")
+    );
     server.stop().await;
 }

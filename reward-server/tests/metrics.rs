@@ -1,7 +1,5 @@
 //! A real scrape of `/metrics` after scoring calls (own test binary: the recorder is global).
 
-use std::io::{Read, Write};
-
 use reward_server::score::RewardConfig;
 use reward_server::scorer::Scorer;
 use reward_server::service::{self, ServiceConfig};
@@ -9,16 +7,7 @@ use rookworld_proto::reward::v1::reward_service_client::RewardServiceClient;
 use rookworld_proto::reward::v1::{ScoreItem, ScoreRequest, Task};
 
 fn scrape(addr: std::net::SocketAddr) -> String {
-    let mut stream = std::net::TcpStream::connect(addr).unwrap();
-    write!(
-        stream,
-        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut body = String::new();
-    stream.read_to_string(&mut body).unwrap();
-    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
-    body
+    rookworld_proto::probe::scrape_metrics(addr).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -12,7 +12,7 @@ use rookworld_proto::rollout::v1::rollout_service_server::{RolloutService, Rollo
 use rookworld_proto::v1 as common;
 use tokio::net::TcpListener;
 use tokio::sync::{Mutex, mpsc};
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
@@ -320,20 +320,8 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let max = server.cfg.max_message_bytes;
-    let (health, health_service) = tonic_health::server::health_reporter();
-    health
-        .set_serving::<RolloutServiceServer<RolloutServer>>()
-        .await;
-    let (reflection_v1, reflection_v1alpha) = rookworld_proto::serve::reflection_services()?;
     let service = RolloutServiceServer::new(server)
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
-    tonic::transport::Server::builder()
-        .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
-        .add_service(service)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
-        .await?;
-    Ok(())
+    rookworld_proto::serve::serve(service, listener, shutdown).await
 }

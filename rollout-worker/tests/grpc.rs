@@ -3,7 +3,6 @@
 //! generation, status, health, reflection and a Prometheus scrape.
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -16,6 +15,7 @@ use rollout_worker::weights::{self, WeightSet};
 use rookworld_lm::checkpoint::{self, init_random};
 use rookworld_lm::sampling::SamplingParams;
 use rookworld_lm::{Config, Gpt2, Tokenizer};
+use rookworld_proto::probe::{list_services, scrape_metrics};
 use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
 use rookworld_proto::v1::SamplingParams as PbSampling;
@@ -341,7 +341,7 @@ async fn health_reflection_and_metrics_are_served() {
     );
 
     for alpha in [false, true] {
-        let services = list_services(server.channel().await, alpha).await;
+        let services = list_services(server.channel().await, alpha).await.unwrap();
         for s in [
             "rookworld.rollout.v1.RolloutService",
             "grpc.health.v1.Health",
@@ -353,8 +353,9 @@ async fn health_reflection_and_metrics_are_served() {
         }
     }
 
-    let body = tokio::task::spawn_blocking(move || scrape(metrics_addr))
+    let body = tokio::task::spawn_blocking(move || scrape_metrics(metrics_addr))
         .await
+        .unwrap()
         .unwrap();
     for name in [
         "rollout_tokens_generated_total",
@@ -376,77 +377,4 @@ async fn health_reflection_and_metrics_are_served() {
         .unwrap();
     assert!(tokens >= 12.0, "{tokens}");
     server.stop().await;
-}
-
-async fn list_services(channel: Channel, alpha: bool) -> Vec<String> {
-    if alpha {
-        use tonic_reflection::pb::v1alpha::ServerReflectionRequest;
-        use tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient;
-        use tonic_reflection::pb::v1alpha::server_reflection_request::MessageRequest;
-        use tonic_reflection::pb::v1alpha::server_reflection_response::MessageResponse;
-        let request = ServerReflectionRequest {
-            host: String::new(),
-            message_request: Some(MessageRequest::ListServices(String::new())),
-        };
-        let mut client = ServerReflectionClient::new(channel);
-        let mut stream = client
-            .server_reflection_info(tokio_stream::iter([request]))
-            .await
-            .unwrap()
-            .into_inner();
-        match stream
-            .next()
-            .await
-            .unwrap()
-            .unwrap()
-            .message_response
-            .unwrap()
-        {
-            MessageResponse::ListServicesResponse(l) => {
-                l.service.into_iter().map(|s| s.name).collect()
-            }
-            other => panic!("{other:?}"),
-        }
-    } else {
-        use tonic_reflection::pb::v1::ServerReflectionRequest;
-        use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
-        use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
-        use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
-        let request = ServerReflectionRequest {
-            host: String::new(),
-            message_request: Some(MessageRequest::ListServices(String::new())),
-        };
-        let mut client = ServerReflectionClient::new(channel);
-        let mut stream = client
-            .server_reflection_info(tokio_stream::iter([request]))
-            .await
-            .unwrap()
-            .into_inner();
-        match stream
-            .next()
-            .await
-            .unwrap()
-            .unwrap()
-            .message_response
-            .unwrap()
-        {
-            MessageResponse::ListServicesResponse(l) => {
-                l.service.into_iter().map(|s| s.name).collect()
-            }
-            other => panic!("{other:?}"),
-        }
-    }
-}
-
-fn scrape(addr: SocketAddr) -> String {
-    let mut stream = std::net::TcpStream::connect(addr).unwrap();
-    write!(
-        stream,
-        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut body = String::new();
-    stream.read_to_string(&mut body).unwrap();
-    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
-    body
 }

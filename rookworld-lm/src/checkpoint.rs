@@ -123,25 +123,28 @@ pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Gpt2> {
     // SAFETY: the files are mapped read-only; like every safetensors reader we rely on
     // nobody truncating them while the model is being built (tensors are copied out).
     let st = unsafe { MmapedSafetensors::multi(&files)? };
-    let shapes: HashMap<String, Vec<usize>> = st
-        .tensors()
-        .into_iter()
-        .map(|(name, view)| (name, view.shape().to_vec()))
-        .collect();
-    let prefixed = shapes.contains_key(&format!("{PREFIX}wte.weight"));
-    check_tensors(&cfg, &shapes, if prefixed { PREFIX } else { "" })?;
-
-    let root = VarBuilder::from_backend(Box::new(st), dtype, device.clone());
-    let vb = if prefixed {
-        root.pp("transformer")
-    } else {
-        root.clone()
-    };
-    Ok(Gpt2::load(vb, root, &cfg)?)
+    let prefixed = check_tensors(
+        &cfg,
+        st.tensors()
+            .into_iter()
+            .map(|(n, v)| (n, v.shape().to_vec())),
+    )?;
+    build(
+        VarBuilder::from_backend(Box::new(st), dtype, device.clone()),
+        prefixed,
+        &cfg,
+    )
 }
 
-/// Names the first missing or misshaped tensor, with the prefix the file uses.
-fn check_tensors(cfg: &Config, shapes: &HashMap<String, Vec<usize>>, prefix: &str) -> Result<()> {
+/// Checks a checkpoint's (name, shape) list against `cfg`, naming the first missing or
+/// misshaped tensor; returns whether names carry the `transformer.` prefix.
+fn check_tensors(
+    cfg: &Config,
+    tensors: impl Iterator<Item = (String, Vec<usize>)>,
+) -> Result<bool> {
+    let shapes: HashMap<String, Vec<usize>> = tensors.collect();
+    let prefixed = shapes.contains_key(&format!("{PREFIX}wte.weight"));
+    let prefix = if prefixed { PREFIX } else { "" };
     for (name, expected) in tensor_specs(cfg) {
         let full = if name.starts_with("lm_head") {
             name
@@ -160,7 +163,7 @@ fn check_tensors(cfg: &Config, shapes: &HashMap<String, Vec<usize>>, prefix: &st
             Some(_) => {}
         }
     }
-    Ok(())
+    Ok(prefixed)
 }
 
 /// GPT-2's initialisation, reproducible from `seed`: N(0, 0.02) weights, residual
@@ -234,15 +237,22 @@ pub fn to_bytes(model: &Gpt2, dtype: DType) -> Result<Vec<u8>> {
 /// misshaped tensor is named; nothing is trusted before every tensor is checked.
 pub fn from_bytes(bytes: &[u8], cfg: &Config, dtype: DType, device: &Device) -> Result<Gpt2> {
     let st = safetensors::SafeTensors::deserialize(bytes)?;
-    let shapes: HashMap<String, Vec<usize>> = st
-        .tensors()
-        .into_iter()
-        .map(|(name, view)| (name, view.shape().to_vec()))
-        .collect();
-    let prefixed = shapes.contains_key(&format!("{PREFIX}wte.weight"));
-    check_tensors(cfg, &shapes, if prefixed { PREFIX } else { "" })?;
+    let prefixed = check_tensors(
+        cfg,
+        st.tensors()
+            .into_iter()
+            .map(|(n, v)| (n, v.shape().to_vec())),
+    )?;
     let tensors = candle_core::safetensors::load_buffer(bytes, &Device::Cpu)?;
-    let root = VarBuilder::from_tensors(tensors, dtype, device);
+    build(
+        VarBuilder::from_tensors(tensors, dtype, device),
+        prefixed,
+        cfg,
+    )
+}
+
+/// The model from `root`, whose names carry the `transformer.` prefix when `prefixed`.
+fn build(root: VarBuilder, prefixed: bool, cfg: &Config) -> Result<Gpt2> {
     let vb = if prefixed {
         root.pp("transformer")
     } else {

@@ -118,14 +118,18 @@ impl GroupedCache {
         self.rows[r].group
     }
 
-    /// Tokens held in the buffers, padding included: N·L + B·W (W the live suffix window).
-    pub fn allocated_tokens(&self) -> usize {
-        let first = self
-            .rows
+    /// First suffix column a live row uses (the cursor when none is live).
+    fn first_live_column(&self) -> usize {
+        self.rows
             .iter()
             .map(|r| r.start)
             .min()
-            .unwrap_or(self.cursor);
+            .unwrap_or(self.cursor)
+    }
+
+    /// Tokens held in the buffers, padding included: N·L + B·W (W the live suffix window).
+    pub fn allocated_tokens(&self) -> usize {
+        let first = self.first_live_column();
         self.groups() * self.pool_len + self.rows() * (self.cursor - first)
     }
 
@@ -300,12 +304,7 @@ impl GroupedCache {
         if rows <= cap_rows && self.cursor < cap_cols {
             return Ok(());
         }
-        let first = self
-            .rows
-            .iter()
-            .map(|r| r.start)
-            .min()
-            .unwrap_or(self.cursor);
+        let first = self.first_live_column();
         let window = self.cursor - first; // columns written and still in use
         let new_rows = rows.max(cap_rows).next_power_of_two().max(MIN_ROWS);
         let new_cols = (2 * (window + 1)).next_power_of_two().max(MIN_COLUMNS);

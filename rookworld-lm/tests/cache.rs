@@ -6,6 +6,9 @@ use candle_nn::{VarBuilder, VarMap};
 use rookworld_lm::checkpoint::init_random;
 use rookworld_lm::{Config, Gpt2, LeftPadding};
 
+mod common;
+use common::max_diff;
+
 fn ids(n: usize) -> Vec<u32> {
     (0..n as u32).map(|i| (i * 7919) % 50257).collect()
 }
@@ -18,19 +21,6 @@ fn full_logits(m: &Gpt2, seq: &[u32]) -> Tensor {
     m.forward(&input, &LeftPadding::none(1), &mut m.new_cache())
         .unwrap()
         .squeeze(0)
-        .unwrap()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
         .unwrap()
 }
 

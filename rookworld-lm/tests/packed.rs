@@ -5,18 +5,8 @@ use candle_core::{DType, Device, Tensor};
 use rookworld_lm::checkpoint::init_random;
 use rookworld_lm::{Config, GroupedCache, LeftPadding};
 
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-}
+mod common;
+use common::max_diff;
 
 #[test]
 fn packed_weights_give_the_logits_of_the_plain_model() {

@@ -138,25 +138,31 @@ impl Engine {
 
     /// Queues a request; refused requests return the reason and queue nothing.
     pub async fn submit(&self, request: Request) -> Result<RequestStream, EngineError> {
-        let (events_tx, events) = mpsc::unbounded_channel();
-        let (reply, answer) = oneshot::channel();
-        self.commands
-            .send(Command::Submit {
-                request,
-                events: events_tx,
-                reply,
-            })
-            .map_err(|_| EngineError::Stopped)?;
+        let (answer, stream) = self.send_submit(request)?;
         let id = answer.await.map_err(|_| EngineError::Stopped)??;
-        Ok(RequestStream {
-            id,
-            events,
-            commands: self.commands.clone(),
-        })
+        Ok(stream(id))
     }
 
     /// [`Self::submit`] for synchronous callers (not inside an async runtime).
     pub fn blocking_submit(&self, request: Request) -> Result<RequestStream, EngineError> {
+        let (answer, stream) = self.send_submit(request)?;
+        let id = answer.blocking_recv().map_err(|_| EngineError::Stopped)??;
+        Ok(stream(id))
+    }
+
+    /// Sends the request to the engine thread: the receiver of its verdict, and how to
+    /// make its stream once the id is known.
+    #[allow(clippy::type_complexity)]
+    fn send_submit(
+        &self,
+        request: Request,
+    ) -> Result<
+        (
+            oneshot::Receiver<Result<RequestId, EngineError>>,
+            impl FnOnce(RequestId) -> RequestStream,
+        ),
+        EngineError,
+    > {
         let (events_tx, events) = mpsc::unbounded_channel();
         let (reply, answer) = oneshot::channel();
         self.commands
@@ -166,12 +172,12 @@ impl Engine {
                 reply,
             })
             .map_err(|_| EngineError::Stopped)?;
-        let id = answer.blocking_recv().map_err(|_| EngineError::Stopped)??;
-        Ok(RequestStream {
+        let commands = self.commands.clone();
+        Ok((answer, move |id| RequestStream {
             id,
             events,
-            commands: self.commands.clone(),
-        })
+            commands,
+        }))
     }
 
     /// Installs `model` as weight version `version` between two decode steps and
