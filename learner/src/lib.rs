@@ -3,6 +3,16 @@
 //! - [`init_cmd`]: `learner init`, writes a starting checkpoint (random preset or a
 //!   converted checkpoint) in Hugging Face layout.
 //!
-//! The GRPO objective, the rollout queue and `learner train` arrive with their issues.
+//! - [`grpo`]: the GRPO objective as small pure functions (advantages, ratio, clipped
+//!   surrogate, k3 KL, aggregation); [`batch`] lays a batch out as tensors; [`policy`] holds
+//!   the trainable model and computes token log-probs; [`loss`] assembles the loss.
+//! - [`loss_cmd`]: `learner loss`, the loss and gradient norm of one batch as JSON.
+//! - [`optim`]: gradient norm (the optimizer arrives with training).
 
+pub mod batch;
+pub mod grpo;
 pub mod init_cmd;
+pub mod loss;
+pub mod loss_cmd;
+pub mod optim;
+pub mod policy;

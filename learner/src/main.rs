@@ -2,6 +2,7 @@
 
 use clap::{Parser, Subcommand};
 use learner::init_cmd::{self, InitArgs};
+use learner::loss_cmd::{self, LossArgs};
 
 /// GRPO learner of the RookWorld trainer.
 #[derive(Debug, Parser)]
@@ -15,12 +16,15 @@ struct Cli {
 enum Command {
     /// Write a starting checkpoint (preset random weights, or a converted checkpoint).
     Init(InitArgs),
+    /// Print the GRPO loss, its parts and the gradient norm of one batch (JSON).
+    Loss(LossArgs),
 }
 
 fn main() -> std::process::ExitCode {
     rookworld_lm::cli::init_tracing();
     let cli = Cli::parse();
     rookworld_lm::cli::exit_with(match &cli.command {
-        Command::Init(args) => init_cmd::run(args),
+        Command::Init(args) => init_cmd::run(args).map_err(|e| e.to_string()),
+        Command::Loss(args) => loss_cmd::run(args).map_err(|e| e.to_string()),
     })
 }

@@ -1,0 +1,228 @@
+//! The GRPO objective as small pure functions (formulas in `shared/docs/rookworld.md`).
+//!
+//! Token tensors are (C, T): C completions, T token slots, with a (C, T) f32 mask that is 1
+//! on a completion's own tokens and 0 on prompt and padding slots.
+
+use candle_core::{D, Result, Tensor};
+
+/// Added to the group's std before dividing (TRL's value).
+pub const ADVANTAGE_EPS: f64 = 1e-4;
+
+/// How rewards are normalised within a group.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+pub enum AdvantageNorm {
+    /// A = (r − mean) / (std + 1e-4), std with N − 1 (unbiased), as TRL.
+    #[default]
+    Unbiased,
+    /// A = (r − mean) / (std + 1e-4), std with N (population).
+    Population,
+    /// A = r − mean (no division).
+    None,
+}
+
+/// How per-token values become one number.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+pub enum Aggregation {
+    /// Mean over each completion's tokens, then mean over completions.
+    #[default]
+    Sequence,
+    /// Mean over all completion tokens of the batch.
+    Token,
+}
+
+/// Group-relative advantages of one group's rewards:
+/// `A_i = (r_i − mean(r)) / (std(r) + 1e-4)` (or without the division, see
+/// [`AdvantageNorm`]). `None` when every reward is equal: the group carries no signal and
+/// is skipped (and counted) rather than trained on with zero advantages.
+pub fn group_advantages(rewards: &[f32], norm: AdvantageNorm) -> Option<Vec<f32>> {
+    let n = rewards.len();
+    if n == 0 || rewards.iter().all(|&r| r == rewards[0]) {
+        return None;
+    }
+    let r: Vec<f64> = rewards.iter().map(|&x| x as f64).collect();
+    let mean = r.iter().sum::<f64>() / n as f64;
+    let ss: f64 = r.iter().map(|x| (x - mean).powi(2)).sum();
+    let scale = match norm {
+        AdvantageNorm::Unbiased if n > 1 => (ss / (n - 1) as f64).sqrt() + ADVANTAGE_EPS,
+        AdvantageNorm::Unbiased => ADVANTAGE_EPS,
+        AdvantageNorm::Population => (ss / n as f64).sqrt() + ADVANTAGE_EPS,
+        AdvantageNorm::None => 1.0,
+    };
+    Some(r.iter().map(|x| ((x - mean) / scale) as f32).collect())
+}
+
+/// Per-token importance ratio against the behaviour policy:
+/// `ρ = exp(logπθ − logπ_behaviour)` (C, T).
+pub fn ratio(logp: &Tensor, behaviour: &Tensor) -> Result<Tensor> {
+    (logp - behaviour)?.exp()
+}
+
+/// Per-token clipped surrogate `−min(ρ·A, clip(ρ, 1−ε_low, 1+ε_high)·A)` (C, T), with the
+/// advantage `A` (C, 1) of each completion broadcast over its tokens.
+pub fn clipped_surrogate(
+    ratio: &Tensor,
+    adv: &Tensor,
+    eps_low: f64,
+    eps_high: f64,
+) -> Result<Tensor> {
+    let unclipped = ratio.broadcast_mul(adv)?;
+    let clipped = ratio
+        .clamp(1.0 - eps_low, 1.0 + eps_high)?
+        .broadcast_mul(adv)?;
+    unclipped.minimum(&clipped)?.neg()
+}
+
+/// Per-token k3 estimator of KL(πθ ‖ π_ref):
+/// `exp(ref − logπθ) − (ref − logπθ) − 1` (C, T), ≥ 0.
+pub fn k3_kl(reference: &Tensor, logp: &Tensor) -> Result<Tensor> {
+    let d = (reference - logp)?;
+    (d.exp()? - d)? - 1.0
+}
+
+/// Fraction of counted tokens whose ratio was clipped (ρA was the larger term).
+pub fn clip_fraction(
+    ratio: &Tensor,
+    adv: &Tensor,
+    mask: &Tensor,
+    eps_low: f64,
+    eps_high: f64,
+) -> Result<f64> {
+    let low = ratio
+        .lt(1.0 - eps_low)?
+        .to_dtype(mask.dtype())?
+        .broadcast_mul(&adv.lt(0.0)?.to_dtype(mask.dtype())?)?;
+    let high = ratio
+        .gt(1.0 + eps_high)?
+        .to_dtype(mask.dtype())?
+        .broadcast_mul(&adv.gt(0.0)?.to_dtype(mask.dtype())?)?;
+    let clipped = ((low + high)? * mask)?.sum_all()?.to_scalar::<f32>()? as f64;
+    let total = mask.sum_all()?.to_scalar::<f32>()? as f64;
+    Ok(if total > 0.0 { clipped / total } else { 0.0 })
+}
+
+/// One number from per-token values (C, T) under `mask` (C, T):
+/// - [`Aggregation::Sequence`]: `mean_c( Σ_t x·m / Σ_t m )`;
+/// - [`Aggregation::Token`]: `Σ x·m / Σ m`.
+///
+/// Completions with no token count as empty and are left out of the mean.
+pub fn aggregate(values: &Tensor, mask: &Tensor, how: Aggregation) -> Result<Tensor> {
+    let masked = (values * mask)?;
+    match how {
+        Aggregation::Token => masked
+            .sum_all()?
+            .broadcast_div(&mask.sum_all()?.maximum(1.0)?),
+        Aggregation::Sequence => {
+            let per = masked
+                .sum(D::Minus1)?
+                .broadcast_div(&mask.sum(D::Minus1)?.maximum(1.0)?)?; // (C)
+            let present = mask.sum(D::Minus1)?.gt(0.0)?.to_dtype(values.dtype())?; // (C)
+            (per * &present)?
+                .sum_all()?
+                .broadcast_div(&present.sum_all()?.maximum(1.0)?)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+
+    fn t(rows: &[&[f32]]) -> Tensor {
+        let c = rows.len();
+        let flat: Vec<f32> = rows.iter().flat_map(|r| r.iter().copied()).collect();
+        Tensor::from_vec(flat, (c, rows[0].len()), &Device::Cpu).unwrap()
+    }
+
+    fn scalar(x: Tensor) -> f32 {
+        x.to_scalar::<f32>().unwrap()
+    }
+
+    #[test]
+    fn advantages_follow_trl_and_equal_rewards_carry_no_signal() {
+        let a = group_advantages(&[1.0, 0.0, 0.0, 1.0], AdvantageNorm::Unbiased).unwrap();
+        let std = (1.0f64 / 3.0).sqrt(); // unbiased std of [1, 0, 0, 1]
+        let want = (0.5 / (std + 1e-4)) as f32;
+        assert!(
+            (a[0] - want).abs() < 1e-6 && (a[1] + want).abs() < 1e-6,
+            "{a:?}"
+        );
+        let p = group_advantages(&[1.0, 0.0, 0.0, 1.0], AdvantageNorm::Population).unwrap();
+        assert!((p[0] - (0.5 / (0.5 + 1e-4)) as f32).abs() < 1e-6);
+        assert_eq!(
+            group_advantages(&[2.0, 0.0], AdvantageNorm::None).unwrap(),
+            vec![1.0, -1.0]
+        );
+        assert_eq!(group_advantages(&[0.3; 8], AdvantageNorm::Unbiased), None);
+        assert_eq!(group_advantages(&[], AdvantageNorm::Unbiased), None);
+    }
+
+    #[test]
+    fn surrogate_clips_only_in_the_direction_of_the_advantage() {
+        let r = t(&[&[0.5, 1.0, 1.5]]);
+        let pos = clipped_surrogate(&r, &t(&[&[2.0]]), 0.2, 0.2)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        assert_eq!(pos, vec![vec![-1.0, -2.0, -2.4]]); // min(ρA, clip(ρ)A) with A > 0
+        let neg = clipped_surrogate(&r, &t(&[&[-2.0]]), 0.2, 0.2)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        assert_eq!(neg, vec![vec![1.6, 2.0, 3.0]]); // A < 0: the larger ratio term wins
+        let mask = t(&[&[1.0, 1.0, 1.0]]);
+        let f = clip_fraction(&r, &t(&[&[2.0]]), &mask, 0.2, 0.2).unwrap();
+        assert!((f - 1.0 / 3.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn k3_is_zero_at_equality_and_positive_elsewhere() {
+        let logp = t(&[&[-1.0, -2.0, -0.5]]);
+        let same = k3_kl(&logp, &logp).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(same, vec![vec![0.0, 0.0, 0.0]]);
+        let other = k3_kl(&t(&[&[-1.5, -1.0, -0.5]]), &logp)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        let k = |d: f32| d.exp() - d - 1.0;
+        assert!((other[0][0] - k(-0.5)).abs() < 1e-6 && (other[0][1] - k(1.0)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn aggregation_ignores_masked_tokens_and_weights_completions_or_tokens() {
+        let x = t(&[&[1.0, 3.0, 100.0], &[4.0, 100.0, 100.0]]);
+        let m = t(&[&[1.0, 1.0, 0.0], &[1.0, 0.0, 0.0]]);
+        assert_eq!(
+            scalar(aggregate(&x, &m, Aggregation::Sequence).unwrap()),
+            3.0
+        ); // (2 + 4) / 2
+        assert!((scalar(aggregate(&x, &m, Aggregation::Token).unwrap()) - 8.0 / 3.0).abs() < 1e-6);
+        let empty = t(&[&[1.0, 3.0], &[5.0, 5.0]]);
+        let m2 = t(&[&[1.0, 1.0], &[0.0, 0.0]]);
+        assert_eq!(
+            scalar(aggregate(&empty, &m2, Aggregation::Sequence).unwrap()),
+            2.0
+        );
+    }
+}

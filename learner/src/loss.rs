@@ -1,0 +1,96 @@
+//! The GRPO loss of a batch, assembled from the pure functions of [`crate::grpo`]: exactly
+//! what training minimises and what `learner loss` prints.
+
+use candle_core::{Result as CandleResult, Tensor};
+use rookworld_lm::Gpt2;
+use serde::Serialize;
+
+use crate::batch::Layout;
+use crate::grpo::{self, AdvantageNorm, Aggregation};
+use crate::policy::token_logprobs;
+
+/// Hyper-parameters of the objective.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LossConfig {
+    /// KL coefficient β; 0 skips the reference forward.
+    pub beta: f64,
+    pub eps_low: f64,
+    pub eps_high: f64,
+    /// Sampling temperature: log-probs are `log softmax(logits / T)`, as the worker's.
+    pub temperature: f64,
+    pub advantage_norm: AdvantageNorm,
+    pub aggregation: Aggregation,
+}
+
+impl Default for LossConfig {
+    fn default() -> Self {
+        Self {
+            beta: 0.04,
+            eps_low: 0.2,
+            eps_high: 0.2,
+            temperature: 1.0,
+            advantage_norm: AdvantageNorm::Unbiased,
+            aggregation: Aggregation::Sequence,
+        }
+    }
+}
+
+/// The loss and what to report about it.
+#[derive(Debug)]
+pub struct LossOutput {
+    /// policy_loss + β·kl, differentiable.
+    pub loss: Tensor,
+    pub policy_loss: f64,
+    /// Unscaled k3 KL (0 when β = 0: the reference is not run).
+    pub kl: f64,
+    pub clip_frac: f64,
+}
+
+/// Numbers of one loss evaluation (`learner loss` prints this).
+#[derive(Debug, Clone, Serialize)]
+pub struct LossReport {
+    pub loss: f64,
+    pub policy_loss: f64,
+    pub kl: f64,
+    pub grad_norm: f64,
+    pub advantages: Vec<Vec<f32>>,
+    pub clip_frac: f64,
+    pub skipped_groups: usize,
+    pub tokens: usize,
+}
+
+/// `loss = aggregate(−min(ρA, clip(ρ)A)) + β · aggregate(k3(ref, logπθ))` over the
+/// completion tokens of `layout`.
+pub fn grpo_loss(
+    policy: &Gpt2,
+    reference: Option<&Gpt2>,
+    layout: &Layout,
+    cfg: &LossConfig,
+) -> CandleResult<LossOutput> {
+    let mask = &layout.mask;
+    let logp = (token_logprobs(policy, layout, cfg.temperature)? * mask)?; // (C, T−1)
+    let behaviour = match &layout.behaviour {
+        Some(b) => b.clone(),
+        None => logp.detach(),
+    };
+    let ratio = grpo::ratio(&logp, &behaviour)?;
+    let surrogate = grpo::clipped_surrogate(&ratio, &layout.advantages, cfg.eps_low, cfg.eps_high)?;
+    let policy_loss = grpo::aggregate(&surrogate, mask, cfg.aggregation)?;
+    let clip_frac =
+        grpo::clip_fraction(&ratio, &layout.advantages, mask, cfg.eps_low, cfg.eps_high)?;
+    let (loss, kl) = match reference {
+        Some(reference) if cfg.beta > 0.0 => {
+            let ref_logp = (token_logprobs(reference, layout, cfg.temperature)?.detach() * mask)?;
+            let kl = grpo::aggregate(&grpo::k3_kl(&ref_logp, &logp)?, mask, cfg.aggregation)?;
+            let value = kl.to_scalar::<f32>()? as f64;
+            ((&policy_loss + (kl * cfg.beta)?)?, value)
+        }
+        _ => (policy_loss.clone(), 0.0),
+    };
+    Ok(LossOutput {
+        policy_loss: policy_loss.to_scalar::<f32>()? as f64,
+        loss,
+        kl,
+        clip_frac,
+    })
+}

@@ -1,0 +1,149 @@
+//! `learner loss`: the GRPO loss, its parts and the gradient norm of one batch, computed by
+//! the code training uses, printed as JSON.
+
+use std::path::PathBuf;
+
+use candle_core::{DType, Device};
+use rookworld_lm::checkpoint;
+
+use crate::batch::{GrpoBatch, Layout};
+use crate::grpo::{AdvantageNorm, Aggregation};
+use crate::loss::{LossConfig, LossReport, grpo_loss};
+use crate::optim::global_grad_norm;
+use crate::policy::Trainable;
+
+/// Options of `learner loss`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LossArgs {
+    /// Policy checkpoint (Hugging Face layout).
+    #[arg(long)]
+    pub policy: PathBuf,
+    /// Frozen reference checkpoint (not read when --beta is 0).
+    #[arg(long)]
+    pub reference: PathBuf,
+    /// JSON batch: {"prompts", "completions", "rewards", "old_logprobs"?}.
+    #[arg(long)]
+    pub batch: PathBuf,
+    /// KL coefficient β.
+    #[arg(long, default_value_t = 0.04)]
+    pub beta: f64,
+    /// Clip ε on both sides (see --clip-eps-high for an asymmetric upper side).
+    #[arg(long, default_value_t = 0.2)]
+    pub clip_eps: f64,
+    /// Upper clip ε (default: --clip-eps).
+    #[arg(long)]
+    pub clip_eps_high: Option<f64>,
+    /// Sampling temperature of the completions.
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f64,
+    #[arg(long, value_enum, default_value_t = AdvantageNorm::Unbiased)]
+    pub advantage_norm: AdvantageNorm,
+    #[arg(long, value_enum, default_value_t = Aggregation::Sequence)]
+    pub aggregation: Aggregation,
+}
+
+/// Why `learner loss` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LossCmdError {
+    #[error(transparent)]
+    Model(#[from] rookworld_lm::Error),
+    #[error(transparent)]
+    Batch(#[from] crate::batch::BatchError),
+    #[error("{0}")]
+    Input(String),
+}
+
+impl From<candle_core::Error> for LossCmdError {
+    fn from(e: candle_core::Error) -> Self {
+        Self::Model(e.into())
+    }
+}
+
+impl LossArgs {
+    pub fn config(&self) -> Result<LossConfig, LossCmdError> {
+        let cfg = LossConfig {
+            beta: self.beta,
+            eps_low: self.clip_eps,
+            eps_high: self.clip_eps_high.unwrap_or(self.clip_eps),
+            temperature: self.temperature,
+            advantage_norm: self.advantage_norm,
+            aggregation: self.aggregation,
+        };
+        let finite_non_negative = |x: f64| x.is_finite() && x >= 0.0;
+        if !finite_non_negative(cfg.beta)
+            || !finite_non_negative(cfg.eps_low)
+            || !finite_non_negative(cfg.eps_high)
+        {
+            return Err(LossCmdError::Input(
+                "--beta and --clip-eps must be finite and ≥ 0".into(),
+            ));
+        }
+        if !(cfg.temperature.is_finite() && cfg.temperature > 0.0) {
+            return Err(LossCmdError::Input("--temperature must be > 0".into()));
+        }
+        Ok(cfg)
+    }
+}
+
+/// Computes the report of `batch` under `policy` (gradients included).
+pub fn evaluate(
+    policy: &Trainable,
+    reference: Option<&rookworld_lm::Gpt2>,
+    batch: &GrpoBatch,
+    cfg: &LossConfig,
+) -> Result<LossReport, LossCmdError> {
+    let model_cfg = policy.model.config();
+    batch.validate(model_cfg.vocab_size, model_cfg.n_positions)?;
+    let Some(layout) = Layout::new(
+        batch,
+        cfg.advantage_norm,
+        model_cfg.eos_token_id,
+        policy.model.device(),
+    )?
+    else {
+        return Ok(LossReport {
+            loss: 0.0,
+            policy_loss: 0.0,
+            kl: 0.0,
+            grad_norm: 0.0,
+            advantages: Vec::new(),
+            clip_frac: 0.0,
+            skipped_groups: batch.prompts.len(),
+            tokens: 0,
+        });
+    };
+    let out = grpo_loss(&policy.model, reference, &layout, cfg)?;
+    let grads = out.loss.backward()?;
+    Ok(LossReport {
+        loss: out.loss.to_scalar::<f32>()? as f64,
+        policy_loss: out.policy_loss,
+        kl: out.kl,
+        grad_norm: global_grad_norm(&grads, &policy.vars)?,
+        advantages: layout.group_advantages,
+        clip_frac: out.clip_frac,
+        skipped_groups: layout.skipped_groups,
+        tokens: layout.tokens,
+    })
+}
+
+/// Runs the command, printing one JSON object.
+pub fn run(args: &LossArgs) -> Result<(), LossCmdError> {
+    let cfg = args.config()?;
+    let text = std::fs::read_to_string(&args.batch)
+        .map_err(|e| LossCmdError::Input(format!("--batch {}: {e}", args.batch.display())))?;
+    let batch: GrpoBatch = serde_json::from_str(&text)
+        .map_err(|e| LossCmdError::Input(format!("--batch {}: {e}", args.batch.display())))?;
+    let device = Device::Cpu;
+    let policy = Trainable::load(&args.policy, &device)?;
+    let reference = if cfg.beta > 0.0 {
+        Some(checkpoint::load(&args.reference, DType::F32, &device)?)
+    } else {
+        None
+    };
+    let report = evaluate(&policy, reference.as_ref(), &batch, &cfg)?;
+    println!(
+        "{}",
+        serde_json::to_string(&report).expect("report serialises")
+    );
+    Ok(())
+}

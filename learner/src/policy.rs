@@ -1,0 +1,55 @@
+//! The trainable policy (every weight a candle `Var`) and the frozen reference, and the
+//! per-token log-probs the objective needs.
+
+use std::path::Path;
+
+use candle_core::{D, DType, Device, Result as CandleResult, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+use rookworld_lm::{Gpt2, LeftPadding, checkpoint};
+
+use crate::batch::Layout;
+
+/// A model whose weights are `Var`s, named as in a Hugging Face checkpoint.
+#[derive(Debug)]
+pub struct Trainable {
+    pub model: Gpt2,
+    /// Every parameter once (the tied LM head is `transformer.wte.weight`), by name.
+    pub vars: Vec<(String, Var)>,
+}
+
+impl Trainable {
+    /// Loads a checkpoint directory in f32 on `device` as trainable weights.
+    pub fn load(dir: &Path, device: &Device) -> rookworld_lm::Result<Self> {
+        Self::from_model(&checkpoint::load(dir, DType::F32, device)?)
+    }
+
+    /// Trainable copies of `model`'s weights.
+    pub fn from_model(model: &Gpt2) -> rookworld_lm::Result<Self> {
+        let varmap = VarMap::new();
+        let mut vars = Vec::new();
+        {
+            let mut data = varmap.data().lock().expect("var map lock");
+            for (name, t) in model.named_tensors() {
+                let var = Var::from_tensor(&t.to_dtype(DType::F32)?)?;
+                data.insert(name.clone(), var.clone());
+                vars.push((name, var));
+            }
+        }
+        let root = VarBuilder::from_varmap(&varmap, DType::F32, model.device());
+        let cfg = model.config().clone();
+        let model = Gpt2::load(root.pp("transformer"), root, &cfg)?;
+        Ok(Self { model, vars })
+    }
+}
+
+/// `log softmax(logits / temperature)` of each slot's target: (C, T−1). No dropout exists
+/// anywhere, so this is the same forward that sampling ran.
+pub fn token_logprobs(model: &Gpt2, layout: &Layout, temperature: f64) -> CandleResult<Tensor> {
+    let (c, t) = layout.ids.dims2()?;
+    let logits = model.forward(&layout.ids, &LeftPadding::none(c), &mut model.new_cache())?; // (C, T, V)
+    let logits = (logits.narrow(1, 0, t - 1)? / temperature)?; // (C, T−1, V)
+    let picked = logits
+        .gather(&layout.targets, D::Minus1)?
+        .squeeze(D::Minus1)?; // (C, T−1)
+    picked - logits.log_sum_exp(D::Minus1)? // (C, T−1)
+}
