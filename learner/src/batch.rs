@@ -97,6 +97,14 @@ impl GrpoBatch {
     }
 }
 
+/// One completion with what the loss needs of it.
+struct Row<'a> {
+    prompt: &'a [u32],
+    completion: &'a [u32],
+    old: Option<&'a [f32]>,
+    advantage: f32,
+}
+
 /// The completions that carry signal, laid out for one forward.
 ///
 /// Sequence c is `prompt ++ completion`, right-padded to T tokens. Slot t of the (C, T−1)
@@ -131,7 +139,7 @@ impl Layout {
         pad: u32,
         device: &Device,
     ) -> CandleResult<Option<Self>> {
-        let mut rows: Vec<(&[u32], &[u32], Option<&[f32]>, f32)> = Vec::new();
+        let mut rows: Vec<Row> = Vec::new();
         let mut kept_advantages = Vec::new();
         let mut skipped = 0;
         for (p, prompt) in batch.prompts.iter().enumerate() {
@@ -141,7 +149,12 @@ impl Layout {
             };
             for (g, c) in batch.completions[p].iter().enumerate() {
                 let old = batch.old_logprobs.as_ref().map(|o| o[p][g].as_slice());
-                rows.push((prompt, c, old, adv[g]));
+                rows.push(Row {
+                    prompt,
+                    completion: c,
+                    old,
+                    advantage: adv[g],
+                });
             }
             kept_advantages.push(adv);
         }
@@ -157,7 +170,16 @@ impl Layout {
         let (mut ids, mut targets) = (vec![pad; n * t], vec![pad; n * (t - 1)]);
         let (mut mask, mut behaviour) = (vec![0f32; n * (t - 1)], vec![0f32; n * (t - 1)]);
         let mut tokens = 0;
-        for (r, (prompt, completion, old, _)) in rows.iter().enumerate() {
+        for (
+            r,
+            Row {
+                prompt,
+                completion,
+                old,
+                ..
+            },
+        ) in rows.iter().enumerate()
+        {
             let seq: Vec<u32> = prompt.iter().chain(completion.iter()).copied().collect();
             ids[r * t..r * t + seq.len()].copy_from_slice(&seq);
             targets[r * (t - 1)..r * (t - 1) + seq.len() - 1].copy_from_slice(&seq[1..]);
@@ -170,7 +192,7 @@ impl Layout {
             }
             tokens += completion.len();
         }
-        let advantages: Vec<f32> = rows.iter().map(|row| row.3).collect();
+        let advantages: Vec<f32> = rows.iter().map(|row| row.advantage).collect();
         Ok(Some(Self {
             ids: Tensor::from_vec(ids, (n, t), device)?,
             targets: Tensor::from_vec(targets, (n, t - 1, 1), device)?,
