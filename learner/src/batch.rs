@@ -163,7 +163,7 @@ impl Layout {
         }
         let t = rows
             .iter()
-            .map(|(p, c, _, _)| p.len() + c.len())
+            .map(|r| r.prompt.len() + r.completion.len())
             .max()
             .unwrap_or(0);
         let n = rows.len();
