@@ -7,7 +7,8 @@
 //!   surrogate, k3 KL, aggregation); [`batch`] lays a batch out as tensors; [`policy`] holds
 //!   the trainable model and computes token log-probs; [`loss`] assembles the loss.
 //! - [`loss_cmd`]: `learner loss`, the loss and gradient norm of one batch as JSON.
-//! - [`optim`]: gradient norm (the optimizer arrives with training).
+//! - [`optim`]: gradient accumulation, norm and clipping, AdamW, the LR schedule;
+//!   [`step`]: one optimizer step in micro-batches.
 
 pub mod batch;
 pub mod grpo;
@@ -16,3 +17,4 @@ pub mod loss;
 pub mod loss_cmd;
 pub mod optim;
 pub mod policy;
+pub mod step;
