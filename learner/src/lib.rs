@@ -7,6 +7,7 @@
 //!   surrogate, k3 KL, aggregation); [`batch`] lays a batch out as tensors; [`policy`] holds
 //!   the trainable model and computes token log-probs; [`loss`] assembles the loss.
 //! - [`loss_cmd`]: `learner loss`, the loss and gradient norm of one batch as JSON.
+//! - [`prompts`]: generated and loaded training prompts, with a resumable cursor.
 //! - [`optim`]: gradient accumulation, norm and clipping, AdamW, the LR schedule;
 //!   [`step`]: one optimizer step in micro-batches.
 
@@ -17,4 +18,5 @@ pub mod loss;
 pub mod loss_cmd;
 pub mod optim;
 pub mod policy;
+pub mod prompts;
 pub mod step;
