@@ -220,7 +220,7 @@ pub fn load(path: &Path) -> Result<Vec<TaskPrompt>, PromptError> {
 /// Where prompts come from.
 #[derive(Debug, Clone)]
 pub enum Source {
-    Generated(Generator),
+    Generated(Box<Generator>),
     /// Read prompts, taken in order and cycled.
     File {
         prompts: Vec<TaskPrompt>,
@@ -254,7 +254,7 @@ impl Source {
                 let pos: u128 = word_pos
                     .parse()
                     .map_err(|_| PromptError(format!("bad cursor {word_pos}")))?;
-                *g = Generator::new(*seed, g.policy_fraction);
+                **g = Generator::new(*seed, g.policy_fraction);
                 g.rng.set_word_pos(pos);
                 Ok(())
             }
@@ -275,7 +275,7 @@ mod tests {
 
     #[test]
     fn generation_is_seeded_mixed_and_resumable() {
-        let mut a = Source::Generated(Generator::new(5, 0.5));
+        let mut a = Source::Generated(Box::new(Generator::new(5, 0.5)));
         let first: Vec<TaskPrompt> = (0..40).map(|_| a.next_prompt()).collect();
         let policy = first.iter().filter(|p| p.kind == TaskKind::Policy).count();
         assert!((10..=30).contains(&policy), "{policy} policy prompts of 40");
@@ -298,12 +298,12 @@ mod tests {
             }
         }
         // A cursor taken mid-way continues exactly.
-        let mut b = Source::Generated(Generator::new(5, 0.5));
+        let mut b = Source::Generated(Box::new(Generator::new(5, 0.5)));
         for _ in 0..17 {
             b.next_prompt();
         }
         let cursor = b.cursor();
-        let mut c = Source::Generated(Generator::new(999, 0.5));
+        let mut c = Source::Generated(Box::new(Generator::new(999, 0.5)));
         c.restore(&cursor).unwrap();
         assert_eq!(c.next_prompt(), first[17]);
         assert_eq!(b.next_prompt(), first[17]);
