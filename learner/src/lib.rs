@@ -7,11 +7,14 @@
 //!   surrogate, k3 KL, aggregation); [`batch`] lays a batch out as tensors; [`policy`] holds
 //!   the trainable model and computes token log-probs; [`loss`] assembles the loss.
 //! - [`loss_cmd`]: `learner loss`, the loss and gradient norm of one batch as JSON.
+//! - [`sft`]: `learner sft`, supervised warm-up; [`checkpoint`]: training checkpoints
+//!   (model, optimizer, trainer state) written atomically, for exact resume.
 //! - [`prompts`]: generated and loaded training prompts, with a resumable cursor.
 //! - [`optim`]: gradient accumulation, norm and clipping, AdamW, the LR schedule;
 //!   [`step`]: one optimizer step in micro-batches.
 
 pub mod batch;
+pub mod checkpoint;
 pub mod grpo;
 pub mod init_cmd;
 pub mod loss;
@@ -19,4 +22,5 @@ pub mod loss_cmd;
 pub mod optim;
 pub mod policy;
 pub mod prompts;
+pub mod sft;
 pub mod step;

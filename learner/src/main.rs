@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 use learner::init_cmd::{self, InitArgs};
 use learner::loss_cmd::{self, LossArgs};
+use learner::sft::{self, SftArgs};
 
 /// GRPO learner of the RookWorld trainer.
 #[derive(Debug, Parser)]
@@ -18,6 +19,8 @@ enum Command {
     Init(InitArgs),
     /// Print the GRPO loss, its parts and the gradient norm of one batch (JSON).
     Loss(LossArgs),
+    /// Supervised warm-up on RookWorld task text (checkpoints, --resume).
+    Sft(SftArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -26,5 +29,6 @@ fn main() -> std::process::ExitCode {
     rookworld_lm::cli::exit_with(match &cli.command {
         Command::Init(args) => init_cmd::run(args).map_err(|e| e.to_string()),
         Command::Loss(args) => loss_cmd::run(args).map_err(|e| e.to_string()),
+        Command::Sft(args) => sft::run(args).map(|_| ()).map_err(|e| e.to_string()),
     })
 }

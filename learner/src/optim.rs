@@ -1,16 +1,17 @@
 //! Optimisation: gradient accumulation, the global gradient norm and clipping, AdamW with
 //! decoupled weight decay (not on biases and layer norms), and the learning-rate schedule.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Result as CandleResult, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
-/// Gradients summed over micro-batches, by parameter name.
+/// Gradients summed over micro-batches, by parameter name (ordered, so every sum over
+/// parameters runs in the same order in every process: resumed runs stay bit-identical).
 #[derive(Debug, Default)]
 pub struct Gradients {
-    by_name: HashMap<String, Tensor>,
+    by_name: BTreeMap<String, Tensor>,
 }
 
 impl Gradients {

@@ -45,11 +45,20 @@ impl Trainable {
 /// `log softmax(logits / temperature)` of each slot's target: (C, T−1). No dropout exists
 /// anywhere, so this is the same forward that sampling ran.
 pub fn token_logprobs(model: &Gpt2, layout: &Layout, temperature: f64) -> CandleResult<Tensor> {
-    let (c, t) = layout.ids.dims2()?;
-    let logits = model.forward(&layout.ids, &LeftPadding::none(c), &mut model.new_cache())?; // (C, T, V)
+    target_logprobs(model, &layout.ids, &layout.targets, temperature)
+}
+
+/// Log-probs under `softmax(logits / temperature)` of `targets` (C, T−1, 1), slot t being
+/// the token after position t of `ids` (C, T): (C, T−1).
+pub fn target_logprobs(
+    model: &Gpt2,
+    ids: &Tensor,
+    targets: &Tensor,
+    temperature: f64,
+) -> CandleResult<Tensor> {
+    let (c, t) = ids.dims2()?;
+    let logits = model.forward(ids, &LeftPadding::none(c), &mut model.new_cache())?; // (C, T, V)
     let logits = (logits.narrow(1, 0, t - 1)? / temperature)?; // (C, T−1, V)
-    let picked = logits
-        .gather(&layout.targets, D::Minus1)?
-        .squeeze(D::Minus1)?; // (C, T−1)
+    let picked = logits.gather(targets, D::Minus1)?.squeeze(D::Minus1)?; // (C, T−1)
     picked - logits.log_sum_exp(D::Minus1)? // (C, T−1)
 }

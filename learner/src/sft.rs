@@ -1,0 +1,381 @@
+//! `learner sft`: supervised warm-up — next-token cross-entropy on RookWorld task text,
+//! with the same optimizer, schedule and checkpoints as GRPO training.
+//!
+//! Environment-task lines are exact (shakmaty plays the move); policy-task lines come from
+//! Stockfish's multipv 5 when an engine is configured, and are left out otherwise (said
+//! once at start). Each document is `[50256] + tokens(text) + [50256]`, as RookWorld-LM was
+//! trained, and every token after the first is predicted.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+use reward_server::engine::{EngineConfig, EnginePool};
+use reward_server::rules::standard;
+use rookworld_lm::cli::ModelArgs;
+use rookworld_lm::{Gpt2, Tokenizer};
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::{self, TrainerState};
+use crate::optim::{AdamW, AdamWConfig, Gradients, Schedule};
+use crate::policy::{Trainable, target_logprobs};
+use crate::prompts::{self, Generator, Source, TaskKind, TaskPrompt};
+
+/// Options of `learner sft`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SftArgs {
+    /// The starting weights (a checkpoint directory or a preset); ignored on --resume
+    /// when the run has a checkpoint.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Run directory: checkpoints go to RUN/checkpoints/.
+    #[arg(long)]
+    pub run_dir: PathBuf,
+    #[command(flatten)]
+    pub settings: SftSettings,
+    /// Continue from the run's latest checkpoint (starts fresh when it has none).
+    #[arg(long)]
+    pub resume: bool,
+    /// Checkpoint every this many steps (and after the last).
+    #[arg(long, default_value_t = 50)]
+    pub checkpoint_every: u64,
+    /// Append one JSON object per step to this file.
+    #[arg(long)]
+    pub log_jsonl: Option<PathBuf>,
+    /// UCI engine for policy-task lines (default: `stockfish` if installed).
+    #[arg(long)]
+    pub engine: Option<PathBuf>,
+    /// Read prompts (with completions) from RookWorld text lines or JSONL instead of
+    /// generating them.
+    #[arg(long)]
+    pub prompts: Option<PathBuf>,
+}
+
+/// Settings that define the run; a resumed run must keep them.
+#[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
+pub struct SftSettings {
+    /// Steps in total.
+    #[arg(long, default_value_t = 200)]
+    pub steps: u64,
+    /// Documents per step.
+    #[arg(long, default_value_t = 16)]
+    pub batch_size: usize,
+    /// Documents per forward/backward (gradients accumulate to the step's).
+    #[arg(long, default_value_t = 8)]
+    pub micro_batch_size: usize,
+    #[arg(long, default_value_t = 1e-3)]
+    pub lr: f64,
+    #[arg(long, default_value_t = 1e-4)]
+    pub min_lr: f64,
+    #[arg(long, default_value_t = 10)]
+    pub warmup_steps: u64,
+    #[arg(long, default_value_t = 0.01)]
+    pub weight_decay: f64,
+    #[arg(long, default_value_t = 1.0)]
+    pub max_grad_norm: f64,
+    /// Seed of the prompt generator.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Fraction of policy-task documents among generated ones (needs an engine).
+    #[arg(long, default_value_t = 0.5)]
+    pub policy_fraction: f64,
+}
+
+/// One step's numbers (the `--log-jsonl` record).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct SftStep {
+    pub step: u64,
+    pub loss: f64,
+    pub grad_norm: f64,
+    pub lr: f64,
+    pub tokens: usize,
+    pub seconds: f64,
+}
+
+/// Why `learner sft` stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum SftError {
+    #[error(transparent)]
+    Model(#[from] rookworld_lm::Error),
+    #[error(transparent)]
+    Checkpoint(#[from] checkpoint::CheckpointError),
+    #[error(transparent)]
+    Prompts(#[from] prompts::PromptError),
+    #[error("{0}")]
+    Config(String),
+}
+
+impl From<candle_core::Error> for SftError {
+    fn from(e: candle_core::Error) -> Self {
+        Self::Model(e.into())
+    }
+}
+
+/// Turns prompts into training documents, asking the engine for policy lines.
+struct Documents {
+    source: Source,
+    engine: Option<(tokio::runtime::Runtime, EnginePool)>,
+    tokenizer: Tokenizer,
+    bos: u32,
+    context: usize,
+}
+
+impl Documents {
+    /// The next document's ids: `[bos] + tokens(prompt + completion) + [bos]`, cut to the
+    /// context.
+    fn next(&mut self) -> Result<Vec<u32>, SftError> {
+        for _ in 0..10_000 {
+            let p = self.source.next_prompt();
+            let Some(completion) = self.complete(&p)? else {
+                continue;
+            };
+            let mut ids = vec![self.bos];
+            ids.extend(
+                self.tokenizer
+                    .encode(&format!("{}{}", p.prompt, completion))?,
+            );
+            ids.push(self.bos);
+            ids.truncate(self.context);
+            return Ok(ids);
+        }
+        Err(SftError::Config(
+            "no trainable documents: policy prompts need an engine (--engine), or use --policy-fraction 0".into(),
+        ))
+    }
+
+    fn complete(&self, p: &TaskPrompt) -> Result<Option<String>, SftError> {
+        if let Some(c) = &p.completion {
+            return Ok(Some(c.clone()));
+        }
+        match (p.kind, &self.engine) {
+            (TaskKind::Policy, Some((rt, pool))) => {
+                let fen = p.prompt.trim_start_matches("P: ").trim();
+                let pos = standard(fen)
+                    .map_err(|e| SftError::Config(format!("prompt FEN {fen}: {e:?}")))?;
+                let analysis = rt
+                    .block_on(pool.analyse(&pos))
+                    .map_err(|e| SftError::Config(format!("engine: {e}")))?;
+                let moves: Vec<&str> = analysis.lines.iter().map(|l| l.uci.as_str()).collect();
+                let evals: Vec<String> = analysis
+                    .lines
+                    .iter()
+                    .map(|l| python_float(l.eval_pawns))
+                    .collect();
+                Ok(moves.first().map(|best| {
+                    format!(
+                        "M: {:<30}E: {:<40}B: {best}",
+                        moves.join(" "),
+                        evals.join(" ")
+                    )
+                }))
+            }
+            _ => Ok(None),
+        }
+    }
+}
+
+/// An eval in pawns written as the data writes it (`0.3`, `-2.07`, `0.0`).
+fn python_float(x: f64) -> String {
+    let s = format!("{:.2}", (x * 100.0).round() / 100.0);
+    let s = s.trim_end_matches('0');
+    if s.ends_with('.') {
+        format!("{s}0")
+    } else {
+        s.to_owned()
+    }
+}
+
+/// `stockfish` on the PATH or in /usr/games, if present.
+fn default_engine() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/games")])
+        .map(|d| d.join("stockfish"))
+        .find(|p| p.is_file())
+}
+
+/// Mean next-token cross-entropy of a micro-batch of documents, and its token count.
+fn cross_entropy(
+    model: &Gpt2,
+    docs: &[Vec<u32>],
+    pad: u32,
+    device: &Device,
+) -> candle_core::Result<(Tensor, usize)> {
+    let t = docs.iter().map(Vec::len).max().unwrap_or(2);
+    let c = docs.len();
+    let (mut ids, mut targets, mut mask) = (
+        vec![pad; c * t],
+        vec![pad; c * (t - 1)],
+        vec![0f32; c * (t - 1)],
+    );
+    let mut tokens = 0;
+    for (r, d) in docs.iter().enumerate() {
+        ids[r * t..r * t + d.len()].copy_from_slice(d);
+        targets[r * (t - 1)..r * (t - 1) + d.len() - 1].copy_from_slice(&d[1..]);
+        mask[r * (t - 1)..r * (t - 1) + d.len() - 1].fill(1.0);
+        tokens += d.len() - 1;
+    }
+    let ids = Tensor::from_vec(ids, (c, t), device)?;
+    let targets = Tensor::from_vec(targets, (c, t - 1, 1), device)?;
+    let mask = Tensor::from_vec(mask, (c, t - 1), device)?;
+    let logp = target_logprobs(model, &ids, &targets, 1.0)?;
+    let loss = ((logp * &mask)?.sum_all()?.neg()? / tokens as f64)?;
+    Ok((loss, tokens))
+}
+
+/// Runs (or resumes) supervised training; returns every step's numbers of this process.
+pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
+    let s = &args.settings;
+    if s.batch_size == 0 || s.micro_batch_size == 0 || s.steps == 0 {
+        return Err(SftError::Config(
+            "--steps, --batch-size and --micro-batch-size must be ≥ 1".into(),
+        ));
+    }
+    let device = Device::Cpu;
+    let settings = serde_json::to_value(s).expect("settings serialise");
+    let mut source = match &args.prompts {
+        Some(path) => Source::File {
+            prompts: prompts::load(path)?,
+            next: 0,
+        },
+        None => Source::Generated(Box::new(Generator::new(s.seed, s.policy_fraction))),
+    };
+    let resumed = match (args.resume, checkpoint::latest(&args.run_dir)?) {
+        (true, Some(dir)) => Some(checkpoint::load(&dir, &device)?),
+        _ => None,
+    };
+    let (policy, mut opt, schedule, start) = match resumed {
+        Some((policy, opt, state)) => {
+            if state.settings != settings {
+                return Err(SftError::Config(format!(
+                    "--resume with different settings: the checkpoint has {}, this run {}",
+                    state.settings, settings
+                )));
+            }
+            source.restore(&state.cursor)?;
+            tracing::info!(step = state.step, "resumed");
+            (policy, opt, state.schedule, state.step)
+        }
+        None => {
+            let loaded = args.model.load()?;
+            let policy = Trainable::from_model(&loaded.model)?;
+            let adamw = AdamWConfig {
+                weight_decay: s.weight_decay,
+                ..AdamWConfig::default()
+            };
+            let schedule = Schedule {
+                lr: s.lr,
+                min_lr: s.min_lr,
+                warmup_steps: s.warmup_steps,
+                total_steps: s.steps,
+            };
+            (policy, AdamW::new(adamw), schedule, 0)
+        }
+    };
+    let engine_path = args.engine.clone().or_else(default_engine);
+    let engine = match engine_path {
+        Some(path) if s.policy_fraction > 0.0 && args.prompts.is_none() => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| SftError::Config(format!("runtime: {e}")))?;
+            let pool = rt
+                .block_on(EnginePool::start(EngineConfig::new(&path)))
+                .map_err(|e| SftError::Config(format!("engine {}: {e}", path.display())))?;
+            Some((rt, pool))
+        }
+        None if s.policy_fraction > 0.0 && args.prompts.is_none() => {
+            tracing::warn!("no Stockfish found: supervised data is environment-task only");
+            None
+        }
+        _ => None,
+    };
+    let cfg = policy.model.config().clone();
+    let mut docs = Documents {
+        source,
+        engine,
+        tokenizer: Tokenizer::gpt2(),
+        bos: cfg.bos_token_id,
+        context: cfg.n_positions,
+    };
+    let mut log = match &args.log_jsonl {
+        Some(path) => Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map_err(|e| SftError::Config(format!("--log-jsonl {}: {e}", path.display())))?,
+        ),
+        None => None,
+    };
+    let mut out = Vec::new();
+    for step in start..s.steps {
+        let started = Instant::now();
+        let batch: Vec<Vec<u32>> = (0..s.batch_size)
+            .map(|_| docs.next())
+            .collect::<Result<_, _>>()?;
+        let total_tokens: usize = batch.iter().map(|d| d.len() - 1).sum();
+        let mut grads = Gradients::default();
+        let mut loss = 0.0;
+        for micro in batch.chunks(s.micro_batch_size) {
+            let (l, tokens) = cross_entropy(&policy.model, micro, cfg.eos_token_id, &device)?;
+            let w = tokens as f64 / total_tokens as f64;
+            grads.accumulate(&(&l * w)?.backward()?, &policy.vars)?;
+            loss += w * l.to_scalar::<f32>()? as f64;
+        }
+        let grad_norm = grads.clip(s.max_grad_norm)?;
+        let lr = schedule.lr_at(step);
+        opt.step(&policy.vars, &grads, lr)?;
+        let record = SftStep {
+            step: step + 1,
+            loss,
+            grad_norm,
+            lr,
+            tokens: total_tokens,
+            seconds: started.elapsed().as_secs_f64(),
+        };
+        tracing::info!(
+            step = record.step,
+            loss = record.loss,
+            grad_norm,
+            lr,
+            "sft step"
+        );
+        if let Some(f) = log.as_mut() {
+            writeln!(
+                f,
+                "{}",
+                serde_json::to_string(&record).expect("record serialises")
+            )
+            .map_err(|e| SftError::Config(format!("--log-jsonl: {e}")))?;
+        }
+        out.push(record);
+        let done = step + 1;
+        if done % args.checkpoint_every.max(1) == 0 || done == s.steps {
+            let state = TrainerState {
+                step: done,
+                adamw: opt.cfg,
+                optimizer_steps: opt.steps,
+                schedule,
+                cursor: docs.source.cursor(),
+                settings: settings.clone(),
+            };
+            let dir = checkpoint::save(&args.run_dir, &policy, &opt, &state)?;
+            tracing::info!(dir = %dir.display(), "checkpoint written");
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn evals_are_written_like_python_floats() {
+        assert_eq!(super::python_float(0.3), "0.3");
+        assert_eq!(super::python_float(-2.07), "-2.07");
+        assert_eq!(super::python_float(0.0), "0.0");
+        assert_eq!(super::python_float(999.9), "999.9");
+        assert_eq!(super::python_float(1.0), "1.0");
+    }
+}
