@@ -127,3 +127,40 @@ fn copy_dir(from: &Path, to: &Path) {
         }
     }
 }
+
+/// With Stockfish installed, policy-task documents come from its multipv lines.
+#[test]
+fn policy_documents_come_from_the_engine_when_installed() {
+    let engine = Path::new("/usr/games/stockfish");
+    if !engine.is_file() {
+        std::fs::write("/dev/stderr", "skipped: no /usr/games/stockfish\n").ok();
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_learner"))
+        .args(["sft", "--preset", "tiny", "--run-dir"])
+        .arg(dir.path())
+        .args([
+            "--steps",
+            "1",
+            "--batch-size",
+            "3",
+            "--policy-fraction",
+            "1",
+            "--engine",
+        ])
+        .arg(engine)
+        .args(["--log-jsonl"])
+        .arg(dir.path().join("log.jsonl"))
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let steps = log(dir.path());
+    // Policy documents are long: a 90-column FEN field, M:, E: and B: sections.
+    assert!(steps[0].tokens > 3 * 60, "{steps:?}");
+}
