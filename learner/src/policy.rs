@@ -58,7 +58,12 @@ pub fn target_logprobs(
 ) -> CandleResult<Tensor> {
     let (c, t) = ids.dims2()?;
     let logits = model.forward(ids, &LeftPadding::none(c), &mut model.new_cache())?; // (C, T, V)
-    let logits = (logits.narrow(1, 0, t - 1)? / temperature)?; // (C, T−1, V)
+    let logits = logits.narrow(1, 0, t - 1)?; // (C, T−1, V)
+    let logits = if temperature == 1.0 {
+        logits
+    } else {
+        (logits / temperature)?
+    };
     let picked = logits.gather(targets, D::Minus1)?.squeeze(D::Minus1)?; // (C, T−1)
     picked - logits.log_sum_exp(D::Minus1)? // (C, T−1)
 }
