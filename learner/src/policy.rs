@@ -58,12 +58,15 @@ pub fn target_logprobs(
 ) -> CandleResult<Tensor> {
     let (c, t) = ids.dims2()?;
     let logits = model.forward(ids, &LeftPadding::none(c), &mut model.new_cache())?; // (C, T, V)
-    let logits = logits.narrow(1, 0, t - 1)?; // (C, T−1, V)
     let logits = if temperature == 1.0 {
         logits
     } else {
         (logits / temperature)?
     };
-    let picked = logits.gather(targets, D::Minus1)?.squeeze(D::Minus1)?; // (C, T−1)
-    picked - logits.log_sum_exp(D::Minus1)? // (C, T−1)
+    // The last position predicts nothing: give it a dummy target so gather and
+    // log-sum-exp run on the whole contiguous tensor, then drop it.
+    let dummy = Tensor::zeros((c, 1, 1), targets.dtype(), targets.device())?;
+    let targets = Tensor::cat(&[targets, &dummy], 1)?; // (C, T, 1)
+    let picked = logits.gather(&targets, D::Minus1)?.squeeze(D::Minus1)?; // (C, T)
+    (picked - logits.log_sum_exp(D::Minus1)?)?.narrow(1, 0, t - 1) // (C, T−1)
 }
