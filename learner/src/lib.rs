@@ -9,6 +9,7 @@
 //! - [`loss_cmd`]: `learner loss`, the loss and gradient norm of one batch as JSON.
 //! - [`sft`]: `learner sft`, supervised warm-up; [`checkpoint`]: training checkpoints
 //!   (model, optimizer, trainer state) written atomically, for exact resume.
+//! - [`queue`]: the rollout queue (leases with deadlines, bounded buffers, staleness).
 //! - [`prompts`]: generated and loaded training prompts, with a resumable cursor.
 //! - [`optim`]: gradient accumulation, norm and clipping, AdamW, the LR schedule;
 //!   [`step`]: one optimizer step in micro-batches.
@@ -22,5 +23,6 @@ pub mod loss_cmd;
 pub mod optim;
 pub mod policy;
 pub mod prompts;
+pub mod queue;
 pub mod sft;
 pub mod step;

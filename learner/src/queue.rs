@@ -1,0 +1,424 @@
+//! The rollout queue: prompts leased to workers with deadlines, scored groups waiting for
+//! the learner, and the accounting that shows nothing is lost or counted twice.
+//!
+//! Every prompt has an id. It is leased to one worker at a time; a lease that passes its
+//! deadline (or whose worker goes away) puts the prompt back at the front of the queue and
+//! a later submission under the old lease is refused. A submitted group waits in a bounded
+//! buffer until the learner takes it; groups older than the allowed weight-version lag are
+//! dropped and counted when taken. So every prompt ends in exactly one consumed group or one
+//! counted drop. The queue is bounded everywhere: pending prompts, leases and scored groups.
+//! Time is passed in, so the logic is tested without clocks.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::prompts::TaskPrompt;
+
+pub type PromptId = u64;
+pub type LeaseId = u64;
+
+/// Bounds and policies of the queue.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct QueueConfig {
+    /// Prompts kept ready to lease.
+    pub max_pending: usize,
+    /// Scored groups waiting for the learner; at this bound leases stop (backpressure).
+    pub max_scored: usize,
+    /// Leases outstanding at once.
+    pub max_leased: usize,
+    /// Time a worker has to submit a leased prompt.
+    pub lease_timeout: Duration,
+    /// Groups sampled more than this many versions behind the learner are dropped.
+    pub max_version_lag: u64,
+}
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        Self {
+            max_pending: 256,
+            max_scored: 64,
+            max_leased: 256,
+            lease_timeout: Duration::from_secs(120),
+            max_version_lag: 2,
+        }
+    }
+}
+
+/// A prompt as queued.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueuedPrompt {
+    pub id: PromptId,
+    pub prompt: TaskPrompt,
+    /// Sampling seed of this prompt's group.
+    pub seed: u64,
+    /// Leases issued for it so far (re-issues after expiry count).
+    pub attempts: u32,
+}
+
+/// What a worker receives for one leased prompt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Grant {
+    pub lease: LeaseId,
+    pub prompt: QueuedPrompt,
+    pub deadline: Instant,
+}
+
+#[derive(Debug, Clone)]
+struct Lease {
+    worker: String,
+    prompt: QueuedPrompt,
+    deadline: Instant,
+    issued: Instant,
+}
+
+/// One scored completion.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ScoredCompletion {
+    pub ids: Vec<u32>,
+    pub text: String,
+    pub logprobs: Vec<f32>,
+    pub reward: f32,
+    /// Reward components by name (format, legality, …).
+    pub components: BTreeMap<String, f32>,
+}
+
+/// A prompt's G scored completions, as a worker submits them.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ScoredGroup {
+    pub prompt_id: PromptId,
+    pub prompt: String,
+    pub prompt_ids: Vec<u32>,
+    pub completions: Vec<ScoredCompletion>,
+    pub worker: String,
+    /// Weight version every completion was sampled with.
+    pub weight_version: u64,
+    pub seed: u64,
+    pub generate_seconds: f64,
+    pub score_seconds: f64,
+    /// Lease to submission, as the queue saw it.
+    pub lease_seconds: f64,
+}
+
+/// Why a lease was not granted now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Backpressure {
+    #[error("the learner is behind: {scored} scored groups wait (bound {bound})")]
+    LearnerBehind { scored: usize, bound: usize },
+    #[error("{leased} leases outstanding (bound {bound})")]
+    TooManyLeases { leased: usize, bound: usize },
+    #[error("no prompts pending")]
+    Empty,
+}
+
+/// Why a submission was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("lease {0} is unknown, expired or already submitted")]
+    UnknownLease(LeaseId),
+    #[error("lease {lease} belongs to worker {owner}, not {worker}")]
+    WrongWorker {
+        lease: LeaseId,
+        owner: String,
+        worker: String,
+    },
+    #[error("group is for prompt {got}, lease {lease} is for prompt {want}")]
+    WrongPrompt {
+        lease: LeaseId,
+        got: PromptId,
+        want: PromptId,
+    },
+}
+
+/// Counters of everything that ever happened (monotonic).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Counters {
+    pub prompts_added: u64,
+    pub leases_issued: u64,
+    pub leases_expired: u64,
+    pub leases_released: u64,
+    pub groups_submitted: u64,
+    pub submissions_refused: u64,
+    pub groups_consumed: u64,
+    pub groups_dropped_stale: u64,
+}
+
+/// Per-worker view.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct WorkerStats {
+    pub leased: u64,
+    pub submitted: u64,
+    pub expired: u64,
+    pub refused: u64,
+    pub outstanding: usize,
+    /// Weight version of its latest submission.
+    pub weight_version: u64,
+    #[serde(skip)]
+    pub last_seen: Option<Instant>,
+}
+
+/// The queue's depths now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Depths {
+    pub pending: usize,
+    pub leased: usize,
+    pub scored: usize,
+    pub counters: Counters,
+}
+
+/// The rollout queue.
+#[derive(Debug)]
+pub struct Queue {
+    cfg: QueueConfig,
+    pending: VecDeque<QueuedPrompt>,
+    leases: HashMap<LeaseId, Lease>,
+    scored: VecDeque<ScoredGroup>,
+    workers: BTreeMap<String, WorkerStats>,
+    counters: Counters,
+    next_prompt: PromptId,
+    next_lease: LeaseId,
+    /// Consumed groups by version lag (0, 1, 2, …; the last bucket holds the rest).
+    staleness: [u64; 8],
+}
+
+impl Queue {
+    pub fn new(cfg: QueueConfig) -> Self {
+        Self {
+            cfg,
+            pending: VecDeque::new(),
+            leases: HashMap::new(),
+            scored: VecDeque::new(),
+            workers: BTreeMap::new(),
+            counters: Counters::default(),
+            next_prompt: 0,
+            next_lease: 1,
+            staleness: [0; 8],
+        }
+    }
+
+    pub fn config(&self) -> &QueueConfig {
+        &self.cfg
+    }
+
+    /// Room for this many more pending prompts.
+    pub fn pending_room(&self) -> usize {
+        self.cfg.max_pending.saturating_sub(self.pending.len())
+    }
+
+    /// Queues a prompt (when there is room); returns its id.
+    pub fn add(&mut self, prompt: TaskPrompt, seed: u64) -> Option<PromptId> {
+        if self.pending_room() == 0 {
+            return None;
+        }
+        let id = self.next_prompt;
+        self.next_prompt += 1;
+        self.counters.prompts_added += 1;
+        self.pending.push_back(QueuedPrompt {
+            id,
+            prompt,
+            seed,
+            attempts: 0,
+        });
+        Some(id)
+    }
+
+    /// Leases up to `max` prompts to `worker` until `now + lease_timeout`.
+    pub fn lease(
+        &mut self,
+        worker: &str,
+        max: usize,
+        now: Instant,
+    ) -> Result<Vec<Grant>, Backpressure> {
+        self.expire(now);
+        self.seen(worker, now);
+        if self.scored.len() >= self.cfg.max_scored {
+            return Err(Backpressure::LearnerBehind {
+                scored: self.scored.len(),
+                bound: self.cfg.max_scored,
+            });
+        }
+        let room = self.cfg.max_leased.saturating_sub(self.leases.len());
+        if room == 0 {
+            return Err(Backpressure::TooManyLeases {
+                leased: self.leases.len(),
+                bound: self.cfg.max_leased,
+            });
+        }
+        if self.pending.is_empty() {
+            return Err(Backpressure::Empty);
+        }
+        let deadline = now + self.cfg.lease_timeout;
+        let mut grants = Vec::new();
+        while grants.len() < max.min(room) {
+            let Some(mut prompt) = self.pending.pop_front() else {
+                break;
+            };
+            prompt.attempts += 1;
+            let lease = self.next_lease;
+            self.next_lease += 1;
+            self.leases.insert(
+                lease,
+                Lease {
+                    worker: worker.to_owned(),
+                    prompt: prompt.clone(),
+                    deadline,
+                    issued: now,
+                },
+            );
+            grants.push(Grant {
+                lease,
+                prompt,
+                deadline,
+            });
+        }
+        self.counters.leases_issued += grants.len() as u64;
+        let w = self.workers.entry(worker.to_owned()).or_default();
+        w.leased += grants.len() as u64;
+        w.outstanding += grants.len();
+        Ok(grants)
+    }
+
+    /// Takes a worker's scored group for `lease`.
+    pub fn submit(
+        &mut self,
+        worker: &str,
+        lease: LeaseId,
+        mut group: ScoredGroup,
+        now: Instant,
+    ) -> Result<(), SubmitError> {
+        self.expire(now);
+        self.seen(worker, now);
+        let refuse = |q: &mut Self, e: SubmitError| {
+            q.counters.submissions_refused += 1;
+            q.workers.entry(worker.to_owned()).or_default().refused += 1;
+            Err(e)
+        };
+        let Some(held) = self.leases.get(&lease) else {
+            return refuse(self, SubmitError::UnknownLease(lease));
+        };
+        if held.worker != worker {
+            let e = SubmitError::WrongWorker {
+                lease,
+                owner: held.worker.clone(),
+                worker: worker.to_owned(),
+            };
+            return refuse(self, e);
+        }
+        if held.prompt.id != group.prompt_id {
+            let e = SubmitError::WrongPrompt {
+                lease,
+                got: group.prompt_id,
+                want: held.prompt.id,
+            };
+            return refuse(self, e);
+        }
+        let held = self.leases.remove(&lease).expect("checked above");
+        group.worker = worker.to_owned();
+        group.lease_seconds = now.duration_since(held.issued).as_secs_f64();
+        let w = self.workers.entry(worker.to_owned()).or_default();
+        w.submitted += 1;
+        w.outstanding = w.outstanding.saturating_sub(1);
+        w.weight_version = group.weight_version;
+        self.counters.groups_submitted += 1;
+        self.scored.push_back(group);
+        Ok(())
+    }
+
+    /// Puts every lease past its deadline back at the front of the queue; returns how many.
+    pub fn expire(&mut self, now: Instant) -> usize {
+        let expired: Vec<LeaseId> = self
+            .leases
+            .iter()
+            .filter(|(_, l)| l.deadline <= now)
+            .map(|(&id, _)| id)
+            .collect();
+        let n = expired.len();
+        self.requeue(expired, true);
+        n
+    }
+
+    /// Returns every lease of `worker` to the queue (it went away); returns how many.
+    pub fn release_worker(&mut self, worker: &str) -> usize {
+        let held: Vec<LeaseId> = self
+            .leases
+            .iter()
+            .filter(|(_, l)| l.worker == worker)
+            .map(|(&id, _)| id)
+            .collect();
+        let n = held.len();
+        self.requeue(held, false);
+        n
+    }
+
+    fn requeue(&mut self, mut ids: Vec<LeaseId>, expired: bool) {
+        // Oldest prompts first at the front.
+        ids.sort_unstable_by_key(|id| std::cmp::Reverse(self.leases[id].prompt.id));
+        for id in ids {
+            let lease = self.leases.remove(&id).expect("listed above");
+            let w = self.workers.entry(lease.worker.clone()).or_default();
+            w.outstanding = w.outstanding.saturating_sub(1);
+            if expired {
+                w.expired += 1;
+                self.counters.leases_expired += 1;
+            } else {
+                self.counters.leases_released += 1;
+            }
+            self.pending.push_front(lease.prompt);
+        }
+    }
+
+    /// Up to `max` scored groups for a learner at weight version `version`, oldest first.
+    /// Groups more than `max_version_lag` behind are dropped and counted instead.
+    pub fn take(&mut self, max: usize, version: u64) -> Vec<ScoredGroup> {
+        let mut out = Vec::new();
+        while out.len() < max {
+            let Some(group) = self.scored.pop_front() else {
+                break;
+            };
+            let lag = version.saturating_sub(group.weight_version);
+            if lag > self.cfg.max_version_lag {
+                self.counters.groups_dropped_stale += 1;
+                continue;
+            }
+            self.staleness[(lag as usize).min(self.staleness.len() - 1)] += 1;
+            self.counters.groups_consumed += 1;
+            out.push(group);
+        }
+        out
+    }
+
+    fn seen(&mut self, worker: &str, now: Instant) {
+        self.workers.entry(worker.to_owned()).or_default().last_seen = Some(now);
+    }
+
+    pub fn depths(&self) -> Depths {
+        Depths {
+            pending: self.pending.len(),
+            leased: self.leases.len(),
+            scored: self.scored.len(),
+            counters: self.counters,
+        }
+    }
+
+    pub fn workers(&self) -> &BTreeMap<String, WorkerStats> {
+        &self.workers
+    }
+
+    /// Consumed groups by version lag: bucket i holds lag i (the last: that or more).
+    pub fn staleness(&self) -> &[u64] {
+        &self.staleness
+    }
+
+    /// Up to `n` waiting groups, newest or oldest first.
+    pub fn peek(&self, n: usize, newest: bool) -> Vec<ScoredGroup> {
+        if newest {
+            self.scored.iter().rev().take(n).cloned().collect()
+        } else {
+            self.scored.iter().take(n).cloned().collect()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

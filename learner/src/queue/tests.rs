@@ -1,0 +1,189 @@
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::*;
+use crate::prompts::{TaskKind, TaskPrompt};
+
+fn prompt(i: u64) -> TaskPrompt {
+    TaskPrompt {
+        kind: TaskKind::Environment,
+        prompt: format!("A: prompt {i}+"),
+        completion: None,
+    }
+}
+
+fn group(id: PromptId, version: u64) -> ScoredGroup {
+    ScoredGroup {
+        prompt_id: id,
+        prompt: String::new(),
+        prompt_ids: vec![],
+        completions: vec![],
+        worker: String::new(),
+        weight_version: version,
+        seed: 0,
+        generate_seconds: 0.0,
+        score_seconds: 0.0,
+        lease_seconds: 0.0,
+    }
+}
+
+fn cfg() -> QueueConfig {
+    QueueConfig {
+        max_pending: 8,
+        max_scored: 3,
+        max_leased: 4,
+        lease_timeout: Duration::from_secs(10),
+        max_version_lag: 1,
+    }
+}
+
+#[test]
+fn an_expired_lease_is_reissued_and_the_late_submission_refused() {
+    let t0 = Instant::now();
+    let mut q = Queue::new(cfg());
+    let id = q.add(prompt(0), 5).unwrap();
+    let a = q.lease("a", 1, t0).unwrap();
+    assert_eq!((a.len(), a[0].prompt.id, a[0].prompt.attempts), (1, id, 1));
+    assert_eq!(q.lease("b", 1, t0), Err(Backpressure::Empty));
+    // Worker a is silent past its deadline: b gets the prompt.
+    let b = q.lease("b", 1, t0 + Duration::from_secs(11)).unwrap();
+    assert_eq!((b[0].prompt.id, b[0].prompt.attempts), (id, 2));
+    let late = q.submit("a", a[0].lease, group(id, 0), t0 + Duration::from_secs(12));
+    assert_eq!(late, Err(SubmitError::UnknownLease(a[0].lease)));
+    q.submit("b", b[0].lease, group(id, 0), t0 + Duration::from_secs(12))
+        .unwrap();
+    // Twice is refused too.
+    assert!(
+        q.submit("b", b[0].lease, group(id, 0), t0 + Duration::from_secs(12))
+            .is_err()
+    );
+    let taken = q.take(10, 0);
+    assert_eq!(taken.len(), 1);
+    assert_eq!(taken[0].worker, "b");
+    let c = q.depths().counters;
+    assert_eq!(
+        (c.leases_expired, c.submissions_refused, c.groups_consumed),
+        (1, 2, 1)
+    );
+    assert_eq!(q.workers()["a"].expired, 1);
+}
+
+#[test]
+fn backpressure_bounds_and_stale_groups() {
+    let t0 = Instant::now();
+    let mut q = Queue::new(cfg());
+    for i in 0..8 {
+        assert!(q.add(prompt(i), i).is_some());
+    }
+    assert!(q.add(prompt(99), 0).is_none(), "pending is bounded");
+    let grants = q.lease("w", 10, t0).unwrap();
+    assert_eq!(grants.len(), 4, "leases are bounded");
+    assert!(matches!(
+        q.lease("w", 1, t0),
+        Err(Backpressure::TooManyLeases { .. })
+    ));
+    for (k, g) in grants.iter().take(3).enumerate() {
+        q.submit("w", g.lease, group(g.prompt.id, k as u64), t0)
+            .unwrap();
+    }
+    assert!(matches!(
+        q.lease("v", 1, t0),
+        Err(Backpressure::LearnerBehind { .. })
+    ));
+    // Learner at version 2: the version-0 group is two behind (bound 1) and dropped.
+    let taken = q.take(10, 2);
+    assert_eq!(
+        taken.iter().map(|g| g.weight_version).collect::<Vec<_>>(),
+        vec![1, 2]
+    );
+    assert_eq!(q.depths().counters.groups_dropped_stale, 1);
+    assert_eq!(&q.staleness()[..2], &[1, 1]);
+    // A worker that goes away returns its leases.
+    assert_eq!(q.release_worker("w"), 1);
+    assert_eq!(q.depths().leased, 0);
+}
+
+#[test]
+fn under_random_faults_every_prompt_ends_once() {
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let t0 = Instant::now();
+    let mut q = Queue::new(QueueConfig {
+        max_pending: 16,
+        max_scored: 8,
+        max_leased: 12,
+        lease_timeout: Duration::from_secs(5),
+        max_version_lag: 2,
+    });
+    let mut held: Vec<(String, Grant)> = Vec::new();
+    let mut ended: BTreeMap<PromptId, u32> = BTreeMap::new();
+    let mut version = 0u64;
+    let mut added = 0u64;
+    for tick in 0..5000u64 {
+        let now = t0 + Duration::from_millis(tick * 100);
+        match rng.random_range(0..10) {
+            0 | 1 => {
+                while q.pending_room() > 0 && added < 2000 {
+                    q.add(prompt(added), added);
+                    added += 1;
+                }
+            }
+            2 | 3 | 4 => {
+                let w = format!("w{}", rng.random_range(0..4));
+                if let Ok(gs) = q.lease(&w, rng.random_range(1..4), now) {
+                    held.extend(gs.into_iter().map(|g| (w.clone(), g)));
+                }
+            }
+            5 | 6 if !held.is_empty() => {
+                let (w, g) = held.swap_remove(rng.random_range(0..held.len()));
+                // Some workers die silently (never submit); the rest submit, maybe late.
+                if rng.random_bool(0.85) {
+                    let v = version.saturating_sub(rng.random_range(0..4));
+                    let _ = q.submit(&w, g.lease, group(g.prompt.id, v), now);
+                }
+            }
+            7 => {
+                for g in q.take(rng.random_range(1..5), version) {
+                    *ended.entry(g.prompt_id).or_default() += 1;
+                }
+                version += rng.random_range(0..2);
+            }
+            8 => {
+                q.release_worker(&format!("w{}", rng.random_range(0..4)));
+            }
+            _ => {}
+        }
+    }
+    // Drain: everything still leased expires, and is leased, submitted and taken.
+    let mut now = t0 + Duration::from_secs(10_000);
+    loop {
+        now += Duration::from_secs(10);
+        for g in q.take(100, version) {
+            *ended.entry(g.prompt_id).or_default() += 1;
+        }
+        let d = q.depths();
+        if d.pending + d.leased + d.scored == 0 {
+            break;
+        }
+        if let Ok(gs) = q.lease("drain", 100, now) {
+            for g in gs {
+                q.submit("drain", g.lease, group(g.prompt.id, version), now)
+                    .unwrap();
+            }
+        }
+    }
+    let c = q.depths().counters;
+    assert!(
+        ended.values().all(|&n| n == 1),
+        "a prompt was consumed twice"
+    );
+    assert_eq!(c.prompts_added, added);
+    assert_eq!(c.groups_consumed + c.groups_dropped_stale, added, "{c:?}");
+    assert_eq!(c.groups_consumed, ended.len() as u64);
+    assert!(
+        c.leases_expired > 0 && c.groups_dropped_stale > 0 && c.submissions_refused > 0,
+        "{c:?}"
+    );
+}
