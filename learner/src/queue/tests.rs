@@ -130,7 +130,7 @@ fn under_random_faults_every_prompt_ends_once() {
                     added += 1;
                 }
             }
-            2 | 3 | 4 => {
+            2..=4 => {
                 let w = format!("w{}", rng.random_range(0..4));
                 if let Ok(gs) = q.lease(&w, rng.random_range(1..4), now) {
                     held.extend(gs.into_iter().map(|g| (w.clone(), g)));
