@@ -9,7 +9,8 @@
 //! - [`loss_cmd`]: `learner loss`, the loss and gradient norm of one batch as JSON.
 //! - [`sft`]: `learner sft`, supervised warm-up; [`checkpoint`]: training checkpoints
 //!   (model, optimizer, trainer state) written atomically, for exact resume.
-//! - [`queue`]: the rollout queue (leases with deadlines, bounded buffers, staleness).
+//! - [`queue`]: the rollout queue (leases with deadlines, bounded buffers, staleness);
+//!   [`queue_service`]: it over gRPC with inspection calls.
 //! - [`prompts`]: generated and loaded training prompts, with a resumable cursor.
 //! - [`optim`]: gradient accumulation, norm and clipping, AdamW, the LR schedule;
 //!   [`step`]: one optimizer step in micro-batches.
@@ -24,5 +25,6 @@ pub mod optim;
 pub mod policy;
 pub mod prompts;
 pub mod queue;
+pub mod queue_service;
 pub mod sft;
 pub mod step;

@@ -315,6 +315,8 @@ impl Queue {
         }
         let held = self.leases.remove(&lease).expect("checked above");
         group.worker = worker.to_owned();
+        group.prompt = held.prompt.prompt.prompt.clone();
+        group.seed = held.prompt.seed;
         group.lease_seconds = now.duration_since(held.issued).as_secs_f64();
         let w = self.workers.entry(worker.to_owned()).or_default();
         w.submitted += 1;

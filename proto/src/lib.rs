@@ -3,6 +3,7 @@
 //! - [`v1`]: messages shared by every service (`rookworld.v1`).
 //! - [`reward::v1`]: the reward server (`rookworld.reward.v1`).
 //! - [`rollout::v1`]: the rollout worker (`rookworld.rollout.v1`).
+//! - [`queue::v1`]: the learner's rollout queue (`rookworld.queue.v1`).
 //! - [`probe`]: reflection listing and metrics scrapes of a running service.
 //! - [`serve`]: reflection services and the shutdown signal every server uses.
 //! - [`FILE_DESCRIPTOR_SET`]: the encoded descriptors that gRPC server reflection serves.
@@ -13,6 +14,13 @@ pub mod serve;
 /// `rookworld.v1`: sampling parameters and completions.
 pub mod v1 {
     tonic::include_proto!("rookworld.v1");
+}
+
+/// `rookworld.queue.v1`: the learner's rollout queue.
+pub mod queue {
+    pub mod v1 {
+        tonic::include_proto!("rookworld.queue.v1");
+    }
 }
 
 /// `rookworld.rollout.v1`: the rollout worker.

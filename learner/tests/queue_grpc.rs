@@ -1,0 +1,214 @@
+//! The rollout queue over real gRPC on 127.0.0.1:0: worker calls need the token; leases,
+//! submissions and the inspection calls people use with grpcurl; reflection lists it.
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+
+use learner::prompts::{TaskKind, TaskPrompt};
+use learner::queue::{Queue, QueueConfig};
+use learner::queue_service::{self, GroupSpec, QueueServer};
+use rookworld_proto::queue::v1 as pb;
+use rookworld_proto::queue::v1::rollout_queue_client::RolloutQueueClient;
+use tonic::Code;
+use tonic::transport::Channel;
+
+const TOKEN: &str = "queue-token";
+
+fn authed<T>(msg: T, token: &str) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    r.metadata_mut()
+        .insert("authorization", format!("Bearer {token}").parse().unwrap());
+    r
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_lease_and_submit_and_people_can_look_inside() {
+    let queue = Arc::new(Mutex::new(Queue::new(QueueConfig::default())));
+    for i in 0..3 {
+        queue.lock().unwrap().add(
+            TaskPrompt {
+                kind: TaskKind::Environment,
+                prompt: format!("A: prompt {i}+"),
+                completion: None,
+            },
+            100 + i,
+        );
+    }
+    let spec = GroupSpec {
+        num_completions: 4,
+        sampling: rookworld_proto::v1::SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            max_new_tokens: 32,
+            seed: 0,
+        },
+    };
+    let server = QueueServer::new(
+        queue.clone(),
+        spec,
+        Some(TOKEN.into()),
+        Arc::new(AtomicU64::new(3)),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let handle = tokio::spawn(queue_service::run(server, listener, async {
+        let _ = stopped.await;
+    }));
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = RolloutQueueClient::new(channel.clone());
+    let lease = |n| pb::LeaseRequest {
+        worker_id: "w1".into(),
+        max_prompts: n,
+        weight_version: 3,
+    };
+
+    // No token, wrong token.
+    assert_eq!(
+        client.lease(lease(2)).await.unwrap_err().code(),
+        Code::Unauthenticated
+    );
+    assert_eq!(
+        client
+            .lease(authed(lease(2), "nope"))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::PermissionDenied
+    );
+
+    let got = client
+        .lease(authed(lease(2), TOKEN))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (got.prompts.len(), got.num_completions, got.learner_version),
+        (2, 4, 3)
+    );
+    assert_eq!(got.sampling.unwrap().max_new_tokens, 32);
+    let first = &got.prompts[0];
+    assert_eq!(
+        (
+            first.task.as_str(),
+            first.prompt.as_str(),
+            first.seed,
+            first.attempt
+        ),
+        ("A", "A: prompt 0+", 100, 1)
+    );
+    assert!(first.deadline_seconds > 100.0);
+
+    let completion = |reward: f32| pb::ScoredCompletion {
+        ids: vec![1, 2, 50256],
+        text: "x".into(),
+        logprobs: vec![-1.0, -2.0, -0.5],
+        reward,
+        components: HashMap::from([("format".to_owned(), 1.0f32)]),
+    };
+    let submit = |lease_id, prompt_id| pb::SubmitRequest {
+        worker_id: "w1".into(),
+        lease_id,
+        prompt_id,
+        prompt_ids: vec![50256, 7],
+        completions: vec![completion(1.0), completion(-1.0)],
+        weight_version: 3,
+        generate_seconds: 0.5,
+        score_seconds: 0.1,
+    };
+    client
+        .submit(authed(submit(first.lease_id, first.prompt_id), TOKEN))
+        .await
+        .unwrap();
+    // The same lease twice, or another worker's lease: refused.
+    let again = client
+        .submit(authed(submit(first.lease_id, first.prompt_id), TOKEN))
+        .await
+        .unwrap_err();
+    assert_eq!(again.code(), Code::FailedPrecondition, "{again:?}");
+    let mut bad = submit(got.prompts[1].lease_id, got.prompts[1].prompt_id);
+    bad.completions[0].logprobs.pop();
+    assert_eq!(
+        client.submit(authed(bad, TOKEN)).await.unwrap_err().code(),
+        Code::InvalidArgument
+    );
+
+    let d = client
+        .get_depths(pb::GetDepthsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (
+            d.pending,
+            d.leased,
+            d.scored,
+            d.groups_submitted,
+            d.submissions_refused
+        ),
+        (1, 1, 1, 1, 1)
+    );
+    let w = client
+        .list_workers(pb::ListWorkersRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(w.workers.len(), 1);
+    assert_eq!(
+        (
+            w.workers[0].submitted,
+            w.workers[0].outstanding,
+            w.workers[0].weight_version
+        ),
+        (1, 1, 3)
+    );
+    let peek = client
+        .peek_groups(pb::PeekGroupsRequest {
+            count: 5,
+            newest: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(peek.groups.len(), 1);
+    let g = &peek.groups[0];
+    assert_eq!(
+        (
+            g.prompt.as_str(),
+            g.worker_id.as_str(),
+            g.seed,
+            g.completions.len()
+        ),
+        ("A: prompt 0+", "w1", 100, 2)
+    );
+    assert_eq!(g.completions[0].components["format"], 1.0);
+
+    // The learner takes it; the staleness histogram shows lag 0.
+    assert_eq!(queue.lock().unwrap().take(10, 3).len(), 1);
+    let s = client
+        .get_staleness(pb::GetStalenessRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((s.buckets[0], s.dropped_stale), (1, 0));
+
+    for alpha in [false, true] {
+        let services = rookworld_proto::probe::list_services(channel.clone(), alpha)
+            .await
+            .unwrap();
+        assert!(
+            services
+                .iter()
+                .any(|s| s == "rookworld.queue.v1.RolloutQueue"),
+            "{services:?}"
+        );
+    }
+    stop.send(()).unwrap();
+    handle.await.unwrap().unwrap();
+}
