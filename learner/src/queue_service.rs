@@ -81,7 +81,9 @@ impl QueueServer {
     }
 
     fn queue(&self) -> std::sync::MutexGuard<'_, Queue> {
-        self.queue.lock().expect("queue lock")
+        self.queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 

@@ -3,6 +3,8 @@
 //! - [`engine`]: continuous-batching generation with shared prompt caches.
 //! - [`service`]: the gRPC service (`rookworld.rollout.v1.RolloutService`); [`error`]
 //!   maps its errors to gRPC status codes.
+//! - [`worker_loop`]: lease → generate → score → submit against a learner and a reward
+//!   server, with back-off and several groups in flight.
 //! - [`weights`]: weight sets on the wire (chunks, checksum, checks).
 //! - [`metrics`]: the Prometheus metrics the worker exports.
 //! - [`generate_cmd`]: `rollout-worker generate`, one-shot generation printing JSON lines.
@@ -17,3 +19,4 @@ pub mod metrics;
 pub mod serve_cmd;
 pub mod service;
 pub mod weights;
+pub mod worker_loop;

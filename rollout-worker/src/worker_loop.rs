@@ -1,0 +1,296 @@
+//! The worker's loop against a learner and a reward server: lease prompts, generate G
+//! completions each on the engine, score them, submit the scored group. Several groups are
+//! in flight at once, so the engine keeps generating while earlier groups are being scored
+//! and submitted. When the learner or the reward server is away, calls are retried with
+//! exponential back-off (and said in the log), never dropped.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rookworld_lm::Tokenizer;
+use rookworld_proto::queue::v1 as queue;
+use rookworld_proto::queue::v1::rollout_queue_client::RolloutQueueClient;
+use rookworld_proto::reward::v1 as reward;
+use rookworld_proto::reward::v1::reward_service_client::RewardServiceClient;
+use tokio::sync::Semaphore;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::engine::{Engine, Event, Request};
+
+/// Where the loop connects and how hard it works.
+#[derive(Debug, Clone)]
+pub struct LoopConfig {
+    /// Learner queue URL, e.g. `http://127.0.0.1:50051`.
+    pub learner: String,
+    /// Reward server URL.
+    pub reward: String,
+    /// Shared token for the learner's worker calls.
+    pub token: String,
+    pub worker_id: String,
+    /// Groups in flight (leased and not yet submitted).
+    pub max_in_flight: usize,
+    /// Deadline of every remote call.
+    pub call_timeout: Duration,
+    /// Longest wait between retries.
+    pub max_backoff: Duration,
+}
+
+/// Why a group could not be finished (it is left to its lease's expiry).
+#[derive(Debug, thiserror::Error)]
+enum GroupError {
+    #[error("generation: {0}")]
+    Generate(String),
+    #[error("scoring: {0}")]
+    Score(tonic::Status),
+    #[error("submit refused: {0}")]
+    Refused(tonic::Status),
+}
+
+fn channel(url: &str, timeout: Duration) -> Result<Channel, tonic::transport::Error> {
+    Ok(Endpoint::from_shared(url.to_owned())?
+        .connect_timeout(timeout)
+        .timeout(timeout)
+        .connect_lazy())
+}
+
+fn authed<T>(msg: T, token: &str) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    if let Ok(v) = format!("Bearer {token}").parse() {
+        r.metadata_mut().insert("authorization", v);
+    }
+    r
+}
+
+/// Whether a failed call means the peer could not be reached (or answered too late), as
+/// opposed to an answer: tonic reports connection failures as UNAVAILABLE (or UNKNOWN with a
+/// transport error) and its client timeout as CANCELLED.
+fn unreachable(s: &tonic::Status) -> bool {
+    match s.code() {
+        tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => true,
+        tonic::Code::Unknown => {
+            s.message().contains("transport") || s.message().contains("connect")
+        }
+        _ => false,
+    }
+}
+
+/// Retries `call` with exponential back-off (100 ms doubling to `max`) while the peer is
+/// unreachable; other errors return at once.
+async fn with_backoff<T, F, Fut>(what: &str, max: Duration, mut call: F) -> Result<T, tonic::Status>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+{
+    let mut wait = Duration::from_millis(100);
+    loop {
+        match call().await {
+            Err(s) if unreachable(&s) => {
+                tracing::warn!(call = what, error = %s.message(), retry_in = ?wait, "peer unavailable; retrying");
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(max);
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Runs until `shutdown` resolves; groups in flight then finish (or are left to expire).
+pub async fn run(
+    engine: Arc<Engine>,
+    tokenizer: Tokenizer,
+    bos: u32,
+    cfg: LoopConfig,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), tonic::transport::Error> {
+    let learner = RolloutQueueClient::new(channel(&cfg.learner, cfg.call_timeout)?);
+    let scorer = RewardServiceClient::new(channel(&cfg.reward, cfg.call_timeout)?);
+    let slots = Arc::new(Semaphore::new(cfg.max_in_flight.max(1)));
+    let cfg = Arc::new(cfg);
+    tokio::pin!(shutdown);
+    loop {
+        let free = tokio::select! {
+            _ = &mut shutdown => break,
+            permit = slots.clone().acquire_many_owned(1) => permit.expect("semaphore open"),
+        };
+        drop(free);
+        let want = slots.available_permits().max(1) as u32;
+        let request = queue::LeaseRequest {
+            worker_id: cfg.worker_id.clone(),
+            max_prompts: want,
+            weight_version: engine.status().weight_version,
+        };
+        let leased = tokio::select! {
+            _ = &mut shutdown => break,
+            r = with_backoff("lease", cfg.max_backoff, || {
+                let mut c = learner.clone();
+                let r = authed(request.clone(), &cfg.token);
+                async move { c.lease(r).await }
+            }) => r,
+        };
+        let leased = match leased {
+            Ok(r) => r.into_inner(),
+            Err(s) => {
+                tracing::error!(error = %s.message(), code = ?s.code(), "lease refused");
+                tokio::time::sleep(cfg.max_backoff).await;
+                continue;
+            }
+        };
+        if leased.prompts.is_empty() {
+            tracing::debug!(reason = %leased.backpressure, "no prompts leased");
+            tokio::time::sleep(Duration::from_secs_f64(
+                leased.retry_after_seconds.clamp(0.05, 5.0),
+            ))
+            .await;
+            continue;
+        }
+        for prompt in leased.prompts {
+            let permit = slots.clone().acquire_owned().await.expect("semaphore open");
+            let (engine, tokenizer, cfg) = (engine.clone(), tokenizer.clone(), cfg.clone());
+            let (learner, scorer) = (learner.clone(), scorer.clone());
+            let spec = (leased.num_completions, leased.sampling.unwrap_or_default());
+            tokio::spawn(async move {
+                let id = prompt.prompt_id;
+                if let Err(e) =
+                    group(engine, tokenizer, bos, &cfg, learner, scorer, prompt, spec).await
+                {
+                    tracing::warn!(prompt = id, error = %e, "group abandoned; its lease will expire");
+                }
+                drop(permit);
+            });
+        }
+    }
+    // Let groups in flight finish.
+    let _ = slots.acquire_many(cfg.max_in_flight.max(1) as u32).await;
+    Ok(())
+}
+
+/// One leased prompt: generate, score, submit.
+#[allow(clippy::too_many_arguments)]
+async fn group(
+    engine: Arc<Engine>,
+    tokenizer: Tokenizer,
+    bos: u32,
+    cfg: &LoopConfig,
+    learner: RolloutQueueClient<Channel>,
+    scorer: RewardServiceClient<Channel>,
+    prompt: queue::LeasedPrompt,
+    (n, sampling): (u32, rookworld_proto::v1::SamplingParams),
+) -> Result<(), GroupError> {
+    let started = Instant::now();
+    let mut ids = vec![bos];
+    ids.extend(
+        tokenizer
+            .encode(&prompt.prompt)
+            .map_err(|e| GroupError::Generate(e.to_string()))?,
+    );
+    let request = Request {
+        prompts: vec![ids.clone()],
+        n: n as usize,
+        max_new_tokens: sampling.max_new_tokens as usize,
+        sampling: rookworld_lm::sampling::SamplingParams {
+            temperature: sampling.temperature,
+            top_k: sampling.top_k as usize,
+            top_p: if sampling.top_p == 0.0 {
+                1.0
+            } else {
+                sampling.top_p
+            },
+        },
+        seed: prompt.seed,
+        ignore_eos: false,
+    };
+    let mut stream = engine
+        .submit(request)
+        .await
+        .map_err(|e| GroupError::Generate(e.to_string()))?;
+    let mut samples = Vec::new();
+    while let Some(event) = stream.next().await {
+        match event {
+            Event::Sample(s) => samples.push(s),
+            Event::Done(_) => break,
+            Event::Failed(_, why) => return Err(GroupError::Generate(why)),
+        }
+    }
+    samples.sort_by_key(|s| s.sample_index);
+    let generate_seconds = started.elapsed().as_secs_f64();
+
+    let started = Instant::now();
+    let eos = bos;
+    let texts: Vec<String> = samples
+        .iter()
+        .map(|s| {
+            let body: Vec<u32> = s
+                .completion
+                .ids
+                .iter()
+                .copied()
+                .filter(|&t| t != eos)
+                .collect();
+            tokenizer.decode(&body).unwrap_or_default()
+        })
+        .collect();
+    let task = if prompt.task == "P" {
+        reward::Task::Policy
+    } else {
+        reward::Task::Environment
+    };
+    let items: Vec<reward::ScoreItem> = texts
+        .iter()
+        .map(|t| reward::ScoreItem {
+            task: task as i32,
+            prompt: prompt.prompt.clone(),
+            completion: t.clone(),
+        })
+        .collect();
+    let scores = with_backoff("score", cfg.max_backoff, || {
+        let mut c = scorer.clone();
+        let r = reward::ScoreRequest {
+            items: items.clone(),
+        };
+        async move { c.score(r).await }
+    })
+    .await
+    .map_err(GroupError::Score)?
+    .into_inner()
+    .results;
+    let score_seconds = started.elapsed().as_secs_f64();
+
+    // The oldest version of the group (a swap may land between two of its samples).
+    let version = samples.iter().map(|s| s.weight_version).min().unwrap_or(0);
+    let completions = samples
+        .into_iter()
+        .zip(texts)
+        .zip(scores)
+        .map(|((s, text), r)| queue::ScoredCompletion {
+            ids: s.completion.ids,
+            text,
+            logprobs: s.completion.logprobs,
+            reward: r.reward as f32,
+            components: r
+                .components
+                .into_iter()
+                .map(|(k, v)| (k, v as f32))
+                .collect::<BTreeMap<_, _>>()
+                .into_iter()
+                .collect(),
+        })
+        .collect();
+    let submit = queue::SubmitRequest {
+        worker_id: cfg.worker_id.clone(),
+        lease_id: prompt.lease_id,
+        prompt_id: prompt.prompt_id,
+        prompt_ids: ids,
+        completions,
+        weight_version: version,
+        generate_seconds,
+        score_seconds,
+    };
+    with_backoff("submit", cfg.max_backoff, || {
+        let r = authed(submit.clone(), &cfg.token);
+        async { learner.clone().submit(r).await }
+    })
+    .await
+    .map_err(GroupError::Refused)?;
+    Ok(())
+}
