@@ -6,8 +6,11 @@ use std::sync::Arc;
 
 use rookworld_lm::cli::ModelArgs;
 
+use std::time::Duration;
+
 use crate::engine::{Engine, EngineArgs};
 use crate::service::{self, RolloutServer, ServiceConfig};
+use crate::worker_loop::{self, LoopConfig};
 
 /// Options of `rollout-worker serve`.
 #[derive(Debug, Clone, clap::Args)]
@@ -39,6 +42,19 @@ pub struct ServeArgs {
     /// Samples queued across calls beyond which Generate is refused.
     #[arg(long, default_value_t = 1 << 16)]
     pub max_queued_samples: usize,
+    /// Learner queue to pull work from (e.g. http://learner:50051); with --reward, the
+    /// worker leases, generates, scores and submits in a loop.
+    #[arg(long, env = "ROLLOUT_LEARNER", requires = "reward")]
+    pub learner: Option<String>,
+    /// Reward server that scores the completions (e.g. http://reward:50052).
+    #[arg(long, env = "ROLLOUT_REWARD", requires = "learner")]
+    pub reward: Option<String>,
+    /// This worker's id at the learner (default: host name and listen port).
+    #[arg(long, env = "ROLLOUT_WORKER_ID")]
+    pub worker_id: Option<String>,
+    /// Groups in flight in the loop.
+    #[arg(long, default_value_t = 4)]
+    pub max_in_flight: usize,
 }
 
 /// A configuration problem, reported as one line.
@@ -100,6 +116,10 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
         dtype = ?dtype,
         "rollout worker ready"
     );
+    let local = listener.local_addr()?;
+    let tokenizer = loaded.tokenizer.clone();
+    let model_cfg = cfg.clone();
+    let token_for_loop = token.clone();
     let server = RolloutServer::new(
         engine.clone(),
         loaded.tokenizer,
@@ -112,7 +132,56 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
             ..ServiceConfig::default()
         },
     );
-    let result = service::run(server, listener, rookworld_proto::serve::shutdown_signal()).await;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        rookworld_proto::serve::shutdown_signal().await;
+        let _ = stop.send(true);
+    });
+    let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|&s| s).await;
+    };
+    let worker = match (&args.learner, &args.reward) {
+        (Some(learner), Some(reward)) => {
+            let cfg = LoopConfig {
+                learner: learner.clone(),
+                reward: reward.clone(),
+                token: token_for_loop.ok_or_else(|| {
+                    ConfigError("--learner needs the shared token (--token or --token-file)".into())
+                })?,
+                worker_id: args
+                    .worker_id
+                    .clone()
+                    .unwrap_or_else(|| default_worker_id(local)),
+                max_in_flight: args.max_in_flight.max(1),
+                call_timeout: Duration::from_secs(30),
+                max_backoff: Duration::from_secs(10),
+            };
+            tracing::info!(learner = %cfg.learner, reward = %cfg.reward, worker = %cfg.worker_id, "pulling work");
+            let bos = model_cfg.bos_token_id;
+            Some(tokio::spawn(worker_loop::run(
+                engine.clone(),
+                tokenizer,
+                bos,
+                cfg,
+                until_stopped(stopped.clone()),
+            )))
+        }
+        _ => None,
+    };
+    let result = service::run(server, listener, until_stopped(stopped)).await;
+    if let Some(worker) = worker {
+        match worker.await {
+            Ok(Err(e)) => tracing::error!(error = %e, "worker loop"),
+            Err(e) => tracing::error!(error = %e, "worker loop panicked"),
+            Ok(Ok(())) => {}
+        }
+    }
     engine.shutdown();
     result
+}
+
+/// `HOSTNAME:PORT` (the host name from the environment, else `worker`).
+fn default_worker_id(local: std::net::SocketAddr) -> String {
+    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "worker".into());
+    format!("{host}:{}", local.port())
 }
