@@ -11,6 +11,7 @@
 //!   (model, optimizer, trainer state) written atomically, for exact resume.
 //! - [`queue`]: the rollout queue (leases with deadlines, bounded buffers, staleness);
 //!   [`queue_service`]: it over gRPC with inspection calls.
+//! - [`push`]: BF16 weight pushes to every worker in parallel, each with a deadline.
 //! - [`prompts`]: generated and loaded training prompts, with a resumable cursor.
 //! - [`optim`]: gradient accumulation, norm and clipping, AdamW, the LR schedule;
 //!   [`step`]: one optimizer step in micro-batches.
@@ -24,6 +25,7 @@ pub mod loss_cmd;
 pub mod optim;
 pub mod policy;
 pub mod prompts;
+pub mod push;
 pub mod queue;
 pub mod queue_service;
 pub mod sft;
