@@ -154,6 +154,8 @@ pub struct WorkerStats {
     pub outstanding: usize,
     /// Weight version of its latest submission.
     pub weight_version: u64,
+    /// Where it takes weight pushes (from its latest lease; empty: none).
+    pub push_address: String,
     #[serde(skip)]
     pub last_seen: Option<Instant>,
 }
@@ -221,6 +223,14 @@ impl Queue {
             attempts: 0,
         });
         Some(id)
+    }
+
+    /// Records where `worker` takes weight pushes.
+    pub fn set_push_address(&mut self, worker: &str, address: &str) {
+        let w = self.workers.entry(worker.to_owned()).or_default();
+        if w.push_address != address {
+            w.push_address = address.to_owned();
+        }
     }
 
     /// Leases up to `max` prompts to `worker` until `now + lease_timeout`.

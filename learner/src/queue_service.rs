@@ -132,7 +132,11 @@ impl RolloutQueue for QueueServer {
         }
         let now = Instant::now();
         let max = (r.max_prompts as usize).clamp(1, MAX_LEASE);
-        let result = self.queue().lease(&r.worker_id, max, now);
+        let result = {
+            let mut q = self.queue();
+            q.set_push_address(&r.worker_id, &r.push_address);
+            q.lease(&r.worker_id, max, now)
+        };
         let mut response = pb::LeaseResponse {
             prompts: Vec::new(),
             num_completions: self.spec.num_completions,
@@ -251,6 +255,7 @@ impl RolloutQueue for QueueServer {
                     .last_seen
                     .map_or(now.duration_since(self.started), |t| now.duration_since(t))
                     .as_secs_f64(),
+                push_address: w.push_address.clone(),
             })
             .collect();
         Ok(Response::new(pb::ListWorkersResponse { workers }))

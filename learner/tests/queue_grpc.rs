@@ -67,6 +67,7 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
         worker_id: "w1".into(),
         max_prompts: n,
         weight_version: 3,
+        push_address: "http://w1:50053".into(),
     };
 
     // No token, wrong token.
@@ -168,6 +169,7 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
         ),
         (1, 1, 3)
     );
+    assert_eq!(w.workers[0].push_address, "http://w1:50053");
     let peek = client
         .peek_groups(pb::PeekGroupsRequest {
             count: 5,

@@ -52,6 +52,10 @@ pub struct ServeArgs {
     /// This worker's id at the learner (default: host name and listen port).
     #[arg(long, env = "ROLLOUT_WORKER_ID")]
     pub worker_id: Option<String>,
+    /// URL at which the learner reaches this worker's service for weight pushes
+    /// (default: http://HOSTNAME:PORT).
+    #[arg(long, env = "ROLLOUT_ADVERTISE")]
+    pub advertise: Option<String>,
     /// Groups in flight in the loop.
     #[arg(long, default_value_t = 4)]
     pub max_in_flight: usize,
@@ -152,6 +156,10 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
                     .worker_id
                     .clone()
                     .unwrap_or_else(|| default_worker_id(local)),
+                push_address: args
+                    .advertise
+                    .clone()
+                    .unwrap_or_else(|| format!("http://{}", default_worker_id(local))),
                 max_in_flight: args.max_in_flight.max(1),
                 call_timeout: Duration::from_secs(30),
                 max_backoff: Duration::from_secs(10),

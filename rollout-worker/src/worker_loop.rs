@@ -28,6 +28,8 @@ pub struct LoopConfig {
     /// Shared token for the learner's worker calls.
     pub token: String,
     pub worker_id: String,
+    /// This worker's RolloutService URL, for the learner's weight pushes (empty: none).
+    pub push_address: String,
     /// Groups in flight (leased and not yet submitted).
     pub max_in_flight: usize,
     /// Deadline of every remote call.
@@ -119,6 +121,7 @@ pub async fn run(
             worker_id: cfg.worker_id.clone(),
             max_prompts: want,
             weight_version: engine.status().weight_version,
+            push_address: cfg.push_address.clone(),
         };
         let leased = tokio::select! {
             _ = &mut shutdown => break,

@@ -75,6 +75,7 @@ async fn the_worker_scores_and_submits_every_leased_prompt() {
         reward: format!("http://{reward_addr}"),
         token: "t".into(),
         worker_id: "worker-a".into(),
+        push_address: "http://127.0.0.1:1".into(),
         max_in_flight: 3,
         call_timeout: Duration::from_millis(500),
         max_backoff: Duration::from_millis(400),
@@ -118,6 +119,10 @@ async fn the_worker_scores_and_submits_every_leased_prompt() {
             assert!((-1.0..=1.0).contains(&c.reward));
         }
     }
+    assert_eq!(
+        queue.lock().unwrap().workers()["worker-a"].push_address,
+        "http://127.0.0.1:1"
+    );
     let d = queue.lock().unwrap().depths();
     assert_eq!(
         (
