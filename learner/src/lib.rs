@@ -11,6 +11,7 @@
 //!   (model, optimizer, trainer state) written atomically, for exact resume.
 //! - [`queue`]: the rollout queue (leases with deadlines, bounded buffers, staleness);
 //!   [`queue_service`]: it over gRPC with inspection calls.
+//! - [`metrics`]: the learner's Prometheus metrics (queue, pushes).
 //! - [`push`]: BF16 weight pushes to every worker in parallel, each with a deadline.
 //! - [`prompts`]: generated and loaded training prompts, with a resumable cursor.
 //! - [`optim`]: gradient accumulation, norm and clipping, AdamW, the LR schedule;
@@ -22,6 +23,7 @@ pub mod grpo;
 pub mod init_cmd;
 pub mod loss;
 pub mod loss_cmd;
+pub mod metrics;
 pub mod optim;
 pub mod policy;
 pub mod prompts;

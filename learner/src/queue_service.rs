@@ -80,6 +80,11 @@ impl QueueServer {
         Ok(())
     }
 
+    /// Publishes the queue's depths after a worker call changed them.
+    fn publish(&self) {
+        crate::metrics::record_queue(&self.queue());
+    }
+
     fn queue(&self) -> std::sync::MutexGuard<'_, Queue> {
         self.queue
             .lock()
@@ -137,6 +142,7 @@ impl RolloutQueue for QueueServer {
             q.set_push_address(&r.worker_id, &r.push_address);
             q.lease(&r.worker_id, max, now)
         };
+        self.publish();
         let mut response = pb::LeaseResponse {
             prompts: Vec::new(),
             num_completions: self.spec.num_completions,
@@ -204,9 +210,12 @@ impl RolloutQueue for QueueServer {
             score_seconds: r.score_seconds,
             lease_seconds: 0.0,
         };
-        self.queue()
+        let result = self
+            .queue()
             .submit(&r.worker_id, r.lease_id, group, Instant::now())
-            .map_err(|e: SubmitError| Status::failed_precondition(e.to_string()))?;
+            .map_err(|e: SubmitError| Status::failed_precondition(e.to_string()));
+        self.publish();
+        result?;
         Ok(Response::new(pb::SubmitResponse {
             learner_version: self.learner_version.load(Ordering::SeqCst),
         }))

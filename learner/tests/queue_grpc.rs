@@ -24,6 +24,11 @@ fn authed<T>(msg: T, token: &str) -> tonic::Request<T> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_lease_and_submit_and_people_can_look_inside() {
+    let metrics_addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    learner::metrics::install_exporter(metrics_addr).unwrap();
     let queue = Arc::new(Mutex::new(Queue::new(QueueConfig::default())));
     for i in 0..3 {
         queue.lock().unwrap().add(
@@ -190,6 +195,24 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
         ("A: prompt 0+", "w1", 100, 2)
     );
     assert_eq!(g.completions[0].components["format"], 1.0);
+
+    // A real Prometheus scrape shows the same depths.
+    let body =
+        tokio::task::spawn_blocking(move || rookworld_proto::probe::scrape_metrics(metrics_addr))
+            .await
+            .unwrap()
+            .unwrap();
+    for line in [
+        "learner_queue_scored 1",
+        "learner_queue_leased 1",
+        "learner_queue_groups_submitted_total 1",
+        "learner_queue_submissions_refused_total 1",
+    ] {
+        assert!(
+            body.lines().any(|l| l == line),
+            "{line} missing from\n{body}"
+        );
+    }
 
     // The learner takes it; the staleness histogram shows lag 0.
     assert_eq!(queue.lock().unwrap().take(10, 3).len(), 1);

@@ -1,0 +1,120 @@
+//! Every metric the learner exports, described in one place, and the exporter.
+
+use std::net::SocketAddr;
+
+use metrics::{Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge};
+use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
+
+use crate::queue::Queue;
+
+/// Buckets (seconds) for weight pushes.
+const PUSH_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+/// Serves `/metrics` on `addr` (read-only) and describes every metric.
+pub fn install_exporter(addr: SocketAddr) -> Result<(), BuildError> {
+    PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .set_buckets_for_metric(
+            Matcher::Full("learner_weight_push_seconds".into()),
+            PUSH_BUCKETS,
+        )?
+        .install()?;
+    describe();
+    Ok(())
+}
+
+/// Descriptions of every metric (labels come from bounded sets: workers, results, lags).
+pub fn describe() {
+    describe_gauge!(
+        "learner_queue_pending",
+        Unit::Count,
+        "Prompts waiting to be leased."
+    );
+    describe_gauge!("learner_queue_leased", Unit::Count, "Leases outstanding.");
+    describe_gauge!(
+        "learner_queue_scored",
+        Unit::Count,
+        "Scored groups waiting for the learner."
+    );
+    describe_counter!(
+        "learner_queue_prompts_added_total",
+        Unit::Count,
+        "Prompts added to the queue."
+    );
+    describe_counter!(
+        "learner_queue_leases_issued_total",
+        Unit::Count,
+        "Leases issued (re-issues included)."
+    );
+    describe_counter!(
+        "learner_queue_leases_expired_total",
+        Unit::Count,
+        "Leases that passed their deadline."
+    );
+    describe_counter!(
+        "learner_queue_leases_released_total",
+        Unit::Count,
+        "Leases returned by workers that went away."
+    );
+    describe_counter!(
+        "learner_queue_groups_submitted_total",
+        Unit::Count,
+        "Scored groups accepted."
+    );
+    describe_counter!(
+        "learner_queue_submissions_refused_total",
+        Unit::Count,
+        "Submissions refused (expired, duplicate or foreign lease)."
+    );
+    describe_counter!(
+        "learner_queue_groups_consumed_total",
+        Unit::Count,
+        "Groups the learner trained on."
+    );
+    describe_counter!(
+        "learner_queue_groups_dropped_stale_total",
+        Unit::Count,
+        "Groups dropped as too stale."
+    );
+    describe_gauge!(
+        "learner_queue_consumed_by_lag",
+        "Consumed groups by weight-version lag (`lag`: 0…6, 7+)."
+    );
+    describe_histogram!(
+        "learner_weight_push_seconds",
+        Unit::Seconds,
+        "One weight push to one worker (`worker`)."
+    );
+    describe_counter!(
+        "learner_weight_push_bytes_total",
+        Unit::Bytes,
+        "Weight bytes pushed, by `worker`."
+    );
+    describe_counter!(
+        "learner_weight_pushes_total",
+        "Weight pushes by `worker` and `result` (ok, failed)."
+    );
+}
+
+/// Publishes the queue's depths and counters.
+pub fn record_queue(queue: &Queue) {
+    let d = queue.depths();
+    gauge!("learner_queue_pending").set(d.pending as f64);
+    gauge!("learner_queue_leased").set(d.leased as f64);
+    gauge!("learner_queue_scored").set(d.scored as f64);
+    let c = d.counters;
+    counter!("learner_queue_prompts_added_total").absolute(c.prompts_added);
+    counter!("learner_queue_leases_issued_total").absolute(c.leases_issued);
+    counter!("learner_queue_leases_expired_total").absolute(c.leases_expired);
+    counter!("learner_queue_leases_released_total").absolute(c.leases_released);
+    counter!("learner_queue_groups_submitted_total").absolute(c.groups_submitted);
+    counter!("learner_queue_submissions_refused_total").absolute(c.submissions_refused);
+    counter!("learner_queue_groups_consumed_total").absolute(c.groups_consumed);
+    counter!("learner_queue_groups_dropped_stale_total").absolute(c.groups_dropped_stale);
+    const LAGS: [&str; 8] = ["0", "1", "2", "3", "4", "5", "6", "7+"];
+    for (lag, n) in LAGS.iter().zip(queue.staleness()) {
+        gauge!("learner_queue_consumed_by_lag", "lag" => *lag).set(*n as f64);
+    }
+}
