@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use rookworld_proto::auth::check_token;
 use rookworld_proto::queue::v1 as pb;
 use rookworld_proto::queue::v1::rollout_queue_server::{RolloutQueue, RolloutQueueServer};
 use rookworld_proto::v1::SamplingParams;
@@ -57,27 +58,7 @@ impl QueueServer {
     }
 
     fn authorize<T>(&self, request: &Request<T>) -> Result<(), Status> {
-        let Some(token) = &self.token else {
-            return Err(Status::permission_denied(
-                "the queue has no token configured: worker calls are refused",
-            ));
-        };
-        let given = request
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .ok_or_else(|| Status::unauthenticated("missing `authorization: Bearer <token>`"))?;
-        let same = given.len() == token.len()
-            && given
-                .bytes()
-                .zip(token.bytes())
-                .fold(0u8, |a, (x, y)| a | (x ^ y))
-                == 0;
-        if !same {
-            return Err(Status::permission_denied("wrong token"));
-        }
-        Ok(())
+        Ok(check_token(request.metadata(), self.token.as_deref())?)
     }
 
     /// Publishes the queue's depths after a worker call changed them.

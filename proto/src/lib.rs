@@ -4,10 +4,12 @@
 //! - [`reward::v1`]: the reward server (`rookworld.reward.v1`).
 //! - [`rollout::v1`]: the rollout worker (`rookworld.rollout.v1`).
 //! - [`queue::v1`]: the learner's rollout queue (`rookworld.queue.v1`).
+//! - [`auth`]: the shared-token check of guarded calls, and setting it on a client.
 //! - [`probe`]: reflection listing and metrics scrapes of a running service.
 //! - [`serve`]: reflection services and the shutdown signal every server uses.
 //! - [`FILE_DESCRIPTOR_SET`]: the encoded descriptors that gRPC server reflection serves.
 
+pub mod auth;
 pub mod probe;
 pub mod serve;
 

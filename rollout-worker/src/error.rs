@@ -1,5 +1,6 @@
 //! Errors of the gRPC service, and their one mapping to gRPC status codes.
 
+use rookworld_proto::auth::TokenError;
 use tonic::Status;
 
 use crate::engine::EngineError;
@@ -14,12 +15,9 @@ pub enum ServiceError {
     /// Too much work is queued; retry later.
     #[error("overloaded: {0}")]
     Overloaded(String),
-    /// A control call without credentials.
-    #[error("unauthenticated: {0}")]
-    Unauthenticated(String),
-    /// A control call with wrong credentials (or none accepted).
-    #[error("permission denied: {0}")]
-    PermissionDenied(String),
+    /// A control call without the right token.
+    #[error("control call refused: {0}")]
+    Token(#[from] TokenError),
     /// A weight set was refused; the old weights stay.
     #[error("weight update refused: {0}")]
     Weights(#[from] WeightError),
@@ -35,8 +33,8 @@ impl ServiceError {
         match self {
             Self::InvalidArgument(_) => "invalid",
             Self::Overloaded(_) => "overloaded",
-            Self::Unauthenticated(_) => "unauthenticated",
-            Self::PermissionDenied(_) => "permission_denied",
+            Self::Token(TokenError::Missing) => "unauthenticated",
+            Self::Token(_) => "permission_denied",
             Self::Weights(WeightError::Checksum { .. }) => "checksum",
             Self::Weights(WeightError::Stale { .. }) => "stale",
             Self::Weights(_) => "invalid",
@@ -51,8 +49,7 @@ impl From<ServiceError> for Status {
         match e {
             ServiceError::InvalidArgument(_) => Status::invalid_argument(message),
             ServiceError::Overloaded(_) => Status::resource_exhausted(message),
-            ServiceError::Unauthenticated(_) => Status::unauthenticated(message),
-            ServiceError::PermissionDenied(_) => Status::permission_denied(message),
+            ServiceError::Token(e) => e.into(),
             ServiceError::Weights(WeightError::Checksum { .. }) => Status::data_loss(message),
             ServiceError::Weights(WeightError::Stale { .. }) => {
                 Status::failed_precondition(message)

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rookworld_lm::{Config, Tokenizer};
+use rookworld_proto::auth::check_token;
 use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_server::{RolloutService, RolloutServiceServer};
 use rookworld_proto::v1 as common;
@@ -130,23 +131,7 @@ impl RolloutServer {
 
     /// Refuses a control call whose `authorization` is not `Bearer <token>`.
     fn authorize<T>(&self, request: &Request<T>) -> Result<(), ServiceError> {
-        let Some(token) = &self.cfg.token else {
-            return Err(ServiceError::PermissionDenied(
-                "this worker has no token configured, so it accepts no control calls".into(),
-            ));
-        };
-        let given = request
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .ok_or_else(|| {
-                ServiceError::Unauthenticated("missing `authorization: Bearer <token>`".into())
-            })?;
-        if !constant_time_eq(given.as_bytes(), token.as_bytes()) {
-            return Err(ServiceError::PermissionDenied("wrong token".into()));
-        }
-        Ok(())
+        check_token(request.metadata(), self.cfg.token.as_deref()).map_err(ServiceError::Token)
     }
 
     async fn update_weights(
@@ -181,11 +166,6 @@ impl RolloutServer {
             seconds,
         })
     }
-}
-
-/// Equality that takes the same time wherever the first difference is.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;

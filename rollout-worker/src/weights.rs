@@ -196,10 +196,7 @@ pub async fn push(
     chunk_bytes: usize,
 ) -> Result<pb::UpdateWeightsResponse, tonic::Status> {
     let mut request = tonic::Request::new(tokio_stream::iter(set.chunks(chunk_bytes)));
-    let value = format!("Bearer {token}")
-        .parse()
-        .map_err(|_| tonic::Status::invalid_argument("the token is not valid in a header"))?;
-    request.metadata_mut().insert("authorization", value);
+    rookworld_proto::auth::set_token(request.metadata_mut(), token)?;
     Ok(client.update_weights(request).await?.into_inner())
 }
 

@@ -56,11 +56,11 @@ fn channel(url: &str, timeout: Duration) -> Result<Channel, tonic::transport::Er
         .connect_lazy())
 }
 
+/// `msg` with the shared token (a token that cannot be a header value is left out, and
+/// the learner refuses the call as unauthenticated).
 fn authed<T>(msg: T, token: &str) -> tonic::Request<T> {
     let mut r = tonic::Request::new(msg);
-    if let Ok(v) = format!("Bearer {token}").parse() {
-        r.metadata_mut().insert("authorization", v);
-    }
+    let _ = rookworld_proto::auth::set_token(r.metadata_mut(), token);
     r
 }
 
