@@ -111,22 +111,11 @@ impl RolloutServer {
                 self.cfg.max_queued_samples
             )));
         }
-        Ok(EngineRequest {
-            prompts: self.prompt_ids(r.prompts)?,
+        Ok(EngineRequest::from_proto(
+            self.prompt_ids(r.prompts)?,
             n,
-            max_new_tokens: sampling.max_new_tokens as usize,
-            sampling: rookworld_lm::sampling::SamplingParams {
-                temperature: sampling.temperature,
-                top_k: sampling.top_k as usize,
-                top_p: if sampling.top_p == 0.0 {
-                    1.0
-                } else {
-                    sampling.top_p
-                },
-            },
-            seed: sampling.seed,
-            ignore_eos: false,
-        })
+            &sampling,
+        ))
     }
 
     /// Refuses a control call whose `authorization` is not `Bearer <token>`.

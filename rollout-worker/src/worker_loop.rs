@@ -188,20 +188,8 @@ async fn group(
             .map_err(|e| GroupError::Generate(e.to_string()))?,
     );
     let request = Request {
-        prompts: vec![ids.clone()],
-        n: n as usize,
-        max_new_tokens: sampling.max_new_tokens as usize,
-        sampling: rookworld_lm::sampling::SamplingParams {
-            temperature: sampling.temperature,
-            top_k: sampling.top_k as usize,
-            top_p: if sampling.top_p == 0.0 {
-                1.0
-            } else {
-                sampling.top_p
-            },
-        },
         seed: prompt.seed,
-        ignore_eos: false,
+        ..Request::from_proto(vec![ids.clone()], n as usize, &sampling)
     };
     let mut stream = engine
         .submit(request)

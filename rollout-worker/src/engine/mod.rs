@@ -109,6 +109,27 @@ pub struct Request {
 }
 
 impl Request {
+    /// `n` completions of each of `prompts` as the wire's sampling parameters ask
+    /// (`top_p` 0 means off; the seed is theirs).
+    pub fn from_proto(
+        prompts: Vec<Vec<u32>>,
+        n: usize,
+        p: &rookworld_proto::v1::SamplingParams,
+    ) -> Self {
+        Self {
+            prompts,
+            n,
+            max_new_tokens: p.max_new_tokens as usize,
+            sampling: SamplingParams {
+                temperature: p.temperature,
+                top_k: p.top_k as usize,
+                top_p: if p.top_p == 0.0 { 1.0 } else { p.top_p },
+            },
+            seed: p.seed,
+            ignore_eos: false,
+        }
+    }
+
     /// Everything that would make the request fail later is refused here.
     pub fn validate(&self, model: &Gpt2, cfg: &EngineConfig) -> Result<(), EngineError> {
         let bad = |m: String| Err(EngineError::InvalidRequest(m));
