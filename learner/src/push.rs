@@ -43,10 +43,6 @@ impl Fleet {
             .collect()
     }
 
-    pub fn version_of(&self, address: &str) -> Option<u64> {
-        self.workers.get(address).copied().flatten()
-    }
-
     /// Pushes `set` to every worker not yet on its version, all at once, each call bounded
     /// by `deadline`; records who succeeded. Returns one outcome per worker tried.
     pub async fn push(

@@ -89,10 +89,6 @@ impl PackedMatrix {
         self.epilogue
     }
 
-    pub fn k(&self) -> usize {
-        self.k
-    }
-
     pub fn n(&self) -> usize {
         self.n
     }

@@ -127,12 +127,6 @@ impl GroupedCache {
             .unwrap_or(self.cursor)
     }
 
-    /// Tokens held in the buffers, padding included: N·L + B·W (W the live suffix window).
-    pub fn allocated_tokens(&self) -> usize {
-        let first = self.first_live_column();
-        self.groups() * self.pool_len + self.rows() * (self.cursor - first)
-    }
-
     /// Adds the prompts just prefilled into `prefill` (rows padded as `padding` says) as new
     /// groups; returns the index of the first. Their rows are added with [`Self::add_row`].
     pub fn add_groups(&mut self, prefill: &KvCache, padding: &LeftPadding) -> Result<usize> {
@@ -238,7 +232,7 @@ impl GroupedCache {
         let b = self.rows.len();
         assert!(b > 0, "a decode step needs a live row");
         self.reserve(b)?;
-        let first = self.rows.iter().map(|r| r.start).min().expect("rows");
+        let first = self.first_live_column();
         let cursor = self.cursor;
         let window = cursor + 1 - first;
 

@@ -63,18 +63,9 @@ pub struct RequestStream {
 }
 
 impl RequestStream {
-    pub fn id(&self) -> RequestId {
-        self.id
-    }
-
     /// The next event; `None` after `Done`/`Failed` (or if the engine stopped).
     pub async fn next(&mut self) -> Option<Event> {
         self.events.recv().await
-    }
-
-    /// Blocking variant for synchronous callers.
-    pub fn blocking_next(&mut self) -> Option<Event> {
-        self.events.blocking_recv()
     }
 }
 
@@ -138,31 +129,6 @@ impl Engine {
 
     /// Queues a request; refused requests return the reason and queue nothing.
     pub async fn submit(&self, request: Request) -> Result<RequestStream, EngineError> {
-        let (answer, stream) = self.send_submit(request)?;
-        let id = answer.await.map_err(|_| EngineError::Stopped)??;
-        Ok(stream(id))
-    }
-
-    /// [`Self::submit`] for synchronous callers (not inside an async runtime).
-    pub fn blocking_submit(&self, request: Request) -> Result<RequestStream, EngineError> {
-        let (answer, stream) = self.send_submit(request)?;
-        let id = answer.blocking_recv().map_err(|_| EngineError::Stopped)??;
-        Ok(stream(id))
-    }
-
-    /// Sends the request to the engine thread: the receiver of its verdict, and how to
-    /// make its stream once the id is known.
-    #[allow(clippy::type_complexity)]
-    fn send_submit(
-        &self,
-        request: Request,
-    ) -> Result<
-        (
-            oneshot::Receiver<Result<RequestId, EngineError>>,
-            impl FnOnce(RequestId) -> RequestStream,
-        ),
-        EngineError,
-    > {
         let (events_tx, events) = mpsc::unbounded_channel();
         let (reply, answer) = oneshot::channel();
         self.commands
@@ -172,12 +138,12 @@ impl Engine {
                 reply,
             })
             .map_err(|_| EngineError::Stopped)?;
-        let commands = self.commands.clone();
-        Ok((answer, move |id| RequestStream {
+        let id = answer.await.map_err(|_| EngineError::Stopped)??;
+        Ok(RequestStream {
             id,
             events,
-            commands,
-        }))
+            commands: self.commands.clone(),
+        })
     }
 
     /// Installs `model` as weight version `version` between two decode steps and
