@@ -7,6 +7,7 @@ use std::path::Path;
 use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use reward_server::bench::random_playout;
 use reward_server::env_task::EnvTruth;
 use reward_server::rules::fen;
 use reward_server::task::EnvPrompt;
@@ -84,7 +85,7 @@ impl Generator {
         loop {
             let plies = self.rng.random_range(0..=PLY_HALF_RANGE)
                 + self.rng.random_range(0..=PLY_HALF_RANGE);
-            let (pos, mut history) = playout(&mut self.rng, plies);
+            let (pos, mut history) = random_playout(&mut self.rng, plies);
             let policy = self.rng.random_bool(self.policy_fraction);
             if policy {
                 return TaskPrompt {
@@ -116,24 +117,6 @@ impl Generator {
 /// training text; the model continues with `M: …`.
 pub fn policy_prompt(pos: &Chess) -> String {
     format!("P: {:<90}", fen(pos))
-}
-
-/// Up to `plies` random legal moves from the start, stopping before the game ends (the
-/// position keeps a legal move). Returns the position and the moves in UCI.
-fn playout(rng: &mut ChaCha8Rng, plies: usize) -> (Chess, Vec<String>) {
-    let mut pos = Chess::default();
-    let mut history = Vec::new();
-    for _ in 0..plies {
-        let moves = pos.legal_moves();
-        let Some(m) = moves.choose(rng) else { break };
-        let next = pos.clone().play(*m).expect("legal move");
-        if next.legal_moves().is_empty() {
-            break;
-        }
-        history.push(UciMove::from_move(*m, CastlingMode::Standard).to_string());
-        pos = next;
-    }
-    (pos, history)
 }
 
 /// Splits one line of RookWorld text into prompt and completion: a policy line at `M:`,
