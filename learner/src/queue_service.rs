@@ -61,11 +61,6 @@ impl QueueServer {
         Ok(check_token(request.metadata(), self.token.as_deref())?)
     }
 
-    /// Publishes the queue's depths after a worker call changed them.
-    fn publish(&self) {
-        crate::metrics::record_queue(&self.queue());
-    }
-
     fn queue(&self) -> std::sync::MutexGuard<'_, Queue> {
         self.queue
             .lock()
@@ -121,9 +116,10 @@ impl RolloutQueue for QueueServer {
         let result = {
             let mut q = self.queue();
             q.set_push_address(&r.worker_id, &r.push_address);
-            q.lease(&r.worker_id, max, now)
+            let result = q.lease(&r.worker_id, max, now);
+            crate::metrics::record_queue(&q);
+            result
         };
-        self.publish();
         let mut response = pb::LeaseResponse {
             prompts: Vec::new(),
             num_completions: self.spec.num_completions,
@@ -191,12 +187,12 @@ impl RolloutQueue for QueueServer {
             score_seconds: r.score_seconds,
             lease_seconds: 0.0,
         };
-        let result = self
-            .queue()
-            .submit(&r.worker_id, r.lease_id, group, Instant::now())
-            .map_err(|e: SubmitError| Status::failed_precondition(e.to_string()));
-        self.publish();
-        result?;
+        {
+            let mut q = self.queue();
+            let result = q.submit(&r.worker_id, r.lease_id, group, Instant::now());
+            crate::metrics::record_queue(&q);
+            result.map_err(|e: SubmitError| Status::failed_precondition(e.to_string()))?;
+        }
         Ok(Response::new(pb::SubmitResponse {
             learner_version: self.learner_version.load(Ordering::SeqCst),
         }))
