@@ -257,12 +257,8 @@ impl Scheduler {
     /// Fills free rows: first samples of prompts already held, then new prompts.
     fn admit(&mut self, events: &mut Vec<Event>, stats: &mut StepStats) -> Result<(), EngineError> {
         for g in 0..self.groups.len() {
-            while self.rows.len() < self.row_limit && !self.groups[g].work.pending.is_empty() {
-                let budget = self.budget(&self.groups[g].work);
-                if self.reserved + budget > self.cfg.max_kv_tokens {
-                    return Ok(());
-                }
-                self.start_sample(g, events, stats)?;
+            if self.fill_rows(g, events, stats)? {
+                return Ok(());
             }
         }
         // New prompts, prefilled together.
@@ -310,17 +306,28 @@ impl Scheduler {
                 first_logits,
                 live: 0,
             });
-            let g = self.groups.len() - 1;
-            while self.rows.len() < self.row_limit && !self.groups[g].work.pending.is_empty() {
-                let budget = self.budget(&self.groups[g].work);
-                if self.reserved + budget > self.cfg.max_kv_tokens {
-                    break;
-                }
-                self.start_sample(g, events, stats)?;
-            }
+            self.fill_rows(self.groups.len() - 1, events, stats)?;
         }
         self.drop_idle_groups()?;
         Ok(())
+    }
+
+    /// Starts group g's pending samples while rows are free and their token budgets fit;
+    /// returns true when it stopped at the KV-token bound.
+    fn fill_rows(
+        &mut self,
+        g: usize,
+        events: &mut Vec<Event>,
+        stats: &mut StepStats,
+    ) -> Result<bool, EngineError> {
+        while self.rows.len() < self.row_limit && !self.groups[g].work.pending.is_empty() {
+            let budget = self.budget(&self.groups[g].work);
+            if self.reserved + budget > self.cfg.max_kv_tokens {
+                return Ok(true);
+            }
+            self.start_sample(g, events, stats)?;
+        }
+        Ok(false)
     }
 
     /// Prefills `batch` into new cache groups; returns each prompt's next-token logits.
