@@ -118,6 +118,8 @@ pub struct Layout {
     pub targets: Tensor,
     /// (C, T−1) f32: 1 on completion tokens.
     pub mask: Tensor,
+    /// (N) u32: the flat (C·(T−1)) indices of the completion slots, in order.
+    pub slots: Tensor,
     /// (C, T−1) f32 behaviour log-probs on completion tokens (0 elsewhere); `None` when the
     /// batch has none (ratio 1: the policy's detached log-probs are used).
     pub behaviour: Option<Tensor>,
@@ -170,6 +172,7 @@ impl Layout {
         let (mut ids, mut targets) = (vec![pad; n * t], vec![pad; n * (t - 1)]);
         let (mut mask, mut behaviour) = (vec![0f32; n * (t - 1)], vec![0f32; n * (t - 1)]);
         let mut tokens = 0;
+        let mut slots = Vec::new();
         for (
             r,
             Row {
@@ -186,6 +189,7 @@ impl Layout {
             let first = prompt.len() - 1;
             for j in 0..completion.len() {
                 mask[r * (t - 1) + first + j] = 1.0;
+                slots.push((r * (t - 1) + first + j) as u32);
                 if let Some(old) = old {
                     behaviour[r * (t - 1) + first + j] = old[j];
                 }
@@ -197,6 +201,7 @@ impl Layout {
             ids: Tensor::from_vec(ids, (n, t), device)?,
             targets: Tensor::from_vec(targets, (n, t - 1, 1), device)?,
             mask: Tensor::from_vec(mask, (n, t - 1), device)?,
+            slots: Tensor::new(slots, device)?,
             behaviour: match batch.old_logprobs {
                 Some(_) => Some(Tensor::from_vec(behaviour, (n, t - 1), device)?),
                 None => None,

@@ -14,12 +14,16 @@
 //! - [`metrics`]: the learner's Prometheus metrics (queue, pushes).
 //! - [`push`]: BF16 weight pushes to every worker in parallel, each with a deadline.
 //! - [`prompts`]: generated and loaded training prompts, with a resumable cursor.
+//! - [`train`]: `learner train`, the GRPO loop against the rollout queue (`--local`: with
+//!   a reward server and a worker in-process); [`head`]: LM-head log-probs without the
+//!   (N, V) logits.
 //! - [`optim`]: gradient accumulation, norm and clipping, AdamW, the LR schedule;
 //!   [`step`]: one optimizer step in micro-batches.
 
 pub mod batch;
 pub mod checkpoint;
 pub mod grpo;
+pub mod head;
 pub mod init_cmd;
 pub mod loss;
 pub mod loss_cmd;
@@ -32,3 +36,4 @@ pub mod queue;
 pub mod queue_service;
 pub mod sft;
 pub mod step;
+pub mod train;

@@ -3,11 +3,12 @@
 
 use std::path::Path;
 
-use candle_core::{D, DType, Device, Result as CandleResult, Tensor, Var};
+use candle_core::{DType, Device, Result as CandleResult, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use rookworld_lm::{Gpt2, LeftPadding, checkpoint};
 
 use crate::batch::Layout;
+use crate::head::head_logprobs;
 
 /// A model whose weights are `Var`s, named as in a Hugging Face checkpoint.
 #[derive(Debug)]
@@ -42,10 +43,21 @@ impl Trainable {
     }
 }
 
-/// `log softmax(logits / temperature)` of each slot's target: (C, T−1). No dropout exists
+/// `log softmax(logits / temperature)` of each completion slot's target: (C, T−1), 0 on
+/// other slots (only the completion slots go through the LM head). No dropout exists
 /// anywhere, so this is the same forward that sampling ran.
 pub fn token_logprobs(model: &Gpt2, layout: &Layout, temperature: f64) -> CandleResult<Tensor> {
-    target_logprobs(model, &layout.ids, &layout.targets, temperature)
+    let (c, t) = layout.ids.dims2()?;
+    let hidden = last_hidden(model, &layout.ids)?; // (C·(T−1), E)
+    let h = hidden.index_select(&layout.slots, 0)?; // (N, E)
+    let y = layout
+        .targets
+        .flatten_all()?
+        .index_select(&layout.slots, 0)?; // (N)
+    let logp = head_logprobs(&h, model.head_weight(), &y, temperature)?; // (N)
+    Tensor::zeros(c * (t - 1), DType::F32, model.device())?
+        .index_add(&layout.slots, &logp, 0)?
+        .reshape((c, t - 1)) // (C, T−1)
 }
 
 /// Log-probs under `softmax(logits / temperature)` of `targets` (C, T−1, 1), slot t being
@@ -57,16 +69,16 @@ pub fn target_logprobs(
     temperature: f64,
 ) -> CandleResult<Tensor> {
     let (c, t) = ids.dims2()?;
-    let logits = model.forward(ids, &LeftPadding::none(c), &mut model.new_cache())?; // (C, T, V)
-    let logits = if temperature == 1.0 {
-        logits
-    } else {
-        (logits / temperature)?
-    };
-    // The last position predicts nothing: give it a dummy target so gather and
-    // log-sum-exp run on the whole contiguous tensor, then drop it.
-    let dummy = Tensor::zeros((c, 1, 1), targets.dtype(), targets.device())?;
-    let targets = Tensor::cat(&[targets, &dummy], 1)?; // (C, T, 1)
-    let picked = logits.gather(&targets, D::Minus1)?.squeeze(D::Minus1)?; // (C, T)
-    (picked - logits.log_sum_exp(D::Minus1)?)?.narrow(1, 0, t - 1) // (C, T−1)
+    let hidden = last_hidden(model, ids)?; // (C·(T−1), E)
+    let y = targets.flatten_all()?; // (C·(T−1))
+    head_logprobs(&hidden, model.head_weight(), &y, temperature)?.reshape((c, t - 1))
+}
+
+/// Final hidden states of every position that predicts a token (all but the last):
+/// (C·(T−1), E) for `ids` (C, T).
+fn last_hidden(model: &Gpt2, ids: &Tensor) -> CandleResult<Tensor> {
+    let (c, t) = ids.dims2()?;
+    let hidden = model.forward_hidden(ids, &LeftPadding::none(c), &mut model.new_cache())?; // (C, T, E)
+    let e = hidden.dim(2)?;
+    hidden.narrow(1, 0, t - 1)?.reshape((c * (t - 1), e))
 }

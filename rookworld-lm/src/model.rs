@@ -358,6 +358,11 @@ impl Gpt2 {
         self.wte.dtype()
     }
 
+    /// The LM head's weight (V, E): `wte` when tied.
+    pub fn head_weight(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.wte)
+    }
+
     /// A fresh, empty KV cache for this model.
     pub fn new_cache(&self) -> KvCache {
         KvCache::new(self.cfg.n_layer)
