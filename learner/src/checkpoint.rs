@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::optim::{AdamW, AdamWConfig, Schedule};
 use crate::policy::Trainable;
 use crate::prompts::Cursor;
+use crate::queue::QueueSnapshot;
 
 const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 const STATE_FILE: &str = "trainer_state.json";
@@ -35,6 +36,9 @@ pub struct TrainerState {
     pub cursor: Cursor,
     /// The command's own settings (checked on resume so a run is not silently changed).
     pub settings: serde_json::Value,
+    /// GRPO runs: the rollout queue's unfinished prompts, re-queued on resume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<QueueSnapshot>,
 }
 
 /// Why a checkpoint could not be written or read.

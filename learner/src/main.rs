@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 use learner::init_cmd::{self, InitArgs};
 use learner::loss_cmd::{self, LossArgs};
 use learner::sft::{self, SftArgs};
+use learner::train::{self, TrainArgs};
 
 /// GRPO learner of the RookWorld trainer.
 #[derive(Debug, Parser)]
@@ -21,6 +22,9 @@ enum Command {
     Loss(LossArgs),
     /// Supervised warm-up on RookWorld task text (checkpoints, --resume).
     Sft(SftArgs),
+    /// GRPO training against the rollout queue (--local: one process with a reward
+    /// server and a worker on loopback).
+    Train(Box<TrainArgs>),
 }
 
 fn main() -> std::process::ExitCode {
@@ -30,5 +34,33 @@ fn main() -> std::process::ExitCode {
         Command::Init(args) => init_cmd::run(args).map_err(|e| e.to_string()),
         Command::Loss(args) => loss_cmd::run(args).map_err(|e| e.to_string()),
         Command::Sft(args) => sft::run(args).map(|_| ()).map_err(|e| e.to_string()),
+        Command::Train(args) => train_cmd(args),
+    })
+}
+
+/// Runs `learner train` on a multi-threaded runtime until its last step or a signal.
+fn train_cmd(args: &TrainArgs) -> Result<(), String> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("runtime: {e}"))?;
+    runtime.block_on(async {
+        let listen = args.listen;
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
+        if let Some(addr) = args.metrics_addr().map_err(|e| e.to_string())? {
+            learner::metrics::install_exporter(addr)
+                .map_err(|e| format!("metrics on {addr}: {e}"))?;
+        }
+        let summary = train::run(
+            args.clone(),
+            listener,
+            rookworld_proto::serve::shutdown_signal(),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        train::print_summary(&summary);
+        Ok(())
     })
 }

@@ -34,6 +34,11 @@ impl Fleet {
         self.workers.entry(address.to_owned()).or_insert(None);
     }
 
+    /// Records that `address` runs `version` (e.g. it started with those weights).
+    pub fn mark(&mut self, address: &str, version: u64) {
+        self.workers.insert(address.to_owned(), Some(version));
+    }
+
     /// Workers not known to run `version`.
     pub fn stale(&self, version: u64) -> Vec<String> {
         self.workers

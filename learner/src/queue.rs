@@ -12,7 +12,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::prompts::TaskPrompt;
 
@@ -47,7 +47,7 @@ impl Default for QueueConfig {
 }
 
 /// A prompt as queued.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct QueuedPrompt {
     pub id: PromptId,
     pub prompt: TaskPrompt,
@@ -110,6 +110,8 @@ pub enum Backpressure {
     TooManyLeases { leased: usize, bound: usize },
     #[error("no prompts pending")]
     Empty,
+    #[error("the learner is shutting down")]
+    Closed,
 }
 
 /// Why a submission was refused.
@@ -129,6 +131,13 @@ pub enum SubmitError {
         got: PromptId,
         want: PromptId,
     },
+}
+
+/// The queue as a checkpoint keeps it: prompts not yet consumed and the next prompt id.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct QueueSnapshot {
+    pub unfinished: Vec<QueuedPrompt>,
+    pub next_prompt_id: PromptId,
 }
 
 /// Counters of everything that ever happened (monotonic).
@@ -175,13 +184,16 @@ pub struct Queue {
     cfg: QueueConfig,
     pending: VecDeque<QueuedPrompt>,
     leases: HashMap<LeaseId, Lease>,
-    scored: VecDeque<ScoredGroup>,
+    /// Scored groups with the prompt each answers (kept for checkpoints).
+    scored: VecDeque<(QueuedPrompt, ScoredGroup)>,
     workers: BTreeMap<String, WorkerStats>,
     counters: Counters,
     next_prompt: PromptId,
     next_lease: LeaseId,
     /// Consumed groups by version lag (0, 1, 2, …; the last bucket holds the rest).
     staleness: [u64; 8],
+    /// No more leases (the learner is draining before it stops).
+    closed: bool,
 }
 
 impl Queue {
@@ -196,7 +208,46 @@ impl Queue {
             next_prompt: 0,
             next_lease: 1,
             staleness: [0; 8],
+            closed: false,
         }
+    }
+
+    /// Stops handing out leases; submissions under outstanding leases are still taken.
+    pub fn close(&mut self) {
+        self.closed = true;
+    }
+
+    /// What a checkpoint keeps of the queue.
+    pub fn snapshot(&self) -> QueueSnapshot {
+        QueueSnapshot {
+            unfinished: self.unfinished(),
+            next_prompt_id: self.next_prompt,
+        }
+    }
+
+    /// Re-queues a checkpoint's unfinished prompts ahead of new ones (ids, seeds and
+    /// attempts kept); new ids continue after the snapshot's.
+    pub fn restore(&mut self, snapshot: QueueSnapshot) {
+        self.next_prompt = self.next_prompt.max(snapshot.next_prompt_id);
+        for p in snapshot.unfinished.into_iter().rev() {
+            self.next_prompt = self.next_prompt.max(p.id + 1);
+            self.counters.prompts_added += 1;
+            self.pending.push_front(p);
+        }
+    }
+
+    /// Every prompt not yet consumed or dropped — leased, scored but not taken, pending —
+    /// oldest first: what a checkpoint keeps so that a resumed run loses none of them.
+    pub fn unfinished(&self) -> Vec<QueuedPrompt> {
+        let mut out: Vec<QueuedPrompt> = self
+            .leases
+            .values()
+            .map(|l| l.prompt.clone())
+            .chain(self.scored.iter().map(|(p, _)| p.clone()))
+            .chain(self.pending.iter().cloned())
+            .collect();
+        out.sort_by_key(|p| p.id);
+        out
     }
 
     pub fn config(&self) -> &QueueConfig {
@@ -242,6 +293,9 @@ impl Queue {
     ) -> Result<Vec<Grant>, Backpressure> {
         self.expire(now);
         self.seen(worker, now);
+        if self.closed {
+            return Err(Backpressure::Closed);
+        }
         if self.scored.len() >= self.cfg.max_scored {
             return Err(Backpressure::LearnerBehind {
                 scored: self.scored.len(),
@@ -333,7 +387,7 @@ impl Queue {
         w.outstanding = w.outstanding.saturating_sub(1);
         w.weight_version = group.weight_version;
         self.counters.groups_submitted += 1;
-        self.scored.push_back(group);
+        self.scored.push_back((held.prompt, group));
         Ok(())
     }
 
@@ -380,12 +434,20 @@ impl Queue {
         }
     }
 
+    /// Scored groups a learner at `version` could take now (not too stale).
+    pub fn ready(&self, version: u64) -> usize {
+        self.scored
+            .iter()
+            .filter(|(_, g)| version.saturating_sub(g.weight_version) <= self.cfg.max_version_lag)
+            .count()
+    }
+
     /// Up to `max` scored groups for a learner at weight version `version`, oldest first.
     /// Groups more than `max_version_lag` behind are dropped and counted instead.
     pub fn take(&mut self, max: usize, version: u64) -> Vec<ScoredGroup> {
         let mut out = Vec::new();
         while out.len() < max {
-            let Some(group) = self.scored.pop_front() else {
+            let Some((_, group)) = self.scored.pop_front() else {
                 break;
             };
             let lag = version.saturating_sub(group.weight_version);
@@ -425,9 +487,14 @@ impl Queue {
     /// Up to `n` waiting groups, newest or oldest first.
     pub fn peek(&self, n: usize, newest: bool) -> Vec<ScoredGroup> {
         if newest {
-            self.scored.iter().rev().take(n).cloned().collect()
+            self.scored
+                .iter()
+                .rev()
+                .take(n)
+                .map(|(_, g)| g.clone())
+                .collect()
         } else {
-            self.scored.iter().take(n).cloned().collect()
+            self.scored.iter().take(n).map(|(_, g)| g.clone()).collect()
         }
     }
 }

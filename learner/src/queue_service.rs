@@ -152,6 +152,7 @@ impl RolloutQueue for QueueServer {
                     Backpressure::LearnerBehind { .. } => "learner_behind",
                     Backpressure::TooManyLeases { .. } => "too_many_leases",
                     Backpressure::Empty => "empty",
+                    Backpressure::Closed => "closed",
                 }
                 .into();
                 response.retry_after_seconds = 0.2;

@@ -82,6 +82,23 @@ pub struct SftSettings {
     pub policy_fraction: f64,
 }
 
+impl SftSettings {
+    /// A fresh AdamW and the schedule these settings ask for.
+    fn optimizer(&self) -> (AdamW, Schedule) {
+        let opt = AdamW::new(AdamWConfig {
+            weight_decay: self.weight_decay,
+            ..AdamWConfig::default()
+        });
+        let schedule = Schedule {
+            lr: self.lr,
+            min_lr: self.min_lr,
+            warmup_steps: self.warmup_steps,
+            total_steps: self.steps,
+        };
+        (opt, schedule)
+    }
+}
+
 /// One step's numbers (the `--log-jsonl` record).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct SftStep {
@@ -224,6 +241,95 @@ fn cross_entropy(
     Ok((loss, tokens))
 }
 
+/// The engine for policy-task lines, when `wanted`: `path` or a Stockfish found on the
+/// system; `None` (said once) when none is installed.
+fn start_engine(
+    path: Option<PathBuf>,
+    wanted: bool,
+) -> Result<Option<(tokio::runtime::Runtime, EnginePool)>, SftError> {
+    if !wanted {
+        return Ok(None);
+    }
+    let Some(path) = path.or_else(default_engine) else {
+        tracing::warn!("no Stockfish found: supervised data is environment-task only");
+        return Ok(None);
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| SftError::Config(format!("runtime: {e}")))?;
+    let pool = rt
+        .block_on(EnginePool::start(EngineConfig::new(&path)))
+        .map_err(|e| SftError::Config(format!("engine {}: {e}", path.display())))?;
+    Ok(Some((rt, pool)))
+}
+
+/// One supervised step (`step` counted from 0): a batch of documents, gradients over
+/// micro-batches, clipping, AdamW.
+fn sft_step(
+    policy: &Trainable,
+    opt: &mut AdamW,
+    schedule: &Schedule,
+    docs: &mut Documents,
+    s: &SftSettings,
+    step: u64,
+) -> Result<SftStep, SftError> {
+    let device = policy.model.device().clone();
+    let pad = policy.model.config().eos_token_id;
+    let started = Instant::now();
+    let batch: Vec<Vec<u32>> = (0..s.batch_size)
+        .map(|_| docs.next())
+        .collect::<Result<_, _>>()?;
+    let total_tokens: usize = batch.iter().map(|d| d.len() - 1).sum();
+    let mut grads = Gradients::default();
+    let mut loss = 0.0;
+    for micro in batch.chunks(s.micro_batch_size) {
+        let (l, tokens) = cross_entropy(&policy.model, micro, pad, &device)?;
+        let w = tokens as f64 / total_tokens as f64;
+        grads.accumulate(&(&l * w)?.backward()?, &policy.vars)?;
+        loss += w * l.to_scalar::<f32>()? as f64;
+    }
+    let grad_norm = grads.clip(s.max_grad_norm)?;
+    let lr = schedule.lr_at(step);
+    opt.step(&policy.vars, &grads, lr)?;
+    let record = SftStep {
+        step: step + 1,
+        loss,
+        grad_norm,
+        lr,
+        tokens: total_tokens,
+        seconds: started.elapsed().as_secs_f64(),
+    };
+    Ok(record)
+}
+
+/// Supervised warm-up in-process, as `learner train` runs it before GRPO: `s.steps` steps
+/// on generated documents (policy-task lines need Stockfish; without it, environment
+/// lines only), with an optimizer and schedule of its own. Calls `on_step` after each.
+pub fn warm_up(
+    policy: &Trainable,
+    s: &SftSettings,
+    engine: Option<PathBuf>,
+    mut on_step: impl FnMut(&SftStep),
+) -> Result<Vec<SftStep>, SftError> {
+    let cfg = policy.model.config();
+    let mut docs = Documents {
+        source: Source::Generated(Box::new(Generator::new(s.seed, s.policy_fraction))),
+        engine: start_engine(engine, s.policy_fraction > 0.0)?,
+        tokenizer: Tokenizer::gpt2(),
+        bos: cfg.bos_token_id,
+        context: cfg.n_positions,
+    };
+    let (mut opt, schedule) = s.optimizer();
+    let mut out = Vec::new();
+    for step in 0..s.steps {
+        let record = sft_step(policy, &mut opt, &schedule, &mut docs, s, step)?;
+        on_step(&record);
+        out.push(record);
+    }
+    Ok(out)
+}
+
 /// Runs (or resumes) supervised training; returns every step's numbers of this process.
 pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
     let s = &args.settings;
@@ -260,37 +366,14 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
         None => {
             let loaded = args.model.load()?;
             let policy = Trainable::from_model(&loaded.model)?;
-            let adamw = AdamWConfig {
-                weight_decay: s.weight_decay,
-                ..AdamWConfig::default()
-            };
-            let schedule = Schedule {
-                lr: s.lr,
-                min_lr: s.min_lr,
-                warmup_steps: s.warmup_steps,
-                total_steps: s.steps,
-            };
-            (policy, AdamW::new(adamw), schedule, 0)
+            let (opt, schedule) = s.optimizer();
+            (policy, opt, schedule, 0)
         }
     };
-    let engine_path = args.engine.clone().or_else(default_engine);
-    let engine = match engine_path {
-        Some(path) if s.policy_fraction > 0.0 && args.prompts.is_none() => {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .map_err(|e| SftError::Config(format!("runtime: {e}")))?;
-            let pool = rt
-                .block_on(EnginePool::start(EngineConfig::new(&path)))
-                .map_err(|e| SftError::Config(format!("engine {}: {e}", path.display())))?;
-            Some((rt, pool))
-        }
-        None if s.policy_fraction > 0.0 && args.prompts.is_none() => {
-            tracing::warn!("no Stockfish found: supervised data is environment-task only");
-            None
-        }
-        _ => None,
-    };
+    let engine = start_engine(
+        args.engine.clone(),
+        s.policy_fraction > 0.0 && args.prompts.is_none(),
+    )?;
     let cfg = policy.model.config().clone();
     let mut docs = Documents {
         source,
@@ -311,35 +394,12 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
     };
     let mut out = Vec::new();
     for step in start..s.steps {
-        let started = Instant::now();
-        let batch: Vec<Vec<u32>> = (0..s.batch_size)
-            .map(|_| docs.next())
-            .collect::<Result<_, _>>()?;
-        let total_tokens: usize = batch.iter().map(|d| d.len() - 1).sum();
-        let mut grads = Gradients::default();
-        let mut loss = 0.0;
-        for micro in batch.chunks(s.micro_batch_size) {
-            let (l, tokens) = cross_entropy(&policy.model, micro, cfg.eos_token_id, &device)?;
-            let w = tokens as f64 / total_tokens as f64;
-            grads.accumulate(&(&l * w)?.backward()?, &policy.vars)?;
-            loss += w * l.to_scalar::<f32>()? as f64;
-        }
-        let grad_norm = grads.clip(s.max_grad_norm)?;
-        let lr = schedule.lr_at(step);
-        opt.step(&policy.vars, &grads, lr)?;
-        let record = SftStep {
-            step: step + 1,
-            loss,
-            grad_norm,
-            lr,
-            tokens: total_tokens,
-            seconds: started.elapsed().as_secs_f64(),
-        };
+        let record = sft_step(&policy, &mut opt, &schedule, &mut docs, s, step)?;
         tracing::info!(
             step = record.step,
             loss = record.loss,
-            grad_norm,
-            lr,
+            grad_norm = record.grad_norm,
+            lr = record.lr,
             "sft step"
         );
         if let Some(f) = log.as_mut() {
@@ -360,6 +420,7 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
                 schedule,
                 cursor: docs.source.cursor(),
                 settings: settings.clone(),
+                queue: None,
             };
             let dir = checkpoint::save(&args.run_dir, &policy, &opt, &state)?;
             tracing::info!(dir = %dir.display(), "checkpoint written");

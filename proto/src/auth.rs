@@ -55,6 +55,28 @@ pub fn set_token(metadata: &mut MetadataMap, token: &str) -> Result<(), Status> 
     Ok(())
 }
 
+/// The configured token from `--token` or `--token-file` (surrounding whitespace trimmed);
+/// `None` when neither is given. An empty token or an unreadable file is an error, as one
+/// line naming the option.
+pub fn resolve_token(
+    token: Option<&str>,
+    file: Option<&std::path::Path>,
+) -> Result<Option<String>, String> {
+    match (token, file) {
+        (Some(t), _) if t.trim().is_empty() => Err("--token is empty".into()),
+        (Some(t), _) => Ok(Some(t.trim().to_owned())),
+        (None, Some(path)) => {
+            let t = std::fs::read_to_string(path)
+                .map_err(|e| format!("--token-file {}: {e}", path.display()))?;
+            match t.trim() {
+                "" => Err(format!("--token-file {} is empty", path.display())),
+                t => Ok(Some(t.to_owned())),
+            }
+        }
+        (None, None) => Ok(None),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -68,23 +68,8 @@ pub struct ConfigError(String);
 
 impl ServeArgs {
     fn token(&self) -> Result<Option<String>, ConfigError> {
-        match (&self.token, &self.token_file) {
-            (Some(t), _) if t.trim().is_empty() => Err(ConfigError("--token is empty".into())),
-            (Some(t), _) => Ok(Some(t.trim().to_owned())),
-            (None, Some(path)) => {
-                let t = std::fs::read_to_string(path)
-                    .map_err(|e| ConfigError(format!("--token-file {}: {e}", path.display())))?;
-                let t = t.trim();
-                if t.is_empty() {
-                    return Err(ConfigError(format!(
-                        "--token-file {} is empty",
-                        path.display()
-                    )));
-                }
-                Ok(Some(t.to_owned()))
-            }
-            (None, None) => Ok(None),
-        }
+        rookworld_proto::auth::resolve_token(self.token.as_deref(), self.token_file.as_deref())
+            .map_err(ConfigError)
     }
 }
 

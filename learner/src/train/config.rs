@@ -1,0 +1,316 @@
+//! Options of `learner train`: the settings that define a run (kept in checkpoints and
+//! checked on resume) and the ones that only say where and how it runs.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use rookworld_lm::cli::ModelArgs;
+use serde::{Deserialize, Serialize};
+
+use crate::grpo::{AdvantageNorm, Aggregation};
+use crate::loss::LossConfig;
+use crate::optim::{AdamWConfig, Schedule};
+use crate::queue::QueueConfig;
+use crate::sft::SftSettings;
+use crate::step::StepConfig;
+
+/// Options of `learner train`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TrainArgs {
+    /// Starting weights: a Hugging Face checkpoint directory (default: --preset).
+    #[arg(long, env = "ROOKWORLD_MODEL", conflicts_with = "preset")]
+    pub model: Option<PathBuf>,
+    /// Seeded random weights of a preset: tiny, gpt2-124m.
+    #[arg(long, env = "ROOKWORLD_PRESET", default_value = "tiny")]
+    pub preset: String,
+    /// Seed of the preset's random weights.
+    #[arg(long, default_value_t = 0)]
+    pub init_seed: u64,
+    /// Where the learner trains: cpu, cuda, cuda:N, auto.
+    #[arg(long, env = "ROOKWORLD_DEVICE", default_value = "cpu")]
+    pub device: String,
+    /// Run directory: checkpoints in RUN/checkpoints, the frozen reference in RUN/reference.
+    #[arg(long, env = "LEARNER_RUN_DIR", default_value = "runs/local")]
+    pub run_dir: PathBuf,
+    /// Continue from the run's latest checkpoint (starts fresh when it has none).
+    #[arg(long, env = "LEARNER_RESUME")]
+    pub resume: bool,
+    /// Start a reward server and one rollout worker in this process, on loopback (real
+    /// gRPC), so that one command trains.
+    #[arg(long)]
+    pub local: bool,
+    /// Reward server the workers use; checked at start (health) when given.
+    #[arg(long, env = "LEARNER_REWARD")]
+    pub reward: Option<String>,
+    /// Address of the rollout queue (workers lease from it; inspection calls too).
+    #[arg(long, env = "LEARNER_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+    /// Prometheus `/metrics` endpoint ("off" for none).
+    #[arg(long, env = "LEARNER_METRICS", default_value = "127.0.0.1:9091")]
+    pub metrics: String,
+    /// Shared token of worker and control calls.
+    #[arg(
+        long,
+        env = "ROOKWORLD_TOKEN",
+        hide_env_values = true,
+        conflicts_with = "token_file"
+    )]
+    pub token: Option<String>,
+    /// File holding the shared token (a Docker or Kubernetes secret).
+    #[arg(long, env = "ROOKWORLD_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub settings: TrainSettings,
+    /// Training prompts from RookWorld text lines or JSONL (default: generated).
+    #[arg(long, env = "LEARNER_PROMPTS")]
+    pub prompts: Option<PathBuf>,
+    /// Push weights to the workers every this many steps.
+    #[arg(long, default_value_t = 1)]
+    pub push_every: u64,
+    /// Deadline of one weight push to one worker, in seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub push_timeout: f64,
+    /// Checkpoint every this many steps (and at the end or on shutdown).
+    #[arg(long, default_value_t = 25)]
+    pub checkpoint_every: u64,
+    /// On Ctrl-C/SIGTERM, wait this long (seconds) for leased groups to come in.
+    #[arg(long, default_value_t = 20.0)]
+    pub drain_timeout: f64,
+    /// Append one JSON object per step to this file.
+    #[arg(long)]
+    pub log_jsonl: Option<PathBuf>,
+    /// Append every consumed scored group (JSONL) to this file, for replay.
+    #[arg(long)]
+    pub rollout_dump: Option<PathBuf>,
+    /// Peak of the training device in TFLOP/s, for MFU (default: an estimate).
+    #[arg(long)]
+    pub peak_tflops: Option<f64>,
+    /// UCI engine for the supervised warm-up's policy lines (default: stockfish if installed).
+    #[arg(long)]
+    pub engine: Option<PathBuf>,
+    /// Plain log lines even on a terminal (no progress bar).
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+/// The settings that define a run; a resumed run must keep them.
+#[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
+pub struct TrainSettings {
+    /// GRPO steps in total.
+    #[arg(long, default_value_t = 120)]
+    pub steps: u64,
+    /// Prompts (groups) per step (P).
+    #[arg(long, default_value_t = 8)]
+    pub prompts_per_step: usize,
+    /// Completions per prompt (G).
+    #[arg(long, default_value_t = 8)]
+    pub group_size: u32,
+    /// Groups per forward/backward (gradients accumulate to the step's).
+    #[arg(long, default_value_t = 4)]
+    pub micro_batch_groups: usize,
+    #[arg(long, default_value_t = 2e-4)]
+    pub lr: f64,
+    #[arg(long, default_value_t = 2e-5)]
+    pub min_lr: f64,
+    #[arg(long, default_value_t = 5)]
+    pub warmup_steps: u64,
+    #[arg(long, default_value_t = 0.0)]
+    pub weight_decay: f64,
+    #[arg(long, default_value_t = 1.0)]
+    pub max_grad_norm: f64,
+    /// KL coefficient β (0: no reference forward).
+    #[arg(long, default_value_t = 0.04)]
+    pub beta: f64,
+    /// Clip ε, lower side.
+    #[arg(long, default_value_t = 0.2)]
+    pub clip_eps: f64,
+    /// Clip ε, upper side.
+    #[arg(long, default_value_t = 0.2)]
+    pub clip_eps_high: f64,
+    #[arg(long, value_enum, default_value_t = AdvantageNorm::Unbiased)]
+    pub advantage_norm: AdvantageNorm,
+    #[arg(long, value_enum, default_value_t = Aggregation::Sequence)]
+    pub aggregation: Aggregation,
+    /// Sampling temperature (the loss uses the same).
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f64,
+    /// Top-k (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
+    /// Top-p (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f64,
+    #[arg(long, default_value_t = 80)]
+    pub max_new_tokens: u32,
+    /// Seed of the prompt generator and of the groups' sampling seeds.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Fraction of policy-task (`P:`) prompts among generated ones.
+    #[arg(long, default_value_t = 0.0)]
+    pub policy_fraction: f64,
+    /// Groups sampled more than this many weight versions behind are dropped (counted).
+    #[arg(long, default_value_t = 2)]
+    pub max_version_lag: u64,
+    /// Seconds a worker has to submit a leased prompt before it is re-issued.
+    #[arg(long, default_value_t = 300.0)]
+    pub lease_timeout: f64,
+    /// Supervised warm-up steps before GRPO (0: none), on generated documents.
+    #[arg(long, default_value_t = 200)]
+    pub sft_steps: u64,
+    /// Documents per warm-up step.
+    #[arg(long, default_value_t = 16)]
+    pub sft_batch_size: usize,
+    /// Warm-up learning rate (peak).
+    #[arg(long, default_value_t = 2e-3)]
+    pub sft_lr: f64,
+}
+
+/// A configuration problem, reported as one line.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+impl TrainArgs {
+    /// The starting weights as the shared model options.
+    pub fn model_args(&self) -> ModelArgs {
+        ModelArgs {
+            model: self.model.clone(),
+            preset: self.model.is_none().then(|| self.preset.clone()),
+            init_seed: self.init_seed,
+            device: self.device.clone(),
+            dtype: Some("f32".into()),
+        }
+    }
+
+    pub fn token(&self) -> Result<Option<String>, ConfigError> {
+        rookworld_proto::auth::resolve_token(self.token.as_deref(), self.token_file.as_deref())
+            .map_err(ConfigError)
+    }
+
+    /// The metrics address, or `None` for "off".
+    pub fn metrics_addr(&self) -> Result<Option<SocketAddr>, ConfigError> {
+        match self.metrics.as_str() {
+            "off" | "" => Ok(None),
+            a => a
+                .parse()
+                .map(Some)
+                .map_err(|e| ConfigError(format!("--metrics {a}: {e}"))),
+        }
+    }
+
+    pub fn push_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.push_timeout.max(0.1))
+    }
+
+    pub fn drain_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.drain_timeout.max(0.0))
+    }
+}
+
+impl TrainSettings {
+    /// Checks ranges so that a bad value is one clear line, not a failure mid-run.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: &str| Err(ConfigError(m.into()));
+        if self.steps == 0 || self.prompts_per_step == 0 || self.group_size < 2 {
+            return bad("--steps and --prompts-per-step must be ≥ 1, --group-size ≥ 2");
+        }
+        if self.micro_batch_groups == 0 || self.sft_batch_size == 0 {
+            return bad("--micro-batch-groups and --sft-batch-size must be ≥ 1");
+        }
+        let positive = [self.lr, self.sft_lr, self.temperature, self.lease_timeout];
+        if positive.iter().any(|x| !x.is_finite() || *x <= 0.0) {
+            return bad("--lr, --sft-lr, --temperature and --lease-timeout must be > 0");
+        }
+        let non_negative = [
+            self.min_lr,
+            self.weight_decay,
+            self.max_grad_norm,
+            self.beta,
+            self.clip_eps,
+            self.clip_eps_high,
+        ];
+        if non_negative.iter().any(|x| !x.is_finite() || *x < 0.0) {
+            return bad(
+                "--min-lr, --weight-decay, --max-grad-norm, --beta and the clip ε must be ≥ 0",
+            );
+        }
+        if !(0.0..=1.0).contains(&self.policy_fraction) || !(0.0..=1.0).contains(&self.top_p) {
+            return bad("--policy-fraction and --top-p must lie in [0, 1]");
+        }
+        if self.max_new_tokens == 0 {
+            return bad("--max-new-tokens must be ≥ 1");
+        }
+        Ok(())
+    }
+
+    pub fn step_config(&self) -> StepConfig {
+        StepConfig {
+            loss: LossConfig {
+                beta: self.beta,
+                eps_low: self.clip_eps,
+                eps_high: self.clip_eps_high,
+                temperature: self.temperature,
+                advantage_norm: self.advantage_norm,
+                aggregation: self.aggregation,
+            },
+            micro_batch_groups: self.micro_batch_groups,
+            max_grad_norm: self.max_grad_norm,
+        }
+    }
+
+    pub fn adamw(&self) -> AdamWConfig {
+        AdamWConfig {
+            weight_decay: self.weight_decay,
+            ..AdamWConfig::default()
+        }
+    }
+
+    pub fn schedule(&self) -> Schedule {
+        Schedule {
+            lr: self.lr,
+            min_lr: self.min_lr,
+            warmup_steps: self.warmup_steps,
+            total_steps: self.steps,
+        }
+    }
+
+    /// The queue holds a few steps of prompts ahead and stops leasing when two steps'
+    /// worth of scored groups wait.
+    pub fn queue_config(&self) -> QueueConfig {
+        let p = self.prompts_per_step;
+        QueueConfig {
+            max_pending: (4 * p).max(16),
+            max_scored: (2 * p).max(4),
+            max_leased: (4 * p).max(16),
+            lease_timeout: Duration::from_secs_f64(self.lease_timeout),
+            max_version_lag: self.max_version_lag,
+        }
+    }
+
+    pub fn sampling(&self) -> rookworld_proto::v1::SamplingParams {
+        rookworld_proto::v1::SamplingParams {
+            temperature: self.temperature as f32,
+            top_k: self.top_k,
+            top_p: self.top_p as f32,
+            max_new_tokens: self.max_new_tokens,
+            seed: 0,
+        }
+    }
+
+    /// The supervised warm-up's settings (environment and, with an engine, policy lines).
+    pub fn warm_up(&self) -> SftSettings {
+        SftSettings {
+            steps: self.sft_steps,
+            batch_size: self.sft_batch_size,
+            micro_batch_size: self.sft_batch_size,
+            lr: self.sft_lr,
+            min_lr: self.sft_lr / 10.0,
+            warmup_steps: (self.sft_steps / 20).max(1),
+            weight_decay: 0.0,
+            max_grad_norm: 1.0,
+            seed: self.seed ^ 0x5f7,
+            policy_fraction: self.policy_fraction,
+        }
+    }
+}

@@ -1,0 +1,125 @@
+//! `learner train --local`: a reward server and one rollout worker in this process, each
+//! on its own loopback port and spoken to over real gRPC by the same code that runs them
+//! as separate services.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::{DType, Device};
+use reward_server::score::RewardConfig;
+use reward_server::scorer::Scorer;
+use rollout_worker::engine::{Engine, EngineConfig, prepare_model};
+use rollout_worker::service::{RolloutServer, ServiceConfig};
+use rollout_worker::weights::WeightSet;
+use rollout_worker::worker_loop::{self, LoopConfig};
+use rookworld_lm::{Gpt2, Tokenizer, checkpoint};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The in-process services; [`LocalServices::stop`] ends them.
+pub struct LocalServices {
+    /// The worker's RolloutService URL (weight pushes).
+    pub worker: String,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+    engine: Arc<Engine>,
+}
+
+async fn until(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|&s| s).await;
+}
+
+impl LocalServices {
+    /// Starts the reward server and a worker that runs `weights` (the BF16 set the
+    /// learner would push, so worker and learner agree from the first step) and pulls
+    /// from the queue at `queue`.
+    pub async fn start(
+        queue: SocketAddr,
+        weights: &WeightSet,
+        config: &rookworld_lm::Config,
+        token: &str,
+    ) -> Result<Self, BoxError> {
+        let (stop, stopped) = watch::channel(false);
+        let mut tasks = Vec::new();
+
+        let reward_listener = TcpListener::bind("127.0.0.1:0").await?;
+        let reward = format!("http://{}", reward_listener.local_addr()?);
+        let scorer = Scorer::new(RewardConfig::default(), None);
+        let rx = stopped.clone();
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) =
+                reward_server::service::run(scorer, Default::default(), reward_listener, until(rx))
+                    .await
+            {
+                tracing::error!(error = %e, "local reward server");
+            }
+        }));
+
+        let model: Gpt2 = checkpoint::from_bytes(&weights.bytes, config, DType::F32, &Device::Cpu)?;
+        let model = prepare_model(model)?;
+        let engine = Arc::new(Engine::start(
+            model,
+            weights.version,
+            EngineConfig::default(),
+        ));
+        let worker_listener = TcpListener::bind("127.0.0.1:0").await?;
+        let worker = format!("http://{}", worker_listener.local_addr()?);
+        let server = RolloutServer::new(
+            engine.clone(),
+            Tokenizer::gpt2(),
+            config.clone(),
+            DType::F32,
+            Device::Cpu,
+            ServiceConfig {
+                token: Some(token.to_owned()),
+                ..ServiceConfig::default()
+            },
+        );
+        let rx = stopped.clone();
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = rollout_worker::service::run(server, worker_listener, until(rx)).await {
+                tracing::error!(error = %e, "local rollout service");
+            }
+        }));
+        let cfg = LoopConfig {
+            learner: format!("http://{queue}"),
+            reward: reward.clone(),
+            token: token.to_owned(),
+            worker_id: "local-worker".into(),
+            push_address: worker.clone(),
+            max_in_flight: 4,
+            call_timeout: Duration::from_secs(30),
+            max_backoff: Duration::from_secs(2),
+        };
+        let rx = stopped.clone();
+        let bos = config.bos_token_id;
+        let loop_engine = engine.clone();
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) =
+                worker_loop::run(loop_engine, Tokenizer::gpt2(), bos, cfg, until(rx)).await
+            {
+                tracing::error!(error = %e, "local worker loop");
+            }
+        }));
+        tracing::info!(%reward, %worker, "local reward server and rollout worker started");
+        Ok(Self {
+            worker,
+            stop,
+            tasks,
+            engine,
+        })
+    }
+
+    /// Stops the worker loop and both servers and waits for them.
+    pub async fn stop(self) {
+        let _ = self.stop.send(true);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+        self.engine.shutdown();
+    }
+}

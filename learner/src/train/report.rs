@@ -1,0 +1,226 @@
+//! What a training step reports: the `--log-jsonl` record, the progress bar on a terminal
+//! (plain log lines otherwise), the rollout dump and the Prometheus metrics.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufWriter, IsTerminal, Write};
+use std::path::Path;
+use std::time::Instant;
+
+use metrics::{counter, gauge, histogram};
+use serde::{Deserialize, Serialize};
+
+use crate::queue::ScoredGroup;
+
+/// Where a step's wall time went, in seconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepSeconds {
+    pub total: f64,
+    /// Waiting for enough scored groups.
+    pub wait: f64,
+    pub forward_backward: f64,
+    pub optimizer: f64,
+    /// BF16 conversion and hand-off of the weight push (the sending runs in background).
+    pub push: f64,
+}
+
+/// One GRPO step (one `--log-jsonl` line).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepRecord {
+    pub step: u64,
+    /// Weight version after the step.
+    pub version: u64,
+    pub reward_mean: f64,
+    pub reward_std: f64,
+    /// Mean of each reward component over the step's completions.
+    pub reward_components: BTreeMap<String, f64>,
+    pub loss: f64,
+    pub policy_loss: f64,
+    pub kl: f64,
+    pub grad_norm: f64,
+    pub lr: f64,
+    pub clip_frac: f64,
+    /// Completion tokens trained on.
+    pub tokens: usize,
+    pub groups: usize,
+    /// Groups whose rewards were all equal (no signal).
+    pub skipped_groups: usize,
+    /// Groups dropped as too stale, in total so far.
+    pub dropped_stale_total: u64,
+    pub step_seconds: StepSeconds,
+    /// Mean weight-version lag of the step's groups.
+    pub staleness_mean: f64,
+    /// Model FLOPs of the step's forward/backward over the device's peak.
+    pub mfu: f64,
+    /// Completion tokens per second of the step's wall time.
+    pub tokens_per_second: f64,
+}
+
+impl StepRecord {
+    /// Reward statistics of the step's groups (population std over every completion).
+    pub fn rewards_of(&mut self, groups: &[ScoredGroup]) {
+        let rewards: Vec<f64> = groups
+            .iter()
+            .flat_map(|g| g.completions.iter().map(|c| f64::from(c.reward)))
+            .collect();
+        let n = rewards.len().max(1) as f64;
+        self.reward_mean = rewards.iter().sum::<f64>() / n;
+        self.reward_std = (rewards
+            .iter()
+            .map(|r| (r - self.reward_mean).powi(2))
+            .sum::<f64>()
+            / n)
+            .sqrt();
+        let mut sums: BTreeMap<String, f64> = BTreeMap::new();
+        for c in groups.iter().flat_map(|g| &g.completions) {
+            for (name, v) in &c.components {
+                *sums.entry(name.clone()).or_default() += f64::from(*v);
+            }
+        }
+        self.reward_components = sums.into_iter().map(|(k, v)| (k, v / n)).collect();
+    }
+}
+
+/// Writes each step to the log file, the dump, the terminal or log, and the metrics.
+pub struct Reporter {
+    jsonl: Option<BufWriter<File>>,
+    dump: Option<BufWriter<File>>,
+    progress: bool,
+    total_steps: u64,
+    started: Instant,
+    first_step: u64,
+}
+
+fn append(path: &Path, what: &str) -> Result<BufWriter<File>, String> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map(BufWriter::new)
+        .map_err(|e| format!("{what} {}: {e}", path.display()))
+}
+
+impl Reporter {
+    pub fn new(
+        jsonl: Option<&Path>,
+        dump: Option<&Path>,
+        progress: bool,
+        total_steps: u64,
+        first_step: u64,
+    ) -> Result<Self, String> {
+        Ok(Self {
+            jsonl: jsonl.map(|p| append(p, "--log-jsonl")).transpose()?,
+            dump: dump.map(|p| append(p, "--rollout-dump")).transpose()?,
+            progress: progress && std::io::stderr().is_terminal(),
+            total_steps,
+            started: Instant::now(),
+            first_step,
+        })
+    }
+
+    /// Appends the step's groups to the rollout dump.
+    pub fn dump(&mut self, step: u64, groups: &[ScoredGroup]) -> Result<(), String> {
+        let Some(f) = self.dump.as_mut() else {
+            return Ok(());
+        };
+        #[derive(Serialize)]
+        struct Line<'a> {
+            step: u64,
+            #[serde(flatten)]
+            group: &'a ScoredGroup,
+        }
+        for group in groups {
+            let line = serde_json::to_string(&Line { step, group }).expect("group serialises");
+            writeln!(f, "{line}").map_err(|e| format!("--rollout-dump: {e}"))?;
+        }
+        f.flush().map_err(|e| format!("--rollout-dump: {e}"))
+    }
+
+    pub fn step(&mut self, r: &StepRecord) -> Result<(), String> {
+        record_metrics(r);
+        if let Some(f) = self.jsonl.as_mut() {
+            let line = serde_json::to_string(r).expect("record serialises");
+            writeln!(f, "{line}")
+                .and_then(|()| f.flush())
+                .map_err(|e| format!("--log-jsonl: {e}"))?;
+        }
+        if self.progress {
+            let done = r.step.saturating_sub(self.first_step) as f64;
+            let left = self.total_steps.saturating_sub(r.step) as f64;
+            let eta = self.started.elapsed().as_secs_f64() / done.max(1.0) * left;
+            let frac = r.step as f64 / self.total_steps.max(1) as f64;
+            let filled = (frac * 24.0).round() as usize;
+            eprint!(
+                "\r\x1b[2Kstep {}/{} [{}{}] reward {:+.3} ±{:.3}  kl {:.4}  loss {:+.4}  {:.0} tok/s  eta {:.0}s",
+                r.step,
+                self.total_steps,
+                "#".repeat(filled.min(24)),
+                ".".repeat(24 - filled.min(24)),
+                r.reward_mean,
+                r.reward_std,
+                r.kl,
+                r.loss,
+                r.tokens_per_second,
+                eta
+            );
+            if r.step >= self.total_steps {
+                eprintln!();
+            }
+        } else {
+            tracing::info!(
+                step = r.step,
+                reward_mean = format!("{:.4}", r.reward_mean),
+                reward_std = format!("{:.4}", r.reward_std),
+                loss = format!("{:.5}", r.loss),
+                kl = format!("{:.5}", r.kl),
+                grad_norm = format!("{:.4}", r.grad_norm),
+                lr = r.lr,
+                clip_frac = format!("{:.3}", r.clip_frac),
+                tokens = r.tokens,
+                seconds = format!("{:.2}", r.step_seconds.total),
+                wait = format!("{:.2}", r.step_seconds.wait),
+                staleness = format!("{:.2}", r.staleness_mean),
+                "step"
+            );
+        }
+        Ok(())
+    }
+
+    /// Ends the progress line (before other output).
+    pub fn finish(&mut self) {
+        if self.progress {
+            eprintln!();
+            self.progress = false;
+        }
+    }
+}
+
+fn record_metrics(r: &StepRecord) {
+    counter!("learner_steps_total").increment(1);
+    gauge!("learner_weight_version").set(r.version as f64);
+    gauge!("learner_reward_mean").set(r.reward_mean);
+    gauge!("learner_reward_std").set(r.reward_std);
+    for (name, v) in &r.reward_components {
+        gauge!("learner_reward_component", "component" => name.clone()).set(*v);
+    }
+    gauge!("learner_loss").set(r.loss);
+    gauge!("learner_policy_loss").set(r.policy_loss);
+    gauge!("learner_kl").set(r.kl);
+    gauge!("learner_grad_norm").set(r.grad_norm);
+    gauge!("learner_lr").set(r.lr);
+    gauge!("learner_clip_fraction").set(r.clip_frac);
+    gauge!("learner_staleness_mean").set(r.staleness_mean);
+    gauge!("learner_mfu").set(r.mfu);
+    counter!("learner_tokens_total").increment(r.tokens as u64);
+    counter!("learner_groups_skipped_total").increment(r.skipped_groups as u64);
+    let s = r.step_seconds;
+    for (phase, v) in [
+        ("wait", s.wait),
+        ("forward_backward", s.forward_backward),
+        ("optimizer", s.optimizer),
+        ("push", s.push),
+        ("total", s.total),
+    ] {
+        histogram!("learner_step_seconds", "phase" => phase).record(v);
+    }
+}
