@@ -15,10 +15,13 @@ pub struct Gradients {
 }
 
 impl Gradients {
-    /// Adds the gradients of `vars` found in `store`.
+    /// Adds the gradients of `vars` found in `store`. Each is detached: candle computes
+    /// gradients with ops on the weights, so a gradient otherwise carries the forward
+    /// graph along — and through the optimizer's moments, every step's graph, forever.
     pub fn accumulate(&mut self, store: &GradStore, vars: &[(String, Var)]) -> CandleResult<()> {
         for (name, var) in vars {
             if let Some(g) = store.get(var.as_tensor()) {
+                let g = &g.detach();
                 let sum = match self.by_name.remove(name) {
                     Some(acc) => (acc + g)?,
                     None => g.clone(),
@@ -171,6 +174,33 @@ mod tests {
     use candle_core::Device;
 
     use super::*;
+
+    #[test]
+    fn accumulated_gradients_and_moments_hold_no_graph() {
+        // y = (w·x)²: the gradient 2(w·x)·x is computed with ops on w, so candle tracks it.
+        let w = Var::from_tensor(&Tensor::new(&[0.5f32, -1.0], &Device::Cpu).unwrap()).unwrap();
+        let x = Tensor::new(&[2.0f32, 3.0], &Device::Cpu).unwrap();
+        let y = (w.as_tensor() * &x)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .sqr()
+            .unwrap();
+        let store = y.backward().unwrap();
+        let vars = vec![("h.0.mlp.c_fc.weight".to_owned(), w.clone())];
+        let mut grads = Gradients::default();
+        grads.accumulate(&store, &vars).unwrap();
+        grads.accumulate(&store, &vars).unwrap();
+        let g = grads.get("h.0.mlp.c_fc.weight").unwrap();
+        assert!(
+            !g.track_op(),
+            "an accumulated gradient keeps the forward graph alive"
+        );
+        let mut opt = AdamW::new(AdamWConfig::default());
+        opt.step(&vars, &grads, 1e-3).unwrap();
+        let (m, v) = &opt.moments["h.0.mlp.c_fc.weight"];
+        assert!(!m.track_op() && !v.track_op());
+    }
 
     #[test]
     fn adamw_matches_the_closed_form_on_a_scalar() {
