@@ -48,37 +48,30 @@ impl Trainable {
 /// anywhere, so this is the same forward that sampling ran.
 pub fn token_logprobs(model: &Gpt2, layout: &Layout, temperature: f64) -> CandleResult<Tensor> {
     let (c, t) = layout.ids.dims2()?;
-    let hidden = last_hidden(model, &layout.ids)?; // (C·(T−1), E)
-    let h = hidden.index_select(&layout.slots, 0)?; // (N, E)
     let y = layout
         .targets
         .flatten_all()?
         .index_select(&layout.slots, 0)?; // (N)
-    let logp = head_logprobs(&h, model.head_weight(), &y, temperature)?; // (N)
+    let logp = slot_logprobs(model, &layout.ids, &layout.slots, &y, temperature)?; // (N)
     Tensor::zeros(c * (t - 1), DType::F32, model.device())?
         .index_add(&layout.slots, &logp, 0)?
         .reshape((c, t - 1)) // (C, T−1)
 }
 
-/// Log-probs under `softmax(logits / temperature)` of `targets` (C, T−1, 1), slot t being
-/// the token after position t of `ids` (C, T): (C, T−1).
-pub fn target_logprobs(
+/// Log-probs under `softmax(logits / temperature)` of `targets` (N) u32 at `slots` (N)
+/// u32 of `ids` (C, T): slot `r·(T−1) + t` is the prediction made at position t of row r.
+/// Only those positions go through the LM head.
+pub fn slot_logprobs(
     model: &Gpt2,
     ids: &Tensor,
+    slots: &Tensor,
     targets: &Tensor,
     temperature: f64,
 ) -> CandleResult<Tensor> {
     let (c, t) = ids.dims2()?;
-    let hidden = last_hidden(model, ids)?; // (C·(T−1), E)
-    let y = targets.flatten_all()?; // (C·(T−1))
-    head_logprobs(&hidden, model.head_weight(), &y, temperature)?.reshape((c, t - 1))
-}
-
-/// Final hidden states of every position that predicts a token (all but the last):
-/// (C·(T−1), E) for `ids` (C, T).
-fn last_hidden(model: &Gpt2, ids: &Tensor) -> CandleResult<Tensor> {
-    let (c, t) = ids.dims2()?;
     let hidden = model.forward_hidden(ids, &LeftPadding::none(c), &mut model.new_cache())?; // (C, T, E)
     let e = hidden.dim(2)?;
-    hidden.narrow(1, 0, t - 1)?.reshape((c * (t - 1), e))
+    let hidden = hidden.narrow(1, 0, t - 1)?.reshape((c * (t - 1), e))?; // (C·(T−1), E)
+    let h = hidden.index_select(slots, 0)?; // (N, E)
+    head_logprobs(&h, model.head_weight(), targets, temperature) // (N)
 }

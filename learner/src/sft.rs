@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{self, TrainerState};
 use crate::optim::{AdamW, AdamWConfig, Gradients, Schedule};
-use crate::policy::{Trainable, target_logprobs};
+use crate::policy::{Trainable, slot_logprobs};
 use crate::prompts::{self, Generator, Source, TaskKind, TaskPrompt};
 
 /// Options of `learner sft`.
@@ -80,6 +80,10 @@ pub struct SftSettings {
     /// Fraction of policy-task documents among generated ones (needs an engine).
     #[arg(long, default_value_t = 0.5)]
     pub policy_fraction: f64,
+    /// Predict only the completions' tokens (the prompt is context, not target).
+    #[arg(long)]
+    #[serde(default)]
+    pub completion_only: bool,
 }
 
 impl SftSettings {
@@ -139,9 +143,10 @@ struct Documents {
 }
 
 impl Documents {
-    /// The next document's ids: `[bos] + tokens(prompt + completion) + [bos]`, cut to the
-    /// context.
-    fn next(&mut self) -> Result<Vec<u32>, SftError> {
+    /// The next document: `[bos] + tokens(prompt + completion) + [bos]`, cut to the
+    /// context; with `completion_only`, only the completion's tokens (and the final
+    /// end-of-text) are predicted.
+    fn next(&mut self, completion_only: bool) -> Result<Document, SftError> {
         for _ in 0..10_000 {
             let p = self.source.next_prompt();
             let Some(completion) = self.complete(&p)? else {
@@ -154,7 +159,16 @@ impl Documents {
             );
             ids.push(self.bos);
             ids.truncate(self.context);
-            return Ok(ids);
+            let mut first = 1;
+            if completion_only {
+                let prompt = self.tokenizer.encode(&p.prompt)?;
+                // The prompt's tokens are a prefix unless BPE merged across the boundary;
+                // then the whole document is trained.
+                if ids[1..].starts_with(&prompt) && 1 + prompt.len() < ids.len() {
+                    first = 1 + prompt.len();
+                }
+            }
+            return Ok(Document { ids, first });
         }
         Err(SftError::Config(
             "no trainable documents: policy prompts need an engine (--engine), or use --policy-fraction 0".into(),
@@ -212,32 +226,39 @@ fn default_engine() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-/// Mean next-token cross-entropy of a micro-batch of documents, and its token count.
+/// A training document: `[bos] + tokens(text) + [bos]` and the first position whose token
+/// is predicted (1, or the first completion token when only completions are trained).
+#[derive(Debug, Clone)]
+struct Document {
+    ids: Vec<u32>,
+    first: usize,
+}
+
+/// Mean next-token cross-entropy of a micro-batch of documents over their predicted
+/// tokens, and their count. Only the predicting positions go through the LM head.
 fn cross_entropy(
     model: &Gpt2,
-    docs: &[Vec<u32>],
+    docs: &[Document],
     pad: u32,
     device: &Device,
 ) -> candle_core::Result<(Tensor, usize)> {
-    let t = docs.iter().map(Vec::len).max().unwrap_or(2);
+    let t = docs.iter().map(|d| d.ids.len()).max().unwrap_or(2);
     let c = docs.len();
-    let (mut ids, mut targets, mut mask) = (
-        vec![pad; c * t],
-        vec![pad; c * (t - 1)],
-        vec![0f32; c * (t - 1)],
-    );
-    let mut tokens = 0;
+    let mut ids = vec![pad; c * t];
+    let (mut slots, mut targets) = (Vec::new(), Vec::new());
     for (r, d) in docs.iter().enumerate() {
-        ids[r * t..r * t + d.len()].copy_from_slice(d);
-        targets[r * (t - 1)..r * (t - 1) + d.len() - 1].copy_from_slice(&d[1..]);
-        mask[r * (t - 1)..r * (t - 1) + d.len() - 1].fill(1.0);
-        tokens += d.len() - 1;
+        ids[r * t..r * t + d.ids.len()].copy_from_slice(&d.ids);
+        for j in d.first.max(1)..d.ids.len() {
+            slots.push((r * (t - 1) + j - 1) as u32);
+            targets.push(d.ids[j]);
+        }
     }
+    let tokens = slots.len();
     let ids = Tensor::from_vec(ids, (c, t), device)?;
-    let targets = Tensor::from_vec(targets, (c, t - 1, 1), device)?;
-    let mask = Tensor::from_vec(mask, (c, t - 1), device)?;
-    let logp = target_logprobs(model, &ids, &targets, 1.0)?;
-    let loss = ((logp * &mask)?.sum_all()?.neg()? / tokens as f64)?;
+    let slots = Tensor::new(slots, device)?;
+    let targets = Tensor::new(targets, device)?;
+    let logp = slot_logprobs(model, &ids, &slots, &targets, 1.0)?; // (N)
+    let loss = (logp.sum_all()?.neg()? / tokens.max(1) as f64)?;
     Ok((loss, tokens))
 }
 
@@ -277,10 +298,10 @@ fn sft_step(
     let device = policy.model.device().clone();
     let pad = policy.model.config().eos_token_id;
     let started = Instant::now();
-    let batch: Vec<Vec<u32>> = (0..s.batch_size)
-        .map(|_| docs.next())
+    let batch: Vec<Document> = (0..s.batch_size)
+        .map(|_| docs.next(s.completion_only))
         .collect::<Result<_, _>>()?;
-    let total_tokens: usize = batch.iter().map(|d| d.len() - 1).sum();
+    let total_tokens: usize = batch.iter().map(|d| d.ids.len() - d.first.max(1)).sum();
     let mut grads = Gradients::default();
     let mut loss = 0.0;
     for micro in batch.chunks(s.micro_batch_size) {
