@@ -1,4 +1,5 @@
-//! Every metric the learner exports, described in one place, and the exporter.
+//! Every metric the learner exports, described in one place, and the exporter. The
+//! training loop's per-step values are recorded in `train::report`.
 
 use std::net::SocketAddr;
 
@@ -12,6 +13,11 @@ const PUSH_BUCKETS: &[f64] = &[
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
+/// Buckets (seconds) for the phases of a training step.
+const STEP_BUCKETS: &[f64] = &[
+    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+];
+
 /// Serves `/metrics` on `addr` (read-only) and describes every metric.
 pub fn install_exporter(addr: SocketAddr) -> Result<(), BuildError> {
     PrometheusBuilder::new()
@@ -20,6 +26,7 @@ pub fn install_exporter(addr: SocketAddr) -> Result<(), BuildError> {
             Matcher::Full("learner_weight_push_seconds".into()),
             PUSH_BUCKETS,
         )?
+        .set_buckets_for_metric(Matcher::Full("learner_step_seconds".into()), STEP_BUCKETS)?
         .install()?;
     describe();
     Ok(())
@@ -95,6 +102,64 @@ pub fn describe() {
     describe_counter!(
         "learner_weight_pushes_total",
         "Weight pushes by `worker` and `result` (ok, failed)."
+    );
+    describe_counter!("learner_steps_total", Unit::Count, "GRPO steps done.");
+    describe_gauge!(
+        "learner_weight_version",
+        "Weight version after the latest step."
+    );
+    describe_gauge!(
+        "learner_reward_mean",
+        "Mean reward of the latest step's completions."
+    );
+    describe_gauge!(
+        "learner_reward_std",
+        "Reward std of the latest step's completions."
+    );
+    describe_gauge!(
+        "learner_reward_component",
+        "Mean of each reward component (`component`) in the latest step."
+    );
+    describe_gauge!("learner_loss", "Loss of the latest step (policy + β·KL).");
+    describe_gauge!(
+        "learner_policy_loss",
+        "Clipped-surrogate part of the latest loss."
+    );
+    describe_gauge!(
+        "learner_kl",
+        "k3 KL to the reference in the latest step (unscaled)."
+    );
+    describe_gauge!(
+        "learner_grad_norm",
+        "Gradient norm before clipping, latest step."
+    );
+    describe_gauge!("learner_lr", "Learning rate of the latest step.");
+    describe_gauge!(
+        "learner_clip_fraction",
+        "Share of completion tokens whose ratio was clipped, latest step."
+    );
+    describe_gauge!(
+        "learner_staleness_mean",
+        "Mean weight-version lag of the latest step's groups."
+    );
+    describe_gauge!(
+        "learner_mfu",
+        "Model FLOPs utilisation of the latest step's update."
+    );
+    describe_counter!(
+        "learner_tokens_total",
+        Unit::Count,
+        "Completion tokens trained on."
+    );
+    describe_counter!(
+        "learner_groups_skipped_total",
+        Unit::Count,
+        "Groups without signal (all rewards equal)."
+    );
+    describe_histogram!(
+        "learner_step_seconds",
+        Unit::Seconds,
+        "Step time by `phase`: wait, forward_backward, optimizer, push, total."
     );
 }
 

@@ -55,3 +55,46 @@ fn help_and_bad_arguments() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("f64"));
 }
+
+#[test]
+fn train_configuration_errors_are_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().to_str().unwrap();
+    let base = [
+        "train",
+        "--run-dir",
+        run,
+        "--metrics",
+        "off",
+        "--listen",
+        "127.0.0.1:0",
+    ];
+    let cases: [(&[&str], &str); 4] = [
+        (&[], "needs the shared token"),
+        (&["--local", "--group-size", "1"], "--group-size"),
+        (&["--local", "--temperature", "0"], "--temperature"),
+        (
+            &[
+                "--token",
+                "t",
+                "--reward",
+                "http://127.0.0.1:1",
+                "--reward-wait",
+                "1",
+            ],
+            "unreachable",
+        ),
+    ];
+    for (extra, want) in cases {
+        let out = Command::new(BIN)
+            .args(base)
+            .args(extra)
+            .env_remove("ROOKWORLD_TOKEN")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let lines: Vec<&str> = stderr.lines().filter(|l| l.contains(want)).collect();
+        assert_eq!(out.status.code(), Some(1), "{extra:?}: {stderr}");
+        assert_eq!(lines.len(), 1, "{extra:?}: {stderr}");
+    }
+}

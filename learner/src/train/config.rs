@@ -40,9 +40,13 @@ pub struct TrainArgs {
     /// gRPC), so that one command trains.
     #[arg(long)]
     pub local: bool,
-    /// Reward server the workers use; checked at start (health) when given.
+    /// Reward server the workers use; when given, the learner waits for it to answer at
+    /// start (up to --reward-wait seconds) and fails with one line otherwise.
     #[arg(long, env = "LEARNER_REWARD")]
     pub reward: Option<String>,
+    /// Seconds to wait for --reward to answer at start.
+    #[arg(long, default_value_t = 30.0)]
+    pub reward_wait: f64,
     /// Address of the rollout queue (workers lease from it; inspection calls too).
     #[arg(long, env = "LEARNER_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: SocketAddr,
@@ -98,10 +102,10 @@ pub struct TrainArgs {
 #[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
 pub struct TrainSettings {
     /// GRPO steps in total.
-    #[arg(long, default_value_t = 120)]
+    #[arg(long, default_value_t = 100)]
     pub steps: u64,
     /// Prompts (groups) per step (P).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 6)]
     pub prompts_per_step: usize,
     /// Completions per prompt (G).
     #[arg(long, default_value_t = 8)]
@@ -109,9 +113,9 @@ pub struct TrainSettings {
     /// Groups per forward/backward (gradients accumulate to the step's).
     #[arg(long, default_value_t = 4)]
     pub micro_batch_groups: usize,
-    #[arg(long, default_value_t = 2e-4)]
+    #[arg(long, default_value_t = 1e-3)]
     pub lr: f64,
-    #[arg(long, default_value_t = 2e-5)]
+    #[arg(long, default_value_t = 1e-4)]
     pub min_lr: f64,
     #[arg(long, default_value_t = 5)]
     pub warmup_steps: u64,
@@ -119,8 +123,9 @@ pub struct TrainSettings {
     pub weight_decay: f64,
     #[arg(long, default_value_t = 1.0)]
     pub max_grad_norm: f64,
-    /// KL coefficient β (0: no reference forward).
-    #[arg(long, default_value_t = 0.04)]
+    /// KL coefficient β (0: no reference forward). The local default run uses 0.01:
+    /// a tiny model that must first learn the format.
+    #[arg(long, default_value_t = 0.01)]
     pub beta: f64,
     /// Clip ε, lower side.
     #[arg(long, default_value_t = 0.2)]
@@ -141,7 +146,7 @@ pub struct TrainSettings {
     /// Top-p (1: off).
     #[arg(long, default_value_t = 1.0)]
     pub top_p: f64,
-    #[arg(long, default_value_t = 80)]
+    #[arg(long, default_value_t = 64)]
     pub max_new_tokens: u32,
     /// Seed of the prompt generator and of the groups' sampling seeds.
     #[arg(long, default_value_t = 0)]
@@ -156,13 +161,13 @@ pub struct TrainSettings {
     #[arg(long, default_value_t = 300.0)]
     pub lease_timeout: f64,
     /// Supervised warm-up steps before GRPO (0: none), on generated documents.
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = 250)]
     pub sft_steps: u64,
     /// Documents per warm-up step.
     #[arg(long, default_value_t = 16)]
     pub sft_batch_size: usize,
     /// Warm-up learning rate (peak).
-    #[arg(long, default_value_t = 2e-3)]
+    #[arg(long, default_value_t = 3e-3)]
     pub sft_lr: f64,
 }
 
@@ -311,6 +316,7 @@ impl TrainSettings {
             max_grad_norm: 1.0,
             seed: self.seed ^ 0x5f7,
             policy_fraction: self.policy_fraction,
+            completion_only: true,
         }
     }
 }

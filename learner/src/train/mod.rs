@@ -109,7 +109,7 @@ pub async fn run(
         }
     };
     if let Some(reward) = args.reward.as_ref().filter(|_| !args.local) {
-        check_reachable(reward).await?;
+        check_reachable(reward, Duration::from_secs_f64(args.reward_wait.max(0.0))).await?;
     }
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
@@ -497,8 +497,8 @@ async fn drain(queue: &Mutex<Queue>, timeout: Duration) {
     }
 }
 
-/// Fails with one line when nothing answers at `url` within 30 s.
-async fn check_reachable(url: &str) -> Result<(), TrainError> {
+/// Fails with one line when nothing answers at `url` within `wait`.
+async fn check_reachable(url: &str, wait: Duration) -> Result<(), TrainError> {
     let endpoint = tonic::transport::Endpoint::from_shared(url.to_owned())
         .map_err(|e| ConfigError(format!("--reward {url}: {e}")))?
         .connect_timeout(Duration::from_secs(2));
@@ -506,10 +506,13 @@ async fn check_reachable(url: &str) -> Result<(), TrainError> {
     loop {
         match endpoint.connect().await {
             Ok(_) => return Ok(()),
-            Err(e) if started.elapsed() > Duration::from_secs(30) => {
-                return Err(
-                    ConfigError(format!("reward server {url} unreachable for 30 s: {e}")).into(),
-                );
+            Err(e) if started.elapsed() >= wait => {
+                let why = std::error::Error::source(&e).map_or(e.to_string(), |s| s.to_string());
+                return Err(ConfigError(format!(
+                    "reward server {url} unreachable for {:.0} s: {why}",
+                    wait.as_secs_f64()
+                ))
+                .into());
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
         }
