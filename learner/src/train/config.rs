@@ -280,13 +280,14 @@ impl TrainSettings {
         }
     }
 
-    /// The queue holds a few steps of prompts ahead and stops leasing when two steps'
-    /// worth of scored groups wait.
+    /// The queue holds a few steps of prompts ahead and stops leasing when a step's worth
+    /// of scored groups waits: workers stay about one version behind, not more (a deeper
+    /// buffer only ages the groups until they are dropped as stale).
     pub fn queue_config(&self) -> QueueConfig {
         let p = self.prompts_per_step;
         QueueConfig {
             max_pending: (4 * p).max(16),
-            max_scored: (2 * p).max(4),
+            max_scored: p,
             max_leased: (4 * p).max(16),
             lease_timeout: Duration::from_secs_f64(self.lease_timeout),
             max_version_lag: self.max_version_lag,

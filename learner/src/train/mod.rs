@@ -519,19 +519,31 @@ async fn check_reachable(url: &str, wait: Duration) -> Result<(), TrainError> {
     }
 }
 
-/// FLOPs of one step's forward and backward: 6·N per sequence token for the policy (N:
-/// the weights used in matmuls, LM head included), 2·N more for the reference forward.
+/// Model FLOPs of one step's forward and backward: 6 per weight per token for the policy
+/// (2 forward, 4 backward) and 2 more for the reference forward — the transformer's
+/// matmul weights for every sequence token, the LM head's only for the completion tokens
+/// (the only positions that go through it); groups without signal are not run.
 fn step_flops(model: &Gpt2, batch: &GrpoBatch, reference: bool) -> f64 {
     let c = model.config();
-    let per_layer = 12 * c.n_embd * c.n_embd;
-    let n = (c.n_layer * per_layer + c.vocab_size * c.n_embd) as f64;
-    let tokens: usize = batch
+    let body = (c.n_layer * 12 * c.n_embd * c.n_embd) as f64;
+    let head = (c.vocab_size * c.n_embd) as f64;
+    let (mut seq, mut completion) = (0usize, 0usize);
+    for ((p, group), rewards) in batch
         .prompts
         .iter()
         .zip(&batch.completions)
-        .map(|(p, group)| group.iter().map(|g| p.len() + g.len()).sum::<usize>())
-        .sum();
-    (if reference { 8.0 } else { 6.0 }) * n * tokens as f64
+        .zip(&batch.rewards)
+    {
+        if rewards.iter().all(|r| *r == rewards[0]) {
+            continue; // no signal: not forwarded
+        }
+        for g in group {
+            seq += p.len() + g.len();
+            completion += g.len();
+        }
+    }
+    let per_weight_token = if reference { 8.0 } else { 6.0 };
+    per_weight_token * (body * seq as f64 + head * completion as f64)
 }
 
 /// `--peak-tflops`, or an estimate: on the CPU, 32 f32 FLOPs per cycle per core (AVX2,
