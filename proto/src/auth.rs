@@ -55,6 +55,29 @@ pub fn set_token(metadata: &mut MetadataMap, token: &str) -> Result<(), Status> 
     Ok(())
 }
 
+/// The shared-token options every service takes (flattened into its command line).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct TokenArgs {
+    /// Shared token of worker and control calls.
+    #[arg(
+        long,
+        env = "ROOKWORLD_TOKEN",
+        hide_env_values = true,
+        conflicts_with = "token_file"
+    )]
+    pub token: Option<String>,
+    /// File holding the shared token (e.g. a Docker or Kubernetes secret).
+    #[arg(long, env = "ROOKWORLD_TOKEN_FILE")]
+    pub token_file: Option<std::path::PathBuf>,
+}
+
+impl TokenArgs {
+    /// The configured token, if any (see [`resolve_token`]).
+    pub fn resolve(&self) -> Result<Option<String>, String> {
+        resolve_token(self.token.as_deref(), self.token_file.as_deref())
+    }
+}
+
 /// The configured token from `--token` or `--token-file` (surrounding whitespace trimmed);
 /// `None` when neither is given. An empty token or an unreadable file is an error, as one
 /// line naming the option.

@@ -1,7 +1,6 @@
 //! `rollout-worker serve`: the gRPC service on a port, metrics on another.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use rookworld_lm::cli::ModelArgs;
@@ -25,17 +24,8 @@ pub struct ServeArgs {
     /// Address of the Prometheus `/metrics` endpoint.
     #[arg(long, env = "ROLLOUT_METRICS", default_value = "127.0.0.1:9093")]
     pub metrics: SocketAddr,
-    /// Shared token that control calls (UpdateWeights) must carry.
-    #[arg(
-        long,
-        env = "ROOKWORLD_TOKEN",
-        hide_env_values = true,
-        conflicts_with = "token_file"
-    )]
-    pub token: Option<String>,
-    /// File holding the shared token (e.g. a Docker or Kubernetes secret).
-    #[arg(long, env = "ROOKWORLD_TOKEN_FILE")]
-    pub token_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub token: rookworld_proto::auth::TokenArgs,
     /// Version number of the weights loaded at start.
     #[arg(long, default_value_t = 0)]
     pub initial_version: u64,
@@ -68,8 +58,7 @@ pub struct ConfigError(String);
 
 impl ServeArgs {
     fn token(&self) -> Result<Option<String>, ConfigError> {
-        rookworld_proto::auth::resolve_token(self.token.as_deref(), self.token_file.as_deref())
-            .map_err(ConfigError)
+        self.token.resolve().map_err(ConfigError)
     }
 }
 

@@ -53,17 +53,8 @@ pub struct TrainArgs {
     /// Prometheus `/metrics` endpoint ("off" for none).
     #[arg(long, env = "LEARNER_METRICS", default_value = "127.0.0.1:9091")]
     pub metrics: String,
-    /// Shared token of worker and control calls.
-    #[arg(
-        long,
-        env = "ROOKWORLD_TOKEN",
-        hide_env_values = true,
-        conflicts_with = "token_file"
-    )]
-    pub token: Option<String>,
-    /// File holding the shared token (a Docker or Kubernetes secret).
-    #[arg(long, env = "ROOKWORLD_TOKEN_FILE")]
-    pub token_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub token: rookworld_proto::auth::TokenArgs,
     #[command(flatten)]
     pub settings: TrainSettings,
     /// Training prompts from RookWorld text lines or JSONL (default: generated).
@@ -189,8 +180,7 @@ impl TrainArgs {
     }
 
     pub fn token(&self) -> Result<Option<String>, ConfigError> {
-        rookworld_proto::auth::resolve_token(self.token.as_deref(), self.token_file.as_deref())
-            .map_err(ConfigError)
+        self.token.resolve().map_err(ConfigError)
     }
 
     /// The metrics address, or `None` for "off".
