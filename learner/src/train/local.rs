@@ -18,6 +18,8 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use super::until;
+
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The in-process services; [`LocalServices::stop`] ends them.
@@ -27,10 +29,6 @@ pub struct LocalServices {
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
     engine: Arc<Engine>,
-}
-
-async fn until(mut rx: watch::Receiver<bool>) {
-    let _ = rx.wait_for(|&s| s).await;
 }
 
 impl LocalServices {

@@ -271,6 +271,7 @@ pub async fn run(
     Ok(summary)
 }
 
+/// Resolves once `rx` says stop.
 async fn until(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|&s| s).await;
 }
