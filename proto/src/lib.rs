@@ -5,13 +5,21 @@
 //! - [`rollout::v1`]: the rollout worker (`rookworld.rollout.v1`).
 //! - [`queue::v1`]: the learner's rollout queue (`rookworld.queue.v1`).
 //! - [`auth`]: the shared-token check of guarded calls, and setting it on a client.
+//! - [`env`]: empty settings variables count as unset.
+//! - [`logging`]: the log every service binary writes.
+//! - [`metrics_http`]: the read-only Prometheus endpoint every service serves.
+//! - [`status`]: gRPC statuses with a bounded message.
 //! - [`probe`]: reflection listing and metrics scrapes of a running service.
 //! - [`serve`]: reflection services and the shutdown signal every server uses.
 //! - [`FILE_DESCRIPTOR_SET`]: the encoded descriptors that gRPC server reflection serves.
 
 pub mod auth;
+pub mod env;
+pub mod logging;
+pub mod metrics_http;
 pub mod probe;
 pub mod serve;
+pub mod status;
 
 /// `rookworld.v1`: sampling parameters and completions.
 pub mod v1 {

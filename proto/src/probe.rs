@@ -66,3 +66,56 @@ pub fn scrape_metrics(addr: SocketAddr) -> std::io::Result<String> {
     }
     Ok(response)
 }
+
+/// Options of the `health` command every service binary has: asks a running service's
+/// gRPC health endpoint, for container health checks (exit 0 only when serving).
+#[derive(Debug, Clone, clap::Args)]
+pub struct HealthArgs {
+    /// The service, e.g. `http://127.0.0.1:50051`.
+    pub addr: String,
+    /// Seconds before the check fails.
+    #[arg(long, default_value_t = 3.0)]
+    pub timeout: f64,
+}
+
+impl HealthArgs {
+    /// Runs the check on a small runtime of its own; the error is one line.
+    pub fn run(&self) -> Result<(), String> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| format!("runtime: {e}"))?;
+        runtime.block_on(self.check())
+    }
+
+    /// The check, on the caller's runtime.
+    pub async fn check(&self) -> Result<(), String> {
+        let timeout = std::time::Duration::from_secs_f64(self.timeout.clamp(0.1, 3600.0));
+        check_health(&self.addr, timeout).await
+    }
+}
+
+/// `Ok` when the server at `addr` answers the overall health check with SERVING within
+/// `timeout`; otherwise one line saying what it answered, or why it did not.
+pub async fn check_health(addr: &str, timeout: std::time::Duration) -> Result<(), String> {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let ask = async {
+        let channel = Channel::from_shared(addr.to_owned())
+            .map_err(|e| format!("{addr}: {e}"))?
+            .connect()
+            .await
+            .map_err(|e| format!("{addr}: cannot connect: {e}"))?;
+        let answer = HealthClient::new(channel)
+            .check(HealthCheckRequest::default())
+            .await
+            .map_err(|s| format!("{addr}: {}: {}", s.code(), s.message()))?;
+        match answer.into_inner().status() {
+            ServingStatus::Serving => Ok(()),
+            other => Err(format!("{addr}: {}", other.as_str_name())),
+        }
+    };
+    tokio::time::timeout(timeout, ask)
+        .await
+        .map_err(|_| format!("{addr}: no answer within {:.1} s", timeout.as_secs_f64()))?
+}

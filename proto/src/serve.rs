@@ -1,8 +1,11 @@
 //! What every RookWorld gRPC server shares: reflection (v1 and v1alpha, our descriptors
-//! plus health's, so tools see every service) and the shutdown signal.
+//! plus health's, so tools see every service), the shutdown signal, and the connection
+//! rules: HTTP/2 and TCP keep-alive (a vanished client is noticed), a bound on streams per
+//! connection, and a bound on how long a shutdown waits for calls in flight.
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -53,8 +56,16 @@ pub async fn shutdown_signal() {
     tracing::info!("shutting down");
 }
 
+/// Interval of the server's HTTP/2 pings, and how long it waits for the answer.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Concurrent calls on one connection.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 256;
+/// How long a shutdown waits for calls in flight before it closes them.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
 /// Serves `service` with health (marked serving) and reflection v1 and v1alpha on
-/// `listener` until `shutdown` completes; calls in flight finish first.
+/// `listener` until `shutdown` completes; calls in flight get [`SHUTDOWN_GRACE`] to finish.
 pub async fn serve<S>(
     service: S,
     listener: TcpListener,
@@ -72,12 +83,37 @@ where
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<S>().await;
     let (reflection_v1, reflection_v1alpha) = reflection_services()?;
-    tonic::transport::Server::builder()
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop.send(true);
+    });
+    let when_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|&s| s).await;
+    };
+    let server = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .tcp_keepalive(Some(Duration::from_secs(60)))
+        .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(service)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
-        .await?;
+        .serve_with_incoming_shutdown(
+            TcpListenerStream::new(listener),
+            when_stopped(stopped.clone()),
+        );
+    let overdue = async {
+        when_stopped(stopped).await;
+        tokio::time::sleep(SHUTDOWN_GRACE).await;
+    };
+    tokio::select! {
+        served = server => served?,
+        () = overdue => tracing::warn!(
+            grace_seconds = SHUTDOWN_GRACE.as_secs(),
+            "calls still in flight after the shutdown grace; closing them"
+        ),
+    }
     Ok(())
 }

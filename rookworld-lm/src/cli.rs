@@ -84,17 +84,6 @@ impl ModelArgs {
     }
 }
 
-/// Logs to stderr (stdout stays free for JSON output), filtered by `RUST_LOG`
-/// (default `info`).
-pub fn init_tracing() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-}
-
 /// Ends a command: success, or one `error: …` line on stderr and exit code 1.
 pub fn exit_with<E: std::fmt::Display>(
     result: std::result::Result<(), E>,
