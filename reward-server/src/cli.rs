@@ -142,6 +142,41 @@ struct InputLine {
 
 /// Lines scored per batch.
 const CHUNK: usize = 4096;
+/// Longest input line: a RookWorld item is a few hundred bytes; a longer line is refused
+/// without being held whole, so a batch holds at most `CHUNK` × this.
+pub const MAX_LINE_BYTES: usize = 64 * 1024;
+
+/// Reads one `\n`-terminated line into `buf`, keeping at most `max` bytes of it: `None` at
+/// the end of the input, `Some(false)` when the line was longer (the rest is skipped).
+fn read_line_bounded<R: BufRead>(
+    input: &mut R,
+    buf: &mut Vec<u8>,
+    max: usize,
+) -> std::io::Result<Option<bool>> {
+    let mut read_any = false;
+    let mut fits = true;
+    loop {
+        let chunk = input.fill_buf()?;
+        if chunk.is_empty() {
+            return Ok(read_any.then_some(fits));
+        }
+        read_any = true;
+        let (line, done) = match chunk.iter().position(|&b| b == b'\n') {
+            Some(i) => (&chunk[..=i], true),
+            None => (chunk, false),
+        };
+        let used = line.len();
+        if fits && buf.len() + used <= max {
+            buf.extend_from_slice(line);
+        } else {
+            fits = false;
+        }
+        input.consume(used);
+        if done {
+            return Ok(Some(fits));
+        }
+    }
+}
 
 /// `reward-server score`: one JSON line out per line in, in order. A bad line gets
 /// `{"error": …}` and never stops the rest; only I/O errors end the command.
@@ -156,11 +191,17 @@ pub async fn score<R: BufRead, W: Write>(
         let mut buf = Vec::new();
         while parsed.len() < CHUNK {
             buf.clear();
-            if input.read_until(b'\n', &mut buf)? == 0 {
+            let Some(fits) = read_line_bounded(&mut input, &mut buf, MAX_LINE_BYTES)? else {
                 break;
-            }
+            };
             line_no += 1;
-            parsed.push(parse_line(&buf).map_err(|e| format!("line {line_no}: {e}")));
+            parsed.push(if fits {
+                parse_line(&buf).map_err(|e| format!("line {line_no}: {e}"))
+            } else {
+                Err(format!(
+                    "line {line_no}: longer than {MAX_LINE_BYTES} bytes"
+                ))
+            });
         }
         if parsed.is_empty() {
             return Ok(());

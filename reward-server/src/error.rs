@@ -62,12 +62,13 @@ pub enum ServiceError {
 
 impl From<ServiceError> for tonic::Status {
     fn from(e: ServiceError) -> Self {
-        let message = e.to_string();
-        match e {
+        let code = match e {
             ServiceError::BadItem { .. } | ServiceError::TooLarge { .. } => {
-                tonic::Status::invalid_argument(message)
+                tonic::Code::InvalidArgument
             }
-            ServiceError::Overloaded { .. } => tonic::Status::resource_exhausted(message),
-        }
+            ServiceError::Overloaded { .. } => tonic::Code::ResourceExhausted,
+        };
+        // The message may quote the request (a FEN): bounded.
+        rookworld_proto::status::status(code, e.to_string())
     }
 }

@@ -1,5 +1,6 @@
 //! The reward server: verified rewards for RookWorld completions.
 //!
+//! - [`app`]: the command line; `main.rs` only calls [`app::main`].
 //! - [`task`]: the two tasks and their prompts, parsed and checked ([`task::Task`]).
 //! - [`rules`]: positions as python-chess plays them (a side without a king included).
 //! - [`env_task`]: the environment task's true next state (shakmaty) and its scoring.
@@ -12,6 +13,7 @@
 //! - [`error`]: request errors and their mapping to gRPC status codes.
 //! - [`cli`]: `serve` and `score`; [`bench`]: `bench`.
 
+pub mod app;
 pub mod bench;
 pub mod cli;
 pub mod engine;

@@ -2,7 +2,8 @@
 
 use std::net::SocketAddr;
 
-use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+use rookworld_proto::metrics_http::MetricsError;
 
 /// Latency buckets (seconds) for scoring calls.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -10,16 +11,14 @@ const LATENCY_BUCKETS: &[f64] = &[
 ];
 
 /// Serves `/metrics` on `addr` and describes every metric.
-pub fn install_exporter(addr: SocketAddr) -> Result<(), BuildError> {
-    PrometheusBuilder::new()
-        .with_http_listener(addr)
-        .set_buckets_for_metric(
-            Matcher::Full("reward_request_duration_seconds".into()),
-            LATENCY_BUCKETS,
-        )?
-        .install()?;
+pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
+    let builder = PrometheusBuilder::new().set_buckets_for_metric(
+        Matcher::Full("reward_request_duration_seconds".into()),
+        LATENCY_BUCKETS,
+    )?;
+    let bound = rookworld_proto::metrics_http::install(builder, addr)?;
     describe();
-    Ok(())
+    Ok(bound)
 }
 
 /// Descriptions of every metric (labels come from bounded sets).
@@ -59,6 +58,16 @@ pub fn describe() {
         "reward_engine_failures_total",
         "Policy items scored on rules alone because every engine attempt failed."
     );
+    // The engine counters exist from the start (at 0), so that dashboards and alerts see
+    // a series even before the first policy item, or with no engine at all.
+    for name in [
+        "reward_engine_cache_hits_total",
+        "reward_engine_cache_misses_total",
+        "reward_engine_restarts_total",
+        "reward_engine_failures_total",
+    ] {
+        metrics::counter!(name).increment(0);
+    }
 }
 
 /// Counts one scored item.

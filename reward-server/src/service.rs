@@ -23,7 +23,9 @@ pub struct ServiceConfig {
     pub max_items_in_flight: usize,
     /// Items in one call; more is `INVALID_ARGUMENT`.
     pub max_items_per_call: usize,
-    /// Largest request or response message, bytes.
+    /// Largest request or response message, bytes: a full call (16,384 items of a
+    /// RookWorld prompt and completion, ~1 KiB each) fits; a bigger message is refused
+    /// before it is decoded.
     pub max_message_bytes: usize,
 }
 
@@ -32,7 +34,7 @@ impl Default for ServiceConfig {
         Self {
             max_items_in_flight: 65_536,
             max_items_per_call: 16_384,
-            max_message_bytes: 64 * 1024 * 1024,
+            max_message_bytes: 16 * 1024 * 1024,
         }
     }
 }

@@ -1,0 +1,67 @@
+//! The `reward-server` command line: its commands and their dispatch. `main.rs` only calls
+//! [`main`], so every launcher of this code runs exactly the same thing.
+
+use crate::bench::{self, BenchArgs};
+use crate::cli::{self, ScoreArgs, ServeArgs};
+use clap::{Parser, Subcommand};
+use rookworld_proto::probe::HealthArgs;
+
+/// Reward server of the RookWorld GRPO trainer: verified chess rewards.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve the gRPC scoring service (with health, reflection and /metrics).
+    Serve(ServeArgs),
+    /// Score JSONL `{"task","prompt","completion"}` lines, one JSON result per line.
+    Score(ScoreArgs),
+    /// Measure verifications per second (one thread and all cores).
+    Bench(BenchArgs),
+    /// Ask a running service's gRPC health endpoint (exit 0 when serving).
+    Health(HealthArgs),
+}
+
+/// Parses the command line and runs the command; the process exits with what it returns.
+pub fn main() -> std::process::ExitCode {
+    rookworld_proto::env::unset_empty();
+    rookworld_proto::logging::init();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => return fail(e),
+    };
+    let result: Result<(), Box<dyn std::error::Error + Send + Sync>> = runtime.block_on(async {
+        match &cli.command {
+            Command::Serve(args) => cli::serve(args).await,
+            Command::Score(args) => {
+                let scorer = args.scoring.scorer().await?;
+                let stdout = std::io::stdout();
+                let mut out = std::io::BufWriter::new(stdout.lock());
+                if args.input == "-" {
+                    cli::score(&scorer, std::io::stdin().lock(), &mut out).await?;
+                } else {
+                    let file = std::fs::File::open(&args.input)
+                        .map_err(|e| format!("{}: {e}", args.input))?;
+                    cli::score(&scorer, std::io::BufReader::new(file), &mut out).await?;
+                }
+                Ok(())
+            }
+            Command::Bench(args) => Ok(bench::run(args, &mut std::io::stdout().lock())?),
+            Command::Health(args) => Ok(args.check().await?),
+        }
+    });
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => fail(e),
+    }
+}
+
+fn fail(e: impl std::fmt::Display) -> std::process::ExitCode {
+    eprintln!("error: {e}");
+    std::process::ExitCode::FAILURE
+}
