@@ -21,6 +21,10 @@ pub enum ServiceError {
     /// A weight set was refused; the old weights stay.
     #[error("weight update refused: {0}")]
     Weights(#[from] WeightError),
+    /// The weight stream broke off before its end (the sender went away, the network
+    /// failed); the old weights stay.
+    #[error("weight update interrupted: {0}")]
+    Interrupted(String),
     #[error(transparent)]
     Engine(#[from] EngineError),
     #[error("internal: {0}")]
@@ -38,6 +42,7 @@ impl ServiceError {
             Self::Weights(WeightError::Checksum { .. }) => "checksum",
             Self::Weights(WeightError::Stale { .. }) => "stale",
             Self::Weights(_) => "invalid",
+            Self::Interrupted(_) => "interrupted",
             Self::Engine(_) | Self::Internal(_) => "failed",
         }
     }
@@ -45,7 +50,8 @@ impl ServiceError {
 
 impl From<ServiceError> for Status {
     fn from(e: ServiceError) -> Self {
-        let message = e.to_string();
+        // The message may quote the request: bounded.
+        let message = rookworld_proto::status::bounded(e.to_string());
         match e {
             ServiceError::InvalidArgument(_) => Status::invalid_argument(message),
             ServiceError::Overloaded(_) => Status::resource_exhausted(message),
@@ -55,6 +61,7 @@ impl From<ServiceError> for Status {
                 Status::failed_precondition(message)
             }
             ServiceError::Weights(_) => Status::invalid_argument(message),
+            ServiceError::Interrupted(_) => Status::aborted(message),
             ServiceError::Engine(EngineError::InvalidRequest(_)) => {
                 Status::invalid_argument(message)
             }

@@ -1,20 +1,24 @@
 //! The rollout worker: holds the current policy and samples G completions per prompt.
 //!
+//! - [`app`]: the command line; `main.rs` only calls [`app::main`].
 //! - [`engine`]: continuous-batching generation with shared prompt caches.
 //! - [`service`]: the gRPC service (`rookworld.rollout.v1.RolloutService`); [`error`]
 //!   maps its errors to gRPC status codes.
 //! - [`worker_loop`]: lease → generate → score → submit against a learner and a reward
 //!   server, with back-off and several groups in flight.
 //! - [`weights`]: weight sets on the wire (chunks, checksum, checks).
-//! - [`metrics`]: the Prometheus metrics the worker exports.
+//! - [`metrics`]: the Prometheus metrics the worker exports; [`gpu`] reads the GPU's
+//!   utilisation from NVML for them.
 //! - [`generate_cmd`]: `rollout-worker generate`, one-shot generation printing JSON lines.
 //! - [`serve_cmd`]: `rollout-worker serve`, the gRPC service and metrics endpoint.
 //! - [`bench_cmd`]: `rollout-worker bench`, new tokens per second on the benchmark shape.
 
+pub mod app;
 pub mod bench_cmd;
 pub mod engine;
 pub mod error;
 pub mod generate_cmd;
+pub mod gpu;
 pub mod metrics;
 pub mod serve_cmd;
 pub mod service;

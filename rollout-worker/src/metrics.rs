@@ -5,8 +5,9 @@ use std::net::SocketAddr;
 use metrics::{
     Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
 };
-use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use rookworld_lm::generate::FinishReason;
+use rookworld_proto::metrics_http::MetricsError;
 
 use crate::engine::{EngineStatus, StepStats};
 
@@ -16,13 +17,12 @@ const SECONDS_BUCKETS: &[f64] = &[
 ];
 
 /// Serves `/metrics` on `addr` (read-only) and describes every metric.
-pub fn install_exporter(addr: SocketAddr) -> Result<(), BuildError> {
-    PrometheusBuilder::new()
-        .with_http_listener(addr)
-        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)?
-        .install()?;
+pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
+    let builder = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)?;
+    let bound = rookworld_proto::metrics_http::install(builder, addr)?;
     describe();
-    Ok(())
+    Ok(bound)
 }
 
 /// Descriptions of every metric (labels come from bounded sets).
@@ -97,8 +97,20 @@ pub fn describe() {
     );
     describe_counter!(
         "rollout_weight_updates_total",
-        "UpdateWeights calls by `result` (ok, unauthenticated, invalid, checksum, stale, failed)."
+        "UpdateWeights calls by `result` (ok, unauthenticated, permission_denied, invalid, interrupted, checksum, stale, failed)."
     );
+    describe_gauge!(
+        "rollout_peer_reachable",
+        "1 while the worker loop reaches its `peer` (learner, reward), 0 while it retries."
+    );
+    describe_counter!(
+        "rollout_call_retries_total",
+        "Worker-loop calls retried because the peer was unreachable, by `call`."
+    );
+    // Counters that move only on faults exist from the start (at 0), for dashboards.
+    for call in ["lease", "score", "submit"] {
+        counter!("rollout_call_retries_total", "call" => call).increment(0);
+    }
     describe_gauge!(
         "rollout_gpu_memory_used_bytes",
         Unit::Bytes,
@@ -108,6 +120,18 @@ pub fn describe() {
         "rollout_gpu_memory_total_bytes",
         Unit::Bytes,
         "GPU memory in total (CUDA only)."
+    );
+    describe_gauge!(
+        "rollout_gpu_utilization_ratio",
+        "Fraction of time a kernel ran on the worker's GPU (CUDA with NVML only)."
+    );
+    describe_gauge!(
+        "rollout_gpu_memory_busy_ratio",
+        "Fraction of time the GPU's memory was read or written (CUDA with NVML only)."
+    );
+    describe_gauge!(
+        "rollout_gpu_power_watts",
+        "Power draw of the worker's GPU (CUDA with NVML only)."
     );
 }
 
@@ -142,6 +166,15 @@ pub fn set_load(status: &EngineStatus, device: &candle_core::Device) {
     if let Some((free, total)) = gpu_memory(device) {
         gauge!("rollout_gpu_memory_used_bytes").set((total - free) as f64);
         gauge!("rollout_gpu_memory_total_bytes").set(total as f64);
+    }
+}
+
+/// Publishes one NVML reading of the worker's GPU.
+pub fn set_gpu(sample: &crate::gpu::GpuSample) {
+    gauge!("rollout_gpu_utilization_ratio").set(sample.utilization);
+    gauge!("rollout_gpu_memory_busy_ratio").set(sample.memory_busy);
+    if let Some(watts) = sample.power_watts {
+        gauge!("rollout_gpu_power_watts").set(watts);
     }
 }
 

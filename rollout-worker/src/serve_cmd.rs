@@ -97,6 +97,7 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
     let local = listener.local_addr()?;
     let tokenizer = loaded.tokenizer.clone();
     let model_cfg = cfg.clone();
+    let device_for_monitor = device.clone();
     let token_for_loop = token.clone();
     let server = RolloutServer::new(
         engine.clone(),
@@ -118,6 +119,11 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
     let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|&s| s).await;
     };
+    tokio::spawn(crate::gpu::monitor(
+        device_for_monitor,
+        Duration::from_secs(5),
+        until_stopped(stopped.clone()),
+    ));
     let worker = match (&args.learner, &args.reward) {
         (Some(learner), Some(reward)) => {
             let cfg = LoopConfig {

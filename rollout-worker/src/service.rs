@@ -134,7 +134,11 @@ impl RolloutServer {
         let mut assembler = Assembler::new(expected * 2 + (1 << 20));
         while let Some(chunk) = stream.next().await {
             let chunk = chunk.map_err(|s| {
-                ServiceError::InvalidArgument(format!("weight stream broke: {}", s.message()))
+                ServiceError::Interrupted(format!(
+                    "after {} bytes: {}",
+                    assembler.received(),
+                    s.message()
+                ))
             })?;
             assembler.push(chunk)?;
         }
@@ -142,6 +146,15 @@ impl RolloutServer {
         let set = assembler.finish()?;
         let (cfg, dtype, device) = (self.model_config.clone(), self.dtype, self.device.clone());
         let current = self.engine.status().weight_version;
+        if set.version == current {
+            // A retry of a push that landed (its answer was lost): already in use.
+            tracing::info!(version = current, "weights already in use; nothing to swap");
+            return Ok(pb::UpdateWeightsResponse {
+                version: current,
+                bytes: bytes as u64,
+                seconds: started.elapsed().as_secs_f64(),
+            });
+        }
         let (version, model) =
             tokio::task::spawn_blocking(move || set.into_model(&cfg, dtype, &device, current))
                 .await

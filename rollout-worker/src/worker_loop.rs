@@ -1,11 +1,14 @@
 //! The worker's loop against a learner and a reward server: lease prompts, generate G
 //! completions each on the engine, score them, submit the scored group. Several groups are
 //! in flight at once, so the engine keeps generating while earlier groups are being scored
-//! and submitted. When the learner or the reward server is away, calls are retried with
-//! exponential back-off (and said in the log), never dropped.
+//! and submitted. Every call has a deadline. When the learner or the reward server is away,
+//! calls are retried with exponential back-off, never dropped; the peer's state shows in
+//! `rollout_peer_reachable{peer}` and in one log line when it goes away and one when it is
+//! back. A group whose lease ran out meanwhile is abandoned (the learner has re-issued its
+//! prompt), not scored and submitted for nothing.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rookworld_lm::Tokenizer;
@@ -47,12 +50,70 @@ enum GroupError {
     Score(tonic::Status),
     #[error("submit refused: {0}")]
     Refused(tonic::Status),
+    #[error("its lease ran out before it was {0}")]
+    Expired(&'static str),
+}
+
+/// A peer the loop calls, and since when it has been unreachable.
+#[derive(Debug)]
+struct Peer {
+    name: &'static str,
+    down_since: Mutex<Option<Instant>>,
+}
+
+impl Peer {
+    fn new(name: &'static str) -> Self {
+        metrics::gauge!("rollout_peer_reachable", "peer" => name).set(1.0);
+        Self {
+            name,
+            down_since: Mutex::new(None),
+        }
+    }
+
+    fn down_since(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        self.down_since
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// It answered: back if it was away.
+    fn answered(&self) {
+        if let Some(since) = self.down_since().take() {
+            metrics::gauge!("rollout_peer_reachable", "peer" => self.name).set(1.0);
+            tracing::info!(
+                peer = self.name,
+                after_seconds = format!("{:.1}", since.elapsed().as_secs_f64()),
+                "reachable again"
+            );
+        }
+    }
+
+    /// It could not be reached: said once, when it goes away.
+    fn unreachable(&self, call: &str, error: &str) {
+        metrics::counter!("rollout_call_retries_total", "call" => call.to_owned()).increment(1);
+        let mut since = self.down_since();
+        if since.is_none() {
+            *since = Some(Instant::now());
+            metrics::gauge!("rollout_peer_reachable", "peer" => self.name).set(0.0);
+            tracing::warn!(
+                peer = self.name,
+                call,
+                error,
+                "unreachable; retrying with back-off"
+            );
+        }
+    }
 }
 
 fn channel(url: &str, timeout: Duration) -> Result<Channel, tonic::transport::Error> {
     Ok(Endpoint::from_shared(url.to_owned())?
         .connect_timeout(timeout)
         .timeout(timeout)
+        // A peer whose host vanished never resets the connection: pings notice it.
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(10))
+        .keep_alive_while_idle(true)
+        .tcp_keepalive(Some(Duration::from_secs(30)))
         .connect_lazy())
 }
 
@@ -77,9 +138,14 @@ fn unreachable(s: &tonic::Status) -> bool {
     }
 }
 
-/// Retries `call` with exponential back-off (100 ms doubling to `max`) while the peer is
+/// Retries `call` with exponential back-off (100 ms doubling to `max`) while `peer` is
 /// unreachable; other errors return at once.
-async fn with_backoff<T, F, Fut>(what: &str, max: Duration, mut call: F) -> Result<T, tonic::Status>
+async fn with_backoff<T, F, Fut>(
+    peer: &Peer,
+    what: &str,
+    max: Duration,
+    mut call: F,
+) -> Result<T, tonic::Status>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, tonic::Status>>,
@@ -88,13 +154,24 @@ where
     loop {
         match call().await {
             Err(s) if unreachable(&s) => {
-                tracing::warn!(call = what, error = %s.message(), retry_in = ?wait, "peer unavailable; retrying");
+                peer.unreachable(what, s.message());
+                tracing::debug!(call = what, error = %s.message(), retry_in = ?wait, "retrying");
                 tokio::time::sleep(wait).await;
                 wait = (wait * 2).min(max);
             }
-            other => return other,
+            other => {
+                peer.answered();
+                return other;
+            }
         }
     }
+}
+
+/// The peers of one loop.
+#[derive(Debug)]
+struct Peers {
+    learner: Peer,
+    reward: Peer,
 }
 
 /// Runs until `shutdown` resolves; groups in flight then finish (or are left to expire).
@@ -109,6 +186,10 @@ pub async fn run(
     let scorer = RewardServiceClient::new(channel(&cfg.reward, cfg.call_timeout)?);
     let slots = Arc::new(Semaphore::new(cfg.max_in_flight.max(1)));
     let cfg = Arc::new(cfg);
+    let peers = Arc::new(Peers {
+        learner: Peer::new("learner"),
+        reward: Peer::new("reward"),
+    });
     tokio::pin!(shutdown);
     loop {
         let free = tokio::select! {
@@ -125,7 +206,7 @@ pub async fn run(
         };
         let leased = tokio::select! {
             _ = &mut shutdown => break,
-            r = with_backoff("lease", cfg.max_backoff, || {
+            r = with_backoff(&peers.learner, "lease", cfg.max_backoff, || {
                 let mut c = learner.clone();
                 let r = authed(request.clone(), &cfg.token);
                 async move { c.lease(r).await }
@@ -150,12 +231,15 @@ pub async fn run(
         for prompt in leased.prompts {
             let permit = slots.clone().acquire_owned().await.expect("semaphore open");
             let (engine, tokenizer, cfg) = (engine.clone(), tokenizer.clone(), cfg.clone());
+            let peers = peers.clone();
             let (learner, scorer) = (learner.clone(), scorer.clone());
             let spec = (leased.num_completions, leased.sampling.unwrap_or_default());
             tokio::spawn(async move {
                 let id = prompt.prompt_id;
-                if let Err(e) =
-                    group(engine, tokenizer, bos, &cfg, learner, scorer, prompt, spec).await
+                if let Err(e) = group(
+                    engine, tokenizer, bos, &cfg, &peers, learner, scorer, prompt, spec,
+                )
+                .await
                 {
                     tracing::warn!(prompt = id, error = %e, "group abandoned; its lease will expire");
                 }
@@ -175,12 +259,14 @@ async fn group(
     tokenizer: Tokenizer,
     bos: u32,
     cfg: &LoopConfig,
+    peers: &Peers,
     learner: RolloutQueueClient<Channel>,
     scorer: RewardServiceClient<Channel>,
     prompt: queue::LeasedPrompt,
     (n, sampling): (u32, rookworld_proto::v1::SamplingParams),
 ) -> Result<(), GroupError> {
     let started = Instant::now();
+    let expires = started + Duration::from_secs_f64(prompt.deadline_seconds.clamp(0.0, 1e7));
     let mut ids = vec![bos];
     ids.extend(
         tokenizer
@@ -205,6 +291,9 @@ async fn group(
     }
     samples.sort_by_key(|s| s.sample_index);
     let generate_seconds = started.elapsed().as_secs_f64();
+    if Instant::now() >= expires {
+        return Err(GroupError::Expired("scored"));
+    }
 
     let started = Instant::now();
     let eos = bos;
@@ -234,7 +323,7 @@ async fn group(
             completion: t.clone(),
         })
         .collect();
-    let scores = with_backoff("score", cfg.max_backoff, || {
+    let scores = with_backoff(&peers.reward, "score", cfg.max_backoff, || {
         let mut c = scorer.clone();
         let r = reward::ScoreRequest {
             items: items.clone(),
@@ -277,7 +366,10 @@ async fn group(
         generate_seconds,
         score_seconds,
     };
-    with_backoff("submit", cfg.max_backoff, || {
+    if Instant::now() >= expires {
+        return Err(GroupError::Expired("submitted"));
+    }
+    with_backoff(&peers.learner, "submit", cfg.max_backoff, || {
         let r = authed(submit.clone(), &cfg.token);
         async { learner.clone().submit(r).await }
     })

@@ -1,0 +1,52 @@
+//! The `rollout-worker` command line: its commands and their dispatch. `main.rs` only calls
+//! [`main`], so every launcher of this code runs exactly the same thing.
+
+use crate::bench_cmd::{self, BenchArgs};
+use crate::generate_cmd::{self, GenerateArgs};
+use crate::serve_cmd::{self, ServeArgs};
+use clap::{Parser, Subcommand};
+use rookworld_proto::probe::HealthArgs;
+
+/// Rollout worker of the RookWorld GRPO trainer: samples completions from the policy.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Sample G completions per prompt and print one JSON object per prompt.
+    Generate(GenerateArgs),
+    /// Serve generation and weight updates over gRPC (health, reflection, metrics).
+    Serve(ServeArgs),
+    /// Measure new tokens per second (P prompts × G completions, and one stream).
+    Bench(BenchArgs),
+    /// Ask a running service's gRPC health endpoint (exit 0 when serving).
+    Health(HealthArgs),
+}
+
+/// Parses the command line and runs the command; the process exits with what it returns.
+pub fn main() -> std::process::ExitCode {
+    rookworld_proto::env::unset_empty();
+    rookworld_proto::logging::init();
+    let cli = Cli::parse();
+    rookworld_lm::cli::exit_with(match &cli.command {
+        Command::Generate(args) => {
+            generate_cmd::run(args, &mut std::io::stdout().lock()).map_err(Into::into)
+        }
+        Command::Bench(args) => {
+            bench_cmd::run(args, &mut std::io::stdout().lock()).map_err(Into::into)
+        }
+        Command::Serve(args) => serve(args),
+        Command::Health(args) => args.run().map_err(Into::into),
+    })
+}
+
+fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(serve_cmd::serve(args))
+}
