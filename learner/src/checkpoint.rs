@@ -22,12 +22,18 @@ use crate::queue::QueueSnapshot;
 const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 const STATE_FILE: &str = "trainer_state.json";
 const LATEST: &str = "latest";
+/// `RUN/published_version`: the highest weight version ever handed to the workers.
+const PUBLISHED: &str = "published_version";
 
 /// Everything besides weights and moments that a resumed run needs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrainerState {
     /// Steps completed.
     pub step: u64,
+    /// GRPO runs: the weight version of these weights (0 in older checkpoints, where it
+    /// was the step).
+    #[serde(default)]
+    pub version: u64,
     pub adamw: AdamWConfig,
     /// AdamW's step count (bias correction).
     pub optimizer_steps: u64,
@@ -123,6 +129,28 @@ fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
     std::fs::File::open(dir)
         .and_then(|f| f.sync_all())
         .map_err(io(dir))
+}
+
+/// Records, before the weights go out, that version `version` is published: after a crash
+/// the resumed run numbers its weights past every version the workers may hold.
+pub fn record_published(run: &Path, version: u64) -> Result<(), CheckpointError> {
+    std::fs::create_dir_all(run).map_err(io(run))?;
+    write_atomic(&run.join(PUBLISHED), version.to_string().as_bytes())?;
+    Ok(())
+}
+
+/// The highest weight version `run` ever published, if it recorded one.
+pub fn published(run: &Path) -> Result<Option<u64>, CheckpointError> {
+    let path = run.join(PUBLISHED);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => text
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|e| CheckpointError::Invalid(format!("{}: {e}", path.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(io(&path)(e)),
+    }
 }
 
 /// The newest complete checkpoint of `run`, if any.

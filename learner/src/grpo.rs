@@ -71,10 +71,16 @@ pub fn group_advantages(rewards: &[f32], norm: AdvantageNorm) -> Option<Vec<f32>
     Some(r.iter().map(|x| ((x - mean) / scale) as f32).collect())
 }
 
+/// Largest |log-difference| put through `exp` (as verl does): e^20 ≈ 5·10⁸, far past any
+/// clip range, where e^89 already overflows f32 and one such token makes the loss ∞ or NaN.
+pub const MAX_LOG_DIFF: f64 = 20.0;
+
 /// Per-token importance ratio against the behaviour policy:
-/// `ρ = exp(logπθ − logπ_behaviour)` (C, T).
+/// `ρ = exp(clamp(logπθ − logπ_behaviour, ±MAX_LOG_DIFF))` (C, T).
 pub fn ratio(logp: &Tensor, behaviour: &Tensor) -> Result<Tensor> {
-    (logp - behaviour)?.exp()
+    (logp - behaviour)?
+        .clamp(-MAX_LOG_DIFF, MAX_LOG_DIFF)?
+        .exp()
 }
 
 /// Per-token clipped surrogate `−min(ρ·A, clip(ρ, 1−ε_low, 1+ε_high)·A)` (C, T), with the
@@ -92,11 +98,14 @@ pub fn clipped_surrogate(
     unclipped.minimum(&clipped)?.neg()
 }
 
-/// Per-token k3 estimator of KL(πθ ‖ π_ref):
-/// `exp(ref − logπθ) − (ref − logπθ) − 1` (C, T), ≥ 0.
+/// Per-token k3 estimator of KL(πθ ‖ π_ref): with `d = clamp(ref − logπθ, ±MAX_LOG_DIFF)`,
+/// `max(0, exp(d) − d − 1)` (C, T).
+///
+/// The clamp of `d` keeps `exp` finite; the expression is ≥ 0 in exact arithmetic, and the
+/// `max` keeps rounding (a fast `exp` on a GPU) from taking it below.
 pub fn k3_kl(reference: &Tensor, logp: &Tensor) -> Result<Tensor> {
-    let d = (reference - logp)?;
-    (d.exp()? - d)? - 1.0
+    let d = (reference - logp)?.clamp(-MAX_LOG_DIFF, MAX_LOG_DIFF)?;
+    ((d.exp()? - d)? - 1.0)?.relu()
 }
 
 /// Fraction of counted tokens whose ratio was clipped (ρA was the larger term).
@@ -207,6 +216,25 @@ mod tests {
             .unwrap();
         let k = |d: f32| d.exp() - d - 1.0;
         assert!((other[0][0] - k(-0.5)).abs() < 1e-6 && (other[0][1] - k(1.0)).abs() < 1e-6);
+        // A policy far below the reference on a token (d = 150: e^150 overflows f32)
+        // stays finite, at the clamp's value.
+        let far = k3_kl(&t(&[&[-0.1]]), &t(&[&[-150.1]]))
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        assert!((far[0][0] - k(20.0)).abs() / k(20.0) < 1e-6, "{far:?}");
+    }
+
+    #[test]
+    fn ratios_stay_finite_for_far_apart_log_probs() {
+        let r = ratio(&t(&[&[-0.5, -200.0, -1.0]]), &t(&[&[-200.0, -0.5, -1.0]]))
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        let bound = MAX_LOG_DIFF.exp() as f32;
+        assert!((r[0][0] - bound).abs() / bound < 1e-6, "{r:?}");
+        assert!((r[0][1] - 1.0 / bound).abs() * bound < 1e-6, "{r:?}");
+        assert_eq!(r[0][2], 1.0);
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! The GRPO learner.
 //!
+//! - [`app`]: the command line; `main.rs` only calls [`app::main`].
 //! - [`init_cmd`]: `learner init`, writes a starting checkpoint (random preset or a
 //!   converted checkpoint) in Hugging Face layout.
 //!
@@ -20,6 +21,7 @@
 //! - [`optim`]: gradient accumulation, norm and clipping, AdamW, the LR schedule;
 //!   [`step`]: one optimizer step in micro-batches.
 
+pub mod app;
 pub mod batch;
 pub mod checkpoint;
 pub mod grpo;

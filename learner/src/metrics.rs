@@ -4,7 +4,8 @@
 use std::net::SocketAddr;
 
 use metrics::{Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge};
-use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+use rookworld_proto::metrics_http::MetricsError;
 
 use crate::queue::Queue;
 
@@ -19,17 +20,16 @@ const STEP_BUCKETS: &[f64] = &[
 ];
 
 /// Serves `/metrics` on `addr` (read-only) and describes every metric.
-pub fn install_exporter(addr: SocketAddr) -> Result<(), BuildError> {
-    PrometheusBuilder::new()
-        .with_http_listener(addr)
+pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
+    let builder = PrometheusBuilder::new()
         .set_buckets_for_metric(
             Matcher::Full("learner_weight_push_seconds".into()),
             PUSH_BUCKETS,
         )?
-        .set_buckets_for_metric(Matcher::Full("learner_step_seconds".into()), STEP_BUCKETS)?
-        .install()?;
+        .set_buckets_for_metric(Matcher::Full("learner_step_seconds".into()), STEP_BUCKETS)?;
+    let bound = rookworld_proto::metrics_http::install(builder, addr)?;
     describe();
-    Ok(())
+    Ok(bound)
 }
 
 /// Descriptions of every metric (labels come from bounded sets: workers, results, lags).
@@ -44,6 +44,11 @@ pub fn describe() {
         "learner_queue_scored",
         Unit::Count,
         "Scored groups waiting for the learner."
+    );
+    describe_gauge!(
+        "learner_queue_scored_bytes",
+        Unit::Bytes,
+        "Bytes the scored groups waiting for the learner hold."
     );
     describe_counter!(
         "learner_queue_prompts_added_total",
@@ -102,6 +107,21 @@ pub fn describe() {
     describe_counter!(
         "learner_weight_pushes_total",
         "Weight pushes by `worker` and `result` (ok, failed)."
+    );
+    describe_counter!(
+        "learner_queue_submissions_invalid_total",
+        "Submissions refused before the queue: not a group the learner could train on."
+    );
+    // Counters that move only on faults exist from the start (at 0), for dashboards.
+    counter!("learner_queue_submissions_invalid_total").increment(0);
+    describe_gauge!(
+        "learner_workers",
+        Unit::Count,
+        "Workers by weight-sync `state`: current, stale, pushing, failing."
+    );
+    describe_gauge!(
+        "learner_worker_weight_version",
+        "Weight version each `worker` is known to run (-1: unknown or stale)."
     );
     describe_counter!("learner_steps_total", Unit::Count, "GRPO steps done.");
     describe_gauge!(
@@ -169,6 +189,7 @@ pub fn record_queue(queue: &Queue) {
     gauge!("learner_queue_pending").set(d.pending as f64);
     gauge!("learner_queue_leased").set(d.leased as f64);
     gauge!("learner_queue_scored").set(d.scored as f64);
+    gauge!("learner_queue_scored_bytes").set(d.scored_bytes as f64);
     let c = d.counters;
     counter!("learner_queue_prompts_added_total").absolute(c.prompts_added);
     counter!("learner_queue_leases_issued_total").absolute(c.leases_issued);

@@ -1,13 +1,25 @@
-//! Weight push: the learner's new version, converted to BF16 once, sent to every registered
-//! worker in parallel, each with its own deadline, so a slow or dead worker never blocks the
-//! others or the learner. A worker that fails is marked stale and re-synced at the next push.
+//! Weight sync: the learner keeps every registered worker on its newest published weights.
+//!
+//! The trainer publishes a BF16 [`WeightSet`] (converted once); [`run`] pushes it to every
+//! worker not known to run it. Each worker gets its own push with its own deadline, so a
+//! slow or dead worker holds up nobody — neither the learner nor the other workers. A
+//! failed push is retried with exponential back-off; a worker that newly advertises its
+//! address, or reports in its leases a version other than the one pushed to it (it
+//! restarted), is synced at once, without waiting for the next step; a worker the queue has
+//! not heard from for a while is forgotten. Every change of a worker's sync state is a log
+//! line, and the states show in `learner_workers{state}` and
+//! `learner_worker_weight_version{worker}`.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rollout_worker::weights::{self, CHUNK_BYTES, WeightSet};
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
+use tokio::sync::{mpsc, watch};
 use tonic::transport::Endpoint;
+
+use crate::queue::Queue;
 
 /// What happened to one worker in one push.
 #[derive(Debug, Clone, PartialEq)]
@@ -20,94 +32,392 @@ pub struct PushOutcome {
     pub error: Option<String>,
 }
 
-/// Workers the learner pushes to, and the version each is known to run.
+/// A worker's weight sync, as the metrics and the log show it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SyncState {
+    /// Runs the newest published version.
+    Current,
+    /// Not known to run it; a push starts at the next chance.
+    Stale,
+    /// A push is under way.
+    Pushing,
+    /// The last push failed; retried after a back-off.
+    Failing,
+}
+
+impl SyncState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Current => "current",
+            Self::Stale => "stale",
+            Self::Pushing => "pushing",
+            Self::Failing => "failing",
+        }
+    }
+}
+
+/// What the learner knows of one worker.
+#[derive(Debug, Clone)]
+struct Member {
+    /// Version known to be in use there (`None`: unknown, or stale).
+    known: Option<u64>,
+    pushing: bool,
+    /// Failed pushes in a row.
+    failures: u32,
+    /// No push before this (back-off after a failure).
+    retry_at: Option<Instant>,
+    /// When a push last reached it (reports older than this are out of date).
+    synced_at: Option<Instant>,
+    /// When a report after that first named another version than the one pushed.
+    mismatch_at: Option<Instant>,
+}
+
+/// The workers the learner pushes to, and the version each is known to run.
 #[derive(Debug, Default)]
 pub struct Fleet {
-    /// Worker address (e.g. `http://10.0.0.3:50053`) → version known to be in use there
-    /// (`None`: unknown or stale, re-synced at the next push).
-    workers: BTreeMap<String, Option<u64>>,
+    members: BTreeMap<String, Member>,
+    /// Longest wait between retries of a failing worker.
+    max_backoff: Duration,
 }
 
 impl Fleet {
+    /// An empty fleet whose failing workers are retried at most `max_backoff` apart.
+    pub fn new(max_backoff: Duration) -> Self {
+        Self {
+            members: BTreeMap::new(),
+            max_backoff,
+        }
+    }
+
     /// Adds a worker (idempotent); it is stale until a push reaches it.
     pub fn register(&mut self, address: &str) {
-        self.workers.entry(address.to_owned()).or_insert(None);
+        if !self.members.contains_key(address) {
+            tracing::info!(worker = %address, "worker registered for weight pushes");
+            self.members.insert(
+                address.to_owned(),
+                Member {
+                    known: None,
+                    pushing: false,
+                    failures: 0,
+                    retry_at: None,
+                    synced_at: None,
+                    mismatch_at: None,
+                },
+            );
+        }
     }
 
     /// Records that `address` runs `version` (e.g. it started with those weights).
-    pub fn mark(&mut self, address: &str, version: u64) {
-        self.workers.insert(address.to_owned(), Some(version));
+    pub fn mark(&mut self, address: &str, version: u64, now: Instant) {
+        self.register(address);
+        let m = self.members.get_mut(address).expect("registered");
+        m.known = Some(version);
+        m.synced_at = Some(now);
+        m.mismatch_at = None;
+    }
+
+    /// The worker's own word, from a lease the queue took at `at`: it runs `version`. A
+    /// report of `newest`, the version being published, makes it current without a push.
+    /// Two reports after the last push that reached it, both naming another version than
+    /// the pushed one, mean it restarted (or swapped weights some other way): it is stale
+    /// from then on. (One such report is not enough: a lease sent just before a push
+    /// landed can arrive just after it.)
+    pub fn reported(&mut self, address: &str, version: u64, at: Instant, newest: u64) {
+        let Some(m) = self.members.get_mut(address) else {
+            return;
+        };
+        if m.pushing || m.synced_at.is_some_and(|t| at <= t) {
+            return;
+        }
+        if version == newest && m.known != Some(newest) {
+            m.known = Some(newest);
+            m.failures = 0;
+            m.retry_at = None;
+            m.mismatch_at = None;
+        } else if m.known.is_some_and(|k| k != version) {
+            match m.mismatch_at {
+                Some(first) if at > first => {
+                    tracing::warn!(worker = %address, reports = version, pushed = ?m.known, "worker runs other weights than were pushed to it (restarted?); re-syncing");
+                    m.known = None;
+                    m.mismatch_at = None;
+                }
+                Some(_) => {}
+                None => m.mismatch_at = Some(at),
+            }
+        } else {
+            m.mismatch_at = None;
+        }
+    }
+
+    /// Stops pushing to `address` (it left).
+    pub fn forget(&mut self, address: &str) {
+        if self.members.remove(address).is_some() {
+            tracing::info!(worker = %address, "worker forgotten: not heard from; no more pushes");
+        }
+    }
+
+    /// Every worker's address.
+    pub fn addresses(&self) -> Vec<String> {
+        self.members.keys().cloned().collect()
     }
 
     /// Workers not known to run `version`.
     pub fn stale(&self, version: u64) -> Vec<String> {
-        self.workers
+        self.members
             .iter()
-            .filter(|(_, v)| **v != Some(version))
+            .filter(|(_, m)| m.known != Some(version))
             .map(|(a, _)| a.clone())
             .collect()
     }
 
-    /// Pushes `set` to every worker not yet on its version, all at once, each call bounded
-    /// by `deadline`; records who succeeded. Returns one outcome per worker tried.
+    /// Where `address` stands against `version`.
+    pub fn state(&self, address: &str, version: u64) -> Option<SyncState> {
+        let m = self.members.get(address)?;
+        Some(if m.pushing {
+            SyncState::Pushing
+        } else if m.known == Some(version) {
+            SyncState::Current
+        } else if m.failures > 0 {
+            SyncState::Failing
+        } else {
+            SyncState::Stale
+        })
+    }
+
+    /// Workers to push `version` to now (not on it, no push under way, back-off over);
+    /// they are marked as being pushed to.
+    pub fn due(&mut self, version: u64, now: Instant) -> Vec<String> {
+        let mut out = Vec::new();
+        for (address, m) in &mut self.members {
+            let waiting = m.retry_at.is_some_and(|t| now < t);
+            if m.known != Some(version) && !m.pushing && !waiting {
+                m.pushing = true;
+                out.push(address.clone());
+            }
+        }
+        out
+    }
+
+    /// Records the outcome of a push started by [`Fleet::due`].
+    pub fn finish(&mut self, outcome: &PushOutcome, now: Instant) {
+        let Some(m) = self.members.get_mut(&outcome.worker) else {
+            return; // forgotten meanwhile
+        };
+        m.pushing = false;
+        match outcome.error {
+            None => {
+                m.known = Some(outcome.version);
+                m.failures = 0;
+                m.retry_at = None;
+                m.synced_at = Some(now);
+                m.mismatch_at = None;
+            }
+            Some(_) => {
+                m.known = None;
+                m.failures += 1;
+                let backoff = Duration::from_millis(500)
+                    .saturating_mul(1 << m.failures.min(16))
+                    .min(self.max_backoff.max(Duration::from_millis(500)));
+                m.retry_at = Some(now + backoff);
+            }
+        }
+    }
+
+    /// Pushes `set` to every worker due now, all at once, each bounded by `deadline`, and
+    /// waits for them; returns one outcome per worker tried.
     pub async fn push(
         &mut self,
         set: &WeightSet,
         token: &str,
         deadline: Duration,
     ) -> Vec<PushOutcome> {
-        let targets = self.stale(set.version);
-        let calls = targets.into_iter().map(|address| {
-            let set = set.clone();
-            let token = token.to_owned();
-            async move {
-                let started = Instant::now();
-                let result =
-                    tokio::time::timeout(deadline, push_one(&address, &set, &token, deadline))
-                        .await;
-                let error = match result {
-                    Ok(Ok(())) => None,
-                    Ok(Err(e)) => Some(e),
-                    Err(_) => Some(format!("no answer within {deadline:?}")),
-                };
-                PushOutcome {
-                    worker: address,
-                    version: set.version,
-                    seconds: started.elapsed().as_secs_f64(),
-                    bytes: if error.is_none() {
-                        set.bytes.len() as u64
-                    } else {
-                        0
-                    },
-                    error,
-                }
-            }
-        });
-        let outcomes = futures_join_all(calls).await;
-        for o in &outcomes {
-            let known = self.workers.entry(o.worker.clone()).or_insert(None);
-            *known = if o.error.is_none() {
-                Some(o.version)
-            } else {
-                None
-            };
-            metrics::histogram!("learner_weight_push_seconds", "worker" => o.worker.clone())
-                .record(o.seconds);
-            metrics::counter!("learner_weight_push_bytes_total", "worker" => o.worker.clone())
-                .increment(o.bytes);
-            let result = if o.error.is_none() { "ok" } else { "failed" };
-            metrics::counter!("learner_weight_pushes_total", "worker" => o.worker.clone(), "result" => result).increment(1);
-            match &o.error {
-                None => {
-                    tracing::info!(worker = %o.worker, version = o.version, seconds = o.seconds, "weights pushed")
-                }
-                Some(e) => {
-                    tracing::warn!(worker = %o.worker, version = o.version, error = %e, "weight push failed; worker marked stale")
-                }
-            }
+        let calls: Vec<_> = self
+            .due(set.version, Instant::now())
+            .into_iter()
+            .map(|address| tokio::spawn(push_to(address, set.clone(), token.to_owned(), deadline)))
+            .collect();
+        let mut outcomes = Vec::with_capacity(calls.len());
+        for call in calls {
+            let outcome = call.await.expect("push task panicked");
+            self.finish(&outcome, Instant::now());
+            outcomes.push(outcome);
         }
         outcomes
     }
+
+    /// Publishes how many workers are in each state, and each one's known version.
+    fn publish_metrics(&self, version: u64) {
+        let mut counts: BTreeMap<SyncState, u64> = BTreeMap::new();
+        for (address, m) in &self.members {
+            let state = self.state(address, version).expect("a member");
+            *counts.entry(state).or_default() += 1;
+            let known = m.known.map_or(-1.0, |v| v as f64);
+            metrics::gauge!("learner_worker_weight_version", "worker" => address.clone())
+                .set(known);
+        }
+        for state in [
+            SyncState::Current,
+            SyncState::Stale,
+            SyncState::Pushing,
+            SyncState::Failing,
+        ] {
+            let n = counts.get(&state).copied().unwrap_or(0);
+            metrics::gauge!("learner_workers", "state" => state.as_str()).set(n as f64);
+        }
+    }
+}
+
+/// How the sync loop works.
+#[derive(Debug, Clone, Copy)]
+pub struct SyncConfig {
+    /// Deadline of one push to one worker.
+    pub deadline: Duration,
+    /// A worker the queue has not heard from for this long is forgotten.
+    pub forget_after: Duration,
+    /// How often the loop looks at the queue's workers.
+    pub tick: Duration,
+}
+
+/// Keeps every worker the queue knows on the newest set `latest` holds, until `stop`
+/// resolves; then waits (up to the push deadline) for pushes under way.
+pub async fn run(
+    queue: Arc<Mutex<Queue>>,
+    fleet: Arc<Mutex<Fleet>>,
+    mut latest: watch::Receiver<Option<Arc<WeightSet>>>,
+    token: String,
+    cfg: SyncConfig,
+    stop: impl std::future::Future<Output = ()>,
+) {
+    let lock_fleet = || {
+        fleet
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    };
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel::<PushOutcome>();
+    let mut in_flight = 0usize;
+    let mut tick = tokio::time::interval(cfg.tick);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tokio::pin!(stop);
+    loop {
+        tokio::select! {
+            _ = &mut stop => break,
+            _ = tick.tick() => {}
+            changed = latest.changed() => if changed.is_err() { break },
+            Some(outcome) = done_rx.recv() => {
+                in_flight -= 1;
+                lock_fleet().finish(&outcome, Instant::now());
+            }
+        }
+        let Some(set) = latest.borrow().clone() else {
+            continue;
+        };
+        let now = Instant::now();
+        let due = {
+            let mut fleet = lock_fleet();
+            observe(&queue, &mut fleet, cfg.forget_after, set.version, now);
+            let due = fleet.due(set.version, now);
+            fleet.publish_metrics(set.version);
+            due
+        };
+        for address in due {
+            in_flight += 1;
+            let (set, token, done) = (set.clone(), token.clone(), done_tx.clone());
+            tokio::spawn(async move {
+                let outcome = push_to(address, (*set).clone(), token, cfg.deadline).await;
+                let _ = done.send(outcome);
+            });
+        }
+    }
+    // Pushes under way get their deadline (each one is bounded by it).
+    let _ = tokio::time::timeout(cfg.deadline + Duration::from_secs(1), async {
+        while in_flight > 0 {
+            match done_rx.recv().await {
+                Some(outcome) => {
+                    in_flight -= 1;
+                    lock_fleet().finish(&outcome, Instant::now());
+                }
+                None => break,
+            }
+        }
+    })
+    .await;
+}
+
+/// Brings `fleet` in line with the queue's workers: registers advertised addresses, takes
+/// the versions workers report, forgets addresses no worker has used for `forget_after`.
+fn observe(
+    queue: &Mutex<Queue>,
+    fleet: &mut Fleet,
+    forget_after: Duration,
+    newest: u64,
+    now: Instant,
+) {
+    let q = queue
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut live = std::collections::BTreeSet::new();
+    for w in q.workers().values() {
+        let recent = w
+            .last_seen
+            .is_some_and(|t| now.saturating_duration_since(t) < forget_after);
+        if w.push_address.is_empty() || !recent {
+            continue;
+        }
+        fleet.register(&w.push_address);
+        if let (Some(version), Some(at)) = (w.reported_version, w.reported_at) {
+            fleet.reported(&w.push_address, version, at, newest);
+        }
+        live.insert(w.push_address.clone());
+    }
+    drop(q);
+    for address in fleet.addresses() {
+        if !live.contains(&address) {
+            fleet.forget(&address);
+        }
+    }
+}
+
+/// One push of `set` to the worker at `address`, bounded by `deadline`, logged and counted.
+pub async fn push_to(
+    address: String,
+    set: WeightSet,
+    token: String,
+    deadline: Duration,
+) -> PushOutcome {
+    let started = Instant::now();
+    let result = tokio::time::timeout(deadline, push_one(&address, &set, &token, deadline)).await;
+    let error = match result {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(e),
+        Err(_) => Some(format!("no answer within {deadline:?}")),
+    };
+    let o = PushOutcome {
+        worker: address,
+        version: set.version,
+        seconds: started.elapsed().as_secs_f64(),
+        bytes: if error.is_none() {
+            set.bytes.len() as u64
+        } else {
+            0
+        },
+        error,
+    };
+    metrics::histogram!("learner_weight_push_seconds", "worker" => o.worker.clone())
+        .record(o.seconds);
+    metrics::counter!("learner_weight_push_bytes_total", "worker" => o.worker.clone())
+        .increment(o.bytes);
+    let result = if o.error.is_none() { "ok" } else { "failed" };
+    metrics::counter!("learner_weight_pushes_total", "worker" => o.worker.clone(), "result" => result)
+        .increment(1);
+    match &o.error {
+        None => {
+            tracing::info!(worker = %o.worker, version = o.version, seconds = o.seconds, "weights pushed")
+        }
+        Some(e) => {
+            tracing::warn!(worker = %o.worker, version = o.version, error = %e, "weight push failed; worker marked stale, retried after a back-off")
+        }
+    }
+    o
 }
 
 async fn push_one(
@@ -136,16 +446,69 @@ async fn push_one(
     Ok(())
 }
 
-/// Runs every future concurrently and collects their outputs in order.
-async fn futures_join_all<F>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output>
-where
-    F: std::future::Future + Send + 'static,
-    F::Output: Send + 'static,
-{
-    let handles: Vec<_> = futures.into_iter().map(tokio::spawn).collect();
-    let mut out = Vec::with_capacity(handles.len());
-    for h in handles {
-        out.push(h.await.expect("push task panicked"));
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outcome(worker: &str, version: u64, error: Option<&str>) -> PushOutcome {
+        PushOutcome {
+            worker: worker.into(),
+            version,
+            seconds: 0.1,
+            bytes: 0,
+            error: error.map(String::from),
+        }
     }
-    out
+
+    #[test]
+    fn a_worker_is_pushed_once_backs_off_and_is_resynced_after_a_restart() {
+        let t0 = Instant::now();
+        let mut fleet = Fleet::new(Duration::from_secs(8));
+        fleet.register("w");
+        assert_eq!(fleet.state("w", 3), Some(SyncState::Stale));
+        assert_eq!(fleet.due(3, t0), ["w"]);
+        // Under way: not due again, and reports do not change it.
+        assert_eq!(fleet.state("w", 3), Some(SyncState::Pushing));
+        assert!(fleet.due(3, t0).is_empty());
+        fleet.finish(&outcome("w", 3, Some("connect: refused")), t0);
+        assert_eq!(fleet.state("w", 3), Some(SyncState::Failing));
+        // Back-off: 1 s after the first failure, then doubling to the bound.
+        assert!(fleet.due(3, t0 + Duration::from_millis(900)).is_empty());
+        assert_eq!(fleet.due(3, t0 + Duration::from_millis(1000)), ["w"]);
+        fleet.finish(&outcome("w", 3, Some("again")), t0);
+        assert!(fleet.due(3, t0 + Duration::from_millis(1999)).is_empty());
+        assert_eq!(fleet.due(3, t0 + Duration::from_secs(2)), ["w"]);
+        let t1 = t0 + Duration::from_secs(3);
+        fleet.finish(&outcome("w", 3, None), t1);
+        assert_eq!(fleet.state("w", 3), Some(SyncState::Current));
+
+        // A report from before the push changes nothing; nor does one stale report after
+        // it (sent before the swap, arrived after) that the next one contradicts.
+        fleet.reported("w", 2, t1 - Duration::from_millis(1), 3);
+        fleet.reported("w", 2, t1 + Duration::from_millis(10), 3);
+        fleet.reported("w", 3, t1 + Duration::from_millis(20), 3);
+        assert_eq!(fleet.state("w", 3), Some(SyncState::Current));
+        // Two reports naming version 0: the worker restarted; stale again, pushed at once.
+        let t2 = t1 + Duration::from_secs(1);
+        fleet.reported("w", 0, t2, 3);
+        fleet.reported("w", 0, t2, 3); // the same lease, seen twice
+        assert_eq!(fleet.state("w", 3), Some(SyncState::Current));
+        fleet.reported("w", 0, t2 + Duration::from_millis(300), 3);
+        assert_eq!(fleet.state("w", 3), Some(SyncState::Stale));
+        assert_eq!(fleet.due(3, t2), ["w"]);
+    }
+
+    #[test]
+    fn a_worker_that_reports_the_newest_version_needs_no_push() {
+        let t0 = Instant::now();
+        let mut fleet = Fleet::new(Duration::from_secs(8));
+        fleet.register("local");
+        fleet.reported("local", 5, t0, 5);
+        assert_eq!(fleet.state("local", 5), Some(SyncState::Current));
+        assert!(fleet.due(5, t0).is_empty());
+        // Forgotten: no state, never due.
+        fleet.forget("local");
+        assert_eq!(fleet.state("local", 6), None);
+        assert!(fleet.due(6, t0).is_empty());
+    }
 }

@@ -5,9 +5,11 @@
 //! deadline (or whose worker goes away) puts the prompt back at the front of the queue and
 //! a later submission under the old lease is refused. A submitted group waits in a bounded
 //! buffer until the learner takes it; groups older than the allowed weight-version lag are
-//! dropped and counted when taken. So every prompt ends in exactly one consumed group or one
-//! counted drop. The queue is bounded everywhere: pending prompts, leases and scored groups.
-//! Time is passed in, so the logic is tested without clocks.
+//! dropped and counted, and so are groups of weights the learner no longer stands on (a
+//! retired version range, after a resume from a crash) or never published. So every prompt
+//! ends in exactly one consumed group or one counted drop; the counters go into checkpoints
+//! and continue on resume. The queue is bounded everywhere: pending prompts, leases, scored
+//! groups and the worker table. Time is passed in, so the logic is tested without clocks.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -25,6 +27,7 @@ pub struct QueueConfig {
     /// Prompts kept ready to lease.
     pub max_pending: usize,
     /// Scored groups waiting for the learner; at this bound leases stop (backpressure).
+    /// Leases already out may still submit, so at most `max_scored + max_leased` wait.
     pub max_scored: usize,
     /// Leases outstanding at once.
     pub max_leased: usize,
@@ -32,6 +35,9 @@ pub struct QueueConfig {
     pub lease_timeout: Duration,
     /// Groups sampled more than this many versions behind the learner are dropped.
     pub max_version_lag: u64,
+    /// Workers tracked at once; past it the longest-silent worker without leases is
+    /// forgotten, and when every one holds leases a new worker is refused.
+    pub max_workers: usize,
 }
 
 impl Default for QueueConfig {
@@ -42,6 +48,7 @@ impl Default for QueueConfig {
             max_leased: 256,
             lease_timeout: Duration::from_secs(120),
             max_version_lag: 2,
+            max_workers: 1024,
         }
     }
 }
@@ -101,6 +108,23 @@ pub struct ScoredGroup {
     pub lease_seconds: f64,
 }
 
+impl ScoredGroup {
+    /// Bytes the group holds: its ids, log-probs, texts and components (what the queue's
+    /// memory is made of; the bounded size of each comes from the submission checks).
+    pub fn size_bytes(&self) -> usize {
+        let completions: usize = self
+            .completions
+            .iter()
+            .map(|c| {
+                8 * c.ids.len()
+                    + c.text.len()
+                    + c.components.keys().map(|k| k.len() + 4).sum::<usize>()
+            })
+            .sum();
+        4 * self.prompt_ids.len() + self.prompt.len() + self.worker.len() + completions
+    }
+}
+
 /// Why a lease was not granted now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum Backpressure {
@@ -112,6 +136,8 @@ pub enum Backpressure {
     Empty,
     #[error("the learner is shutting down")]
     Closed,
+    #[error("{bound} workers hold leases already (bound)")]
+    TooManyWorkers { bound: usize },
 }
 
 /// Why a submission was refused.
@@ -133,15 +159,8 @@ pub enum SubmitError {
     },
 }
 
-/// The queue as a checkpoint keeps it: prompts not yet consumed and the next prompt id.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct QueueSnapshot {
-    pub unfinished: Vec<QueuedPrompt>,
-    pub next_prompt_id: PromptId,
-}
-
-/// Counters of everything that ever happened (monotonic).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+/// Counters of everything that ever happened in the run (monotonic, kept across resumes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Counters {
     pub prompts_added: u64,
     pub leases_issued: u64,
@@ -150,23 +169,8 @@ pub struct Counters {
     pub groups_submitted: u64,
     pub submissions_refused: u64,
     pub groups_consumed: u64,
+    /// Groups not trained on: too many versions behind, or of a retired or unknown version.
     pub groups_dropped_stale: u64,
-}
-
-/// Per-worker view.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct WorkerStats {
-    pub leased: u64,
-    pub submitted: u64,
-    pub expired: u64,
-    pub refused: u64,
-    pub outstanding: usize,
-    /// Weight version of its latest submission.
-    pub weight_version: u64,
-    /// Where it takes weight pushes (from its latest lease; empty: none).
-    pub push_address: String,
-    #[serde(skip)]
-    pub last_seen: Option<Instant>,
 }
 
 /// The queue's depths now.
@@ -175,6 +179,8 @@ pub struct Depths {
     pub pending: usize,
     pub leased: usize,
     pub scored: usize,
+    /// Bytes the scored groups hold ([`ScoredGroup::size_bytes`]).
+    pub scored_bytes: usize,
     pub counters: Counters,
 }
 
@@ -186,12 +192,16 @@ pub struct Queue {
     leases: HashMap<LeaseId, Lease>,
     /// Scored groups with the prompt each answers (kept for checkpoints).
     scored: VecDeque<(QueuedPrompt, ScoredGroup)>,
+    /// What `scored` holds, bytes.
+    scored_bytes: usize,
     workers: BTreeMap<String, WorkerStats>,
     counters: Counters,
     next_prompt: PromptId,
     next_lease: LeaseId,
     /// Consumed groups by version lag (0, 1, 2, …; the last bucket holds the rest).
     staleness: [u64; 8],
+    /// Inclusive version ranges whose groups are dropped (weights of a crashed run).
+    retired: Vec<(u64, u64)>,
     /// No more leases (the learner is draining before it stops).
     closed: bool,
 }
@@ -203,11 +213,13 @@ impl Queue {
             pending: VecDeque::new(),
             leases: HashMap::new(),
             scored: VecDeque::new(),
+            scored_bytes: 0,
             workers: BTreeMap::new(),
             counters: Counters::default(),
             next_prompt: 0,
             next_lease: 1,
             staleness: [0; 8],
+            retired: Vec::new(),
             closed: false,
         }
     }
@@ -215,39 +227,6 @@ impl Queue {
     /// Stops handing out leases; submissions under outstanding leases are still taken.
     pub fn close(&mut self) {
         self.closed = true;
-    }
-
-    /// What a checkpoint keeps of the queue.
-    pub fn snapshot(&self) -> QueueSnapshot {
-        QueueSnapshot {
-            unfinished: self.unfinished(),
-            next_prompt_id: self.next_prompt,
-        }
-    }
-
-    /// Re-queues a checkpoint's unfinished prompts ahead of new ones (ids, seeds and
-    /// attempts kept); new ids continue after the snapshot's.
-    pub fn restore(&mut self, snapshot: QueueSnapshot) {
-        self.next_prompt = self.next_prompt.max(snapshot.next_prompt_id);
-        for p in snapshot.unfinished.into_iter().rev() {
-            self.next_prompt = self.next_prompt.max(p.id + 1);
-            self.counters.prompts_added += 1;
-            self.pending.push_front(p);
-        }
-    }
-
-    /// Every prompt not yet consumed or dropped — leased, scored but not taken, pending —
-    /// oldest first: what a checkpoint keeps so that a resumed run loses none of them.
-    pub fn unfinished(&self) -> Vec<QueuedPrompt> {
-        let mut out: Vec<QueuedPrompt> = self
-            .leases
-            .values()
-            .map(|l| l.prompt.clone())
-            .chain(self.scored.iter().map(|(p, _)| p.clone()))
-            .chain(self.pending.iter().cloned())
-            .collect();
-        out.sort_by_key(|p| p.id);
-        out
     }
 
     pub fn config(&self) -> &QueueConfig {
@@ -276,14 +255,6 @@ impl Queue {
         Some(id)
     }
 
-    /// Records where `worker` takes weight pushes.
-    pub fn set_push_address(&mut self, worker: &str, address: &str) {
-        let w = self.workers.entry(worker.to_owned()).or_default();
-        if w.push_address != address {
-            w.push_address = address.to_owned();
-        }
-    }
-
     /// Leases up to `max` prompts to `worker` until `now + lease_timeout`.
     pub fn lease(
         &mut self,
@@ -292,7 +263,7 @@ impl Queue {
         now: Instant,
     ) -> Result<Vec<Grant>, Backpressure> {
         self.expire(now);
-        self.seen(worker, now);
+        self.admit(worker, now)?;
         if self.closed {
             return Err(Backpressure::Closed);
         }
@@ -355,7 +326,9 @@ impl Queue {
         self.seen(worker, now);
         let refuse = |q: &mut Self, e: SubmitError| {
             q.counters.submissions_refused += 1;
-            q.workers.entry(worker.to_owned()).or_default().refused += 1;
+            if let Some(w) = q.workers.get_mut(worker) {
+                w.refused += 1;
+            }
             Err(e)
         };
         let Some(held) = self.leases.get(&lease) else {
@@ -379,6 +352,7 @@ impl Queue {
         }
         let held = self.leases.remove(&lease).expect("checked above");
         group.worker = worker.to_owned();
+        // The lease's owner is in the table: a worker with leases is never forgotten.
         group.prompt = held.prompt.prompt.prompt.clone();
         group.seed = held.prompt.seed;
         group.lease_seconds = now.duration_since(held.issued).as_secs_f64();
@@ -387,8 +361,16 @@ impl Queue {
         w.outstanding = w.outstanding.saturating_sub(1);
         w.weight_version = group.weight_version;
         self.counters.groups_submitted += 1;
+        self.scored_bytes += group.size_bytes();
         self.scored.push_back((held.prompt, group));
         Ok(())
+    }
+
+    /// The prompt text under lease `lease`, while it is outstanding.
+    pub fn leased_prompt(&self, lease: LeaseId) -> Option<String> {
+        self.leases
+            .get(&lease)
+            .map(|l| l.prompt.prompt.prompt.clone())
     }
 
     /// Puts every lease past its deadline back at the front of the queue; returns how many.
@@ -401,19 +383,6 @@ impl Queue {
             .collect();
         let n = expired.len();
         self.requeue(expired, true);
-        n
-    }
-
-    /// Returns every lease of `worker` to the queue (it went away); returns how many.
-    pub fn release_worker(&mut self, worker: &str) -> usize {
-        let held: Vec<LeaseId> = self
-            .leases
-            .iter()
-            .filter(|(_, l)| l.worker == worker)
-            .map(|(&id, _)| id)
-            .collect();
-        let n = held.len();
-        self.requeue(held, false);
         n
     }
 
@@ -434,27 +403,56 @@ impl Queue {
         }
     }
 
-    /// Scored groups a learner at `version` could take now (not too stale).
+    /// The version lag of a group for a learner at `version`, or `None` when the group is
+    /// not to be trained on: too many versions behind, retired, or ahead of the learner
+    /// (weights it never published).
+    fn lag(&self, version: u64, group_version: u64) -> Option<u64> {
+        let lag = version.checked_sub(group_version)?;
+        let retired = self
+            .retired
+            .iter()
+            .any(|&(from, to)| (from..=to).contains(&group_version));
+        (!retired && lag <= self.cfg.max_version_lag).then_some(lag)
+    }
+
+    /// Drops (and counts) every waiting group a learner at `version` would not train on,
+    /// so that unusable groups never hold the buffer (and with it the leases) shut;
+    /// returns how many.
+    pub fn purge(&mut self, version: u64) -> usize {
+        let before = self.scored.len();
+        let scored = std::mem::take(&mut self.scored);
+        for (prompt, group) in scored {
+            if self.lag(version, group.weight_version).is_some() {
+                self.scored.push_back((prompt, group));
+            } else {
+                self.scored_bytes -= group.size_bytes();
+                self.counters.groups_dropped_stale += 1;
+            }
+        }
+        before - self.scored.len()
+    }
+
+    /// Scored groups a learner at `version` could take now.
     pub fn ready(&self, version: u64) -> usize {
         self.scored
             .iter()
-            .filter(|(_, g)| version.saturating_sub(g.weight_version) <= self.cfg.max_version_lag)
+            .filter(|(_, g)| self.lag(version, g.weight_version).is_some())
             .count()
     }
 
     /// Up to `max` scored groups for a learner at weight version `version`, oldest first.
-    /// Groups more than `max_version_lag` behind are dropped and counted instead.
+    /// Groups it would not train on (see [`Queue::purge`]) are dropped and counted instead.
     pub fn take(&mut self, max: usize, version: u64) -> Vec<ScoredGroup> {
         let mut out = Vec::new();
         while out.len() < max {
             let Some((_, group)) = self.scored.pop_front() else {
                 break;
             };
-            let lag = version.saturating_sub(group.weight_version);
-            if lag > self.cfg.max_version_lag {
+            self.scored_bytes -= group.size_bytes();
+            let Some(lag) = self.lag(version, group.weight_version) else {
                 self.counters.groups_dropped_stale += 1;
                 continue;
-            }
+            };
             self.staleness[(lag as usize).min(self.staleness.len() - 1)] += 1;
             self.counters.groups_consumed += 1;
             out.push(group);
@@ -462,21 +460,14 @@ impl Queue {
         out
     }
 
-    fn seen(&mut self, worker: &str, now: Instant) {
-        self.workers.entry(worker.to_owned()).or_default().last_seen = Some(now);
-    }
-
     pub fn depths(&self) -> Depths {
         Depths {
             pending: self.pending.len(),
             leased: self.leases.len(),
             scored: self.scored.len(),
+            scored_bytes: self.scored_bytes,
             counters: self.counters,
         }
-    }
-
-    pub fn workers(&self) -> &BTreeMap<String, WorkerStats> {
-        &self.workers
     }
 
     /// Consumed groups by version lag: bucket i holds lag i (the last: that or more).
@@ -498,6 +489,12 @@ impl Queue {
         }
     }
 }
+
+mod snapshot;
+mod workers;
+
+pub use snapshot::QueueSnapshot;
+pub use workers::WorkerStats;
 
 #[cfg(test)]
 mod tests;

@@ -436,6 +436,7 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
         if done % args.checkpoint_every.max(1) == 0 || done == s.steps {
             let state = TrainerState {
                 step: done,
+                version: 0,
                 adamw: opt.cfg,
                 optimizer_steps: opt.steps,
                 schedule,

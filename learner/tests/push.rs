@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
-use learner::push::Fleet;
+use learner::push::{Fleet, SyncState};
 use rollout_worker::engine::{Engine, EngineConfig};
 use rollout_worker::service::{self, RolloutServer, ServiceConfig};
 use rollout_worker::weights::WeightSet;
@@ -32,7 +32,7 @@ fn serve(listener: tokio::net::TcpListener) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_worker_never_blocks_the_others_and_is_resynced() {
-    let mut fleet = Fleet::default();
+    let mut fleet = Fleet::new(Duration::from_secs(1));
     let mut late = None;
     for i in 0..3 {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -63,9 +63,19 @@ async fn a_dead_worker_never_blocks_the_others_and_is_resynced() {
     );
     let dead = failed[0].worker.clone();
     assert_eq!(fleet.stale(1), vec![dead.clone()]);
+    assert_eq!(fleet.state(&dead, 1), Some(SyncState::Failing));
 
-    // It comes back: the next push reaches only it.
+    // Backing off: an immediate second round leaves it alone (the others are current).
+    assert!(
+        fleet
+            .push(&set, TOKEN, Duration::from_secs(2))
+            .await
+            .is_empty()
+    );
+
+    // It comes back: after the back-off the next round reaches only it.
     serve(late.take().unwrap());
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     let outcomes = fleet.push(&set, TOKEN, Duration::from_secs(10)).await;
     assert_eq!(outcomes.len(), 1);
     assert_eq!(
@@ -73,6 +83,24 @@ async fn a_dead_worker_never_blocks_the_others_and_is_resynced() {
         (dead.as_str(), None)
     );
     assert!(fleet.stale(1).is_empty());
+    assert_eq!(fleet.state(&dead, 1), Some(SyncState::Current));
+
+    // The same version again is nothing to do; pushed anyway, a worker answers it is in
+    // use (a retry after a lost answer succeeds).
+    assert!(
+        fleet
+            .push(&set, TOKEN, Duration::from_secs(2))
+            .await
+            .is_empty()
+    );
+    let again = learner::push::push_to(
+        dead.clone(),
+        set.clone(),
+        TOKEN.into(),
+        Duration::from_secs(5),
+    )
+    .await;
+    assert_eq!(again.error, None, "{again:?}");
 
     // A wrong token is a failure for every worker, and they stay on version 1.
     let v2 = WeightSet::from_model(&next, 2).unwrap();

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use learner::prompts::{TaskKind, TaskPrompt};
 use learner::queue::{Queue, QueueConfig};
-use learner::queue_service::{self, GroupSpec, QueueServer};
+use learner::queue_service::{self, GroupCheck, GroupSpec, QueueServer};
 use rookworld_proto::queue::v1 as pb;
 use rookworld_proto::queue::v1::rollout_queue_client::RolloutQueueClient;
 use tonic::Code;
@@ -49,6 +49,7 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
             max_new_tokens: 32,
             seed: 0,
         },
+        check: GroupCheck::for_model(&rookworld_lm::Config::tiny()),
     };
     let server = QueueServer::new(
         queue.clone(),
@@ -118,16 +119,68 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
         reward,
         components: HashMap::from([("format".to_owned(), 1.0f32)]),
     };
+    let check = GroupCheck::for_model(&rookworld_lm::Config::tiny());
     let submit = |lease_id, prompt_id| pb::SubmitRequest {
         worker_id: "w1".into(),
         lease_id,
         prompt_id,
-        prompt_ids: vec![50256, 7],
-        completions: vec![completion(1.0), completion(-1.0)],
+        prompt_ids: check.prompt_ids("A: prompt 0+").unwrap(),
+        completions: vec![
+            completion(1.0),
+            completion(-1.0),
+            completion(0.0),
+            completion(0.5),
+        ],
         weight_version: 3,
         generate_seconds: 0.5,
         score_seconds: 0.1,
     };
+    // No token, wrong token: refused, nothing taken.
+    assert_eq!(
+        client
+            .submit(submit(first.lease_id, first.prompt_id))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::Unauthenticated
+    );
+    assert_eq!(
+        client
+            .submit(authed(submit(first.lease_id, first.prompt_id), "nope"))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::PermissionDenied
+    );
+    // Groups the learner could not train on: INVALID_ARGUMENT, and the lease stays.
+    type Break = fn(&mut pb::SubmitRequest);
+    let broken: Vec<(&str, Break)> = vec![
+        ("a completion short", |r| {
+            r.completions.pop();
+        }),
+        ("an id past the vocabulary", |r| {
+            r.completions[1].ids[0] = 60_000;
+        }),
+        ("a positive log-prob", |r| {
+            r.completions[2].logprobs[0] = 0.5
+        }),
+        ("a NaN reward", |r| r.completions[0].reward = f32::NAN),
+        ("more tokens than asked", |r| {
+            r.completions[0].ids = vec![7; 33];
+            r.completions[0].logprobs = vec![-1.0; 33];
+        }),
+        ("other prompt ids", |r| r.prompt_ids.push(7)),
+        ("a huge text", |r| {
+            r.completions[3].text = "x".repeat(1 << 20)
+        }),
+        ("a bad worker id", |r| r.worker_id = "w1\n".into()),
+    ];
+    for (what, breaks) in broken {
+        let mut r = submit(first.lease_id, first.prompt_id);
+        breaks(&mut r);
+        let err = client.submit(authed(r, TOKEN)).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{what}: {err:?}");
+    }
     client
         .submit(authed(submit(first.lease_id, first.prompt_id), TOKEN))
         .await
@@ -192,7 +245,7 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
             g.seed,
             g.completions.len()
         ),
-        ("A: prompt 0+", "w1", 100, 2)
+        ("A: prompt 0+", "w1", 100, 4)
     );
     assert_eq!(g.completions[0].components["format"], 1.0);
 

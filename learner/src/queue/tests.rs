@@ -37,6 +37,7 @@ fn cfg() -> QueueConfig {
         max_leased: 4,
         lease_timeout: Duration::from_secs(10),
         max_version_lag: 1,
+        max_workers: 3,
     }
 }
 
@@ -116,6 +117,7 @@ fn under_random_faults_every_prompt_ends_once() {
         max_leased: 12,
         lease_timeout: Duration::from_secs(5),
         max_version_lag: 2,
+        max_workers: 8,
     });
     let mut held: Vec<(String, Grant)> = Vec::new();
     let mut ended: BTreeMap<PromptId, u32> = BTreeMap::new();
@@ -186,4 +188,126 @@ fn under_random_faults_every_prompt_ends_once() {
         c.leases_expired > 0 && c.groups_dropped_stale > 0 && c.submissions_refused > 0,
         "{c:?}"
     );
+}
+
+/// Leases and submits one prompt per version given (each by worker "w").
+fn submit_versions(q: &mut Queue, versions: &[u64], now: Instant) -> Vec<PromptId> {
+    let mut ids = Vec::new();
+    for &v in versions {
+        let id = q.add(prompt(v), v).unwrap();
+        let g = q.lease("w", 1, now).unwrap();
+        q.submit("w", g[0].lease, group(id, v), now).unwrap();
+        ids.push(id);
+    }
+    ids
+}
+
+#[test]
+fn unusable_groups_never_hold_the_buffer_shut() {
+    // The buffer (3) fills with groups the learner at version 5 will not take: leases stop
+    // for backpressure, so without a purge nothing would ever move again.
+    let t0 = Instant::now();
+    let mut q = Queue::new(cfg());
+    submit_versions(&mut q, &[1, 2, 3], t0);
+    q.add(prompt(9), 9).unwrap();
+    assert!(matches!(
+        q.lease("w", 1, t0),
+        Err(Backpressure::LearnerBehind { .. })
+    ));
+    assert_eq!(q.ready(5), 0);
+    assert!(q.depths().scored_bytes > 0);
+    assert_eq!(q.purge(5), 3);
+    assert_eq!(q.depths().scored_bytes, 0);
+    assert_eq!(q.depths().counters.groups_dropped_stale, 3);
+    assert_eq!(q.lease("w", 1, t0).unwrap().len(), 1);
+}
+
+#[test]
+fn retired_and_unpublished_versions_are_dropped() {
+    let t0 = Instant::now();
+    let mut q = Queue::new(QueueConfig {
+        max_scored: 8,
+        max_version_lag: 5,
+        ..cfg()
+    });
+    // Versions 3..=4 came from a crashed run's weights; 9 is ahead of the learner (8).
+    q.retire(3, 4);
+    let ids = submit_versions(&mut q, &[2, 3, 4, 5, 9, 8], t0);
+    assert_eq!(q.ready(8), 2);
+    let taken: Vec<u64> = q.take(10, 8).iter().map(|g| g.weight_version).collect();
+    assert_eq!(taken, [5, 8], "version 2 is 6 behind (bound 5)");
+    let c = q.depths().counters;
+    assert_eq!((c.groups_consumed, c.groups_dropped_stale), (2, 4));
+    assert_eq!(
+        q.depths().scored_bytes,
+        0,
+        "nothing held once all are taken or dropped"
+    );
+    assert_eq!(c.prompts_added, ids.len() as u64);
+}
+
+#[test]
+fn counters_and_retired_versions_continue_after_a_restore() {
+    let t0 = Instant::now();
+    let mut q = Queue::new(cfg());
+    q.retire(4, 6);
+    submit_versions(&mut q, &[1, 1], t0);
+    assert_eq!(q.take(1, 1).len(), 1);
+    q.add(prompt(7), 7).unwrap();
+    q.lease("w", 1, t0).unwrap();
+    let snapshot = q.snapshot();
+    // The snapshot survives JSON (the checkpoint's form).
+    let json = serde_json::to_string(&snapshot).unwrap();
+    let snapshot: QueueSnapshot = serde_json::from_str(&json).unwrap();
+
+    let mut r = Queue::new(cfg());
+    r.restore(snapshot.clone());
+    let c = r.depths().counters;
+    assert_eq!(c, q.depths().counters);
+    // prompts added = consumed + dropped + unfinished, across the restore.
+    assert_eq!(
+        c.prompts_added,
+        c.groups_consumed + c.groups_dropped_stale + r.unfinished().len() as u64
+    );
+    assert_eq!(r.depths().pending, 2, "the scored and the leased prompt");
+    assert_eq!(r.snapshot().retired, vec![(4, 6)]);
+    // A checkpoint from before the counters were kept counts its prompts as added.
+    let mut old = Queue::new(cfg());
+    old.restore(QueueSnapshot {
+        counters: None,
+        retired: vec![],
+        ..snapshot
+    });
+    assert_eq!(old.depths().counters.prompts_added, 2);
+}
+
+#[test]
+fn the_worker_table_is_bounded() {
+    let t0 = Instant::now();
+    let mut q = Queue::new(cfg()); // 3 workers at most
+    for i in 0..8 {
+        q.add(prompt(i), i).unwrap();
+    }
+    for (k, w) in ["a", "b", "c"].iter().enumerate() {
+        q.lease(w, 1, t0 + Duration::from_secs(k as u64)).unwrap();
+    }
+    // Every worker holds a lease: a fourth is refused, nobody is forgotten.
+    assert_eq!(
+        q.lease("d", 1, t0),
+        Err(Backpressure::TooManyWorkers { bound: 3 })
+    );
+    assert_eq!(q.workers().len(), 3);
+    // Once a worker has no leases, the longest-silent such one makes room.
+    q.release_worker("a");
+    q.release_worker("b");
+    q.lease("d", 1, t0 + Duration::from_secs(5)).unwrap();
+    let names: Vec<&str> = q.workers().keys().map(String::as_str).collect();
+    assert_eq!(names, ["b", "c", "d"]);
+    // Refused submissions of unknown workers leave no trace in the table.
+    let _ = q.submit("stranger", 999, group(0, 0), t0);
+    assert_eq!(q.workers().len(), 3);
+    // What a worker reports in its lease is kept.
+    q.describe_worker("d", "http://d:1", 7, t0);
+    assert_eq!(q.workers()["d"].reported_version, Some(7));
+    assert_eq!(q.workers()["d"].push_address, "http://d:1");
 }

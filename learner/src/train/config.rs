@@ -25,7 +25,7 @@ pub struct TrainArgs {
     #[arg(long, env = "ROOKWORLD_PRESET", default_value = "tiny")]
     pub preset: String,
     /// Seed of the preset's random weights.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, env = "LEARNER_INIT_SEED", default_value_t = 0)]
     pub init_seed: u64,
     /// Where the learner trains: cpu, cuda, cuda:N, auto.
     #[arg(long, env = "ROOKWORLD_DEVICE", default_value = "cpu")]
@@ -45,7 +45,7 @@ pub struct TrainArgs {
     #[arg(long, env = "LEARNER_REWARD")]
     pub reward: Option<String>,
     /// Seconds to wait for --reward to answer at start.
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, env = "LEARNER_REWARD_WAIT", default_value_t = 30.0)]
     pub reward_wait: f64,
     /// Address of the rollout queue (workers lease from it; inspection calls too).
     #[arg(long, env = "LEARNER_LISTEN", default_value = "127.0.0.1:50051")]
@@ -61,31 +61,31 @@ pub struct TrainArgs {
     #[arg(long, env = "LEARNER_PROMPTS")]
     pub prompts: Option<PathBuf>,
     /// Push weights to the workers every this many steps.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, env = "LEARNER_PUSH_EVERY", default_value_t = 1)]
     pub push_every: u64,
     /// Deadline of one weight push to one worker, in seconds.
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long, env = "LEARNER_PUSH_TIMEOUT", default_value_t = 60.0)]
     pub push_timeout: f64,
     /// Checkpoint every this many steps (and at the end or on shutdown).
-    #[arg(long, default_value_t = 25)]
+    #[arg(long, env = "LEARNER_CHECKPOINT_EVERY", default_value_t = 25)]
     pub checkpoint_every: u64,
     /// On Ctrl-C/SIGTERM, wait this long (seconds) for leased groups to come in.
-    #[arg(long, default_value_t = 20.0)]
+    #[arg(long, env = "LEARNER_DRAIN_TIMEOUT", default_value_t = 20.0)]
     pub drain_timeout: f64,
     /// Append one JSON object per step to this file.
-    #[arg(long)]
+    #[arg(long, env = "LEARNER_LOG_JSONL")]
     pub log_jsonl: Option<PathBuf>,
     /// Append every consumed scored group (JSONL) to this file, for replay.
-    #[arg(long)]
+    #[arg(long, env = "LEARNER_ROLLOUT_DUMP")]
     pub rollout_dump: Option<PathBuf>,
     /// Peak of the training device in TFLOP/s, for MFU (default: an estimate).
-    #[arg(long)]
+    #[arg(long, env = "LEARNER_PEAK_TFLOPS")]
     pub peak_tflops: Option<f64>,
     /// UCI engine for the supervised warm-up's policy lines (default: stockfish if installed).
-    #[arg(long)]
+    #[arg(long, env = "LEARNER_ENGINE")]
     pub engine: Option<PathBuf>,
     /// Plain log lines even on a terminal (no progress bar).
-    #[arg(long)]
+    #[arg(long, env = "LEARNER_NO_PROGRESS")]
     pub no_progress: bool,
 }
 
@@ -93,72 +93,72 @@ pub struct TrainArgs {
 #[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
 pub struct TrainSettings {
     /// GRPO steps in total.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, env = "LEARNER_STEPS", default_value_t = 100)]
     pub steps: u64,
     /// Prompts (groups) per step (P).
-    #[arg(long, default_value_t = 6)]
+    #[arg(long, env = "LEARNER_PROMPTS_PER_STEP", default_value_t = 6)]
     pub prompts_per_step: usize,
     /// Completions per prompt (G).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, env = "LEARNER_GROUP_SIZE", default_value_t = 8)]
     pub group_size: u32,
     /// Groups per forward/backward (gradients accumulate to the step's).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, env = "LEARNER_MICRO_BATCH_GROUPS", default_value_t = 4)]
     pub micro_batch_groups: usize,
-    #[arg(long, default_value_t = 1e-3)]
+    #[arg(long, env = "LEARNER_LR", default_value_t = 1e-3)]
     pub lr: f64,
-    #[arg(long, default_value_t = 1e-4)]
+    #[arg(long, env = "LEARNER_MIN_LR", default_value_t = 1e-4)]
     pub min_lr: f64,
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, env = "LEARNER_WARMUP_STEPS", default_value_t = 5)]
     pub warmup_steps: u64,
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, env = "LEARNER_WEIGHT_DECAY", default_value_t = 0.0)]
     pub weight_decay: f64,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, env = "LEARNER_MAX_GRAD_NORM", default_value_t = 1.0)]
     pub max_grad_norm: f64,
     /// KL coefficient β (0: no reference forward). The local default run uses 0.01:
     /// a tiny model that must first learn the format.
-    #[arg(long, default_value_t = 0.01)]
+    #[arg(long, env = "LEARNER_BETA", default_value_t = 0.01)]
     pub beta: f64,
     /// Clip ε, lower side.
-    #[arg(long, default_value_t = 0.2)]
+    #[arg(long, env = "LEARNER_CLIP_EPS", default_value_t = 0.2)]
     pub clip_eps: f64,
     /// Clip ε, upper side.
-    #[arg(long, default_value_t = 0.2)]
+    #[arg(long, env = "LEARNER_CLIP_EPS_HIGH", default_value_t = 0.2)]
     pub clip_eps_high: f64,
-    #[arg(long, value_enum, default_value_t = AdvantageNorm::Unbiased)]
+    #[arg(long, env = "LEARNER_ADVANTAGE_NORM", value_enum, default_value_t = AdvantageNorm::Unbiased)]
     pub advantage_norm: AdvantageNorm,
-    #[arg(long, value_enum, default_value_t = Aggregation::Sequence)]
+    #[arg(long, env = "LEARNER_AGGREGATION", value_enum, default_value_t = Aggregation::Sequence)]
     pub aggregation: Aggregation,
     /// Sampling temperature (the loss uses the same).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, env = "LEARNER_TEMPERATURE", default_value_t = 1.0)]
     pub temperature: f64,
     /// Top-k (0: off).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, env = "LEARNER_TOP_K", default_value_t = 0)]
     pub top_k: u32,
     /// Top-p (1: off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, env = "LEARNER_TOP_P", default_value_t = 1.0)]
     pub top_p: f64,
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, env = "LEARNER_MAX_NEW_TOKENS", default_value_t = 64)]
     pub max_new_tokens: u32,
     /// Seed of the prompt generator and of the groups' sampling seeds.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, env = "LEARNER_SEED", default_value_t = 0)]
     pub seed: u64,
     /// Fraction of policy-task (`P:`) prompts among generated ones.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, env = "LEARNER_POLICY_FRACTION", default_value_t = 0.0)]
     pub policy_fraction: f64,
     /// Groups sampled more than this many weight versions behind are dropped (counted).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, env = "LEARNER_MAX_VERSION_LAG", default_value_t = 2)]
     pub max_version_lag: u64,
     /// Seconds a worker has to submit a leased prompt before it is re-issued.
-    #[arg(long, default_value_t = 300.0)]
+    #[arg(long, env = "LEARNER_LEASE_TIMEOUT", default_value_t = 300.0)]
     pub lease_timeout: f64,
     /// Supervised warm-up steps before GRPO (0: none), on generated documents.
-    #[arg(long, default_value_t = 250)]
+    #[arg(long, env = "LEARNER_SFT_STEPS", default_value_t = 250)]
     pub sft_steps: u64,
     /// Documents per warm-up step.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, env = "LEARNER_SFT_BATCH_SIZE", default_value_t = 16)]
     pub sft_batch_size: usize,
     /// Warm-up learning rate (peak).
-    #[arg(long, default_value_t = 3e-3)]
+    #[arg(long, env = "LEARNER_SFT_LR", default_value_t = 3e-3)]
     pub sft_lr: f64,
 }
 
@@ -281,6 +281,7 @@ impl TrainSettings {
             max_leased: (4 * p).max(16),
             lease_timeout: Duration::from_secs_f64(self.lease_timeout),
             max_version_lag: self.max_version_lag,
+            ..QueueConfig::default()
         }
     }
 

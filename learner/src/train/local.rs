@@ -24,8 +24,6 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The in-process services; [`LocalServices::stop`] ends them.
 pub struct LocalServices {
-    /// The worker's RolloutService URL (weight pushes).
-    pub worker: String,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
     engine: Arc<Engine>,
@@ -105,7 +103,6 @@ impl LocalServices {
         }));
         tracing::info!(%reward, %worker, "local reward server and rollout worker started");
         Ok(Self {
-            worker,
             stop,
             tasks,
             engine,

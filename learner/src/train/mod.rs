@@ -2,40 +2,50 @@
 //!
 //! Each step takes P scored groups from the queue (waiting for workers as needed; groups
 //! too many versions behind are dropped and counted), trains on them in micro-batches,
-//! bumps the weight version and hands the new BF16 weights to every registered worker in
-//! the background (each push has its own deadline, so a slow worker holds up nobody).
-//! Checkpoints keep the model, optimizer, prompt cursor and the queue's unfinished
-//! prompts, so `--resume` loses nothing. On shutdown the queue stops leasing, groups in
-//! flight are waited for (bounded), a checkpoint is written and the run returns.
+//! bumps the weight version and publishes the new BF16 weights, which the weight sync
+//! ([`crate::push`]) brings to every registered worker in the background (each push has
+//! its own deadline, so a slow worker holds up nobody).
+//!
+//! Weight versions never repeat within a run: the learner's first weights are version 1
+//! (0 is whatever a worker started with), every published version is recorded before it
+//! goes out, and a run resumed after a crash numbers its weights past every version the
+//! crashed process may have published, retiring those (their groups are dropped and
+//! counted). Checkpoints keep the model, optimizer, prompt cursor, weight version and the
+//! queue's unfinished prompts and counters, so `--resume` loses nothing. On shutdown the
+//! queue stops leasing, groups in flight are waited for (bounded), a checkpoint is written
+//! and the run returns.
 
 mod config;
 mod local;
+mod prepare;
 mod report;
+mod support;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Device};
 use rollout_worker::weights::WeightSet;
-use rookworld_lm::{Gpt2, checkpoint as model_checkpoint};
+use rookworld_lm::Gpt2;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 pub use config::{ConfigError, TrainArgs, TrainSettings};
-pub use report::{StepRecord, StepSeconds};
+pub use report::{StepRecord, StepSeconds, print_summary, reward_trend};
 
 use crate::batch::GrpoBatch;
-use crate::checkpoint::{self, TrainerState};
+use crate::checkpoint;
 use crate::optim::AdamW;
 use crate::policy::Trainable;
-use crate::prompts::{self, Generator, Source};
-use crate::push::Fleet;
+use crate::prompts::{self, Source};
+use crate::push::{self, Fleet, SyncConfig};
 use crate::queue::{Queue, ScoredGroup};
-use crate::queue_service::{self, GroupSpec, QueueServer};
+use crate::queue_service::{self, GroupCheck, GroupSpec, QueueServer};
 use crate::step::train_step;
+use prepare::prepare;
 use report::Reporter;
+use support::{check_reachable, drain, peak_flops, publish, save, step_flops};
 
 /// Why a run stopped early.
 #[derive(Debug, thiserror::Error)]
@@ -81,6 +91,8 @@ struct Run {
     queue: Arc<Mutex<Queue>>,
     version: Arc<AtomicU64>,
     settings_json: serde_json::Value,
+    /// Whether it continues from a checkpoint.
+    resumed: bool,
 }
 
 fn lock(q: &Mutex<Queue>) -> std::sync::MutexGuard<'_, Queue> {
@@ -125,6 +137,7 @@ pub async fn run(
     let spec = GroupSpec {
         num_completions: s.group_size,
         sampling: s.sampling(),
+        check: GroupCheck::for_model(run.policy.model.config()),
     };
     let server = QueueServer::new(
         run.queue.clone(),
@@ -146,19 +159,30 @@ pub async fn run(
     } else {
         None
     };
-    let fleet = Arc::new(tokio::sync::Mutex::new(Fleet::default()));
-    if let Some(l) = &local {
-        // It already runs the current version.
-        let mut f = fleet.lock().await;
-        f.register(&l.worker);
-        f.mark(&l.worker, run.version.load(Ordering::SeqCst));
-    }
+    // The weight sync: every registered worker gets the newest published weights.
+    let (latest_tx, latest_rx) = watch::channel(None);
+    let fleet = Arc::new(Mutex::new(Fleet::new(Duration::from_secs(30))));
+    let (sync_stop, sync_stopped) = watch::channel(false);
+    let sync_task = tokio::spawn(push::run(
+        run.queue.clone(),
+        fleet,
+        latest_rx,
+        token.clone(),
+        SyncConfig {
+            deadline: args.push_timeout(),
+            forget_after: Duration::from_secs_f64((2.0 * s.lease_timeout).max(60.0)),
+            tick: Duration::from_millis(250),
+        },
+        until(sync_stopped),
+    ));
+    tokio::task::block_in_place(|| publish(&args, &run, &latest_tx))?;
     let mut reporter = Reporter::new(
         args.log_jsonl.as_deref(),
         args.rollout_dump.as_deref(),
         !args.no_progress,
         s.steps,
         run.step,
+        run.resumed,
     )
     .map_err(ConfigError)?;
     let peak = peak_flops(&args, run.policy.model.device());
@@ -194,7 +218,7 @@ pub async fn run(
 
         let push_started = Instant::now();
         if run.step % args.push_every.max(1) == 0 || run.step == s.steps {
-            push(&run, &fleet, &token, args.push_timeout(), new_version)?;
+            tokio::task::block_in_place(|| publish(&args, &run, &latest_tx))?;
         }
         let push = push_started.elapsed().as_secs_f64();
 
@@ -260,7 +284,8 @@ pub async fn run(
         "checkpoint written; stopping"
     );
     // Pushes still in flight get their deadline, then the services stop.
-    let _ = tokio::time::timeout(args.push_timeout(), fleet.lock()).await;
+    let _ = sync_stop.send(true);
+    let _ = sync_task.await;
     if let Some(local) = local {
         local.stop().await;
     }
@@ -274,98 +299,6 @@ pub async fn run(
 /// Resolves once `rx` says stop.
 async fn until(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|&s| s).await;
-}
-
-/// Loads or resumes the policy, the reference and the queue; runs the warm-up on a fresh
-/// start.
-fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Run, TrainError> {
-    let s = &args.settings;
-    let settings_json = serde_json::to_value(s).expect("settings serialise");
-    let mut source = match &args.prompts {
-        Some(path) => Source::File {
-            prompts: prompts::load(path)?,
-            next: 0,
-        },
-        None => Source::Generated(Box::new(Generator::new(s.seed, s.policy_fraction))),
-    };
-    let queue = Arc::new(Mutex::new(Queue::new(s.queue_config())));
-    let reference_dir = args.run_dir.join("reference");
-    let latest = if args.resume {
-        checkpoint::latest(&args.run_dir)?
-    } else {
-        None
-    };
-    let (policy, opt, step) = match latest {
-        Some(dir) => {
-            let device = args
-                .device
-                .parse::<rookworld_lm::device::DeviceChoice>()?
-                .open()?;
-            let (policy, opt, state) = checkpoint::load(&dir, &device)?;
-            if state.settings != settings_json {
-                return Err(ConfigError(format!(
-                    "--resume with different settings: the checkpoint has {}, this run {}",
-                    state.settings, settings_json
-                ))
-                .into());
-            }
-            source.restore(&state.cursor)?;
-            if let Some(snapshot) = state.queue {
-                lock(&queue).restore(snapshot);
-            }
-            tracing::info!(step = state.step, dir = %dir.display(), "resumed");
-            (policy, opt, state.step)
-        }
-        None => {
-            let loaded = args.model_args().load()?;
-            tracing::info!(source = %loaded.source, device = ?loaded.device, "starting weights");
-            let policy = Trainable::from_model(&loaded.model)?;
-            if s.sft_steps > 0 {
-                tracing::info!(steps = s.sft_steps, "supervised warm-up");
-                let warm = s.warm_up();
-                let engine = args.engine.clone();
-                summary.warm_up = std::thread::scope(|scope| {
-                    scope
-                        .spawn(|| {
-                            crate::sft::warm_up(&policy, &warm, engine, |r| {
-                                if r.step % 10 == 0 || r.step == warm.steps {
-                                    tracing::info!(
-                                        step = r.step,
-                                        loss = format!("{:.4}", r.loss),
-                                        seconds = format!("{:.2}", r.seconds),
-                                        "warm-up"
-                                    );
-                                }
-                            })
-                        })
-                        .join()
-                        .expect("warm-up thread")
-                })?;
-            }
-            // The reference is the policy GRPO starts from (after any warm-up).
-            model_checkpoint::save(&policy.model, &reference_dir, DType::F32)?;
-            (policy, AdamW::new(s.adamw()), 0)
-        }
-    };
-    let reference = if s.beta > 0.0 {
-        Some(model_checkpoint::load(
-            &reference_dir,
-            DType::F32,
-            policy.model.device(),
-        )?)
-    } else {
-        None
-    };
-    Ok(Run {
-        policy,
-        reference,
-        opt,
-        step,
-        source,
-        queue,
-        version: Arc::new(AtomicU64::new(step)),
-        settings_json,
-    })
 }
 
 /// Seeds of the groups' sampling, one stream per run (continued on resume).
@@ -393,6 +326,7 @@ async fn gather(
                 q.add(p, seeds.next_u64());
             }
             q.expire(Instant::now());
+            q.purge(version);
             // Take only a full step's worth, so a shutdown never strands taken groups.
             if q.ready(version) >= s.prompts_per_step {
                 let groups = q.take(s.prompts_per_step, version);
@@ -428,167 +362,4 @@ fn to_batch(groups: &[ScoredGroup]) -> GrpoBatch {
                 .collect(),
         ),
     }
-}
-
-/// Registers the workers that advertised a push address and sends them `version` in the
-/// background. The BF16 conversion happens here; when the previous push is still under
-/// way this one is skipped (its stale workers are caught up by the next).
-fn push(
-    run: &Run,
-    fleet: &Arc<tokio::sync::Mutex<Fleet>>,
-    token: &str,
-    deadline: Duration,
-    version: u64,
-) -> Result<(), TrainError> {
-    let Ok(mut guard) = fleet.clone().try_lock_owned() else {
-        tracing::debug!(version, "previous weight push still under way; skipped");
-        return Ok(());
-    };
-    for w in lock(&run.queue).workers().values() {
-        if !w.push_address.is_empty() {
-            guard.register(&w.push_address);
-        }
-    }
-    if guard.stale(version).is_empty() {
-        return Ok(());
-    }
-    let set = WeightSet::from_model(&run.policy.model, version)?;
-    let token = token.to_owned();
-    tokio::spawn(async move {
-        guard.push(&set, &token, deadline).await;
-    });
-    Ok(())
-}
-
-/// Writes a checkpoint: weights, optimizer, cursor and the queue's unfinished prompts.
-fn save(args: &TrainArgs, run: &Run) -> Result<std::path::PathBuf, TrainError> {
-    let state = TrainerState {
-        step: run.step,
-        adamw: run.opt.cfg,
-        optimizer_steps: run.opt.steps,
-        schedule: args.settings.schedule(),
-        cursor: run.source.cursor(),
-        settings: run.settings_json.clone(),
-        queue: Some(lock(&run.queue).snapshot()),
-    };
-    Ok(checkpoint::save(
-        &args.run_dir,
-        &run.policy,
-        &run.opt,
-        &state,
-    )?)
-}
-
-/// Waits (at most `timeout`) until no lease is outstanding.
-async fn drain(queue: &Mutex<Queue>, timeout: Duration) {
-    let started = Instant::now();
-    loop {
-        let leased = lock(queue).depths().leased;
-        if leased == 0 {
-            return;
-        }
-        if started.elapsed() >= timeout {
-            tracing::warn!(
-                leased,
-                "drain timed out; those prompts are kept for the next run"
-            );
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// Fails with one line when nothing answers at `url` within `wait`.
-async fn check_reachable(url: &str, wait: Duration) -> Result<(), TrainError> {
-    let endpoint = tonic::transport::Endpoint::from_shared(url.to_owned())
-        .map_err(|e| ConfigError(format!("--reward {url}: {e}")))?
-        .connect_timeout(Duration::from_secs(2));
-    let started = Instant::now();
-    loop {
-        match endpoint.connect().await {
-            Ok(_) => return Ok(()),
-            Err(e) if started.elapsed() >= wait => {
-                let why = std::error::Error::source(&e).map_or(e.to_string(), |s| s.to_string());
-                return Err(ConfigError(format!(
-                    "reward server {url} unreachable for {:.0} s: {why}",
-                    wait.as_secs_f64()
-                ))
-                .into());
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
-        }
-    }
-}
-
-/// Model FLOPs of one step's forward and backward: 6 per weight per token for the policy
-/// (2 forward, 4 backward) and 2 more for the reference forward — the transformer's
-/// matmul weights for every sequence token, the LM head's only for the completion tokens
-/// (the only positions that go through it); groups without signal are not run.
-fn step_flops(model: &Gpt2, batch: &GrpoBatch, reference: bool) -> f64 {
-    let c = model.config();
-    let body = (c.n_layer * 12 * c.n_embd * c.n_embd) as f64;
-    let head = (c.vocab_size * c.n_embd) as f64;
-    let (mut seq, mut completion) = (0usize, 0usize);
-    for ((p, group), rewards) in batch
-        .prompts
-        .iter()
-        .zip(&batch.completions)
-        .zip(&batch.rewards)
-    {
-        if rewards.iter().all(|r| *r == rewards[0]) {
-            continue; // no signal: not forwarded
-        }
-        for g in group {
-            seq += p.len() + g.len();
-            completion += g.len();
-        }
-    }
-    let per_weight_token = if reference { 8.0 } else { 6.0 };
-    per_weight_token * (body * seq as f64 + head * completion as f64)
-}
-
-/// `--peak-tflops`, or an estimate: on the CPU, 32 f32 FLOPs per cycle per core (AVX2,
-/// two FMA units) at 3 GHz; on CUDA, dense TF32 of an H100/H200 (495 TFLOP/s).
-fn peak_flops(args: &TrainArgs, device: &Device) -> f64 {
-    if let Some(t) = args.peak_tflops {
-        return t * 1e12;
-    }
-    if device.is_cpu() {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        cores as f64 * 32.0 * 3e9
-    } else {
-        495e12
-    }
-}
-
-/// The run's outcome on stdout: warm-up loss, first and last 20% of steps' mean reward.
-pub fn print_summary(summary: &TrainSummary) {
-    if let (Some(first), Some(last)) = (summary.warm_up.first(), summary.warm_up.last()) {
-        println!(
-            "warm-up: {} steps, loss {:.3} -> {:.3}",
-            summary.warm_up.len(),
-            first.loss,
-            last.loss
-        );
-    }
-    if let Some((early, late)) = reward_trend(&summary.steps) {
-        println!(
-            "GRPO: {} steps, mean reward first 20% {early:.4}, last 20% {late:.4} ({:+.4})",
-            summary.steps.len(),
-            late - early
-        );
-    }
-    if let Some(dir) = &summary.checkpoint {
-        println!("checkpoint: {}", dir.display());
-    }
-}
-
-/// Mean reward over the first and the last 20% of `steps` (at least one step each).
-pub fn reward_trend(steps: &[StepRecord]) -> Option<(f64, f64)> {
-    if steps.is_empty() {
-        return None;
-    }
-    let k = (steps.len() / 5).max(1);
-    let mean = |s: &[StepRecord]| s.iter().map(|r| r.reward_mean).sum::<f64>() / s.len() as f64;
-    Some((mean(&steps[..k]), mean(&steps[steps.len() - k..])))
 }

@@ -10,6 +10,7 @@ use std::time::Instant;
 use metrics::{counter, gauge, histogram};
 use serde::{Deserialize, Serialize};
 
+use super::TrainSummary;
 use crate::queue::ScoredGroup;
 
 /// Where a step's wall time went, in seconds.
@@ -100,14 +101,60 @@ fn append(path: &Path, what: &str) -> Result<BufWriter<File>, String> {
         .map_err(|e| format!("{what} {}: {e}", path.display()))
 }
 
+/// Keeps, in a JSONL file of step lines, only the lines of steps up to `step` (and none
+/// that does not parse, such as a line torn by a crash): what a run resumed at `step` has
+/// really done. Returns how many lines went.
+fn roll_back(path: &Path, step: u64) -> Result<usize, String> {
+    use std::io::BufRead;
+    let file = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(format!("{}: {e}", path.display())),
+    };
+    #[derive(Deserialize)]
+    struct Step {
+        step: u64,
+    }
+    let tmp = path.with_extension("rollback.tmp");
+    let mut out = File::create(&tmp)
+        .map(BufWriter::new)
+        .map_err(|e| format!("{}: {e}", tmp.display()))?;
+    let mut dropped = 0;
+    for line in std::io::BufReader::new(file).split(b'\n') {
+        let line = line.map_err(|e| format!("{}: {e}", path.display()))?;
+        match serde_json::from_slice::<Step>(&line) {
+            Ok(s) if s.step <= step => {
+                out.write_all(&line)
+                    .and_then(|()| out.write_all(b"\n"))
+                    .map_err(|e| format!("{}: {e}", tmp.display()))?;
+            }
+            _ => dropped += 1,
+        }
+    }
+    out.flush().map_err(|e| format!("{}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, path).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(dropped)
+}
+
 impl Reporter {
+    /// Opens the log and the dump for appending; a run resumed at `first_step` first rolls
+    /// both back to that step.
     pub fn new(
         jsonl: Option<&Path>,
         dump: Option<&Path>,
         progress: bool,
         total_steps: u64,
         first_step: u64,
+        resumed: bool,
     ) -> Result<Self, String> {
+        if resumed {
+            for path in [jsonl, dump].into_iter().flatten() {
+                let dropped = roll_back(path, first_step)?;
+                if dropped > 0 {
+                    tracing::warn!(file = %path.display(), lines = dropped, step = first_step, "rolled back to the checkpoint's step (lines of steps the resumed run redoes)");
+                }
+            }
+        }
         Ok(Self {
             jsonl: jsonl.map(|p| append(p, "--log-jsonl")).transpose()?,
             dump: dump.map(|p| append(p, "--rollout-dump")).transpose()?,
@@ -223,4 +270,36 @@ fn record_metrics(r: &StepRecord) {
     ] {
         histogram!("learner_step_seconds", "phase" => phase).record(v);
     }
+}
+
+/// The run's outcome on stdout: warm-up loss, first and last 20% of steps' mean reward.
+pub fn print_summary(summary: &TrainSummary) {
+    if let (Some(first), Some(last)) = (summary.warm_up.first(), summary.warm_up.last()) {
+        println!(
+            "warm-up: {} steps, loss {:.3} -> {:.3}",
+            summary.warm_up.len(),
+            first.loss,
+            last.loss
+        );
+    }
+    if let Some((early, late)) = reward_trend(&summary.steps) {
+        println!(
+            "GRPO: {} steps, mean reward first 20% {early:.4}, last 20% {late:.4} ({:+.4})",
+            summary.steps.len(),
+            late - early
+        );
+    }
+    if let Some(dir) = &summary.checkpoint {
+        println!("checkpoint: {}", dir.display());
+    }
+}
+
+/// Mean reward over the first and the last 20% of `steps` (at least one step each).
+pub fn reward_trend(steps: &[StepRecord]) -> Option<(f64, f64)> {
+    if steps.is_empty() {
+        return None;
+    }
+    let k = (steps.len() / 5).max(1);
+    let mean = |s: &[StepRecord]| s.iter().map(|r| r.reward_mean).sum::<f64>() / s.len() as f64;
+    Some((mean(&steps[..k]), mean(&steps[steps.len() - k..])))
 }

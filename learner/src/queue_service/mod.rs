@@ -1,6 +1,8 @@
 //! The rollout queue over gRPC (`rookworld.queue.v1.RolloutQueue`): worker calls behind the
 //! shared token, read-only inspection for people with grpcurl; health and reflection on
-//! the same port.
+//! the same port. [`check`] says what a submission must be before it is queued.
+
+pub mod check;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,11 +18,15 @@ use tonic::{Request, Response, Status};
 
 use crate::prompts::TaskKind;
 use crate::queue::{Backpressure, Queue, ScoredCompletion, ScoredGroup, SubmitError};
+pub use check::GroupCheck;
 
 /// Most groups one PeekGroups returns.
 const MAX_PEEK: usize = 64;
 /// Most prompts one Lease hands out.
 const MAX_LEASE: usize = 64;
+/// Largest message the queue takes or sends: a group is a few hundred kilobytes at most
+/// (G completions of up to the context length, bounded text).
+pub const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
 
 /// What the queue tells workers to do with each prompt.
 #[derive(Debug, Clone)]
@@ -29,6 +35,8 @@ pub struct GroupSpec {
     pub num_completions: u32,
     /// Sampling parameters (the seed comes per prompt).
     pub sampling: SamplingParams,
+    /// What a submitted group must fit.
+    pub check: GroupCheck,
 }
 
 /// The queue service, shared with the learner that fills and drains the queue.
@@ -78,26 +86,39 @@ fn completion_to_pb(c: &ScoredCompletion) -> pb::ScoredCompletion {
     }
 }
 
-fn completion_from_pb(c: pb::ScoredCompletion) -> Result<ScoredCompletion, Status> {
-    if c.logprobs.len() != c.ids.len() {
-        return Err(Status::invalid_argument(format!(
-            "a completion has {} ids but {} log-probs",
-            c.ids.len(),
-            c.logprobs.len()
-        )));
-    }
-    if !c.reward.is_finite() || c.logprobs.iter().any(|l| !l.is_finite()) {
-        return Err(Status::invalid_argument(
-            "rewards and log-probs must be finite",
-        ));
-    }
-    Ok(ScoredCompletion {
+/// A checked completion (see [`check::group`]).
+fn completion_from_pb(c: pb::ScoredCompletion) -> ScoredCompletion {
+    ScoredCompletion {
         ids: c.ids,
         text: c.text,
         logprobs: c.logprobs,
         reward: c.reward,
         components: c.components.into_iter().collect(),
-    })
+    }
+}
+
+impl QueueServer {
+    /// What [`check`] asks of a submission, and that its prompt ids are the leased
+    /// prompt's, as the learner tokenises it (the behaviour log-probs were computed on
+    /// them; an unknown lease is refused later, by the queue).
+    fn check_submission(&self, r: &pb::SubmitRequest) -> Result<(), Status> {
+        check::worker_id(&r.worker_id)?;
+        check::group(
+            r,
+            self.spec.num_completions,
+            self.spec.sampling.max_new_tokens,
+            &self.spec.check,
+        )?;
+        let leased = self.queue().leased_prompt(r.lease_id);
+        if let Some(prompt) = leased
+            && self.spec.check.prompt_ids(&prompt)? != r.prompt_ids
+        {
+            return Err(Status::invalid_argument(
+                "prompt_ids are not the leased prompt's tokens (BOS, then the prompt text)",
+            ));
+        }
+        Ok(())
+    }
 }
 
 #[tonic::async_trait]
@@ -108,15 +129,14 @@ impl RolloutQueue for QueueServer {
     ) -> Result<Response<pb::LeaseResponse>, Status> {
         self.authorize(&request)?;
         let r = request.into_inner();
-        if r.worker_id.is_empty() {
-            return Err(Status::invalid_argument("worker_id is empty"));
-        }
+        check::worker_id(&r.worker_id)?;
+        check::push_address(&r.push_address)?;
         let now = Instant::now();
         let max = (r.max_prompts as usize).clamp(1, MAX_LEASE);
         let result = {
             let mut q = self.queue();
-            q.set_push_address(&r.worker_id, &r.push_address);
             let result = q.lease(&r.worker_id, max, now);
+            q.describe_worker(&r.worker_id, &r.push_address, r.weight_version, now);
             crate::metrics::record_queue(&q);
             result
         };
@@ -153,9 +173,13 @@ impl RolloutQueue for QueueServer {
                     Backpressure::TooManyLeases { .. } => "too_many_leases",
                     Backpressure::Empty => "empty",
                     Backpressure::Closed => "closed",
+                    Backpressure::TooManyWorkers { .. } => "too_many_workers",
                 }
                 .into();
-                response.retry_after_seconds = 0.2;
+                response.retry_after_seconds = match b {
+                    Backpressure::TooManyWorkers { .. } => 5.0,
+                    _ => 0.2,
+                };
             }
         }
         Ok(Response::new(response))
@@ -167,20 +191,15 @@ impl RolloutQueue for QueueServer {
     ) -> Result<Response<pb::SubmitResponse>, Status> {
         self.authorize(&request)?;
         let r = request.into_inner();
-        if r.completions.is_empty() {
-            return Err(Status::invalid_argument(
-                "a group needs at least one completion",
-            ));
-        }
+        self.check_submission(&r).inspect_err(|e| {
+            metrics::counter!("learner_queue_submissions_invalid_total").increment(1);
+            tracing::warn!(worker = %r.worker_id.escape_debug(), lease = r.lease_id, error = %e.message(), "submission refused as invalid; its lease stays");
+        })?;
         let group = ScoredGroup {
             prompt_id: r.prompt_id,
             prompt: String::new(),
             prompt_ids: r.prompt_ids,
-            completions: r
-                .completions
-                .into_iter()
-                .map(completion_from_pb)
-                .collect::<Result<_, _>>()?,
+            completions: r.completions.into_iter().map(completion_from_pb).collect(),
             worker: String::new(),
             weight_version: r.weight_version,
             seed: 0,
@@ -218,6 +237,7 @@ impl RolloutQueue for QueueServer {
             groups_consumed: c.groups_consumed,
             groups_dropped_stale: c.groups_dropped_stale,
             learner_version: self.learner_version.load(Ordering::SeqCst),
+            scored_bytes: d.scored_bytes as u64,
         }))
     }
 
@@ -293,7 +313,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let service = RolloutQueueServer::new(server)
-        .max_decoding_message_size(16 * 1024 * 1024)
-        .max_encoding_message_size(16 * 1024 * 1024);
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
     rookworld_proto::serve::serve(service, listener, shutdown).await
 }

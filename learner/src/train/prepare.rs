@@ -1,0 +1,141 @@
+//! Where a run starts: a fresh policy after the supervised warm-up, or a checkpoint, with
+//! the weight version that goes on from it.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+
+use candle_core::DType;
+use rookworld_lm::checkpoint as model_checkpoint;
+
+use super::{ConfigError, Run, TrainArgs, TrainError, TrainSummary, lock};
+use crate::checkpoint;
+use crate::optim::AdamW;
+use crate::policy::Trainable;
+use crate::prompts::{self, Generator, Source};
+use crate::queue::Queue;
+
+/// Loads or resumes the policy, the reference and the queue; runs the warm-up on a fresh
+/// start.
+pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Run, TrainError> {
+    let s = &args.settings;
+    let settings_json = serde_json::to_value(s).expect("settings serialise");
+    let mut source = match &args.prompts {
+        Some(path) => Source::File {
+            prompts: prompts::load(path)?,
+            next: 0,
+        },
+        None => Source::Generated(Box::new(Generator::new(s.seed, s.policy_fraction))),
+    };
+    let queue = Arc::new(Mutex::new(Queue::new(s.queue_config())));
+    let reference_dir = args.run_dir.join("reference");
+    let latest = if args.resume {
+        checkpoint::latest(&args.run_dir)?
+    } else {
+        None
+    };
+    let resumed = latest.is_some();
+    let (policy, opt, step, version) = match latest {
+        Some(dir) => {
+            let device = args
+                .device
+                .parse::<rookworld_lm::device::DeviceChoice>()?
+                .open()?;
+            let (policy, opt, state) = checkpoint::load(&dir, &device)?;
+            if state.settings != settings_json {
+                return Err(ConfigError(format!(
+                    "--resume with different settings: the checkpoint has {}, this run {}",
+                    state.settings, settings_json
+                ))
+                .into());
+            }
+            source.restore(&state.cursor)?;
+            if let Some(snapshot) = state.queue {
+                lock(&queue).restore(snapshot);
+            }
+            // Checkpoints from before versions were kept: the version was the step.
+            let saved = if state.version > 0 {
+                state.version
+            } else {
+                state.step
+            };
+            let version = resumed_version(&args.run_dir, saved, &mut lock(&queue))?;
+            tracing::info!(step = state.step, version, dir = %dir.display(), "resumed");
+            (policy, opt, state.step, version)
+        }
+        None => {
+            let loaded = args.model_args().load()?;
+            tracing::info!(source = %loaded.source, device = ?loaded.device, "starting weights");
+            let policy = Trainable::from_model(&loaded.model)?;
+            if s.sft_steps > 0 {
+                tracing::info!(steps = s.sft_steps, "supervised warm-up");
+                let warm = s.warm_up();
+                let engine = args.engine.clone();
+                summary.warm_up = std::thread::scope(|scope| {
+                    scope
+                        .spawn(|| {
+                            crate::sft::warm_up(&policy, &warm, engine, |r| {
+                                if r.step % 10 == 0 || r.step == warm.steps {
+                                    tracing::info!(
+                                        step = r.step,
+                                        loss = format!("{:.4}", r.loss),
+                                        seconds = format!("{:.2}", r.seconds),
+                                        "warm-up"
+                                    );
+                                }
+                            })
+                        })
+                        .join()
+                        .expect("warm-up thread")
+                })?;
+            }
+            // The reference is the policy GRPO starts from (after any warm-up).
+            model_checkpoint::save(&policy.model, &reference_dir, DType::F32)?;
+            (policy, AdamW::new(s.adamw()), 0, 1)
+        }
+    };
+    // Version 0 is whatever weights a worker started with, never the learner's.
+    lock(&queue).retire(0, 0);
+    let reference = if s.beta > 0.0 {
+        Some(model_checkpoint::load(
+            &reference_dir,
+            DType::F32,
+            policy.model.device(),
+        )?)
+    } else {
+        None
+    };
+    Ok(Run {
+        policy,
+        reference,
+        opt,
+        step,
+        source,
+        queue,
+        version: Arc::new(AtomicU64::new(version)),
+        settings_json,
+        resumed,
+    })
+}
+
+/// The weight version a run resumed from weights of version `saved` goes on with. When the
+/// run had published later versions before it stopped (it crashed between checkpoints),
+/// workers may hold those: the resumed weights take the version after the highest one
+/// published, and the versions in between are retired in `queue` (their groups dropped).
+fn resumed_version(
+    run_dir: &std::path::Path,
+    saved: u64,
+    queue: &mut Queue,
+) -> Result<u64, TrainError> {
+    let published = checkpoint::published(run_dir)?.unwrap_or(saved);
+    if published <= saved {
+        return Ok(saved);
+    }
+    tracing::warn!(
+        checkpoint_version = saved,
+        published,
+        "the run published weights after its last checkpoint; those versions are retired and the resumed weights are version {}",
+        published + 1
+    );
+    queue.retire(saved + 1, published);
+    Ok(published + 1)
+}

@@ -1,0 +1,132 @@
+//! The loop's helpers: publishing weights, checkpoints, the drain on shutdown, the
+//! reward server's reachability at start, and the FLOP count behind MFU.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use candle_core::Device;
+use rollout_worker::weights::WeightSet;
+use rookworld_lm::Gpt2;
+use tokio::sync::watch;
+
+use super::{ConfigError, Run, TrainArgs, TrainError, lock};
+use crate::batch::GrpoBatch;
+use crate::checkpoint::{self, TrainerState};
+use crate::queue::Queue;
+
+/// Publishes the policy's weights at the run's current version: recorded first (so a
+/// crash never reuses the number), converted to BF16 once, handed to the weight sync.
+pub(super) fn publish(
+    args: &TrainArgs,
+    run: &Run,
+    latest: &watch::Sender<Option<Arc<WeightSet>>>,
+) -> Result<(), TrainError> {
+    let version = run.version.load(Ordering::SeqCst);
+    checkpoint::record_published(&args.run_dir, version)?;
+    let set = WeightSet::from_model(&run.policy.model, version)?;
+    latest.send_replace(Some(Arc::new(set)));
+    Ok(())
+}
+
+/// Writes a checkpoint: weights, optimizer, cursor and the queue's unfinished prompts.
+pub(super) fn save(args: &TrainArgs, run: &Run) -> Result<std::path::PathBuf, TrainError> {
+    let state = TrainerState {
+        step: run.step,
+        version: run.version.load(Ordering::SeqCst),
+        adamw: run.opt.cfg,
+        optimizer_steps: run.opt.steps,
+        schedule: args.settings.schedule(),
+        cursor: run.source.cursor(),
+        settings: run.settings_json.clone(),
+        queue: Some(lock(&run.queue).snapshot()),
+    };
+    Ok(checkpoint::save(
+        &args.run_dir,
+        &run.policy,
+        &run.opt,
+        &state,
+    )?)
+}
+
+/// Waits (at most `timeout`) until no lease is outstanding.
+pub(super) async fn drain(queue: &Mutex<Queue>, timeout: Duration) {
+    let started = Instant::now();
+    loop {
+        let leased = lock(queue).depths().leased;
+        if leased == 0 {
+            return;
+        }
+        if started.elapsed() >= timeout {
+            tracing::warn!(
+                leased,
+                "drain timed out; those prompts are kept for the next run"
+            );
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Fails with one line when nothing answers at `url` within `wait`.
+pub(super) async fn check_reachable(url: &str, wait: Duration) -> Result<(), TrainError> {
+    let endpoint = tonic::transport::Endpoint::from_shared(url.to_owned())
+        .map_err(|e| ConfigError(format!("--reward {url}: {e}")))?
+        .connect_timeout(Duration::from_secs(2));
+    let started = Instant::now();
+    loop {
+        match endpoint.connect().await {
+            Ok(_) => return Ok(()),
+            Err(e) if started.elapsed() >= wait => {
+                let why = std::error::Error::source(&e).map_or(e.to_string(), |s| s.to_string());
+                return Err(ConfigError(format!(
+                    "reward server {url} unreachable for {:.0} s: {why}",
+                    wait.as_secs_f64()
+                ))
+                .into());
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
+        }
+    }
+}
+
+/// Model FLOPs of one step's forward and backward: 6 per weight per token for the policy
+/// (2 forward, 4 backward) and 2 more for the reference forward — the transformer's
+/// matmul weights for every sequence token, the LM head's only for the completion tokens
+/// (the only positions that go through it); groups without signal are not run.
+pub(super) fn step_flops(model: &Gpt2, batch: &GrpoBatch, reference: bool) -> f64 {
+    let c = model.config();
+    let body = (c.n_layer * 12 * c.n_embd * c.n_embd) as f64;
+    let head = (c.vocab_size * c.n_embd) as f64;
+    let (mut seq, mut completion) = (0usize, 0usize);
+    for ((p, group), rewards) in batch
+        .prompts
+        .iter()
+        .zip(&batch.completions)
+        .zip(&batch.rewards)
+    {
+        if rewards.iter().all(|r| *r == rewards[0]) {
+            continue; // no signal: not forwarded
+        }
+        for g in group {
+            seq += p.len() + g.len();
+            completion += g.len();
+        }
+    }
+    let per_weight_token = if reference { 8.0 } else { 6.0 };
+    per_weight_token * (body * seq as f64 + head * completion as f64)
+}
+
+/// `--peak-tflops`, or an estimate: on the CPU, 32 f32 FLOPs per cycle per core (AVX2,
+/// two FMA units) at 3 GHz; on CUDA, dense TF32 of an H100/H200 (495 TFLOP/s).
+pub(super) fn peak_flops(args: &TrainArgs, device: &Device) -> f64 {
+    if let Some(t) = args.peak_tflops {
+        return t * 1e12;
+    }
+    if device.is_cpu() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        cores as f64 * 32.0 * 3e9
+    } else {
+        495e12
+    }
+}
