@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device};
 use learner::prompts::{Generator, TaskKind};
 use learner::queue::{Queue, QueueConfig};
-use learner::queue_service::{self, GroupSpec, QueueServer};
+use learner::queue_service::{self, GroupCheck, GroupSpec, QueueServer};
 use reward_server::score::RewardConfig;
 use reward_server::scorer::Scorer;
 use rollout_worker::engine::{Engine, EngineConfig};
@@ -36,6 +36,7 @@ async fn the_worker_scores_and_submits_every_leased_prompt() {
             max_new_tokens: 12,
             seed: 0,
         },
+        check: GroupCheck::for_model(&Config::tiny()),
     };
     let server = QueueServer::new(
         queue.clone(),

@@ -1,0 +1,7 @@
+//! The `rollout-worker` command line, as the fault tests launch it: the very code the `rollout-worker`
+//! binary runs (its `main` is this same one call), built in this crate so the tests can
+//! name the executable.
+
+fn main() -> std::process::ExitCode {
+    rollout_worker::app::main()
+}

@@ -1,0 +1,248 @@
+//! The compose file, the images' Dockerfile and Prometheus's scrape configuration.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use yaml_rust2::Yaml;
+
+use crate::{deploy, known_env, read, s, yaml};
+
+/// `NAME` of `NAME=value` and `NAME: value` entries.
+pub fn env_of_compose(service: &Yaml) -> BTreeMap<String, String> {
+    match &service["environment"] {
+        Yaml::Hash(h) => h
+            .iter()
+            .map(|(k, v)| {
+                let v = if v.is_null() { String::new() } else { s(v) };
+                (s(k), v)
+            })
+            .collect(),
+        Yaml::BadValue => BTreeMap::new(),
+        other => panic!("environment should be a map: {other:?}"),
+    }
+}
+
+pub const COMPOSE_SERVICES: [(&str, &str, u16, u16); 3] = [
+    // (compose service, binary, gRPC port, metrics port)
+    ("learner", "learner", 50051, 9091),
+    ("worker", "rollout-worker", 50053, 9093),
+    ("reward-server", "reward-server", 50052, 9092),
+];
+
+/// `ENV` names per Dockerfile stage, and each stage's base.
+pub fn dockerfile_stages() -> BTreeMap<String, BTreeSet<String>> {
+    let text = read(&deploy().join("image/Dockerfile")).replace("\\\n", " ");
+    let mut stages = BTreeMap::new();
+    let mut current = String::new();
+    for line in text.lines().map(str::trim) {
+        if let Some(rest) = line.strip_prefix("FROM ") {
+            current = rest.split_whitespace().last().unwrap().to_owned();
+            stages.insert(current.clone(), BTreeSet::new());
+        } else if let Some(rest) = line.strip_prefix("ENV ") {
+            let names = rest
+                .split_whitespace()
+                .filter_map(|kv| kv.split_once('=').map(|(k, _)| k.to_owned()));
+            stages.get_mut(&current).unwrap().extend(names);
+        }
+    }
+    stages
+}
+
+#[test]
+fn dockerfile_sets_only_settings_the_services_read() {
+    let known = known_env();
+    let stages = dockerfile_stages();
+    for (_, binary, grpc, metrics) in COMPOSE_SERVICES {
+        let names = &stages[binary];
+        assert!(!names.is_empty(), "stage {binary} sets no ENV");
+        for name in names {
+            assert!(
+                known[binary].contains(name),
+                "Dockerfile stage {binary} sets {name}, which `{binary}` does not read"
+            );
+        }
+        let text = read(&deploy().join("image/Dockerfile"));
+        for port in [grpc, metrics] {
+            assert!(
+                text.contains(&format!("0.0.0.0:{port}")),
+                "stage {binary} listens on {port}"
+            );
+        }
+    }
+    assert!(stages["base"].contains("RUST_LOG"));
+}
+
+#[test]
+fn compose_services_are_configured_for_their_binaries() {
+    let doc = &yaml("docker-compose.yml")[0];
+    let services = &doc["services"];
+    let known = known_env();
+    for name in [
+        "learner",
+        "worker",
+        "reward-server",
+        "prometheus",
+        "grafana",
+    ] {
+        assert!(!services[name].is_badvalue(), "no service {name}");
+        assert!(
+            !services[name]["restart"].is_badvalue(),
+            "{name} has no restart policy"
+        );
+        assert!(
+            services[name]["healthcheck"]["test"].as_vec().is_some(),
+            "{name} has no health check"
+        );
+    }
+    for (service, binary, grpc, _) in COMPOSE_SERVICES {
+        let svc = &services[service];
+        assert_eq!(
+            s(&svc["build"]["target"]),
+            binary,
+            "{service}: image target"
+        );
+        for name in env_of_compose(svc).keys() {
+            assert!(
+                known[binary].contains(name),
+                "compose sets {name} on {service}, which `{binary}` does not read"
+            );
+        }
+        let test: Vec<String> = svc["healthcheck"]["test"]
+            .as_vec()
+            .unwrap_or_else(|| panic!("{service}: no healthcheck"))
+            .iter()
+            .map(s)
+            .collect();
+        assert_eq!(
+            test,
+            ["CMD", binary, "health", &format!("http://127.0.0.1:{grpc}")],
+            "{service}: healthcheck"
+        );
+    }
+    // The workers and the learner share the token secret.
+    for service in ["learner", "worker"] {
+        let svc = &services[service];
+        let secrets: Vec<String> = svc["secrets"].as_vec().unwrap().iter().map(s).collect();
+        assert_eq!(secrets, ["rookworld_token"], "{service}: secrets");
+        assert_eq!(
+            env_of_compose(svc)["ROOKWORLD_TOKEN_FILE"],
+            "/run/secrets/rookworld_token"
+        );
+    }
+    assert!(!doc["secrets"]["rookworld_token"]["file"].is_badvalue());
+    // Two workers by default.
+    assert_eq!(s(&services["worker"]["scale"]), "${WORKERS:-2}");
+    // The reward server is healthy before the learner and the workers start.
+    for service in ["learner", "worker"] {
+        assert_eq!(
+            s(&services[service]["depends_on"]["reward-server"]["condition"]),
+            "service_healthy"
+        );
+    }
+}
+
+#[test]
+fn the_gpu_override_gives_the_workers_a_gpu_and_nvml() {
+    let doc = &yaml("compose.gpu.yml")[0];
+    let services = doc["services"].as_hash().unwrap();
+    assert_eq!(services.len(), 1, "the override changes the workers only");
+    let worker = &doc["services"]["worker"];
+    let env = env_of_compose(worker);
+    assert_eq!(env["ROOKWORLD_DEVICE"], "cuda");
+    // NVML (the GPU utilisation metrics) comes with the driver's `utility` capability.
+    let caps = &env["NVIDIA_DRIVER_CAPABILITIES"];
+    assert!(
+        caps.contains("compute") && caps.contains("utility"),
+        "{caps}"
+    );
+    let known = &known_env()["rollout-worker"];
+    for name in env.keys().filter(|n| !n.starts_with("NVIDIA_")) {
+        assert!(
+            known.contains(name),
+            "compose.gpu.yml sets {name}, which the worker does not read"
+        );
+    }
+    let device = &worker["deploy"]["resources"]["reservations"]["devices"][0];
+    assert_eq!(s(&device["driver"]), "nvidia");
+    assert!(
+        !device["device_ids"].is_badvalue(),
+        "the GPU is named, not counted"
+    );
+    assert_eq!(s(&worker["build"]["args"]["BIN"]), "bin-cuda");
+}
+
+/// Seconds of a compose duration such as `2m`, `90s` or `1m30s`.
+fn duration_seconds(text: &str) -> f64 {
+    let mut total = 0.0;
+    let mut number = String::new();
+    for c in text.chars() {
+        match c {
+            '0'..='9' | '.' => number.push(c),
+            'h' | 'm' | 's' => {
+                let unit = match c {
+                    'h' => 3600.0,
+                    'm' => 60.0,
+                    _ => 1.0,
+                };
+                total += number.parse::<f64>().expect("number") * unit;
+                number.clear();
+            }
+            _ => panic!("duration {text}"),
+        }
+    }
+    total
+}
+
+#[test]
+fn the_learner_keeps_its_checkpoints_across_a_stop() {
+    let doc = &yaml("docker-compose.yml")[0];
+    let learner = &doc["services"]["learner"];
+    let env = env_of_compose(learner);
+    // Room to drain (the default drain timeout) and to write the final checkpoint.
+    let drain: f64 = env["LEARNER_DRAIN_TIMEOUT"]
+        .trim_start_matches("${LEARNER_DRAIN_TIMEOUT:-")
+        .trim_end_matches('}')
+        .parse()
+        .unwrap();
+    let grace = duration_seconds(&s(&learner["stop_grace_period"]));
+    assert!(
+        grace >= drain + 60.0,
+        "stop_grace_period {grace} s < drain {drain} s + 60 s"
+    );
+    assert_eq!(env["LEARNER_RESUME"], "true");
+    // The run directory (set by the image) and the dumps live on named volumes.
+    let stages = dockerfile_stages();
+    assert!(stages["learner"].contains("LEARNER_RUN_DIR"));
+    let dockerfile = read(&deploy().join("image/Dockerfile"));
+    assert!(dockerfile.contains("LEARNER_RUN_DIR=/data/run"));
+    let volumes: Vec<String> = learner["volumes"].as_vec().unwrap().iter().map(s).collect();
+    assert!(volumes.contains(&"checkpoints:/data/run".to_owned()));
+    assert!(volumes.contains(&"rollouts:/data/rollouts".to_owned()));
+    assert!(env["LEARNER_LOG_JSONL"].starts_with("/data/run/"));
+    assert!(env["LEARNER_ROLLOUT_DUMP"].starts_with("/data/rollouts/"));
+    for volume in ["checkpoints", "rollouts"] {
+        assert!(!doc["volumes"][volume].is_badvalue(), "volume {volume}");
+    }
+}
+
+#[test]
+fn prometheus_scrapes_every_service() {
+    let doc = &yaml("prometheus/prometheus.yml")[0];
+    let mut targets = BTreeMap::new();
+    for job in doc["scrape_configs"].as_vec().unwrap() {
+        let name = s(&job["job_name"]);
+        let target = if let Some(statics) = job["static_configs"].as_vec() {
+            s(&statics[0]["targets"][0])
+        } else {
+            let dns = &job["dns_sd_configs"][0];
+            format!("{}:{}", s(&dns["names"][0]), s(&dns["port"]))
+        };
+        targets.insert(name, target);
+    }
+    for (service, binary, _, metrics) in COMPOSE_SERVICES {
+        assert_eq!(
+            targets.get(binary),
+            Some(&format!("{service}:{metrics}")),
+            "scrape job {binary}"
+        );
+    }
+}

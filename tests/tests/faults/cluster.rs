@@ -1,0 +1,365 @@
+//! A training cluster of real processes on loopback — a reward server, rollout workers and
+//! a learner, each its own OS process running the services' command line — that a test
+//! can kill (SIGKILL), stop (SIGTERM), restart and probe (gRPC, Prometheus).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rookworld_proto::queue::v1 as queue;
+use rookworld_proto::queue::v1::rollout_queue_client::RolloutQueueClient;
+use rookworld_proto::rollout::v1 as rollout;
+use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
+
+const LEARNER: &str = env!("CARGO_BIN_EXE_rw-learner");
+const WORKER: &str = env!("CARGO_BIN_EXE_rw-rollout-worker");
+const REWARD: &str = env!("CARGO_BIN_EXE_rw-reward-server");
+
+/// Completions per prompt in every scenario.
+pub const GROUP: u32 = 4;
+/// Seconds a worker has to submit a leased prompt.
+pub const LEASE_SECONDS: f64 = 4.0;
+
+/// A free port on 127.0.0.1 (bound and released).
+pub fn free_addr() -> SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// One service process; killed when dropped.
+pub struct Proc {
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Proc {
+    fn spawn(name: &str, bin: &str, args: &[String], dir: &Path) -> Self {
+        let log = dir.join(format!("{name}.log"));
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap();
+        let child = Command::new(bin)
+            .args(args)
+            .env("RUST_LOG", "info")
+            .env_remove("ROOKWORLD_TOKEN")
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .spawn()
+            .unwrap_or_else(|e| panic!("{bin}: {e}"));
+        Self {
+            child: Some(child),
+            log,
+        }
+    }
+
+    /// kill -9, and reap it.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM, then waits (at most `within`) for the exit; returns whether it exited 0.
+    pub fn terminate(&mut self, within: Duration) -> bool {
+        let Some(mut c) = self.child.take() else {
+            return false;
+        };
+        let _ = Command::new("kill")
+            .args(["-TERM", &c.id().to_string()])
+            .status();
+        let started = Instant::now();
+        loop {
+            if let Ok(Some(status)) = c.try_wait() {
+                return status.success();
+            }
+            if started.elapsed() > within {
+                let _ = c.kill();
+                let _ = c.wait();
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// Where a worker reaches the learner and where the learner reaches it.
+pub struct WorkerAddrs {
+    /// The worker's own gRPC and metrics addresses.
+    pub listen: SocketAddr,
+    pub metrics: SocketAddr,
+    /// The learner's queue as this worker calls it (direct or through a proxy).
+    pub learner_url: String,
+    /// Where the learner pushes weights to it (direct or through a proxy).
+    pub advertise: String,
+}
+
+/// The cluster's shared settings and addresses.
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    pub token_file: PathBuf,
+    pub learner_addr: SocketAddr,
+    pub learner_metrics: SocketAddr,
+    pub reward_addr: SocketAddr,
+    pub reward_metrics: SocketAddr,
+}
+
+impl Cluster {
+    /// A cluster in a fresh directory (kept after the test when `FAULTS_KEEP` is set).
+    pub fn new() -> Self {
+        let mut dir = tempfile::tempdir().unwrap();
+        if std::env::var_os("FAULTS_KEEP").is_some() {
+            dir.disable_cleanup(true);
+            eprintln!("cluster directory: {}", dir.path().display());
+        }
+        let token_file = dir.path().join("token");
+        std::fs::write(&token_file, "fault-token\n").unwrap();
+        Self {
+            token_file,
+            learner_addr: free_addr(),
+            learner_metrics: free_addr(),
+            reward_addr: free_addr(),
+            reward_metrics: free_addr(),
+            dir,
+        }
+    }
+
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.dir.path().join(rel)
+    }
+
+    pub fn learner_url(&self) -> String {
+        format!("http://{}", self.learner_addr)
+    }
+
+    pub fn reward_url(&self) -> String {
+        format!("http://{}", self.reward_addr)
+    }
+
+    pub fn reward_server(&self) -> Proc {
+        let args = [
+            "serve",
+            "--listen",
+            &self.reward_addr.to_string(),
+            "--metrics",
+            &self.reward_metrics.to_string(),
+        ]
+        .map(String::from);
+        Proc::spawn("reward", REWARD, &args, self.dir.path())
+    }
+
+    /// A worker that pulls from `addrs.learner_url` and scores at the reward server.
+    pub fn worker(&self, id: &str, addrs: &WorkerAddrs) -> Proc {
+        let args = [
+            "serve",
+            "--preset",
+            "tiny",
+            "--listen",
+            &addrs.listen.to_string(),
+            "--metrics",
+            &addrs.metrics.to_string(),
+            "--token-file",
+            self.token_file.to_str().unwrap(),
+            "--learner",
+            &addrs.learner_url,
+            "--reward",
+            &self.reward_url(),
+            "--worker-id",
+            id,
+            "--advertise",
+            &addrs.advertise,
+            "--max-in-flight",
+            "2",
+        ]
+        .map(String::from);
+        Proc::spawn(id, WORKER, &args, self.dir.path())
+    }
+
+    /// The learner, fresh or resumed; small steps, short leases, frequent checkpoints,
+    /// the step log and the rollout dump in the cluster's directory.
+    pub fn learner(&self, resume: bool) -> Proc {
+        let mut args: Vec<String> = [
+            "train",
+            "--preset",
+            "tiny",
+            "--run-dir",
+            self.path("run").to_str().unwrap(),
+            "--listen",
+            &self.learner_addr.to_string(),
+            "--metrics",
+            &self.learner_metrics.to_string(),
+            "--token-file",
+            self.token_file.to_str().unwrap(),
+            "--reward",
+            &self.reward_url(),
+            "--steps",
+            "100000",
+            "--sft-steps",
+            "0",
+            "--prompts-per-step",
+            "2",
+            "--micro-batch-groups",
+            "2",
+            "--group-size",
+            &GROUP.to_string(),
+            "--max-new-tokens",
+            "12",
+            "--lease-timeout",
+            &LEASE_SECONDS.to_string(),
+            "--checkpoint-every",
+            "2",
+            "--drain-timeout",
+            "5",
+            "--push-timeout",
+            "5",
+            "--log-jsonl",
+            self.path("steps.jsonl").to_str().unwrap(),
+            "--rollout-dump",
+            self.path("groups.jsonl").to_str().unwrap(),
+            "--no-progress",
+        ]
+        .map(String::from)
+        .to_vec();
+        if resume {
+            args.push("--resume".into());
+        }
+        Proc::spawn("learner", LEARNER, &args, self.dir.path())
+    }
+
+    /// The worker's addresses when it talks to the learner directly.
+    pub fn direct(&self) -> WorkerAddrs {
+        let listen = free_addr();
+        WorkerAddrs {
+            listen,
+            metrics: free_addr(),
+            learner_url: self.learner_url(),
+            advertise: format!("http://{listen}"),
+        }
+    }
+
+    async fn queue(&self) -> Option<RolloutQueueClient<tonic::transport::Channel>> {
+        let channel = tonic::transport::Endpoint::from_shared(self.learner_url())
+            .unwrap()
+            .connect_timeout(Duration::from_secs(1))
+            .timeout(Duration::from_secs(3))
+            .connect()
+            .await
+            .ok()?;
+        Some(RolloutQueueClient::new(channel))
+    }
+
+    /// The queue's depths and counters, `None` while the learner does not answer.
+    pub async fn depths(&self) -> Option<queue::GetDepthsResponse> {
+        let mut q = self.queue().await?;
+        Some(
+            q.get_depths(queue::GetDepthsRequest {})
+                .await
+                .ok()?
+                .into_inner(),
+        )
+    }
+
+    /// The learner's workers by id.
+    pub async fn workers(&self) -> Vec<queue::WorkerInfo> {
+        let Some(mut q) = self.queue().await else {
+            return vec![];
+        };
+        q.list_workers(queue::ListWorkersRequest {})
+            .await
+            .map(|r| r.into_inner().workers)
+            .unwrap_or_default()
+    }
+
+    /// Steps done, from the step log.
+    pub fn steps(&self) -> u64 {
+        std::fs::read_to_string(self.path("steps.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter_map(|v| v["step"].as_u64())
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// The weight version a worker's service reports, `None` while it does not answer.
+pub async fn worker_version(listen: SocketAddr) -> Option<u64> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{listen}"))
+        .unwrap()
+        .timeout(Duration::from_secs(3))
+        .connect()
+        .await
+        .ok()?;
+    let status = RolloutServiceClient::new(channel)
+        .status(rollout::StatusRequest {})
+        .await
+        .ok()?;
+    Some(status.into_inner().weight_version)
+}
+
+/// The value of the first sample of `metric` whose line contains every one of `labels`.
+pub fn metric(addr: SocketAddr, metric: &str, labels: &[&str]) -> Option<f64> {
+    let text = rookworld_proto::probe::scrape_metrics(addr).ok()?;
+    text.lines()
+        .filter(|l| l.starts_with(metric) && !l.starts_with('#'))
+        .filter(|l| labels.iter().all(|x| l.contains(x)))
+        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+impl Cluster {
+    /// Polls `check` every 200 ms until it holds; panics after `within` with the tail of
+    /// every process's log.
+    pub async fn wait_until<F, Fut>(&self, within: Duration, what: &str, mut check: F)
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        let started = Instant::now();
+        while !check().await {
+            if started.elapsed() > within {
+                panic!(
+                    "timed out after {within:?} waiting for {what}\n{}",
+                    self.log_tails()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// The last lines of every process's log.
+    pub fn log_tails(&self) -> String {
+        let mut out = String::new();
+        let mut logs: Vec<_> = std::fs::read_dir(self.dir.path())
+            .unwrap()
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "log"))
+            .collect();
+        logs.sort();
+        for path in logs {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(30).collect();
+            out += &format!("--- {}\n", path.display());
+            for line in tail.into_iter().rev() {
+                out += line;
+                out.push('\n');
+            }
+        }
+        out
+    }
+}
