@@ -258,11 +258,25 @@ async fn weight_updates_need_the_token_and_a_valid_payload_and_keep_old_weights_
         let c = r.completion.as_ref().unwrap();
         assert_eq!((c.weight_version, &c.ids), (1, &want[k]));
     }
-    // The same version again is stale.
+    // The same version again (a retry whose answer was lost) is answered, nothing swapped.
+    let again = weights::push(&mut client, &set, TOKEN, 64 * 1024)
+        .await
+        .unwrap();
+    assert_eq!(again.version, 1);
+    assert_eq!(status(&mut client).await.weight_version, 1);
+    // An older version than the one in use is stale.
+    let newer = WeightSet {
+        version: 2,
+        ..set.clone()
+    };
+    weights::push(&mut client, &newer, TOKEN, 64 * 1024)
+        .await
+        .unwrap();
     let err = weights::push(&mut client, &set, TOKEN, 64 * 1024)
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert_eq!(status(&mut client).await.weight_version, 2);
     server.stop().await;
 }
 
