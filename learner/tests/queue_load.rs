@@ -136,6 +136,16 @@ async fn a_burst_of_workers_stays_within_bounds_and_inspection_keeps_answering()
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(queue_service::run(server, listener, std::future::pending()));
 
+    // Someone inspecting throughout (connected before the burst): every call answered,
+    // the bounds held.
+    let mut inspector = RolloutQueueClient::new(
+        Channel::from_shared(url.clone())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap(),
+    );
+
     // The learner's side: prompts kept topped up, and a slow consumer (8 groups / 50 ms).
     let until = Instant::now() + BURST;
     let learner = {
@@ -174,14 +184,6 @@ async fn a_burst_of_workers_stays_within_bounds_and_inspection_keeps_answering()
         )));
     }
 
-    // Someone inspecting throughout: every call answered, the bounds held.
-    let mut inspector = RolloutQueueClient::new(
-        Channel::from_shared(url.clone())
-            .unwrap()
-            .connect()
-            .await
-            .unwrap(),
-    );
     let (
         mut calls,
         mut max_scored,

@@ -4,6 +4,8 @@
 //! INVALID_ARGUMENT (its lease stays, so a corrected submission can still come); nothing
 //! malformed reaches training.
 
+use std::sync::Arc;
+
 use rookworld_lm::{Config, Tokenizer};
 use rookworld_proto::queue::v1 as pb;
 use tonic::Status;
@@ -19,7 +21,8 @@ const MAX_COMPONENT_NAME: usize = 64;
 /// The learner's model, as submissions must fit it.
 #[derive(Clone)]
 pub struct GroupCheck {
-    pub tokenizer: Tokenizer,
+    /// Shared: a check is cloned into every service that takes submissions.
+    pub tokenizer: Arc<Tokenizer>,
     /// Token every prompt starts with.
     pub bos: u32,
     pub vocab_size: u32,
@@ -41,7 +44,7 @@ impl GroupCheck {
     /// Checks for a model of `cfg`'s shape with the GPT-2 tokenizer.
     pub fn for_model(cfg: &Config) -> Self {
         Self {
-            tokenizer: Tokenizer::gpt2(),
+            tokenizer: Arc::new(Tokenizer::gpt2()),
             bos: cfg.bos_token_id,
             vocab_size: cfg.vocab_size as u32,
             n_positions: cfg.n_positions,
