@@ -1,6 +1,7 @@
 //! The `learner` command line: its commands and their dispatch. `main.rs` only calls
 //! [`main`], so every launcher of this code runs exactly the same thing.
 
+use crate::bench_cmd::{self, BenchArgs};
 use crate::init_cmd::{self, InitArgs};
 use crate::loss_cmd::{self, LossArgs};
 use crate::sft::{self, SftArgs};
@@ -27,6 +28,9 @@ enum Command {
     /// GRPO training against the rollout queue (--local: one process with a reward
     /// server and a worker on loopback).
     Train(Box<TrainArgs>),
+    /// Time one GRPO step (reference forward, policy forward/backward, clipping, AdamW)
+    /// on a synthetic batch; prints one JSON line.
+    Bench(BenchArgs),
     /// Ask a running service's gRPC health endpoint (exit 0 when serving).
     Health(HealthArgs),
 }
@@ -41,6 +45,7 @@ pub fn main() -> std::process::ExitCode {
         Command::Loss(args) => loss_cmd::run(args).map_err(|e| e.to_string()),
         Command::Sft(args) => sft::run(args).map(|_| ()).map_err(|e| e.to_string()),
         Command::Train(args) => train_cmd(args),
+        Command::Bench(args) => bench_cmd::run(args),
         Command::Health(args) => args.run(),
     })
 }

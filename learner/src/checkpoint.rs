@@ -104,9 +104,20 @@ pub fn save(
     checkpoint::save(&policy.model, &tmp, DType::F32)?;
     rookworld_lm::Tokenizer::gpt2().save(&tmp)?;
     let mut moments: Vec<(String, Tensor)> = Vec::new();
+    let shapes: HashMap<&str, candle_core::Shape> = policy
+        .vars
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.shape().clone()))
+        .collect();
     for (name, (m, v)) in &opt.moments {
-        moments.push((format!("m.{name}"), m.to_device(&Device::Cpu)?));
-        moments.push((format!("v.{name}"), v.to_device(&Device::Cpu)?));
+        let shape = shapes
+            .get(name.as_str())
+            .cloned()
+            .unwrap_or_else(|| candle_core::Shape::from(m.len()));
+        for (kind, values) in [("m", m), ("v", v)] {
+            let t = Tensor::from_slice(values, shape.clone(), &Device::Cpu)?;
+            moments.push((format!("{kind}.{name}"), t));
+        }
     }
     moments.sort_by(|a, b| a.0.cmp(&b.0));
     let bytes = safetensors::serialize(moments, None).map_err(rookworld_lm::Error::from)?;
@@ -181,7 +192,7 @@ pub fn load(
     let state: TrainerState = serde_json::from_str(&text)
         .map_err(|e| CheckpointError::Invalid(format!("{}: {e}", state_path.display())))?;
     let policy = Trainable::load(dir, device)?;
-    let tensors = candle_core::safetensors::load(dir.join(OPTIMIZER_FILE), device)?;
+    let tensors = candle_core::safetensors::load(dir.join(OPTIMIZER_FILE), &Device::Cpu)?;
     let mut opt = AdamW::new(state.adamw);
     opt.steps = state.optimizer_steps;
     let mut by_name: HashMap<String, (Option<Tensor>, Option<Tensor>)> = HashMap::new();
@@ -203,7 +214,8 @@ pub fn load(
     for (name, slot) in by_name {
         match slot {
             (Some(m), Some(v)) => {
-                opt.moments.insert(name, (m, v));
+                let host = |t: Tensor| t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>();
+                opt.moments.insert(name, (host(m)?, host(v)?));
             }
             _ => {
                 return Err(CheckpointError::Invalid(format!(

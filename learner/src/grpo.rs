@@ -124,9 +124,14 @@ pub fn clip_fraction(
         .gt(1.0 + eps_high)?
         .to_dtype(mask.dtype())?
         .broadcast_mul(&adv.gt(0.0)?.to_dtype(mask.dtype())?)?;
-    let clipped = ((low + high)? * mask)?.sum_all()?.to_scalar::<f32>()? as f64;
-    let total = mask.sum_all()?.to_scalar::<f32>()? as f64;
+    let clipped = scalar(&((low + high)? * mask)?.sum_all()?)?;
+    let total = scalar(&mask.sum_all()?)?;
     Ok(if total > 0.0 { clipped / total } else { 0.0 })
+}
+
+/// A one-element tensor of any float dtype as f64.
+pub fn scalar(t: &Tensor) -> Result<f64> {
+    t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()
 }
 
 /// One number from per-token values (C, T) under `mask` (C, T):

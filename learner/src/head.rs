@@ -16,8 +16,10 @@
 
 use candle_core::{CpuStorage, CustomOp3, D, DType, Layout, Result as CandleResult, Shape, Tensor};
 
-/// Logit elements per block (16 MiB of f32): rows per block = this / V.
-const BLOCK_ELEMENTS: usize = 4 << 20;
+use crate::fused::ops::gemm_f32;
+
+/// Logit elements per block (64 MiB of f32): rows per block = this / V.
+const BLOCK_ELEMENTS: usize = 16 << 20;
 
 /// `log softmax(hidden · headᵀ / temperature)[target]` for every row: hidden (N, E),
 /// head (V, E), targets (N) u32 → (N) f32. Differentiable in `hidden` and `head`.
@@ -106,28 +108,15 @@ impl CustomOp3 for HeadLogprobs {
         if let Some(&bad) = targets.iter().find(|&&t| t as usize >= v) {
             candle_core::bail!("head_logprobs: target {bad} outside the vocabulary of {v}");
         }
-        let inv_t = (1.0 / self.temperature) as f32;
-        let rows = block_rows(v);
-        let mut logits = vec![0f32; rows.min(n) * v];
-        let mut out = Vec::with_capacity(n);
-        for start in (0..n).step_by(rows) {
-            let m = rows.min(n - start);
-            let block = &mut logits[..m * v];
-            block_logits(
-                block,
-                &hidden[start * e..(start + m) * e],
-                head,
-                m,
-                e,
-                v,
-                inv_t,
-            );
-            for (r, row) in block.chunks_exact_mut(v).enumerate() {
-                let picked = row[targets[start + r] as usize];
-                let (max, sum) = exp_shifted(row);
-                out.push(picked - max - sum.ln());
-            }
-        }
+        let out = logprobs_rows(
+            hidden,
+            head,
+            targets,
+            e,
+            self.temperature,
+            &mut Vec::new(),
+            false,
+        );
         Ok((CpuStorage::F32(out), Shape::from(n)))
     }
 
@@ -145,40 +134,137 @@ impl CustomOp3 for HeadLogprobs {
         let w = head.flatten_all()?.to_vec1::<f32>()?;
         let y = targets.to_vec1::<u32>()?;
         let g = grad_res.to_vec1::<f32>()?;
-        let inv_t = (1.0 / self.temperature) as f32;
-        let rows = block_rows(v);
-        let mut d = vec![0f32; rows.min(n) * v];
         let mut grad_h = vec![0f32; n * e];
         let mut grad_w = vec![0f32; v * e];
-        for start in (0..n).step_by(rows) {
-            let m = rows.min(n - start);
-            let block = &mut d[..m * v];
-            let hb = &h[start * e..(start + m) * e];
-            block_logits(block, hb, &w, m, e, v, inv_t);
-            // Each row becomes g·(onehot(y) − softmax)/τ.
-            for (r, row) in block.chunks_exact_mut(v).enumerate() {
-                let (_, sum) = exp_shifted(row);
-                let scale = -g[start + r] * inv_t / sum;
-                row.iter_mut().for_each(|x| *x *= scale);
-                row[y[start + r] as usize] += g[start + r] * inv_t;
-            }
-            // grad_h[block] = d · W: (m, V)·(V, E).
-            gemm_f32(
-                &mut grad_h[start * e..(start + m) * e],
-                (m, e, v),
-                false,
-                (block, v, 1),
-                (&w, e, 1),
-            );
-            // grad_W += dᵀ · h[block]: (V, m)·(m, E).
-            gemm_f32(&mut grad_w, (v, e, m), true, (block, 1, v), (hb, e, 1));
-        }
+        backward_rows(
+            HeadGrads {
+                hidden: &mut grad_h,
+                head: &mut grad_w,
+            },
+            (&h, &w, &y, &g),
+            e,
+            self.temperature,
+            None,
+        );
         let device = hidden.device();
         Ok((
             Some(Tensor::from_vec(grad_h, (n, e), device)?),
             Some(Tensor::from_vec(grad_w, (v, e), device)?),
             None,
         ))
+    }
+}
+
+/// `log softmax(h_n · Wᵀ / τ)[y_n]` of every row n of `hidden` (N, E) for head W
+/// (V, E), block by block in `buf` (reused from call to call). With `keeping`, the
+/// probabilities `softmax(h_n · Wᵀ / τ)` are left in `buf` (N, V) for [`backward_rows`].
+pub fn logprobs_rows(
+    hidden: &[f32],
+    head: &[f32],
+    targets: &[u32],
+    e: usize,
+    temperature: f64,
+    buf: &mut Vec<f32>,
+    keeping: bool,
+) -> Vec<f32> {
+    let (n, v) = (targets.len(), head.len() / e);
+    let inv_t = (1.0 / temperature) as f32;
+    // Kept probabilities are one block: the whole (N, V) product at once.
+    let rows = if keeping { n.max(1) } else { block_rows(v) };
+    buf.resize(rows.min(n) * v, 0.0); // every element used is overwritten below
+    let mut out = Vec::with_capacity(n);
+    for start in (0..n).step_by(rows) {
+        let m = rows.min(n - start);
+        let block = if keeping {
+            &mut buf[start * v..(start + m) * v]
+        } else {
+            &mut buf[..m * v]
+        };
+        block_logits(
+            block,
+            &hidden[start * e..(start + m) * e],
+            head,
+            m,
+            e,
+            v,
+            inv_t,
+        );
+        for (r, row) in block.chunks_exact_mut(v).enumerate() {
+            let picked = row[targets[start + r] as usize];
+            let (max, sum) = exp_shifted(row);
+            // In f64 until the one final rounding.
+            out.push((f64::from(picked - max) - sum.ln()) as f32);
+            if keeping {
+                let inv = (1.0 / sum) as f32;
+                row.iter_mut().for_each(|x| *x *= inv);
+            }
+        }
+    }
+    out
+}
+
+/// Where [`backward_rows`] accumulates: ∂/∂hidden (N, E) and ∂/∂W (V, E).
+pub struct HeadGrads<'a> {
+    pub hidden: &'a mut [f32],
+    pub head: &'a mut [f32],
+}
+
+/// Backward of [`logprobs_rows`] for upstream gradients `g` (N): accumulates
+/// `∂/∂h_n = Σ_v d_{n,v} W_v` and `∂/∂W_v = Σ_n d_{n,v} h_n` with
+/// `d_{n,v} = g_n (1[v = y_n] − p_{n,v}) / τ`. `probs` are the forward's kept
+/// probabilities (consumed); without them each block's logits are recomputed.
+pub fn backward_rows(
+    grads: HeadGrads,
+    (hidden, head, targets, g): (&[f32], &[f32], &[u32], &[f32]),
+    e: usize,
+    temperature: f64,
+    mut probs: Option<&mut [f32]>,
+) {
+    let (n, v) = (targets.len(), head.len() / e);
+    let inv_t = (1.0 / temperature) as f32;
+    // With the forward's probabilities, one block: (N, V)·(V, E) and (V, N)·(N, E) as
+    // two large products instead of one pass over ∂W per small block.
+    let rows = if probs.is_some() {
+        n.max(1)
+    } else {
+        block_rows(v)
+    };
+    let mut scratch = Vec::new();
+    if probs.is_none() {
+        scratch.resize(rows.min(n) * v, 0.0);
+    }
+    for start in (0..n).step_by(rows) {
+        let m = rows.min(n - start);
+        let hb = &hidden[start * e..(start + m) * e];
+        let block = match probs.as_deref_mut() {
+            Some(p) => &mut p[start * v..(start + m) * v],
+            None => {
+                let block = &mut scratch[..m * v];
+                block_logits(block, hb, head, m, e, v, inv_t);
+                for row in block.chunks_exact_mut(v) {
+                    let (_, sum) = exp_shifted(row);
+                    let inv = (1.0 / sum) as f32;
+                    row.iter_mut().for_each(|x| *x *= inv);
+                }
+                block
+            }
+        };
+        // Each row becomes g·(onehot(y) − softmax)/τ.
+        for (r, row) in block.chunks_exact_mut(v).enumerate() {
+            let scale = -g[start + r] * inv_t;
+            row.iter_mut().for_each(|x| *x *= scale);
+            row[targets[start + r] as usize] += g[start + r] * inv_t;
+        }
+        // grad_h[block] += d · W: (m, V)·(V, E).
+        gemm_f32(
+            &mut grads.hidden[start * e..(start + m) * e],
+            (m, e, v),
+            true,
+            (block, v, 1),
+            (head, e, 1),
+        );
+        // grad_W += dᵀ · h[block]: (V, m)·(m, E).
+        gemm_f32(grads.head, (v, e, m), true, (block, 1, v), (hb, e, 1));
     }
 }
 
@@ -191,60 +277,9 @@ fn block_logits(out: &mut [f32], h: &[f32], w: &[f32], m: usize, e: usize, v: us
     }
 }
 
-/// `dst` (rows, cols, row-major) = [dst +] a · b, with a (rows, inner) and b (inner, cols)
-/// given as (data, row stride, column stride). Panics if a slice is too short for its
-/// shape and strides (a programming error, checked before any unsafe access).
-fn gemm_f32(
-    dst: &mut [f32],
-    (rows, cols, inner): (usize, usize, usize),
-    accumulate: bool,
-    (a, a_rs, a_cs): (&[f32], usize, usize),
-    (b, b_rs, b_cs): (&[f32], usize, usize),
-) {
-    let span = |r: usize, c: usize, rs: usize, cs: usize| (r - 1) * rs + (c - 1) * cs + 1;
-    if rows == 0 || cols == 0 || inner == 0 {
-        return;
-    }
-    assert!(dst.len() >= rows * cols, "gemm dst too short");
-    assert!(
-        a.len() >= span(rows, inner, a_rs, a_cs),
-        "gemm lhs too short"
-    );
-    assert!(
-        b.len() >= span(inner, cols, b_rs, b_cs),
-        "gemm rhs too short"
-    );
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    // SAFETY: every index the kernel touches lies inside the slices (asserted above), and
-    // `dst` does not alias `a` or `b` (a &mut and two & borrows).
-    unsafe {
-        gemm::gemm(
-            rows,
-            cols,
-            inner,
-            dst.as_mut_ptr(),
-            1,
-            cols as isize,
-            accumulate,
-            a.as_ptr(),
-            a_cs as isize,
-            a_rs as isize,
-            b.as_ptr(),
-            b_cs as isize,
-            b_rs as isize,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::Rayon(threads),
-        );
-    }
-}
-
 /// Replaces `x` with `exp(x − max x)` and returns `(max x, Σ exp(x − max x))`, so that
 /// `log Σ exp(x) = max + ln(sum)` and `softmax(x) = x' / sum`.
-fn exp_shifted(x: &mut [f32]) -> (f32, f32) {
+fn exp_shifted(x: &mut [f32]) -> (f32, f64) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     x.iter_mut().for_each(|a| *a -= max);
     rookworld_lm::simd::exp_inplace(x);
@@ -255,7 +290,7 @@ fn exp_shifted(x: &mut [f32]) -> (f32, f32) {
             *p += f64::from(a);
         }
     }
-    (max, partial.iter().sum::<f64>() as f32)
+    (max, partial.iter().sum::<f64>())
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@
 //!   surrogate, k3 KL, aggregation); [`batch`] lays a batch out as tensors; [`policy`] holds
 //!   the trainable model and computes token log-probs; [`loss`] assembles the loss.
 //! - [`loss_cmd`]: `learner loss`, the loss and gradient norm of one batch as JSON.
-//! - [`sft`]: `learner sft`, supervised warm-up; [`checkpoint`]: training checkpoints
+//! - [`sft`]: `learner sft`, supervised warm-up ([`sft_loss`]: its loss and gradients); [`checkpoint`]: training checkpoints
 //!   (model, optimizer, trainer state) written atomically, for exact resume.
 //! - [`queue`]: the rollout queue (leases with deadlines, bounded buffers, staleness);
 //!   [`queue_service`]: it over gRPC with inspection calls.
@@ -18,12 +18,16 @@
 //! - [`train`]: `learner train`, the GRPO loop against the rollout queue (`--local`: with
 //!   a reward server and a worker in-process); [`head`]: LM-head log-probs without the
 //!   (N, V) logits.
+//! - [`fused`]: the fused training pass on the CPU (explicit forward/backward, each
+//!   group's prompt once); [`bench_cmd`]: `learner bench`, one timed GRPO step.
 //! - [`optim`]: gradient accumulation, norm and clipping, AdamW, the LR schedule;
 //!   [`step`]: one optimizer step in micro-batches.
 
 pub mod app;
 pub mod batch;
+pub mod bench_cmd;
 pub mod checkpoint;
+pub mod fused;
 pub mod grpo;
 pub mod head;
 pub mod init_cmd;
@@ -37,5 +41,6 @@ pub mod push;
 pub mod queue;
 pub mod queue_service;
 pub mod sft;
+pub mod sft_loss;
 pub mod step;
 pub mod train;

@@ -67,28 +67,61 @@ pub fn grpo_loss(
     layout: &Layout,
     cfg: &LossConfig,
 ) -> CandleResult<LossOutput> {
-    let mask = &layout.mask;
-    let logp = (token_logprobs(policy, layout, cfg.temperature)? * mask)?; // (C, T−1)
-    let behaviour = match &layout.behaviour {
-        Some(b) => b.clone(),
+    let logp = token_logprobs(policy, layout, cfg.temperature)?; // (C, T−1)
+    let ref_logp = match reference {
+        Some(reference) if cfg.beta > 0.0 => {
+            Some(token_logprobs(reference, layout, cfg.temperature)?.detach())
+        }
+        _ => None,
+    };
+    let tokens = TokenTensors {
+        logp: &logp,
+        reference: ref_logp.as_ref(),
+        behaviour: layout.behaviour.as_ref(),
+        mask: &layout.mask,
+        advantages: &layout.advantages,
+    };
+    objective(&tokens, cfg)
+}
+
+/// Per-token tensors of the objective, all (C, T) f32 but the advantages (C, 1). Only the
+/// masked slots count; what the others hold does not matter as long as it is finite.
+#[derive(Debug, Clone, Copy)]
+pub struct TokenTensors<'a> {
+    /// log πθ, differentiable.
+    pub logp: &'a Tensor,
+    /// log π_ref (detached); `None`: no KL term.
+    pub reference: Option<&'a Tensor>,
+    /// log π_old of the sampler; `None`: the policy's own detached log-probs (ratio 1).
+    pub behaviour: Option<&'a Tensor>,
+    pub mask: &'a Tensor,
+    pub advantages: &'a Tensor,
+}
+
+/// The objective from per-token log-probs, however they were computed:
+/// `aggregate(−min(ρA, clip(ρ)A)) + β · aggregate(k3(ref, logπθ))`.
+pub fn objective(t: &TokenTensors, cfg: &LossConfig) -> CandleResult<LossOutput> {
+    let mask = t.mask;
+    let logp = (t.logp * mask)?;
+    let behaviour = match t.behaviour {
+        Some(b) => (b * mask)?,
         None => logp.detach(),
     };
     let ratio = grpo::ratio(&logp, &behaviour)?;
-    let surrogate = grpo::clipped_surrogate(&ratio, &layout.advantages, cfg.eps_low, cfg.eps_high)?;
+    let surrogate = grpo::clipped_surrogate(&ratio, t.advantages, cfg.eps_low, cfg.eps_high)?;
     let policy_loss = grpo::aggregate(&surrogate, mask, cfg.aggregation)?;
-    let clip_frac =
-        grpo::clip_fraction(&ratio, &layout.advantages, mask, cfg.eps_low, cfg.eps_high)?;
-    let (loss, kl) = match reference {
+    let clip_frac = grpo::clip_fraction(&ratio, t.advantages, mask, cfg.eps_low, cfg.eps_high)?;
+    let (loss, kl) = match t.reference {
         Some(reference) if cfg.beta > 0.0 => {
-            let ref_logp = (token_logprobs(reference, layout, cfg.temperature)?.detach() * mask)?;
+            let ref_logp = (reference * mask)?;
             let kl = grpo::aggregate(&grpo::k3_kl(&ref_logp, &logp)?, mask, cfg.aggregation)?;
-            let value = kl.to_scalar::<f32>()? as f64;
+            let value = grpo::scalar(&kl)?;
             ((&policy_loss + (kl * cfg.beta)?)?, value)
         }
         _ => (policy_loss.clone(), 0.0),
     };
     Ok(LossOutput {
-        policy_loss: policy_loss.to_scalar::<f32>()? as f64,
+        policy_loss: grpo::scalar(&policy_loss)?,
         loss,
         kl,
         clip_frac,

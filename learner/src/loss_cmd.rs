@@ -6,11 +6,11 @@ use std::path::PathBuf;
 use candle_core::{DType, Device};
 use rookworld_lm::checkpoint;
 
-use crate::batch::{GrpoBatch, Layout};
-use crate::grpo::{AdvantageNorm, Aggregation};
-use crate::loss::{LossConfig, LossReport, grpo_loss};
-use crate::optim::global_grad_norm;
+use crate::batch::GrpoBatch;
+use crate::grpo::{AdvantageNorm, Aggregation, group_advantages};
+use crate::loss::{LossConfig, LossReport};
 use crate::policy::Trainable;
+use crate::step::{StepConfig, accumulate};
 
 /// Options of `learner loss`.
 #[derive(Debug, Clone, clap::Args)]
@@ -85,7 +85,8 @@ impl LossArgs {
     }
 }
 
-/// Computes the report of `batch` under `policy` (gradients included).
+/// Computes the report of `batch` under `policy` (gradients included), with the code a
+/// training step runs ([`crate::step::accumulate`], the whole batch as one micro-batch).
 pub fn evaluate(
     policy: &Trainable,
     reference: Option<&rookworld_lm::Gpt2>,
@@ -94,35 +95,26 @@ pub fn evaluate(
 ) -> Result<LossReport, LossCmdError> {
     let model_cfg = policy.model.config();
     batch.validate(model_cfg.vocab_size, model_cfg.n_positions)?;
-    let Some(layout) = Layout::new(
-        batch,
-        cfg.advantage_norm,
-        model_cfg.eos_token_id,
-        policy.model.device(),
-    )?
-    else {
-        return Ok(LossReport {
-            loss: 0.0,
-            policy_loss: 0.0,
-            kl: 0.0,
-            grad_norm: 0.0,
-            advantages: Vec::new(),
-            clip_frac: 0.0,
-            skipped_groups: batch.prompts.len(),
-            tokens: 0,
-        });
+    let step = StepConfig {
+        loss: *cfg,
+        micro_batch_groups: batch.prompts.len(),
+        max_grad_norm: f64::INFINITY,
     };
-    let out = grpo_loss(&policy.model, reference, &layout, cfg)?;
-    let grads = out.loss.backward()?;
+    let (grads, report) = accumulate(policy, reference, batch, &step)?;
+    let advantages = batch
+        .rewards
+        .iter()
+        .filter_map(|r| group_advantages(r, cfg.advantage_norm))
+        .collect();
     Ok(LossReport {
-        loss: out.loss.to_scalar::<f32>()? as f64,
-        policy_loss: out.policy_loss,
-        kl: out.kl,
-        grad_norm: global_grad_norm(&grads, &policy.vars)?,
-        advantages: layout.group_advantages,
-        clip_frac: out.clip_frac,
-        skipped_groups: layout.skipped_groups,
-        tokens: layout.tokens,
+        loss: report.loss,
+        policy_loss: report.policy_loss,
+        kl: report.kl,
+        grad_norm: grads.global_norm()?,
+        advantages,
+        clip_frac: report.clip_frac,
+        skipped_groups: report.skipped_groups,
+        tokens: report.tokens,
     })
 }
 

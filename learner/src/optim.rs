@@ -4,14 +4,36 @@
 use std::collections::{BTreeMap, HashMap};
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Result as CandleResult, Tensor, Var};
+use candle_core::{DType, Device, Result as CandleResult, Shape, Tensor, Var};
 use serde::{Deserialize, Serialize};
+
+use crate::fused::HostF32;
 
 /// Gradients summed over micro-batches, by parameter name (ordered, so every sum over
 /// parameters runs in the same order in every process: resumed runs stay bit-identical).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Gradients {
-    by_name: BTreeMap<String, Tensor>,
+    by_name: BTreeMap<String, Grad>,
+    /// Factor every gradient is taken with (set by [`Gradients::clip`], applied inside the
+    /// optimizer's pass instead of rewriting every gradient first).
+    scale: f64,
+}
+
+/// One parameter's gradient: a tensor (autograd), or a host buffer of the fused pass in
+/// the parameter's element order (handed back for the next step by [`Gradients::recycle`]).
+#[derive(Debug)]
+enum Grad {
+    Tensor(Tensor),
+    Host(Vec<f32>, Shape),
+}
+
+impl Default for Gradients {
+    fn default() -> Self {
+        Self {
+            by_name: BTreeMap::new(),
+            scale: 1.0,
+        }
+    }
 }
 
 impl Gradients {
@@ -22,18 +44,33 @@ impl Gradients {
         for (name, var) in vars {
             if let Some(g) = store.get(var.as_tensor()) {
                 let g = &g.detach();
-                let sum = match self.by_name.remove(name) {
+                let sum = match self.get(name) {
                     Some(acc) => (acc + g)?,
                     None => g.clone(),
                 };
-                self.by_name.insert(name.clone(), sum);
+                self.by_name.insert(name.clone(), Grad::Tensor(sum));
             }
         }
         Ok(())
     }
 
-    pub fn get(&self, name: &str) -> Option<&Tensor> {
-        self.by_name.get(name)
+    /// Sets the gradient of `name` to a host buffer of `shape` (replacing any).
+    pub fn insert_host(&mut self, name: String, g: Vec<f32>, shape: Shape) {
+        self.by_name.insert(name, Grad::Host(g, shape));
+    }
+
+    /// The stored gradient of `name`, before [`Gradients::scale`] (a host buffer is
+    /// copied into a tensor).
+    pub fn get(&self, name: &str) -> Option<Tensor> {
+        match self.by_name.get(name)? {
+            Grad::Tensor(t) => Some(t.clone()),
+            Grad::Host(v, shape) => Tensor::from_slice(v, shape.clone(), &Device::Cpu).ok(),
+        }
+    }
+
+    /// The factor the stored gradients are to be taken with.
+    pub fn scale(&self) -> f64 {
+        self.scale
     }
 
     /// Global L2 norm `sqrt(Σ_p ‖g_p‖²)`, each parameter once (the tied embedding/LM head
@@ -41,34 +78,41 @@ impl Gradients {
     pub fn global_norm(&self) -> CandleResult<f64> {
         let mut total = 0f64;
         for g in self.by_name.values() {
-            total += g
-                .to_dtype(DType::F64)?
-                .sqr()?
-                .sum_all()?
-                .to_scalar::<f64>()?;
+            total += match g {
+                Grad::Host(v, _) => sum_squares(v),
+                Grad::Tensor(g) => match HostF32::new(g) {
+                    Some(values) => sum_squares(values.as_slice()),
+                    None => g
+                        .to_dtype(DType::F64)?
+                        .sqr()?
+                        .sum_all()?
+                        .to_scalar::<f64>()?,
+                },
+            };
         }
-        Ok(total.sqrt())
+        Ok(total.sqrt() * self.scale)
     }
 
     /// Scales every gradient so the global norm is at most `max_norm`:
     /// `g ← g · min(1, max_norm / (‖g‖ + 1e-6))`. Returns the norm before clipping.
     pub fn clip(&mut self, max_norm: f64) -> CandleResult<f64> {
         let norm = self.global_norm()?;
-        let scale = (max_norm / (norm + 1e-6)).min(1.0);
-        if scale < 1.0 {
-            for g in self.by_name.values_mut() {
-                *g = (&*g * scale)?;
-            }
-        }
+        self.scale *= (max_norm / (norm + 1e-6)).min(1.0);
         Ok(norm)
     }
-}
 
-/// Global L2 norm of the gradients of `vars` in one backward's store.
-pub fn global_grad_norm(grads: &GradStore, vars: &[(String, Var)]) -> CandleResult<f64> {
-    let mut g = Gradients::default();
-    g.accumulate(grads, vars)?;
-    g.global_norm()
+    /// The host buffers, in the order of `vars` (empty unless every parameter has one),
+    /// for the next step to fill instead of allocating (and faulting in) new ones.
+    pub fn recycle(mut self, vars: &[(String, Var)]) -> Vec<Vec<f32>> {
+        let mut out = Vec::with_capacity(vars.len());
+        for (name, _) in vars {
+            match self.by_name.remove(name) {
+                Some(Grad::Host(v, _)) => out.push(v),
+                _ => return Vec::new(),
+            }
+        }
+        out
+    }
 }
 
 /// Whether weight decay applies to a parameter: not to biases, not to layer norms.
@@ -96,16 +140,20 @@ impl Default for AdamWConfig {
     }
 }
 
-/// AdamW (Loshchilov & Hutter), as `torch.optim.AdamW`: with t the step count,
-/// `p ← p − lr·wd·p` (decaying parameters only), `m ← β1 m + (1−β1) g`,
-/// `v ← β2 v + (1−β2) g²`, `p ← p − lr · (m / (1−β1ᵗ)) / (sqrt(v / (1−β2ᵗ)) + eps)`.
+/// AdamW (Loshchilov & Hutter), as `torch.optim.AdamW`: with t the step count and
+/// g the (clip-scaled) gradient, `p ← p − lr·wd·p` (decaying parameters only),
+/// `m ← β1 m + (1−β1) g`, `v ← β2 v + (1−β2) g²`,
+/// `p ← p − lr · (m / (1−β1ᵗ)) / (sqrt(v / (1−β2ᵗ)) + eps)`.
+///
+/// On the CPU each parameter is updated in one pass over p, g, m and v ([`AdamWPass`]);
+/// elsewhere with tensor ops (the moments then cross to the host and back).
 #[derive(Debug)]
 pub struct AdamW {
     pub cfg: AdamWConfig,
     /// Steps taken (t).
     pub steps: u64,
-    /// First and second moments by parameter name.
-    pub moments: HashMap<String, (Tensor, Tensor)>,
+    /// First and second moments by parameter name, f32 in the parameter's element order.
+    pub moments: HashMap<String, (Vec<f32>, Vec<f32>)>,
 }
 
 impl AdamW {
@@ -122,27 +170,129 @@ impl AdamW {
         self.steps += 1;
         let c = self.cfg;
         let t = self.steps as i32;
-        let (bc1, bc2) = (1.0 - c.beta1.powi(t), 1.0 - c.beta2.powi(t));
         for (name, var) in vars {
-            let Some(g) = grads.get(name) else {
+            let Some(g) = grads.by_name.get(name) else {
                 continue;
             };
-            let (m, v) = match self.moments.remove(name) {
-                Some(mv) => mv,
-                None => (g.zeros_like()?, g.zeros_like()?),
-            };
-            let m = ((m * c.beta1)? + (g * (1.0 - c.beta1))?)?;
-            let v = ((v * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
-            let mut p = var.as_tensor().detach();
-            if decays(name) && c.weight_decay > 0.0 {
-                p = (&p * (1.0 - lr * c.weight_decay))?;
+            let numel = var.elem_count();
+            let (m, v) = self
+                .moments
+                .entry(name.clone())
+                .or_insert_with(|| (vec![0f32; numel], vec![0f32; numel]));
+            if m.len() != numel || v.len() != numel {
+                candle_core::bail!("optimizer moments of `{name}` have the wrong size");
             }
-            let update = ((&m / bc1)? / ((&v / bc2)?.sqrt()? + c.eps)?)?;
-            var.set(&(p - (update * lr)?)?)?;
-            self.moments.insert(name.clone(), (m, v));
+            // The gradient in place where it can be read so (a host buffer, or a CPU
+            // tensor's storage), else a host copy.
+            let (view, copy);
+            let grad: &[f32] = match g {
+                Grad::Host(g, _) => g,
+                Grad::Tensor(t) => match HostF32::new(t) {
+                    Some(v) => {
+                        view = v;
+                        view.as_slice()
+                    }
+                    None => {
+                        copy = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                        &copy
+                    }
+                },
+            };
+            let pass = AdamWPass {
+                lr,
+                beta1: c.beta1,
+                beta2: c.beta2,
+                eps: c.eps,
+                decay: if decays(name) { c.weight_decay } else { 0.0 },
+                bias1: 1.0 - c.beta1.powi(t),
+                bias2: 1.0 - c.beta2.powi(t),
+                grad_scale: grads.scale(),
+                grad,
+                moments: std::sync::Mutex::new((m.as_mut_slice(), v.as_mut_slice())),
+            };
+            if var.device().is_cpu() && var.dtype() == DType::F32 && var.is_contiguous() {
+                var.as_tensor().inplace_op1(&pass)?;
+            } else {
+                // Off the CPU: the same update on a host copy of the parameter.
+                let mut p = var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
+                pass.apply(&mut p);
+                var.set(&Tensor::from_vec(p, var.shape(), var.device())?)?;
+            }
         }
         Ok(())
     }
+}
+
+/// One fused AdamW update of a parameter (see [`AdamW`]), in place.
+struct AdamWPass<'a> {
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    decay: f64,
+    /// 1 − β1ᵗ and 1 − β2ᵗ.
+    bias1: f64,
+    bias2: f64,
+    grad_scale: f64,
+    grad: &'a [f32],
+    moments: std::sync::Mutex<(&'a mut [f32], &'a mut [f32])>,
+}
+
+impl AdamWPass<'_> {
+    /// The update over `p`, in chunks across threads.
+    fn apply(&self, p: &mut [f32]) {
+        let g = self.grad;
+        use rayon::prelude::*;
+        let mut moments = self.moments.lock().expect("moments lock");
+        let (m, v) = &mut *moments;
+        let shrink = (1.0 - self.lr * self.decay) as f32;
+        let (b1, b2) = (self.beta1 as f32, self.beta2 as f32);
+        let (s1, s2) = ((1.0 / self.bias1) as f32, (1.0 / self.bias2) as f32);
+        let (lr, eps, gs) = (self.lr as f32, self.eps as f32, self.grad_scale as f32);
+        const CHUNK: usize = 1 << 14;
+        p.par_chunks_mut(CHUNK)
+            .zip(g.par_chunks(CHUNK))
+            .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
+            .for_each(|((p, g), (m, v))| {
+                for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+                    let g = g * gs;
+                    *m = b1 * *m + (1.0 - b1) * g;
+                    *v = b2 * *v + (1.0 - b2) * g * g;
+                    let update = (*m * s1) / ((*v * s2).sqrt() + eps);
+                    *p = *p * shrink - lr * update;
+                }
+            });
+    }
+}
+
+impl candle_core::InplaceOp1 for AdamWPass<'_> {
+    fn name(&self) -> &'static str {
+        "adamw"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &mut candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> CandleResult<()> {
+        match (s, l.contiguous_offsets()) {
+            (candle_core::CpuStorage::F32(p), Some((a, b))) if b - a == self.grad.len() => {
+                self.apply(&mut p[a..b]);
+                Ok(())
+            }
+            _ => candle_core::bail!(
+                "adamw: parameter and gradient must be contiguous f32 of one size"
+            ),
+        }
+    }
+}
+
+/// `Σ x²` in f64, in parallel chunks.
+fn sum_squares(x: &[f32]) -> f64 {
+    use rayon::prelude::*;
+    x.par_chunks(1 << 14)
+        .map(|c| c.iter().map(|&a| f64::from(a) * f64::from(a)).sum::<f64>())
+        .sum()
 }
 
 /// Linear warm-up to `lr`, then cosine decay to `min_lr` at `total_steps`, flat after.
@@ -196,10 +346,6 @@ mod tests {
             !g.track_op(),
             "an accumulated gradient keeps the forward graph alive"
         );
-        let mut opt = AdamW::new(AdamWConfig::default());
-        opt.step(&vars, &grads, 1e-3).unwrap();
-        let (m, v) = &opt.moments["h.0.mlp.c_fc.weight"];
-        assert!(!m.track_op() && !v.track_op());
     }
 
     #[test]
@@ -216,10 +362,13 @@ mod tests {
         let (mut p, mut m, mut v) = (1.0f64, 0.0f64, 0.0f64);
         for (t, g) in [(1, 0.5f64), (2, -0.25)] {
             let mut grads = Gradients::default();
-            grads.by_name.insert(
-                vars[0].0.clone(),
-                Tensor::new(&[g as f32], &Device::Cpu).unwrap(),
-            );
+            // Step 1 through a host buffer (fused pass), step 2 through a tensor.
+            if t == 1 {
+                grads.insert_host(vars[0].0.clone(), vec![g as f32], Shape::from(1));
+            } else {
+                let g = Tensor::new(&[g as f32], &Device::Cpu).unwrap();
+                grads.by_name.insert(vars[0].0.clone(), Grad::Tensor(g));
+            }
             opt.step(&vars, &grads, 0.1).unwrap();
             p *= 1.0 - 0.1 * 0.1;
             m = 0.9 * m + 0.1 * g;
@@ -258,10 +407,11 @@ mod tests {
     #[test]
     fn clipping_scales_to_the_bound_and_reports_the_norm_before() {
         let mut g = Gradients::default();
-        g.by_name
-            .insert("a".into(), Tensor::new(&[3.0f32], &Device::Cpu).unwrap());
-        g.by_name
-            .insert("b".into(), Tensor::new(&[4.0f32], &Device::Cpu).unwrap());
+        g.insert_host("a".into(), vec![3.0], Shape::from(1));
+        g.by_name.insert(
+            "b".into(),
+            Grad::Tensor(Tensor::new(&[4.0f32], &Device::Cpu).unwrap()),
+        );
         assert!((g.clip(1.0).unwrap() - 5.0).abs() < 1e-9);
         assert!((g.global_norm().unwrap() - 1.0).abs() < 1e-5);
     }

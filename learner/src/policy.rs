@@ -2,13 +2,16 @@
 //! per-token log-probs the objective needs.
 
 use std::path::Path;
+use std::sync::Mutex;
 
 use candle_core::{DType, Device, Result as CandleResult, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use rookworld_lm::{Gpt2, LeftPadding, checkpoint};
 
 use crate::batch::Layout;
+use crate::fused::model::Workspace;
 use crate::head::head_logprobs;
+use crate::optim::Gradients;
 
 /// A model whose weights are `Var`s, named as in a Hugging Face checkpoint.
 #[derive(Debug)]
@@ -16,6 +19,8 @@ pub struct Trainable {
     pub model: Gpt2,
     /// Every parameter once (the tied LM head is `transformer.wte.weight`), by name.
     pub vars: Vec<(String, Var)>,
+    /// The fused pass's buffers, reused from step to step.
+    pub workspace: Mutex<Workspace>,
 }
 
 impl Trainable {
@@ -39,7 +44,36 @@ impl Trainable {
         let root = VarBuilder::from_varmap(&varmap, DType::F32, model.device());
         let cfg = model.config().clone();
         let model = Gpt2::load(root.pp("transformer"), root, &cfg)?;
-        Ok(Self { model, vars })
+        Ok(Self {
+            model,
+            vars,
+            workspace: Mutex::default(),
+        })
+    }
+
+    /// The parameters' tensors in `vars` order (the fused pass's `Params` order).
+    pub fn tensors(&self) -> Vec<Tensor> {
+        self.vars
+            .iter()
+            .map(|(_, v)| v.as_tensor().clone())
+            .collect()
+    }
+
+    /// The fused pass's gradient buffers (in `vars` order) as named gradients.
+    pub fn host_gradients(&self, buffers: Vec<Vec<f32>>) -> Gradients {
+        let mut grads = Gradients::default();
+        for ((name, var), g) in self.vars.iter().zip(buffers) {
+            grads.insert_host(name.clone(), g, var.shape().clone());
+        }
+        grads
+    }
+
+    /// Keeps the host gradient buffers of a finished step for the next one.
+    pub fn recycle(&self, grads: Gradients) {
+        let buffers = grads.recycle(&self.vars);
+        if !buffers.is_empty() {
+            self.workspace.lock().expect("workspace lock").grads = buffers;
+        }
     }
 }
 

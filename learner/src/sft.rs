@@ -10,17 +10,18 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use reward_server::engine::{EngineConfig, EnginePool};
 use reward_server::rules::standard;
+use rookworld_lm::Tokenizer;
 use rookworld_lm::cli::ModelArgs;
-use rookworld_lm::{Gpt2, Tokenizer};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{self, TrainerState};
-use crate::optim::{AdamW, AdamWConfig, Gradients, Schedule};
-use crate::policy::{Trainable, slot_logprobs};
+use crate::optim::{AdamW, AdamWConfig, Schedule};
+use crate::policy::Trainable;
 use crate::prompts::{self, Generator, Source, TaskKind, TaskPrompt};
+use crate::sft_loss::{self, Document};
 
 /// Options of `learner sft`.
 #[derive(Debug, Clone, clap::Args)]
@@ -226,42 +227,6 @@ fn default_engine() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-/// A training document: `[bos] + tokens(text) + [bos]` and the first position whose token
-/// is predicted (1, or the first completion token when only completions are trained).
-#[derive(Debug, Clone)]
-struct Document {
-    ids: Vec<u32>,
-    first: usize,
-}
-
-/// Mean next-token cross-entropy of a micro-batch of documents over their predicted
-/// tokens, and their count. Only the predicting positions go through the LM head.
-fn cross_entropy(
-    model: &Gpt2,
-    docs: &[Document],
-    pad: u32,
-    device: &Device,
-) -> candle_core::Result<(Tensor, usize)> {
-    let t = docs.iter().map(|d| d.ids.len()).max().unwrap_or(2);
-    let c = docs.len();
-    let mut ids = vec![pad; c * t];
-    let (mut slots, mut targets) = (Vec::new(), Vec::new());
-    for (r, d) in docs.iter().enumerate() {
-        ids[r * t..r * t + d.ids.len()].copy_from_slice(&d.ids);
-        for j in d.first.max(1)..d.ids.len() {
-            slots.push((r * (t - 1) + j - 1) as u32);
-            targets.push(d.ids[j]);
-        }
-    }
-    let tokens = slots.len();
-    let ids = Tensor::from_vec(ids, (c, t), device)?;
-    let slots = Tensor::new(slots, device)?;
-    let targets = Tensor::new(targets, device)?;
-    let logp = slot_logprobs(model, &ids, &slots, &targets, 1.0)?; // (N)
-    let loss = (logp.sum_all()?.neg()? / tokens.max(1) as f64)?;
-    Ok((loss, tokens))
-}
-
 /// The engine for policy-task lines, when `wanted`: `path` or a Stockfish found on the
 /// system; `None` (said once) when none is installed.
 fn start_engine(
@@ -295,24 +260,16 @@ fn sft_step(
     s: &SftSettings,
     step: u64,
 ) -> Result<SftStep, SftError> {
-    let device = policy.model.device().clone();
-    let pad = policy.model.config().eos_token_id;
     let started = Instant::now();
     let batch: Vec<Document> = (0..s.batch_size)
         .map(|_| docs.next(s.completion_only))
         .collect::<Result<_, _>>()?;
     let total_tokens: usize = batch.iter().map(|d| d.ids.len() - d.first.max(1)).sum();
-    let mut grads = Gradients::default();
-    let mut loss = 0.0;
-    for micro in batch.chunks(s.micro_batch_size) {
-        let (l, tokens) = cross_entropy(&policy.model, micro, pad, &device)?;
-        let w = tokens as f64 / total_tokens as f64;
-        grads.accumulate(&(&l * w)?.backward()?, &policy.vars)?;
-        loss += w * l.to_scalar::<f32>()? as f64;
-    }
+    let (mut grads, loss) = sft_loss::gradients(policy, &batch, s.micro_batch_size)?;
     let grad_norm = grads.clip(s.max_grad_norm)?;
     let lr = schedule.lr_at(step);
     opt.step(&policy.vars, &grads, lr)?;
+    policy.recycle(grads);
     let record = SftStep {
         step: step + 1,
         loss,

@@ -8,6 +8,8 @@ use rookworld_lm::Gpt2;
 use serde::Serialize;
 
 use crate::batch::{GrpoBatch, Layout};
+use crate::fused::step::{MicroBatch, micro_step, reference_logprobs};
+use crate::fused::{self, Params};
 use crate::grpo::Aggregation;
 use crate::loss::{LossConfig, grpo_loss};
 use crate::optim::{AdamW, Gradients, Schedule};
@@ -37,12 +39,33 @@ pub struct StepReport {
     pub skipped_groups: usize,
     pub forward_backward_seconds: f64,
     pub optimizer_seconds: f64,
+    /// The fused pass's split of `forward_backward_seconds` (0 on the candle path):
+    /// reference forward, policy forward, loss + backward.
+    pub reference_seconds: f64,
+    pub forward_seconds: f64,
+    pub backward_seconds: f64,
+    /// Largest activation plan of a micro-batch (bytes; fused pass only).
+    pub activation_bytes: usize,
 }
 
 /// Gradients of the whole batch, accumulated over micro-batches: micro-batch k's loss is
 /// weighted by its share of the batch (completions for sequence aggregation, tokens for
 /// token aggregation), so the sum is the full batch's loss and gradient.
 pub fn accumulate(
+    policy: &Trainable,
+    reference: Option<&Gpt2>,
+    batch: &GrpoBatch,
+    cfg: &StepConfig,
+) -> CandleResult<(Gradients, StepReport)> {
+    if fused::applies(policy.model.config(), policy.model.head_weight()) {
+        return accumulate_fused(policy, reference, batch, cfg);
+    }
+    accumulate_autograd(policy, reference, batch, cfg)
+}
+
+/// [`accumulate`] through candle's autograd on the plain model (every device and dtype;
+/// the fused pass is checked against it).
+pub fn accumulate_autograd(
     policy: &Trainable,
     reference: Option<&Gpt2>,
     batch: &GrpoBatch,
@@ -98,6 +121,88 @@ pub fn accumulate(
     Ok((grads, report))
 }
 
+/// Groups per reference forward of the fused pass (it keeps no activations, so it can
+/// take more rows than a training micro-batch).
+const REFERENCE_GROUPS: usize = 4;
+
+/// [`accumulate`] on the fused pass ([`crate::fused`]): the same micro-batches and
+/// weights, each group's prompt computed once.
+fn accumulate_fused(
+    policy: &Trainable,
+    reference: Option<&Gpt2>,
+    batch: &GrpoBatch,
+    cfg: &StepConfig,
+) -> CandleResult<(Gradients, StepReport)> {
+    let micro = cfg.micro_batch_groups.max(1);
+    let micros: Vec<MicroBatch> = (0..batch.prompts.len())
+        .step_by(micro)
+        .filter_map(|start| MicroBatch::new(&slice(batch, start, micro), cfg.loss.advantage_norm))
+        .collect();
+    let kept: usize = micros.iter().map(|m| m.group_advantages.len()).sum();
+    let mut report = StepReport {
+        skipped_groups: batch.prompts.len() - kept,
+        ..StepReport::default()
+    };
+    let weight_of = |m: &MicroBatch| match cfg.loss.aggregation {
+        Aggregation::Sequence => m.completions() as f64,
+        Aggregation::Token => m.tokens as f64,
+    };
+    let total: f64 = micros.iter().map(weight_of).sum();
+    let started = Instant::now();
+    let policy_tensors = policy.tensors();
+    let ref_tensors = reference.map(fused::step::model_tensors);
+    let model_cfg = policy.model.config();
+    let grads = {
+        let params = Params::new(&policy_tensors, model_cfg)?;
+        let ref_params = match &ref_tensors {
+            Some(t) => Some(Params::new(t, model_cfg)?),
+            None => None,
+        };
+        let mut work = policy.workspace.lock().expect("workspace lock");
+        let mut grads = work.zeroed_grads(&params);
+        // The reference over several micro-batches at once, then split by micro-batch.
+        let t = Instant::now();
+        let ref_logp = match (&ref_params, cfg.loss.beta > 0.0) {
+            (Some(r), true) => {
+                let mut all = Vec::new();
+                for start in (0..batch.prompts.len()).step_by(REFERENCE_GROUPS.max(micro)) {
+                    let chunk = slice(batch, start, REFERENCE_GROUPS.max(micro));
+                    if let Some(m) = MicroBatch::new(&chunk, cfg.loss.advantage_norm) {
+                        all.extend(reference_logprobs(r, &m, &cfg.loss, &mut work));
+                    }
+                }
+                Some(all)
+            }
+            _ => None,
+        };
+        report.reference_seconds = t.elapsed().as_secs_f64();
+        let mut offset = 0;
+        for m in &micros {
+            let w = weight_of(m) / total;
+            let r_logp = ref_logp.as_ref().map(|r| &r[offset..offset + m.tokens]);
+            offset += m.tokens;
+            let r = micro_step(&params, r_logp, m, &cfg.loss, w, &mut grads, &mut work)?;
+            report.policy_loss += w * r.policy_loss;
+            report.kl += w * r.kl;
+            report.clip_frac += r.clip_frac * m.tokens as f64;
+            report.tokens += m.tokens;
+            report.forward_seconds += r.forward_seconds;
+            report.backward_seconds += r.backward_seconds;
+            report.activation_bytes = report.activation_bytes.max(r.activation_bytes);
+        }
+        grads
+    };
+    let out = if micros.is_empty() {
+        Gradients::default()
+    } else {
+        policy.host_gradients(grads)
+    };
+    report.loss = report.policy_loss + cfg.loss.beta * report.kl;
+    report.clip_frac /= report.tokens.max(1) as f64;
+    report.forward_backward_seconds = started.elapsed().as_secs_f64();
+    Ok((out, report))
+}
+
 /// A full step: gradients, clipping, AdamW at the schedule's rate for `step`.
 pub fn train_step(
     policy: &Trainable,
@@ -115,6 +220,7 @@ pub fn train_step(
     if report.tokens > 0 {
         opt.step(&policy.vars, &grads, report.lr)?;
     }
+    policy.recycle(grads);
     report.optimizer_seconds = started.elapsed().as_secs_f64();
     Ok(report)
 }
@@ -128,4 +234,38 @@ fn slice(batch: &GrpoBatch, start: usize, len: usize) -> GrpoBatch {
         rewards: batch.rewards[start..end].to_vec(),
         old_logprobs: batch.old_logprobs.as_ref().map(|o| o[start..end].to_vec()),
     }
+}
+
+/// Model FLOPs of one step's forward and backward: 6 per weight per token for the policy
+/// (2 forward, 4 backward) and 2 more for the reference forward — the transformer's
+/// matmul weights for every sequence token, the LM head's only for the completion tokens
+/// (the only positions that go through it); groups without signal are not run.
+pub fn step_flops(model: &Gpt2, batch: &GrpoBatch, reference: bool) -> f64 {
+    let c = model.config();
+    let body = (c.n_layer * 12 * c.n_embd * c.n_embd) as f64;
+    let head = (c.vocab_size * c.n_embd) as f64;
+    let (mut seq, mut completion) = (0usize, 0usize);
+    for ((p, group), rewards) in batch
+        .prompts
+        .iter()
+        .zip(&batch.completions)
+        .zip(&batch.rewards)
+    {
+        if rewards.iter().all(|r| *r == rewards[0]) {
+            continue; // no signal: not forwarded
+        }
+        for g in group {
+            seq += p.len() + g.len();
+            completion += g.len();
+        }
+    }
+    let per_weight_token = if reference { 8.0 } else { 6.0 };
+    per_weight_token * (body * seq as f64 + head * completion as f64)
+}
+
+/// An estimate of this CPU's f32 peak: 32 FLOPs per cycle per core (AVX2, two FMA
+/// units) at 3 GHz.
+pub fn cpu_peak_flops() -> f64 {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    cores as f64 * 32.0 * 3e9
 }

@@ -1,10 +1,9 @@
 //! Micro-batches: the accumulated gradient and loss equal the full batch's, under both
 //! aggregations.
 
-use std::path::Path;
+mod common;
 
 use candle_core::{DType, Device};
-use learner::batch::GrpoBatch;
 use learner::grpo::Aggregation;
 use learner::loss::LossConfig;
 use learner::policy::Trainable;
@@ -13,20 +12,8 @@ use rookworld_lm::checkpoint;
 
 #[test]
 fn micro_batched_gradients_equal_the_full_batch() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/grpo");
-    let mut batch: GrpoBatch =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("batch.json")).unwrap()).unwrap();
-    // A fourth group so micro-batches of 2 differ from the whole.
-    batch.prompts.push(vec![511, 4, 5]);
-    batch
-        .completions
-        .push(vec![vec![9, 8, 7, 6], vec![1], vec![2, 3]]);
-    batch.rewards.push(vec![0.0, 1.0, 0.5]);
-    batch.old_logprobs.as_mut().unwrap().push(vec![
-        vec![-6.0, -6.1, -5.9, -6.2],
-        vec![-6.3],
-        vec![-5.8, -6.0],
-    ]);
+    let dir = common::grpo_fixture();
+    let batch = common::batch_of_four();
     let policy = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
     let reference = checkpoint::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
     for aggregation in [Aggregation::Sequence, Aggregation::Token] {
@@ -53,13 +40,8 @@ fn micro_batched_gradients_equal_the_full_batch() {
             "{aggregation:?}: grad norm {n1} vs {n2}"
         );
         for (name, _) in &policy.vars {
-            let d = (full.get(name).unwrap() - parts.get(name).unwrap())
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap();
-            assert!(d.to_scalar::<f32>().unwrap() < 1e-5, "{name}");
+            let d = common::max_abs(&(full.get(name).unwrap() - parts.get(name).unwrap()).unwrap());
+            assert!(d < 1e-5, "{name}");
         }
         assert_eq!((a.skipped_groups, b.skipped_groups), (1, 1));
     }

@@ -9,6 +9,8 @@
 use candle_core::{CpuStorage, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
+use crate::simd::{axpy, dot};
+
 /// Where one decode step's rows find their keys (letters as in `grouped.rs`).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Geometry<'a> {
@@ -80,29 +82,4 @@ pub(crate) fn decode_attention(
         },
     );
     out
-}
-
-/// Σ a·b over 8 independent lanes (vectorises without fast-math).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            lanes[i] += x[i] * y[i];
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
-}
-
-/// y += a·x.
-fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-    for (y, x) in y.iter_mut().zip(x) {
-        *y += a * x;
-    }
 }

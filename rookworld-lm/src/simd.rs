@@ -49,6 +49,46 @@ pub fn gelu_new_inplace(xs: &mut [f32]) {
     }
 }
 
+/// Σ a·b over the common length (AVX2/FMA when present, else 8 independent lanes,
+/// which vectorise without fast-math).
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu_gemm::supported() {
+        // SAFETY: AVX2 and FMA are present; both slices hold n floats.
+        return unsafe { avx2::dot(a, b) };
+    }
+    let mut lanes = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            lanes[i] += x[i] * y[i];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
+/// y += a·x over the common length.
+pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    let n = x.len().min(y.len());
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu_gemm::supported() {
+        // SAFETY: AVX2 and FMA are present; both slices hold at least n floats.
+        unsafe { avx2::axpy(a, &x[..n], &mut y[..n]) };
+        return;
+    }
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -70,6 +110,66 @@ mod avx2 {
             // SAFETY: `buf` holds 8 floats.
             unsafe { _mm256_storeu_ps(buf.as_mut_ptr(), f(_mm256_loadu_ps(buf.as_ptr()))) };
             tail.copy_from_slice(&buf[..tail.len()]);
+        }
+    }
+
+    /// Σ a·b; the slices have one length.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len();
+        let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        // SAFETY (loads): i + 16 ≤ n (resp. i + 8 ≤ n) floats lie in both slices.
+        while i + 16 <= n {
+            unsafe {
+                s0 = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(a.as_ptr().add(i)),
+                    _mm256_loadu_ps(b.as_ptr().add(i)),
+                    s0,
+                );
+                s1 = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(a.as_ptr().add(i + 8)),
+                    _mm256_loadu_ps(b.as_ptr().add(i + 8)),
+                    s1,
+                );
+            }
+            i += 16;
+        }
+        while i + 8 <= n {
+            unsafe {
+                s0 = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(a.as_ptr().add(i)),
+                    _mm256_loadu_ps(b.as_ptr().add(i)),
+                    s0,
+                );
+            }
+            i += 8;
+        }
+        let mut lanes = [0f32; 8];
+        // SAFETY: `lanes` holds 8 floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(s0, s1)) };
+        lanes.iter().sum::<f32>() + a[i..].iter().zip(&b[i..]).map(|(x, y)| x * y).sum::<f32>()
+    }
+
+    /// y += a·x; the slices have one length.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+        let n = x.len();
+        let av = _mm256_set1_ps(a);
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: i + 8 ≤ n floats lie in both slices.
+            unsafe {
+                let p = y.as_mut_ptr().add(i);
+                _mm256_storeu_ps(
+                    p,
+                    _mm256_fmadd_ps(av, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(p)),
+                );
+            }
+            i += 8;
+        }
+        for (y, x) in y[i..].iter_mut().zip(&x[i..]) {
+            *y += a * x;
         }
     }
 
@@ -114,6 +214,25 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dot_and_axpy_match_plain_loops_at_every_length() {
+        for n in [0, 1, 7, 8, 15, 16, 17, 64, 100] {
+            let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+            let want: f64 = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (*x as f64) * (*y as f64))
+                .sum();
+            assert!((dot(&a, &b) as f64 - want).abs() < 1e-5, "dot, n = {n}");
+            let mut y = b.clone();
+            axpy(0.5, &a, &mut y);
+            for i in 0..n {
+                assert!((y[i] - (b[i] + 0.5 * a[i])).abs() < 1e-6, "axpy, n = {n}");
+            }
+        }
+    }
 
     #[test]
     fn exp_and_gelu_match_libm() {

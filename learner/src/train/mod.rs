@@ -42,10 +42,11 @@ use crate::prompts::{self, Source};
 use crate::push::{self, Fleet, SyncConfig};
 use crate::queue::{Queue, ScoredGroup};
 use crate::queue_service::{self, GroupCheck, GroupSpec, QueueServer};
+use crate::step::step_flops;
 use crate::step::train_step;
 use prepare::prepare;
 use report::Reporter;
-use support::{check_reachable, drain, peak_flops, publish, save, step_flops};
+use support::{check_reachable, drain, peak_flops, publish, save};
 
 /// Why a run stopped early.
 #[derive(Debug, thiserror::Error)]

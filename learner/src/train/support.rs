@@ -7,11 +7,9 @@ use std::time::{Duration, Instant};
 
 use candle_core::Device;
 use rollout_worker::weights::WeightSet;
-use rookworld_lm::Gpt2;
 use tokio::sync::watch;
 
 use super::{ConfigError, Run, TrainArgs, TrainError, lock};
-use crate::batch::GrpoBatch;
 use crate::checkpoint::{self, TrainerState};
 use crate::queue::Queue;
 
@@ -90,33 +88,6 @@ pub(super) async fn check_reachable(url: &str, wait: Duration) -> Result<(), Tra
     }
 }
 
-/// Model FLOPs of one step's forward and backward: 6 per weight per token for the policy
-/// (2 forward, 4 backward) and 2 more for the reference forward — the transformer's
-/// matmul weights for every sequence token, the LM head's only for the completion tokens
-/// (the only positions that go through it); groups without signal are not run.
-pub(super) fn step_flops(model: &Gpt2, batch: &GrpoBatch, reference: bool) -> f64 {
-    let c = model.config();
-    let body = (c.n_layer * 12 * c.n_embd * c.n_embd) as f64;
-    let head = (c.vocab_size * c.n_embd) as f64;
-    let (mut seq, mut completion) = (0usize, 0usize);
-    for ((p, group), rewards) in batch
-        .prompts
-        .iter()
-        .zip(&batch.completions)
-        .zip(&batch.rewards)
-    {
-        if rewards.iter().all(|r| *r == rewards[0]) {
-            continue; // no signal: not forwarded
-        }
-        for g in group {
-            seq += p.len() + g.len();
-            completion += g.len();
-        }
-    }
-    let per_weight_token = if reference { 8.0 } else { 6.0 };
-    per_weight_token * (body * seq as f64 + head * completion as f64)
-}
-
 /// `--peak-tflops`, or an estimate: on the CPU, 32 f32 FLOPs per cycle per core (AVX2,
 /// two FMA units) at 3 GHz; on CUDA, dense TF32 of an H100/H200 (495 TFLOP/s).
 pub(super) fn peak_flops(args: &TrainArgs, device: &Device) -> f64 {
@@ -124,8 +95,7 @@ pub(super) fn peak_flops(args: &TrainArgs, device: &Device) -> f64 {
         return t * 1e12;
     }
     if device.is_cpu() {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        cores as f64 * 32.0 * 3e9
+        crate::step::cpu_peak_flops()
     } else {
         495e12
     }

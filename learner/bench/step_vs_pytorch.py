@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""One GRPO step in PyTorch beside `learner bench`, same shapes, same machine, same run.
+
+PyTorch's step: a GPT-2 (the given preset's shape, random weights) in f32 on the CPU with
+`scaled_dot_product_attention`; the reference forward under no_grad; the policy forward
+and backward over every completion's `prompt ++ completion` sequence (as GRPO trainers
+run it), LM head on the completion positions only (the `head` option `all` puts every
+position through it, as TRL does); the GRPO loss (clipped ratio against behaviour
+log-probs, k3 KL, sequence aggregation); gradient clipping; `torch.optim.AdamW(fused=True)`.
+Both run on `--threads` threads (default 2).
+
+Usage:  python3 learner/bench/step_vs_pytorch.py [--learner target/release/learner]
+        [--prompts 4] [--group 8] [--prompt-tokens 46] [--completion-tokens 64]
+        [--steps 1] [--threads 2] [--head completions|all] [--skip-learner]
+Needs torch (CPU is enough). Prints each side's JSON line, then one with the ratio.
+"""
+
+import argparse
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+
+PRESETS = {
+    "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768, vocab=50257, n_positions=1024),
+    "tiny": dict(n_layer=2, n_head=4, n_embd=64, vocab=50257, n_positions=256),
+}
+
+
+def torch_step(args):
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    cfg = PRESETS[args.preset]
+    E, H, L, V = cfg["n_embd"], cfg["n_head"], cfg["n_layer"], cfg["vocab"]
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1 = torch.nn.LayerNorm(E, eps=1e-5)
+            self.c_attn = torch.nn.Linear(E, 3 * E)
+            self.c_proj = torch.nn.Linear(E, E)
+            self.ln_2 = torch.nn.LayerNorm(E, eps=1e-5)
+            self.c_fc = torch.nn.Linear(E, 4 * E)
+            self.mlp_proj = torch.nn.Linear(4 * E, E)
+
+        def forward(self, x):
+            B, T, _ = x.shape
+            q, k, v = self.c_attn(self.ln_1(x)).split(E, dim=2)
+            q, k, v = (t.view(B, T, H, E // H).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.c_proj(y.transpose(1, 2).reshape(B, T, E))
+            return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+    class GPT(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = torch.nn.Embedding(V, E)
+            self.wpe = torch.nn.Embedding(cfg["n_positions"], E)
+            self.h = torch.nn.ModuleList(Block() for _ in range(L))
+            self.ln_f = torch.nn.LayerNorm(E, eps=1e-5)
+            for p in self.parameters():
+                torch.nn.init.normal_(p, std=0.02)
+
+        def hidden(self, ids):
+            pos = torch.arange(ids.shape[1])
+            x = self.wte(ids) + self.wpe(pos)
+            for b in self.h:
+                x = b(x)
+            return self.ln_f(x)
+
+    policy, reference = GPT(), GPT()
+    reference.load_state_dict(policy.state_dict())
+    reference.requires_grad_(False)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-5, weight_decay=0.01, fused=True)
+
+    P, G, Lp, Lc = args.prompts, args.group, args.prompt_tokens, args.completion_tokens
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(0, V, (P, Lp), generator=gen)
+    comps = torch.randint(0, V, (P, G, Lc), generator=gen)
+    ids = torch.cat([prompts[:, None, :].expand(P, G, Lp), comps], dim=2).reshape(P * G, Lp + Lc)
+    rewards = torch.tensor([[((g + p) % G) / G for g in range(G)] for p in range(P)])
+    adv = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)
+    adv = adv.reshape(P * G, 1)
+    old = -(9.0 + 3.0 * torch.rand(P * G, Lc, generator=gen))
+    targets = ids[:, Lp:]  # (C, Lc), predicted from positions Lp-1 .. Lp+Lc-2
+
+    def logprobs(model, ids):
+        h = model.hidden(ids[:, :-1])  # (C, T-1, E)
+        if args.head == "all":
+            logits = h @ model.wte.weight.T
+            logits = logits[:, Lp - 1 :]
+        else:
+            logits = h[:, Lp - 1 :] @ model.wte.weight.T  # (C, Lc, V)
+        return torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None])[..., 0]
+
+    def step():
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            ref = logprobs(reference, ids)
+        t1 = time.perf_counter()
+        logp = logprobs(policy, ids)
+        ratio = torch.exp(torch.clamp(logp - old, -20, 20))
+        surr = -torch.min(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv)
+        d = torch.clamp(ref - logp, -20, 20)
+        kl = torch.exp(d) - d - 1
+        loss = (surr.mean(1) + 0.04 * kl.mean(1)).mean()
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t4 = time.perf_counter()
+        return dict(step=t4 - t0, reference=t1 - t0, forward=t2 - t1, backward=t3 - t2,
+                    clip_optimizer=t4 - t3, loss=loss.item(), grad_norm=norm.item())
+
+    step()  # warm-up, as `learner bench` does
+    runs = [step() for _ in range(max(1, args.steps))]
+    mean = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
+    return {
+        "side": "pytorch",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "head": args.head,
+        "step_seconds": mean["step"],
+        "phases": {k: mean[k] for k in ("reference", "forward", "backward", "clip_optimizer")},
+        "tokens_per_second": P * G * (Lp + Lc) / mean["step"],
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "loss": mean["loss"],
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--learner", default="target/release/learner")
+    ap.add_argument("--preset", default="gpt2-124m", choices=sorted(PRESETS))
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=46)
+    ap.add_argument("--completion-tokens", type=int, default=64)
+    ap.add_argument("--micro-batch-groups", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--head", default="completions", choices=["completions", "all"])
+    ap.add_argument("--skip-learner", action="store_true")
+    args = ap.parse_args()
+
+    ours = None
+    if not args.skip_learner:
+        cmd = [args.learner, "bench", "--preset", args.preset, "--prompts", str(args.prompts),
+               "--group", str(args.group), "--prompt-tokens", str(args.prompt_tokens),
+               "--completion-tokens", str(args.completion_tokens),
+               "--micro-batch-groups", str(args.micro_batch_groups), "--steps", str(args.steps)]
+        env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if out.returncode != 0:
+            sys.exit(f"learner bench failed: {out.stderr.strip()}")
+        ours = json.loads(out.stdout.strip().splitlines()[-1])
+        print(json.dumps(ours))
+    theirs = torch_step(args)
+    print(json.dumps(theirs))
+    if ours:
+        print(json.dumps({
+            "speedup_vs_pytorch": theirs["step_seconds"] / ours["step_seconds"],
+            "learner_step_seconds": ours["step_seconds"],
+            "pytorch_step_seconds": theirs["step_seconds"],
+            "learner_peak_rss_gib": ours["peak_rss_bytes"] / 2**30,
+            "pytorch_peak_rss_gib": theirs["peak_rss_bytes"] / 2**30,
+            "shape": f"{args.prompts} x {args.group} x ({args.prompt_tokens} + {args.completion_tokens})",
+            "threads": args.threads,
+        }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+//! `learner bench`: one GRPO step — reference forward, policy forward/backward, gradient
+//! clipping, AdamW — on a model shape and a synthetic batch of P prompts × G completions,
+//! timed by phase and printed as one JSON line. `learner/bench/step_vs_pytorch.py` runs
+//! it beside PyTorch's equivalent step and prints the ratio.
+
+use std::time::Instant;
+
+use candle_core::{DType, Device};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rookworld_lm::config::Config;
+use rookworld_lm::{Gpt2, checkpoint};
+use serde::Serialize;
+
+use crate::batch::GrpoBatch;
+use crate::loss::LossConfig;
+use crate::optim::{AdamW, AdamWConfig};
+use crate::policy::Trainable;
+use crate::step::{StepConfig, StepReport, accumulate, accumulate_autograd, step_flops};
+
+/// Which implementation of the forward/backward runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BenchPath {
+    /// The fused pass (CPU f32), or autograd where it does not apply.
+    Auto,
+    /// candle's autograd on the plain model.
+    Autograd,
+}
+
+/// Options of `learner bench`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// Model shape (seeded random weights): gpt2-124m or tiny.
+    #[arg(long, default_value = "gpt2-124m")]
+    pub preset: String,
+    /// Prompts (groups) in the step.
+    #[arg(long, short = 'p', default_value_t = 4)]
+    pub prompts: usize,
+    /// Completions per prompt (G).
+    #[arg(long, short = 'n', default_value_t = 8)]
+    pub group: usize,
+    /// Tokens per prompt.
+    #[arg(long, default_value_t = 46)]
+    pub prompt_tokens: usize,
+    /// Tokens per completion.
+    #[arg(long, default_value_t = 64)]
+    pub completion_tokens: usize,
+    /// Prompts per micro-batch (the step's gradient is their weighted sum).
+    #[arg(long, default_value_t = 1)]
+    pub micro_batch_groups: usize,
+    /// Measured steps (after one warm-up step); the figures are their mean.
+    #[arg(long, default_value_t = 1)]
+    pub steps: usize,
+    /// KL coefficient β (0 skips the reference forward).
+    #[arg(long, default_value_t = 0.04)]
+    pub beta: f64,
+    #[arg(long, value_enum, default_value = "auto")]
+    pub path: BenchPath,
+    /// Training device: cpu (the learner trains in f32).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Peak of the device in TFLOP/s, for MFU (default: an estimate, see `learner train`).
+    #[arg(long)]
+    pub peak_tflops: Option<f64>,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// The JSON line `learner bench` prints.
+#[derive(Debug, Serialize)]
+pub struct BenchReport {
+    pub preset: String,
+    pub path: &'static str,
+    pub device: String,
+    pub threads: usize,
+    pub prompts: usize,
+    pub group: usize,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub micro_batch_groups: usize,
+    pub steps: usize,
+    /// Mean seconds of a whole step and of its phases.
+    pub step_seconds: f64,
+    pub phases: Phases,
+    /// Sequence tokens (P·G·(prompt + completion)) per second of step.
+    pub tokens_per_second: f64,
+    /// FLOPs of the step as a plain trainer computes it (every completion with its
+    /// prompt; LM head on completion tokens), and as this step executes them.
+    pub model_tflop: f64,
+    pub executed_tflop: f64,
+    /// executed FLOPs / step seconds / the device's peak.
+    pub mfu: f64,
+    pub peak_tflops: f64,
+    /// Peak resident memory of the process (bytes).
+    pub peak_rss_bytes: u64,
+    /// Largest activation plan of a micro-batch (bytes, fused pass).
+    pub activation_bytes: usize,
+    pub loss: f64,
+    pub grad_norm: f64,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct Phases {
+    pub reference: f64,
+    pub forward: f64,
+    pub backward: f64,
+    /// The autograd path's forward + backward (it does not split them).
+    pub forward_backward: f64,
+    pub clip: f64,
+    pub optimizer: f64,
+}
+
+/// Runs the benchmark and prints its JSON line.
+pub fn run(args: &BenchArgs) -> Result<(), String> {
+    let report = bench(args)?;
+    println!(
+        "{}",
+        serde_json::to_string(&report).expect("report serialises")
+    );
+    Ok(())
+}
+
+/// A seeded batch of the asked shape: random ids, distinct rewards in every group,
+/// behaviour log-probs around a sampler's.
+pub fn synthetic_batch(args: &BenchArgs, vocab: usize) -> GrpoBatch {
+    let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
+    let mut ids =
+        |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab as u32)).collect() };
+    let prompts: Vec<Vec<u32>> = (0..args.prompts).map(|_| ids(args.prompt_tokens)).collect();
+    let completions: Vec<Vec<Vec<u32>>> = (0..args.prompts)
+        .map(|_| {
+            (0..args.group)
+                .map(|_| ids(args.completion_tokens))
+                .collect()
+        })
+        .collect();
+    let rewards = (0..args.prompts)
+        .map(|p| {
+            (0..args.group)
+                .map(|g| ((g + p) % args.group) as f32 / args.group as f32)
+                .collect()
+        })
+        .collect();
+    let mut rng = ChaCha8Rng::seed_from_u64(args.seed + 1);
+    let old = completions
+        .iter()
+        .map(|group| {
+            group
+                .iter()
+                .map(|c| c.iter().map(|_| -rng.random_range(9.0f32..12.0)).collect())
+                .collect()
+        })
+        .collect();
+    GrpoBatch {
+        prompts,
+        completions,
+        rewards,
+        old_logprobs: Some(old),
+    }
+}
+
+fn bench(args: &BenchArgs) -> Result<BenchReport, String> {
+    if args.prompts == 0 || args.group < 2 || args.prompt_tokens == 0 || args.completion_tokens == 0
+    {
+        return Err(
+            "--prompts, --prompt-tokens and --completion-tokens must be ≥ 1, --group ≥ 2".into(),
+        );
+    }
+    if args.device != "cpu" {
+        return Err(format!(
+            "--device {}: the learner's training step runs on the CPU in this build",
+            args.device
+        ));
+    }
+    let cfg = Config::preset(&args.preset).map_err(|e| e.to_string())?;
+    if args.prompt_tokens + args.completion_tokens > cfg.n_positions {
+        return Err(format!(
+            "{} + {} tokens exceed the context of {}",
+            args.prompt_tokens, args.completion_tokens, cfg.n_positions
+        ));
+    }
+    let err = |e: candle_core::Error| e.to_string();
+    let device = Device::Cpu;
+    let init =
+        |seed| checkpoint::init_random(&cfg, seed, DType::F32, &device).map_err(|e| e.to_string());
+    let policy = Trainable::from_model(&init(args.seed)?).map_err(|e| e.to_string())?;
+    let reference: Option<Gpt2> = if args.beta > 0.0 {
+        Some(init(args.seed)?)
+    } else {
+        None
+    };
+    let batch = synthetic_batch(args, cfg.vocab_size);
+    let step_cfg = StepConfig {
+        loss: LossConfig {
+            beta: args.beta,
+            ..LossConfig::default()
+        },
+        micro_batch_groups: args.micro_batch_groups.max(1),
+        max_grad_norm: 1.0,
+    };
+    let mut opt = AdamW::new(AdamWConfig::default());
+    let mut phases = Phases::default();
+    let mut last = (StepReport::default(), 0.0);
+    let mut total = 0.0;
+    for step in 0..=args.steps.max(1) {
+        let started = Instant::now();
+        let (mut grads, report) = match args.path {
+            BenchPath::Auto => accumulate(&policy, reference.as_ref(), &batch, &step_cfg),
+            BenchPath::Autograd => {
+                accumulate_autograd(&policy, reference.as_ref(), &batch, &step_cfg)
+            }
+        }
+        .map_err(err)?;
+        let t = Instant::now();
+        let norm = grads.clip(step_cfg.max_grad_norm).map_err(err)?;
+        let clip = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        opt.step(&policy.vars, &grads, 1e-5).map_err(err)?;
+        policy.recycle(grads);
+        let optimizer = t.elapsed().as_secs_f64();
+        let seconds = started.elapsed().as_secs_f64();
+        if step == 0 {
+            continue; // warm-up: first touches of every buffer, moments allocated
+        }
+        total += seconds;
+        let fused = report.forward_seconds > 0.0;
+        phases.reference += report.reference_seconds;
+        phases.forward += report.forward_seconds;
+        phases.backward += report.backward_seconds;
+        if !fused {
+            phases.forward_backward += report.forward_backward_seconds;
+        }
+        phases.clip += clip;
+        phases.optimizer += optimizer;
+        last = (report, norm);
+    }
+    let steps = args.steps.max(1) as f64;
+    for p in [
+        &mut phases.reference,
+        &mut phases.forward,
+        &mut phases.backward,
+        &mut phases.forward_backward,
+        &mut phases.clip,
+        &mut phases.optimizer,
+    ] {
+        *p /= steps;
+    }
+    let step_seconds = total / steps;
+    let fused = last.0.forward_seconds > 0.0;
+    let model_flops = step_flops(&policy.model, &batch, reference.is_some());
+    let executed_flops = if fused {
+        executed_flops(&cfg, args, reference.is_some())
+    } else {
+        model_flops
+    };
+    let threads = rayon::current_num_threads();
+    let peak = args
+        .peak_tflops
+        .map_or_else(crate::step::cpu_peak_flops, |t| t * 1e12);
+    let sequence_tokens = args.prompts * args.group * (args.prompt_tokens + args.completion_tokens);
+    Ok(BenchReport {
+        preset: args.preset.clone(),
+        path: if fused { "fused" } else { "autograd" },
+        device: args.device.clone(),
+        threads,
+        prompts: args.prompts,
+        group: args.group,
+        prompt_tokens: args.prompt_tokens,
+        completion_tokens: args.completion_tokens,
+        micro_batch_groups: step_cfg.micro_batch_groups,
+        steps: args.steps.max(1),
+        step_seconds,
+        phases,
+        tokens_per_second: sequence_tokens as f64 / step_seconds,
+        model_tflop: model_flops / 1e12,
+        executed_tflop: executed_flops / 1e12,
+        mfu: executed_flops / step_seconds / peak,
+        peak_tflops: peak / 1e12,
+        peak_rss_bytes: peak_rss_bytes(),
+        activation_bytes: last.0.activation_bytes,
+        loss: last.0.loss,
+        grad_norm: last.1,
+    })
+}
+
+/// FLOPs the fused pass executes: the matmul weights once per fed row (prompts once,
+/// completions without their last token), 6 per weight (forward 2, backward 4) plus 2
+/// for the reference forward; the head's 2 per weight per completion token for each
+/// forward and 4 for the backward; attention's score and value products.
+fn executed_flops(cfg: &Config, args: &BenchArgs, reference: bool) -> f64 {
+    let body = (cfg.n_layer * 12 * cfg.n_embd * cfg.n_embd) as f64;
+    let head = (cfg.vocab_size * cfg.n_embd) as f64;
+    let (p, g) = (args.prompts as f64, args.group as f64);
+    let (lp, lc) = (args.prompt_tokens as f64, args.completion_tokens as f64);
+    let rows = p * (lp + g * (lc - 1.0));
+    let predicted = p * g * lc;
+    let passes = if reference { 8.0 } else { 6.0 };
+    // Keys seen: the prompt's causal triangle, each completion row the prompt and its own
+    // causal part; 2 products (QKᵀ, PV) of 2 FLOPs per element, ×3 with the backward.
+    let pairs = p * (lp * (lp + 1.0) / 2.0 + g * ((lc - 1.0) * lp + (lc - 1.0) * lc / 2.0));
+    let attention = pairs * (cfg.n_layer * cfg.n_embd) as f64 * 4.0 * passes / 2.0;
+    passes * (body * rows + head * predicted) + attention
+}
+
+/// Peak resident set size of this process (Linux `VmHWM`), 0 where unknown.
+pub fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}

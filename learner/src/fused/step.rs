@@ -1,0 +1,211 @@
+//! The GRPO loss and gradients of a micro-batch on the fused pass: reference forward (no
+//! activations), policy forward, the objective of [`crate::loss::objective`] on the
+//! per-token log-probs (small candle tensors, so the maths is the one checked against
+//! PyTorch; in f64, since the loss is a small sum of ±A·ρ terms of size ~1 and f32
+//! rounding there alone is ~1e-5 of it), its gradient with respect to each token's
+//! log-prob, then the fused backward.
+
+use std::time::Instant;
+
+use candle_core::{DType, Device, Result as CandleResult, Tensor, Var};
+use rookworld_lm::Gpt2;
+
+use crate::batch::GrpoBatch;
+use crate::fused::model::{self, Workspace};
+use crate::fused::{GroupInput, Packed, Params};
+use crate::grpo::{AdvantageNorm, group_advantages};
+use crate::loss::{LossConfig, TokenTensors, objective};
+
+/// A micro-batch's groups with signal, laid out for the fused pass.
+#[derive(Debug)]
+pub struct MicroBatch {
+    pub packed: Packed,
+    /// Per completion its advantage; per predicted token (N) the behaviour log-prob,
+    /// when the batch has them.
+    advantages: Vec<f32>,
+    behaviour: Option<Vec<f32>>,
+    /// Advantages per kept group, in batch order (for reporting).
+    pub group_advantages: Vec<Vec<f32>>,
+    /// Completion tokens.
+    pub tokens: usize,
+}
+
+impl MicroBatch {
+    /// The groups of `batch` with signal; `None` when none has any.
+    pub fn new(batch: &GrpoBatch, norm: AdvantageNorm) -> Option<Self> {
+        let mut inputs = Vec::new();
+        let (mut advantages, mut behaviour, mut kept) = (Vec::new(), Vec::new(), Vec::new());
+        for (p, prompt) in batch.prompts.iter().enumerate() {
+            let Some(adv) = group_advantages(&batch.rewards[p], norm) else {
+                continue;
+            };
+            inputs.push(GroupInput {
+                prompt,
+                completions: &batch.completions[p],
+            });
+            advantages.extend_from_slice(&adv);
+            if let Some(old) = &batch.old_logprobs {
+                behaviour.extend(old[p].iter().flatten());
+            }
+            kept.push(adv);
+        }
+        if inputs.is_empty() {
+            return None;
+        }
+        let packed = Packed::new(&inputs);
+        Some(Self {
+            tokens: packed.targets.len(),
+            packed,
+            advantages,
+            behaviour: batch.old_logprobs.as_ref().map(|_| behaviour),
+            group_advantages: kept,
+        })
+    }
+
+    /// Completions.
+    pub fn completions(&self) -> usize {
+        self.advantages.len()
+    }
+
+    /// Per-token values (N) as a (C, L) f64 tensor, L the longest completion, 0 elsewhere.
+    fn per_completion(&self, values: &[f32]) -> CandleResult<Tensor> {
+        let (c, l) = (self.completions(), self.longest());
+        let mut out = vec![0f64; c * l];
+        for (k, range) in self.packed.tokens.iter().enumerate() {
+            let row = &mut out[k * l..k * l + range.len()];
+            row.iter_mut()
+                .zip(&values[range.clone()])
+                .for_each(|(o, &v)| *o = f64::from(v));
+        }
+        Tensor::from_vec(out, (c, l), &Device::Cpu)
+    }
+
+    fn longest(&self) -> usize {
+        self.packed
+            .tokens
+            .iter()
+            .map(|r| r.len())
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// What one micro-batch contributed.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct MicroReport {
+    pub policy_loss: f64,
+    pub kl: f64,
+    pub clip_frac: f64,
+    pub forward_seconds: f64,
+    pub backward_seconds: f64,
+    /// Activation bytes the policy forward planned.
+    pub activation_bytes: usize,
+}
+
+/// The reference's log-probs of every predicted token of `micro` (N), in one forward
+/// without activations (one pass over several micro-batches is cheaper than one each:
+/// its products are larger and it keeps nothing).
+pub fn reference_logprobs(
+    reference: &Params,
+    micro: &MicroBatch,
+    cfg: &LossConfig,
+    work: &mut Workspace,
+) -> Vec<f32> {
+    model::forward(
+        reference,
+        &micro.packed,
+        cfg.temperature,
+        &mut work.reference,
+        false,
+    )
+}
+
+/// The micro-batch's loss, scaled by `weight`, and its gradients added to `grads`
+/// (indexed as [`Params`]), given the reference's log-probs of its tokens (`None`: no KL
+/// term). Reports the unscaled loss parts.
+pub fn micro_step(
+    policy: &Params,
+    ref_logp: Option<&[f32]>,
+    micro: &MicroBatch,
+    cfg: &LossConfig,
+    weight: f64,
+    grads: &mut [Vec<f32>],
+    work: &mut Workspace,
+) -> CandleResult<MicroReport> {
+    let mut report = MicroReport::default();
+    let t = cfg.temperature;
+    let started = Instant::now();
+    let logp = model::forward(policy, &micro.packed, t, &mut work.policy, true);
+    report.activation_bytes = work.policy.bytes();
+    report.forward_seconds = started.elapsed().as_secs_f64();
+
+    let started = Instant::now();
+    let dlogp = {
+        let c = micro.completions();
+        let logp_var = Var::from_tensor(&micro.per_completion(&logp)?)?;
+        let mut mask = vec![0f64; c * micro.longest()];
+        for (k, r) in micro.packed.tokens.iter().enumerate() {
+            mask[k * micro.longest()..][..r.len()].fill(1.0);
+        }
+        let mask = Tensor::from_vec(mask, (c, micro.longest()), &Device::Cpu)?;
+        let reference = ref_logp.map(|r| micro.per_completion(r)).transpose()?;
+        let behaviour = micro
+            .behaviour
+            .as_deref()
+            .map(|b| micro.per_completion(b))
+            .transpose()?;
+        let advantages: Vec<f64> = micro.advantages.iter().map(|&a| f64::from(a)).collect();
+        let advantages = Tensor::from_vec(advantages, (c, 1), &Device::Cpu)?;
+        let out = objective(
+            &TokenTensors {
+                logp: logp_var.as_tensor(),
+                reference: reference.as_ref(),
+                behaviour: behaviour.as_ref(),
+                mask: &mask,
+                advantages: &advantages,
+            },
+            cfg,
+        )?;
+        report.policy_loss = out.policy_loss;
+        report.kl = out.kl;
+        report.clip_frac = out.clip_frac;
+        let store = (out.loss * weight)?.backward()?;
+        let g = match store.get(logp_var.as_tensor()) {
+            Some(g) => g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?,
+            None => vec![0f32; c * micro.longest()],
+        };
+        let l = micro.longest();
+        let mut dlogp = vec![0f32; micro.tokens];
+        for (k, r) in micro.packed.tokens.iter().enumerate() {
+            dlogp[r.clone()].copy_from_slice(&g[k * l..k * l + r.len()]);
+        }
+        dlogp
+    };
+    model::backward(policy, &micro.packed, &mut work.policy, &dlogp, t, grads);
+    report.backward_seconds = started.elapsed().as_secs_f64();
+    Ok(report)
+}
+
+/// Supervised micro-batch: `groups` each one document split at its first predicted
+/// token (the prompt, then a single completion: the tokens trained on). Adds the
+/// gradient of `−weight · mean(log p)` over the predicted tokens to `grads`; returns
+/// that mean's negative (the cross-entropy).
+pub fn nll_micro(
+    policy: &Params,
+    groups: &[GroupInput],
+    weight: f64,
+    grads: &mut [Vec<f32>],
+    work: &mut Workspace,
+) -> f64 {
+    let packed = Packed::new(groups);
+    let logp = model::forward(policy, &packed, 1.0, &mut work.policy, true);
+    let n = logp.len().max(1);
+    let dlogp = vec![(-weight / n as f64) as f32; logp.len()];
+    model::backward(policy, &packed, &mut work.policy, &dlogp, 1.0, grads);
+    -logp.iter().map(|&l| f64::from(l)).sum::<f64>() / n as f64
+}
+
+/// The tensors of `model` in [`Params`] order.
+pub fn model_tensors(model: &Gpt2) -> Vec<Tensor> {
+    model.named_tensors().into_iter().map(|(_, t)| t).collect()
+}

@@ -1,0 +1,71 @@
+//! `learner bench`: one timed GRPO step prints one JSON line with the step split, and bad
+//! shapes are one clear line with a non-zero exit.
+
+use std::process::Command;
+
+fn bench(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_learner"))
+        .arg("bench")
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn bench_prints_one_json_line_with_the_step_split() {
+    let out = bench(&[
+        "--preset",
+        "tiny",
+        "-p",
+        "2",
+        "-n",
+        "4",
+        "--prompt-tokens",
+        "10",
+        "--completion-tokens",
+        "12",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let line = text.trim();
+    assert_eq!(line.lines().count(), 1, "{line}");
+    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    assert_eq!(v["path"], "fused");
+    let step = v["step_seconds"].as_f64().unwrap();
+    let phases: f64 = ["reference", "forward", "backward", "clip", "optimizer"]
+        .iter()
+        .map(|p| v["phases"][p].as_f64().unwrap())
+        .sum();
+    assert!(step > 0.0 && phases <= step * 1.01, "{line}");
+    assert!(v["executed_tflop"].as_f64().unwrap() < v["model_tflop"].as_f64().unwrap());
+    assert!(v["peak_rss_bytes"].as_u64().unwrap() > 0);
+    assert!(v["loss"].as_f64().unwrap().is_finite());
+    assert!(v["grad_norm"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn bad_shapes_are_one_line_and_a_failure() {
+    for args in [
+        vec!["--preset", "tiny", "-n", "1"],
+        vec![
+            "--preset",
+            "tiny",
+            "--prompt-tokens",
+            "200",
+            "--completion-tokens",
+            "100",
+        ],
+        vec!["--preset", "tiny", "--device", "cuda"],
+        vec!["--preset", "gpt5"],
+    ] {
+        let out = bench(&args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: {err}");
+    }
+}

@@ -1,0 +1,64 @@
+//! The fused training pass (`learner::fused`: explicit forward/backward, each group's
+//! prompt once) against candle's autograd on the plain model (`rookworld_lm::Gpt2`, the
+//! forward the rollout worker samples with): loss parts and every parameter's gradient,
+//! with and without behaviour log-probs, both aggregations, three temperatures, with a
+//! completion of one token (fed nowhere, predicted from the prompt's last row).
+
+mod common;
+
+use candle_core::{DType, Device};
+use learner::grpo::Aggregation;
+use learner::loss::LossConfig;
+use learner::policy::Trainable;
+use learner::step::{StepConfig, accumulate, accumulate_autograd};
+use rookworld_lm::checkpoint;
+
+#[test]
+fn fused_pass_equals_autograd_on_the_plain_model() {
+    let dir = common::grpo_fixture();
+    let policy = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
+    let reference = checkpoint::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
+    let mut worst = 0f32;
+    for (with_old, aggregation, temperature, micro) in [
+        (true, Aggregation::Sequence, 1.0, 4),
+        (false, Aggregation::Token, 0.7, 1),
+        (true, Aggregation::Token, 1.3, 2),
+    ] {
+        let mut batch = common::batch_of_four();
+        if !with_old {
+            batch.old_logprobs = None;
+        }
+        let cfg = StepConfig {
+            loss: LossConfig {
+                aggregation,
+                temperature,
+                ..LossConfig::default()
+            },
+            micro_batch_groups: micro,
+            max_grad_norm: 1.0,
+        };
+        let (fused, a) = accumulate(&policy, Some(&reference), &batch, &cfg).unwrap();
+        let (plain, b) = accumulate_autograd(&policy, Some(&reference), &batch, &cfg).unwrap();
+        assert!(a.forward_seconds > 0.0, "the fused pass ran");
+        assert_eq!(b.forward_seconds, 0.0, "the autograd pass ran");
+        for (what, x, y) in [
+            ("loss", a.loss, b.loss),
+            ("policy_loss", a.policy_loss, b.policy_loss),
+            ("kl", a.kl, b.kl),
+            ("clip_frac", a.clip_frac, b.clip_frac),
+        ] {
+            assert!(
+                (x - y).abs() <= 1e-5 * y.abs().max(1e-3),
+                "{what}: fused {x}, autograd {y}"
+            );
+        }
+        assert_eq!((a.tokens, a.skipped_groups), (b.tokens, b.skipped_groups));
+        for (name, _) in &policy.vars {
+            let (x, y) = (fused.get(name).unwrap(), plain.get(name).unwrap());
+            let rel = common::max_abs(&(&x - &y).unwrap()) / common::max_abs(&y).max(1e-6);
+            worst = worst.max(rel);
+            assert!(rel < 1e-4, "{name}: relative gradient difference {rel:.2e}");
+        }
+    }
+    println!("largest relative gradient difference: {worst:.2e}");
+}
