@@ -35,6 +35,9 @@ pub struct ScoringArgs {
     /// Deadline of one engine query; a hung engine is replaced after it.
     #[arg(long, env = "REWARD_ENGINE_TIMEOUT_MS", default_value_t = 10_000)]
     pub engine_timeout_ms: u64,
+    /// Deadline of an engine's start (handshake and options).
+    #[arg(long, env = "REWARD_ENGINE_START_TIMEOUT_MS", default_value_t = 30_000)]
+    pub engine_start_timeout_ms: u64,
     /// Analyses kept in the position cache.
     #[arg(long, env = "REWARD_ENGINE_CACHE", default_value_t = 100_000)]
     pub engine_cache: usize,
@@ -73,6 +76,7 @@ impl ScoringArgs {
                 cfg.threads = self.engine_threads;
                 cfg.hash_mb = self.engine_hash_mb;
                 cfg.timeout = Duration::from_millis(self.engine_timeout_ms);
+                cfg.start_timeout = Duration::from_millis(self.engine_start_timeout_ms);
                 cfg.cache_capacity = self.engine_cache;
                 let pool = EnginePool::start(cfg).await.map_err(|e| {
                     ConfigError(format!("cannot start engine {}: {e}", path.display()))

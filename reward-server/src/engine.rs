@@ -33,8 +33,12 @@ pub struct EngineConfig {
     pub threads: u32,
     pub hash_mb: u32,
     pub multipv: u32,
-    /// Deadline of one query, start-up included.
+    /// Deadline of one search; a hung engine is replaced after it.
     pub timeout: Duration,
+    /// Deadline of an engine's start (UCI handshake and options). Kept apart from the
+    /// search deadline: a loaded machine or a large network file can slow a start far
+    /// more than a search.
+    pub start_timeout: Duration,
     /// Attempts per query (each on a fresh engine after a failure).
     pub attempts: u32,
     /// Analyses kept in the cache.
@@ -51,6 +55,7 @@ impl EngineConfig {
             hash_mb: 16,
             multipv: 5,
             timeout: Duration::from_secs(10),
+            start_timeout: Duration::from_secs(30),
             attempts: 3,
             cache_capacity: 100_000,
         }
@@ -274,9 +279,9 @@ impl EnginePool {
     pub async fn start(cfg: EngineConfig) -> Result<Self, EngineError> {
         let mut procs = Vec::with_capacity(cfg.processes);
         for _ in 0..cfg.processes.max(1) {
-            let p = tokio::time::timeout(cfg.timeout, Process::start(&cfg))
+            let p = tokio::time::timeout(cfg.start_timeout, Process::start(&cfg))
                 .await
-                .map_err(|_| EngineError::Timeout(cfg.timeout))??;
+                .map_err(|_| EngineError::Timeout(cfg.start_timeout))??;
             procs.push(p);
         }
         Ok(Self {
@@ -326,14 +331,16 @@ impl EnginePool {
             let mut p = match process.take() {
                 Some(p) => p,
                 None => {
-                    match tokio::time::timeout(self.cfg.timeout, Process::start(&self.cfg)).await {
+                    match tokio::time::timeout(self.cfg.start_timeout, Process::start(&self.cfg))
+                        .await
+                    {
                         Ok(Ok(p)) => p,
                         Ok(Err(e)) => {
                             last_error = Some(e);
                             continue;
                         }
                         Err(_) => {
-                            last_error = Some(EngineError::Timeout(self.cfg.timeout));
+                            last_error = Some(EngineError::Timeout(self.cfg.start_timeout));
                             continue;
                         }
                     }
@@ -360,7 +367,8 @@ impl EnginePool {
             tracing::warn!(error = %last_error.as_ref().expect("set"), "engine replaced");
         }
         // Keep the pool at full strength even when every attempt failed.
-        if let Ok(Ok(p)) = tokio::time::timeout(self.cfg.timeout, Process::start(&self.cfg)).await {
+        let start = tokio::time::timeout(self.cfg.start_timeout, Process::start(&self.cfg));
+        if let Ok(Ok(p)) = start.await {
             self.idle.lock().await.push(p);
         }
         Err(last_error.unwrap_or_else(|| EngineError::Protocol("no attempt made".into())))
