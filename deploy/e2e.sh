@@ -55,7 +55,7 @@ dcp config -q
 say "images"
 dcp build learner worker reward-server prometheus >/dev/null
 docker run --rm --entrypoint promtool "rookworld/prometheus:$TAG" \
-  check config /etc/prometheus/prometheus.yml >/dev/null || fail "promtool rejects prometheus.yml"
+  check config /etc/prometheus/prometheus.yml >/dev/null || fail "promtool rejects prometheus.yml (or alerts.yml)"
 
 # Bad configuration: the service exits non-zero with one `error:` line.
 one_error_line() { # NAME EXPECTED-TEXT SERVICE ENV...
@@ -144,6 +144,10 @@ missing = sorted(m for m in used - names if not m.startswith("rollout_gpu_"))
 print(f"   {len(used)} metrics used by the dashboard, missing: {missing}")
 assert not missing, missing
 PY
+
+say "alert rules loaded"
+curl -fsS "$prom/api/v1/rules" | grep -q '"name":"LearnerStalled"' || fail "Prometheus has not loaded the LearnerStalled rule"
+[ -n "$(query learner_seconds_since_last_step)" ] || fail "no learner_seconds_since_last_step in Prometheus"
 
 say "rollout queue through server reflection (Python grpcio-reflection)"
 python3 -m venv "$tmp/venv"

@@ -60,6 +60,9 @@ pub enum CheckpointError {
     Model(#[from] rookworld_lm::Error),
     #[error("{0}")]
     Invalid(String),
+    /// A checkpoint file that cannot be read as what it should be (truncated, corrupt).
+    #[error("{}: {reason}", path.display())]
+    Corrupt { path: PathBuf, reason: String },
 }
 
 impl From<candle_core::Error> for CheckpointError {
@@ -164,22 +167,84 @@ pub fn published(run: &Path) -> Result<Option<u64>, CheckpointError> {
     }
 }
 
-/// The newest complete checkpoint of `run`, if any.
-pub fn latest(run: &Path) -> Result<Option<PathBuf>, CheckpointError> {
-    let pointer = run.join("checkpoints").join(LATEST);
-    if !pointer.exists() {
-        return Ok(None);
+/// The step of a checkpoint directory named `step-NNNNNNNN`.
+fn step_of(name: &str) -> Option<u64> {
+    name.strip_prefix("step-")?.parse().ok()
+}
+
+/// The run's checkpoints, the one to resume from first: the one `latest` names, then the
+/// older ones, newest first (the fallbacks when it turns out unreadable). Without a usable
+/// `latest` every checkpoint directory counts, newest first. Empty when the run has none.
+pub fn candidates(run: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
+    let root = run.join("checkpoints");
+    let mut steps: Vec<(u64, PathBuf)> = match std::fs::read_dir(&root) {
+        Ok(entries) => entries
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let step = step_of(&e.file_name().to_string_lossy())?;
+                e.path().is_dir().then(|| (step, e.path()))
+            })
+            .collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        Err(e) => return Err(io(&root)(e)),
+    };
+    steps.sort_by_key(|s| std::cmp::Reverse(s.0));
+    let pointer = root.join(LATEST);
+    let named = std::fs::read_to_string(&pointer)
+        .ok()
+        .and_then(|name| step_of(name.trim()));
+    match named {
+        Some(latest) => {
+            let mut out = vec![step_dir(run, latest)];
+            out.extend(
+                steps
+                    .into_iter()
+                    .filter(|(s, _)| *s < latest)
+                    .map(|(_, p)| p),
+            );
+            Ok(out)
+        }
+        None => Ok(steps.into_iter().map(|(_, p)| p).collect()),
     }
-    let name = std::fs::read_to_string(&pointer).map_err(io(&pointer))?;
-    let dir = run.join("checkpoints").join(name.trim());
-    if !dir.join(STATE_FILE).is_file() {
-        return Err(CheckpointError::Invalid(format!(
-            "{} names {}, which is not a complete checkpoint",
-            pointer.display(),
-            dir.display()
-        )));
+}
+
+/// What a checkpoint holds, loaded.
+pub struct Loaded {
+    pub dir: PathBuf,
+    pub policy: Trainable,
+    pub opt: AdamW,
+    pub state: TrainerState,
+}
+
+/// Loads the run's newest intact checkpoint: the one `latest` names or, when that one is
+/// missing, truncated or corrupt, the newest older one that loads (with a warning naming
+/// what was skipped and why). `None` when the run has no checkpoint; an error naming the
+/// first failure when none loads.
+pub fn load_newest(run: &Path, device: &Device) -> Result<Option<Loaded>, CheckpointError> {
+    let mut first_error = None;
+    for dir in candidates(run)? {
+        match load(&dir, device) {
+            Ok((policy, opt, state)) => {
+                if let Some(e) = &first_error {
+                    tracing::warn!(checkpoint = %dir.display(), skipped = %e, "the newest checkpoint is unreadable; resuming from the newest intact one");
+                }
+                return Ok(Some(Loaded {
+                    dir,
+                    policy,
+                    opt,
+                    state,
+                }));
+            }
+            Err(e) => {
+                tracing::warn!(checkpoint = %dir.display(), error = %e, "checkpoint unreadable");
+                first_error.get_or_insert(e);
+            }
+        }
     }
-    Ok(Some(dir))
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(None),
+    }
 }
 
 /// Loads a checkpoint directory: trainable policy, optimizer and trainer state.
@@ -187,28 +252,32 @@ pub fn load(
     dir: &Path,
     device: &Device,
 ) -> Result<(Trainable, AdamW, TrainerState), CheckpointError> {
+    let corrupt = |path: PathBuf| {
+        move |e: &dyn std::fmt::Display| CheckpointError::Corrupt {
+            path,
+            reason: e.to_string(),
+        }
+    };
     let state_path = dir.join(STATE_FILE);
     let text = std::fs::read_to_string(&state_path).map_err(io(&state_path))?;
-    let state: TrainerState = serde_json::from_str(&text)
-        .map_err(|e| CheckpointError::Invalid(format!("{}: {e}", state_path.display())))?;
-    let policy = Trainable::load(dir, device)?;
-    let tensors = candle_core::safetensors::load(dir.join(OPTIMIZER_FILE), &Device::Cpu)?;
+    let state: TrainerState =
+        serde_json::from_str(&text).map_err(|e| corrupt(state_path.clone())(&e))?;
+    let policy = Trainable::load(dir, device).map_err(|e| corrupt(dir.to_path_buf())(&e))?;
+    let optimizer_path = dir.join(OPTIMIZER_FILE);
+    let tensors = candle_core::safetensors::load(&optimizer_path, &Device::Cpu)
+        .map_err(|e| corrupt(optimizer_path.clone())(&e))?;
     let mut opt = AdamW::new(state.adamw);
     opt.steps = state.optimizer_steps;
     let mut by_name: HashMap<String, (Option<Tensor>, Option<Tensor>)> = HashMap::new();
     for (key, t) in tensors {
         let (kind, name) = key
             .split_once('.')
-            .ok_or_else(|| CheckpointError::Invalid(format!("optimizer tensor `{key}`")))?;
+            .ok_or_else(|| corrupt(optimizer_path.clone())(&format!("tensor `{key}`")))?;
         let slot = by_name.entry(name.to_owned()).or_default();
         match kind {
             "m" => slot.0 = Some(t),
             "v" => slot.1 = Some(t),
-            _ => {
-                return Err(CheckpointError::Invalid(format!(
-                    "optimizer tensor `{key}`"
-                )));
-            }
+            _ => return Err(corrupt(optimizer_path.clone())(&format!("tensor `{key}`"))),
         }
     }
     for (name, slot) in by_name {
@@ -218,9 +287,8 @@ pub fn load(
                 opt.moments.insert(name, (host(m)?, host(v)?));
             }
             _ => {
-                return Err(CheckpointError::Invalid(format!(
-                    "optimizer moments of `{name}` incomplete"
-                )));
+                let what = format!("moments of `{name}` incomplete");
+                return Err(corrupt(optimizer_path.clone())(&what));
             }
         }
     }

@@ -40,6 +40,7 @@ pub mod prompts;
 pub mod push;
 pub mod queue;
 pub mod queue_service;
+pub mod run_dir;
 pub mod sft;
 pub mod sft_loss;
 pub mod step;

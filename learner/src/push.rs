@@ -70,6 +70,8 @@ struct Member {
     synced_at: Option<Instant>,
     /// When a report after that first named another version than the one pushed.
     mismatch_at: Option<Instant>,
+    /// Why the last push failed (kept until one succeeds).
+    last_error: Option<String>,
 }
 
 /// The workers the learner pushes to, and the version each is known to run.
@@ -102,6 +104,7 @@ impl Fleet {
                     retry_at: None,
                     synced_at: None,
                     mismatch_at: None,
+                    last_error: None,
                 },
             );
         }
@@ -161,6 +164,18 @@ impl Fleet {
         self.members.keys().cloned().collect()
     }
 
+    /// Workers whose last push failed: address, failures in a row, the last error.
+    pub fn failing(&self) -> Vec<(String, u32, String)> {
+        self.members
+            .iter()
+            .filter(|(_, m)| m.failures > 0)
+            .map(|(a, m)| {
+                let error = m.last_error.clone().unwrap_or_default();
+                (a.clone(), m.failures, error)
+            })
+            .collect()
+    }
+
     /// Workers not known to run `version`.
     pub fn stale(&self, version: u64) -> Vec<String> {
         self.members
@@ -211,8 +226,10 @@ impl Fleet {
                 m.retry_at = None;
                 m.synced_at = Some(now);
                 m.mismatch_at = None;
+                m.last_error = None;
             }
-            Some(_) => {
+            Some(ref error) => {
+                m.last_error = Some(error.clone());
                 m.known = None;
                 m.failures += 1;
                 let backoff = Duration::from_millis(500)

@@ -17,7 +17,7 @@ use rookworld_lm::Tokenizer;
 use rookworld_lm::cli::ModelArgs;
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{self, TrainerState};
+use crate::checkpoint::{self, Loaded, TrainerState};
 use crate::optim::{AdamW, AdamWConfig, Schedule};
 use crate::policy::Trainable;
 use crate::prompts::{self, Generator, Source, TaskKind, TaskPrompt};
@@ -35,9 +35,8 @@ pub struct SftArgs {
     pub run_dir: PathBuf,
     #[command(flatten)]
     pub settings: SftSettings,
-    /// Continue from the run's latest checkpoint (starts fresh when it has none).
-    #[arg(long)]
-    pub resume: bool,
+    #[command(flatten)]
+    pub start: crate::run_dir::RunDirArgs,
     /// Checkpoint every this many steps (and after the last).
     #[arg(long, default_value_t = 50)]
     pub checkpoint_every: u64,
@@ -53,7 +52,11 @@ pub struct SftArgs {
     pub prompts: Option<PathBuf>,
 }
 
-/// Settings that define the run; a resumed run must keep them.
+/// The settings of [`SftSettings`] a resumed run may change: its length (the schedule
+/// stretches to the new total) and the micro-batch split (the same sums).
+pub const SFT_RESUMABLE: &[&str] = &["steps", "micro_batch_size"];
+
+/// Settings that define the run; a resumed run must keep them, except [`SFT_RESUMABLE`].
 #[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
 pub struct SftSettings {
     /// Steps in total.
@@ -126,6 +129,8 @@ pub enum SftError {
     Prompts(#[from] prompts::PromptError),
     #[error("{0}")]
     Config(String),
+    #[error(transparent)]
+    RunDir(#[from] crate::run_dir::RunDirError),
 }
 
 impl From<candle_core::Error> for SftError {
@@ -325,21 +330,27 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
         },
         None => Source::Generated(Box::new(Generator::new(s.seed, s.policy_fraction))),
     };
-    let resumed = match (args.resume, checkpoint::latest(&args.run_dir)?) {
-        (true, Some(dir)) => Some(checkpoint::load(&dir, &device)?),
-        _ => None,
-    };
+    let resumed = crate::run_dir::open(&args.run_dir, &args.start, &device)?;
     let (policy, mut opt, schedule, start) = match resumed {
-        Some((policy, opt, state)) => {
-            if state.settings != settings {
+        Some(Loaded {
+            dir,
+            policy,
+            opt,
+            state,
+        }) => {
+            crate::run_dir::check_settings(&state.settings, &settings, SFT_RESUMABLE)?;
+            if s.steps < state.step {
                 return Err(SftError::Config(format!(
-                    "--resume with different settings: the checkpoint has {}, this run {}",
-                    state.settings, settings
+                    "--steps {} is below the {} steps {} has done",
+                    s.steps,
+                    state.step,
+                    dir.display()
                 )));
             }
             source.restore(&state.cursor)?;
-            tracing::info!(step = state.step, "resumed");
-            (policy, opt, state.schedule, state.step)
+            tracing::info!(step = state.step, dir = %dir.display(), "resumed");
+            // The schedule follows the settings: a longer run stretches it.
+            (policy, opt, s.optimizer().1, state.step)
         }
         None => {
             let loaded = args.model.load()?;

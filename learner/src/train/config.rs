@@ -33,9 +33,8 @@ pub struct TrainArgs {
     /// Run directory: checkpoints in RUN/checkpoints, the frozen reference in RUN/reference.
     #[arg(long, env = "LEARNER_RUN_DIR", default_value = "runs/local")]
     pub run_dir: PathBuf,
-    /// Continue from the run's latest checkpoint (starts fresh when it has none).
-    #[arg(long, env = "LEARNER_RESUME")]
-    pub resume: bool,
+    #[command(flatten)]
+    pub start: crate::run_dir::RunDirArgs,
     /// Start a reward server and one rollout worker in this process, on loopback (real
     /// gRPC), so that one command trains.
     #[arg(long)]
@@ -84,12 +83,30 @@ pub struct TrainArgs {
     /// UCI engine for the supervised warm-up's policy lines (default: stockfish if installed).
     #[arg(long, env = "LEARNER_ENGINE")]
     pub engine: Option<PathBuf>,
+    /// Seconds without a step (waiting for groups) before the run stops with an error
+    /// that says why (0: never); from half of it on, one ERROR line a minute explains.
+    #[arg(long, env = "LEARNER_STALL_TIMEOUT", default_value_t = 300.0)]
+    pub stall_timeout: f64,
     /// Plain log lines even on a terminal (no progress bar).
     #[arg(long, env = "LEARNER_NO_PROGRESS")]
     pub no_progress: bool,
 }
 
-/// The settings that define a run; a resumed run must keep them.
+/// The settings of [`TrainSettings`] a resumed run may change: the length of the run (the
+/// learning-rate schedule stretches to the new total), how gradients are split into
+/// micro-batches (the same sums), how long leases and stale groups are tolerated, and the
+/// warm-up's, which a resumed run does not repeat.
+pub const RESUMABLE: &[&str] = &[
+    "steps",
+    "micro_batch_groups",
+    "lease_timeout",
+    "max_version_lag",
+    "sft_steps",
+    "sft_batch_size",
+    "sft_lr",
+];
+
+/// The settings that define a run; a resumed run must keep them, except [`RESUMABLE`].
 #[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
 pub struct TrainSettings {
     /// GRPO steps in total.
@@ -196,6 +213,10 @@ impl TrainArgs {
 
     pub fn push_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.push_timeout.max(0.1))
+    }
+
+    pub fn stall_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.stall_timeout.max(0.0))
     }
 
     pub fn drain_timeout(&self) -> Duration {

@@ -20,6 +20,7 @@ mod local;
 mod prepare;
 mod report;
 mod support;
+mod watchdog;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -47,6 +48,7 @@ use crate::step::train_step;
 use prepare::prepare;
 use report::Reporter;
 use support::{check_reachable, drain, peak_flops, publish, save};
+use watchdog::{Verdict, Watchdog};
 
 /// Why a run stopped early.
 #[derive(Debug, thiserror::Error)]
@@ -58,11 +60,16 @@ pub enum TrainError {
     #[error(transparent)]
     Checkpoint(#[from] checkpoint::CheckpointError),
     #[error(transparent)]
+    RunDir(#[from] crate::run_dir::RunDirError),
+    #[error(transparent)]
     Prompts(#[from] prompts::PromptError),
     #[error("supervised warm-up: {0}")]
     WarmUp(#[from] crate::sft::SftError),
     #[error("{0}")]
     Service(String),
+    /// No step for `--stall-timeout`; the message says what the run was waiting on.
+    #[error("{0}")]
+    Stalled(String),
 }
 
 impl From<candle_core::Error> for TrainError {
@@ -166,7 +173,7 @@ pub async fn run(
     let (sync_stop, sync_stopped) = watch::channel(false);
     let sync_task = tokio::spawn(push::run(
         run.queue.clone(),
-        fleet,
+        fleet.clone(),
         latest_rx,
         token.clone(),
         SyncConfig {
@@ -183,7 +190,8 @@ pub async fn run(
         !args.no_progress,
         s.steps,
         run.step,
-        run.resumed,
+        // A resumed run redoes the steps after its checkpoint; one started over, all.
+        run.resumed || args.start.overwrite,
     )
     .map_err(ConfigError)?;
     let peak = peak_flops(&args, run.policy.model.device());
@@ -192,11 +200,22 @@ pub async fn run(
     let mut seeds = rand_seed_stream(s.seed, run.step);
 
     let mut stop = stop_rx.clone();
+    let mut watchdog = Watchdog::new(args.stall_timeout(), Instant::now());
+    let mut stalled = None;
     while run.step < s.steps {
         let started = Instant::now();
-        let Some(groups) = gather(&mut run, &s, &mut seeds, &mut stop).await else {
-            summary.interrupted = true;
-            break;
+        let groups = match gather(&mut run, &s, &mut seeds, &mut stop, &mut watchdog, &fleet).await
+        {
+            Gathered::Groups(groups) => groups,
+            Gathered::Stopped => {
+                summary.interrupted = true;
+                break;
+            }
+            Gathered::Stalled(why) => {
+                summary.interrupted = true;
+                stalled = Some(why);
+                break;
+            }
         };
         let wait = started.elapsed().as_secs_f64();
         reporter.dump(run.step + 1, &groups).map_err(ConfigError)?;
@@ -214,6 +233,7 @@ pub async fn run(
             )
         })?;
         run.step += 1;
+        watchdog.stepped(Instant::now());
         let new_version = version + 1;
         run.version.store(new_version, Ordering::SeqCst);
 
@@ -294,7 +314,10 @@ pub async fn run(
     if let Ok(Ok(Err(e))) = tokio::time::timeout(Duration::from_secs(5), queue_task).await {
         tracing::warn!(error = %e, "queue server");
     }
-    Ok(summary)
+    match stalled {
+        Some(why) => Err(TrainError::Stalled(why)),
+        None => Ok(summary),
+    }
 }
 
 /// Resolves once `rx` says stop.
@@ -310,13 +333,24 @@ fn rand_seed_stream(seed: u64, step: u64) -> rand_chacha::ChaCha8Rng {
     rng
 }
 
-/// Keeps the queue topped up and waits until P groups are taken; `None` on shutdown.
+/// How waiting for a step's groups ended.
+enum Gathered {
+    Groups(Vec<ScoredGroup>),
+    /// The shutdown signal.
+    Stopped,
+    /// No step for the stall timeout; why.
+    Stalled(String),
+}
+
+/// Keeps the queue topped up and waits until P groups are taken, watching for a stall.
 async fn gather(
     run: &mut Run,
     s: &TrainSettings,
     seeds: &mut rand_chacha::ChaCha8Rng,
     stop: &mut watch::Receiver<bool>,
-) -> Option<Vec<ScoredGroup>> {
+    watchdog: &mut Watchdog,
+    fleet: &Mutex<Fleet>,
+) -> Gathered {
     use rand::RngCore;
     let version = run.version.load(Ordering::SeqCst);
     loop {
@@ -332,12 +366,34 @@ async fn gather(
             if q.ready(version) >= s.prompts_per_step {
                 let groups = q.take(s.prompts_per_step, version);
                 crate::metrics::record_queue(&q);
-                return Some(groups);
+                return Gathered::Groups(groups);
             }
             crate::metrics::record_queue(&q);
         }
+        let verdict = watchdog.check(Instant::now());
+        if verdict != Verdict::Fine {
+            // The weight sync's lock order: the fleet, then the queue.
+            let fleet = fleet
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let why = watchdog::diagnose(&lock(&run.queue), &fleet, version, s.prompts_per_step);
+            let limit = watchdog.timeout().unwrap_or_default().as_secs();
+            match verdict {
+                Verdict::Stalled(idle) => {
+                    return Gathered::Stalled(format!(
+                        "no step for {} s (--stall-timeout {limit}): {why}",
+                        idle.as_secs()
+                    ));
+                }
+                Verdict::Report(idle) => tracing::error!(
+                    "no step for {} s (the run stops at {limit} s, --stall-timeout): {why}",
+                    idle.as_secs()
+                ),
+                Verdict::Fine => {}
+            }
+        }
         tokio::select! {
-            _ = stop.wait_for(|&s| s) => return None,
+            _ = stop.wait_for(|&s| s) => return Gathered::Stopped,
             _ = tokio::time::sleep(Duration::from_millis(20)) => {}
         }
     }

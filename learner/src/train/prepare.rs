@@ -7,12 +7,14 @@ use std::sync::{Arc, Mutex};
 use candle_core::DType;
 use rookworld_lm::checkpoint as model_checkpoint;
 
+use super::config::RESUMABLE;
 use super::{ConfigError, Run, TrainArgs, TrainError, TrainSummary, lock};
-use crate::checkpoint;
+use crate::checkpoint::{self, Loaded};
 use crate::optim::AdamW;
 use crate::policy::Trainable;
 use crate::prompts::{self, Generator, Source};
 use crate::queue::Queue;
+use crate::run_dir;
 
 /// Loads or resumes the policy, the reference and the queue; runs the warm-up on a fresh
 /// start.
@@ -28,23 +30,26 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
     };
     let queue = Arc::new(Mutex::new(Queue::new(s.queue_config())));
     let reference_dir = args.run_dir.join("reference");
-    let latest = if args.resume {
-        checkpoint::latest(&args.run_dir)?
-    } else {
-        None
-    };
+    let device = args
+        .device
+        .parse::<rookworld_lm::device::DeviceChoice>()?
+        .open()?;
+    let latest = run_dir::open(&args.run_dir, &args.start, &device)?;
     let resumed = latest.is_some();
     let (policy, opt, step, version) = match latest {
-        Some(dir) => {
-            let device = args
-                .device
-                .parse::<rookworld_lm::device::DeviceChoice>()?
-                .open()?;
-            let (policy, opt, state) = checkpoint::load(&dir, &device)?;
-            if state.settings != settings_json {
+        Some(Loaded {
+            dir,
+            policy,
+            opt,
+            state,
+        }) => {
+            run_dir::check_settings(&state.settings, &settings_json, RESUMABLE)?;
+            if s.steps < state.step {
                 return Err(ConfigError(format!(
-                    "--resume with different settings: the checkpoint has {}, this run {}",
-                    state.settings, settings_json
+                    "--steps {} is below the {} steps {} has done",
+                    s.steps,
+                    state.step,
+                    dir.display()
                 ))
                 .into());
             }
@@ -90,7 +95,18 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
             }
             // The reference is the policy GRPO starts from (after any warm-up).
             model_checkpoint::save(&policy.model, &reference_dir, DType::F32)?;
-            (policy, AdamW::new(s.adamw()), 0, 1)
+            // A run started over keeps numbering past what its directory ever published,
+            // so workers still holding those weights take the new ones.
+            // so workers still holding those weights take the new ones; groups made with
+            // them are dropped.
+            let first = match checkpoint::published(&args.run_dir)? {
+                Some(published) => {
+                    lock(&queue).retire(1, published);
+                    published + 1
+                }
+                None => 1,
+            };
+            (policy, AdamW::new(s.adamw()), 0, first)
         }
     };
     // Version 0 is whatever weights a worker started with, never the learner's.

@@ -137,19 +137,19 @@ fn roll_back(path: &Path, step: u64) -> Result<usize, String> {
 }
 
 impl Reporter {
-    /// Opens the log and the dump for appending; a run resumed at `first_step` first rolls
-    /// both back to that step.
+    /// Opens the log and the dump for appending; with `roll_back` (a run resumed at
+    /// `first_step`, or one started over at 0) both first lose the steps after it.
     pub fn new(
         jsonl: Option<&Path>,
         dump: Option<&Path>,
         progress: bool,
         total_steps: u64,
         first_step: u64,
-        resumed: bool,
+        roll_back: bool,
     ) -> Result<Self, String> {
-        if resumed {
+        if roll_back {
             for path in [jsonl, dump].into_iter().flatten() {
-                let dropped = roll_back(path, first_step)?;
+                let dropped = self::roll_back(path, first_step)?;
                 if dropped > 0 {
                     tracing::warn!(file = %path.display(), lines = dropped, step = first_step, "rolled back to the checkpoint's step (lines of steps the resumed run redoes)");
                 }

@@ -225,6 +225,28 @@ fn the_learner_keeps_its_checkpoints_across_a_stop() {
 }
 
 #[test]
+fn prometheus_loads_the_stall_alert_on_the_learners_gauge() {
+    let doc = &yaml("prometheus/prometheus.yml")[0];
+    let files: Vec<String> = doc["rule_files"].as_vec().unwrap().iter().map(s).collect();
+    assert_eq!(files, ["/etc/prometheus/alerts.yml"]);
+    let compose = &yaml("docker-compose.yml")[0];
+    let mounts: Vec<String> = compose["services"]["prometheus"]["volumes"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .map(s)
+        .collect();
+    assert!(mounts.contains(&"./prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro".into()));
+    let alerts = &yaml("prometheus/alerts.yml")[0];
+    let rules = alerts["groups"][0]["rules"].as_vec().unwrap();
+    let stalled = rules
+        .iter()
+        .find(|r| s(&r["alert"]) == "LearnerStalled")
+        .expect("a LearnerStalled rule");
+    assert!(s(&stalled["expr"]).contains("learner_seconds_since_last_step"));
+}
+
+#[test]
 fn prometheus_scrapes_every_service() {
     let doc = &yaml("prometheus/prometheus.yml")[0];
     let mut targets = BTreeMap::new();

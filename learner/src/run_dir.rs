@@ -1,0 +1,130 @@
+//! Run directories: what `learner train` and `learner sft` may do with one.
+//!
+//! A run directory that holds checkpoints is never started over by accident: without
+//! `--resume` (or `--resume-from`) the command is refused, and `--overwrite` says to delete
+//! the checkpoints and start over. A resumed run keeps the settings that define its maths;
+//! the ones listed as resumable (such as `steps`) may change, and a refusal names each
+//! differing key with its old and new value.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::Device;
+use serde_json::Value;
+
+use crate::checkpoint::{self, CheckpointError, Loaded};
+
+/// How a command treats its run directory's checkpoints.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct RunDirArgs {
+    /// Continue from the run's newest intact checkpoint (starts fresh when it has none).
+    #[arg(long, env = "LEARNER_RESUME")]
+    pub resume: bool,
+    /// Continue from this checkpoint directory (e.g. RUN/checkpoints/step-00000040); new
+    /// checkpoints still go to the run directory.
+    #[arg(long, env = "LEARNER_RESUME_FROM", conflicts_with = "overwrite")]
+    pub resume_from: Option<PathBuf>,
+    /// Start over in a run directory that holds checkpoints: they are deleted first.
+    #[arg(long, conflicts_with = "resume")]
+    pub overwrite: bool,
+}
+
+/// Why a run directory cannot be used as asked.
+#[derive(Debug, thiserror::Error)]
+pub enum RunDirError {
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// Where a command starts, by its run directory's rules: `Some` to resume from a loaded
+/// checkpoint, `None` to start fresh (after `--overwrite` deleted the old checkpoints).
+pub fn open(run: &Path, args: &RunDirArgs, device: &Device) -> Result<Option<Loaded>, RunDirError> {
+    if let Some(dir) = &args.resume_from {
+        let (policy, opt, state) = checkpoint::load(dir, device)?;
+        return Ok(Some(Loaded {
+            dir: dir.clone(),
+            policy,
+            opt,
+            state,
+        }));
+    }
+    if args.resume {
+        return Ok(checkpoint::load_newest(run, device)?);
+    }
+    let held = checkpoint::candidates(run)?;
+    if let Some(newest) = held.first() {
+        if !args.overwrite {
+            return Err(RunDirError::Refused(format!(
+                "{} holds checkpoints (newest: {}): pass --resume to continue that run, or --overwrite to delete them and start over",
+                run.display(),
+                newest.display()
+            )));
+        }
+        let root = run.join("checkpoints");
+        std::fs::remove_dir_all(&root).map_err(|source| CheckpointError::Io {
+            path: root.clone(),
+            source,
+        })?;
+        tracing::warn!(dir = %root.display(), checkpoints = held.len(), "--overwrite: the run's checkpoints were deleted; starting over");
+    }
+    Ok(None)
+}
+
+/// Checks a resumed run's settings against its checkpoint's. Keys in `resumable` may
+/// differ (each change is logged); any other difference is refused with every differing
+/// key as `key: old → new`.
+pub fn check_settings(saved: &Value, now: &Value, resumable: &[&str]) -> Result<(), RunDirError> {
+    let empty = serde_json::Map::new();
+    let (old, new) = (
+        saved.as_object().unwrap_or(&empty),
+        now.as_object().unwrap_or(&empty),
+    );
+    let mut keys: Vec<&String> = old.keys().chain(new.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    let mut refused = Vec::new();
+    for key in keys {
+        let (a, b) = (old.get(key), new.get(key));
+        if a == b {
+            continue;
+        }
+        let show = |v: Option<&Value>| v.map_or_else(|| "(none)".to_owned(), Value::to_string);
+        let change = format!("{key}: {} → {}", show(a), show(b));
+        if resumable.contains(&key.as_str()) {
+            tracing::info!(%change, "setting changed on resume");
+        } else {
+            refused.push(change);
+        }
+    }
+    if refused.is_empty() {
+        return Ok(());
+    }
+    Err(RunDirError::Refused(format!(
+        "--resume with different settings: {} (only {} may change on resume; use a new run directory for the others)",
+        refused.join(", "),
+        resumable.join(", ")
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn resumable_keys_may_change_and_the_others_are_named() {
+        let saved = json!({"steps": 10, "lr": 0.001, "seed": 1, "lease_timeout": 300.0});
+        let longer = json!({"steps": 20, "lr": 0.001, "seed": 1, "lease_timeout": 60.0});
+        check_settings(&saved, &longer, &["steps", "lease_timeout"]).unwrap();
+
+        let changed = json!({"steps": 20, "lr": 0.002, "seed": 2, "lease_timeout": 300.0});
+        let err = check_settings(&saved, &changed, &["steps"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("lr: 0.001 → 0.002"), "{err}");
+        assert!(err.contains("seed: 1 → 2"), "{err}");
+        assert!(!err.contains("steps: "), "{err}");
+        assert_eq!(err.lines().count(), 1);
+    }
+}
