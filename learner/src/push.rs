@@ -30,6 +30,8 @@ pub struct PushOutcome {
     pub bytes: u64,
     /// `None` when the worker now runs `version`.
     pub error: Option<String>,
+    /// No connection could be made to the address (nothing answered there).
+    pub unreachable: bool,
 }
 
 /// A worker's weight sync, as the metrics and the log show it.
@@ -323,6 +325,7 @@ pub async fn run(
             Some(outcome) = done_rx.recv() => {
                 in_flight -= 1;
                 lock_fleet().finish(&outcome, Instant::now());
+                note_reachability(&queue, &outcome);
             }
         }
         let Some(set) = latest.borrow().clone() else {
@@ -352,6 +355,7 @@ pub async fn run(
                 Some(outcome) => {
                     in_flight -= 1;
                     lock_fleet().finish(&outcome, Instant::now());
+                    note_reachability(&queue, &outcome);
                 }
                 None => break,
             }
@@ -403,10 +407,10 @@ pub async fn push_to(
 ) -> PushOutcome {
     let started = Instant::now();
     let result = tokio::time::timeout(deadline, push_one(&address, &set, &token, deadline)).await;
-    let error = match result {
-        Ok(Ok(())) => None,
-        Ok(Err(e)) => Some(e),
-        Err(_) => Some(format!("no answer within {deadline:?}")),
+    let (error, unreachable) = match result {
+        Ok(Ok(())) => (None, false),
+        Ok(Err(PushError { unreachable, why })) => (Some(why), unreachable),
+        Err(_) => (Some(format!("no answer within {deadline:?}")), false),
     };
     let o = PushOutcome {
         worker: address,
@@ -418,6 +422,7 @@ pub async fn push_to(
             0
         },
         error,
+        unreachable,
     };
     metrics::histogram!("learner_weight_push_seconds", "worker" => o.worker.clone())
         .record(o.seconds);
@@ -437,30 +442,76 @@ pub async fn push_to(
     o
 }
 
+/// Why a push failed, and whether anything answered at the address at all.
+struct PushError {
+    unreachable: bool,
+    why: String,
+}
+
 async fn push_one(
     address: &str,
     set: &WeightSet,
     token: &str,
     deadline: Duration,
-) -> Result<(), String> {
+) -> Result<(), PushError> {
+    let unreachable = |why: String| PushError {
+        unreachable: true,
+        why,
+    };
     let channel = Endpoint::from_shared(address.to_owned())
-        .map_err(|e| format!("bad address {address}: {e}"))?
+        .map_err(|e| unreachable(format!("bad address {address}: {e}")))?
         .connect_timeout(deadline)
         .timeout(deadline)
         .connect()
         .await
-        .map_err(|e| format!("connect: {e}"))?;
+        .map_err(|e| unreachable(format!("connect: {e}: {}", source_chain(&e))))?;
     let mut client = RolloutServiceClient::new(channel);
+    let refused = |why: String| PushError {
+        unreachable: false,
+        why,
+    };
     let answer = weights::push(&mut client, set, token, CHUNK_BYTES)
         .await
-        .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?;
+        .map_err(|s| refused(format!("{:?}: {}", s.code(), s.message())))?;
     if answer.version != set.version {
-        return Err(format!(
+        return Err(refused(format!(
             "worker reports version {} after the push",
             answer.version
-        ));
+        )));
     }
     Ok(())
+}
+
+/// The causes under an error (tonic's transport error says only "transport error").
+fn source_chain(e: &dyn std::error::Error) -> String {
+    let mut out = Vec::new();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        out.push(c.to_string());
+        cause = c.source();
+    }
+    out.join(": ")
+}
+
+/// Tells the queue whether the worker at `o.worker` can be reached for pushes: the first
+/// time it cannot, one ERROR naming the address and `--advertise`; the queue then answers
+/// that worker's leases with the same text until a push reaches it.
+fn note_reachability(queue: &Mutex<Queue>, o: &PushOutcome) {
+    let mut q = queue
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if o.unreachable {
+        let problem = format!(
+            "the learner cannot reach {} for weight pushes ({}); start the worker with --advertise URL (ROLLOUT_ADVERTISE) at which the learner reaches its service",
+            o.worker,
+            o.error.as_deref().unwrap_or("no answer")
+        );
+        if q.set_push_problem(&o.worker, Some(problem.clone())) {
+            tracing::error!("{problem}");
+        }
+    } else if o.error.is_none() {
+        q.set_push_problem(&o.worker, None);
+    }
 }
 
 #[cfg(test)]
@@ -474,6 +525,7 @@ mod tests {
             seconds: 0.1,
             bytes: 0,
             error: error.map(String::from),
+            unreachable: false,
         }
     }
 

@@ -99,6 +99,8 @@ pub struct ScoredGroup {
     pub prompt_ids: Vec<u32>,
     pub completions: Vec<ScoredCompletion>,
     pub worker: String,
+    /// The run of the weights it was sampled with (versions count within a run).
+    pub run_id: String,
     /// Weight version every completion was sampled with.
     pub weight_version: u64,
     pub seed: u64,
@@ -126,7 +128,7 @@ impl ScoredGroup {
 }
 
 /// Why a lease was not granted now.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Backpressure {
     #[error("the learner is behind: {scored} scored groups wait (bound {bound})")]
     LearnerBehind { scored: usize, bound: usize },
@@ -138,6 +140,10 @@ pub enum Backpressure {
     Closed,
     #[error("{bound} workers hold leases already (bound)")]
     TooManyWorkers { bound: usize },
+    /// The learner cannot reach the worker's push address: its groups would all be made
+    /// with weights that never change. The text says what to do.
+    #[error("{0}")]
+    PushUnreachable(String),
 }
 
 /// Why a submission was refused.
@@ -204,6 +210,10 @@ pub struct Queue {
     retired: Vec<(u64, u64)>,
     /// No more leases (the learner is draining before it stops).
     closed: bool,
+    /// The run the learner's weight versions belong to.
+    run_id: String,
+    /// Push addresses the learner could not connect to, and what to tell their workers.
+    push_problems: BTreeMap<String, String>,
 }
 
 impl Queue {
@@ -221,7 +231,20 @@ impl Queue {
             staleness: [0; 8],
             retired: Vec::new(),
             closed: false,
+            run_id: String::new(),
+            push_problems: BTreeMap::new(),
         }
+    }
+
+    /// Sets the run whose weight versions count: groups of another run's weights are
+    /// dropped (and counted with the stale ones), and workers reporting another run's
+    /// weights are taken to run none of the learner's versions.
+    pub fn set_run(&mut self, run_id: &str) {
+        self.run_id = run_id.to_owned();
+    }
+
+    pub fn run_id(&self) -> &str {
+        &self.run_id
     }
 
     /// Stops handing out leases; submissions under outstanding leases are still taken.
@@ -264,6 +287,9 @@ impl Queue {
     ) -> Result<Vec<Grant>, Backpressure> {
         self.expire(now);
         self.admit(worker, now)?;
+        if let Some(problem) = self.push_problem(worker) {
+            return Err(Backpressure::PushUnreachable(problem.to_owned()));
+        }
         if self.closed {
             return Err(Backpressure::Closed);
         }
@@ -404,9 +430,13 @@ impl Queue {
     }
 
     /// The version lag of a group for a learner at `version`, or `None` when the group is
-    /// not to be trained on: too many versions behind, retired, or ahead of the learner
-    /// (weights it never published).
-    fn lag(&self, version: u64, group_version: u64) -> Option<u64> {
+    /// not to be trained on: of another run's weights, too many versions behind, retired,
+    /// or ahead of the learner (weights it never published).
+    fn lag(&self, version: u64, group: &ScoredGroup) -> Option<u64> {
+        if group.run_id != self.run_id {
+            return None;
+        }
+        let group_version = group.weight_version;
         let lag = version.checked_sub(group_version)?;
         let retired = self
             .retired
@@ -422,7 +452,7 @@ impl Queue {
         let before = self.scored.len();
         let scored = std::mem::take(&mut self.scored);
         for (prompt, group) in scored {
-            if self.lag(version, group.weight_version).is_some() {
+            if self.lag(version, &group).is_some() {
                 self.scored.push_back((prompt, group));
             } else {
                 self.scored_bytes -= group.size_bytes();
@@ -436,7 +466,7 @@ impl Queue {
     pub fn ready(&self, version: u64) -> usize {
         self.scored
             .iter()
-            .filter(|(_, g)| self.lag(version, g.weight_version).is_some())
+            .filter(|(_, g)| self.lag(version, g).is_some())
             .count()
     }
 
@@ -449,7 +479,7 @@ impl Queue {
                 break;
             };
             self.scored_bytes -= group.size_bytes();
-            let Some(lag) = self.lag(version, group.weight_version) else {
+            let Some(lag) = self.lag(version, &group) else {
                 self.counters.groups_dropped_stale += 1;
                 continue;
             };

@@ -71,6 +71,36 @@ pub fn open(run: &Path, args: &RunDirArgs, device: &Device) -> Result<Option<Loa
     Ok(None)
 }
 
+/// `RUN/run_id`: the run's id, made when the run starts fresh and kept while it resumes.
+const RUN_ID: &str = "run_id";
+
+/// The id of the run in `run`: a new one on a fresh start (`fresh`), else the one kept
+/// there (made if the directory predates run ids). Weight versions count within a run:
+/// pushes and groups carry the id, so workers still holding another run's weights take
+/// this run's first push, and groups made with those weights are never trained on.
+pub fn run_id(run: &Path, fresh: bool) -> Result<String, RunDirError> {
+    let path = run.join(RUN_ID);
+    let io = |source| CheckpointError::Io {
+        path: path.clone(),
+        source,
+    };
+    if !fresh {
+        match std::fs::read_to_string(&path) {
+            Ok(id) if !id.trim().is_empty() => return Ok(id.trim().to_owned()),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io(e).into()),
+        }
+    }
+    let id = format!("{:016x}", rand::random::<u64>());
+    std::fs::create_dir_all(run).map_err(|source| CheckpointError::Io {
+        path: run.to_path_buf(),
+        source,
+    })?;
+    rookworld_lm::checkpoint::write_atomic(&path, id.as_bytes()).map_err(CheckpointError::from)?;
+    Ok(id)
+}
+
 /// Checks a resumed run's settings against its checkpoint's. Keys in `resumable` may
 /// differ (each change is logged); any other difference is refused with every differing
 /// key as `key: old → new`.

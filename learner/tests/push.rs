@@ -44,7 +44,7 @@ async fn a_dead_worker_never_blocks_the_others_and_is_resynced() {
         }
     }
     let next = init_random(&Config::tiny(), 2, DType::F32, &Device::Cpu).unwrap();
-    let set = WeightSet::from_model(&next, 1).unwrap();
+    let set = WeightSet::from_model(&next, "", 1).unwrap();
 
     let started = Instant::now();
     let outcomes = fleet.push(&set, TOKEN, Duration::from_secs(2)).await;
@@ -103,7 +103,7 @@ async fn a_dead_worker_never_blocks_the_others_and_is_resynced() {
     assert_eq!(again.error, None, "{again:?}");
 
     // A wrong token is a failure for every worker, and they stay on version 1.
-    let v2 = WeightSet::from_model(&next, 2).unwrap();
+    let v2 = WeightSet::from_model(&next, "", 2).unwrap();
     let outcomes = fleet.push(&v2, "wrong", Duration::from_secs(5)).await;
     assert!(
         outcomes.iter().all(|o| o

@@ -30,6 +30,7 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
         .unwrap();
     learner::metrics::install_exporter(metrics_addr).unwrap();
     let queue = Arc::new(Mutex::new(Queue::new(QueueConfig::default())));
+    queue.lock().unwrap().set_run("run-a");
     for i in 0..3 {
         queue.lock().unwrap().add(
             TaskPrompt {
@@ -74,6 +75,7 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
         max_prompts: n,
         weight_version: 3,
         push_address: "http://w1:50053".into(),
+        weight_run_id: "run-a".into(),
     };
 
     // No token, wrong token.
@@ -134,6 +136,7 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
         weight_version: 3,
         generate_seconds: 0.5,
         score_seconds: 0.1,
+        run_id: "run-a".into(),
     };
     // No token, wrong token: refused, nothing taken.
     assert_eq!(
@@ -228,6 +231,8 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
         (1, 1, 3)
     );
     assert_eq!(w.workers[0].push_address, "http://w1:50053");
+    assert_eq!(w.workers[0].weight_run_id, "run-a");
+    assert_eq!(d.run_id, "run-a");
     let peek = client
         .peek_groups(pb::PeekGroupsRequest {
             count: 5,
@@ -275,6 +280,33 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
         .unwrap()
         .into_inner();
     assert_eq!((s.buckets[0], s.dropped_stale), (1, 0));
+
+    // A group made with another run's weights (a worker left over from an earlier run):
+    // its lease is answered, and the group is dropped, counted with the stale ones, even
+    // though its version number is the learner's.
+    let mut old_run = submit(got.prompts[1].lease_id, got.prompts[1].prompt_id);
+    old_run.run_id = "run-old".into();
+    old_run.prompt_ids = check.prompt_ids(&got.prompts[1].prompt).unwrap();
+    client.submit(authed(old_run, TOKEN)).await.unwrap();
+    assert_eq!(queue.lock().unwrap().ready(3), 0);
+    assert_eq!(queue.lock().unwrap().take(10, 3).len(), 0);
+    let s = client
+        .get_staleness(pb::GetStalenessRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(s.dropped_stale, 1);
+    // A lease reporting another run's weights: the worker runs none of the learner's
+    // versions (reported as 0), so the weight sync pushes to it.
+    let mut other = lease(1);
+    other.weight_run_id = "run-old".into();
+    client.lease(authed(other, TOKEN)).await.unwrap();
+    let reported = {
+        let q = queue.lock().unwrap();
+        let w = &q.workers()["w1"];
+        (w.reported_run.clone(), w.reported_version)
+    };
+    assert_eq!(reported, ("run-old".to_owned(), Some(0)));
 
     for alpha in [false, true] {
         let services = rookworld_proto::probe::list_services(channel.clone(), alpha)

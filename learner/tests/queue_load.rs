@@ -49,6 +49,7 @@ async fn worker(id: usize, channel: Channel, check: GroupCheck, tally: Arc<Tally
             max_prompts: 8,
             weight_version: 0,
             push_address: String::new(),
+            weight_run_id: String::new(),
         };
         let Ok(got) = client
             .lease(authed(lease))
@@ -87,6 +88,7 @@ async fn worker(id: usize, channel: Channel, check: GroupCheck, tally: Arc<Tally
                 weight_version: 0,
                 generate_seconds: 0.1,
                 score_seconds: 0.1,
+                run_id: String::new(),
             };
             let bytes = (G as u64) * (text_bytes as u64 + 8 * u64::from(MAX_NEW_TOKENS));
             match client.submit(authed(submit)).await {

@@ -42,8 +42,9 @@ pub struct ServeArgs {
     /// This worker's id at the learner (default: host name and listen port).
     #[arg(long, env = "ROLLOUT_WORKER_ID")]
     pub worker_id: Option<String>,
-    /// URL at which the learner reaches this worker's service for weight pushes
-    /// (default: http://HOSTNAME:PORT).
+    /// URL at which the learner reaches this worker's service for weight pushes (default:
+    /// the listen address — loopback stays loopback — or, for a wildcard bind such as
+    /// 0.0.0.0, the OS host name: http://HOST:PORT).
     #[arg(long, env = "ROLLOUT_ADVERTISE")]
     pub advertise: Option<String>,
     /// Groups in flight in the loop.
@@ -139,12 +140,12 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
                 push_address: args
                     .advertise
                     .clone()
-                    .unwrap_or_else(|| format!("http://{}", default_worker_id(local))),
+                    .unwrap_or_else(|| default_advertise(local)),
                 max_in_flight: args.max_in_flight.max(1),
                 call_timeout: Duration::from_secs(30),
                 max_backoff: Duration::from_secs(10),
             };
-            tracing::info!(learner = %cfg.learner, reward = %cfg.reward, worker = %cfg.worker_id, "pulling work");
+            tracing::info!(learner = %cfg.learner, reward = %cfg.reward, worker = %cfg.worker_id, push_address = %cfg.push_address, "pulling work");
             let bos = model_cfg.bos_token_id;
             Some(tokio::spawn(worker_loop::run(
                 engine.clone(),
@@ -168,8 +169,47 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
     result
 }
 
-/// `HOSTNAME:PORT` (the host name from the environment, else `worker`).
-fn default_worker_id(local: std::net::SocketAddr) -> String {
-    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "worker".into());
-    format!("{host}:{}", local.port())
+/// `HOST:PORT`, HOST the OS host name.
+fn default_worker_id(local: SocketAddr) -> String {
+    format!("{}:{}", os_host_name(), local.port())
+}
+
+/// Where the learner pushes weights unless `--advertise` says: the address the service
+/// listens on, unless that is a wildcard (0.0.0.0, ::), where the OS host name stands in.
+pub fn default_advertise(local: SocketAddr) -> String {
+    let ip = local.ip();
+    let host = if ip.is_unspecified() {
+        os_host_name()
+    } else if ip.is_ipv6() {
+        format!("[{ip}]")
+    } else {
+        ip.to_string()
+    };
+    format!("http://{host}:{}", local.port())
+}
+
+/// The host name from the OS (`gethostname`), `localhost` if it has none.
+fn os_host_name() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_push_address_follows_the_listen_address() {
+        let at = |s: &str| default_advertise(s.parse().unwrap());
+        assert_eq!(at("127.0.0.1:50053"), "http://127.0.0.1:50053");
+        assert_eq!(at("[::1]:7"), "http://[::1]:7");
+        assert_eq!(at("10.1.2.3:50053"), "http://10.1.2.3:50053");
+        let host = os_host_name();
+        assert!(!host.is_empty());
+        assert_eq!(at("0.0.0.0:50053"), format!("http://{host}:50053"));
+        assert_eq!(at("[::]:50053"), format!("http://{host}:50053"));
+    }
 }

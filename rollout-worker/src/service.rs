@@ -145,8 +145,9 @@ impl RolloutServer {
         let bytes = assembler.received();
         let set = assembler.finish()?;
         let (cfg, dtype, device) = (self.model_config.clone(), self.dtype, self.device.clone());
-        let current = self.engine.status().weight_version;
-        if set.version == current {
+        let status = self.engine.status();
+        let (current, current_run) = (status.weight_version, status.weight_run);
+        if set.version == current && set.run_id == current_run {
             // A retry of a push that landed (its answer was lost): already in use.
             tracing::info!(version = current, "weights already in use; nothing to swap");
             return Ok(pb::UpdateWeightsResponse {
@@ -155,12 +156,17 @@ impl RolloutServer {
                 seconds: started.elapsed().as_secs_f64(),
             });
         }
+        set.supersedes(&current_run, current)?;
+        let run = set.run_id.clone();
         let (version, model) =
-            tokio::task::spawn_blocking(move || set.into_model(&cfg, dtype, &device, current))
+            tokio::task::spawn_blocking(move || set.into_model(&cfg, dtype, &device))
                 .await
                 .map_err(|e| ServiceError::Internal(format!("weight loading panicked: {e}")))??;
-        self.engine.swap(model, version).await?;
+        self.engine.swap(model, version, &run).await?;
         let seconds = started.elapsed().as_secs_f64();
+        if run != current_run {
+            tracing::info!(run = %run, previous_run = %current_run, previous_version = current, "weights of a new run replace the previous run's");
+        }
         tracing::info!(version, bytes, seconds, "weights updated");
         Ok(pb::UpdateWeightsResponse {
             version,
@@ -285,6 +291,7 @@ impl RolloutService for RolloutServer {
             ),
             gpu_memory_used_bytes: used as u64,
             gpu_memory_total_bytes: total as u64,
+            weight_run_id: s.weight_run,
         }))
     }
 }

@@ -24,24 +24,31 @@ pub enum WeightError {
     /// The payload does not hold this worker's model (names, shapes, parse).
     #[error("payload is not a model of this worker's shape: {0}")]
     Model(#[from] rookworld_lm::Error),
-    /// The version is not newer than the one in use.
-    #[error("version {offered} is not above the version in use ({current})")]
-    Stale { offered: u64, current: u64 },
+    /// The version is not newer than the one in use, of the same run.
+    #[error("version {offered} is not above the version in use ({current}) of run `{run}`")]
+    Stale {
+        offered: u64,
+        current: u64,
+        run: String,
+    },
 }
 
 /// A model serialised for a push: bfloat16 safetensors bytes and their SHA-256.
 #[derive(Debug, Clone)]
 pub struct WeightSet {
+    /// The training run the weights belong to; versions count within a run.
+    pub run_id: String,
     pub version: u64,
     pub bytes: Vec<u8>,
     pub sha256: [u8; 32],
 }
 
 impl WeightSet {
-    /// Serialises `model` (converted to bfloat16) as version `version`.
-    pub fn from_model(model: &Gpt2, version: u64) -> rookworld_lm::Result<Self> {
+    /// Serialises `model` (converted to bfloat16) as version `version` of run `run_id`.
+    pub fn from_model(model: &Gpt2, run_id: &str, version: u64) -> rookworld_lm::Result<Self> {
         let bytes = checkpoint::to_bytes(model, candle_core::DType::BF16)?;
         Ok(Self {
+            run_id: run_id.to_owned(),
             version,
             sha256: Sha256::digest(&bytes).into(),
             bytes,
@@ -68,6 +75,7 @@ impl WeightSet {
             total_bytes: self.bytes.len() as u64,
             sha256: self.sha256.to_vec(),
             format: FORMAT.into(),
+            run_id: self.run_id.clone(),
         });
         out
     }
@@ -158,6 +166,7 @@ impl Assembler {
             });
         }
         Ok(WeightSet {
+            run_id: h.run_id,
             version: h.version,
             bytes: self.bytes,
             sha256: actual,
@@ -166,21 +175,28 @@ impl Assembler {
 }
 
 impl WeightSet {
+    /// Whether a worker running version `current` of run `current_run` takes this set:
+    /// a newer version of the same run, or any version of another run (a new run counts
+    /// its versions again).
+    pub fn supersedes(&self, current_run: &str, current: u64) -> Result<(), WeightError> {
+        if self.run_id == current_run && self.version <= current {
+            return Err(WeightError::Stale {
+                offered: self.version,
+                current,
+                run: current_run.to_owned(),
+            });
+        }
+        Ok(())
+    }
+
     /// Builds the model (`cfg`'s shape, into `dtype` on `device`, packed for the CPU
-    /// kernel where it applies) after checking every tensor, for a worker whose current version is `current`.
+    /// kernel where it applies) after checking every tensor.
     pub fn into_model(
         self,
         cfg: &Config,
         dtype: candle_core::DType,
         device: &candle_core::Device,
-        current: u64,
     ) -> Result<(u64, Gpt2), WeightError> {
-        if self.version <= current {
-            return Err(WeightError::Stale {
-                offered: self.version,
-                current,
-            });
-        }
         let mut model = checkpoint::from_bytes(&self.bytes, cfg, dtype, device)?;
         model.pack_for_cpu().map_err(rookworld_lm::Error::from)?;
         Ok((self.version, model))
@@ -213,7 +229,7 @@ mod tests {
 
     fn set() -> WeightSet {
         let m = init_random(&Config::tiny(), 1, DType::F32, &Device::Cpu).unwrap();
-        WeightSet::from_model(&m, 3).unwrap()
+        WeightSet::from_model(&m, "run-a", 3).unwrap()
     }
 
     fn assemble(chunks: Vec<pb::WeightChunk>) -> Result<WeightSet, WeightError> {
@@ -234,8 +250,10 @@ mod tests {
             (back.version, back.sha256, back.bytes.len()),
             (3, s.sha256, s.bytes.len())
         );
+        assert_eq!(back.run_id, "run-a");
+        back.supersedes("run-a", 2).unwrap();
         let (v, m) = back
-            .into_model(&Config::tiny(), DType::F32, &Device::Cpu, 2)
+            .into_model(&Config::tiny(), DType::F32, &Device::Cpu)
             .unwrap();
         assert_eq!(v, 3);
         assert_eq!(m.named_tensors().len(), Config::tiny().n_layer * 12 + 4);
@@ -281,23 +299,25 @@ mod tests {
                 .contains("limit")
         );
 
-        let err = set()
-            .into_model(&Config::tiny(), DType::F32, &Device::Cpu, 3)
-            .unwrap_err();
+        // Within a run a version must rise; another run's weights are taken at any version.
+        let err = set().supersedes("run-a", 3).unwrap_err();
         assert!(matches!(
             err,
             WeightError::Stale {
                 offered: 3,
-                current: 3
+                current: 3,
+                ..
             }
         ));
+        set().supersedes("run-b", 50).unwrap();
+        set().supersedes("", 0).unwrap();
 
         let other = Config {
             n_layer: 3,
             ..Config::tiny()
         };
         let err = set()
-            .into_model(&other, DType::F32, &Device::Cpu, 0)
+            .into_model(&other, DType::F32, &Device::Cpu)
             .unwrap_err();
         assert!(err.to_string().contains("h.2"), "{err}");
     }

@@ -198,11 +198,13 @@ pub async fn run(
         };
         drop(free);
         let want = slots.available_permits().max(1) as u32;
+        let status = engine.status();
         let request = queue::LeaseRequest {
             worker_id: cfg.worker_id.clone(),
             max_prompts: want,
-            weight_version: engine.status().weight_version,
+            weight_version: status.weight_version,
             push_address: cfg.push_address.clone(),
+            weight_run_id: status.weight_run,
         };
         let leased = tokio::select! {
             _ = &mut shutdown => break,
@@ -277,6 +279,7 @@ async fn group(
         seed: prompt.seed,
         ..Request::from_proto(vec![ids.clone()], n as usize, &sampling)
     };
+    let run = engine.status().weight_run;
     let mut stream = engine
         .submit(request)
         .await
@@ -291,6 +294,17 @@ async fn group(
     }
     samples.sort_by_key(|s| s.sample_index);
     let generate_seconds = started.elapsed().as_secs_f64();
+    // Weights of another run arrived mid-group: its samples' versions count in different
+    // runs, so it is submitted as of no run (the learner drops it and frees the lease).
+    let run = if engine.status().weight_run == run {
+        run
+    } else {
+        tracing::debug!(
+            prompt = prompt.prompt_id,
+            "weights of another run arrived mid-group"
+        );
+        String::new()
+    };
     if Instant::now() >= expires {
         return Err(GroupError::Expired("scored"));
     }
@@ -337,7 +351,11 @@ async fn group(
     let score_seconds = started.elapsed().as_secs_f64();
 
     // The oldest version of the group (a swap may land between two of its samples).
-    let version = samples.iter().map(|s| s.weight_version).min().unwrap_or(0);
+    let version = if run.is_empty() {
+        0
+    } else {
+        samples.iter().map(|s| s.weight_version).min().unwrap_or(0)
+    };
     let completions = samples
         .into_iter()
         .zip(texts)
@@ -365,6 +383,7 @@ async fn group(
         weight_version: version,
         generate_seconds,
         score_seconds,
+        run_id: run,
     };
     if Instant::now() >= expires {
         return Err(GroupError::Expired("submitted"));

@@ -162,7 +162,7 @@ fn expected(m: Gpt2, n: usize, max_new_tokens: usize, seed: u64) -> Vec<Vec<u32>
 
 /// The bfloat16 weight set of `m` and the model a worker builds from it.
 fn bf16_set(m: &Gpt2, version: u64) -> (WeightSet, Gpt2) {
-    let set = WeightSet::from_model(m, version).unwrap();
+    let set = WeightSet::from_model(m, "run-a", version).unwrap();
     let received =
         checkpoint::from_bytes(&set.bytes, &Config::tiny(), DType::F32, &Device::Cpu).unwrap();
     (set, received)
@@ -276,7 +276,42 @@ async fn weight_updates_need_the_token_and_a_valid_payload_and_keep_old_weights_
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
-    assert_eq!(status(&mut client).await.weight_version, 2);
+    assert!(err.message().contains("run `run-a`"), "{err:?}");
+    let now = status(&mut client).await;
+    assert_eq!(
+        (now.weight_version, now.weight_run_id.as_str()),
+        (2, "run-a")
+    );
+    // A new run counts from 1 again: its first push replaces another run's weights.
+    let next_run = WeightSet {
+        run_id: "run-b".into(),
+        version: 1,
+        ..set.clone()
+    };
+    let took = weights::push(&mut client, &next_run, TOKEN, 64 * 1024)
+        .await
+        .unwrap();
+    assert_eq!(took.version, 1);
+    let now = status(&mut client).await;
+    assert_eq!(
+        (now.weight_version, now.weight_run_id.as_str()),
+        (1, "run-b")
+    );
+    // ... and within that run a version must still rise.
+    let err = weights::push(&mut client, &next_run, TOKEN, 64 * 1024).await;
+    assert_eq!(
+        err.unwrap().version,
+        1,
+        "the same version again: answered, not swapped"
+    );
+    let older_of_a = WeightSet {
+        version: 3,
+        ..set.clone()
+    };
+    weights::push(&mut client, &older_of_a, TOKEN, 64 * 1024)
+        .await
+        .unwrap();
+    assert_eq!(status(&mut client).await.weight_run_id, "run-a");
     server.stop().await;
 }
 

@@ -22,6 +22,7 @@ fn group(id: PromptId, version: u64) -> ScoredGroup {
         prompt_ids: vec![],
         completions: vec![],
         worker: String::new(),
+        run_id: String::new(),
         weight_version: version,
         seed: 0,
         generate_seconds: 0.0,
@@ -307,7 +308,7 @@ fn the_worker_table_is_bounded() {
     let _ = q.submit("stranger", 999, group(0, 0), t0);
     assert_eq!(q.workers().len(), 3);
     // What a worker reports in its lease is kept.
-    q.describe_worker("d", "http://d:1", 7, t0);
+    q.describe_worker("d", "http://d:1", ("", 7), t0);
     assert_eq!(q.workers()["d"].reported_version, Some(7));
     assert_eq!(q.workers()["d"].push_address, "http://d:1");
 }

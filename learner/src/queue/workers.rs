@@ -18,7 +18,10 @@ pub struct WorkerStats {
     pub weight_version: u64,
     /// Where it takes weight pushes (from its latest lease; empty: none).
     pub push_address: String,
-    /// The version it said it runs in its latest lease, and when.
+    /// The run of the weights it said it runs in its latest lease.
+    pub reported_run: String,
+    /// The version it said it runs in its latest lease (0 when of another run: none of
+    /// the learner's versions), and when.
     pub reported_version: Option<u64>,
     #[serde(skip)]
     pub reported_at: Option<Instant>,
@@ -27,15 +30,45 @@ pub struct WorkerStats {
 }
 
 impl Queue {
-    /// Records where a known `worker` takes weight pushes and the version it says it runs.
-    pub fn describe_worker(&mut self, worker: &str, address: &str, version: u64, now: Instant) {
+    /// Records where a known `worker` takes weight pushes and the version (of run `run`)
+    /// it says it runs.
+    pub fn describe_worker(
+        &mut self,
+        worker: &str,
+        address: &str,
+        (run, version): (&str, u64),
+        now: Instant,
+    ) {
+        let ours = run == self.run_id;
         if let Some(w) = self.workers.get_mut(worker) {
             if w.push_address != address {
                 w.push_address = address.to_owned();
             }
-            w.reported_version = Some(version);
+            if w.reported_run != run {
+                w.reported_run = run.to_owned();
+            }
+            w.reported_version = Some(if ours { version } else { 0 });
             w.reported_at = Some(now);
         }
+    }
+
+    /// Records that pushes to `address` cannot connect (`Some(why)`) or reached it
+    /// (`None`); returns whether the address just became unreachable.
+    pub fn set_push_problem(&mut self, address: &str, problem: Option<String>) -> bool {
+        match problem {
+            Some(why) => self.push_problems.insert(address.to_owned(), why).is_none(),
+            None => {
+                self.push_problems.remove(address);
+                false
+            }
+        }
+    }
+
+    /// Why `worker` should not lease: the learner cannot reach its push address (it
+    /// would generate with weights that never change, and every group would be dropped).
+    pub fn push_problem(&self, worker: &str) -> Option<&str> {
+        let address = &self.workers.get(worker)?.push_address;
+        self.push_problems.get(address).map(String::as_str)
     }
 
     /// Makes room for `worker` in the bounded worker table: a new worker takes the place of

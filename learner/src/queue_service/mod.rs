@@ -135,11 +135,17 @@ impl RolloutQueue for QueueServer {
         let max = (r.max_prompts as usize).clamp(1, MAX_LEASE);
         let result = {
             let mut q = self.queue();
+            let reported = (r.weight_run_id.as_str(), r.weight_version);
+            // Before the lease too: a known worker's new push address counts at once.
+            q.describe_worker(&r.worker_id, &r.push_address, reported, now);
             let result = q.lease(&r.worker_id, max, now);
-            q.describe_worker(&r.worker_id, &r.push_address, r.weight_version, now);
+            q.describe_worker(&r.worker_id, &r.push_address, reported, now);
             crate::metrics::record_queue(&q);
             result
         };
+        if let Err(Backpressure::PushUnreachable(problem)) = &result {
+            return Err(Status::failed_precondition(problem.clone()));
+        }
         let mut response = pb::LeaseResponse {
             prompts: Vec::new(),
             num_completions: self.spec.num_completions,
@@ -147,6 +153,7 @@ impl RolloutQueue for QueueServer {
             learner_version: self.learner_version.load(Ordering::SeqCst),
             backpressure: String::new(),
             retry_after_seconds: 0.0,
+            run_id: self.queue().run_id().to_owned(),
         };
         match result {
             Ok(grants) => {
@@ -174,6 +181,7 @@ impl RolloutQueue for QueueServer {
                     Backpressure::Empty => "empty",
                     Backpressure::Closed => "closed",
                     Backpressure::TooManyWorkers { .. } => "too_many_workers",
+                    Backpressure::PushUnreachable(_) => unreachable!("answered above"),
                 }
                 .into();
                 response.retry_after_seconds = match b {
@@ -201,6 +209,7 @@ impl RolloutQueue for QueueServer {
             prompt_ids: r.prompt_ids,
             completions: r.completions.into_iter().map(completion_from_pb).collect(),
             worker: String::new(),
+            run_id: r.run_id,
             weight_version: r.weight_version,
             seed: 0,
             generate_seconds: r.generate_seconds,
@@ -222,7 +231,10 @@ impl RolloutQueue for QueueServer {
         &self,
         _: Request<pb::GetDepthsRequest>,
     ) -> Result<Response<pb::GetDepthsResponse>, Status> {
-        let d = self.queue().depths();
+        let (d, run_id) = {
+            let q = self.queue();
+            (q.depths(), q.run_id().to_owned())
+        };
         let c = d.counters;
         Ok(Response::new(pb::GetDepthsResponse {
             pending: d.pending as u64,
@@ -238,6 +250,7 @@ impl RolloutQueue for QueueServer {
             groups_dropped_stale: c.groups_dropped_stale,
             learner_version: self.learner_version.load(Ordering::SeqCst),
             scored_bytes: d.scored_bytes as u64,
+            run_id,
         }))
     }
 
@@ -263,6 +276,7 @@ impl RolloutQueue for QueueServer {
                     .map_or(now.duration_since(self.started), |t| now.duration_since(t))
                     .as_secs_f64(),
                 push_address: w.push_address.clone(),
+                weight_run_id: w.reported_run.clone(),
             })
             .collect();
         Ok(Response::new(pb::ListWorkersResponse { workers }))

@@ -57,11 +57,10 @@ impl LocalServices {
 
         let model: Gpt2 = checkpoint::from_bytes(&weights.bytes, config, DType::F32, &Device::Cpu)?;
         let model = prepare_model(model)?;
-        let engine = Arc::new(Engine::start(
-            model,
-            weights.version,
-            EngineConfig::default(),
-        ));
+        let engine = Arc::new(
+            Engine::start(model, weights.version, EngineConfig::default())
+                .with_run(&weights.run_id),
+        );
         let worker_listener = TcpListener::bind("127.0.0.1:0").await?;
         let worker = format!("http://{}", worker_listener.local_addr()?);
         let server = RolloutServer::new(

@@ -98,6 +98,8 @@ struct Run {
     source: Source,
     queue: Arc<Mutex<Queue>>,
     version: Arc<AtomicU64>,
+    /// The run's id ([`crate::run_dir::run_id`]), carried by every push.
+    run_id: String,
     settings_json: serde_json::Value,
     /// Whether it continues from a checkpoint.
     resumed: bool,
@@ -158,7 +160,8 @@ pub async fn run(
     tracing::info!(queue = %queue_addr, step = run.step, version = run.version.load(Ordering::SeqCst), "learner ready");
 
     let local = if args.local {
-        let weights = WeightSet::from_model(&run.policy.model, run.version.load(Ordering::SeqCst))?;
+        let version = run.version.load(Ordering::SeqCst);
+        let weights = WeightSet::from_model(&run.policy.model, &run.run_id, version)?;
         Some(
             local::LocalServices::start(queue_addr, &weights, run.policy.model.config(), &token)
                 .await

@@ -36,6 +36,9 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
         .open()?;
     let latest = run_dir::open(&args.run_dir, &args.start, &device)?;
     let resumed = latest.is_some();
+    let run_id = run_dir::run_id(&args.run_dir, !resumed)?;
+    lock(&queue).set_run(&run_id);
+    tracing::info!(run = %run_id, "run id");
     let (policy, opt, step, version) = match latest {
         Some(Loaded {
             dir,
@@ -95,18 +98,8 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
             }
             // The reference is the policy GRPO starts from (after any warm-up).
             model_checkpoint::save(&policy.model, &reference_dir, DType::F32)?;
-            // A run started over keeps numbering past what its directory ever published,
-            // so workers still holding those weights take the new ones.
-            // so workers still holding those weights take the new ones; groups made with
-            // them are dropped.
-            let first = match checkpoint::published(&args.run_dir)? {
-                Some(published) => {
-                    lock(&queue).retire(1, published);
-                    published + 1
-                }
-                None => 1,
-            };
-            (policy, AdamW::new(s.adamw()), 0, first)
+            // A new run counts its versions from 1; its run id tells them apart.
+            (policy, AdamW::new(s.adamw()), 0, 1)
         }
     };
     // Version 0 is whatever weights a worker started with, never the learner's.
@@ -128,6 +121,7 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
         source,
         queue,
         version: Arc::new(AtomicU64::new(version)),
+        run_id,
         settings_json,
         resumed,
     })

@@ -22,7 +22,7 @@ pub(super) fn publish(
 ) -> Result<(), TrainError> {
     let version = run.version.load(Ordering::SeqCst);
     checkpoint::record_published(&args.run_dir, version)?;
-    let set = WeightSet::from_model(&run.policy.model, version)?;
+    let set = WeightSet::from_model(&run.policy.model, &run.run_id, version)?;
     latest.send_replace(Some(Arc::new(set)));
     Ok(())
 }

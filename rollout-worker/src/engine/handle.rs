@@ -24,11 +24,7 @@ enum Command {
         reply: oneshot::Sender<Result<RequestId, EngineError>>,
     },
     Cancel(RequestId),
-    Swap {
-        model: Arc<Gpt2>,
-        version: u64,
-        reply: oneshot::Sender<()>,
-    },
+    Swap(Staged),
     Shutdown,
 }
 
@@ -36,6 +32,8 @@ enum Command {
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineStatus {
     pub weight_version: u64,
+    /// The training run the weights in use belong to (empty: the weights it started with).
+    pub weight_run: String,
     pub live_rows: usize,
     /// Row limit in force (below `max_seqs` after an out-of-memory error).
     pub row_limit: usize,
@@ -88,7 +86,7 @@ impl std::fmt::Debug for Command {
         f.write_str(match self {
             Self::Submit { .. } => "Submit",
             Self::Cancel(_) => "Cancel",
-            Self::Swap { .. } => "Swap",
+            Self::Swap(_) => "Swap",
             Self::Shutdown => "Shutdown",
         })
     }
@@ -99,6 +97,7 @@ impl Engine {
     pub fn start(model: Gpt2, version: u64, cfg: EngineConfig) -> Self {
         let status = Arc::new(Mutex::new(EngineStatus {
             weight_version: version,
+            weight_run: String::new(),
             live_rows: 0,
             row_limit: cfg.max_seqs,
             max_seqs: cfg.max_seqs,
@@ -127,6 +126,13 @@ impl Engine {
         }
     }
 
+    /// Names the run the starting weights belong to (a worker started with a learner's
+    /// weights, such as the local run's).
+    pub fn with_run(self, run: &str) -> Self {
+        self.status.lock().expect("status lock").weight_run = run.to_owned();
+        self
+    }
+
     /// Queues a request; refused requests return the reason and queue nothing.
     pub async fn submit(&self, request: Request) -> Result<RequestStream, EngineError> {
         let (events_tx, events) = mpsc::unbounded_channel();
@@ -146,16 +152,18 @@ impl Engine {
         })
     }
 
-    /// Installs `model` as weight version `version` between two decode steps and
-    /// returns once it is in use (see the module doc for what happens to work in flight).
-    pub async fn swap(&self, model: Gpt2, version: u64) -> Result<(), EngineError> {
+    /// Installs `model` as weight version `version` of run `run` between two decode steps
+    /// and returns once it is in use (see the module doc for what happens to work in
+    /// flight).
+    pub async fn swap(&self, model: Gpt2, version: u64, run: &str) -> Result<(), EngineError> {
         let (reply, done) = oneshot::channel();
         self.commands
-            .send(Command::Swap {
+            .send(Command::Swap(Staged {
                 model: Arc::new(model),
                 version,
+                run: run.to_owned(),
                 reply,
-            })
+            }))
             .map_err(|_| EngineError::Stopped)?;
         done.await.map_err(|_| EngineError::Stopped)
     }
@@ -190,13 +198,21 @@ fn device_name(device: &candle_core::Device) -> String {
 /// Tokens per second over a window of at least this many seconds.
 const RATE_WINDOW_SECONDS: f64 = 2.0;
 
+/// Weights waiting to be swapped in, and who waits for it.
+struct Staged {
+    model: Arc<Gpt2>,
+    version: u64,
+    run: String,
+    reply: oneshot::Sender<()>,
+}
+
 struct EngineLoop {
     scheduler: Scheduler,
     cfg: EngineConfig,
     inbox: std_mpsc::Receiver<Command>,
     status: Arc<Mutex<EngineStatus>>,
     streams: HashMap<RequestId, mpsc::UnboundedSender<Event>>,
-    staged: Option<(Arc<Gpt2>, u64, oneshot::Sender<()>)>,
+    staged: Option<Staged>,
     tokens_generated: u64,
     window: (Instant, u64),
     tokens_per_second: f64,
@@ -274,15 +290,11 @@ impl EngineLoop {
                     tracing::error!(error = %e, "cancelling a request failed");
                 }
             }
-            Command::Swap {
-                model,
-                version,
-                reply,
-            } => {
+            Command::Swap(staged) => {
                 // A newer staged swap replaces an older one; its caller is told it landed
                 // (its version is superseded before any token used it).
-                if let Some((_, _, old)) = self.staged.replace((model, version, reply)) {
-                    let _ = old.send(());
+                if let Some(old) = self.staged.replace(staged) {
+                    let _ = old.reply.send(());
                 }
             }
             Command::Shutdown => return false,
@@ -295,11 +307,17 @@ impl EngineLoop {
             SwapPolicy::Restart => true,
             SwapPolicy::Drain => self.scheduler.live_rows() == 0,
         };
-        if ready && let Some((model, version, reply)) = self.staged.take() {
-            self.scheduler.set_model(model, version);
+        if ready && let Some(staged) = self.staged.take() {
+            let version = staged.version;
+            self.scheduler.set_model(staged.model, version);
+            {
+                let mut status = self.status.lock().expect("status lock");
+                status.weight_version = version;
+                status.weight_run = staged.run;
+            }
             metrics::set_weight_version(version);
             tracing::info!(version, "weights swapped in");
-            let _ = reply.send(());
+            let _ = staged.reply.send(());
         }
     }
 

@@ -106,7 +106,8 @@ pub struct WorkerAddrs {
     pub metrics: SocketAddr,
     /// The learner's queue as this worker calls it (direct or through a proxy).
     pub learner_url: String,
-    /// Where the learner pushes weights to it (direct or through a proxy).
+    /// Where the learner pushes weights to it (direct or through a proxy; empty: the
+    /// worker's default, its listen address).
     pub advertise: String,
 }
 
@@ -182,18 +183,26 @@ impl Cluster {
             &self.reward_url(),
             "--worker-id",
             id,
-            "--advertise",
-            &addrs.advertise,
             "--max-in-flight",
             "2",
         ]
-        .map(String::from);
+        .map(String::from)
+        .to_vec();
+        let mut args = args;
+        if !addrs.advertise.is_empty() {
+            args.extend(["--advertise".to_owned(), addrs.advertise.clone()]);
+        }
         Proc::spawn(id, WORKER, &args, self.dir.path())
     }
 
     /// The learner, fresh or resumed; small steps, short leases, frequent checkpoints,
     /// the step log and the rollout dump in the cluster's directory.
     pub fn learner(&self, resume: bool) -> Proc {
+        self.learner_with(if resume { &["--resume"] } else { &[] })
+    }
+
+    /// The learner with `extra` flags (`--resume`, `--overwrite`).
+    pub fn learner_with(&self, extra: &[&str]) -> Proc {
         let mut args: Vec<String> = [
             "train",
             "--preset",
@@ -236,9 +245,7 @@ impl Cluster {
         ]
         .map(String::from)
         .to_vec();
-        if resume {
-            args.push("--resume".into());
-        }
+        args.extend(extra.iter().map(|s| s.to_string()));
         Proc::spawn("learner", LEARNER, &args, self.dir.path())
     }
 
@@ -300,6 +307,11 @@ impl Cluster {
 
 /// The weight version a worker's service reports, `None` while it does not answer.
 pub async fn worker_version(listen: SocketAddr) -> Option<u64> {
+    worker_weights(listen).await.map(|(_, version)| version)
+}
+
+/// The run id and weight version a worker's `Status` reports.
+pub async fn worker_weights(listen: SocketAddr) -> Option<(String, u64)> {
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{listen}"))
         .unwrap()
         .timeout(Duration::from_secs(3))
@@ -310,7 +322,8 @@ pub async fn worker_version(listen: SocketAddr) -> Option<u64> {
         .status(rollout::StatusRequest {})
         .await
         .ok()?;
-    Some(status.into_inner().weight_version)
+    let status = status.into_inner();
+    Some((status.weight_run_id, status.weight_version))
 }
 
 /// The value of the first sample of `metric` whose line contains every one of `labels`.

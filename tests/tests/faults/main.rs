@@ -14,7 +14,7 @@ mod proxy;
 
 use std::time::Duration;
 
-use cluster::{Cluster, LEASE_SECONDS, Proc, WorkerAddrs, metric, worker_version};
+use cluster::{Cluster, LEASE_SECONDS, Proc, WorkerAddrs, metric, worker_version, worker_weights};
 use proxy::{Mode, Proxy};
 
 /// One cluster at a time: the machine has few cores.
@@ -363,4 +363,89 @@ async fn an_interrupted_weight_push_keeps_the_old_weights_and_the_next_one_lands
     trains_on(&c, at, 2, "after the push landed").await;
 
     stop_and_check(&c, &mut learner);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_run_takes_over_workers_left_from_an_earlier_run() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::new();
+    let _reward = c.reward_server();
+    let mut first = c.learner(false);
+    let a = c.direct();
+    let _worker = c.worker("worker-a", &a);
+    trains_on(&c, 0, 3, "in the first run").await;
+    assert!(
+        first.terminate(Duration::from_secs(60)),
+        "{}",
+        c.log_tails()
+    );
+    let run_id = || std::fs::read_to_string(c.path("run/run_id")).unwrap();
+    let (first_run, held) = worker_weights(a.listen).await.unwrap();
+    assert_eq!(first_run, run_id());
+    assert!(
+        held >= 2,
+        "the worker holds version {held} of the first run"
+    );
+
+    // A new run (--overwrite: a new run id, versions from 1 again) with the worker that is
+    // still up: the worker takes its first push, logs the switch, and the run trains.
+    let mut second = c.learner_with(&["--overwrite"]);
+    c.wait_until(
+        Duration::from_secs(60),
+        "the worker on the new run's weights",
+        || async {
+            let now = worker_weights(a.listen).await;
+            now.is_some_and(|(run, _)| run != first_run && run == run_id())
+        },
+    )
+    .await;
+    trains_on(&c, 0, 3, "in the new run, on the worker of the old one").await;
+    let books = stop_and_check(&c, &mut second);
+    assert!(books.steps >= 3, "{books:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_the_learner_cannot_reach_is_told_why_and_its_default_address_works() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::new();
+    let _reward = c.reward_server();
+    let mut learner = c.learner(false);
+    // Advertised where nothing listens (as `http://worker:PORT` outside Docker was).
+    let nowhere = format!("http://{}", cluster::free_addr());
+    let bad = WorkerAddrs {
+        advertise: nowhere.clone(),
+        ..c.direct()
+    };
+    let mut worker = c.worker("worker-a", &bad);
+    c.wait_until(
+        Duration::from_secs(60),
+        "the learner's ERROR and the worker's refused lease",
+        || async {
+            let told = |log: String| {
+                log.lines().any(|l| {
+                    l.contains("cannot reach") && l.contains(&nowhere) && l.contains("--advertise")
+                })
+            };
+            told(learner.log()) && told(worker.log()) && worker.log().contains("FailedPrecondition")
+        },
+    )
+    .await;
+    let errors = learner
+        .log()
+        .lines()
+        .filter(|l| l.contains("ERROR") && l.contains("cannot reach"))
+        .count();
+    assert_eq!(errors, 1, "one ERROR for the address\n{}", learner.log());
+    worker.kill9();
+
+    // Restarted without --advertise: the default follows its listen address (loopback).
+    let mut fixed = WorkerAddrs {
+        advertise: String::new(),
+        ..bad
+    };
+    fixed.metrics = cluster::free_addr();
+    let _worker = c.worker("worker-a", &fixed);
+    trains_on(&c, 0, 3, "once the worker advertises its listen address").await;
+    let books = stop_and_check(&c, &mut learner);
+    assert!(books.steps >= 3, "{books:?}");
 }

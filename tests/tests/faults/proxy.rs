@@ -181,7 +181,7 @@ mod tests {
         let proxy = Proxy::start(target).await;
         let model = init_random(&Config::tiny(), 2, DType::F32, &Device::Cpu).unwrap();
         let push = |v: u64| {
-            let set = WeightSet::from_model(&model, v).unwrap();
+            let set = WeightSet::from_model(&model, "proxy-test", v).unwrap();
             learner::push::push_to(proxy.url(), set, "t".into(), Duration::from_secs(5))
         };
         for v in 1..=3 {
