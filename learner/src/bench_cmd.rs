@@ -35,25 +35,25 @@ pub struct BenchArgs {
     #[arg(long, default_value = "gpt2-124m")]
     pub preset: String,
     /// Prompts (groups) in the step.
-    #[arg(long, short = 'p', default_value_t = 4)]
+    #[arg(long, allow_negative_numbers = true, short = 'p', default_value_t = 4)]
     pub prompts: usize,
     /// Completions per prompt (G).
-    #[arg(long, short = 'n', default_value_t = 8)]
+    #[arg(long, allow_negative_numbers = true, short = 'n', default_value_t = 8)]
     pub group: usize,
     /// Tokens per prompt.
-    #[arg(long, default_value_t = 46)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 46)]
     pub prompt_tokens: usize,
     /// Tokens per completion.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 64)]
     pub completion_tokens: usize,
     /// Prompts per micro-batch (the step's gradient is their weighted sum).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1)]
     pub micro_batch_groups: usize,
     /// Measured steps (after one warm-up step); the figures are their mean.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1)]
     pub steps: usize,
     /// KL coefficient β (0 skips the reference forward).
-    #[arg(long, default_value_t = 0.04)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.04)]
     pub beta: f64,
     #[arg(long, value_enum, default_value = "auto")]
     pub path: BenchPath,
@@ -61,9 +61,9 @@ pub struct BenchArgs {
     #[arg(long, default_value = "cpu")]
     pub device: String,
     /// Peak of the device in TFLOP/s, for MFU (default: an estimate, see `learner train`).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub peak_tflops: Option<f64>,
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     pub seed: u64,
 }
 

@@ -38,7 +38,7 @@ pub struct SftArgs {
     #[command(flatten)]
     pub start: crate::run_dir::RunDirArgs,
     /// Checkpoint every this many steps (and after the last).
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 50)]
     pub checkpoint_every: u64,
     /// Append one JSON object per step to this file.
     #[arg(long)]
@@ -60,29 +60,29 @@ pub const SFT_RESUMABLE: &[&str] = &["steps", "micro_batch_size"];
 #[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
 pub struct SftSettings {
     /// Steps in total.
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 200)]
     pub steps: u64,
     /// Documents per step.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 16)]
     pub batch_size: usize,
     /// Documents per forward/backward (gradients accumulate to the step's).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 8)]
     pub micro_batch_size: usize,
-    #[arg(long, default_value_t = 1e-3)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1e-3)]
     pub lr: f64,
-    #[arg(long, default_value_t = 1e-4)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1e-4)]
     pub min_lr: f64,
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 10)]
     pub warmup_steps: u64,
-    #[arg(long, default_value_t = 0.01)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.01)]
     pub weight_decay: f64,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
     pub max_grad_norm: f64,
     /// Seed of the prompt generator.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     pub seed: u64,
     /// Fraction of policy-task documents among generated ones (needs an engine).
-    #[arg(long, default_value_t = 0.5)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.5)]
     pub policy_fraction: f64,
     /// Predict only the completions' tokens (the prompt is context, not target).
     #[arg(long)]
@@ -91,6 +91,23 @@ pub struct SftSettings {
 }
 
 impl SftSettings {
+    /// Checks ranges (the same rules as `learner train`'s).
+    pub fn validate(&self) -> Result<(), String> {
+        use rookworld_proto::check::{at_least, fraction, non_negative, positive};
+        [
+            at_least("--steps", self.steps, 1),
+            at_least("--batch-size", self.batch_size as u64, 1),
+            at_least("--micro-batch-size", self.micro_batch_size as u64, 1),
+            positive("--lr", self.lr),
+            non_negative("--min-lr", self.min_lr),
+            non_negative("--weight-decay", self.weight_decay),
+            non_negative("--max-grad-norm", self.max_grad_norm),
+            fraction("--policy-fraction", self.policy_fraction),
+        ]
+        .into_iter()
+        .collect()
+    }
+
     /// A fresh AdamW and the schedule these settings ask for.
     fn optimizer(&self) -> (AdamW, Schedule) {
         let opt = AdamW::new(AdamWConfig {
@@ -316,11 +333,9 @@ pub fn warm_up(
 /// Runs (or resumes) supervised training; returns every step's numbers of this process.
 pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
     let s = &args.settings;
-    if s.batch_size == 0 || s.micro_batch_size == 0 || s.steps == 0 {
-        return Err(SftError::Config(
-            "--steps, --batch-size and --micro-batch-size must be ≥ 1".into(),
-        ));
-    }
+    s.validate().map_err(SftError::Config)?;
+    rookworld_proto::check::at_least("--checkpoint-every", args.checkpoint_every, 1)
+        .map_err(SftError::Config)?;
     let device = Device::Cpu;
     let settings = serde_json::to_value(s).expect("settings serialise");
     let mut source = match &args.prompts {

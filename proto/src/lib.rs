@@ -14,6 +14,7 @@
 //! - [`FILE_DESCRIPTOR_SET`]: the encoded descriptors that gRPC server reflection serves.
 
 pub mod auth;
+pub mod check;
 pub mod env;
 pub mod logging;
 pub mod metrics_http;

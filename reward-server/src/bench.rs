@@ -26,12 +26,12 @@ use crate::task::{EnvPrompt, Task};
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
     /// Items per task.
-    #[arg(long, default_value_t = 20_000)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 20_000)]
     pub items: usize,
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     pub seed: u64,
     /// Timed repetitions; the best is reported.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 3)]
     pub repeat: usize,
     /// Write the generated items as JSONL (for the python-chess comparison).
     #[arg(long)]
@@ -127,6 +127,8 @@ fn rate(scorer: &Scorer, items: &[Item], threads: usize, repeat: usize) -> f64 {
 
 /// Runs the benchmark and prints one JSON object.
 pub fn run(args: &BenchArgs, out: &mut impl Write) -> std::io::Result<()> {
+    rookworld_proto::check::at_least("--items", args.items as u64, 1)
+        .map_err(std::io::Error::other)?;
     let (env, pol) = generate_items(args.items, args.seed);
     if let Some(path) = &args.write_items {
         let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);

@@ -20,26 +20,61 @@ pub struct ScoringArgs {
     #[arg(long, env = "REWARD_ENGINE")]
     pub engine: Option<PathBuf>,
     /// Engine processes in the pool.
-    #[arg(long, env = "REWARD_ENGINE_PROCESSES", default_value_t = 1)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "REWARD_ENGINE_PROCESSES",
+        default_value_t = 1
+    )]
     pub engine_processes: usize,
     /// Search depth per position (ignored when --engine-movetime-ms is given).
-    #[arg(long, env = "REWARD_ENGINE_DEPTH", default_value_t = 10)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "REWARD_ENGINE_DEPTH",
+        default_value_t = 10
+    )]
     pub engine_depth: u32,
     /// Search time per position instead of a depth.
-    #[arg(long, env = "REWARD_ENGINE_MOVETIME_MS")]
+    #[arg(long, allow_negative_numbers = true, env = "REWARD_ENGINE_MOVETIME_MS")]
     pub engine_movetime_ms: Option<u64>,
-    #[arg(long, env = "REWARD_ENGINE_THREADS", default_value_t = 1)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "REWARD_ENGINE_THREADS",
+        default_value_t = 1
+    )]
     pub engine_threads: u32,
-    #[arg(long, env = "REWARD_ENGINE_HASH_MB", default_value_t = 16)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "REWARD_ENGINE_HASH_MB",
+        default_value_t = 16
+    )]
     pub engine_hash_mb: u32,
     /// Deadline of one engine query; a hung engine is replaced after it.
-    #[arg(long, env = "REWARD_ENGINE_TIMEOUT_MS", default_value_t = 10_000)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "REWARD_ENGINE_TIMEOUT_MS",
+        default_value_t = 10_000
+    )]
     pub engine_timeout_ms: u64,
     /// Deadline of an engine's start (handshake and options).
-    #[arg(long, env = "REWARD_ENGINE_START_TIMEOUT_MS", default_value_t = 30_000)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "REWARD_ENGINE_START_TIMEOUT_MS",
+        default_value_t = 30_000
+    )]
     pub engine_start_timeout_ms: u64,
     /// Analyses kept in the position cache.
-    #[arg(long, env = "REWARD_ENGINE_CACHE", default_value_t = 100_000)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "REWARD_ENGINE_CACHE",
+        default_value_t = 100_000
+    )]
     pub engine_cache: usize,
     /// JSON file of component weights (missing keys keep their defaults).
     #[arg(long, env = "REWARD_WEIGHTS")]
@@ -91,14 +126,24 @@ impl ScoringArgs {
 /// Options of `reward-server serve`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeArgs {
-    #[arg(long, env = "REWARD_LISTEN", default_value = "0.0.0.0:50052")]
+    #[arg(long, env = "REWARD_LISTEN", default_value = "127.0.0.1:50052")]
     pub listen: SocketAddr,
     /// Address of the Prometheus `/metrics` endpoint.
-    #[arg(long, env = "REWARD_METRICS", default_value = "0.0.0.0:9092")]
+    #[arg(long, env = "REWARD_METRICS", default_value = "127.0.0.1:9092")]
     pub metrics: SocketAddr,
-    #[arg(long, env = "REWARD_MAX_ITEMS_IN_FLIGHT", default_value_t = 65_536)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "REWARD_MAX_ITEMS_IN_FLIGHT",
+        default_value_t = 65_536
+    )]
     pub max_items_in_flight: usize,
-    #[arg(long, env = "REWARD_MAX_ITEMS_PER_CALL", default_value_t = 16_384)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "REWARD_MAX_ITEMS_PER_CALL",
+        default_value_t = 16_384
+    )]
     pub max_items_per_call: usize,
     #[command(flatten)]
     pub scoring: ScoringArgs,

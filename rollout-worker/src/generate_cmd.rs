@@ -33,19 +33,19 @@ pub struct GenerateArgs {
     /// Completions per prompt (G).
     #[arg(short = 'n', long = "num-completions", default_value_t = 1)]
     pub n: usize,
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 128)]
     pub max_new_tokens: usize,
     /// Softmax temperature; 0 = greedy.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
     pub temperature: f32,
     /// Keep the k most likely tokens; 0 = off.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     pub top_k: usize,
     /// Nucleus sampling threshold; 1 = off.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
     pub top_p: f32,
     /// Sampling seed: the same seed, weights and device give the same completions.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     pub seed: u64,
 }
 

@@ -58,6 +58,28 @@ pub struct ServeArgs {
 pub struct ConfigError(String);
 
 impl ServeArgs {
+    /// URLs with their scheme, counts in range: one line at start, not retries forever.
+    fn validate(&self) -> Result<(), ConfigError> {
+        use rookworld_proto::check::{at_least, url};
+        let mut checks = vec![
+            at_least("--max-in-flight", self.max_in_flight as u64, 1),
+            at_least("--max-queued-samples", self.max_queued_samples as u64, 1),
+        ];
+        for (flag, value) in [
+            ("--learner", &self.learner),
+            ("--reward", &self.reward),
+            ("--advertise", &self.advertise),
+        ] {
+            if let Some(v) = value {
+                checks.push(url(flag, v));
+            }
+        }
+        checks
+            .into_iter()
+            .collect::<Result<(), _>>()
+            .map_err(ConfigError)
+    }
+
     fn token(&self) -> Result<Option<String>, ConfigError> {
         self.token.resolve().map_err(ConfigError)
     }
@@ -65,6 +87,7 @@ impl ServeArgs {
 
 /// Runs until Ctrl-C or SIGTERM.
 pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    args.validate()?;
     let token = args.token()?;
     if token.is_none() {
         tracing::warn!("no --token / ROOKWORLD_TOKEN: weight updates will be refused");
@@ -141,7 +164,7 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
                     .advertise
                     .clone()
                     .unwrap_or_else(|| default_advertise(local)),
-                max_in_flight: args.max_in_flight.max(1),
+                max_in_flight: args.max_in_flight,
                 call_timeout: Duration::from_secs(30),
                 max_backoff: Duration::from_secs(10),
             };

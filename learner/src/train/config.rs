@@ -25,7 +25,12 @@ pub struct TrainArgs {
     #[arg(long, env = "ROOKWORLD_PRESET", default_value = "tiny")]
     pub preset: String,
     /// Seed of the preset's random weights.
-    #[arg(long, env = "LEARNER_INIT_SEED", default_value_t = 0)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_INIT_SEED",
+        default_value_t = 0
+    )]
     pub init_seed: u64,
     /// Where the learner trains: cpu, cuda, cuda:N, auto.
     #[arg(long, env = "ROOKWORLD_DEVICE", default_value = "cpu")]
@@ -44,7 +49,12 @@ pub struct TrainArgs {
     #[arg(long, env = "LEARNER_REWARD")]
     pub reward: Option<String>,
     /// Seconds to wait for --reward to answer at start.
-    #[arg(long, env = "LEARNER_REWARD_WAIT", default_value_t = 30.0)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_REWARD_WAIT",
+        default_value_t = 30.0
+    )]
     pub reward_wait: f64,
     /// Address of the rollout queue (workers lease from it; inspection calls too).
     #[arg(long, env = "LEARNER_LISTEN", default_value = "127.0.0.1:50051")]
@@ -60,16 +70,36 @@ pub struct TrainArgs {
     #[arg(long, env = "LEARNER_PROMPTS")]
     pub prompts: Option<PathBuf>,
     /// Push weights to the workers every this many steps.
-    #[arg(long, env = "LEARNER_PUSH_EVERY", default_value_t = 1)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_PUSH_EVERY",
+        default_value_t = 1
+    )]
     pub push_every: u64,
     /// Deadline of one weight push to one worker, in seconds.
-    #[arg(long, env = "LEARNER_PUSH_TIMEOUT", default_value_t = 60.0)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_PUSH_TIMEOUT",
+        default_value_t = 60.0
+    )]
     pub push_timeout: f64,
     /// Checkpoint every this many steps (and at the end or on shutdown).
-    #[arg(long, env = "LEARNER_CHECKPOINT_EVERY", default_value_t = 25)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_CHECKPOINT_EVERY",
+        default_value_t = 25
+    )]
     pub checkpoint_every: u64,
     /// On Ctrl-C/SIGTERM, wait this long (seconds) for leased groups to come in.
-    #[arg(long, env = "LEARNER_DRAIN_TIMEOUT", default_value_t = 20.0)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_DRAIN_TIMEOUT",
+        default_value_t = 20.0
+    )]
     pub drain_timeout: f64,
     /// Append one JSON object per step to this file.
     #[arg(long, env = "LEARNER_LOG_JSONL")]
@@ -78,14 +108,19 @@ pub struct TrainArgs {
     #[arg(long, env = "LEARNER_ROLLOUT_DUMP")]
     pub rollout_dump: Option<PathBuf>,
     /// Peak of the training device in TFLOP/s, for MFU (default: an estimate).
-    #[arg(long, env = "LEARNER_PEAK_TFLOPS")]
+    #[arg(long, allow_negative_numbers = true, env = "LEARNER_PEAK_TFLOPS")]
     pub peak_tflops: Option<f64>,
     /// UCI engine for the supervised warm-up's policy lines (default: stockfish if installed).
     #[arg(long, env = "LEARNER_ENGINE")]
     pub engine: Option<PathBuf>,
     /// Seconds without a step (waiting for groups) before the run stops with an error
     /// that says why (0: never); from half of it on, one ERROR line a minute explains.
-    #[arg(long, env = "LEARNER_STALL_TIMEOUT", default_value_t = 300.0)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_STALL_TIMEOUT",
+        default_value_t = 300.0
+    )]
     pub stall_timeout: f64,
     /// Plain log lines even on a terminal (no progress bar).
     #[arg(long, env = "LEARNER_NO_PROGRESS")]
@@ -110,72 +145,187 @@ pub const RESUMABLE: &[&str] = &[
 #[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
 pub struct TrainSettings {
     /// GRPO steps in total.
-    #[arg(long, env = "LEARNER_STEPS", default_value_t = 100)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_STEPS",
+        default_value_t = 100
+    )]
     pub steps: u64,
     /// Prompts (groups) per step (P).
-    #[arg(long, env = "LEARNER_PROMPTS_PER_STEP", default_value_t = 6)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_PROMPTS_PER_STEP",
+        default_value_t = 6
+    )]
     pub prompts_per_step: usize,
     /// Completions per prompt (G).
-    #[arg(long, env = "LEARNER_GROUP_SIZE", default_value_t = 8)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_GROUP_SIZE",
+        default_value_t = 8
+    )]
     pub group_size: u32,
     /// Groups per forward/backward (gradients accumulate to the step's).
-    #[arg(long, env = "LEARNER_MICRO_BATCH_GROUPS", default_value_t = 4)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_MICRO_BATCH_GROUPS",
+        default_value_t = 4
+    )]
     pub micro_batch_groups: usize,
-    #[arg(long, env = "LEARNER_LR", default_value_t = 1e-3)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_LR",
+        default_value_t = 1e-3
+    )]
     pub lr: f64,
-    #[arg(long, env = "LEARNER_MIN_LR", default_value_t = 1e-4)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_MIN_LR",
+        default_value_t = 1e-4
+    )]
     pub min_lr: f64,
-    #[arg(long, env = "LEARNER_WARMUP_STEPS", default_value_t = 5)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_WARMUP_STEPS",
+        default_value_t = 5
+    )]
     pub warmup_steps: u64,
-    #[arg(long, env = "LEARNER_WEIGHT_DECAY", default_value_t = 0.0)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_WEIGHT_DECAY",
+        default_value_t = 0.0
+    )]
     pub weight_decay: f64,
-    #[arg(long, env = "LEARNER_MAX_GRAD_NORM", default_value_t = 1.0)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_MAX_GRAD_NORM",
+        default_value_t = 1.0
+    )]
     pub max_grad_norm: f64,
     /// KL coefficient β (0: no reference forward). The local default run uses 0.01:
     /// a tiny model that must first learn the format.
-    #[arg(long, env = "LEARNER_BETA", default_value_t = 0.01)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_BETA",
+        default_value_t = 0.01
+    )]
     pub beta: f64,
     /// Clip ε, lower side.
-    #[arg(long, env = "LEARNER_CLIP_EPS", default_value_t = 0.2)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_CLIP_EPS",
+        default_value_t = 0.2
+    )]
     pub clip_eps: f64,
     /// Clip ε, upper side.
-    #[arg(long, env = "LEARNER_CLIP_EPS_HIGH", default_value_t = 0.2)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_CLIP_EPS_HIGH",
+        default_value_t = 0.2
+    )]
     pub clip_eps_high: f64,
     #[arg(long, env = "LEARNER_ADVANTAGE_NORM", value_enum, default_value_t = AdvantageNorm::Unbiased)]
     pub advantage_norm: AdvantageNorm,
     #[arg(long, env = "LEARNER_AGGREGATION", value_enum, default_value_t = Aggregation::Sequence)]
     pub aggregation: Aggregation,
     /// Sampling temperature (the loss uses the same).
-    #[arg(long, env = "LEARNER_TEMPERATURE", default_value_t = 1.0)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_TEMPERATURE",
+        default_value_t = 1.0
+    )]
     pub temperature: f64,
     /// Top-k (0: off).
-    #[arg(long, env = "LEARNER_TOP_K", default_value_t = 0)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_TOP_K",
+        default_value_t = 0
+    )]
     pub top_k: u32,
     /// Top-p (1: off).
-    #[arg(long, env = "LEARNER_TOP_P", default_value_t = 1.0)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_TOP_P",
+        default_value_t = 1.0
+    )]
     pub top_p: f64,
-    #[arg(long, env = "LEARNER_MAX_NEW_TOKENS", default_value_t = 64)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_MAX_NEW_TOKENS",
+        default_value_t = 64
+    )]
     pub max_new_tokens: u32,
     /// Seed of the prompt generator and of the groups' sampling seeds.
-    #[arg(long, env = "LEARNER_SEED", default_value_t = 0)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_SEED",
+        default_value_t = 0
+    )]
     pub seed: u64,
     /// Fraction of policy-task (`P:`) prompts among generated ones.
-    #[arg(long, env = "LEARNER_POLICY_FRACTION", default_value_t = 0.0)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_POLICY_FRACTION",
+        default_value_t = 0.0
+    )]
     pub policy_fraction: f64,
     /// Groups sampled more than this many weight versions behind are dropped (counted).
-    #[arg(long, env = "LEARNER_MAX_VERSION_LAG", default_value_t = 2)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_MAX_VERSION_LAG",
+        default_value_t = 2
+    )]
     pub max_version_lag: u64,
     /// Seconds a worker has to submit a leased prompt before it is re-issued.
-    #[arg(long, env = "LEARNER_LEASE_TIMEOUT", default_value_t = 300.0)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_LEASE_TIMEOUT",
+        default_value_t = 300.0
+    )]
     pub lease_timeout: f64,
     /// Supervised warm-up steps before GRPO (0: none), on generated documents.
-    #[arg(long, env = "LEARNER_SFT_STEPS", default_value_t = 250)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_SFT_STEPS",
+        default_value_t = 250
+    )]
     pub sft_steps: u64,
     /// Documents per warm-up step.
-    #[arg(long, env = "LEARNER_SFT_BATCH_SIZE", default_value_t = 16)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_SFT_BATCH_SIZE",
+        default_value_t = 16
+    )]
     pub sft_batch_size: usize,
     /// Warm-up learning rate (peak).
-    #[arg(long, env = "LEARNER_SFT_LR", default_value_t = 3e-3)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_SFT_LR",
+        default_value_t = 3e-3
+    )]
     pub sft_lr: f64,
 }
 
@@ -194,6 +344,30 @@ impl TrainArgs {
             device: self.device.clone(),
             dtype: Some("f32".into()),
         }
+    }
+
+    /// The settings' ranges and the process's own options (intervals, timeouts, URLs).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        use rookworld_proto::check::{at_least, non_negative, positive, url};
+        self.settings.validate()?;
+        let mut checks = vec![
+            at_least("--push-every", self.push_every, 1),
+            at_least("--checkpoint-every", self.checkpoint_every, 1),
+            positive("--push-timeout", self.push_timeout),
+            non_negative("--drain-timeout", self.drain_timeout),
+            non_negative("--stall-timeout", self.stall_timeout),
+            non_negative("--reward-wait", self.reward_wait),
+        ];
+        if let Some(reward) = &self.reward {
+            checks.push(url("--reward", reward));
+        }
+        if let Some(peak) = self.peak_tflops {
+            checks.push(positive("--peak-tflops", peak));
+        }
+        checks
+            .into_iter()
+            .collect::<Result<(), _>>()
+            .map_err(ConfigError)
     }
 
     pub fn token(&self) -> Result<Option<String>, ConfigError> {
@@ -227,37 +401,31 @@ impl TrainArgs {
 impl TrainSettings {
     /// Checks ranges so that a bad value is one clear line, not a failure mid-run.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let bad = |m: &str| Err(ConfigError(m.into()));
-        if self.steps == 0 || self.prompts_per_step == 0 || self.group_size < 2 {
-            return bad("--steps and --prompts-per-step must be ≥ 1, --group-size ≥ 2");
-        }
-        if self.micro_batch_groups == 0 || self.sft_batch_size == 0 {
-            return bad("--micro-batch-groups and --sft-batch-size must be ≥ 1");
-        }
-        let positive = [self.lr, self.sft_lr, self.temperature, self.lease_timeout];
-        if positive.iter().any(|x| !x.is_finite() || *x <= 0.0) {
-            return bad("--lr, --sft-lr, --temperature and --lease-timeout must be > 0");
-        }
-        let non_negative = [
-            self.min_lr,
-            self.weight_decay,
-            self.max_grad_norm,
-            self.beta,
-            self.clip_eps,
-            self.clip_eps_high,
+        use rookworld_proto::check::{at_least, fraction, non_negative, positive};
+        let checks = [
+            at_least("--steps", self.steps, 1),
+            at_least("--prompts-per-step", self.prompts_per_step as u64, 1),
+            at_least("--group-size", self.group_size.into(), 2),
+            at_least("--micro-batch-groups", self.micro_batch_groups as u64, 1),
+            at_least("--sft-batch-size", self.sft_batch_size as u64, 1),
+            at_least("--max-new-tokens", self.max_new_tokens.into(), 1),
+            positive("--lr", self.lr),
+            positive("--sft-lr", self.sft_lr),
+            positive("--temperature", self.temperature),
+            positive("--lease-timeout", self.lease_timeout),
+            non_negative("--min-lr", self.min_lr),
+            non_negative("--weight-decay", self.weight_decay),
+            non_negative("--max-grad-norm", self.max_grad_norm),
+            non_negative("--beta", self.beta),
+            fraction("--clip-eps", self.clip_eps),
+            fraction("--clip-eps-high", self.clip_eps_high),
+            fraction("--policy-fraction", self.policy_fraction),
+            fraction("--top-p", self.top_p),
         ];
-        if non_negative.iter().any(|x| !x.is_finite() || *x < 0.0) {
-            return bad(
-                "--min-lr, --weight-decay, --max-grad-norm, --beta and the clip ε must be ≥ 0",
-            );
-        }
-        if !(0.0..=1.0).contains(&self.policy_fraction) || !(0.0..=1.0).contains(&self.top_p) {
-            return bad("--policy-fraction and --top-p must lie in [0, 1]");
-        }
-        if self.max_new_tokens == 0 {
-            return bad("--max-new-tokens must be ≥ 1");
-        }
-        Ok(())
+        checks
+            .into_iter()
+            .collect::<Result<(), _>>()
+            .map_err(ConfigError)
     }
 
     pub fn step_config(&self) -> StepConfig {

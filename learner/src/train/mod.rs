@@ -116,7 +116,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<TrainSummary, TrainError> {
     let s = args.settings.clone();
-    s.validate()?;
+    args.validate()?;
     let token = args.token()?;
     let token = match (token, args.local) {
         (Some(t), _) => t,

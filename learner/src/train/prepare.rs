@@ -47,6 +47,7 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
             state,
         }) => {
             run_dir::check_settings(&state.settings, &settings_json, RESUMABLE)?;
+            check_context(s, &source, policy.model.config().n_positions)?;
             if s.steps < state.step {
                 return Err(ConfigError(format!(
                     "--steps {} is below the {} steps {} has done",
@@ -74,6 +75,7 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
             let loaded = args.model_args().load()?;
             tracing::info!(source = %loaded.source, device = ?loaded.device, "starting weights");
             let policy = Trainable::from_model(&loaded.model)?;
+            check_context(s, &source, policy.model.config().n_positions)?;
             if s.sft_steps > 0 {
                 tracing::info!(steps = s.sft_steps, "supervised warm-up");
                 let warm = s.warm_up();
@@ -148,4 +150,47 @@ fn resumed_version(
     );
     queue.retire(saved + 1, published);
     Ok(published + 1)
+}
+
+/// Prompts measured for the context check when they are generated.
+const CONTEXT_SAMPLE: usize = 256;
+
+/// Refuses, before any work, a `--max-new-tokens` that leaves the prompts no room in the
+/// model's context (every completion would overflow it and be refused at submission, and
+/// the run would never step). Prompts from a file are all measured; generated ones, the
+/// first [`CONTEXT_SAMPLE`] the run will lease.
+fn check_context(
+    s: &super::TrainSettings,
+    source: &Source,
+    context: usize,
+) -> Result<(), ConfigError> {
+    let tokenizer = rookworld_lm::Tokenizer::gpt2();
+    let tokens = |p: &prompts::TaskPrompt| {
+        tokenizer
+            .encode(&p.prompt)
+            .map(|ids| ids.len() + 1) // BOS
+            .map_err(|e| ConfigError(format!("tokenising a prompt: {e}")))
+    };
+    let mut longest = 0;
+    match source {
+        Source::File { prompts, .. } => {
+            for p in prompts {
+                longest = longest.max(tokens(p)?);
+            }
+        }
+        Source::Generated(g) => {
+            let mut g = g.clone();
+            for _ in 0..CONTEXT_SAMPLE {
+                longest = longest.max(tokens(&g.next_prompt())?);
+            }
+        }
+    }
+    let new = s.max_new_tokens as usize;
+    if longest + new > context {
+        return Err(ConfigError(format!(
+            "--max-new-tokens {new} does not fit: the prompts take up to {longest} tokens of the model's {context}-token context; use --max-new-tokens {} or less",
+            context.saturating_sub(longest)
+        )));
+    }
+    Ok(())
 }

@@ -1,0 +1,157 @@
+//! The validation table: every refused value of every command exits 1 with one line that
+//! names the flag, before any work (no model loaded, no port bound, no retry loop), and
+//! never panics.
+
+use std::process::Command;
+
+const LEARNER: &str = env!("CARGO_BIN_EXE_rw-learner");
+const WORKER: &str = env!("CARGO_BIN_EXE_rw-rollout-worker");
+const REWARD: &str = env!("CARGO_BIN_EXE_rw-reward-server");
+
+/// `learner train` with a test's flags and a token (loopback port 0, metrics off).
+fn train(extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<&str> = vec![
+        "train",
+        "--token",
+        "t",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics",
+        "off",
+        "--sft-steps",
+        "0",
+    ];
+    args.extend_from_slice(extra);
+    args.into_iter().map(String::from).collect()
+}
+
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| s.to_string()).collect()
+}
+
+#[test]
+fn every_refused_value_is_one_line_and_exit_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let run = run.to_str().unwrap();
+    let cases: Vec<(&str, Vec<String>, &str)> = vec![
+        // learner train
+        (LEARNER, train(&["--lr", "-1"]), "--lr must be > 0 (got -1)"),
+        (
+            LEARNER,
+            train(&["--temperature", "-1"]),
+            "--temperature must be > 0",
+        ),
+        (
+            LEARNER,
+            train(&["--clip-eps", "5"]),
+            "--clip-eps must lie in [0, 1]",
+        ),
+        (
+            LEARNER,
+            train(&["--push-every", "0"]),
+            "--push-every must be ≥ 1",
+        ),
+        (
+            LEARNER,
+            train(&["--group-size", "1"]),
+            "--group-size must be ≥ 2",
+        ),
+        (
+            LEARNER,
+            train(&["--top-p", "1.5"]),
+            "--top-p must lie in [0, 1]",
+        ),
+        (
+            LEARNER,
+            train(&["--stall-timeout", "-3"]),
+            "--stall-timeout must be ≥ 0",
+        ),
+        (
+            LEARNER,
+            train(&["--reward", "reward:50052"]),
+            "--reward `reward:50052` is not a URL",
+        ),
+        (
+            LEARNER,
+            train(&[
+                "--preset",
+                "tiny",
+                "--max-new-tokens",
+                "250",
+                "--run-dir",
+                run,
+            ]),
+            "--max-new-tokens 250 does not fit",
+        ),
+        // learner sft
+        (
+            LEARNER,
+            strings(&["sft", "--preset", "tiny", "--run-dir", run, "--lr=-1"]),
+            "--lr must be > 0 (got -1)",
+        ),
+        (
+            LEARNER,
+            strings(&[
+                "sft",
+                "--preset",
+                "tiny",
+                "--run-dir",
+                run,
+                "--batch-size",
+                "0",
+            ]),
+            "--batch-size must be ≥ 1",
+        ),
+        // rollout-worker serve
+        (
+            WORKER,
+            strings(&[
+                "serve",
+                "--preset",
+                "tiny",
+                "--token",
+                "t",
+                "--learner",
+                "learner:50051",
+                "--reward",
+                "http://r:1",
+            ]),
+            "--learner `learner:50051` is not a URL",
+        ),
+        (
+            WORKER,
+            strings(&["serve", "--preset", "tiny", "--max-in-flight", "0"]),
+            "--max-in-flight must be ≥ 1",
+        ),
+        // reward-server bench
+        (
+            REWARD,
+            strings(&["bench", "--items", "0"]),
+            "--items must be ≥ 1",
+        ),
+    ];
+    for (binary, args, expect) in cases {
+        let out = Command::new(binary)
+            .args(&args)
+            .env("RUST_LOG", "off")
+            .env_remove("LEARNER_RESUME")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        let shown = format!("{} {}", binary.rsplit('/').next().unwrap(), args.join(" "));
+        assert_eq!(out.status.code(), Some(1), "{shown}: {err}");
+        assert!(err.contains(expect), "{shown}: {err}");
+        assert!(!err.contains("panicked"), "{shown}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{shown}: {err}");
+    }
+    // A value that is not a number at all is the parser's usage error (exit 2), and
+    // names the flag — a negative count included, rather than "unexpected argument".
+    let out = Command::new(LEARNER)
+        .args(train(&["--steps", "-5"]))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("invalid value '-5' for '--steps"), "{err}");
+}
