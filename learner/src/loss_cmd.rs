@@ -132,6 +132,20 @@ pub fn run(args: &LossArgs) -> Result<(), LossCmdError> {
     } else {
         None
     };
+    if let Some(r) = &reference {
+        let shape = |c: &rookworld_lm::Config| {
+            format!(
+                "vocab {} context {} width {} layers {} heads {}",
+                c.vocab_size, c.n_positions, c.n_embd, c.n_layer, c.n_head
+            )
+        };
+        let (p, r) = (shape(policy.model.config()), shape(r.config()));
+        if p != r {
+            return Err(LossCmdError::Input(format!(
+                "--policy and --reference are different models: {p} vs {r}"
+            )));
+        }
+    }
     let report = evaluate(&policy, reference.as_ref(), &batch, &cfg)?;
     println!(
         "{}",

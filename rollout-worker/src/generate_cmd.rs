@@ -132,6 +132,18 @@ pub fn run(args: &GenerateArgs, out: &mut impl Write) -> std::result::Result<(),
         })
         .collect::<Result<Vec<_>>>()?;
 
+    let context = loaded.model.config().n_positions;
+    for (i, ids) in encoded.iter().enumerate() {
+        if ids.len() + args.max_new_tokens > context {
+            return Err(Error::InvalidArgument(format!(
+                "prompt {i}: {} tokens and --max-new-tokens {} exceed the model's {context}-token context; use --max-new-tokens {} or less",
+                ids.len(),
+                args.max_new_tokens,
+                context.saturating_sub(ids.len())
+            ))
+            .into());
+        }
+    }
     let model = Arc::new(prepare_model(loaded.model)?);
     let mut engine = Scheduler::new(model, 0, args.engine.config());
     engine.submit(Request {

@@ -124,6 +124,19 @@ fn every_refused_value_is_one_line_and_exit_1() {
             strings(&["serve", "--preset", "tiny", "--max-in-flight", "0"]),
             "--max-in-flight must be ≥ 1",
         ),
+        (
+            WORKER,
+            strings(&[
+                "generate",
+                "--preset",
+                "tiny",
+                "--prompt",
+                "A: x",
+                "--max-new-tokens",
+                "300",
+            ]),
+            "exceed the model's 256-token context; use --max-new-tokens",
+        ),
         // reward-server bench
         (
             REWARD,
