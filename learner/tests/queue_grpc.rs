@@ -309,14 +309,19 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
     assert_eq!(reported, ("run-old".to_owned(), Some(0)));
 
     for alpha in [false, true] {
-        let services = rookworld_proto::probe::list_services(channel.clone(), alpha)
+        let mut services = rookworld_proto::probe::list_services(channel.clone(), alpha)
             .await
             .unwrap();
-        assert!(
-            services
-                .iter()
-                .any(|s| s == "rookworld.queue.v1.RolloutQueue"),
-            "{services:?}"
+        services.sort();
+        assert_eq!(
+            services,
+            [
+                "grpc.health.v1.Health",
+                "grpc.reflection.v1.ServerReflection",
+                "grpc.reflection.v1alpha.ServerReflection",
+                "rookworld.queue.v1.RolloutQueue",
+            ],
+            "only what this server serves (v1alpha: {alpha})"
         );
     }
     stop.send(()).unwrap();

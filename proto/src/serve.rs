@@ -1,5 +1,5 @@
-//! What every RookWorld gRPC server shares: reflection (v1 and v1alpha, our descriptors
-//! plus health's, so tools see every service), the shutdown signal, and the connection
+//! What every RookWorld gRPC server shares: reflection (v1 and v1alpha, listing the
+//! service it serves, health and reflection), the shutdown signal, and the connection
 //! rules: HTTP/2 and TCP keep-alive (a vanished client is noticed), a bound on streams per
 //! connection, and a bound on how long a shutdown waits for calls in flight.
 
@@ -18,22 +18,45 @@ use tonic_reflection::server::v1alpha::{
     ServerReflectionServer as ServerReflectionAlphaServer,
 };
 
-fn builder() -> tonic_reflection::server::Builder<'static> {
-    tonic_reflection::server::Builder::configure()
+/// The services every server lists besides its own.
+pub const COMMON_SERVICES: [&str; 3] = [
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1.ServerReflection",
+    "grpc.reflection.v1alpha.ServerReflection",
+];
+
+/// Reflection over every descriptor, listing `served` and [`COMMON_SERVICES`] only (the
+/// descriptors of the other RookWorld services stay resolvable, never listed).
+fn builder(served: &str) -> tonic_reflection::server::Builder<'static> {
+    let mut b = tonic_reflection::server::Builder::configure()
+        .include_reflection_service(false)
         .register_encoded_file_descriptor_set(crate::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET)
+        .with_service_name(served);
+    for name in COMMON_SERVICES {
+        b = b.with_service_name(name);
+    }
+    b
 }
 
-/// Server reflection, v1 and v1alpha (grpcurl and older clients use either).
+/// Server reflection, v1 and v1alpha (grpcurl and older clients use either), listing the
+/// service `served`, health and reflection.
 #[allow(clippy::type_complexity)]
-pub fn reflection_services() -> Result<
+pub fn reflection_services(
+    served: &str,
+) -> Result<
     (
         ServerReflectionServer<impl ServerReflection>,
         ServerReflectionAlphaServer<impl ServerReflectionAlpha>,
     ),
     tonic_reflection::server::Error,
 > {
-    Ok((builder().build_v1()?, builder().build_v1alpha()?))
+    Ok((
+        builder(served).build_v1()?,
+        builder(served).build_v1alpha()?,
+    ))
 }
 
 /// Resolves on Ctrl-C or SIGTERM.
@@ -82,7 +105,7 @@ where
 {
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<S>().await;
-    let (reflection_v1, reflection_v1alpha) = reflection_services()?;
+    let (reflection_v1, reflection_v1alpha) = reflection_services(S::NAME)?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
         shutdown.await;

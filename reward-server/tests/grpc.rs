@@ -287,13 +287,21 @@ async fn reflection_v1_and_v1alpha_list_and_describe_the_services() {
             other => panic!("unexpected {other:?}"),
         }
     }
-    let services = rookworld_proto::probe::list_services(server.channel().await, true)
-        .await
-        .unwrap();
-    assert!(
-        services
-            .iter()
-            .any(|s| s == "rookworld.reward.v1.RewardService")
-    );
+    for alpha in [false, true] {
+        let mut services = rookworld_proto::probe::list_services(server.channel().await, alpha)
+            .await
+            .unwrap();
+        services.sort();
+        assert_eq!(
+            services,
+            [
+                "grpc.health.v1.Health",
+                "grpc.reflection.v1.ServerReflection",
+                "grpc.reflection.v1alpha.ServerReflection",
+                "rookworld.reward.v1.RewardService",
+            ],
+            "only what this server serves (v1alpha: {alpha})"
+        );
+    }
     server.stop().await;
 }
