@@ -127,6 +127,9 @@ PY
 }
 wait_for 60 "every Prometheus target up" targets_up
 [ -n "$(query 'learner_reward_mean')" ] || fail "no learner_reward_mean in Prometheus"
+builds="$(query 'count(learner_build_info) + count(reward_build_info) + count(rollout_build_info)')"
+[ "$builds" = "4" ] || fail "build_info from every service: $builds of 4"
+say "build_info: one series from each of the 4 services' targets"
 
 say "dashboard metrics exist"
 curl -fsS "$prom/api/v1/label/__name__/values" > "$tmp/names.json"

@@ -7,6 +7,7 @@ use crate::loss_cmd::{self, LossArgs};
 use crate::sft::{self, SftArgs};
 use crate::train::{self, TrainArgs};
 use clap::{Parser, Subcommand};
+use rookworld_proto::logging::LogArgs;
 use rookworld_proto::probe::HealthArgs;
 
 /// GRPO learner of the RookWorld trainer.
@@ -15,6 +16,8 @@ use rookworld_proto::probe::HealthArgs;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    #[command(flatten)]
+    log: LogArgs,
 }
 
 #[derive(Debug, Subcommand)]
@@ -38,8 +41,8 @@ enum Command {
 /// Parses the command line and runs the command; the process exits with what it returns.
 pub fn main() -> std::process::ExitCode {
     rookworld_proto::env::unset_empty();
-    rookworld_proto::logging::init();
     let cli = Cli::parse();
+    rookworld_proto::logging::init(cli.log.log_format);
     rookworld_lm::cli::exit_with(match &cli.command {
         Command::Init(args) => init_cmd::run(args).map_err(|e| e.to_string()),
         Command::Loss(args) => loss_cmd::run(args).map_err(|e| e.to_string()),

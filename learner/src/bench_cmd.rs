@@ -10,6 +10,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rookworld_lm::config::Config;
 use rookworld_lm::{Gpt2, checkpoint};
+use rookworld_proto::logging::Progress;
 use serde::Serialize;
 
 use crate::batch::GrpoBatch;
@@ -160,13 +161,29 @@ pub fn synthetic_batch(args: &BenchArgs, vocab: usize) -> GrpoBatch {
     }
 }
 
-fn bench(args: &BenchArgs) -> Result<BenchReport, String> {
-    if args.prompts == 0 || args.group < 2 || args.prompt_tokens == 0 || args.completion_tokens == 0
-    {
-        return Err(
-            "--prompts, --prompt-tokens and --completion-tokens must be ≥ 1, --group ≥ 2".into(),
-        );
+impl BenchArgs {
+    /// The ranges of the batch shape and the objective (the same rules as `train`).
+    fn validate(&self) -> Result<(), String> {
+        use rookworld_proto::check::{at_least, positive};
+        at_least("--prompts", self.prompts as u64, 1)?;
+        at_least("--group", self.group as u64, 2)?;
+        at_least("--prompt-tokens", self.prompt_tokens as u64, 1)?;
+        at_least("--completion-tokens", self.completion_tokens as u64, 1)?;
+        at_least("--micro-batch-groups", self.micro_batch_groups as u64, 1)?;
+        at_least("--steps", self.steps as u64, 1)?;
+        if let Some(peak) = self.peak_tflops {
+            positive("--peak-tflops", peak)?;
+        }
+        LossConfig {
+            beta: self.beta,
+            ..LossConfig::default()
+        }
+        .validate()
     }
+}
+
+fn bench(args: &BenchArgs) -> Result<BenchReport, String> {
+    args.validate()?;
     if args.device != "cpu" {
         return Err(format!(
             "--device {}: the learner's training step runs on the CPU in this build",
@@ -203,6 +220,7 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, String> {
     let mut phases = Phases::default();
     let mut last = (StepReport::default(), 0.0);
     let mut total = 0.0;
+    let mut progress = Progress::new("bench step", 0, args.steps.max(1) as u64, true);
     for step in 0..=args.steps.max(1) {
         let started = Instant::now();
         let (mut grads, report) = match args.path {
@@ -222,6 +240,11 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, String> {
         let seconds = started.elapsed().as_secs_f64();
         if step == 0 {
             continue; // warm-up: first touches of every buffer, moments allocated
+        }
+        if progress.on_terminal() {
+            progress.update(step as u64, &format!("{seconds:.2} s/step"));
+        } else {
+            tracing::info!(step, seconds = format!("{seconds:.3}"), "bench step");
         }
         total += seconds;
         let fused = report.forward_seconds > 0.0;

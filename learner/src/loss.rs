@@ -35,6 +35,18 @@ impl Default for LossConfig {
     }
 }
 
+impl LossConfig {
+    /// The objective's ranges, one rule per flag for `train`, `loss` and `bench`: β ≥ 0,
+    /// both clip ε in [0, 1], temperature > 0.
+    pub fn validate(&self) -> Result<(), String> {
+        use rookworld_proto::check::{fraction, non_negative, positive};
+        non_negative("--beta", self.beta)?;
+        fraction("--clip-eps", self.eps_low)?;
+        fraction("--clip-eps-high", self.eps_high)?;
+        positive("--temperature", self.temperature)
+    }
+}
+
 /// The loss and what to report about it.
 #[derive(Debug)]
 pub struct LossOutput {

@@ -25,16 +25,16 @@ pub struct LossArgs {
     #[arg(long)]
     pub batch: PathBuf,
     /// KL coefficient β.
-    #[arg(long, default_value_t = 0.04)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.04)]
     pub beta: f64,
     /// Clip ε on both sides (see --clip-eps-high for an asymmetric upper side).
-    #[arg(long, default_value_t = 0.2)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.2)]
     pub clip_eps: f64,
     /// Upper clip ε (default: --clip-eps).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub clip_eps_high: Option<f64>,
     /// Sampling temperature of the completions.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
     pub temperature: f64,
     #[arg(long, value_enum, default_value_t = AdvantageNorm::Unbiased)]
     pub advantage_norm: AdvantageNorm,
@@ -69,18 +69,7 @@ impl LossArgs {
             advantage_norm: self.advantage_norm,
             aggregation: self.aggregation,
         };
-        let finite_non_negative = |x: f64| x.is_finite() && x >= 0.0;
-        if !finite_non_negative(cfg.beta)
-            || !finite_non_negative(cfg.eps_low)
-            || !finite_non_negative(cfg.eps_high)
-        {
-            return Err(LossCmdError::Input(
-                "--beta and --clip-eps must be finite and ≥ 0".into(),
-            ));
-        }
-        if !(cfg.temperature.is_finite() && cfg.temperature > 0.0) {
-            return Err(LossCmdError::Input("--temperature must be > 0".into()));
-        }
+        cfg.validate().map_err(LossCmdError::Input)?;
         Ok(cfg)
     }
 }

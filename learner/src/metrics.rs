@@ -34,6 +34,12 @@ pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
 
 /// Descriptions of every metric (labels come from bounded sets: workers, results, lags).
 pub fn describe() {
+    let features = if cfg!(feature = "cuda") { "cuda" } else { "" };
+    rookworld_proto::metrics_http::build_info(
+        "learner_build_info",
+        env!("CARGO_PKG_VERSION"),
+        features,
+    );
     describe_gauge!(
         "learner_queue_pending",
         Unit::Count,
@@ -90,9 +96,10 @@ pub fn describe() {
         Unit::Count,
         "Groups dropped as too stale."
     );
-    describe_gauge!(
-        "learner_queue_consumed_by_lag",
-        "Consumed groups by weight-version lag (`lag`: 0…6, 7+)."
+    describe_counter!(
+        "learner_queue_groups_consumed_by_lag_total",
+        Unit::Count,
+        "Groups the learner trained on, by weight-version lag (`lag`: 0…6, 7+)."
     );
     describe_histogram!(
         "learner_weight_push_seconds",
@@ -125,6 +132,11 @@ pub fn describe() {
     );
     describe_counter!("learner_steps_total", Unit::Count, "GRPO steps done.");
     describe_gauge!(
+        "learner_seconds_since_last_step",
+        Unit::Seconds,
+        "Seconds since the last step ended (the stall watchdog's clock)."
+    );
+    describe_gauge!(
         "learner_weight_version",
         "Weight version after the latest step."
     );
@@ -155,15 +167,15 @@ pub fn describe() {
     );
     describe_gauge!("learner_lr", "Learning rate of the latest step.");
     describe_gauge!(
-        "learner_clip_fraction",
+        "learner_clipped_tokens_ratio",
         "Share of completion tokens whose ratio was clipped, latest step."
     );
     describe_gauge!(
-        "learner_staleness_mean",
+        "learner_staleness_mean_versions",
         "Mean weight-version lag of the latest step's groups."
     );
     describe_gauge!(
-        "learner_mfu",
+        "learner_mfu_ratio",
         "Model FLOPs utilisation of the latest step's update."
     );
     describe_counter!(
@@ -201,6 +213,6 @@ pub fn record_queue(queue: &Queue) {
     counter!("learner_queue_groups_dropped_stale_total").absolute(c.groups_dropped_stale);
     const LAGS: [&str; 8] = ["0", "1", "2", "3", "4", "5", "6", "7+"];
     for (lag, n) in LAGS.iter().zip(queue.staleness()) {
-        gauge!("learner_queue_consumed_by_lag", "lag" => *lag).set(*n as f64);
+        counter!("learner_queue_groups_consumed_by_lag_total", "lag" => *lag).absolute(*n);
     }
 }

@@ -433,7 +433,7 @@ pub async fn push_to(
         .increment(1);
     match &o.error {
         None => {
-            tracing::info!(worker = %o.worker, version = o.version, seconds = o.seconds, "weights pushed")
+            tracing::debug!(worker = %o.worker, version = o.version, seconds = o.seconds, "weights pushed")
         }
         Some(e) => {
             tracing::warn!(worker = %o.worker, version = o.version, error = %e, "weight push failed; worker marked stale, retried after a back-off")

@@ -15,6 +15,7 @@ use reward_server::engine::{EngineConfig, EnginePool};
 use reward_server::rules::standard;
 use rookworld_lm::Tokenizer;
 use rookworld_lm::cli::ModelArgs;
+use rookworld_proto::logging::Progress;
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{self, Loaded, TrainerState};
@@ -397,15 +398,21 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
         None => None,
     };
     let mut out = Vec::new();
+    let mut progress = Progress::new("sft step", start, s.steps, true);
     for step in start..s.steps {
         let record = sft_step(&policy, &mut opt, &schedule, &mut docs, s, step)?;
-        tracing::info!(
-            step = record.step,
-            loss = record.loss,
-            grad_norm = record.grad_norm,
-            lr = record.lr,
-            "sft step"
-        );
+        if progress.on_terminal() {
+            let detail = format!("loss {:.4}  grad norm {:.3}", record.loss, record.grad_norm);
+            progress.update(step + 1, &detail);
+        } else {
+            tracing::info!(
+                step = record.step,
+                loss = record.loss,
+                grad_norm = record.grad_norm,
+                lr = record.lr,
+                "sft step"
+            );
+        }
         if let Some(f) = log.as_mut() {
             writeln!(
                 f,

@@ -271,6 +271,16 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
             "{line} missing from\n{body}"
         );
     }
+    let build = concat!(
+        "learner_build_info{version=\"",
+        env!("CARGO_PKG_VERSION"),
+        "\""
+    );
+    assert!(
+        body.lines()
+            .any(|l| l.starts_with(build) && l.ends_with(" 1")),
+        "{build} missing from\n{body}"
+    );
 
     // The learner takes it; the staleness histogram shows lag 0.
     assert_eq!(queue.lock().unwrap().take(10, 3).len(), 1);

@@ -54,6 +54,23 @@ pub fn install(builder: PrometheusBuilder, addr: SocketAddr) -> Result<SocketAdd
     Ok(bound)
 }
 
+/// Sets `name` (`<service>_build_info`) to 1, labelled with what runs: the crate
+/// `version`, the build `profile` (`release`, `debug`) and the binary's optional
+/// `features` (`cuda`, or empty), so a dashboard can tell which build each process runs.
+pub fn build_info(name: &'static str, version: &'static str, features: &'static str) {
+    let profile = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
+    metrics::describe_gauge!(
+        name,
+        "1, labelled with the build: version, profile, features."
+    );
+    metrics::gauge!(name, "version" => version, "profile" => profile, "features" => features)
+        .set(1.0);
+}
+
 /// Accepts connections until the process ends.
 async fn serve(listener: tokio::net::TcpListener, handle: PrometheusHandle) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));

@@ -4,6 +4,7 @@
 use crate::bench::{self, BenchArgs};
 use crate::cli::{self, ScoreArgs, ServeArgs};
 use clap::{Parser, Subcommand};
+use rookworld_proto::logging::LogArgs;
 use rookworld_proto::probe::HealthArgs;
 
 /// Reward server of the RookWorld GRPO trainer: verified chess rewards.
@@ -12,6 +13,8 @@ use rookworld_proto::probe::HealthArgs;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    #[command(flatten)]
+    log: LogArgs,
 }
 
 #[derive(Debug, Subcommand)]
@@ -29,8 +32,8 @@ enum Command {
 /// Parses the command line and runs the command; the process exits with what it returns.
 pub fn main() -> std::process::ExitCode {
     rookworld_proto::env::unset_empty();
-    rookworld_proto::logging::init();
     let cli = Cli::parse();
+    rookworld_proto::logging::init(cli.log.log_format);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => return fail(e),

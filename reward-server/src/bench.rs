@@ -13,6 +13,7 @@ use std::time::Instant;
 use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use rookworld_proto::logging::Progress;
 use shakmaty::uci::UciMove;
 use shakmaty::{CastlingMode, Chess, Position};
 
@@ -107,7 +108,13 @@ pub fn generate_items(n: usize, seed: u64) -> (Vec<Item>, Vec<Item>) {
 }
 
 /// Best-of-`repeat` items per second for scoring `items` on a pool of `threads`.
-fn rate(scorer: &Scorer, items: &[Item], threads: usize, repeat: usize) -> f64 {
+fn rate(
+    scorer: &Scorer,
+    items: &[Item],
+    threads: usize,
+    repeat: usize,
+    runs: &mut Progress,
+) -> f64 {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
@@ -116,7 +123,12 @@ fn rate(scorer: &Scorer, items: &[Item], threads: usize, repeat: usize) -> f64 {
     for _ in 0..repeat.max(1) {
         let start = Instant::now();
         let scores = pool.install(|| scorer.rules_batch(items));
-        best = best.min(start.elapsed().as_secs_f64());
+        let seconds = start.elapsed().as_secs_f64();
+        best = best.min(seconds);
+        runs.tick(&format!(
+            "{} items on {threads} threads: {seconds:.2} s",
+            items.len()
+        ));
         assert!(
             scores.iter().all(Result::is_ok),
             "bench items are valid requests"
@@ -140,11 +152,13 @@ pub fn run(args: &BenchArgs, out: &mut impl Write) -> std::io::Result<()> {
     }
     let scorer = Scorer::new(RewardConfig::default(), None);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let r = args.repeat;
+    let mut runs = Progress::new("bench run", 0, 4 * r.max(1) as u64, true);
     let report = serde_json::json!({
         "items_per_task": args.items,
         "cores": cores,
-        "environment_per_second": {"one_thread": rate(&scorer, &env, 1, args.repeat), "all_cores": rate(&scorer, &env, cores, args.repeat)},
-        "policy_per_second": {"one_thread": rate(&scorer, &pol, 1, args.repeat), "all_cores": rate(&scorer, &pol, cores, args.repeat)},
+        "environment_per_second": {"one_thread": rate(&scorer, &env, 1, r, &mut runs), "all_cores": rate(&scorer, &env, cores, r, &mut runs)},
+        "policy_per_second": {"one_thread": rate(&scorer, &pol, 1, r, &mut runs), "all_cores": rate(&scorer, &pol, cores, r, &mut runs)},
     });
     writeln!(out, "{report}")
 }

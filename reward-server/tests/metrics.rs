@@ -67,6 +67,11 @@ async fn metrics_count_requests_items_verdicts_and_latency() {
         r#"reward_verdicts_total{task="A",verdict="partial",reason="partial"} 1"#,
         "reward_request_duration_seconds_bucket",
         "# HELP reward_items_total",
+        concat!(
+            "reward_build_info{version=\"",
+            env!("CARGO_PKG_VERSION"),
+            "\""
+        ),
     ] {
         assert!(body.contains(needle), "missing {needle}\n{body}");
     }

@@ -5,6 +5,7 @@ use crate::bench_cmd::{self, BenchArgs};
 use crate::generate_cmd::{self, GenerateArgs};
 use crate::serve_cmd::{self, ServeArgs};
 use clap::{Parser, Subcommand};
+use rookworld_proto::logging::LogArgs;
 use rookworld_proto::probe::HealthArgs;
 
 /// Rollout worker of the RookWorld GRPO trainer: samples completions from the policy.
@@ -13,6 +14,8 @@ use rookworld_proto::probe::HealthArgs;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    #[command(flatten)]
+    log: LogArgs,
 }
 
 #[derive(Debug, Subcommand)]
@@ -30,8 +33,8 @@ enum Command {
 /// Parses the command line and runs the command; the process exits with what it returns.
 pub fn main() -> std::process::ExitCode {
     rookworld_proto::env::unset_empty();
-    rookworld_proto::logging::init();
     let cli = Cli::parse();
+    rookworld_proto::logging::init(cli.log.log_format);
     rookworld_lm::cli::exit_with(match &cli.command {
         Command::Generate(args) => {
             generate_cmd::run(args, &mut std::io::stdout().lock()).map_err(Into::into)

@@ -13,6 +13,7 @@ use rookworld_lm::Gpt2;
 use rookworld_lm::cli::ModelArgs;
 use rookworld_lm::generate::{GenerationConfig, generate_batch};
 use rookworld_lm::sampling::SamplingParams;
+use rookworld_proto::logging::Progress;
 
 use crate::engine::{EngineConfig, EngineError, Request, Scheduler, prepare_model};
 
@@ -25,16 +26,21 @@ pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Prompts per batch (P).
-    #[arg(long, default_value_t = 4)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 4)]
     pub prompts: usize,
     /// Completions per prompt (G).
-    #[arg(short = 'n', long = "num-completions", default_value_t = 8)]
+    #[arg(
+        allow_negative_numbers = true,
+        short = 'n',
+        long = "num-completions",
+        default_value_t = 8
+    )]
     pub n: usize,
     /// New tokens per completion.
-    #[arg(long, default_value_t = 64)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 64)]
     pub max_new_tokens: usize,
     /// Timed repetitions; the fastest is reported.
-    #[arg(long, default_value_t = 2)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 2)]
     pub repeat: usize,
     /// Measure only the engine on the batch (no single stream, no reference): for profiling.
     #[arg(long)]
@@ -58,6 +64,7 @@ fn measure(
     n: usize,
     args: &BenchArgs,
     path: Path,
+    runs: &mut Progress,
 ) -> Result<serde_json::Value, EngineError> {
     let sampling = SamplingParams {
         temperature: 1.0,
@@ -98,7 +105,9 @@ fn measure(
                 generate_batch(model, &batch, &cfg, 0)?.new_tokens()
             }
         };
-        best = best.min(start.elapsed().as_secs_f64());
+        let seconds = start.elapsed().as_secs_f64();
+        best = best.min(seconds);
+        runs.tick(&format!("{path:?} {prompts}×{n}: {seconds:.2} s"));
     }
     Ok(serde_json::json!({
         "prompts": prompts,
@@ -112,8 +121,27 @@ fn measure(
 /// Runs the benchmark and prints one JSON object: the engine on the batch and on one
 /// stream, and the reference static-batch path on the batch as an in-run baseline.
 pub fn run(args: &BenchArgs, out: &mut impl Write) -> Result<(), EngineError> {
+    use rookworld_proto::check::at_least;
+    [
+        at_least("--prompts", args.prompts as u64, 1),
+        at_least("--num-completions", args.n as u64, 1),
+        at_least("--max-new-tokens", args.max_new_tokens as u64, 1),
+        at_least("--repeat", args.repeat as u64, 1),
+    ]
+    .into_iter()
+    .collect::<Result<(), _>>()
+    .map_err(EngineError::InvalidRequest)?;
     let loaded = args.model.load()?;
     let prompt = loaded.tokenizer.encode(BENCH_PROMPT)?;
+    let context = loaded.model.config().n_positions;
+    if prompt.len() + args.max_new_tokens > context {
+        return Err(EngineError::InvalidRequest(format!(
+            "--max-new-tokens {} does not fit: the {}-token bench prompt leaves {} of the model's {context}-token context",
+            args.max_new_tokens,
+            prompt.len(),
+            context.saturating_sub(prompt.len())
+        )));
+    }
     let reference = Arc::new(loaded.model.clone());
     let model = Arc::new(prepare_model(loaded.model)?);
     // Warm-up: allocator and thread pool.
@@ -122,9 +150,21 @@ pub fn run(args: &BenchArgs, out: &mut impl Write) -> Result<(), EngineError> {
         repeat: 1,
         ..args.clone()
     };
-    measure(&model, &prompt, 1, 1, &warm, Path::Engine)?;
+    let mut quiet = Progress::new("warm-up", 0, 1, false);
+    measure(&model, &prompt, 1, 1, &warm, Path::Engine, &mut quiet)?;
+    let repeat = args.repeat.max(1) as u64;
+    let total = if args.batch_only { repeat } else { 3 * repeat };
+    let mut runs = Progress::new("bench run", 0, total, true);
     if args.batch_only {
-        let batch = measure(&model, &prompt, args.prompts, args.n, args, Path::Engine)?;
+        let batch = measure(
+            &model,
+            &prompt,
+            args.prompts,
+            args.n,
+            args,
+            Path::Engine,
+            &mut runs,
+        )?;
         return writeln!(out, "{}", serde_json::json!({ "batch": batch }))
             .map_err(|e| EngineError::Failed(format!("<stdout>: {e}")));
     }
@@ -133,9 +173,9 @@ pub fn run(args: &BenchArgs, out: &mut impl Write) -> Result<(), EngineError> {
         "device": format!("{:?}", loaded.device),
         "dtype": format!("{:?}", model.dtype()),
         "prompt_tokens": prompt.len(),
-        "batch": measure(&model, &prompt, args.prompts, args.n, args, Path::Engine)?,
-        "single": measure(&model, &prompt, 1, 1, args, Path::Engine)?,
-        "reference_batch": measure(&reference, &prompt, args.prompts, args.n, args, Path::Reference)?,
+        "batch": measure(&model, &prompt, args.prompts, args.n, args, Path::Engine, &mut runs)?,
+        "single": measure(&model, &prompt, 1, 1, args, Path::Engine, &mut runs)?,
+        "reference_batch": measure(&reference, &prompt, args.prompts, args.n, args, Path::Reference, &mut runs)?,
     });
     writeln!(out, "{report}").map_err(|e| EngineError::Failed(format!("<stdout>: {e}")))
 }

@@ -31,7 +31,12 @@ pub struct GenerateArgs {
     #[arg(long, value_name = "FILE")]
     pub prompts_file: Option<PathBuf>,
     /// Completions per prompt (G).
-    #[arg(short = 'n', long = "num-completions", default_value_t = 1)]
+    #[arg(
+        allow_negative_numbers = true,
+        short = 'n',
+        long = "num-completions",
+        default_value_t = 1
+    )]
     pub n: usize,
     #[arg(long, allow_negative_numbers = true, default_value_t = 128)]
     pub max_new_tokens: usize,
@@ -113,6 +118,11 @@ pub fn run(args: &GenerateArgs, out: &mut impl Write) -> std::result::Result<(),
         top_p: args.top_p,
     };
     sampling.validate()?;
+    rookworld_proto::check::at_least("--num-completions", args.n as u64, 1)
+        .and_then(|()| {
+            rookworld_proto::check::at_least("--max-new-tokens", args.max_new_tokens as u64, 1)
+        })
+        .map_err(Error::InvalidArgument)?;
     let prompts = args.collect_prompts()?;
     let loaded = args.model.load()?;
     tracing::info!(

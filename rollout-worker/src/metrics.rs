@@ -27,6 +27,12 @@ pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
 
 /// Descriptions of every metric (labels come from bounded sets).
 pub fn describe() {
+    let features = if cfg!(feature = "cuda") { "cuda" } else { "" };
+    rookworld_proto::metrics_http::build_info(
+        "rollout_build_info",
+        env!("CARGO_PKG_VERSION"),
+        features,
+    );
     describe_counter!(
         "rollout_tokens_generated_total",
         Unit::Count,
@@ -37,7 +43,7 @@ pub fn describe() {
         "New tokens per second over the last few seconds of work."
     );
     describe_gauge!(
-        "rollout_batch_occupancy",
+        "rollout_batch_occupancy_ratio",
         "Live sequences divided by the configured maximum (max_seqs)."
     );
     describe_gauge!(
@@ -159,7 +165,8 @@ pub fn set_load(status: &EngineStatus, device: &candle_core::Device) {
     gauge!("rollout_tokens_per_second").set(status.tokens_per_second);
     gauge!("rollout_batch_rows").set(status.live_rows as f64);
     gauge!("rollout_batch_row_limit").set(status.row_limit as f64);
-    gauge!("rollout_batch_occupancy").set(status.live_rows as f64 / status.max_seqs.max(1) as f64);
+    gauge!("rollout_batch_occupancy_ratio")
+        .set(status.live_rows as f64 / status.max_seqs.max(1) as f64);
     gauge!("rollout_pending_requests").set(status.pending_requests as f64);
     gauge!("rollout_pending_samples").set(status.pending_samples as f64);
     gauge!("rollout_kv_tokens_reserved").set(status.reserved_kv_tokens as f64);

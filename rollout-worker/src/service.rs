@@ -149,7 +149,7 @@ impl RolloutServer {
         let (current, current_run) = (status.weight_version, status.weight_run);
         if set.version == current && set.run_id == current_run {
             // A retry of a push that landed (its answer was lost): already in use.
-            tracing::info!(version = current, "weights already in use; nothing to swap");
+            tracing::debug!(version = current, "weights already in use; nothing to swap");
             return Ok(pb::UpdateWeightsResponse {
                 version: current,
                 bytes: bytes as u64,
@@ -167,7 +167,7 @@ impl RolloutServer {
         if run != current_run {
             tracing::info!(run = %run, previous_run = %current_run, previous_version = current, "weights of a new run replace the previous run's");
         }
-        tracing::info!(version, bytes, seconds, "weights updated");
+        tracing::debug!(version, bytes, seconds, "weights updated");
         Ok(pb::UpdateWeightsResponse {
             version,
             bytes: bytes as u64,

@@ -412,11 +412,16 @@ async fn health_reflection_and_metrics_are_served() {
     for name in [
         "rollout_tokens_generated_total",
         "rollout_weight_version",
-        "rollout_batch_occupancy",
+        "rollout_batch_occupancy_ratio",
         "rollout_pending_requests",
         "rollout_decode_step_seconds_bucket",
         "rollout_prefill_seconds_sum",
         "rollout_completions_total{finish_reason=",
+        concat!(
+            "rollout_build_info{version=\"",
+            env!("CARGO_PKG_VERSION"),
+            "\""
+        ),
     ] {
         assert!(body.contains(name), "{name} missing from\n{body}");
     }

@@ -103,6 +103,50 @@ fn every_refused_value_is_one_line_and_exit_1() {
             ]),
             "--batch-size must be ≥ 1",
         ),
+        // learner loss and bench: the objective's rules are train's
+        (
+            LEARNER,
+            strings(&[
+                "loss",
+                "--policy",
+                "p",
+                "--reference",
+                "r",
+                "--batch",
+                "b.json",
+                "--clip-eps",
+                "5",
+            ]),
+            "--clip-eps must lie in [0, 1]",
+        ),
+        (
+            LEARNER,
+            strings(&["bench", "--preset", "tiny", "--beta=-0.5"]),
+            "--beta must be ≥ 0",
+        ),
+        (
+            LEARNER,
+            strings(&["bench", "--preset", "tiny", "--group", "1"]),
+            "--group must be ≥ 2",
+        ),
+        // rollout-worker bench and generate
+        (
+            WORKER,
+            strings(&["bench", "--preset", "tiny", "--prompts", "0"]),
+            "--prompts must be ≥ 1",
+        ),
+        (
+            WORKER,
+            strings(&["bench", "--preset", "tiny", "--max-new-tokens", "250"]),
+            "--max-new-tokens 250 does not fit",
+        ),
+        (
+            WORKER,
+            strings(&[
+                "generate", "--preset", "tiny", "--prompt", "A: x", "-n", "0",
+            ]),
+            "--num-completions must be ≥ 1",
+        ),
         // rollout-worker serve
         (
             WORKER,

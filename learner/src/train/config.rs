@@ -402,6 +402,7 @@ impl TrainSettings {
     /// Checks ranges so that a bad value is one clear line, not a failure mid-run.
     pub fn validate(&self) -> Result<(), ConfigError> {
         use rookworld_proto::check::{at_least, fraction, non_negative, positive};
+        self.step_config().loss.validate().map_err(ConfigError)?;
         let checks = [
             at_least("--steps", self.steps, 1),
             at_least("--prompts-per-step", self.prompts_per_step as u64, 1),
@@ -411,14 +412,10 @@ impl TrainSettings {
             at_least("--max-new-tokens", self.max_new_tokens.into(), 1),
             positive("--lr", self.lr),
             positive("--sft-lr", self.sft_lr),
-            positive("--temperature", self.temperature),
             positive("--lease-timeout", self.lease_timeout),
             non_negative("--min-lr", self.min_lr),
             non_negative("--weight-decay", self.weight_decay),
             non_negative("--max-grad-norm", self.max_grad_norm),
-            non_negative("--beta", self.beta),
-            fraction("--clip-eps", self.clip_eps),
-            fraction("--clip-eps-high", self.clip_eps_high),
             fraction("--policy-fraction", self.policy_fraction),
             fraction("--top-p", self.top_p),
         ];

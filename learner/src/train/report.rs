@@ -3,11 +3,11 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{BufWriter, IsTerminal, Write};
+use std::io::{BufWriter, Write};
 use std::path::Path;
-use std::time::Instant;
 
 use metrics::{counter, gauge, histogram};
+use rookworld_proto::logging::Progress;
 use serde::{Deserialize, Serialize};
 
 use super::TrainSummary;
@@ -86,10 +86,7 @@ impl StepRecord {
 pub struct Reporter {
     jsonl: Option<BufWriter<File>>,
     dump: Option<BufWriter<File>>,
-    progress: bool,
-    total_steps: u64,
-    started: Instant,
-    first_step: u64,
+    progress: Progress,
 }
 
 fn append(path: &Path, what: &str) -> Result<BufWriter<File>, String> {
@@ -158,10 +155,7 @@ impl Reporter {
         Ok(Self {
             jsonl: jsonl.map(|p| append(p, "--log-jsonl")).transpose()?,
             dump: dump.map(|p| append(p, "--rollout-dump")).transpose()?,
-            progress: progress && std::io::stderr().is_terminal(),
-            total_steps,
-            started: Instant::now(),
-            first_step,
+            progress: Progress::new("step", first_step, total_steps, progress),
         })
     }
 
@@ -191,28 +185,12 @@ impl Reporter {
                 .and_then(|()| f.flush())
                 .map_err(|e| format!("--log-jsonl: {e}"))?;
         }
-        if self.progress {
-            let done = r.step.saturating_sub(self.first_step) as f64;
-            let left = self.total_steps.saturating_sub(r.step) as f64;
-            let eta = self.started.elapsed().as_secs_f64() / done.max(1.0) * left;
-            let frac = r.step as f64 / self.total_steps.max(1) as f64;
-            let filled = (frac * 24.0).round() as usize;
-            eprint!(
-                "\r\x1b[2Kstep {}/{} [{}{}] reward {:+.3} ±{:.3}  kl {:.4}  loss {:+.4}  {:.0} tok/s  eta {:.0}s",
-                r.step,
-                self.total_steps,
-                "#".repeat(filled.min(24)),
-                ".".repeat(24 - filled.min(24)),
-                r.reward_mean,
-                r.reward_std,
-                r.kl,
-                r.loss,
-                r.tokens_per_second,
-                eta
+        if self.progress.on_terminal() {
+            let detail = format!(
+                "reward {:+.3} ±{:.3}  kl {:.4}  loss {:+.4}  {:.0} tok/s",
+                r.reward_mean, r.reward_std, r.kl, r.loss, r.tokens_per_second
             );
-            if r.step >= self.total_steps {
-                eprintln!();
-            }
+            self.progress.update(r.step, &detail);
         } else {
             tracing::info!(
                 step = r.step,
@@ -235,10 +213,7 @@ impl Reporter {
 
     /// Ends the progress line (before other output).
     pub fn finish(&mut self) {
-        if self.progress {
-            eprintln!();
-            self.progress = false;
-        }
+        self.progress.finish();
     }
 }
 
@@ -255,9 +230,9 @@ fn record_metrics(r: &StepRecord) {
     gauge!("learner_kl").set(r.kl);
     gauge!("learner_grad_norm").set(r.grad_norm);
     gauge!("learner_lr").set(r.lr);
-    gauge!("learner_clip_fraction").set(r.clip_frac);
-    gauge!("learner_staleness_mean").set(r.staleness_mean);
-    gauge!("learner_mfu").set(r.mfu);
+    gauge!("learner_clipped_tokens_ratio").set(r.clip_frac);
+    gauge!("learner_staleness_mean_versions").set(r.staleness_mean);
+    gauge!("learner_mfu_ratio").set(r.mfu);
     counter!("learner_tokens_total").increment(r.tokens as u64);
     counter!("learner_groups_skipped_total").increment(r.skipped_groups as u64);
     let s = r.step_seconds;

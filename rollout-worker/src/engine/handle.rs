@@ -316,7 +316,7 @@ impl EngineLoop {
                 status.weight_run = staged.run;
             }
             metrics::set_weight_version(version);
-            tracing::info!(version, "weights swapped in");
+            tracing::debug!(version, "weights swapped in");
             let _ = staged.reply.send(());
         }
     }

@@ -11,8 +11,9 @@ fn is_ours(name: &str) -> bool {
         .any(|p| name.starts_with(p))
 }
 
-/// Metric names in the services' sources (`"learner_…"`, `"rollout_…"`, `"reward_…"`).
-fn exported_metrics() -> BTreeSet<String> {
+/// Metric names in the services' sources (`"learner_…"`, `"rollout_…"`, `"reward_…"`,
+/// as a metric macro's or `build_info`'s first argument).
+pub fn exported_metrics() -> BTreeSet<String> {
     let mut names = BTreeSet::new();
     for dir in ["learner/src", "rollout-worker/src", "reward-server/src"] {
         let mut stack = vec![deploy().join("..").join(dir)];
@@ -20,8 +21,17 @@ fn exported_metrics() -> BTreeSet<String> {
             if path.is_dir() {
                 stack.extend(std::fs::read_dir(&path).unwrap().map(|e| e.unwrap().path()));
             } else if path.extension().is_some_and(|e| e == "rs") {
-                for piece in read(&path).split('"').skip(1).step_by(2) {
-                    if is_ours(piece) && piece.chars().all(|c| c.is_ascii_lowercase() || c == '_') {
+                // The first argument of a metric macro (`gauge!("…"`, `describe_gauge!(`)
+                // or of `build_info("…"`: a name, not a label value.
+                let text = read(&path);
+                let pieces: Vec<&str> = text.split('"').collect();
+                for pair in pieces.windows(2).step_by(2) {
+                    let (before, piece) = (pair[0].trim_end(), pair[1]);
+                    let named = before.ends_with("!(") || before.ends_with("build_info(");
+                    if named
+                        && is_ours(piece)
+                        && piece.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+                    {
                         names.insert(piece.to_owned());
                     }
                 }
@@ -120,7 +130,7 @@ fn grafana_dashboard_queries_exported_metrics_from_the_provisioned_datasource() 
         "learner_queue_pending",
         "learner_queue_leased",
         "learner_queue_scored",
-        "learner_staleness_mean",
+        "learner_staleness_mean_versions",
         "learner_weight_push_seconds",
         "learner_step_seconds",
         "reward_verdicts_total",

@@ -8,10 +8,12 @@
 //! - `compose`: the compose file, the images' Dockerfile and Prometheus's scrape config.
 //! - `grafana`: the provisioned datasource and dashboard.
 //! - `k8s`: the Kubernetes manifests.
+//! - `metrics`: the README's table of every metric.
 
 mod compose;
 mod grafana;
 mod k8s;
+mod metrics;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -52,9 +54,12 @@ pub fn env_names(cmd: Command) -> BTreeSet<String> {
 }
 
 /// What each service binary's running command reads from the environment, plus what
-/// every binary reads (`RUST_LOG`).
+/// every binary reads (`RUST_LOG`, the log format).
 pub fn known_env() -> BTreeMap<&'static str, BTreeSet<String>> {
     let with_common = |mut set: BTreeSet<String>| {
+        set.extend(env_names(rookworld_proto::logging::LogArgs::augment_args(
+            Command::new("logging"),
+        )));
         set.insert("RUST_LOG".into());
         set
     };
