@@ -22,6 +22,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
     tonic_prost_build::configure()
         .file_descriptor_set_path(out_dir.join("rookworld_descriptor.bin"))
+        // Weight chunks are slices of one shared payload: no copy per chunk or per worker.
+        .bytes(".rookworld.rollout.v1.WeightChunk.data")
         .compile_protos(&protos, &[root.to_path_buf()])?;
     Ok(())
 }

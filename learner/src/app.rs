@@ -2,6 +2,7 @@
 //! [`main`], so every launcher of this code runs exactly the same thing.
 
 use crate::bench_cmd::{self, BenchArgs};
+use crate::bench_push::{self, BenchPushArgs};
 use crate::init_cmd::{self, InitArgs};
 use crate::loss_cmd::{self, LossArgs};
 use crate::sft::{self, SftArgs};
@@ -34,6 +35,9 @@ enum Command {
     /// Time one GRPO step (reference forward, policy forward/backward, clipping, AdamW)
     /// on a synthetic batch; prints one JSON line.
     Bench(BenchArgs),
+    /// Time weight pushes to a real worker on loopback, phase by phase, beside the floor
+    /// (memcpy, raw TCP); prints one JSON line.
+    BenchPush(BenchPushArgs),
     /// Ask a running service's gRPC health endpoint (exit 0 when serving).
     Health(HealthArgs),
 }
@@ -49,6 +53,7 @@ pub fn main() -> std::process::ExitCode {
         Command::Sft(args) => sft::run(args).map(|_| ()).map_err(|e| e.to_string()),
         Command::Train(args) => train_cmd(args),
         Command::Bench(args) => bench_cmd::run(args),
+        Command::BenchPush(args) => bench_push::run(args),
         Command::Health(args) => args.run(),
     })
 }

@@ -19,13 +19,15 @@
 //!   a reward server and a worker in-process); [`head`]: LM-head log-probs without the
 //!   (N, V) logits.
 //! - [`fused`]: the fused training pass on the CPU (explicit forward/backward, each
-//!   group's prompt once); [`bench_cmd`]: `learner bench`, one timed GRPO step.
+//!   group's prompt once); [`bench_cmd`]: `learner bench`, one timed GRPO step;
+//!   [`bench_push`]: `learner bench-push`, timed weight pushes beside their floor.
 //! - [`optim`]: gradient accumulation, norm and clipping, AdamW, the LR schedule;
 //!   [`step`]: one optimizer step in micro-batches.
 
 pub mod app;
 pub mod batch;
 pub mod bench_cmd;
+pub mod bench_push;
 pub mod checkpoint;
 pub mod fused;
 pub mod grpo;

@@ -17,7 +17,6 @@ use std::time::{Duration, Instant};
 use rollout_worker::weights::{self, CHUNK_BYTES, WeightSet};
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
 use tokio::sync::{mpsc, watch};
-use tonic::transport::Endpoint;
 
 use crate::queue::Queue;
 
@@ -458,7 +457,7 @@ async fn push_one(
         unreachable: true,
         why,
     };
-    let channel = Endpoint::from_shared(address.to_owned())
+    let channel = rookworld_proto::serve::endpoint(address)
         .map_err(|e| unreachable(format!("bad address {address}: {e}")))?
         .connect_timeout(deadline)
         .timeout(deadline)

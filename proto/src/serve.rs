@@ -8,6 +8,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
+use tokio_stream::StreamExt;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::body::Body;
 use tonic::codegen::{Service, http};
@@ -86,6 +87,21 @@ pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 256;
 /// How long a shutdown waits for calls in flight before it closes them.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+/// HTTP/2 flow-control window of one stream, on servers and clients: room for several
+/// chunks of a weight push in flight (with the 64 KiB default a 249 MB push waits on
+/// window updates; `learner bench-push` measures the transfer, see the README).
+pub const STREAM_WINDOW_BYTES: u32 = 8 << 20;
+/// HTTP/2 flow-control window of one connection (several streams at once).
+pub const CONNECTION_WINDOW_BYTES: u32 = 16 << 20;
+
+/// A client endpoint for `url` with the windows of [`STREAM_WINDOW_BYTES`] and
+/// [`CONNECTION_WINDOW_BYTES`] and TCP_NODELAY, as every server here has.
+pub fn endpoint(url: &str) -> Result<tonic::transport::Endpoint, tonic::transport::Error> {
+    Ok(tonic::transport::Endpoint::from_shared(url.to_owned())?
+        .initial_stream_window_size(STREAM_WINDOW_BYTES)
+        .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
+        .tcp_nodelay(true))
+}
 
 /// Serves `service` with health (marked serving) and reflection v1 and v1alpha on
 /// `listener` until `shutdown` completes; calls in flight get [`SHUTDOWN_GRACE`] to finish.
@@ -119,12 +135,19 @@ where
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
         .tcp_keepalive(Some(Duration::from_secs(60)))
         .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
+        .initial_stream_window_size(Some(STREAM_WINDOW_BYTES))
+        .initial_connection_window_size(Some(CONNECTION_WINDOW_BYTES))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(service)
         .serve_with_incoming_shutdown(
-            TcpListenerStream::new(listener),
+            TcpListenerStream::new(listener).map(|accepted| {
+                if let Ok(stream) = &accepted {
+                    let _ = stream.set_nodelay(true);
+                }
+                accepted
+            }),
             when_stopped(stopped.clone()),
         );
     let overdue = async {

@@ -20,7 +20,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::engine::{Engine, Event, Request as EngineRequest};
 use crate::error::ServiceError;
 use crate::metrics;
-use crate::weights::Assembler;
+use crate::weights::{self, Assembler};
 
 /// Settings of the service around the engine.
 #[derive(Debug, Clone)]
@@ -132,6 +132,14 @@ impl RolloutServer {
         // A payload may be somewhat larger than bf16 weights (header, an untied head).
         let expected = self.model_config.num_parameters() * 2;
         let mut assembler = Assembler::new(expected * 2 + (1 << 20));
+        let status = self.engine.status();
+        let (current, current_run) = (status.weight_version, status.weight_run);
+        let in_use = |bytes: usize| pb::UpdateWeightsResponse {
+            version: current,
+            bytes: bytes as u64,
+            seconds: started.elapsed().as_secs_f64(),
+            ..Default::default()
+        };
         while let Some(chunk) = stream.next().await {
             let chunk = chunk.map_err(|s| {
                 ServiceError::Interrupted(format!(
@@ -140,28 +148,30 @@ impl RolloutServer {
                     s.message()
                 ))
             })?;
+            let first = assembler.header().is_none();
             assembler.push(chunk)?;
+            if first {
+                // The header decides before the body is sent: a stale version is refused,
+                // and a retry of a push that landed (its answer was lost) is answered.
+                let h = assembler.header().expect("the first chunk's header");
+                if h.version == current && h.run_id == current_run {
+                    tracing::debug!(version = current, "weights already in use; nothing to swap");
+                    return Ok(in_use(assembler.received()));
+                }
+                weights::supersedes(&h.run_id, h.version, &current_run, current)?;
+            }
         }
+        let received = started.elapsed().as_secs_f64();
         let bytes = assembler.received();
         let set = assembler.finish()?;
+        let verified = started.elapsed().as_secs_f64();
         let (cfg, dtype, device) = (self.model_config.clone(), self.dtype, self.device.clone());
-        let status = self.engine.status();
-        let (current, current_run) = (status.weight_version, status.weight_run);
-        if set.version == current && set.run_id == current_run {
-            // A retry of a push that landed (its answer was lost): already in use.
-            tracing::debug!(version = current, "weights already in use; nothing to swap");
-            return Ok(pb::UpdateWeightsResponse {
-                version: current,
-                bytes: bytes as u64,
-                seconds: started.elapsed().as_secs_f64(),
-            });
-        }
-        set.supersedes(&current_run, current)?;
         let run = set.run_id.clone();
         let (version, model) =
             tokio::task::spawn_blocking(move || set.into_model(&cfg, dtype, &device))
                 .await
                 .map_err(|e| ServiceError::Internal(format!("weight loading panicked: {e}")))??;
+        let converted = started.elapsed().as_secs_f64();
         self.engine.swap(model, version, &run).await?;
         let seconds = started.elapsed().as_secs_f64();
         if run != current_run {
@@ -172,6 +182,10 @@ impl RolloutServer {
             version,
             bytes: bytes as u64,
             seconds,
+            receive_seconds: received,
+            verify_seconds: verified - received,
+            convert_seconds: converted - verified,
+            swap_seconds: seconds - converted,
         })
     }
 }

@@ -2,6 +2,7 @@
 //! cut into chunks with a header (version, size, SHA-256), and put back together with
 //! every check made before anything is trusted.
 
+use bytes::Bytes;
 use rookworld_lm::{Config, Gpt2, checkpoint};
 use rookworld_proto::rollout::v1 as pb;
 use sha2::{Digest, Sha256};
@@ -9,7 +10,9 @@ use sha2::{Digest, Sha256};
 /// The one payload format accepted.
 pub const FORMAT: &str = "safetensors-bf16";
 
-/// Default chunk size: 1 MiB, far below any message-size limit.
+/// Default chunk size, chosen with `learner bench-push` (see the README): with the
+/// HTTP/2 windows of `rookworld_proto::serve`, chunks from 256 KiB up move the payload at
+/// the same speed; smaller ones cost more frames and polls.
 pub const CHUNK_BYTES: usize = 1 << 20;
 
 /// Why a weight set was refused.
@@ -33,51 +36,61 @@ pub enum WeightError {
     },
 }
 
-/// A model serialised for a push: bfloat16 safetensors bytes and their SHA-256.
+/// A model serialised for a push: bfloat16 safetensors bytes and their SHA-256. The bytes
+/// are shared: cloning a set, or cutting it into chunks for any number of workers,
+/// copies none of them.
 #[derive(Debug, Clone)]
 pub struct WeightSet {
     /// The training run the weights belong to; versions count within a run.
     pub run_id: String,
     pub version: u64,
-    pub bytes: Vec<u8>,
+    pub bytes: Bytes,
     pub sha256: [u8; 32],
 }
 
 impl WeightSet {
     /// Serialises `model` (converted to bfloat16) as version `version` of run `run_id`.
     pub fn from_model(model: &Gpt2, run_id: &str, version: u64) -> rookworld_lm::Result<Self> {
-        let bytes = checkpoint::to_bytes(model, candle_core::DType::BF16)?;
-        Ok(Self {
+        let bytes = checkpoint::to_bf16_payload(model)?;
+        Ok(Self::from_bytes(run_id, version, bytes))
+    }
+
+    /// A set of payload `bytes` (safetensors, bfloat16), hashed here.
+    pub fn from_bytes(run_id: &str, version: u64, bytes: Vec<u8>) -> Self {
+        Self {
             run_id: run_id.to_owned(),
             version,
             sha256: Sha256::digest(&bytes).into(),
-            bytes,
-        })
+            bytes: bytes.into(),
+        }
     }
 
-    /// The chunks of this set, header on the first.
-    pub fn chunks(&self, chunk_bytes: usize) -> Vec<pb::WeightChunk> {
-        let mut out: Vec<pb::WeightChunk> = self
-            .bytes
-            .chunks(chunk_bytes.max(1))
-            .enumerate()
-            .map(|(i, data)| pb::WeightChunk {
-                header: None,
-                offset: (i * chunk_bytes.max(1)) as u64,
-                data: data.to_vec(),
-            })
-            .collect();
-        if out.is_empty() {
-            out.push(pb::WeightChunk::default());
-        }
-        out[0].header = Some(pb::WeightSetHeader {
+    /// The header the first chunk carries.
+    pub fn header(&self) -> pb::WeightSetHeader {
+        pb::WeightSetHeader {
             version: self.version,
             total_bytes: self.bytes.len() as u64,
             sha256: self.sha256.to_vec(),
             format: FORMAT.into(),
             run_id: self.run_id.clone(),
-        });
-        out
+        }
+    }
+
+    /// The chunks of this set, header on the first: slices of the shared payload, made
+    /// as they are sent.
+    pub fn chunks(&self, chunk_bytes: usize) -> impl Iterator<Item = pb::WeightChunk> + use<> {
+        let step = chunk_bytes.max(1);
+        let (bytes, header) = (self.bytes.clone(), self.header());
+        let count = bytes.len().div_ceil(step).max(1);
+        (0..count).map(move |i| {
+            let start = i * step;
+            let end = (start + step).min(bytes.len());
+            pb::WeightChunk {
+                header: (i == 0).then(|| header.clone()),
+                offset: start as u64,
+                data: bytes.slice(start.min(end)..end),
+            }
+        })
     }
 }
 
@@ -102,6 +115,11 @@ impl Assembler {
     /// Bytes received so far.
     pub fn received(&self) -> usize {
         self.bytes.len()
+    }
+
+    /// The header, once the first chunk is in.
+    pub fn header(&self) -> Option<&pb::WeightSetHeader> {
+        self.header.as_ref()
     }
 
     /// Takes the next chunk.
@@ -168,7 +186,7 @@ impl Assembler {
         Ok(WeightSet {
             run_id: h.run_id,
             version: h.version,
-            bytes: self.bytes,
+            bytes: self.bytes.into(),
             sha256: actual,
         })
     }
@@ -179,14 +197,7 @@ impl WeightSet {
     /// a newer version of the same run, or any version of another run (a new run counts
     /// its versions again).
     pub fn supersedes(&self, current_run: &str, current: u64) -> Result<(), WeightError> {
-        if self.run_id == current_run && self.version <= current {
-            return Err(WeightError::Stale {
-                offered: self.version,
-                current,
-                run: current_run.to_owned(),
-            });
-        }
-        Ok(())
+        supersedes(&self.run_id, self.version, current_run, current)
     }
 
     /// Builds the model (`cfg`'s shape, into `dtype` on `device`, packed for the CPU
@@ -201,6 +212,24 @@ impl WeightSet {
         model.pack_for_cpu().map_err(rookworld_lm::Error::from)?;
         Ok((self.version, model))
     }
+}
+
+/// Whether version `version` of run `run` replaces version `current` of `current_run`
+/// (see [`WeightSet::supersedes`]); the worker asks it of the header, before the body.
+pub fn supersedes(
+    run: &str,
+    version: u64,
+    current_run: &str,
+    current: u64,
+) -> Result<(), WeightError> {
+    if run == current_run && version <= current {
+        return Err(WeightError::Stale {
+            offered: version,
+            current,
+            run: current_run.to_owned(),
+        });
+    }
+    Ok(())
 }
 
 /// Pushes `set` to a worker in `chunk_bytes` chunks with the shared `token`; the answer
@@ -243,7 +272,7 @@ mod tests {
     #[test]
     fn chunks_reassemble_into_the_same_model() {
         let s = set();
-        let chunks = s.chunks(10_000);
+        let chunks = s.chunks(10_000).collect::<Vec<_>>();
         assert!(chunks.len() > 10);
         let back = assemble(chunks).unwrap();
         assert_eq!(
@@ -262,18 +291,20 @@ mod tests {
     #[test]
     fn corruption_gaps_and_stale_versions_are_refused() {
         let s = set();
-        let mut chunks = s.chunks(10_000);
-        chunks[3].data[17] ^= 0x40;
+        let mut chunks = s.chunks(10_000).collect::<Vec<_>>();
+        let mut flipped = chunks[3].data.to_vec();
+        flipped[17] ^= 0x40;
+        chunks[3].data = flipped.into();
         assert!(matches!(
             assemble(chunks).unwrap_err(),
             WeightError::Checksum { .. }
         ));
 
-        let mut chunks = s.chunks(10_000);
+        let mut chunks = s.chunks(10_000).collect::<Vec<_>>();
         chunks.remove(2);
         assert!(assemble(chunks).unwrap_err().to_string().contains("offset"));
 
-        let mut chunks = s.chunks(10_000);
+        let mut chunks = s.chunks(10_000).collect::<Vec<_>>();
         chunks.pop();
         assert!(
             assemble(chunks)
@@ -282,7 +313,7 @@ mod tests {
                 .contains("ended after")
         );
 
-        let mut chunks = s.chunks(10_000);
+        let mut chunks = s.chunks(10_000).collect::<Vec<_>>();
         chunks[0].header = None;
         assert!(
             assemble(chunks)
@@ -293,7 +324,7 @@ mod tests {
 
         let mut a = Assembler::new(1000);
         assert!(
-            a.push(s.chunks(10_000).remove(0))
+            a.push(s.chunks(10_000).collect::<Vec<_>>().remove(0))
                 .unwrap_err()
                 .to_string()
                 .contains("limit")

@@ -17,7 +17,7 @@ use rookworld_proto::queue::v1::rollout_queue_client::RolloutQueueClient;
 use rookworld_proto::reward::v1 as reward;
 use rookworld_proto::reward::v1::reward_service_client::RewardServiceClient;
 use tokio::sync::Semaphore;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::engine::{Engine, Event, Request};
 
@@ -106,7 +106,7 @@ impl Peer {
 }
 
 fn channel(url: &str, timeout: Duration) -> Result<Channel, tonic::transport::Error> {
-    Ok(Endpoint::from_shared(url.to_owned())?
+    Ok(rookworld_proto::serve::endpoint(url)?
         .connect_timeout(timeout)
         .timeout(timeout)
         // A peer whose host vanished never resets the connection: pings notice it.

@@ -229,7 +229,9 @@ async fn weight_updates_need_the_token_and_a_valid_payload_and_keep_old_weights_
 
     // A corrupted chunk: rejected by the checksum.
     let mut corrupted = set.clone();
-    corrupted.bytes[1000] ^= 1;
+    let mut flipped = set.bytes.to_vec();
+    flipped[1000] ^= 1;
+    corrupted.bytes = flipped.into();
     corrupted.sha256 = set.sha256;
     let err = weights::push(&mut client, &corrupted, TOKEN, 64 * 1024)
         .await
@@ -277,6 +279,20 @@ async fn weight_updates_need_the_token_and_a_valid_payload_and_keep_old_weights_
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
     assert!(err.message().contains("run `run-a`"), "{err:?}");
+    // ... refused on its header, before the body: a stream that sends the first chunk and
+    // then nothing more is answered all the same (it would hang if the body were awaited).
+    let first = set.chunks(64 * 1024).next().unwrap();
+    let mut request =
+        tonic::Request::new(tokio_stream::iter([first]).chain(tokio_stream::pending()));
+    rookworld_proto::auth::set_token(request.metadata_mut(), TOKEN).unwrap();
+    let err = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        client.update_weights(request),
+    )
+    .await
+    .expect("a stale header is answered without the body")
+    .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
     let now = status(&mut client).await;
     assert_eq!(
         (now.weight_version, now.weight_run_id.as_str()),

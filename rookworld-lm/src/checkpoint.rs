@@ -232,6 +232,17 @@ pub fn to_bytes(model: &Gpt2, dtype: DType) -> Result<Vec<u8>> {
     Ok(safetensors::serialize(tensors, Some(metadata))?)
 }
 
+/// The model's weights as a bfloat16 safetensors payload, fast: f32 CPU weights are
+/// converted in parallel straight into one buffer (the same tensors, values and names as
+/// `to_bytes(model, BF16)`, bit for bit; the header's layout may differ, so [`save`] keeps
+/// the byte-exact `to_bytes`). What a weight push sends.
+pub fn to_bf16_payload(model: &Gpt2) -> Result<Vec<u8>> {
+    match crate::bf16_payload::build(&model.named_tensors(), &[("format", "pt")])? {
+        Some(bytes) => Ok(bytes),
+        None => to_bytes(model, DType::BF16),
+    }
+}
+
 /// Builds a model of shape `cfg` from safetensors `bytes` (any stored float dtype, with
 /// or without the `transformer.` prefix), into `dtype` on `device`. A missing or
 /// misshaped tensor is named; nothing is trusted before every tensor is checked.
@@ -243,7 +254,8 @@ pub fn from_bytes(bytes: &[u8], cfg: &Config, dtype: DType, device: &Device) -> 
             .into_iter()
             .map(|(n, v)| (n, v.shape().to_vec())),
     )?;
-    let tensors = candle_core::safetensors::load_buffer(bytes, &Device::Cpu)?;
+    let to_f32 = dtype == DType::F32;
+    let tensors = crate::bf16_payload::load(bytes, to_f32)?;
     build(
         VarBuilder::from_tensors(tensors, dtype, device),
         prefixed,

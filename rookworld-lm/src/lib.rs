@@ -16,6 +16,7 @@
 //! - [`cli`]: the model options every binary shares (`--model`/`--preset`, `--device`, `--dtype`).
 //! - [`error`]: the crate's [`Error`].
 
+mod bf16_payload;
 pub mod cache;
 pub mod checkpoint;
 pub mod cli;

@@ -68,7 +68,7 @@ pub(super) async fn drain(queue: &Mutex<Queue>, timeout: Duration) {
 
 /// Fails with one line when nothing answers at `url` within `wait`.
 pub(super) async fn check_reachable(url: &str, wait: Duration) -> Result<(), TrainError> {
-    let endpoint = tonic::transport::Endpoint::from_shared(url.to_owned())
+    let endpoint = rookworld_proto::serve::endpoint(url)
         .map_err(|e| ConfigError(format!("--reward {url}: {e}")))?
         .connect_timeout(Duration::from_secs(2));
     let started = Instant::now();

@@ -1,0 +1,323 @@
+//! `learner bench-push`: the weight push, phase by phase, beside its floor in the same run.
+//!
+//! A real rollout worker (the service `rollout-worker serve` runs, in this process) listens
+//! on loopback with the preset's shape; the learner side turns its own model into the BF16
+//! payload and pushes N versions to it over gRPC, per chunk size while the worker is idle,
+//! and at the default chunk size while it generates. The floor is a `memcpy` of the same
+//! bytes and a raw loopback TCP transfer of them. One JSON line on stdout.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use candle_core::{DType, Device};
+use rollout_worker::engine::{Engine, EngineConfig, prepare_model};
+use rollout_worker::service::{RolloutServer, ServiceConfig};
+use rollout_worker::weights::{self, CHUNK_BYTES, WeightSet};
+use rookworld_lm::config::Config;
+use rookworld_lm::{Tokenizer, checkpoint};
+use rookworld_proto::logging::Progress;
+use rookworld_proto::rollout::v1 as pb;
+use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
+use serde::Serialize;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Options of `learner bench-push`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchPushArgs {
+    /// Model shape (seeded random weights): gpt2-124m or tiny.
+    #[arg(long, default_value = "gpt2-124m")]
+    pub preset: String,
+    /// Pushes per measurement; the median is reported.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 3)]
+    pub pushes: usize,
+    /// Chunk sizes to compare on the idle worker, in KiB.
+    #[arg(long, value_delimiter = ',', default_value = "64,256,1024,4096")]
+    pub chunk_kib: Vec<usize>,
+    /// Skip the pushes to a generating worker.
+    #[arg(long)]
+    pub idle_only: bool,
+}
+
+/// One measurement: the median push and where the worker spent it.
+#[derive(Debug, Serialize)]
+struct Pushes {
+    chunk_kib: usize,
+    /// End to end, as the learner sees it: first chunk sent to the worker's answer.
+    seconds: f64,
+    gb_per_second: f64,
+    /// The worker's phases of that push.
+    receive_seconds: f64,
+    verify_seconds: f64,
+    convert_seconds: f64,
+    swap_seconds: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Floor {
+    memcpy_seconds: f64,
+    memcpy_gb_per_second: f64,
+    tcp_seconds: f64,
+    tcp_gb_per_second: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    preset: String,
+    bytes: usize,
+    /// Learner: the model to the BF16 safetensors payload, and its SHA-256.
+    export_seconds: f64,
+    /// The same payload by the generic path (`to_dtype`, `safetensors::serialize`), the
+    /// in-run baseline of the export.
+    export_generic_seconds: f64,
+    hash_seconds: f64,
+    /// What the training thread pays per step for a push today (export and hash run on
+    /// it; the transfer runs in the background).
+    training_thread_seconds: f64,
+    floor: Floor,
+    idle: Vec<Pushes>,
+    generating: Option<Pushes>,
+    /// A push of a version the worker already passed: refused on its header.
+    stale_refusal_seconds: f64,
+}
+
+const TOKEN: &str = "bench-push";
+
+/// Runs the benchmark and prints its JSON line.
+pub fn run(args: &BenchPushArgs) -> Result<(), String> {
+    rookworld_proto::check::at_least("--pushes", args.pushes as u64, 1)?;
+    if args.chunk_kib.contains(&0) {
+        return Err("--chunk-kib: every size must be ≥ 1".into());
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("runtime: {e}"))?;
+    let report = runtime.block_on(bench(args))?;
+    println!(
+        "{}",
+        serde_json::to_string(&report).expect("report serialises")
+    );
+    Ok(())
+}
+
+async fn bench(args: &BenchPushArgs) -> Result<Report, String> {
+    let err = |e: &dyn std::fmt::Display| e.to_string();
+    let cfg = Config::preset(&args.preset).map_err(|e| err(&e))?;
+    let learner_model =
+        checkpoint::init_random(&cfg, 1, DType::F32, &Device::Cpu).map_err(|e| err(&e))?;
+    let t = Instant::now();
+    let generic = checkpoint::to_bytes(&learner_model, DType::BF16).map_err(|e| err(&e))?;
+    let export_generic_seconds = t.elapsed().as_secs_f64();
+    drop(generic);
+    let t = Instant::now();
+    let payload = checkpoint::to_bf16_payload(&learner_model).map_err(|e| err(&e))?;
+    let export_seconds = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let set = WeightSet::from_bytes("bench", 1, payload);
+    let hash_seconds = t.elapsed().as_secs_f64();
+    drop(learner_model);
+    let bytes = set.bytes.len();
+    let floor = floor(&set.bytes).await.map_err(|e| err(&e))?;
+
+    // The worker, as `rollout-worker serve` runs it.
+    let worker_model = prepare_model(
+        checkpoint::init_random(&cfg, 2, DType::F32, &Device::Cpu).map_err(|e| err(&e))?,
+    )
+    .map_err(|e| err(&e))?;
+    let engine = Arc::new(Engine::start(worker_model, 0, EngineConfig::default()));
+    let server = RolloutServer::new(
+        engine,
+        Tokenizer::gpt2(),
+        cfg.clone(),
+        DType::F32,
+        Device::Cpu,
+        ServiceConfig {
+            token: Some(TOKEN.into()),
+            ..ServiceConfig::default()
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| err(&e))?;
+    let url = format!("http://{}", listener.local_addr().map_err(|e| err(&e))?);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(rollout_worker::service::run(server, listener, async {
+        let _ = stopped.await;
+    }));
+    let channel = rookworld_proto::serve::endpoint(&url)
+        .map_err(|e| err(&e))?
+        .connect()
+        .await
+        .map_err(|e| err(&e))?;
+    let mut client = RolloutServiceClient::new(channel);
+
+    let generating_runs = usize::from(!args.idle_only);
+    let total = (args.chunk_kib.len() + generating_runs) * args.pushes;
+    let mut progress = Progress::new("bench push", 0, total as u64, true);
+    let mut version = 1;
+    let mut idle = vec![];
+    for &kib in &args.chunk_kib {
+        idle.push(
+            pushes(
+                &mut client,
+                &set,
+                &mut version,
+                kib,
+                args.pushes,
+                &mut progress,
+            )
+            .await?,
+        );
+    }
+    let generating = if args.idle_only {
+        None
+    } else {
+        let busy = Arc::new(AtomicBool::new(true));
+        let load = tokio::spawn(generate_until(client.clone(), busy.clone()));
+        let kib = CHUNK_BYTES >> 10;
+        let p = pushes(
+            &mut client,
+            &set,
+            &mut version,
+            kib,
+            args.pushes,
+            &mut progress,
+        )
+        .await;
+        busy.store(false, Ordering::SeqCst);
+        let _ = load.await;
+        Some(p?)
+    };
+    progress.finish();
+    let stale = WeightSet {
+        version: 1,
+        ..set.clone()
+    };
+    let t = Instant::now();
+    let refused = weights::push(&mut client, &stale, TOKEN, CHUNK_BYTES).await;
+    let stale_refusal_seconds = t.elapsed().as_secs_f64();
+    if refused.is_ok() {
+        return Err("the worker took a stale version".into());
+    }
+    let _ = stop.send(());
+    let _ = serving.await;
+    Ok(Report {
+        preset: args.preset.clone(),
+        bytes,
+        export_seconds,
+        export_generic_seconds,
+        hash_seconds,
+        training_thread_seconds: export_seconds + hash_seconds,
+        floor,
+        idle,
+        generating,
+        stale_refusal_seconds,
+    })
+}
+
+/// `n` pushes of new versions in `kib`-KiB chunks; the median one.
+async fn pushes(
+    client: &mut RolloutServiceClient<tonic::transport::Channel>,
+    set: &WeightSet,
+    version: &mut u64,
+    kib: usize,
+    n: usize,
+    progress: &mut Progress,
+) -> Result<Pushes, String> {
+    let mut all = vec![];
+    for _ in 0..n {
+        *version += 1;
+        let next = WeightSet {
+            version: *version,
+            ..set.clone()
+        };
+        let t = Instant::now();
+        let answer = weights::push(client, &next, TOKEN, kib << 10)
+            .await
+            .map_err(|s| format!("push: {:?}: {}", s.code(), s.message()))?;
+        let seconds = t.elapsed().as_secs_f64();
+        progress.tick(&format!("{kib} KiB chunks: {seconds:.3} s"));
+        all.push((seconds, answer));
+    }
+    all.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (seconds, a): (f64, pb::UpdateWeightsResponse) = all.swap_remove(all.len() / 2);
+    Ok(Pushes {
+        chunk_kib: kib,
+        seconds,
+        gb_per_second: set.bytes.len() as f64 / seconds / 1e9,
+        receive_seconds: a.receive_seconds,
+        verify_seconds: a.verify_seconds,
+        convert_seconds: a.convert_seconds,
+        swap_seconds: a.swap_seconds,
+    })
+}
+
+/// Keeps the worker generating (4 prompts × 8 completions of 64 tokens) until `busy` ends.
+async fn generate_until(
+    mut client: RolloutServiceClient<tonic::transport::Channel>,
+    busy: Arc<AtomicBool>,
+) {
+    while busy.load(Ordering::SeqCst) {
+        let request = pb::GenerateRequest {
+            prompts: vec![
+                pb::Prompt {
+                    text: rollout_worker::bench_cmd::BENCH_PROMPT.into(),
+                    ..Default::default()
+                };
+                4
+            ],
+            num_completions: 8,
+            sampling: Some(rookworld_proto::v1::SamplingParams {
+                temperature: 1.0,
+                max_new_tokens: 64,
+                ..Default::default()
+            }),
+        };
+        let Ok(answer) = client.generate(request).await else {
+            return;
+        };
+        let mut stream = answer.into_inner();
+        while let Ok(Some(_)) = stream.message().await {}
+    }
+}
+
+/// The floor for moving `bytes`: one `memcpy` into memory already touched, and one raw
+/// loopback TCP transfer (TCP_NODELAY, 1 MiB reads) into a reused buffer.
+async fn floor(bytes: &[u8]) -> std::io::Result<Floor> {
+    let mut dst = vec![1u8; bytes.len()];
+    let t = Instant::now();
+    dst.copy_from_slice(bytes);
+    let memcpy_seconds = t.elapsed().as_secs_f64();
+    std::hint::black_box(&dst);
+    drop(dst);
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let reader = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await?;
+        let mut buf = vec![0u8; 1 << 20];
+        let mut n = 0usize;
+        loop {
+            match s.read(&mut buf).await? {
+                0 => return Ok::<usize, std::io::Error>(n),
+                k => n += k,
+            }
+        }
+    });
+    let t = Instant::now();
+    let mut w = tokio::net::TcpStream::connect(addr).await?;
+    w.set_nodelay(true)?;
+    w.write_all(bytes).await?;
+    w.shutdown().await?;
+    let got = reader.await.map_err(std::io::Error::other)??;
+    let tcp_seconds = t.elapsed().as_secs_f64();
+    assert_eq!(got, bytes.len(), "the reader got every byte");
+    let gbps = |s: f64| bytes.len() as f64 / s / 1e9;
+    Ok(Floor {
+        memcpy_seconds,
+        memcpy_gb_per_second: gbps(memcpy_seconds),
+        tcp_seconds,
+        tcp_gb_per_second: gbps(tcp_seconds),
+    })
+}
