@@ -37,6 +37,23 @@ pub fn at_least(flag: &str, v: u64, min: u64) -> Result<(), String> {
     }
 }
 
+/// `--max-new-tokens` must fit in the model's `context` after `what` (the longest prompt)
+/// of `prompt` tokens; the refusal says how many would fit.
+pub fn fits_context(
+    max_new: usize,
+    prompt: usize,
+    what: &str,
+    context: usize,
+) -> Result<(), String> {
+    if prompt + max_new <= context {
+        return Ok(());
+    }
+    Err(format!(
+        "--max-new-tokens {max_new} does not fit after {what} of {prompt} tokens in the model's {context}-token context; use --max-new-tokens {} or less",
+        context.saturating_sub(prompt)
+    ))
+}
+
 /// `flag` must be a gRPC URL with its scheme: `http://HOST:PORT` (or `https://`).
 pub fn url(flag: &str, v: &str) -> Result<(), String> {
     let ok = (v.starts_with("http://") || v.starts_with("https://"))

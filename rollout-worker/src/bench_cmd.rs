@@ -134,14 +134,13 @@ pub fn run(args: &BenchArgs, out: &mut impl Write) -> Result<(), EngineError> {
     let loaded = args.model.load()?;
     let prompt = loaded.tokenizer.encode(BENCH_PROMPT)?;
     let context = loaded.model.config().n_positions;
-    if prompt.len() + args.max_new_tokens > context {
-        return Err(EngineError::InvalidRequest(format!(
-            "--max-new-tokens {} does not fit: the {}-token bench prompt leaves {} of the model's {context}-token context",
-            args.max_new_tokens,
-            prompt.len(),
-            context.saturating_sub(prompt.len())
-        )));
-    }
+    rookworld_proto::check::fits_context(
+        args.max_new_tokens,
+        prompt.len(),
+        "the bench prompt",
+        context,
+    )
+    .map_err(EngineError::InvalidRequest)?;
     let reference = Arc::new(loaded.model.clone());
     let model = Arc::new(prepare_model(loaded.model)?);
     // Warm-up: allocator and thread pool.

@@ -185,12 +185,11 @@ fn check_context(
             }
         }
     }
-    let new = s.max_new_tokens as usize;
-    if longest + new > context {
-        return Err(ConfigError(format!(
-            "--max-new-tokens {new} does not fit: the prompts take up to {longest} tokens of the model's {context}-token context; use --max-new-tokens {} or less",
-            context.saturating_sub(longest)
-        )));
-    }
-    Ok(())
+    rookworld_proto::check::fits_context(
+        s.max_new_tokens as usize,
+        longest,
+        "the longest prompt",
+        context,
+    )
+    .map_err(ConfigError)
 }
