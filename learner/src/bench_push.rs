@@ -20,6 +20,10 @@ use rookworld_proto::logging::Progress;
 use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
 use serde::Serialize;
+
+use crate::export::Exporter;
+use crate::optim::{AdamW, AdamWConfig};
+use crate::policy::Trainable;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Options of `learner bench-push`.
@@ -71,9 +75,15 @@ struct Report {
     /// in-run baseline of the export.
     export_generic_seconds: f64,
     hash_seconds: f64,
-    /// What the training thread pays per step for a push today (export and hash run on
-    /// it; the transfer runs in the background).
+    /// One AdamW step over the model's parameters (median), as training runs it.
+    optimizer_seconds: f64,
+    /// The same step writing the BF16 payload as it goes and handing it to the exporter
+    /// (median) — what a publishing step runs.
+    optimizer_exporting_seconds: f64,
+    /// What publishing costs the training thread per step: the difference of the two.
     training_thread_seconds: f64,
+    /// From the hand-off to the set being published (hashed on the export thread).
+    publish_seconds: f64,
     floor: Floor,
     idle: Vec<Pushes>,
     generating: Option<Pushes>,
@@ -116,8 +126,12 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, String> {
     let t = Instant::now();
     let set = WeightSet::from_bytes("bench", 1, payload);
     let hash_seconds = t.elapsed().as_secs_f64();
-    drop(learner_model);
     let bytes = set.bytes.len();
+    let training = training_thread(&learner_model, args.pushes).map_err(|e| err(&e))?;
+    drop(learner_model);
+    if training.set.sha256 == set.sha256 || training.set.bytes.len() != bytes {
+        return Err("the optimizer's payload is not an updated model of the same size".into());
+    }
     let floor = floor(&set.bytes).await.map_err(|e| err(&e))?;
 
     // The worker, as `rollout-worker serve` runs it.
@@ -208,11 +222,79 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, String> {
         export_seconds,
         export_generic_seconds,
         hash_seconds,
-        training_thread_seconds: export_seconds + hash_seconds,
+        optimizer_seconds: training.plain,
+        optimizer_exporting_seconds: training.exporting,
+        training_thread_seconds: (training.exporting - training.plain).max(0.0),
+        publish_seconds: training.publish,
         floor,
         idle,
         generating,
         stale_refusal_seconds,
+    })
+}
+
+/// The optimizer's cost with and without writing the payload, and the publish latency.
+struct TrainingThread {
+    plain: f64,
+    exporting: f64,
+    publish: f64,
+    /// The last set published.
+    set: Arc<WeightSet>,
+}
+
+/// `n` AdamW steps of `model`'s parameters (fixed pseudo-random gradients) without export,
+/// then `n` writing the payload and publishing it; the medians.
+fn training_thread(model: &rookworld_lm::Gpt2, n: usize) -> rookworld_lm::Result<TrainingThread> {
+    let policy = Trainable::from_model(model)?;
+    let grads = || {
+        let buffers = policy
+            .vars
+            .iter()
+            .map(|(_, v)| {
+                (0..v.elem_count())
+                    .map(|i| (i % 97) as f32 * 1e-3 - 0.05)
+                    .collect()
+            })
+            .collect();
+        policy.host_gradients(buffers)
+    };
+    let (grads, mut opt) = (grads(), AdamW::new(AdamWConfig::default()));
+    let (tx, rx) = tokio::sync::watch::channel(None);
+    let exporter = Exporter::new(&policy.vars, Arc::new(tx));
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    // One of each first: moments and payload buffers allocated.
+    let (mut plain, mut exporting, mut publish) = (vec![], vec![], vec![]);
+    for i in 0..=n {
+        let t = Instant::now();
+        opt.step(&policy.vars, &grads, 1e-5)?;
+        plain.push(t.elapsed().as_secs_f64());
+
+        let t = Instant::now();
+        let mut payload = exporter.payload();
+        opt.step_exporting(&policy.vars, &grads, 1e-5, Some(&mut payload))?;
+        payload.fill_rest(&policy.vars)?;
+        exporter
+            .publish("bench", 1000 + i as u64, payload)
+            .map_err(|e| rookworld_lm::Error::from(candle_core::Error::msg(e)))?;
+        exporting.push(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        exporter
+            .flush()
+            .map_err(|e| rookworld_lm::Error::from(candle_core::Error::msg(e)))?;
+        publish.push(t.elapsed().as_secs_f64());
+        if i == 0 {
+            (plain, exporting, publish) = (vec![], vec![], vec![]);
+        }
+    }
+    let set = rx.borrow().clone().expect("published");
+    Ok(TrainingThread {
+        plain: median(plain),
+        exporting: median(exporting),
+        publish: median(publish),
+        set,
     })
 }
 

@@ -7,6 +7,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result as CandleResult, Shape, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
+use crate::export::Payload;
 use crate::fused::HostF32;
 
 /// Gradients summed over micro-batches, by parameter name (ordered, so every sum over
@@ -167,14 +168,28 @@ impl AdamW {
 
     /// One update of `vars` with `grads` at learning rate `lr`.
     pub fn step(&mut self, vars: &[(String, Var)], grads: &Gradients, lr: f64) -> CandleResult<()> {
+        self.step_exporting(vars, grads, lr, None)
+    }
+
+    /// [`AdamW::step`], writing each updated parameter as bfloat16 into its slot of
+    /// `export` in the same pass (while its values are still in cache): the weight push's
+    /// payload costs the training thread a store per parameter instead of a pass of its own.
+    pub fn step_exporting(
+        &mut self,
+        vars: &[(String, Var)],
+        grads: &Gradients,
+        lr: f64,
+        mut export: Option<&mut Payload>,
+    ) -> CandleResult<()> {
         self.steps += 1;
         let c = self.cfg;
         let t = self.steps as i32;
-        for (name, var) in vars {
+        for (i, (name, var)) in vars.iter().enumerate() {
             let Some(g) = grads.by_name.get(name) else {
                 continue;
             };
             let numel = var.elem_count();
+            let out = export.as_deref_mut().map(|e| e.slot(i, name));
             let (m, v) = self
                 .moments
                 .entry(name.clone())
@@ -208,7 +223,7 @@ impl AdamW {
                 bias2: 1.0 - c.beta2.powi(t),
                 grad_scale: grads.scale(),
                 grad,
-                moments: std::sync::Mutex::new((m.as_mut_slice(), v.as_mut_slice())),
+                state: std::sync::Mutex::new((m.as_mut_slice(), v.as_mut_slice(), out)),
             };
             if var.device().is_cpu() && var.dtype() == DType::F32 && var.is_contiguous() {
                 var.as_tensor().inplace_op1(&pass)?;
@@ -235,33 +250,49 @@ struct AdamWPass<'a> {
     bias2: f64,
     grad_scale: f64,
     grad: &'a [f32],
-    moments: std::sync::Mutex<(&'a mut [f32], &'a mut [f32])>,
+    /// The moments, and where the updated values go as bfloat16 (if anywhere).
+    state: std::sync::Mutex<PassState<'a>>,
 }
+
+/// The first and second moments of one parameter, and its bfloat16 payload slot.
+type PassState<'a> = (&'a mut [f32], &'a mut [f32], Option<&'a mut [u8]>);
 
 impl AdamWPass<'_> {
     /// The update over `p`, in chunks across threads.
     fn apply(&self, p: &mut [f32]) {
-        let g = self.grad;
         use rayon::prelude::*;
-        let mut moments = self.moments.lock().expect("moments lock");
-        let (m, v) = &mut *moments;
+        let g = self.grad;
+        let mut state = self.state.lock().expect("optimizer state lock");
+        let (m, v, out) = &mut *state;
         let shrink = (1.0 - self.lr * self.decay) as f32;
         let (b1, b2) = (self.beta1 as f32, self.beta2 as f32);
         let (s1, s2) = ((1.0 / self.bias1) as f32, (1.0 / self.bias2) as f32);
         let (lr, eps, gs) = (self.lr as f32, self.eps as f32, self.grad_scale as f32);
+        let update = |p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]| {
+            for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+                let g = g * gs;
+                *m = b1 * *m + (1.0 - b1) * g;
+                *v = b2 * *v + (1.0 - b2) * g * g;
+                let update = (*m * s1) / ((*v * s2).sqrt() + eps);
+                *p = *p * shrink - lr * update;
+            }
+        };
         const CHUNK: usize = 1 << 14;
-        p.par_chunks_mut(CHUNK)
+        let chunks = p
+            .par_chunks_mut(CHUNK)
             .zip(g.par_chunks(CHUNK))
-            .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
-            .for_each(|((p, g), (m, v))| {
-                for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-                    let g = g * gs;
-                    *m = b1 * *m + (1.0 - b1) * g;
-                    *v = b2 * *v + (1.0 - b2) * g * g;
-                    let update = (*m * s1) / ((*v * s2).sqrt() + eps);
-                    *p = *p * shrink - lr * update;
-                }
-            });
+            .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)));
+        match out {
+            Some(out) => {
+                chunks
+                    .zip(out.par_chunks_mut(CHUNK * 2))
+                    .for_each(|(((p, g), (m, v)), out)| {
+                        update(p, g, m, v);
+                        rookworld_lm::bf16_payload::write_bf16(p, out);
+                    })
+            }
+            None => chunks.for_each(|((p, g), (m, v))| update(p, g, m, v)),
+        }
     }
 }
 

@@ -8,6 +8,7 @@ use rookworld_lm::Gpt2;
 use serde::Serialize;
 
 use crate::batch::{GrpoBatch, Layout};
+use crate::export::Payload;
 use crate::fused::step::{MicroBatch, micro_step, reference_logprobs};
 use crate::fused::{self, Params};
 use crate::grpo::Aggregation;
@@ -203,7 +204,10 @@ fn accumulate_fused(
     Ok((out, report))
 }
 
-/// A full step: gradients, clipping, AdamW at the schedule's rate for `step`.
+/// A full step: gradients, clipping, AdamW at the schedule's rate for `step`; with
+/// `export`, the updated weights are also written into it as bfloat16 (see
+/// [`crate::export`]).
+#[allow(clippy::too_many_arguments)]
 pub fn train_step(
     policy: &Trainable,
     reference: Option<&Gpt2>,
@@ -212,13 +216,17 @@ pub fn train_step(
     step: u64,
     batch: &GrpoBatch,
     cfg: &StepConfig,
+    mut export: Option<&mut Payload>,
 ) -> CandleResult<StepReport> {
     let (mut grads, mut report) = accumulate(policy, reference, batch, cfg)?;
     let started = Instant::now();
     report.grad_norm = grads.clip(cfg.max_grad_norm)?;
     report.lr = schedule.lr_at(step);
     if report.tokens > 0 {
-        opt.step(&policy.vars, &grads, report.lr)?;
+        opt.step_exporting(&policy.vars, &grads, report.lr, export.as_deref_mut())?;
+    }
+    if let Some(payload) = export {
+        payload.fill_rest(&policy.vars)?;
     }
     policy.recycle(grads);
     report.optimizer_seconds = started.elapsed().as_secs_f64();

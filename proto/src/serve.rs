@@ -93,13 +93,18 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 pub const STREAM_WINDOW_BYTES: u32 = 8 << 20;
 /// HTTP/2 flow-control window of one connection (several streams at once).
 pub const CONNECTION_WINDOW_BYTES: u32 = 16 << 20;
+/// Largest HTTP/2 frame a peer may send (the default is 16 KiB): a weight push's
+/// megabyte chunks cross in a few frames instead of 64 each.
+pub const MAX_FRAME_BYTES: u32 = 1 << 20;
 
 /// A client endpoint for `url` with the windows of [`STREAM_WINDOW_BYTES`] and
-/// [`CONNECTION_WINDOW_BYTES`] and TCP_NODELAY, as every server here has.
+/// [`CONNECTION_WINDOW_BYTES`], frames up to [`MAX_FRAME_BYTES`] and TCP_NODELAY, as every
+/// server here has.
 pub fn endpoint(url: &str) -> Result<tonic::transport::Endpoint, tonic::transport::Error> {
     Ok(tonic::transport::Endpoint::from_shared(url.to_owned())?
         .initial_stream_window_size(STREAM_WINDOW_BYTES)
         .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
+        .max_frame_size(MAX_FRAME_BYTES)
         .tcp_nodelay(true))
 }
 
@@ -137,6 +142,7 @@ where
         .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
         .initial_stream_window_size(Some(STREAM_WINDOW_BYTES))
         .initial_connection_window_size(Some(CONNECTION_WINDOW_BYTES))
+        .max_frame_size(Some(MAX_FRAME_BYTES))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)

@@ -57,11 +57,16 @@ impl WeightSet {
 
     /// A set of payload `bytes` (safetensors, bfloat16), hashed here.
     pub fn from_bytes(run_id: &str, version: u64, bytes: Vec<u8>) -> Self {
+        Self::from_shared(run_id, version, bytes.into())
+    }
+
+    /// A set of shared payload `bytes`, hashed here.
+    pub fn from_shared(run_id: &str, version: u64, bytes: Bytes) -> Self {
         Self {
             run_id: run_id.to_owned(),
             version,
             sha256: Sha256::digest(&bytes).into(),
-            bytes: bytes.into(),
+            bytes,
         }
     }
 
@@ -94,12 +99,14 @@ impl WeightSet {
     }
 }
 
-/// Puts a chunk stream back together, refusing anything out of order or over size.
+/// Puts a chunk stream back together, refusing anything out of order or over size; each
+/// chunk is hashed as it arrives, so the checksum is ready when the last one is in.
 #[derive(Debug)]
 pub struct Assembler {
     max_bytes: usize,
     header: Option<pb::WeightSetHeader>,
     bytes: Vec<u8>,
+    hasher: Sha256,
 }
 
 impl Assembler {
@@ -109,6 +116,7 @@ impl Assembler {
             max_bytes,
             header: None,
             bytes: Vec::new(),
+            hasher: Sha256::new(),
         }
     }
 
@@ -160,6 +168,7 @@ impl Assembler {
         if self.bytes.len() as u64 + chunk.data.len() as u64 > total {
             return bad(format!("chunks exceed the announced {total} bytes"));
         }
+        self.hasher.update(&chunk.data);
         self.bytes.extend_from_slice(&chunk.data);
         Ok(())
     }
@@ -176,7 +185,7 @@ impl Assembler {
                 h.total_bytes
             )));
         }
-        let actual: [u8; 32] = Sha256::digest(&self.bytes).into();
+        let actual: [u8; 32] = self.hasher.finalize().into();
         if actual[..] != h.sha256[..] {
             return Err(WeightError::Checksum {
                 expected: hex(&h.sha256),

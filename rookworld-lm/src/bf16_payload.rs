@@ -17,6 +17,191 @@ use crate::error::Result;
 /// Elements converted by one parallel piece.
 const PIECE: usize = 1 << 18;
 
+/// Where everything lies in a payload: the header (its 8-byte length, then the JSON padded
+/// to a multiple of 8) and each tensor's byte range, in the order given.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Layout {
+    header: Vec<u8>,
+    slots: Vec<std::ops::Range<usize>>,
+    len: usize,
+}
+
+impl Layout {
+    /// The layout of bfloat16 `tensors` (name, shape) with `metadata`.
+    pub fn new(tensors: &[(String, Vec<usize>)], metadata: &[(&str, &str)]) -> Self {
+        let mut header = serde_json::Map::new();
+        let meta: serde_json::Map<String, serde_json::Value> = metadata
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), serde_json::Value::from(*v)))
+            .collect();
+        header.insert("__metadata__".into(), meta.into());
+        let mut end = 0usize;
+        let mut ranges = Vec::with_capacity(tensors.len());
+        for (name, shape) in tensors {
+            let start = end;
+            end += shape.iter().product::<usize>() * 2;
+            ranges.push(start..end);
+            header.insert(
+                name.clone(),
+                serde_json::json!({"dtype": "BF16", "shape": shape, "data_offsets": [start, end]}),
+            );
+        }
+        let mut json = serde_json::to_vec(&header).expect("header serialises");
+        json.resize(json.len().next_multiple_of(8), b' ');
+        let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(&json);
+        let data_start = bytes.len();
+        let slots = ranges
+            .into_iter()
+            .map(|r| r.start + data_start..r.end + data_start)
+            .collect();
+        Self {
+            header: bytes,
+            slots,
+            len: data_start + end,
+        }
+    }
+
+    /// The layout of `tensors`' names and shapes.
+    pub fn of(tensors: &[(String, Tensor)], metadata: &[(&str, &str)]) -> Self {
+        let shapes: Vec<(String, Vec<usize>)> = tensors
+            .iter()
+            .map(|(n, t)| (n.clone(), t.dims().to_vec()))
+            .collect();
+        Self::new(&shapes, metadata)
+    }
+
+    /// The payload's size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the payload is empty (it never is: the header is there).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The byte range of tensor `i`.
+    pub fn slot(&self, i: usize) -> std::ops::Range<usize> {
+        self.slots[i].clone()
+    }
+
+    /// Writes the header into the first bytes of `payload` (of [`Layout::len`] bytes).
+    pub fn write_header(&self, payload: &mut [u8]) {
+        payload[..self.header.len()].copy_from_slice(&self.header);
+    }
+
+    /// Every tensor's slot of `payload`, in order.
+    pub fn slots_mut<'a>(&self, payload: &'a mut [u8]) -> Vec<&'a mut [u8]> {
+        let mut rest = &mut payload[..self.len];
+        let mut at = 0;
+        let mut out = Vec::with_capacity(self.slots.len());
+        for r in &self.slots {
+            let (_, tail) = rest.split_at_mut(r.start - at);
+            let (slot, tail) = tail.split_at_mut(r.len());
+            out.push(slot);
+            rest = tail;
+            at = r.end;
+        }
+        out
+    }
+}
+
+/// The bfloat16 bits of `x`, rounded to nearest even — bit for bit `half`'s
+/// `bf16::from_f32` (candle's `to_dtype(BF16)`), NaNs quieted the same way — but without
+/// branches, so loops over it vectorise: `(bits + 0x7fff + lsb) >> 16`.
+#[inline(always)]
+pub fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    let nan = ((b >> 16) as u16) | 0x0040;
+    if b & 0x7fff_ffff > 0x7f80_0000 {
+        nan
+    } else {
+        rounded
+    }
+}
+
+/// `src` as bfloat16 ([`bf16_bits`]), little endian, into `dst` (2 bytes per value).
+#[inline]
+pub fn write_bf16(src: &[f32], dst: &mut [u8]) {
+    // SAFETY: every bit pattern is a valid u16; the slices stay within `dst`.
+    let (head, words, tail) = unsafe { dst.align_to_mut::<u16>() };
+    if head.is_empty() && tail.is_empty() {
+        // Aligned (slots start at even offsets of an allocation).
+        #[cfg(target_arch = "x86_64")]
+        if cfg!(target_endian = "little") && std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 is present.
+            unsafe { avx2::stream_bf16(src, words) };
+            return;
+        }
+        for (x, d) in src.iter().zip(words) {
+            *d = bf16_bits(*x).to_le();
+        }
+    } else {
+        for (x, d) in src.iter().zip(dst.chunks_exact_mut(2)) {
+            d.copy_from_slice(&bf16_bits(*x).to_le_bytes());
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::bf16_bits;
+
+    /// [`bf16_bits`] of 16 values at a time, written with non-temporal stores: the
+    /// payload is read next by another thread (the hash) or another process, so its lines
+    /// need not be read in first nor kept in this core's cache — the optimizer's pass
+    /// stays at its own memory traffic.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn stream_bf16(src: &[f32], dst: &mut [u16]) {
+        let n = src.len().min(dst.len());
+        let mut i = 0;
+        while i < n && !(dst.as_ptr() as usize + 2 * i).is_multiple_of(32) {
+            dst[i] = bf16_bits(src[i]);
+            i += 1;
+        }
+        let abs = _mm256_set1_epi32(0x7fff_ffff);
+        let inf = _mm256_set1_epi32(0x7f80_0000);
+        let bias = _mm256_set1_epi32(0x7fff);
+        let one = _mm256_set1_epi32(1);
+        let quiet = _mm256_set1_epi32(0x0040_0000);
+        // 8 values: RNE `(b + 0x7fff + lsb) >> 16`, NaNs `(b | quiet bit) >> 16`.
+        let round = |b: __m256i| {
+            let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(b), one);
+            let rounded = _mm256_add_epi32(b, _mm256_add_epi32(bias, lsb));
+            let nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, abs), inf);
+            let chosen = _mm256_blendv_epi8(rounded, _mm256_or_si256(b, quiet), nan);
+            _mm256_srli_epi32::<16>(chosen)
+        };
+        while i + 16 <= n {
+            // SAFETY: i + 16 ≤ n for both slices; dst + i is 32-byte aligned.
+            unsafe {
+                let a = _mm256_loadu_si256(src.as_ptr().add(i).cast());
+                let b = _mm256_loadu_si256(src.as_ptr().add(i + 8).cast());
+                let packed = _mm256_packus_epi32(round(a), round(b)); // lanes interleaved
+                let ordered = _mm256_permute4x64_epi64::<0b11_01_10_00>(packed);
+                _mm256_stream_si256(dst.as_mut_ptr().add(i).cast(), ordered);
+            }
+            i += 16;
+        }
+        while i < n {
+            dst[i] = bf16_bits(src[i]);
+            i += 1;
+        }
+        _mm_sfence();
+    }
+}
+
+/// `src` as bfloat16 into `dst`, in parallel pieces.
+pub fn write_bf16_parallel(src: &[f32], dst: &mut [u8]) {
+    src.par_chunks(PIECE)
+        .zip(dst.par_chunks_mut(PIECE * 2))
+        .for_each(|(s, d)| write_bf16(s, d));
+}
+
 /// The payload of `tensors` (name, f32 tensor on the CPU) with `metadata`, or `None` when
 /// a tensor is not f32, not on the CPU or not contiguous (the caller takes the generic
 /// path). Values are rounded to nearest even, as candle's `to_dtype(BF16)`.
@@ -26,28 +211,9 @@ pub fn build(tensors: &[(String, Tensor)], metadata: &[(&str, &str)]) -> Result<
     }) {
         return Ok(None);
     }
-    // The header: each tensor's slot in the data section.
-    let mut header = serde_json::Map::new();
-    let meta: serde_json::Map<String, serde_json::Value> = metadata
-        .iter()
-        .map(|(k, v)| ((*k).to_owned(), serde_json::Value::from(*v)))
-        .collect();
-    header.insert("__metadata__".into(), meta.into());
-    let mut end = 0usize;
-    for (name, t) in tensors {
-        let start = end;
-        end += t.elem_count() * 2;
-        header.insert(
-            name.clone(),
-            serde_json::json!({"dtype": "BF16", "shape": t.dims(), "data_offsets": [start, end]}),
-        );
-    }
-    let mut json = serde_json::to_vec(&header).expect("header serialises");
-    json.resize(json.len().next_multiple_of(8), b' ');
-    let data_start = 8 + json.len();
-    let mut out = vec![0u8; data_start + end];
-    out[..8].copy_from_slice(&(json.len() as u64).to_le_bytes());
-    out[8..data_start].copy_from_slice(&json);
+    let layout = Layout::of(tensors, metadata);
+    let mut out = vec![0u8; layout.len()];
+    layout.write_header(&mut out);
 
     // Every tensor's f32 values, borrowed from its storage while the guards live.
     let guards: Vec<_> = tensors
@@ -65,18 +231,13 @@ pub fn build(tensors: &[(String, Tensor)], metadata: &[(&str, &str)]) -> Result<
         sources.push(&all[start..start + t.elem_count()]);
     }
     // Pieces of at most PIECE elements, each with its slot.
-    let mut rest = &mut out[data_start..];
     let mut pieces: Vec<(&[f32], &mut [u8])> = Vec::new();
-    for src in sources {
-        let (slot, tail) = rest.split_at_mut(src.len() * 2);
-        rest = tail;
+    for (src, slot) in sources.into_iter().zip(layout.slots_mut(&mut out)) {
         pieces.extend(src.chunks(PIECE).zip(slot.chunks_mut(PIECE * 2)));
     }
-    pieces.into_par_iter().for_each(|(src, dst)| {
-        for (x, d) in src.iter().zip(dst.chunks_exact_mut(2)) {
-            d.copy_from_slice(&bf16::from_f32(*x).to_le_bytes());
-        }
-    });
+    pieces
+        .into_par_iter()
+        .for_each(|(src, dst)| write_bf16(src, dst));
     Ok(Some(out))
 }
 
@@ -136,6 +297,55 @@ mod tests {
         }
         let (_, meta) = safetensors::SafeTensors::read_metadata(&fast).unwrap();
         assert_eq!(meta.metadata().as_ref().unwrap()["format"], "pt");
+    }
+
+    #[test]
+    fn the_branchless_rounding_is_half_s_bit_for_bit() {
+        let mut specials = vec![
+            0.0f32,
+            -0.0,
+            1.0,
+            f32::MAX,
+            f32::MIN,
+            f32::MIN_POSITIVE,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            f32::from_bits(0x7f80_0001), // signalling NaN
+            f32::from_bits(0x7f7f_ffff), // rounds to infinity
+            f32::from_bits(0x3f80_8000), // a tie, even below: stays
+            f32::from_bits(0x3f81_8000), // a tie, odd below: rounds up
+            f32::from_bits(0x0000_8000), // subnormal tie
+        ];
+        // Every high half with a spread of low halves, ties and neighbours included.
+        for hi in (0..=0xffffu32).step_by(7) {
+            for lo in [0u32, 1, 0x7fff, 0x8000, 0x8001, 0xffff, 0x1234] {
+                specials.push(f32::from_bits(hi << 16 | lo));
+            }
+        }
+        // The vector path (aligned and not, every tail length) writes the same.
+        let mut bytes = vec![0u8; specials.len() * 2 + 2];
+        for offset in [0, 1, 2] {
+            for len in [specials.len(), 17, 15, 1] {
+                let dst = &mut bytes[offset..offset + len * 2];
+                write_bf16(&specials[..len], dst);
+                for (x, d) in specials.iter().zip(dst.chunks_exact(2)) {
+                    assert_eq!(
+                        u16::from_le_bytes([d[0], d[1]]),
+                        bf16::from_f32(*x).to_bits()
+                    );
+                }
+            }
+        }
+        for x in specials {
+            assert_eq!(
+                bf16_bits(x),
+                bf16::from_f32(x).to_bits(),
+                "{x:e} ({:#010x})",
+                x.to_bits()
+            );
+        }
     }
 
     #[test]

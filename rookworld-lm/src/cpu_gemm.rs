@@ -59,14 +59,18 @@ impl PackedMatrix {
             .par_chunks_mut(k * NR)
             .enumerate()
             .for_each(|(p, panel)| {
-                for kk in 0..k {
-                    for j in 0..NR.min(n - p * NR) {
-                        let col = p * NR + j;
-                        panel[kk * NR + j] = if transposed {
-                            w[col * k + kk]
-                        } else {
-                            w[kk * n + col]
-                        };
+                let (first, cols) = (p * NR, NR.min(n - p * NR));
+                if transposed {
+                    // Row `col` of w is column `col` of W: scattered down the panel.
+                    for j in 0..cols {
+                        let row = &w[(first + j) * k..(first + j + 1) * k];
+                        for (kk, &x) in row.iter().enumerate() {
+                            panel[kk * NR + j] = x;
+                        }
+                    }
+                } else {
+                    for (kk, dst) in panel.chunks_exact_mut(NR).enumerate() {
+                        dst[..cols].copy_from_slice(&w[kk * n + first..kk * n + first + cols]);
                     }
                 }
             });

@@ -7,6 +7,7 @@
 //! - [`grouped`]: the decode cache of continuous batching, one prompt cache per group ([`GroupedCache`]).
 //! - [`mask`]: position ids and attention bias for left-padded batches ([`LeftPadding`]).
 //! - [`checkpoint`]: loading and saving Hugging Face checkpoints, seeded random init.
+//! - [`bf16_payload`]: the bfloat16 safetensors payload of a weight push, built in place.
 //! - [`cpu_gemm`]: packed-weight f32 matmul for CPU inference (AVX2/FMA).
 //! - [`simd`]: vectorised exp and GELU for the CPU hot paths.
 //! - [`tokenizer`]: GPT-2 byte-level BPE, built in.
@@ -16,7 +17,7 @@
 //! - [`cli`]: the model options every binary shares (`--model`/`--preset`, `--device`, `--dtype`).
 //! - [`error`]: the crate's [`Error`].
 
-mod bf16_payload;
+pub mod bf16_payload;
 pub mod cache;
 pub mod checkpoint;
 pub mod cli;

@@ -47,9 +47,11 @@ impl Conv1D {
 
     fn pack(&mut self, epilogue: Epilogue) -> candle_core::Result<()> {
         let (d_in, d_out) = self.weight.dims2()?;
-        let w = self.weight.flatten_all()?.to_vec1::<f32>()?;
         let bias = self.bias.to_vec1::<f32>()?;
-        let packed = PackedMatrix::pack(&w, d_in, d_out, false, Some(bias)).with_epilogue(epilogue);
+        let packed = with_values(&self.weight, |w| {
+            PackedMatrix::pack(w, d_in, d_out, false, Some(bias))
+        })?
+        .with_epilogue(epilogue);
         self.packed = Some(Arc::new(packed));
         Ok(())
     }
@@ -428,8 +430,8 @@ impl Gpt2 {
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.wte); // (V, E)
         let (v, e) = head.dims2()?;
-        let w = head.flatten_all()?.to_vec1::<f32>()?;
-        self.head_packed = Some(Arc::new(PackedMatrix::pack(&w, e, v, true, None)));
+        let packed = with_values(head, |w| PackedMatrix::pack(w, e, v, true, None))?;
+        self.head_packed = Some(Arc::new(packed));
         Ok(true)
     }
 
@@ -546,6 +548,24 @@ fn packed_matmul(packed: &PackedMatrix, x: &Tensor) -> candle_core::Result<Optio
     let m = x.dim(0)?;
     let data = x.flatten_all()?.to_vec1::<f32>()?;
     Tensor::from_vec(packed.matmul(&data, m), (m, packed.n()), x.device()).map(Some)
+}
+
+/// `f` of `t`'s f32 values in element order: borrowed from its CPU storage when it is
+/// contiguous f32 (no copy of a weight matrix to pack it), else copied.
+fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (candle_core::Storage::Cpu(cpu), Some((a, b))) =
+            (&*storage, layout.contiguous_offsets())
+            && let Ok(all) = cpu.as_slice::<f32>()
+        {
+            return Ok(f(&all[a..b]));
+        }
+    }
+    Ok(f(&t
+        .flatten_all()?
+        .to_dtype(DType::F32)?
+        .to_vec1::<f32>()?))
 }
 
 /// Row lookup `table[ids]` for a (B, T) id tensor: (B, T, E).

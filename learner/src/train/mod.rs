@@ -2,9 +2,10 @@
 //!
 //! Each step takes P scored groups from the queue (waiting for workers as needed; groups
 //! too many versions behind are dropped and counted), trains on them in micro-batches,
-//! bumps the weight version and publishes the new BF16 weights, which the weight sync
-//! ([`crate::push`]) brings to every registered worker in the background (each push has
-//! its own deadline, so a slow worker holds up nobody).
+//! bumps the weight version and publishes the new BF16 weights (the optimizer writes them
+//! as it updates each parameter; they are hashed off this thread, [`crate::export`]), which
+//! the weight sync ([`crate::push`]) brings to every registered worker in the background
+//! (each push has its own deadline, so a slow worker holds up nobody).
 //!
 //! Weight versions never repeat within a run: the learner's first weights are version 1
 //! (0 is whatever a worker started with), every published version is recorded before it
@@ -37,6 +38,7 @@ pub use report::{StepRecord, StepSeconds, print_summary, reward_trend};
 
 use crate::batch::GrpoBatch;
 use crate::checkpoint;
+use crate::export::Exporter;
 use crate::optim::AdamW;
 use crate::policy::Trainable;
 use crate::prompts::{self, Source};
@@ -172,6 +174,7 @@ pub async fn run(
     };
     // The weight sync: every registered worker gets the newest published weights.
     let (latest_tx, latest_rx) = watch::channel(None);
+    let latest_tx = Arc::new(latest_tx);
     let fleet = Arc::new(Mutex::new(Fleet::new(Duration::from_secs(30))));
     let (sync_stop, sync_stopped) = watch::channel(false);
     let sync_task = tokio::spawn(push::run(
@@ -187,6 +190,8 @@ pub async fn run(
         until(sync_stopped),
     ));
     tokio::task::block_in_place(|| publish(&args, &run, &latest_tx))?;
+    // Later versions: written by the optimizer, hashed and published off this thread.
+    let exporter = Exporter::new(&run.policy.vars, latest_tx.clone());
     let mut reporter = Reporter::new(
         args.log_jsonl.as_deref(),
         args.rollout_dump.as_deref(),
@@ -224,6 +229,8 @@ pub async fn run(
         reporter.dump(run.step + 1, &groups).map_err(ConfigError)?;
         let version = run.version.load(Ordering::SeqCst);
         let batch = to_batch(&groups);
+        let publishing = (run.step + 1) % args.push_every.max(1) == 0 || run.step + 1 == s.steps;
+        let mut payload = publishing.then(|| exporter.payload());
         let report = tokio::task::block_in_place(|| {
             train_step(
                 &run.policy,
@@ -233,6 +240,7 @@ pub async fn run(
                 run.step,
                 &batch,
                 &step_cfg,
+                payload.as_mut(),
             )
         })?;
         run.step += 1;
@@ -241,8 +249,12 @@ pub async fn run(
         run.version.store(new_version, Ordering::SeqCst);
 
         let push_started = Instant::now();
-        if run.step % args.push_every.max(1) == 0 || run.step == s.steps {
-            tokio::task::block_in_place(|| publish(&args, &run, &latest_tx))?;
+        if let Some(payload) = payload {
+            // Recorded first, so a crash never reuses the number.
+            checkpoint::record_published(&args.run_dir, new_version)?;
+            exporter
+                .publish(&run.run_id, new_version, payload)
+                .map_err(TrainError::Service)?;
         }
         let push = push_started.elapsed().as_secs_f64();
 
@@ -296,6 +308,9 @@ pub async fn run(
         }
     }
     reporter.finish();
+    // The last version reaches the weight sync before it stops.
+    exporter.flush().map_err(TrainError::Service)?;
+    drop(exporter);
 
     // Stop leasing, let groups in flight come in, keep everything unfinished.
     lock(&run.queue).close();
