@@ -130,6 +130,10 @@ wait_for 60 "every Prometheus target up" targets_up
 builds="$(query 'count(learner_build_info) + count(reward_build_info) + count(rollout_build_info)')"
 [ "$builds" = "4" ] || fail "build_info from every service: $builds of 4"
 say "build_info: one series from each of the 4 services' targets"
+# The workers share the learner's host: pushes go through the shared tmpfs volume.
+shared_pushes() { local v; v="$(query 'sum(learner_weight_pushes_total{path="shared",result="ok"})')"; [ -n "$v" ] && python3 -c "import sys; sys.exit(float('$v') < 1)"; }
+wait_for 120 "a weight push through the shared volume" shared_pushes
+say "weight pushes: $(query 'sum(learner_weight_pushes_total{path="shared",result="ok"})') through the shared volume, $(query 'sum(learner_weight_pushes_total{path="stream"})') streamed"
 
 say "dashboard metrics exist"
 curl -fsS "$prom/api/v1/label/__name__/values" > "$tmp/names.json"

@@ -3,8 +3,10 @@
 //! A real rollout worker (the service `rollout-worker serve` runs, in this process) listens
 //! on loopback with the preset's shape; the learner side turns its own model into the BF16
 //! payload and pushes N versions to it over gRPC, per chunk size while the worker is idle,
-//! and at the default chunk size while it generates. The floor is a `memcpy` of the same
-//! bytes and a raw loopback TCP transfer of them. One JSON line on stdout.
+//! and at the default chunk size while it generates; and through the same-host path (the
+//! learner writes the payload file into a directory under /dev/shm that the worker
+//! shares, and sends only the header). The floor is a `memcpy` of the same bytes and a
+//! raw loopback TCP transfer of them. One JSON line on stdout.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -21,7 +23,7 @@ use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
 use serde::Serialize;
 
-use crate::export::Exporter;
+use crate::export::{Exporter, SharedFiles};
 use crate::optim::{AdamW, AdamWConfig};
 use crate::policy::Trainable;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -46,7 +48,12 @@ pub struct BenchPushArgs {
 /// One measurement: the median push and where the worker spent it.
 #[derive(Debug, Serialize)]
 struct Pushes {
+    /// "stream" (gRPC chunks) or "shared" (the same-host file).
+    path: &'static str,
     chunk_kib: usize,
+    /// The learner's write of the payload file (shared path; 0 for the stream), part of
+    /// `seconds`.
+    write_seconds: f64,
     /// End to end, as the learner sees it: first chunk sent to the worker's answer.
     seconds: f64,
     gb_per_second: f64,
@@ -86,6 +93,8 @@ struct Report {
     publish_seconds: f64,
     floor: Floor,
     idle: Vec<Pushes>,
+    /// Idle worker, the same-host path.
+    shared: Pushes,
     generating: Option<Pushes>,
     /// A push of a version the worker already passed: refused on its header.
     stale_refusal_seconds: f64,
@@ -135,6 +144,14 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, String> {
     let floor = floor(&set.bytes).await.map_err(|e| err(&e))?;
 
     // The worker, as `rollout-worker serve` runs it.
+    let shm = std::path::Path::new("/dev/shm");
+    let shared_dir = if shm.is_dir() {
+        shm.to_path_buf()
+    } else {
+        std::env::temp_dir()
+    }
+    .join(format!("rookworld-bench-push-{}", std::process::id()));
+    std::fs::create_dir_all(&shared_dir).map_err(|e| err(&e))?;
     let worker_model = prepare_model(
         checkpoint::init_random(&cfg, 2, DType::F32, &Device::Cpu).map_err(|e| err(&e))?,
     )
@@ -148,6 +165,7 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, String> {
         Device::Cpu,
         ServiceConfig {
             token: Some(TOKEN.into()),
+            shared_dir: Some(shared_dir.clone()),
             ..ServiceConfig::default()
         },
     );
@@ -167,7 +185,7 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, String> {
     let mut client = RolloutServiceClient::new(channel);
 
     let generating_runs = usize::from(!args.idle_only);
-    let total = (args.chunk_kib.len() + generating_runs) * args.pushes;
+    let total = (args.chunk_kib.len() + 1 + generating_runs) * args.pushes;
     let mut progress = Progress::new("bench push", 0, total as u64, true);
     let mut version = 1;
     let mut idle = vec![];
@@ -180,10 +198,25 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, String> {
                 kib,
                 args.pushes,
                 &mut progress,
+                None,
             )
             .await?,
         );
     }
+    let mut files = SharedFiles::new(shared_dir.clone());
+    let shared = pushes(
+        &mut client,
+        &set,
+        &mut version,
+        0,
+        args.pushes,
+        &mut progress,
+        Some(&mut files),
+    )
+    .await;
+    files.remove_all();
+    let _ = std::fs::remove_dir(&shared_dir);
+    let shared = shared?;
     let generating = if args.idle_only {
         None
     } else {
@@ -197,6 +230,7 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, String> {
             kib,
             args.pushes,
             &mut progress,
+            None,
         )
         .await;
         busy.store(false, Ordering::SeqCst);
@@ -228,6 +262,7 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, String> {
         publish_seconds: training.publish,
         floor,
         idle,
+        shared,
         generating,
         stale_refusal_seconds,
     })
@@ -260,7 +295,7 @@ fn training_thread(model: &rookworld_lm::Gpt2, n: usize) -> rookworld_lm::Result
     };
     let (grads, mut opt) = (grads(), AdamW::new(AdamWConfig::default()));
     let (tx, rx) = tokio::sync::watch::channel(None);
-    let exporter = Exporter::new(&policy.vars, Arc::new(tx));
+    let exporter = Exporter::new(&policy.vars, Arc::new(tx), None);
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
@@ -298,7 +333,8 @@ fn training_thread(model: &rookworld_lm::Gpt2, n: usize) -> rookworld_lm::Result
     })
 }
 
-/// `n` pushes of new versions in `kib`-KiB chunks; the median one.
+/// `n` pushes of new versions in `kib`-KiB chunks, or through `shared` files; the median
+/// one.
 async fn pushes(
     client: &mut RolloutServiceClient<tonic::transport::Channel>,
     set: &WeightSet,
@@ -306,26 +342,42 @@ async fn pushes(
     kib: usize,
     n: usize,
     progress: &mut Progress,
+    mut shared: Option<&mut SharedFiles>,
 ) -> Result<Pushes, String> {
     let mut all = vec![];
     for _ in 0..n {
         *version += 1;
-        let next = WeightSet {
+        let mut next = WeightSet {
             version: *version,
             ..set.clone()
         };
         let t = Instant::now();
-        let answer = weights::push(client, &next, TOKEN, kib << 10)
-            .await
-            .map_err(|s| format!("push: {:?}: {}", s.code(), s.message()))?;
+        let (answer, write) = match shared.as_deref_mut() {
+            Some(files) => {
+                files.write(&mut next);
+                let write = t.elapsed().as_secs_f64();
+                if next.shared_file.is_none() {
+                    return Err("the shared payload file could not be written".into());
+                }
+                (weights::push_shared(client, &next, TOKEN).await, write)
+            }
+            None => (weights::push(client, &next, TOKEN, kib << 10).await, 0.0),
+        };
+        let answer = answer.map_err(|s| format!("push: {:?}: {}", s.code(), s.message()))?;
         let seconds = t.elapsed().as_secs_f64();
-        progress.tick(&format!("{kib} KiB chunks: {seconds:.3} s"));
-        all.push((seconds, answer));
+        let what = match shared {
+            Some(_) => "shared file".to_owned(),
+            None => format!("{kib} KiB chunks"),
+        };
+        progress.tick(&format!("{what}: {seconds:.3} s"));
+        all.push((seconds, write, answer));
     }
     all.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let (seconds, a): (f64, pb::UpdateWeightsResponse) = all.swap_remove(all.len() / 2);
+    let (seconds, write_seconds, a) = all.swap_remove(all.len() / 2);
     Ok(Pushes {
+        path: if shared.is_some() { "shared" } else { "stream" },
         chunk_kib: kib,
+        write_seconds,
         seconds,
         gb_per_second: set.bytes.len() as f64 / seconds / 1e9,
         receive_seconds: a.receive_seconds,

@@ -11,20 +11,29 @@
 //! - payload buffers are pooled: when the last push of a set (and the sync's handle on it)
 //!   let go of its bytes, the buffer goes back to the pool, so a step writes into memory
 //!   already mapped instead of faulting in a fresh 249 MB. Every worker's push sends
-//!   slices of the one buffer; no copy per worker.
+//!   slices of the one buffer; no copy per worker;
+//! - with a shared directory (`--shared-dir`, the same-host path), the export thread also
+//!   writes each payload there once, as a file of its own name (written aside, then
+//!   renamed into place, never rewritten); workers on this host read it instead of
+//!   receiving the stream. The newest [`KEEP_FILES`] files are kept.
 
+use std::collections::VecDeque;
+use std::path::PathBuf;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use bytes::Bytes;
 use candle_core::{DType, Device, Result as CandleResult, Var};
-use rollout_worker::weights::WeightSet;
+use rollout_worker::weights::{WeightSet, shared_file_name};
 use rookworld_lm::bf16_payload::{Layout, write_bf16_parallel};
 use tokio::sync::watch;
 
 /// Spare payload buffers kept for reuse.
 const POOL: usize = 2;
+/// Payload files kept in the shared directory (a push of an older one still reading it
+/// has its file; a worker that opens a removed one is streamed the payload instead).
+pub const KEEP_FILES: usize = 3;
 
 /// Where the weight sync takes the newest published set from.
 pub type Latest = Arc<watch::Sender<Option<Arc<WeightSet>>>>;
@@ -152,8 +161,8 @@ pub struct Exporter {
 
 impl Exporter {
     /// An exporter for payloads of `vars` (names and shapes, in this order), publishing to
-    /// `latest`.
-    pub fn new(vars: &[(String, Var)], latest: Latest) -> Self {
+    /// `latest`, and writing each payload into `shared_dir` when given.
+    pub fn new(vars: &[(String, Var)], latest: Latest, shared_dir: Option<PathBuf>) -> Self {
         let shapes: Vec<(String, Vec<usize>)> = vars
             .iter()
             .map(|(n, v)| (n.clone(), v.dims().to_vec()))
@@ -169,7 +178,11 @@ impl Exporter {
             .name("weight-export".into())
             .spawn(move || {
                 prefill.prefill();
-                publish_loop(&rx, &latest)
+                let mut files = shared_dir.map(SharedFiles::new);
+                publish_loop(&rx, &latest, files.as_mut());
+                if let Some(files) = files {
+                    files.remove_all();
+                }
             })
             .expect("spawn the weight export thread");
         Self {
@@ -228,9 +241,66 @@ impl Drop for Exporter {
     }
 }
 
+/// The payload files this learner wrote into a shared directory.
+#[derive(Debug)]
+pub struct SharedFiles {
+    dir: PathBuf,
+    written: VecDeque<PathBuf>,
+    /// The last write failed (said once, until one succeeds).
+    failing: bool,
+}
+
+impl SharedFiles {
+    pub fn new(dir: PathBuf) -> Self {
+        Self {
+            dir,
+            written: VecDeque::new(),
+            failing: false,
+        }
+    }
+
+    /// Writes `set`'s payload as its file (aside, then renamed into place) and names it in
+    /// the set; older files beyond [`KEEP_FILES`] are removed. A failure (a full tmpfs, a
+    /// read-only directory) is logged and leaves the set to the stream.
+    pub fn write(&mut self, set: &mut WeightSet) {
+        let name = shared_file_name(&set.run_id, set.version);
+        let (path, aside) = (self.dir.join(&name), self.dir.join(format!(".{name}.tmp")));
+        let written =
+            std::fs::write(&aside, &set.bytes).and_then(|()| std::fs::rename(&aside, &path));
+        match written {
+            Ok(()) => {
+                if self.failing {
+                    tracing::info!(dir = %self.dir.display(), "shared payload files written again");
+                }
+                self.failing = false;
+                set.shared_file = Some(name);
+                self.written.push_back(path);
+                while self.written.len() > KEEP_FILES {
+                    let old = self.written.pop_front().expect("non-empty");
+                    let _ = std::fs::remove_file(old);
+                }
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&aside);
+                if !self.failing {
+                    tracing::warn!(dir = %self.dir.display(), error = %e, "cannot write the shared payload file; workers on this host are streamed the weights");
+                }
+                self.failing = true;
+            }
+        }
+    }
+
+    /// Removes every file written (at the end of the run).
+    pub fn remove_all(self) {
+        for path in self.written {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
 /// The export thread: takes every job waiting, publishes the newest payload among them
 /// (older ones are overtaken: their buffers go back to the pool), then answers flushes.
-fn publish_loop(rx: &mpsc::Receiver<Job>, latest: &Latest) {
+fn publish_loop(rx: &mpsc::Receiver<Job>, latest: &Latest, mut files: Option<&mut SharedFiles>) {
     while let Ok(first) = rx.recv() {
         let mut newest = None;
         let mut flushes = Vec::new();
@@ -247,7 +317,10 @@ fn publish_loop(rx: &mpsc::Receiver<Job>, latest: &Latest) {
         if let Some((run_id, version, payload)) = newest {
             let Payload { shared, bytes, .. } = payload;
             let bytes = Bytes::from_owner(Pooled { bytes, shared });
-            let set = WeightSet::from_shared(&run_id, version, bytes);
+            let mut set = WeightSet::from_shared(&run_id, version, bytes);
+            if let Some(files) = files.as_deref_mut() {
+                files.write(&mut set);
+            }
             latest.send_replace(Some(Arc::new(set)));
         }
         for done in flushes {
@@ -284,7 +357,7 @@ mod tests {
         let model = init_random(&Config::tiny(), 5, DType::F32, &Device::Cpu).unwrap();
         let policy = Trainable::from_model(&model).unwrap();
         let (tx, mut rx) = watch::channel(None);
-        let exporter = Exporter::new(&policy.vars, Arc::new(tx));
+        let exporter = Exporter::new(&policy.vars, Arc::new(tx), None);
         let mut opt = AdamW::new(AdamWConfig::default());
         for version in 1..=3u64 {
             let mut payload = exporter.payload();
@@ -317,7 +390,7 @@ mod tests {
         let model = init_random(&Config::tiny(), 6, DType::F32, &Device::Cpu).unwrap();
         let policy = Trainable::from_model(&model).unwrap();
         let (tx, rx) = watch::channel(None);
-        let exporter = Exporter::new(&policy.vars, Arc::new(tx));
+        let exporter = Exporter::new(&policy.vars, Arc::new(tx), None);
         let mut payload = exporter.payload();
         payload.fill_rest(&policy.vars).unwrap();
         exporter.publish("run", 1, payload).unwrap();

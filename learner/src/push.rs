@@ -9,6 +9,11 @@
 //! not heard from for a while is forgotten. Every change of a worker's sync state is a log
 //! line, and the states show in `learner_workers{state}` and
 //! `learner_worker_weight_version{worker}`.
+//!
+//! A set written to the shared directory (the same-host path, [`crate::export`]) is
+//! offered to each worker by its file name first: one header, no body. A worker that
+//! cannot read it (another host, no `--shared-dir`) answers FAILED_PRECONDITION; it is
+//! streamed that push and every later one.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -31,6 +36,10 @@ pub struct PushOutcome {
     pub error: Option<String>,
     /// No connection could be made to the address (nothing answered there).
     pub unreachable: bool,
+    /// How the payload went: "shared" (the worker read the shared file) or "stream".
+    pub path: &'static str,
+    /// The worker could not read the shared file: stream to it from now on.
+    pub shared_refused: bool,
 }
 
 /// A worker's weight sync, as the metrics and the log show it.
@@ -73,6 +82,8 @@ struct Member {
     mismatch_at: Option<Instant>,
     /// Why the last push failed (kept until one succeeds).
     last_error: Option<String>,
+    /// Whether the same-host path is tried (until the worker says it cannot read it).
+    shared: bool,
 }
 
 /// The workers the learner pushes to, and the version each is known to run.
@@ -106,6 +117,7 @@ impl Fleet {
                     synced_at: None,
                     mismatch_at: None,
                     last_error: None,
+                    shared: true,
                 },
             );
         }
@@ -214,12 +226,20 @@ impl Fleet {
         out
     }
 
+    /// Whether a push to `address` tries the same-host path first.
+    pub fn shared(&self, address: &str) -> bool {
+        self.members.get(address).is_some_and(|m| m.shared)
+    }
+
     /// Records the outcome of a push started by [`Fleet::due`].
     pub fn finish(&mut self, outcome: &PushOutcome, now: Instant) {
         let Some(m) = self.members.get_mut(&outcome.worker) else {
             return; // forgotten meanwhile
         };
         m.pushing = false;
+        if outcome.shared_refused {
+            m.shared = false;
+        }
         match outcome.error {
             None => {
                 m.known = Some(outcome.version);
@@ -252,7 +272,11 @@ impl Fleet {
         let calls: Vec<_> = self
             .due(set.version, Instant::now())
             .into_iter()
-            .map(|address| tokio::spawn(push_to(address, set.clone(), token.to_owned(), deadline)))
+            .map(|address| {
+                let shared = self.shared(&address);
+                let (set, token) = (set.clone(), token.to_owned());
+                tokio::spawn(push_to(address, set, token, deadline, shared))
+            })
             .collect();
         let mut outcomes = Vec::with_capacity(calls.len());
         for call in calls {
@@ -336,13 +360,18 @@ pub async fn run(
             observe(&queue, &mut fleet, cfg.forget_after, set.version, now);
             let due = fleet.due(set.version, now);
             fleet.publish_metrics(set.version);
-            due
+            due.into_iter()
+                .map(|a| {
+                    let shared = fleet.shared(&a);
+                    (a, shared)
+                })
+                .collect::<Vec<_>>()
         };
-        for address in due {
+        for (address, shared) in due {
             in_flight += 1;
             let (set, token, done) = (set.clone(), token.clone(), done_tx.clone());
             tokio::spawn(async move {
-                let outcome = push_to(address, (*set).clone(), token, cfg.deadline).await;
+                let outcome = push_to(address, (*set).clone(), token, cfg.deadline, shared).await;
                 let _ = done.send(outcome);
             });
         }
@@ -397,15 +426,22 @@ fn observe(
     }
 }
 
-/// One push of `set` to the worker at `address`, bounded by `deadline`, logged and counted.
+/// One push of `set` to the worker at `address`, bounded by `deadline`, logged and
+/// counted; through the shared file first when `shared` and the set has one.
 pub async fn push_to(
     address: String,
     set: WeightSet,
     token: String,
     deadline: Duration,
+    shared: bool,
 ) -> PushOutcome {
     let started = Instant::now();
-    let result = tokio::time::timeout(deadline, push_one(&address, &set, &token, deadline)).await;
+    let mut how = How {
+        path: "stream",
+        shared_refused: false,
+    };
+    let push = push_one(&address, &set, &token, deadline, shared, &mut how);
+    let result = tokio::time::timeout(deadline, push).await;
     let (error, unreachable) = match result {
         Ok(Ok(())) => (None, false),
         Ok(Err(PushError { unreachable, why })) => (Some(why), unreachable),
@@ -422,13 +458,15 @@ pub async fn push_to(
         },
         error,
         unreachable,
+        path: how.path,
+        shared_refused: how.shared_refused,
     };
     metrics::histogram!("learner_weight_push_seconds", "worker" => o.worker.clone())
         .record(o.seconds);
     metrics::counter!("learner_weight_push_bytes_total", "worker" => o.worker.clone())
         .increment(o.bytes);
     let result = if o.error.is_none() { "ok" } else { "failed" };
-    metrics::counter!("learner_weight_pushes_total", "worker" => o.worker.clone(), "result" => result)
+    metrics::counter!("learner_weight_pushes_total", "worker" => o.worker.clone(), "result" => result, "path" => o.path)
         .increment(1);
     match &o.error {
         None => {
@@ -447,11 +485,19 @@ struct PushError {
     why: String,
 }
 
+/// Which path a push took.
+struct How {
+    path: &'static str,
+    shared_refused: bool,
+}
+
 async fn push_one(
     address: &str,
     set: &WeightSet,
     token: &str,
     deadline: Duration,
+    shared: bool,
+    how: &mut How,
 ) -> Result<(), PushError> {
     let unreachable = |why: String| PushError {
         unreachable: true,
@@ -469,14 +515,39 @@ async fn push_one(
         unreachable: false,
         why,
     };
+    let refusal = |s: tonic::Status| refused(format!("{:?}: {}", s.code(), s.message()));
+    if shared && set.shared_file.is_some() {
+        match weights::push_shared(&mut client, set, token).await {
+            Ok(answer) => {
+                how.path = "shared";
+                return check_answer(&answer, set);
+            }
+            Err(s)
+                if s.code() == tonic::Code::FailedPrecondition
+                    && s.message().contains("shared payload unreadable") =>
+            {
+                tracing::info!(worker = %address, why = %s.message(), "the worker cannot read the shared payload; it is streamed the weights from now on");
+                how.shared_refused = true;
+            }
+            Err(s) => return Err(refusal(s)),
+        }
+    }
     let answer = weights::push(&mut client, set, token, CHUNK_BYTES)
         .await
-        .map_err(|s| refused(format!("{:?}: {}", s.code(), s.message())))?;
+        .map_err(refusal)?;
+    check_answer(&answer, set)
+}
+
+/// A push answered: the worker must now report the pushed version.
+fn check_answer(
+    answer: &rookworld_proto::rollout::v1::UpdateWeightsResponse,
+    set: &WeightSet,
+) -> Result<(), PushError> {
     if answer.version != set.version {
-        return Err(refused(format!(
-            "worker reports version {} after the push",
-            answer.version
-        )));
+        return Err(PushError {
+            unreachable: false,
+            why: format!("worker reports version {} after the push", answer.version),
+        });
     }
     Ok(())
 }
@@ -525,6 +596,8 @@ mod tests {
             bytes: 0,
             error: error.map(String::from),
             unreachable: false,
+            path: "stream",
+            shared_refused: false,
         }
     }
 

@@ -98,6 +98,7 @@ async fn a_dead_worker_never_blocks_the_others_and_is_resynced() {
         set.clone(),
         TOKEN.into(),
         Duration::from_secs(5),
+        true,
     )
     .await;
     assert_eq!(again.error, None, "{again:?}");

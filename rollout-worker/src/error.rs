@@ -41,6 +41,7 @@ impl ServiceError {
             Self::Token(_) => "permission_denied",
             Self::Weights(WeightError::Checksum { .. }) => "checksum",
             Self::Weights(WeightError::Stale { .. }) => "stale",
+            Self::Weights(WeightError::Shared(_)) => "shared_unreadable",
             Self::Weights(_) => "invalid",
             Self::Interrupted(_) => "interrupted",
             Self::Engine(_) | Self::Internal(_) => "failed",
@@ -57,7 +58,7 @@ impl From<ServiceError> for Status {
             ServiceError::Overloaded(_) => Status::resource_exhausted(message),
             ServiceError::Token(e) => e.into(),
             ServiceError::Weights(WeightError::Checksum { .. }) => Status::data_loss(message),
-            ServiceError::Weights(WeightError::Stale { .. }) => {
+            ServiceError::Weights(WeightError::Stale { .. } | WeightError::Shared(_)) => {
                 Status::failed_precondition(message)
             }
             ServiceError::Weights(_) => Status::invalid_argument(message),

@@ -50,6 +50,10 @@ pub struct ServeArgs {
     /// Groups in flight in the loop.
     #[arg(long, default_value_t = 4)]
     pub max_in_flight: usize,
+    /// Directory a learner on this host shares payloads through (the same-host weight
+    /// path: the learner's `--shared-dir`, seen from here); without it, pushes stream.
+    #[arg(long, env = "ROLLOUT_SHARED_DIR")]
+    pub shared_dir: Option<std::path::PathBuf>,
 }
 
 /// A configuration problem, reported as one line.
@@ -132,6 +136,7 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
         ServiceConfig {
             token,
             max_queued_samples: args.max_queued_samples,
+            shared_dir: args.shared_dir.clone(),
             ..ServiceConfig::default()
         },
     );

@@ -20,7 +20,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::engine::{Engine, Event, Request as EngineRequest};
 use crate::error::ServiceError;
 use crate::metrics;
-use crate::weights::{self, Assembler};
+use crate::weights::{self, Assembler, WeightError};
 
 /// Settings of the service around the engine.
 #[derive(Debug, Clone)]
@@ -32,6 +32,9 @@ pub struct ServiceConfig {
     pub max_queued_samples: usize,
     /// Largest gRPC message, bytes (weight chunks are 1 MiB).
     pub max_message_bytes: usize,
+    /// Where a learner on this host leaves payloads for the same-host path; `None`
+    /// refuses that path (the learner then streams).
+    pub shared_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for ServiceConfig {
@@ -40,6 +43,7 @@ impl Default for ServiceConfig {
             token: None,
             max_queued_samples: 1 << 16,
             max_message_bytes: 16 * 1024 * 1024,
+            shared_dir: None,
         }
     }
 }
@@ -140,6 +144,7 @@ impl RolloutServer {
             seconds: started.elapsed().as_secs_f64(),
             ..Default::default()
         };
+        let mut shared = None;
         while let Some(chunk) = stream.next().await {
             let chunk = chunk.map_err(|s| {
                 ServiceError::Interrupted(format!(
@@ -159,12 +164,41 @@ impl RolloutServer {
                     return Ok(in_use(assembler.received()));
                 }
                 weights::supersedes(&h.run_id, h.version, &current_run, current)?;
+                if !h.shared_file.is_empty() {
+                    // The same-host path: the body is a file here, not the stream.
+                    shared = Some(h.clone());
+                    break;
+                }
             }
         }
-        let received = started.elapsed().as_secs_f64();
-        let bytes = assembler.received();
-        let set = assembler.finish()?;
-        let verified = started.elapsed().as_secs_f64();
+        let (set, bytes, received, verified) = match shared {
+            Some(h) => {
+                let dir = self.cfg.shared_dir.clone().ok_or_else(|| {
+                    WeightError::Shared(
+                        "this worker has no shared directory (--shared-dir, ROLLOUT_SHARED_DIR)"
+                            .into(),
+                    )
+                })?;
+                let read = {
+                    let h = h.clone();
+                    tokio::task::spawn_blocking(move || weights::read_shared(&dir, &h))
+                };
+                let payload = read.await.map_err(|e| {
+                    ServiceError::Internal(format!("reading the shared payload panicked: {e}"))
+                })??;
+                let (bytes, received) = (payload.len(), started.elapsed().as_secs_f64());
+                let set = tokio::task::spawn_blocking(move || weights::verify_shared(h, payload))
+                    .await
+                    .map_err(|e| ServiceError::Internal(format!("hashing panicked: {e}")))??;
+                (set, bytes, received, started.elapsed().as_secs_f64())
+            }
+            None => {
+                let received = started.elapsed().as_secs_f64();
+                let bytes = assembler.received();
+                let set = assembler.finish()?;
+                (set, bytes, received, started.elapsed().as_secs_f64())
+            }
+        };
         let (cfg, dtype, device) = (self.model_config.clone(), self.dtype, self.device.clone());
         let run = set.run_id.clone();
         let (version, model) =

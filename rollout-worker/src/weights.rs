@@ -27,6 +27,10 @@ pub enum WeightError {
     /// The payload does not hold this worker's model (names, shapes, parse).
     #[error("payload is not a model of this worker's shape: {0}")]
     Model(#[from] rookworld_lm::Error),
+    /// A same-host payload could not be read (no shared directory here, no such file):
+    /// the sender streams it instead.
+    #[error("shared payload unreadable: {0}")]
+    Shared(String),
     /// The version is not newer than the one in use, of the same run.
     #[error("version {offered} is not above the version in use ({current}) of run `{run}`")]
     Stale {
@@ -46,6 +50,9 @@ pub struct WeightSet {
     pub version: u64,
     pub bytes: Bytes,
     pub sha256: [u8; 32],
+    /// The payload's file in the shared directory of workers on this host, when the
+    /// learner wrote one ([`shared_file_name`]).
+    pub shared_file: Option<String>,
 }
 
 impl WeightSet {
@@ -67,6 +74,7 @@ impl WeightSet {
             version,
             sha256: Sha256::digest(&bytes).into(),
             bytes,
+            shared_file: None,
         }
     }
 
@@ -78,7 +86,22 @@ impl WeightSet {
             sha256: self.sha256.to_vec(),
             format: FORMAT.into(),
             run_id: self.run_id.clone(),
+            shared_file: String::new(),
         }
+    }
+
+    /// The one chunk of a same-host push: the header naming the shared file, no data.
+    /// `None` when no shared file was written.
+    pub fn shared_chunk(&self) -> Option<pb::WeightChunk> {
+        let file = self.shared_file.clone()?;
+        Some(pb::WeightChunk {
+            header: Some(pb::WeightSetHeader {
+                shared_file: file,
+                ..self.header()
+            }),
+            offset: 0,
+            data: Bytes::new(),
+        })
     }
 
     /// The chunks of this set, header on the first: slices of the shared payload, made
@@ -137,22 +160,10 @@ impl Assembler {
             (None, None) => return bad("the first chunk carries no header".into()),
             (Some(_), Some(_)) => return bad("a header in a chunk after the first".into()),
             (None, Some(h)) => {
-                if h.format != FORMAT {
-                    return bad(format!(
-                        "format `{}` is not supported (use `{FORMAT}`)",
-                        h.format
-                    ));
+                check_header(&h, self.max_bytes)?;
+                if h.shared_file.is_empty() {
+                    self.bytes.reserve_exact(h.total_bytes as usize);
                 }
-                if h.sha256.len() != 32 {
-                    return bad(format!("sha256 has {} bytes, not 32", h.sha256.len()));
-                }
-                if h.total_bytes > self.max_bytes as u64 {
-                    return bad(format!(
-                        "payload of {} bytes exceeds this worker's limit of {} bytes",
-                        h.total_bytes, self.max_bytes
-                    ));
-                }
-                self.bytes.reserve_exact(h.total_bytes as usize);
                 self.header = Some(h);
             }
             (Some(_), None) => {}
@@ -185,20 +196,110 @@ impl Assembler {
                 h.total_bytes
             )));
         }
-        let actual: [u8; 32] = self.hasher.finalize().into();
-        if actual[..] != h.sha256[..] {
-            return Err(WeightError::Checksum {
-                expected: hex(&h.sha256),
-                actual: hex(&actual),
-            });
-        }
-        Ok(WeightSet {
-            run_id: h.run_id,
-            version: h.version,
-            bytes: self.bytes.into(),
-            sha256: actual,
-        })
+        verified(h, self.bytes, self.hasher.finalize().into())
     }
+}
+
+/// The header's own checks: the format, a 32-byte hash, a size within `max_bytes`, and
+/// for the same-host path a bare file name.
+fn check_header(h: &pb::WeightSetHeader, max_bytes: usize) -> Result<(), WeightError> {
+    let bad = |m: String| Err(WeightError::Malformed(m));
+    if h.format != FORMAT {
+        return bad(format!(
+            "format `{}` is not supported (use `{FORMAT}`)",
+            h.format
+        ));
+    }
+    if h.sha256.len() != 32 {
+        return bad(format!("sha256 has {} bytes, not 32", h.sha256.len()));
+    }
+    if h.total_bytes > max_bytes as u64 {
+        return bad(format!(
+            "payload of {} bytes exceeds this worker's limit of {max_bytes} bytes",
+            h.total_bytes
+        ));
+    }
+    let f = &h.shared_file;
+    let bare = f.len() <= 255
+        && !f.starts_with('.')
+        && f.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if !bare {
+        return bad(format!("shared file `{f}` is not a bare file name"));
+    }
+    Ok(())
+}
+
+/// The set of `bytes` whose SHA-256 is `actual`, if the header `h` says so.
+fn verified(
+    h: pb::WeightSetHeader,
+    bytes: impl Into<Bytes>,
+    actual: [u8; 32],
+) -> Result<WeightSet, WeightError> {
+    if actual[..] != h.sha256[..] {
+        return Err(WeightError::Checksum {
+            expected: hex(&h.sha256),
+            actual: hex(&actual),
+        });
+    }
+    Ok(WeightSet {
+        run_id: h.run_id,
+        version: h.version,
+        bytes: bytes.into(),
+        sha256: actual,
+        shared_file: None,
+    })
+}
+
+/// The file name a learner gives version `version` of run `run_id` in a shared
+/// directory (characters other than letters, digits, `-` and `_` of the run id become `_`).
+pub fn shared_file_name(run_id: &str, version: u64) -> String {
+    let run: String = run_id
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("weights-{run}-v{version}.safetensors")
+}
+
+/// Maps the same-host payload the header `h` names in `dir` into memory, its pages
+/// mapped at once (no copy: the bytes are hashed and converted where the learner wrote
+/// them; [`verify_shared`] checks them). The learner never rewrites a payload file (it
+/// writes aside and renames into place), and removing a mapped file leaves the mapping
+/// valid, so the bytes cannot change under the worker.
+pub fn read_shared(dir: &std::path::Path, h: &pb::WeightSetHeader) -> Result<Bytes, WeightError> {
+    let path = dir.join(&h.shared_file);
+    let unreadable = |e: std::io::Error| WeightError::Shared(format!("{}: {e}", path.display()));
+    let file = std::fs::File::open(&path).map_err(unreadable)?;
+    if !file.metadata().map_err(unreadable)?.is_file() {
+        return Err(WeightError::Shared(format!(
+            "{} is not a file",
+            path.display()
+        )));
+    }
+    // SAFETY: the mapping is read-only and the file is never written again (see above).
+    let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) }.map_err(unreadable)?;
+    let bytes = Bytes::from_owner(map);
+    if bytes.len() as u64 != h.total_bytes {
+        return Err(WeightError::Malformed(format!(
+            "shared file {} holds {} bytes, the header says {}",
+            path.display(),
+            bytes.len(),
+            h.total_bytes
+        )));
+    }
+    Ok(bytes)
+}
+
+/// Checks a same-host payload read by [`read_shared`] against its header's SHA-256.
+pub fn verify_shared(h: pb::WeightSetHeader, bytes: Bytes) -> Result<WeightSet, WeightError> {
+    let actual: [u8; 32] = Sha256::digest(&bytes).into();
+    verified(h, bytes, actual)
 }
 
 impl WeightSet {
@@ -239,6 +340,21 @@ pub fn supersedes(
         });
     }
     Ok(())
+}
+
+/// Pushes `set` to a worker on the same host through its shared file (one header chunk);
+/// the worker answers FAILED_PRECONDITION when it cannot read it.
+pub async fn push_shared(
+    client: &mut pb::rollout_service_client::RolloutServiceClient<tonic::transport::Channel>,
+    set: &WeightSet,
+    token: &str,
+) -> Result<pb::UpdateWeightsResponse, tonic::Status> {
+    let chunk = set
+        .shared_chunk()
+        .ok_or_else(|| tonic::Status::internal("no shared file was written for this set"))?;
+    let mut request = tonic::Request::new(tokio_stream::iter([chunk]));
+    rookworld_proto::auth::set_token(request.metadata_mut(), token)?;
+    Ok(client.update_weights(request).await?.into_inner())
 }
 
 /// Pushes `set` to a worker in `chunk_bytes` chunks with the shared `token`; the answer

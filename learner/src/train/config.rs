@@ -77,6 +77,12 @@ pub struct TrainArgs {
         default_value_t = 1
     )]
     pub push_every: u64,
+    /// The same-host weight path: each published payload is also written here once, and
+    /// workers on this host that share the directory (`rollout-worker serve --shared-dir`)
+    /// read it instead of receiving the stream; others are streamed. With --local the
+    /// default is a directory under /dev/shm.
+    #[arg(long, env = "LEARNER_SHARED_DIR")]
+    pub shared_dir: Option<PathBuf>,
     /// Deadline of one weight push to one worker, in seconds.
     #[arg(
         long,

@@ -38,6 +38,7 @@ impl LocalServices {
         weights: &WeightSet,
         config: &rookworld_lm::Config,
         token: &str,
+        shared_dir: Option<std::path::PathBuf>,
     ) -> Result<Self, BoxError> {
         let (stop, stopped) = watch::channel(false);
         let mut tasks = Vec::new();
@@ -71,6 +72,7 @@ impl LocalServices {
             Device::Cpu,
             ServiceConfig {
                 token: Some(token.to_owned()),
+                shared_dir,
                 ..ServiceConfig::default()
             },
         );

@@ -161,13 +161,20 @@ pub async fn run(
     let queue_task = tokio::spawn(queue_service::run(server, listener, until(server_stopped)));
     tracing::info!(queue = %queue_addr, step = run.step, version = run.version.load(Ordering::SeqCst), "learner ready");
 
+    let shared_dir = support::shared_dir(&args)?;
     let local = if args.local {
         let version = run.version.load(Ordering::SeqCst);
         let weights = WeightSet::from_model(&run.policy.model, &run.run_id, version)?;
         Some(
-            local::LocalServices::start(queue_addr, &weights, run.policy.model.config(), &token)
-                .await
-                .map_err(|e| TrainError::Service(format!("local services: {e}")))?,
+            local::LocalServices::start(
+                queue_addr,
+                &weights,
+                run.policy.model.config(),
+                &token,
+                shared_dir.clone(),
+            )
+            .await
+            .map_err(|e| TrainError::Service(format!("local services: {e}")))?,
         )
     } else {
         None
@@ -191,7 +198,7 @@ pub async fn run(
     ));
     tokio::task::block_in_place(|| publish(&args, &run, &latest_tx))?;
     // Later versions: written by the optimizer, hashed and published off this thread.
-    let exporter = Exporter::new(&run.policy.vars, latest_tx.clone());
+    let exporter = Exporter::new(&run.policy.vars, latest_tx.clone(), shared_dir.clone());
     let mut reporter = Reporter::new(
         args.log_jsonl.as_deref(),
         args.rollout_dump.as_deref(),
@@ -310,7 +317,6 @@ pub async fn run(
     reporter.finish();
     // The last version reaches the weight sync before it stops.
     exporter.flush().map_err(TrainError::Service)?;
-    drop(exporter);
 
     // Stop leasing, let groups in flight come in, keep everything unfinished.
     lock(&run.queue).close();
@@ -325,6 +331,14 @@ pub async fn run(
     // Pushes still in flight get their deadline, then the services stop.
     let _ = sync_stop.send(true);
     let _ = sync_task.await;
+    // The shared payload files go with the exporter (no push reads them any more).
+    drop(exporter);
+    if args.local
+        && args.shared_dir.is_none()
+        && let Some(dir) = &shared_dir
+    {
+        let _ = std::fs::remove_dir(dir);
+    }
     if let Some(local) = local {
         local.stop().await;
     }

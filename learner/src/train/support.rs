@@ -27,6 +27,28 @@ pub(super) fn publish(
     Ok(())
 }
 
+/// The directory of the same-host weight path: `--shared-dir` (created if missing), or for
+/// `--local` a directory of this process under /dev/shm (the system's temporary directory
+/// where there is none); `None` when pushes only stream.
+pub(super) fn shared_dir(args: &TrainArgs) -> Result<Option<std::path::PathBuf>, TrainError> {
+    let dir = match (&args.shared_dir, args.local) {
+        (Some(dir), _) => dir.clone(),
+        (None, true) => {
+            let shm = std::path::Path::new("/dev/shm");
+            let base = if shm.is_dir() {
+                shm.to_path_buf()
+            } else {
+                std::env::temp_dir()
+            };
+            base.join(format!("rookworld-weights-{}", std::process::id()))
+        }
+        (None, false) => return Ok(None),
+    };
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| ConfigError(format!("--shared-dir {}: {e}", dir.display())))?;
+    Ok(Some(dir))
+}
+
 /// Writes a checkpoint: weights, optimizer, cursor and the queue's unfinished prompts.
 pub(super) fn save(args: &TrainArgs, run: &Run) -> Result<std::path::PathBuf, TrainError> {
     let state = TrainerState {

@@ -182,7 +182,7 @@ mod tests {
         let model = init_random(&Config::tiny(), 2, DType::F32, &Device::Cpu).unwrap();
         let push = |v: u64| {
             let set = WeightSet::from_model(&model, "proxy-test", v).unwrap();
-            learner::push::push_to(proxy.url(), set, "t".into(), Duration::from_secs(5))
+            learner::push::push_to(proxy.url(), set, "t".into(), Duration::from_secs(5), true)
         };
         for v in 1..=3 {
             let o = push(v).await;

@@ -1,0 +1,256 @@
+//! The same-host weight path against real rollout workers on loopback: the payload file in
+//! a shared directory delivers exactly what the stream delivers; a worker that cannot read
+//! it is streamed the weights; a damaged or misnamed file is refused and the old weights
+//! keep serving.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::{DType, Device};
+use learner::export::SharedFiles;
+use learner::push::{Fleet, push_to};
+use rollout_worker::engine::{Engine, EngineConfig};
+use rollout_worker::service::{self, RolloutServer, ServiceConfig};
+use rollout_worker::weights::{self, WeightSet};
+use rookworld_lm::checkpoint::init_random;
+use rookworld_lm::{Config, Gpt2, Tokenizer, checkpoint};
+use rookworld_proto::rollout::v1 as pb;
+use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
+use tonic::transport::Channel;
+
+const TOKEN: &str = "shared-token";
+
+/// A worker with `shared_dir` (or none) serving `model` (default: seeded random weights)
+/// on loopback; its URL.
+async fn worker(shared_dir: Option<PathBuf>) -> String {
+    let model = init_random(&Config::tiny(), 1, DType::F32, &Device::Cpu).unwrap();
+    worker_of(model, shared_dir).await
+}
+
+async fn worker_of(model: Gpt2, shared_dir: Option<PathBuf>) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let model = rollout_worker::engine::prepare_model(model).unwrap();
+    let server = RolloutServer::new(
+        Arc::new(Engine::start(model, 0, EngineConfig::default())),
+        Tokenizer::gpt2(),
+        Config::tiny(),
+        DType::F32,
+        Device::Cpu,
+        ServiceConfig {
+            token: Some(TOKEN.into()),
+            shared_dir,
+            ..ServiceConfig::default()
+        },
+    );
+    tokio::spawn(service::run(server, listener, std::future::pending()));
+    url
+}
+
+async fn client(url: &str) -> RolloutServiceClient<Channel> {
+    for _ in 0..50 {
+        if let Ok(c) = RolloutServiceClient::connect(url.to_owned()).await {
+            return c;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("worker at {url} never answered");
+}
+
+/// The worker's greedy completion of a fixed prompt: ids, log-probs, weight version.
+async fn greedy(c: &mut RolloutServiceClient<Channel>) -> (Vec<u32>, Vec<f32>, u64) {
+    let request = pb::GenerateRequest {
+        prompts: vec![pb::Prompt {
+            text: "P: rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1 ".into(),
+            ..Default::default()
+        }],
+        num_completions: 1,
+        sampling: Some(rookworld_proto::v1::SamplingParams {
+            temperature: 0.0,
+            max_new_tokens: 12,
+            ..Default::default()
+        }),
+    };
+    let mut stream = c.generate(request).await.unwrap().into_inner();
+    let answer = stream.message().await.unwrap().expect("one completion");
+    let done = answer.completion.unwrap();
+    (done.ids, done.logprobs, done.weight_version)
+}
+
+/// A directory for shared payloads, on tmpfs where there is one.
+fn shared_dir() -> tempfile::TempDir {
+    let shm = Path::new("/dev/shm");
+    if shm.is_dir() {
+        tempfile::tempdir_in(shm).unwrap()
+    } else {
+        tempfile::tempdir().unwrap()
+    }
+}
+
+/// Version `v` of the learner's weights, with its shared file written.
+fn shared_set(files: &mut SharedFiles, base: &WeightSet, v: u64) -> WeightSet {
+    let mut set = WeightSet {
+        version: v,
+        shared_file: None,
+        ..base.clone()
+    };
+    files.write(&mut set);
+    assert!(set.shared_file.is_some(), "the file was written");
+    set
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shared_file_delivers_what_the_stream_delivers() {
+    let dir = shared_dir();
+    let url = worker(Some(dir.path().to_owned())).await;
+    let mut c = client(&url).await;
+    let learner_model = init_random(&Config::tiny(), 7, DType::F32, &Device::Cpu).unwrap();
+    let base = WeightSet::from_model(&learner_model, "run-s", 1).unwrap();
+    let mut files = SharedFiles::new(dir.path().to_owned());
+
+    // Version 1 over the stream, version 2 (the same weights) through the file.
+    let answer = weights::push(&mut c, &base, TOKEN, 1 << 16).await.unwrap();
+    assert_eq!(answer.version, 1);
+    let streamed = greedy(&mut c).await;
+    let v2 = shared_set(&mut files, &base, 2);
+    let o = push_to(url.clone(), v2, TOKEN.into(), Duration::from_secs(10), true).await;
+    assert_eq!((o.error.as_deref(), o.path), (None, "shared"), "{o:?}");
+    let shared = greedy(&mut c).await;
+    assert_eq!(streamed.2, 1);
+    assert_eq!(shared.2, 2);
+    // Bit-identical: the same tokens and the same log-probs to the last bit.
+    assert_eq!(streamed.0, shared.0);
+    let bits = |l: &[f32]| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&streamed.1), bits(&shared.1));
+    // And they are the learner's weights: a worker started from the payload itself
+    // generates the same.
+    let direct = checkpoint::from_bytes(&base.bytes, &Config::tiny(), DType::F32, &Device::Cpu);
+    let direct_url = worker_of(direct.unwrap(), None).await;
+    let started = greedy(&mut client(&direct_url).await).await;
+    assert_eq!(started.0, shared.0);
+    assert_eq!(bits(&started.1), bits(&shared.1));
+    let status = c
+        .status(pb::StatusRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (status.weight_version, status.weight_run_id.as_str()),
+        (2, "run-s")
+    );
+
+    // The newest files are kept, older ones removed.
+    for v in 3..=6 {
+        let set = shared_set(&mut files, &base, v);
+        let o = push_to(
+            url.clone(),
+            set,
+            TOKEN.into(),
+            Duration::from_secs(10),
+            true,
+        )
+        .await;
+        assert_eq!((o.error.as_deref(), o.path), (None, "shared"), "{o:?}");
+    }
+    let left = std::fs::read_dir(dir.path()).unwrap().count();
+    assert_eq!(left, learner::export::KEEP_FILES);
+    files.remove_all();
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_cannot_read_the_file_is_streamed_the_weights() {
+    let dir = shared_dir();
+    let mut files = SharedFiles::new(dir.path().to_owned());
+    let model = init_random(&Config::tiny(), 8, DType::F32, &Device::Cpu).unwrap();
+    let base = WeightSet::from_model(&model, "run-f", 1).unwrap();
+
+    // No shared directory at the worker (another host): refused, streamed, and streamed
+    // from then on without asking again.
+    let elsewhere = worker(None).await;
+    client(&elsewhere).await;
+    let mut fleet = Fleet::new(Duration::from_secs(1));
+    fleet.register(&elsewhere);
+    let set = shared_set(&mut files, &base, 1);
+    let outcomes = fleet.push(&set, TOKEN, Duration::from_secs(10)).await;
+    let o = &outcomes[0];
+    assert_eq!(
+        (o.error.as_deref(), o.path, o.shared_refused),
+        (None, "stream", true),
+        "{o:?}"
+    );
+    assert!(!fleet.shared(&elsewhere));
+    let set = shared_set(&mut files, &base, 2);
+    let o = &fleet.push(&set, TOKEN, Duration::from_secs(10)).await[0];
+    assert_eq!(
+        (o.error.as_deref(), o.path, o.shared_refused),
+        (None, "stream", false),
+        "{o:?}"
+    );
+
+    // A shared directory without the file (another directory; or the file was removed
+    // before the worker opened it).
+    let other_dir = shared_dir();
+    let here = worker(Some(other_dir.path().to_owned())).await;
+    client(&here).await;
+    let set = shared_set(&mut files, &base, 3);
+    let o = push_to(here, set, TOKEN.into(), Duration::from_secs(10), true).await;
+    assert_eq!(
+        (o.error.as_deref(), o.path, o.shared_refused),
+        (None, "stream", true),
+        "{o:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_or_misnamed_file_is_refused_and_the_old_weights_serve() {
+    let dir = shared_dir();
+    let url = worker(Some(dir.path().to_owned())).await;
+    let mut c = client(&url).await;
+    let mut files = SharedFiles::new(dir.path().to_owned());
+    let model = init_random(&Config::tiny(), 9, DType::F32, &Device::Cpu).unwrap();
+    let base = WeightSet::from_model(&model, "run-d", 1).unwrap();
+    let good = shared_set(&mut files, &base, 1);
+    weights::push_shared(&mut c, &good, TOKEN).await.unwrap();
+    let before = greedy(&mut c).await;
+    let path = |s: &WeightSet| dir.path().join(s.shared_file.as_ref().unwrap());
+
+    // A flipped byte: the hash says so (DATA_LOSS).
+    let set = shared_set(&mut files, &base, 2);
+    let mut bytes = std::fs::read(path(&set)).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x10;
+    std::fs::write(path(&set), &bytes).unwrap();
+    let err = weights::push_shared(&mut c, &set, TOKEN).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::DataLoss, "{err:?}");
+
+    // A short file: the size says so.
+    let set = shared_set(&mut files, &base, 3);
+    std::fs::write(path(&set), &bytes[..at]).unwrap();
+    let err = weights::push_shared(&mut c, &set, TOKEN).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("bytes"), "{err:?}");
+
+    // A name that leaves the directory is refused before anything is opened.
+    let mut set = shared_set(&mut files, &base, 4);
+    set.shared_file = Some("../outside.safetensors".into());
+    let err = weights::push_shared(&mut c, &set, TOKEN).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("bare file name"), "{err:?}");
+
+    // A stale version is refused on the header, the file never read (the version in use
+    // itself is answered as in use: a retry of a push that landed).
+    let stale = WeightSet {
+        version: 0,
+        ..shared_set(&mut files, &base, 5)
+    };
+    let err = weights::push_shared(&mut c, &stale, TOKEN)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("not above"), "{err:?}");
+
+    // Through all of it, version 1 served, unchanged.
+    assert_eq!(greedy(&mut c).await, before);
+}
