@@ -109,6 +109,9 @@ async fn relay(
                 };
                 let total = sent.fetch_add(n as u64, Ordering::SeqCst) + n as u64;
                 if cut_after.is_some_and(|limit| total >= limit) {
+                    // Counted before the sockets close, so a caller that sees its call
+                    // fail also sees the cut.
+                    cuts.fetch_add(1, Ordering::SeqCst);
                     return; // cut: both directions end, the sockets close
                 }
                 wait_open(&modes).await;
@@ -135,9 +138,6 @@ async fn relay(
     tokio::select! {
         () = upstream => {}
         () = downstream => {}
-    }
-    if cut_after.is_some_and(|limit| sent.load(Ordering::SeqCst) >= limit) {
-        cuts.fetch_add(1, Ordering::SeqCst);
     }
 }
 
