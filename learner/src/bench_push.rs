@@ -23,7 +23,7 @@ use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
 use serde::Serialize;
 
-use crate::export::{Exporter, SharedFiles};
+use crate::export::{Exporter, KEEP_FILES, SharedFiles};
 use crate::optim::{AdamW, AdamWConfig};
 use crate::policy::Trainable;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -187,7 +187,20 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, String> {
     let generating_runs = usize::from(!args.idle_only);
     let total = (args.chunk_kib.len() + 1 + generating_runs) * args.pushes;
     let mut progress = Progress::new("bench push", 0, total as u64, true);
+    // The first two versions a worker receives are built in fresh memory (the model it
+    // started with is never written over); from then on each goes into the memory of the
+    // one its last swap retired. Measure that steady state.
     let mut version = 1;
+    for _ in 0..2 {
+        version += 1;
+        let warm_up = WeightSet {
+            version,
+            ..set.clone()
+        };
+        weights::push(&mut client, &warm_up, TOKEN, CHUNK_BYTES)
+            .await
+            .map_err(|s| format!("warm-up push: {:?}: {}", s.code(), s.message()))?;
+    }
     let mut idle = vec![];
     for &kib in &args.chunk_kib {
         idle.push(
@@ -344,8 +357,11 @@ async fn pushes(
     progress: &mut Progress,
     mut shared: Option<&mut SharedFiles>,
 ) -> Result<Pushes, String> {
+    // Through files, the first KEEP_FILES versions are written afresh; from then on the
+    // oldest file's memory is written over. Measure that steady state.
+    let warm_up = if shared.is_some() { KEEP_FILES } else { 0 };
     let mut all = vec![];
-    for _ in 0..n {
+    for i in 0..warm_up + n {
         *version += 1;
         let mut next = WeightSet {
             version: *version,
@@ -369,6 +385,9 @@ async fn pushes(
             Some(_) => "shared file".to_owned(),
             None => format!("{kib} KiB chunks"),
         };
+        if i < warm_up {
+            continue;
+        }
         progress.tick(&format!("{what}: {seconds:.3} s"));
         all.push((seconds, write, answer));
     }

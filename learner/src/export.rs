@@ -14,10 +14,9 @@
 //!   slices of the one buffer; no copy per worker;
 //! - with a shared directory (`--shared-dir`, the same-host path), the export thread also
 //!   writes each payload there once, as a file of its own name (written aside, then
-//!   renamed into place, never rewritten); workers on this host read it instead of
-//!   receiving the stream. The newest [`KEEP_FILES`] files are kept.
+//!   renamed into place; the oldest written over when no worker reads it:
+//!   [`SharedFiles`]); workers on this host read it instead of receiving the stream.
 
-use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -25,15 +24,15 @@ use std::thread::JoinHandle;
 
 use bytes::Bytes;
 use candle_core::{DType, Device, Result as CandleResult, Var};
-use rollout_worker::weights::{WeightSet, shared_file_name};
+use rollout_worker::weights::WeightSet;
 use rookworld_lm::bf16_payload::{Layout, write_bf16_parallel};
 use tokio::sync::watch;
 
+mod shared_files;
+pub use shared_files::{KEEP_FILES, SharedFiles};
+
 /// Spare payload buffers kept for reuse.
 const POOL: usize = 2;
-/// Payload files kept in the shared directory (a push of an older one still reading it
-/// has its file; a worker that opens a removed one is streamed the payload instead).
-pub const KEEP_FILES: usize = 3;
 
 /// Where the weight sync takes the newest published set from.
 pub type Latest = Arc<watch::Sender<Option<Arc<WeightSet>>>>;
@@ -237,63 +236,6 @@ impl Drop for Exporter {
         drop(self.jobs.take());
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
-        }
-    }
-}
-
-/// The payload files this learner wrote into a shared directory.
-#[derive(Debug)]
-pub struct SharedFiles {
-    dir: PathBuf,
-    written: VecDeque<PathBuf>,
-    /// The last write failed (said once, until one succeeds).
-    failing: bool,
-}
-
-impl SharedFiles {
-    pub fn new(dir: PathBuf) -> Self {
-        Self {
-            dir,
-            written: VecDeque::new(),
-            failing: false,
-        }
-    }
-
-    /// Writes `set`'s payload as its file (aside, then renamed into place) and names it in
-    /// the set; older files beyond [`KEEP_FILES`] are removed. A failure (a full tmpfs, a
-    /// read-only directory) is logged and leaves the set to the stream.
-    pub fn write(&mut self, set: &mut WeightSet) {
-        let name = shared_file_name(&set.run_id, set.version);
-        let (path, aside) = (self.dir.join(&name), self.dir.join(format!(".{name}.tmp")));
-        let written =
-            std::fs::write(&aside, &set.bytes).and_then(|()| std::fs::rename(&aside, &path));
-        match written {
-            Ok(()) => {
-                if self.failing {
-                    tracing::info!(dir = %self.dir.display(), "shared payload files written again");
-                }
-                self.failing = false;
-                set.shared_file = Some(name);
-                self.written.push_back(path);
-                while self.written.len() > KEEP_FILES {
-                    let old = self.written.pop_front().expect("non-empty");
-                    let _ = std::fs::remove_file(old);
-                }
-            }
-            Err(e) => {
-                let _ = std::fs::remove_file(&aside);
-                if !self.failing {
-                    tracing::warn!(dir = %self.dir.display(), error = %e, "cannot write the shared payload file; workers on this host are streamed the weights");
-                }
-                self.failing = true;
-            }
-        }
-    }
-
-    /// Removes every file written (at the end of the run).
-    pub fn remove_all(self) {
-        for path in self.written {
-            let _ = std::fs::remove_file(path);
         }
     }
 }

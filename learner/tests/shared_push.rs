@@ -254,3 +254,84 @@ async fn a_damaged_or_misnamed_file_is_refused_and_the_old_weights_serve() {
     // Through all of it, version 1 served, unchanged.
     assert_eq!(greedy(&mut c).await, before);
 }
+
+/// From its third version on, a worker writes each new version into the memory of the
+/// model the last swap retired; every version must still generate exactly what a worker
+/// started from its payload does, whichever path brought it and whatever a refused,
+/// damaged payload left in that memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn versions_built_into_retired_memory_serve_exactly_their_weights() {
+    let dir = shared_dir();
+    let url = worker(Some(dir.path().to_owned())).await;
+    let mut c = client(&url).await;
+    let mut files = SharedFiles::new(dir.path().to_owned());
+    let bits = |l: &[f32]| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for v in 1..=6u64 {
+        let model = init_random(&Config::tiny(), 100 + v, DType::F32, &Device::Cpu).unwrap();
+        let base = WeightSet::from_model(&model, "run-m", v).unwrap();
+        if v == 4 {
+            // A damaged file: refused on its hash after it was written into the spare.
+            let set = shared_set(&mut files, &base, v);
+            let path = dir.path().join(set.shared_file.as_ref().unwrap());
+            let mut bytes = std::fs::read(&path).unwrap();
+            let at = bytes.len() - 7;
+            bytes[at] ^= 0x40;
+            std::fs::write(&path, &bytes).unwrap();
+            let err = weights::push_shared(&mut c, &set, TOKEN).await.unwrap_err();
+            assert_eq!(err.code(), tonic::Code::DataLoss, "{err:?}");
+        }
+        if v % 2 == 0 {
+            weights::push(&mut c, &base, TOKEN, 1 << 16).await.unwrap();
+        } else {
+            let set = shared_set(&mut files, &base, v);
+            weights::push_shared(&mut c, &set, TOKEN).await.unwrap();
+        }
+        let served = greedy(&mut c).await;
+        let direct = checkpoint::from_bytes(&base.bytes, &Config::tiny(), DType::F32, &Device::Cpu);
+        let want = greedy(&mut client(&worker_of(direct.unwrap(), None).await).await).await;
+        assert_eq!(served.2, v);
+        assert_eq!(served.0, want.0, "version {v}: tokens");
+        assert_eq!(bits(&served.1), bits(&want.1), "version {v}: log-probs");
+    }
+}
+
+/// A file the learner is writing over (it holds the exclusive lock) is not read: the
+/// worker says it is busy, this push goes over the stream, and the next through a file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_being_written_over_is_streamed_instead() {
+    let dir = shared_dir();
+    let url = worker(Some(dir.path().to_owned())).await;
+    let mut files = SharedFiles::new(dir.path().to_owned());
+    let model = init_random(&Config::tiny(), 5, DType::F32, &Device::Cpu).unwrap();
+    let base = WeightSet::from_model(&model, "run-l", 1).unwrap();
+    let set = shared_set(&mut files, &base, 1);
+    let path = dir.path().join(set.shared_file.as_ref().unwrap());
+    let writer = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    writer.lock().unwrap();
+    let o = push_to(
+        url.clone(),
+        set,
+        TOKEN.into(),
+        Duration::from_secs(10),
+        true,
+    )
+    .await;
+    assert_eq!((o.error.as_deref(), o.path), (None, "stream"), "{o:?}");
+    assert!(
+        !o.shared_refused,
+        "a busy file is no reason to stream from now on: {o:?}"
+    );
+    drop(writer);
+    let mut c = client(&url).await;
+    assert_eq!(greedy(&mut c).await.2, 1);
+    let set = shared_set(&mut files, &base, 2);
+    let o = push_to(
+        url.clone(),
+        set,
+        TOKEN.into(),
+        Duration::from_secs(10),
+        true,
+    )
+    .await;
+    assert_eq!((o.error.as_deref(), o.path), (None, "shared"), "{o:?}");
+}

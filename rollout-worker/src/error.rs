@@ -42,6 +42,7 @@ impl ServiceError {
             Self::Weights(WeightError::Checksum { .. }) => "checksum",
             Self::Weights(WeightError::Stale { .. }) => "stale",
             Self::Weights(WeightError::Shared(_)) => "shared_unreadable",
+            Self::Weights(WeightError::SharedBusy(_)) => "shared_busy",
             Self::Weights(_) => "invalid",
             Self::Interrupted(_) => "interrupted",
             Self::Engine(_) | Self::Internal(_) => "failed",
@@ -61,6 +62,7 @@ impl From<ServiceError> for Status {
             ServiceError::Weights(WeightError::Stale { .. } | WeightError::Shared(_)) => {
                 Status::failed_precondition(message)
             }
+            ServiceError::Weights(WeightError::SharedBusy(_)) => Status::unavailable(message),
             ServiceError::Weights(_) => Status::invalid_argument(message),
             ServiceError::Interrupted(_) => Status::aborted(message),
             ServiceError::Engine(EngineError::InvalidRequest(_)) => {

@@ -20,7 +20,8 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::engine::{Engine, Event, Request as EngineRequest};
 use crate::error::ServiceError;
 use crate::metrics;
-use crate::weights::{self, Assembler, WeightError};
+
+mod update;
 
 /// Settings of the service around the engine.
 #[derive(Debug, Clone)]
@@ -59,6 +60,11 @@ pub struct RolloutServer {
     cfg: ServiceConfig,
     /// One weight update at a time.
     updating: Mutex<()>,
+    /// The model the last update retired: the memory of the next version
+    /// ([`update`](self::update)).
+    spare: std::sync::Mutex<Option<rookworld_lm::Gpt2>>,
+    /// The run and version the worker started with.
+    initial: (String, u64),
 }
 
 impl RolloutServer {
@@ -71,13 +77,18 @@ impl RolloutServer {
         cfg: ServiceConfig,
     ) -> Self {
         Self {
-            engine,
             tokenizer,
             model_config,
             dtype,
             device,
             cfg,
             updating: Mutex::new(()),
+            spare: std::sync::Mutex::new(None),
+            initial: {
+                let status = engine.status();
+                (status.weight_run, status.weight_version)
+            },
+            engine,
         }
     }
 
@@ -125,102 +136,6 @@ impl RolloutServer {
     /// Refuses a control call whose `authorization` is not `Bearer <token>`.
     fn authorize<T>(&self, request: &Request<T>) -> Result<(), ServiceError> {
         check_token(request.metadata(), self.cfg.token.as_deref()).map_err(ServiceError::Token)
-    }
-
-    async fn update_weights(
-        &self,
-        mut stream: Streaming<pb::WeightChunk>,
-    ) -> Result<pb::UpdateWeightsResponse, ServiceError> {
-        let _one_at_a_time = self.updating.lock().await;
-        let started = Instant::now();
-        // A payload may be somewhat larger than bf16 weights (header, an untied head).
-        let expected = self.model_config.num_parameters() * 2;
-        let mut assembler = Assembler::new(expected * 2 + (1 << 20));
-        let status = self.engine.status();
-        let (current, current_run) = (status.weight_version, status.weight_run);
-        let in_use = |bytes: usize| pb::UpdateWeightsResponse {
-            version: current,
-            bytes: bytes as u64,
-            seconds: started.elapsed().as_secs_f64(),
-            ..Default::default()
-        };
-        let mut shared = None;
-        while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|s| {
-                ServiceError::Interrupted(format!(
-                    "after {} bytes: {}",
-                    assembler.received(),
-                    s.message()
-                ))
-            })?;
-            let first = assembler.header().is_none();
-            assembler.push(chunk)?;
-            if first {
-                // The header decides before the body is sent: a stale version is refused,
-                // and a retry of a push that landed (its answer was lost) is answered.
-                let h = assembler.header().expect("the first chunk's header");
-                if h.version == current && h.run_id == current_run {
-                    tracing::debug!(version = current, "weights already in use; nothing to swap");
-                    return Ok(in_use(assembler.received()));
-                }
-                weights::supersedes(&h.run_id, h.version, &current_run, current)?;
-                if !h.shared_file.is_empty() {
-                    // The same-host path: the body is a file here, not the stream.
-                    shared = Some(h.clone());
-                    break;
-                }
-            }
-        }
-        let (set, bytes, received, verified) = match shared {
-            Some(h) => {
-                let dir = self.cfg.shared_dir.clone().ok_or_else(|| {
-                    WeightError::Shared(
-                        "this worker has no shared directory (--shared-dir, ROLLOUT_SHARED_DIR)"
-                            .into(),
-                    )
-                })?;
-                let read = {
-                    let h = h.clone();
-                    tokio::task::spawn_blocking(move || weights::read_shared(&dir, &h))
-                };
-                let payload = read.await.map_err(|e| {
-                    ServiceError::Internal(format!("reading the shared payload panicked: {e}"))
-                })??;
-                let (bytes, received) = (payload.len(), started.elapsed().as_secs_f64());
-                let set = tokio::task::spawn_blocking(move || weights::verify_shared(h, payload))
-                    .await
-                    .map_err(|e| ServiceError::Internal(format!("hashing panicked: {e}")))??;
-                (set, bytes, received, started.elapsed().as_secs_f64())
-            }
-            None => {
-                let received = started.elapsed().as_secs_f64();
-                let bytes = assembler.received();
-                let set = assembler.finish()?;
-                (set, bytes, received, started.elapsed().as_secs_f64())
-            }
-        };
-        let (cfg, dtype, device) = (self.model_config.clone(), self.dtype, self.device.clone());
-        let run = set.run_id.clone();
-        let (version, model) =
-            tokio::task::spawn_blocking(move || set.into_model(&cfg, dtype, &device))
-                .await
-                .map_err(|e| ServiceError::Internal(format!("weight loading panicked: {e}")))??;
-        let converted = started.elapsed().as_secs_f64();
-        self.engine.swap(model, version, &run).await?;
-        let seconds = started.elapsed().as_secs_f64();
-        if run != current_run {
-            tracing::info!(run = %run, previous_run = %current_run, previous_version = current, "weights of a new run replace the previous run's");
-        }
-        tracing::debug!(version, bytes, seconds, "weights updated");
-        Ok(pb::UpdateWeightsResponse {
-            version,
-            bytes: bytes as u64,
-            seconds,
-            receive_seconds: received,
-            verify_seconds: verified - received,
-            convert_seconds: converted - verified,
-            swap_seconds: seconds - converted,
-        })
     }
 }
 
@@ -297,7 +212,7 @@ impl RolloutService for RolloutServer {
     ) -> Result<Response<pb::UpdateWeightsResponse>, Status> {
         let started = Instant::now();
         let result = match self.authorize(&request) {
-            Ok(()) => self.update_weights(request.into_inner()).await,
+            Ok(()) => self.receive_weights(request.into_inner()).await,
             Err(e) => Err(e),
         };
         let (label, bytes) = match &result {

@@ -31,6 +31,10 @@ pub enum WeightError {
     /// the sender streams it instead.
     #[error("shared payload unreadable: {0}")]
     Shared(String),
+    /// A same-host payload file is being written over, or was replaced while it was
+    /// opened: this push goes over the stream, the path stays for the next.
+    #[error("shared payload busy: {0}")]
+    SharedBusy(String),
     /// The version is not newer than the one in use, of the same run.
     #[error("version {offered} is not above the version in use ({current}) of run `{run}`")]
     Stale {
@@ -269,22 +273,41 @@ pub fn shared_file_name(run_id: &str, version: u64) -> String {
 
 /// Maps the same-host payload the header `h` names in `dir` into memory, its pages
 /// mapped at once (no copy: the bytes are hashed and converted where the learner wrote
-/// them; [`verify_shared`] checks them). The learner never rewrites a payload file (it
-/// writes aside and renames into place), and removing a mapped file leaves the mapping
-/// valid, so the bytes cannot change under the worker.
+/// them; [`verify_shared`] checks them). The file is share-locked for as long as the
+/// bytes live: the learner writes a new version over an old file only when it gets that
+/// file's exclusive lock at once, and never rewrites one under its version's name, so
+/// the bytes cannot change under the worker. A file being written over, or renamed away
+/// between opening and locking it, is unreadable (the learner streams that push).
 pub fn read_shared(dir: &std::path::Path, h: &pb::WeightSetHeader) -> Result<Bytes, WeightError> {
+    use std::os::unix::fs::MetadataExt;
+
     let path = dir.join(&h.shared_file);
     let unreadable = |e: std::io::Error| WeightError::Shared(format!("{}: {e}", path.display()));
     let file = std::fs::File::open(&path).map_err(unreadable)?;
-    if !file.metadata().map_err(unreadable)?.is_file() {
+    let meta = file.metadata().map_err(unreadable)?;
+    if !meta.is_file() {
         return Err(WeightError::Shared(format!(
             "{} is not a file",
             path.display()
         )));
     }
-    // SAFETY: the mapping is read-only and the file is never written again (see above).
+    if file.try_lock_shared().is_err() {
+        return Err(WeightError::SharedBusy(format!(
+            "{} is being written over",
+            path.display()
+        )));
+    }
+    let named = std::fs::metadata(&path)
+        .map_err(|e| WeightError::SharedBusy(format!("{}: {e}", path.display())))?;
+    if (named.dev(), named.ino()) != (meta.dev(), meta.ino()) {
+        return Err(WeightError::SharedBusy(format!(
+            "{} was replaced while it was opened",
+            path.display()
+        )));
+    }
+    // SAFETY: the mapping is read-only and the file is not written while it is locked.
     let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) }.map_err(unreadable)?;
-    let bytes = Bytes::from_owner(map);
+    let bytes = Bytes::from_owner(Locked { map, _file: file });
     if bytes.len() as u64 != h.total_bytes {
         return Err(WeightError::Malformed(format!(
             "shared file {} holds {} bytes, the header says {}",
@@ -294,6 +317,18 @@ pub fn read_shared(dir: &std::path::Path, h: &pb::WeightSetHeader) -> Result<Byt
         )));
     }
     Ok(bytes)
+}
+
+/// A mapped payload file and its open, share-locked handle (closing it drops the lock).
+struct Locked {
+    map: memmap2::Mmap,
+    _file: std::fs::File,
+}
+
+impl AsRef<[u8]> for Locked {
+    fn as_ref(&self) -> &[u8] {
+        &self.map
+    }
 }
 
 /// Checks a same-host payload read by [`read_shared`] against its header's SHA-256.
@@ -311,17 +346,42 @@ impl WeightSet {
     }
 
     /// Builds the model (`cfg`'s shape, into `dtype` on `device`, packed for the CPU
-    /// kernel where it applies) after checking every tensor.
+    /// kernel where it applies) after checking every tensor; see [`build_model`].
     pub fn into_model(
         self,
         cfg: &Config,
         dtype: candle_core::DType,
         device: &candle_core::Device,
+        spare: Option<Gpt2>,
     ) -> Result<(u64, Gpt2), WeightError> {
-        let mut model = checkpoint::from_bytes(&self.bytes, cfg, dtype, device)?;
-        model.pack_for_cpu().map_err(rookworld_lm::Error::from)?;
+        let model = build_model(&self.bytes, cfg, dtype, device, spare)?;
         Ok((self.version, model))
     }
+}
+
+/// The model of payload `bytes` (`cfg`'s shape, into `dtype` on `device`, packed for the
+/// CPU kernel where it applies), every tensor checked: written into `spare`'s memory
+/// when one is given that can take it (a retired f32 CPU model nothing else holds:
+/// [`rookworld_lm::refill`]), else built afresh.
+pub fn build_model(
+    bytes: &[u8],
+    cfg: &Config,
+    dtype: candle_core::DType,
+    device: &candle_core::Device,
+    spare: Option<Gpt2>,
+) -> Result<Gpt2, WeightError> {
+    if let Some(mut model) = spare
+        && model.dtype() == dtype
+        && model.device().same_device(device)
+        && model.config() == cfg
+        && rookworld_lm::refill::refill(&mut model, bytes)?
+    {
+        tracing::debug!("new weights written into the retired model's memory");
+        return Ok(model);
+    }
+    let mut model = checkpoint::from_bytes(bytes, cfg, dtype, device)?;
+    model.pack_for_cpu().map_err(rookworld_lm::Error::from)?;
+    Ok(model)
 }
 
 /// Whether version `version` of run `run` replaces version `current` of `current_run`
@@ -407,7 +467,7 @@ mod tests {
         assert_eq!(back.run_id, "run-a");
         back.supersedes("run-a", 2).unwrap();
         let (v, m) = back
-            .into_model(&Config::tiny(), DType::F32, &Device::Cpu)
+            .into_model(&Config::tiny(), DType::F32, &Device::Cpu, None)
             .unwrap();
         assert_eq!(v, 3);
         assert_eq!(m.named_tensors().len(), Config::tiny().n_layer * 12 + 4);
@@ -473,7 +533,7 @@ mod tests {
             ..Config::tiny()
         };
         let err = set()
-            .into_model(&other, DType::F32, &Device::Cpu)
+            .into_model(&other, DType::F32, &Device::Cpu, None)
             .unwrap_err();
         assert!(err.to_string().contains("h.2"), "{err}");
     }

@@ -36,6 +36,32 @@ pub struct PackedMatrix {
     epilogue: Epilogue,
 }
 
+/// Writes `w` — (K, N) row-major, or (N, K) when `transposed` — into `panels`
+/// (⌈N/NR⌉, K, NR); the padding columns of the last panel are left as they are (zero).
+fn fill_panels(panels: &mut [f32], w: &[f32], k: usize, n: usize, transposed: bool) {
+    assert_eq!(w.len(), k * n, "weight of {k}×{n}");
+    assert_eq!(panels.len(), n.div_ceil(NR) * k * NR, "panels of {k}×{n}");
+    panels
+        .par_chunks_mut(k * NR)
+        .enumerate()
+        .for_each(|(p, panel)| {
+            let (first, cols) = (p * NR, NR.min(n - p * NR));
+            if transposed {
+                // Row `col` of w is column `col` of W: scattered down the panel.
+                for j in 0..cols {
+                    let row = &w[(first + j) * k..(first + j + 1) * k];
+                    for (kk, &x) in row.iter().enumerate() {
+                        panel[kk * NR + j] = x;
+                    }
+                }
+            } else {
+                for (kk, dst) in panel.chunks_exact_mut(NR).enumerate() {
+                    dst[..cols].copy_from_slice(&w[kk * n + first..kk * n + first + cols]);
+                }
+            }
+        });
+}
+
 /// Whether this CPU runs the packed kernel.
 pub fn supported() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -53,27 +79,8 @@ impl PackedMatrix {
     /// weight or the tied embedding used as the LM head).
     pub fn pack(w: &[f32], k: usize, n: usize, transposed: bool, bias: Option<Vec<f32>>) -> Self {
         assert_eq!(w.len(), k * n, "weight of {k}×{n}");
-        let panels_n = n.div_ceil(NR);
-        let mut panels = vec![0f32; panels_n * k * NR];
-        panels
-            .par_chunks_mut(k * NR)
-            .enumerate()
-            .for_each(|(p, panel)| {
-                let (first, cols) = (p * NR, NR.min(n - p * NR));
-                if transposed {
-                    // Row `col` of w is column `col` of W: scattered down the panel.
-                    for j in 0..cols {
-                        let row = &w[(first + j) * k..(first + j + 1) * k];
-                        for (kk, &x) in row.iter().enumerate() {
-                            panel[kk * NR + j] = x;
-                        }
-                    }
-                } else {
-                    for (kk, dst) in panel.chunks_exact_mut(NR).enumerate() {
-                        dst[..cols].copy_from_slice(&w[kk * n + first..kk * n + first + cols]);
-                    }
-                }
-            });
+        let mut panels = vec![0f32; n.div_ceil(NR) * k * NR];
+        fill_panels(&mut panels, w, k, n, transposed);
         Self {
             k,
             n,
@@ -83,10 +90,34 @@ impl PackedMatrix {
         }
     }
 
+    /// Packs new values `w` of the same shape into this matrix's own panels (memory
+    /// already faulted in: no allocation), and `bias` into its bias. Returns false,
+    /// changing nothing, when the shape or the presence of a bias differs.
+    pub fn repack(&mut self, w: &[f32], transposed: bool, bias: Option<&[f32]>) -> bool {
+        let same_bias = match (&self.bias, bias) {
+            (Some(old), Some(new)) => old.len() == new.len(),
+            (None, None) => true,
+            _ => false,
+        };
+        if w.len() != self.k * self.n || !same_bias {
+            return false;
+        }
+        fill_panels(&mut self.panels, w, self.k, self.n, transposed);
+        if let (Some(old), Some(new)) = (self.bias.as_mut(), bias) {
+            old.copy_from_slice(new);
+        }
+        true
+    }
+
     /// Applies `epilogue` to every output from now on.
     pub fn with_epilogue(mut self, epilogue: Epilogue) -> Self {
         self.epilogue = epilogue;
         self
+    }
+
+    /// Applies `epilogue` to every output from now on.
+    pub fn set_epilogue(&mut self, epilogue: Epilogue) {
+        self.epilogue = epilogue;
     }
 
     pub fn epilogue(&self) -> Epilogue {
@@ -259,6 +290,30 @@ mod tests {
             }
             let got_t = PackedMatrix::pack(&wt, k, n, true, Some(bias)).matmul(&x, m);
             assert_eq!(got, got_t);
+        }
+    }
+
+    #[test]
+    fn a_repacked_matrix_computes_what_a_fresh_pack_of_the_new_values_does() {
+        let (m, k, n) = (7, 300, 33); // a padded last panel
+        let x = values(m * k, 9);
+        for transposed in [false, true] {
+            let mut packed =
+                PackedMatrix::pack(&values(k * n, 4), k, n, transposed, Some(values(n, 5)))
+                    .with_epilogue(Epilogue::GeluNew);
+            let (w, bias) = (values(k * n, 6), values(n, 7));
+            assert!(packed.repack(&w, transposed, Some(&bias)));
+            let fresh = PackedMatrix::pack(&w, k, n, transposed, Some(bias.clone()))
+                .with_epilogue(Epilogue::GeluNew);
+            assert_eq!(
+                packed.matmul(&x, m),
+                fresh.matmul(&x, m),
+                "transposed: {transposed}"
+            );
+            // Another shape, or a bias where there was none, is refused and changes nothing.
+            assert!(!packed.repack(&w[1..], transposed, Some(&bias)));
+            assert!(!packed.repack(&w, transposed, None));
+            assert_eq!(packed.matmul(&x, m), fresh.matmul(&x, m));
         }
     }
 }

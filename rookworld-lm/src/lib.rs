@@ -8,6 +8,7 @@
 //! - [`mask`]: position ids and attention bias for left-padded batches ([`LeftPadding`]).
 //! - [`checkpoint`]: loading and saving Hugging Face checkpoints, seeded random init.
 //! - [`bf16_payload`]: the bfloat16 safetensors payload of a weight push, built in place.
+//! - [`refill`]: a worker's next weights written into a retired model's memory.
 //! - [`cpu_gemm`]: packed-weight f32 matmul for CPU inference (AVX2/FMA).
 //! - [`simd`]: vectorised exp and GELU for the CPU hot paths.
 //! - [`tokenizer`]: GPT-2 byte-level BPE, built in.
@@ -30,6 +31,7 @@ pub mod generate;
 pub mod grouped;
 pub mod mask;
 pub mod model;
+pub mod refill;
 pub mod sampling;
 pub mod simd;
 pub mod tokenizer;

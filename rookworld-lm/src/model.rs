@@ -45,14 +45,19 @@ impl Conv1D {
         })
     }
 
+    /// Packs the weight and bias, into the panels of the last packing when this layer
+    /// holds them alone (no allocation: [`Gpt2::refill`]).
     fn pack(&mut self, epilogue: Epilogue) -> candle_core::Result<()> {
         let (d_in, d_out) = self.weight.dims2()?;
         let bias = self.bias.to_vec1::<f32>()?;
-        let packed = with_values(&self.weight, |w| {
-            PackedMatrix::pack(w, d_in, d_out, false, Some(bias))
-        })?
-        .with_epilogue(epilogue);
-        self.packed = Some(Arc::new(packed));
+        let packed = repack_or_pack(
+            &mut self.packed,
+            &self.weight,
+            (d_in, d_out),
+            false,
+            Some(bias),
+        )?;
+        packed.set_epilogue(epilogue);
         Ok(())
     }
 
@@ -430,8 +435,7 @@ impl Gpt2 {
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.wte); // (V, E)
         let (v, e) = head.dims2()?;
-        let packed = with_values(head, |w| PackedMatrix::pack(w, e, v, true, None))?;
-        self.head_packed = Some(Arc::new(packed));
+        repack_or_pack(&mut self.head_packed, head, (e, v), true, None)?;
         Ok(true)
     }
 
@@ -548,6 +552,27 @@ fn packed_matmul(packed: &PackedMatrix, x: &Tensor) -> candle_core::Result<Optio
     let m = x.dim(0)?;
     let data = x.flatten_all()?.to_vec1::<f32>()?;
     Tensor::from_vec(packed.matmul(&data, m), (m, packed.n()), x.device()).map(Some)
+}
+
+/// Packs `w` — (K, N), or (N, K) when `transposed` — with `bias` into `slot`: into the
+/// panels already there when `slot` holds the only reference to a matrix of that shape,
+/// else into a new matrix. Returns the packed matrix.
+fn repack_or_pack<'a>(
+    slot: &'a mut Option<Arc<PackedMatrix>>,
+    w: &Tensor,
+    (k, n): (usize, usize),
+    transposed: bool,
+    bias: Option<Vec<f32>>,
+) -> candle_core::Result<&'a mut PackedMatrix> {
+    let reused = match slot.as_mut().and_then(Arc::get_mut) {
+        Some(packed) => with_values(w, |w| packed.repack(w, transposed, bias.as_deref()))?,
+        None => false,
+    };
+    if !reused {
+        let packed = with_values(w, |w| PackedMatrix::pack(w, k, n, transposed, bias))?;
+        *slot = Some(Arc::new(packed));
+    }
+    Ok(Arc::get_mut(slot.as_mut().expect("packed above")).expect("held alone"))
 }
 
 /// `f` of `t`'s f32 values in element order: borrowed from its CPU storage when it is

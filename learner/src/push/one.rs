@@ -113,6 +113,12 @@ async fn push_one(
                 tracing::info!(worker = %address, why = %s.message(), "the worker cannot read the shared payload; it is streamed the weights from now on");
                 how.shared_refused = true;
             }
+            Err(s)
+                if s.code() == tonic::Code::Unavailable
+                    && s.message().contains("shared payload busy") =>
+            {
+                tracing::debug!(worker = %address, why = %s.message(), "the shared payload is busy; this push is streamed");
+            }
             Err(s) => return Err(refusal(s)),
         }
     }

@@ -154,8 +154,14 @@ impl Engine {
 
     /// Installs `model` as weight version `version` of run `run` between two decode steps
     /// and returns once it is in use (see the module doc for what happens to work in
-    /// flight).
-    pub async fn swap(&self, model: Gpt2, version: u64, run: &str) -> Result<(), EngineError> {
+    /// flight), with the model it retired — the one in use before, or an older staged
+    /// one that `model` superseded — when nothing else holds that model any more.
+    pub async fn swap(
+        &self,
+        model: Gpt2,
+        version: u64,
+        run: &str,
+    ) -> Result<Option<Retired>, EngineError> {
         let (reply, done) = oneshot::channel();
         self.commands
             .send(Command::Swap(Staged {
@@ -203,7 +209,28 @@ struct Staged {
     model: Arc<Gpt2>,
     version: u64,
     run: String,
-    reply: oneshot::Sender<()>,
+    reply: oneshot::Sender<Option<Retired>>,
+}
+
+/// A model the engine no longer uses, handed back by [`Engine::swap`] (its memory can
+/// hold the next version: `rookworld_lm::refill`).
+#[derive(Debug)]
+pub struct Retired {
+    pub model: Gpt2,
+    /// The weight version and run it held.
+    pub version: u64,
+    pub run: String,
+}
+
+impl Retired {
+    /// `model` retired, if nothing else holds it.
+    fn of(model: Arc<Gpt2>, version: u64, run: String) -> Option<Self> {
+        Arc::try_unwrap(model).ok().map(|model| Self {
+            model,
+            version,
+            run,
+        })
+    }
 }
 
 struct EngineLoop {
@@ -294,7 +321,7 @@ impl EngineLoop {
                 // A newer staged swap replaces an older one; its caller is told it landed
                 // (its version is superseded before any token used it).
                 if let Some(old) = self.staged.replace(staged) {
-                    let _ = old.reply.send(());
+                    let _ = old.reply.send(Retired::of(old.model, old.version, old.run));
                 }
             }
             Command::Shutdown => return false,
@@ -309,15 +336,18 @@ impl EngineLoop {
         };
         if ready && let Some(staged) = self.staged.take() {
             let version = staged.version;
-            self.scheduler.set_model(staged.model, version);
-            {
+            let old = self.scheduler.set_model(staged.model, version);
+            let (old_version, old_run) = {
                 let mut status = self.status.lock().expect("status lock");
-                status.weight_version = version;
-                status.weight_run = staged.run;
-            }
+                let old_version = std::mem::replace(&mut status.weight_version, version);
+                (
+                    old_version,
+                    std::mem::replace(&mut status.weight_run, staged.run),
+                )
+            };
             metrics::set_weight_version(version);
             tracing::debug!(version, "weights swapped in");
-            let _ = staged.reply.send(());
+            let _ = staged.reply.send(Retired::of(old, old_version, old_run));
         }
     }
 

@@ -9,7 +9,7 @@
 pub mod handle;
 pub mod scheduler;
 
-pub use handle::{Engine, EngineStatus};
+pub use handle::{Engine, EngineStatus, Retired};
 pub use scheduler::Scheduler;
 
 use rookworld_lm::Gpt2;

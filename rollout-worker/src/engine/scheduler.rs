@@ -188,8 +188,8 @@ impl Scheduler {
 
     /// Replaces the model. Work not finished restarts from its prompt under the new
     /// weights (its completions so far are discarded, never mixed); finished completions
-    /// keep the version they were made with.
-    pub fn set_model(&mut self, model: Arc<Gpt2>, version: u64) {
+    /// keep the version they were made with. Returns the model replaced.
+    pub fn set_model(&mut self, model: Arc<Gpt2>, version: u64) -> Arc<Gpt2> {
         let mut requeue: Vec<PromptWork> = Vec::new();
         for g in self.groups.drain(..) {
             let mut work = g.work;
@@ -210,8 +210,8 @@ impl Scheduler {
         self.rows.clear();
         self.cache.clear();
         self.reserved = 0;
-        self.model = model;
         self.version = version;
+        std::mem::replace(&mut self.model, model)
     }
 
     /// Steps until every request is done; returns the samples by (request, prompt,

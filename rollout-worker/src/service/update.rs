@@ -1,0 +1,235 @@
+//! One weight update: the payload received (streamed, or a same-host file mapped), its
+//! checksum verified, the model built — into the memory of the model the last update
+//! retired, when there is one — and swapped in at a decode step boundary.
+//!
+//! Built fresh, a gpt2-124m CPU model is about 1 GB of new memory per version, every
+//! page faulted in and zeroed first; a retired model's memory is already there. So the
+//! service keeps the model each swap retires (only models it built itself: the model
+//! the worker started with may share tensors with its caller) and writes the next
+//! version over it. A CPU worker thus holds two models' memory at rest, as every update
+//! already did while it ran; other devices and dtypes build afresh and keep none.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use rookworld_lm::Gpt2;
+use rookworld_proto::rollout::v1 as pb;
+use tokio_stream::StreamExt;
+use tonic::Streaming;
+
+use super::RolloutServer;
+use crate::engine::Retired;
+use crate::error::ServiceError;
+use crate::weights::{self, Assembler, WeightError, WeightSet};
+
+/// Where the payload's body is, once the header has been accepted.
+enum Body {
+    /// Streamed in full.
+    Streamed(Assembler),
+    /// A file in the shared directory, named by this header.
+    Shared(pb::WeightSetHeader),
+}
+
+/// A verified payload's model and how long the steps took.
+struct Built {
+    set: WeightSet,
+    model: Gpt2,
+    verify: Duration,
+    convert: Duration,
+}
+
+impl RolloutServer {
+    /// Receives, checks, builds and swaps in one weight set (one update at a time).
+    pub(super) async fn receive_weights(
+        &self,
+        mut stream: Streaming<pb::WeightChunk>,
+    ) -> Result<pb::UpdateWeightsResponse, ServiceError> {
+        let _one_at_a_time = self.updating.lock().await;
+        let started = Instant::now();
+        let status = self.engine.status();
+        let (current, current_run) = (status.weight_version, status.weight_run);
+        // A payload may be somewhat larger than bf16 weights (header, an untied head).
+        let expected = self.model_config.num_parameters() * 2;
+        let mut assembler = Assembler::new(expected * 2 + (1 << 20));
+        let mut shared = None;
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|s| {
+                ServiceError::Interrupted(format!(
+                    "after {} bytes: {}",
+                    assembler.received(),
+                    s.message()
+                ))
+            })?;
+            let first = assembler.header().is_none();
+            assembler.push(chunk)?;
+            if first {
+                // The header decides before the body is sent: a stale version is refused,
+                // and a retry of a push that landed (its answer was lost) is answered.
+                let h = assembler.header().expect("the first chunk's header");
+                if h.version == current && h.run_id == current_run {
+                    tracing::debug!(version = current, "weights already in use; nothing to swap");
+                    return Ok(pb::UpdateWeightsResponse {
+                        version: current,
+                        bytes: assembler.received() as u64,
+                        seconds: started.elapsed().as_secs_f64(),
+                        ..Default::default()
+                    });
+                }
+                weights::supersedes(&h.run_id, h.version, &current_run, current)?;
+                if !h.shared_file.is_empty() {
+                    // The same-host path: the body is a file here, not the stream.
+                    shared = Some(h.clone());
+                    break;
+                }
+            }
+        }
+        let body = match shared {
+            Some(h) => Body::Shared(h),
+            None => Body::Streamed(assembler),
+        };
+        let (built, bytes, received) = self.build(body, started).await?;
+        let (version, run) = (built.set.version, built.set.run_id.clone());
+        let ready = started.elapsed();
+        let retired = self.engine.swap(built.model, version, &run).await?;
+        self.keep_spare(retired);
+        let seconds = started.elapsed().as_secs_f64();
+        if run != current_run {
+            tracing::info!(run = %run, previous_run = %current_run, previous_version = current, "weights of a new run replace the previous run's");
+        }
+        tracing::debug!(version, bytes, seconds, "weights updated");
+        Ok(pb::UpdateWeightsResponse {
+            version,
+            bytes: bytes as u64,
+            seconds,
+            receive_seconds: received.as_secs_f64(),
+            verify_seconds: built.verify.as_secs_f64(),
+            convert_seconds: built.convert.as_secs_f64(),
+            swap_seconds: (started.elapsed() - ready).as_secs_f64(),
+        })
+    }
+
+    /// The verified model of `body`, its size and when it had arrived. A streamed body
+    /// was hashed as it came; a shared file is hashed while the model is built (two
+    /// cores at once; a payload that fails the check is never swapped in).
+    async fn build(
+        &self,
+        body: Body,
+        started: Instant,
+    ) -> Result<(Built, usize, Duration), ServiceError> {
+        let target = Target {
+            cfg: self.model_config.clone(),
+            dtype: self.dtype,
+            device: self.device.clone(),
+        };
+        let spare = self.spare.lock().expect("spare lock").take();
+        let (built, bytes, received) = match body {
+            Body::Streamed(assembler) => {
+                let (bytes, received) = (assembler.received(), started.elapsed());
+                let set = assembler.finish()?;
+                let built = blocking(move || {
+                    let (model, convert) = target.build(&set.bytes, spare);
+                    Ok(Built {
+                        model: model?,
+                        set,
+                        verify: Duration::ZERO,
+                        convert,
+                    })
+                });
+                (built.await?, bytes, received)
+            }
+            Body::Shared(h) => {
+                let dir = self.cfg.shared_dir.clone().ok_or_else(|| {
+                    WeightError::Shared(
+                        "this worker has no shared directory (--shared-dir, ROLLOUT_SHARED_DIR)"
+                            .into(),
+                    )
+                })?;
+                let read = {
+                    let h = h.clone();
+                    blocking(move || weights::read_shared(&dir, &h))
+                };
+                let payload = read.await?;
+                let (bytes, received) = (payload.len(), started.elapsed());
+                let checked =
+                    blocking(move || Ok(verify_while_building(&target, h, payload, spare)));
+                let (built, unverified) = checked.await?;
+                if let Some(model) = unverified {
+                    // Its memory still serves the next version.
+                    *self.spare.lock().expect("spare lock") = Some(model);
+                }
+                (built?, bytes, received)
+            }
+        };
+        Ok((built, bytes, received))
+    }
+
+    /// Keeps a model the engine retired as the memory of the next version, if this
+    /// service built it (not the model the worker started with) and it can be refilled.
+    fn keep_spare(&self, retired: Option<Retired>) {
+        let Some(r) = retired else { return };
+        let initial = (r.version == self.initial.1) && (r.run == self.initial.0);
+        if !initial && r.model.device().is_cpu() && r.model.dtype() == candle_core::DType::F32 {
+            *self.spare.lock().expect("spare lock") = Some(r.model);
+        }
+    }
+}
+
+/// What a payload is built into: the worker's model shape, dtype and device.
+#[derive(Clone)]
+struct Target {
+    cfg: rookworld_lm::Config,
+    dtype: candle_core::DType,
+    device: candle_core::Device,
+}
+
+impl Target {
+    /// The model of verified `bytes`, into `spare`'s memory when it can take it.
+    fn build(&self, bytes: &[u8], spare: Option<Gpt2>) -> (Result<Gpt2, WeightError>, Duration) {
+        let clock = Instant::now();
+        let model = weights::build_model(bytes, &self.cfg, self.dtype, &self.device, spare);
+        (model, clock.elapsed())
+    }
+}
+
+/// Hashes the shared `payload` on its own thread while its model is built into `spare`.
+/// Returns the model when the hash is the header's; else the error, and the model built
+/// (its values not to be used, only its memory).
+fn verify_while_building(
+    target: &Target,
+    h: pb::WeightSetHeader,
+    payload: Bytes,
+    spare: Option<Gpt2>,
+) -> (Result<Built, WeightError>, Option<Gpt2>) {
+    std::thread::scope(|s| {
+        let hashed = payload.clone();
+        let hash = s.spawn(move || {
+            let clock = Instant::now();
+            (weights::verify_shared(h, hashed), clock.elapsed())
+        });
+        let (model, convert) = target.build(&payload, spare);
+        let (set, verify) = hash.join().expect("hashing does not panic");
+        match (set, model) {
+            (Ok(set), Ok(model)) => (
+                Ok(Built {
+                    set,
+                    model,
+                    verify,
+                    convert,
+                }),
+                None,
+            ),
+            (Err(e), Ok(model)) => (Err(e), Some(model)),
+            (_, Err(e)) => (Err(e), None),
+        }
+    })
+}
+
+/// Runs `f` on tokio's blocking pool; a panic becomes an internal error.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, WeightError> + Send + 'static,
+) -> Result<T, ServiceError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ServiceError::Internal(format!("a weight update task panicked: {e}")))?
+        .map_err(ServiceError::from)
+}
