@@ -76,7 +76,7 @@ struct Floor {
 struct Report {
     preset: String,
     bytes: usize,
-    /// Learner: the model to the BF16 safetensors payload, and its SHA-256.
+    /// Learner: the model to the BF16 safetensors payload, and its BLAKE3 hash.
     export_seconds: f64,
     /// The same payload by the generic path (`to_dtype`, `safetensors::serialize`), the
     /// in-run baseline of the export.
@@ -138,7 +138,7 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, String> {
     let bytes = set.bytes.len();
     let training = training_thread(&learner_model, args.pushes).map_err(|e| err(&e))?;
     drop(learner_model);
-    if training.set.sha256 == set.sha256 || training.set.bytes.len() != bytes {
+    if training.set.blake3 == set.blake3 || training.set.bytes.len() != bytes {
         return Err("the optimizer's payload is not an updated model of the same size".into());
     }
     let floor = floor(&set.bytes).await.map_err(|e| err(&e))?;

@@ -5,7 +5,7 @@
 //! - AdamW writes each parameter it updates as bfloat16 straight into its slot of a
 //!   [`Payload`] ([`AdamW::step_exporting`](crate::optim::AdamW::step_exporting)): one
 //!   store per parameter, in the pass the optimizer makes anyway;
-//! - the [`Exporter`]'s own thread hashes the finished payload (SHA-256) and hands the
+//! - the [`Exporter`]'s own thread hashes the finished payload (BLAKE3) and hands the
 //!   [`WeightSet`] to the weight sync, newest first (a payload overtaken by a newer one
 //!   before it was hashed is dropped, never published after it);
 //! - payload buffers are pooled: when the last push of a set (and the sync's handle on it)
@@ -313,7 +313,7 @@ mod tests {
             assert_eq!(set.version, version);
             // Bit for bit what converting the updated model gives, hash included.
             let want = WeightSet::from_model(&policy.model, "run", version).unwrap();
-            assert_eq!(set.sha256, want.sha256, "version {version}");
+            assert_eq!(set.blake3, want.blake3, "version {version}");
             assert_eq!(set.bytes, want.bytes);
             let back =
                 checkpoint::from_bytes(&set.bytes, &Config::tiny(), DType::F32, &Device::Cpu);
@@ -339,6 +339,6 @@ mod tests {
         exporter.flush().unwrap();
         let set = rx.borrow().clone().unwrap();
         let want = WeightSet::from_model(&policy.model, "run", 1).unwrap();
-        assert_eq!(set.sha256, want.sha256);
+        assert_eq!(set.blake3, want.blake3);
     }
 }

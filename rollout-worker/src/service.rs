@@ -63,6 +63,8 @@ pub struct RolloutServer {
     /// The model the last update retired: the memory of the next version
     /// ([`update`](self::update)).
     spare: std::sync::Mutex<Option<rookworld_lm::Gpt2>>,
+    /// The buffer the last streamed payload arrived in: the next one's.
+    received: std::sync::Mutex<Option<Vec<u8>>>,
     /// The run and version the worker started with.
     initial: (String, u64),
 }
@@ -84,6 +86,7 @@ impl RolloutServer {
             cfg,
             updating: Mutex::new(()),
             spare: std::sync::Mutex::new(None),
+            received: std::sync::Mutex::new(None),
             initial: {
                 let status = engine.status();
                 (status.weight_run, status.weight_version)

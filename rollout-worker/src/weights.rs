@@ -1,11 +1,10 @@
 //! Weight sets on the wire: a model serialised as a bfloat16 safetensors payload,
-//! cut into chunks with a header (version, size, SHA-256), and put back together with
+//! cut into chunks with a header (version, size, BLAKE3 hash), and put back together with
 //! every check made before anything is trusted.
 
 use bytes::Bytes;
 use rookworld_lm::{Config, Gpt2, checkpoint};
 use rookworld_proto::rollout::v1 as pb;
-use sha2::{Digest, Sha256};
 
 /// The one payload format accepted.
 pub const FORMAT: &str = "safetensors-bf16";
@@ -21,7 +20,7 @@ pub enum WeightError {
     /// The stream is not a well-formed weight set (header, order, sizes).
     #[error("{0}")]
     Malformed(String),
-    /// The payload's SHA-256 differs from the header's: corrupted in transit.
+    /// The payload's BLAKE3 hash differs from the header's: corrupted in transit.
     #[error("checksum mismatch: header says {expected}, payload hashes to {actual}")]
     Checksum { expected: String, actual: String },
     /// The payload does not hold this worker's model (names, shapes, parse).
@@ -44,7 +43,7 @@ pub enum WeightError {
     },
 }
 
-/// A model serialised for a push: bfloat16 safetensors bytes and their SHA-256. The bytes
+/// A model serialised for a push: bfloat16 safetensors bytes and their BLAKE3 hash. The bytes
 /// are shared: cloning a set, or cutting it into chunks for any number of workers,
 /// copies none of them.
 #[derive(Debug, Clone)]
@@ -53,7 +52,7 @@ pub struct WeightSet {
     pub run_id: String,
     pub version: u64,
     pub bytes: Bytes,
-    pub sha256: [u8; 32],
+    pub blake3: [u8; 32],
     /// The payload's file in the shared directory of workers on this host, when the
     /// learner wrote one ([`shared_file_name`]).
     pub shared_file: Option<String>,
@@ -76,7 +75,7 @@ impl WeightSet {
         Self {
             run_id: run_id.to_owned(),
             version,
-            sha256: Sha256::digest(&bytes).into(),
+            blake3: blake3::hash(&bytes).into(),
             bytes,
             shared_file: None,
         }
@@ -87,7 +86,7 @@ impl WeightSet {
         pb::WeightSetHeader {
             version: self.version,
             total_bytes: self.bytes.len() as u64,
-            sha256: self.sha256.to_vec(),
+            blake3: self.blake3.to_vec(),
             format: FORMAT.into(),
             run_id: self.run_id.clone(),
             shared_file: String::new(),
@@ -133,17 +132,24 @@ pub struct Assembler {
     max_bytes: usize,
     header: Option<pb::WeightSetHeader>,
     bytes: Vec<u8>,
-    hasher: Sha256,
+    hasher: blake3::Hasher,
 }
 
 impl Assembler {
     /// Accepts payloads of at most `max_bytes`.
     pub fn new(max_bytes: usize) -> Self {
+        Self::with_buffer(max_bytes, Vec::new())
+    }
+
+    /// Accepts payloads of at most `max_bytes`, received into `buffer` (emptied; the
+    /// last payload's, whose memory is already there, saves faulting in a fresh one).
+    pub fn with_buffer(max_bytes: usize, mut buffer: Vec<u8>) -> Self {
+        buffer.clear();
         Self {
             max_bytes,
             header: None,
-            bytes: Vec::new(),
-            hasher: Sha256::new(),
+            bytes: buffer,
+            hasher: blake3::Hasher::new(),
         }
     }
 
@@ -214,8 +220,11 @@ fn check_header(h: &pb::WeightSetHeader, max_bytes: usize) -> Result<(), WeightE
             h.format
         ));
     }
-    if h.sha256.len() != 32 {
-        return bad(format!("sha256 has {} bytes, not 32", h.sha256.len()));
+    if h.blake3.len() != 32 {
+        return bad(format!(
+            "the BLAKE3 hash has {} bytes, not 32 (is the learner older than this worker?)",
+            h.blake3.len()
+        ));
     }
     if h.total_bytes > max_bytes as u64 {
         return bad(format!(
@@ -234,15 +243,15 @@ fn check_header(h: &pb::WeightSetHeader, max_bytes: usize) -> Result<(), WeightE
     Ok(())
 }
 
-/// The set of `bytes` whose SHA-256 is `actual`, if the header `h` says so.
+/// The set of `bytes` whose BLAKE3 hash is `actual`, if the header `h` says so.
 fn verified(
     h: pb::WeightSetHeader,
     bytes: impl Into<Bytes>,
     actual: [u8; 32],
 ) -> Result<WeightSet, WeightError> {
-    if actual[..] != h.sha256[..] {
+    if actual[..] != h.blake3[..] {
         return Err(WeightError::Checksum {
-            expected: hex(&h.sha256),
+            expected: hex(&h.blake3),
             actual: hex(&actual),
         });
     }
@@ -250,7 +259,7 @@ fn verified(
         run_id: h.run_id,
         version: h.version,
         bytes: bytes.into(),
-        sha256: actual,
+        blake3: actual,
         shared_file: None,
     })
 }
@@ -331,9 +340,9 @@ impl AsRef<[u8]> for Locked {
     }
 }
 
-/// Checks a same-host payload read by [`read_shared`] against its header's SHA-256.
+/// Checks a same-host payload read by [`read_shared`] against its header's BLAKE3 hash.
 pub fn verify_shared(h: pb::WeightSetHeader, bytes: Bytes) -> Result<WeightSet, WeightError> {
-    let actual: [u8; 32] = Sha256::digest(&bytes).into();
+    let actual: [u8; 32] = blake3::hash(&bytes).into();
     verified(h, bytes, actual)
 }
 
@@ -461,8 +470,8 @@ mod tests {
         assert!(chunks.len() > 10);
         let back = assemble(chunks).unwrap();
         assert_eq!(
-            (back.version, back.sha256, back.bytes.len()),
-            (3, s.sha256, s.bytes.len())
+            (back.version, back.blake3, back.bytes.len()),
+            (3, s.blake3, s.bytes.len())
         );
         assert_eq!(back.run_id, "run-a");
         back.supersedes("run-a", 2).unwrap();

@@ -232,7 +232,7 @@ async fn weight_updates_need_the_token_and_a_valid_payload_and_keep_old_weights_
     let mut flipped = set.bytes.to_vec();
     flipped[1000] ^= 1;
     corrupted.bytes = flipped.into();
-    corrupted.sha256 = set.sha256;
+    corrupted.blake3 = set.blake3;
     let err = weights::push(&mut client, &corrupted, TOKEN, 64 * 1024)
         .await
         .unwrap_err();

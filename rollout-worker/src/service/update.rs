@@ -7,7 +7,8 @@
 //! service keeps the model each swap retires (only models it built itself: the model
 //! the worker started with may share tensors with its caller) and writes the next
 //! version over it. A CPU worker thus holds two models' memory at rest, as every update
-//! already did while it ran; other devices and dtypes build afresh and keep none.
+//! already did while it ran; other devices and dtypes build afresh and keep none. The
+//! buffer a streamed payload arrived in is kept for the next stream likewise.
 
 use std::time::{Duration, Instant};
 
@@ -25,7 +26,7 @@ use crate::weights::{self, Assembler, WeightError, WeightSet};
 /// Where the payload's body is, once the header has been accepted.
 enum Body {
     /// Streamed in full.
-    Streamed(Assembler),
+    Streamed(Box<Assembler>),
     /// A file in the shared directory, named by this header.
     Shared(pb::WeightSetHeader),
 }
@@ -50,7 +51,9 @@ impl RolloutServer {
         let (current, current_run) = (status.weight_version, status.weight_run);
         // A payload may be somewhat larger than bf16 weights (header, an untied head).
         let expected = self.model_config.num_parameters() * 2;
-        let mut assembler = Assembler::new(expected * 2 + (1 << 20));
+        let buffer = self.received.lock().expect("buffer lock").take();
+        let mut assembler =
+            Assembler::with_buffer(expected * 2 + (1 << 20), buffer.unwrap_or_default());
         let mut shared = None;
         while let Some(chunk) = stream.next().await {
             let chunk = chunk.map_err(|s| {
@@ -85,13 +88,17 @@ impl RolloutServer {
         }
         let body = match shared {
             Some(h) => Body::Shared(h),
-            None => Body::Streamed(assembler),
+            None => Body::Streamed(Box::new(assembler)),
         };
         let (built, bytes, received) = self.build(body, started).await?;
         let (version, run) = (built.set.version, built.set.run_id.clone());
         let ready = started.elapsed();
         let retired = self.engine.swap(built.model, version, &run).await?;
         self.keep_spare(retired);
+        if let Ok(streamed) = built.set.bytes.try_into_mut() {
+            // The next stream lands in this memory (a mapped file is not kept).
+            *self.received.lock().expect("buffer lock") = Some(streamed.into());
+        }
         let seconds = started.elapsed().as_secs_f64();
         if run != current_run {
             tracing::info!(run = %run, previous_run = %current_run, previous_version = current, "weights of a new run replace the previous run's");
