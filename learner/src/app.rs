@@ -38,6 +38,9 @@ enum Command {
     /// Time weight pushes to a real worker on loopback, phase by phase, beside the floor
     /// (memcpy, raw TCP); prints one JSON line.
     BenchPush(BenchPushArgs),
+    /// Evaluate a checkpoint on chess benchmarks (checkmate-in-one, policy, environment):
+    /// a table on a terminal, else one JSON object.
+    Eval(Box<crate::eval::EvalArgs>),
     /// Ask a running service's gRPC health endpoint (exit 0 when serving).
     Health(HealthArgs),
 }
@@ -54,6 +57,7 @@ pub fn main() -> std::process::ExitCode {
         Command::Train(args) => train_cmd(args),
         Command::Bench(args) => bench_cmd::run(args),
         Command::BenchPush(args) => bench_push::run(args),
+        Command::Eval(args) => crate::eval::run(args),
         Command::Health(args) => args.run(),
     })
 }

@@ -22,6 +22,8 @@
 //! - [`fused`]: the fused training pass on the CPU (explicit forward/backward, each
 //!   group's prompt once); [`bench_cmd`]: `learner bench`, one timed GRPO step;
 //!   [`bench_push`]: `learner bench-push`, timed weight pushes beside their floor.
+//! - [`eval`]: `learner eval`, a checkpoint on checkmate-in-one, held-out policy lines and
+//!   environment prompts (rollout engine to generate, the reward server's code to grade).
 //! - [`optim`]: gradient accumulation, norm and clipping, AdamW, the LR schedule;
 //!   [`step`]: one optimizer step in micro-batches.
 
@@ -30,6 +32,7 @@ pub mod batch;
 pub mod bench_cmd;
 pub mod bench_push;
 pub mod checkpoint;
+pub mod eval;
 pub mod export;
 pub mod fused;
 pub mod grpo;

@@ -1,0 +1,222 @@
+//! `learner eval`: a checkpoint on held-out chess benchmarks — generated with the rollout
+//! engine (batched, the workers' sampling code), graded with the reward server's code.
+//!
+//! - [`suites`]: the suites' items and the grading of one completion.
+//! - [`report`]: per-suite metrics, pass@1 and pass@K, the table and the JSON.
+
+pub mod report;
+pub mod suites;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use rollout_worker::engine::{EngineArgs, Request, Scheduler, prepare_model};
+use rookworld_lm::cli::ModelArgs;
+use rookworld_lm::sampling::SamplingParams;
+use rookworld_lm::{Gpt2, Tokenizer};
+
+pub use report::{Report, SuiteReport};
+pub use suites::{Completions, Graded, Item, Suite};
+
+/// `learner eval` options.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EvalArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Suites, comma-separated: checkmate-in-one, policy, environment.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "checkmate-in-one,policy,environment"
+    )]
+    pub suite: Vec<String>,
+    /// Evaluate only the first N items of each suite.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Completions per item (K); pass@1 is estimated over them and pass@K reported.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub samples: u32,
+    /// Sampling temperature; 0 is greedy (the default with one sample).
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    /// Seed of the samples.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Most tokens a completion may have.
+    #[arg(long, default_value_t = 96, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_new_tokens: u32,
+    /// A directory with replacements of the suites' data files (same names).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Write the report (one JSON object) here as well.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Write every graded completion here, one JSON object per line.
+    #[arg(long)]
+    pub dump: Option<PathBuf>,
+}
+
+impl EvalArgs {
+    /// The sampling: greedy unless a temperature is given (or several samples asked
+    /// for without one: then temperature 1).
+    fn sampling(&self) -> SamplingParams {
+        let temperature = self
+            .temperature
+            .unwrap_or(if self.samples > 1 { 1.0 } else { 0.0 });
+        SamplingParams {
+            temperature,
+            ..SamplingParams::greedy()
+        }
+    }
+}
+
+/// Runs `learner eval`: the report on stdout (a table on a terminal, else the JSON).
+pub fn run(args: &EvalArgs) -> Result<(), String> {
+    let suites = args
+        .suite
+        .iter()
+        .map(|s| Suite::parse(s))
+        .collect::<Result<Vec<_>, _>>()?;
+    let sampling = args.sampling();
+    sampling.validate().map_err(|e| e.to_string())?;
+    // Every suite's data before the model: a bad file fails at once.
+    let mut work = Vec::new();
+    for suite in suites {
+        let mut items = suite.items(args.data_dir.as_deref())?;
+        items.truncate(args.limit.unwrap_or(usize::MAX));
+        work.push((suite, items));
+    }
+    let loaded = args.model.load().map_err(|e| e.to_string())?;
+    tracing::info!(source = %loaded.source, "model loaded");
+    let model = Arc::new(prepare_model(loaded.model).map_err(|e| e.to_string())?);
+    let mut dump = match &args.dump {
+        Some(path) => Some(std::io::BufWriter::new(
+            std::fs::File::create(path).map_err(|e| format!("{}: {e}", path.display()))?,
+        )),
+        None => None,
+    };
+    let mut reports = Vec::new();
+    for (suite, items) in &work {
+        let eval = Evaluation {
+            model: model.clone(),
+            tokenizer: &loaded.tokenizer,
+            engine: &args.engine,
+            sampling,
+            samples: args.samples as usize,
+            max_new_tokens: args.max_new_tokens as usize,
+            seed: args.seed,
+        };
+        let (report, graded) = eval.suite(*suite, items)?;
+        if let Some(out) = dump.as_mut() {
+            report::dump(out, *suite, items, &graded).map_err(|e| format!("--dump: {e}"))?;
+        }
+        reports.push(report);
+    }
+    if let Some(out) = dump.as_mut() {
+        out.flush().map_err(|e| format!("--dump: {e}"))?;
+    }
+    let report = Report {
+        model: loaded.source,
+        samples: args.samples as usize,
+        temperature: sampling.temperature,
+        suites: reports,
+    };
+    let json = serde_json::to_string(&report).expect("the report serialises");
+    if let Some(path) = &args.out {
+        std::fs::write(path, format!("{json}\n"))
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    use std::io::IsTerminal;
+    if std::io::stdout().is_terminal() {
+        print!("{}", report.table());
+    } else {
+        println!("{json}");
+    }
+    Ok(())
+}
+
+/// What one evaluation generates with.
+pub struct Evaluation<'a> {
+    pub model: Arc<Gpt2>,
+    pub tokenizer: &'a Tokenizer,
+    pub engine: &'a EngineArgs,
+    pub sampling: SamplingParams,
+    pub samples: usize,
+    pub max_new_tokens: usize,
+    pub seed: u64,
+}
+
+impl Evaluation<'_> {
+    /// Generates `samples` completions of every item in one batched run and grades
+    /// them: the suite's report and every grading, by item then sample.
+    pub fn suite(
+        &self,
+        suite: Suite,
+        items: &[Item],
+    ) -> Result<(SuiteReport, Vec<Completions>), String> {
+        let started = Instant::now();
+        let context = self.model.config().n_positions;
+        let bos = self.model.config().bos_token_id;
+        let prompts = items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| {
+                let mut ids = vec![bos];
+                ids.extend(
+                    self.tokenizer
+                        .encode(&item.prompt)
+                        .map_err(|e| e.to_string())?,
+                );
+                let what = format!("{} item {i}", suite.name());
+                rookworld_proto::check::fits_context(
+                    self.max_new_tokens,
+                    ids.len(),
+                    &what,
+                    context,
+                )?;
+                Ok(ids)
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        let mut engine = Scheduler::new(self.model.clone(), 0, self.engine.config());
+        engine
+            .submit(Request {
+                prompts,
+                n: self.samples,
+                max_new_tokens: self.max_new_tokens,
+                sampling: self.sampling,
+                seed: self.seed,
+                ignore_eos: false,
+            })
+            .map_err(|e| e.to_string())?;
+        let (samples, _) = engine.run_to_completion().map_err(|e| e.to_string())?;
+        let mut by_item: Vec<Vec<(u32, String)>> = vec![Vec::new(); items.len()];
+        for s in samples {
+            let text = self
+                .tokenizer
+                .decode(&s.completion.ids)
+                .map_err(|e| e.to_string())?;
+            let text = text.trim_end_matches(['\n', '\r']).to_owned();
+            by_item[s.prompt_index as usize].push((s.sample_index, text));
+        }
+        let graded: Vec<Completions> = by_item
+            .into_iter()
+            .zip(items)
+            .map(|(mut samples, item)| {
+                samples.sort_by_key(|(k, _)| *k);
+                samples
+                    .into_iter()
+                    .map(|(_, text)| {
+                        let g = item.grade(&text);
+                        (text, g)
+                    })
+                    .collect()
+            })
+            .collect();
+        let seconds = started.elapsed().as_secs_f64();
+        Ok((SuiteReport::of(suite, &graded, seconds), graded))
+    }
+}
