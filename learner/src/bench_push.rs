@@ -144,13 +144,7 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, String> {
     let floor = floor(&set.bytes).await.map_err(|e| err(&e))?;
 
     // The worker, as `rollout-worker serve` runs it.
-    let shm = std::path::Path::new("/dev/shm");
-    let shared_dir = if shm.is_dir() {
-        shm.to_path_buf()
-    } else {
-        std::env::temp_dir()
-    }
-    .join(format!("rookworld-bench-push-{}", std::process::id()));
+    let shared_dir = crate::export::process_dir("rookworld-bench-push");
     std::fs::create_dir_all(&shared_dir).map_err(|e| err(&e))?;
     let worker_model = prepare_model(
         checkpoint::init_random(&cfg, 2, DType::F32, &Device::Cpu).map_err(|e| err(&e))?,

@@ -29,7 +29,7 @@ use rookworld_lm::bf16_payload::{Layout, write_bf16_parallel};
 use tokio::sync::watch;
 
 mod shared_files;
-pub use shared_files::{KEEP_FILES, SharedFiles};
+pub use shared_files::{KEEP_FILES, SharedFiles, process_dir};
 
 /// Spare payload buffers kept for reuse.
 const POOL: usize = 2;

@@ -353,19 +353,6 @@ impl WeightSet {
     pub fn supersedes(&self, current_run: &str, current: u64) -> Result<(), WeightError> {
         supersedes(&self.run_id, self.version, current_run, current)
     }
-
-    /// Builds the model (`cfg`'s shape, into `dtype` on `device`, packed for the CPU
-    /// kernel where it applies) after checking every tensor; see [`build_model`].
-    pub fn into_model(
-        self,
-        cfg: &Config,
-        dtype: candle_core::DType,
-        device: &candle_core::Device,
-        spare: Option<Gpt2>,
-    ) -> Result<(u64, Gpt2), WeightError> {
-        let model = build_model(&self.bytes, cfg, dtype, device, spare)?;
-        Ok((self.version, model))
-    }
 }
 
 /// The model of payload `bytes` (`cfg`'s shape, into `dtype` on `device`, packed for the
@@ -475,10 +462,7 @@ mod tests {
         );
         assert_eq!(back.run_id, "run-a");
         back.supersedes("run-a", 2).unwrap();
-        let (v, m) = back
-            .into_model(&Config::tiny(), DType::F32, &Device::Cpu, None)
-            .unwrap();
-        assert_eq!(v, 3);
+        let m = build_model(&back.bytes, &Config::tiny(), DType::F32, &Device::Cpu, None).unwrap();
         assert_eq!(m.named_tensors().len(), Config::tiny().n_layer * 12 + 4);
     }
 
@@ -541,9 +525,7 @@ mod tests {
             n_layer: 3,
             ..Config::tiny()
         };
-        let err = set()
-            .into_model(&other, DType::F32, &Device::Cpu, None)
-            .unwrap_err();
+        let err = build_model(&set().bytes, &other, DType::F32, &Device::Cpu, None).unwrap_err();
         assert!(err.to_string().contains("h.2"), "{err}");
     }
 }

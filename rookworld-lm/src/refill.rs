@@ -30,7 +30,7 @@ const PIECE: usize = 1 << 16;
 /// The model's tensors are written through: a tensor cloned out of `model` earlier (or
 /// a clone of the model) sees the new values. Refill only a model nothing else shares.
 pub fn refill(model: &mut Gpt2, bytes: &[u8]) -> Result<bool> {
-    if !model.device().is_cpu() || model.dtype() != DType::F32 {
+    if !refillable(model) {
         return Ok(false);
     }
     let st = SafeTensors::deserialize(bytes)?;
@@ -60,6 +60,11 @@ pub fn refill(model: &mut Gpt2, bytes: &[u8]) -> Result<bool> {
     }
     model.pack_for_cpu()?;
     Ok(true)
+}
+
+/// Whether [`refill`] can write into `model`: f32 weights on the CPU.
+pub fn refillable(model: &Gpt2) -> bool {
+    model.device().is_cpu() && model.dtype() == DType::F32
 }
 
 /// Writes little-endian bfloat16 or f32 `src` over a contiguous f32 tensor of as many

@@ -20,6 +20,19 @@ use rollout_worker::weights::{WeightSet, shared_file_name};
 /// has its file; a worker that opens a removed one is streamed the payload instead).
 pub const KEEP_FILES: usize = 3;
 
+/// A directory of this process, `{name}-{pid}`, under /dev/shm (memory, where the
+/// same-host path belongs), or under the system's temporary directory where there is no
+/// /dev/shm. Not created here.
+pub fn process_dir(name: &str) -> PathBuf {
+    let shm = Path::new("/dev/shm");
+    let base = if shm.is_dir() {
+        shm.to_path_buf()
+    } else {
+        std::env::temp_dir()
+    };
+    base.join(format!("{name}-{}", std::process::id()))
+}
+
 /// The payload files this learner wrote into a shared directory.
 #[derive(Debug)]
 pub struct SharedFiles {

@@ -33,15 +33,7 @@ pub(super) fn publish(
 pub(super) fn shared_dir(args: &TrainArgs) -> Result<Option<std::path::PathBuf>, TrainError> {
     let dir = match (&args.shared_dir, args.local) {
         (Some(dir), _) => dir.clone(),
-        (None, true) => {
-            let shm = std::path::Path::new("/dev/shm");
-            let base = if shm.is_dir() {
-                shm.to_path_buf()
-            } else {
-                std::env::temp_dir()
-            };
-            base.join(format!("rookworld-weights-{}", std::process::id()))
-        }
+        (None, true) => crate::export::process_dir("rookworld-weights"),
         (None, false) => return Ok(None),
     };
     std::fs::create_dir_all(&dir)

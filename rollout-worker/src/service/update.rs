@@ -175,7 +175,7 @@ impl RolloutServer {
     fn keep_spare(&self, retired: Option<Retired>) {
         let Some(r) = retired else { return };
         let initial = (r.version == self.initial.1) && (r.run == self.initial.0);
-        if !initial && r.model.device().is_cpu() && r.model.dtype() == candle_core::DType::F32 {
+        if !initial && rookworld_lm::refill::refillable(&r.model) {
             *self.spare.lock().expect("spare lock") = Some(r.model);
         }
     }
