@@ -352,6 +352,21 @@ async fn an_interrupted_weight_push_keeps_the_old_weights_and_the_next_one_lands
             .is_some_and(|v| v >= 1 && v + 1 >= version)
     })
     .await;
+    // The worker reports the new version from the swap on; it counts the update when the
+    // call returns, a moment later.
+    c.wait_until(
+        Duration::from_secs(10),
+        "the landed push counted",
+        || async {
+            metric(
+                a.metrics,
+                "rollout_weight_updates_total",
+                &["result=\"ok\""],
+            )
+            .is_some_and(|n| n >= 1.0)
+        },
+    )
+    .await;
     assert!(
         metric(
             a.metrics,
