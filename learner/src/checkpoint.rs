@@ -45,6 +45,10 @@ pub struct TrainerState {
     /// GRPO runs: the rollout queue's unfinished prompts, re-queued on resume.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue: Option<QueueSnapshot>,
+    /// GRPO runs with `--eval-every`: the evaluation of these weights, when there is one
+    /// (always for the final checkpoint of a run that finished).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval: Option<serde_json::Value>,
 }
 
 /// Why a checkpoint could not be written or read.

@@ -433,6 +433,7 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
                 cursor: docs.source.cursor(),
                 settings: settings.clone(),
                 queue: None,
+                eval: None,
             };
             let dir = checkpoint::save(&args.run_dir, &policy, &opt, &state)?;
             tracing::info!(dir = %dir.display(), "checkpoint written");

@@ -3,16 +3,19 @@
 //!
 //! - [`suites`]: the suites' items and the grading of one completion.
 //! - [`report`]: per-suite metrics, pass@1 and pass@K, the table and the JSON.
+//! - [`periodic`]: `learner train --eval-every`, the suites on a thread of their own.
 
+pub mod periodic;
 pub mod report;
 pub mod suites;
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use rollout_worker::engine::{EngineArgs, Request, Scheduler, prepare_model};
+use rollout_worker::engine::{EngineArgs, EngineConfig, Request, Scheduler, prepare_model};
 use rookworld_lm::cli::ModelArgs;
 use rookworld_lm::sampling::SamplingParams;
 use rookworld_lm::{Gpt2, Tokenizer};
@@ -104,11 +107,12 @@ pub fn run(args: &EvalArgs) -> Result<(), String> {
         let eval = Evaluation {
             model: model.clone(),
             tokenizer: &loaded.tokenizer,
-            engine: &args.engine,
+            engine: args.engine.config(),
             sampling,
             samples: args.samples as usize,
             max_new_tokens: args.max_new_tokens as usize,
             seed: args.seed,
+            stop: None,
         };
         let (report, graded) = eval.suite(*suite, items)?;
         if let Some(out) = dump.as_mut() {
@@ -143,11 +147,13 @@ pub fn run(args: &EvalArgs) -> Result<(), String> {
 pub struct Evaluation<'a> {
     pub model: Arc<Gpt2>,
     pub tokenizer: &'a Tokenizer,
-    pub engine: &'a EngineArgs,
+    pub engine: EngineConfig,
     pub sampling: SamplingParams,
     pub samples: usize,
     pub max_new_tokens: usize,
     pub seed: u64,
+    /// Set when the evaluation is to be abandoned (checked before every decode step).
+    pub stop: Option<&'a AtomicBool>,
 }
 
 impl Evaluation<'_> {
@@ -181,7 +187,7 @@ impl Evaluation<'_> {
                 Ok(ids)
             })
             .collect::<Result<Vec<_>, String>>()?;
-        let mut engine = Scheduler::new(self.model.clone(), 0, self.engine.config());
+        let mut engine = Scheduler::new(self.model.clone(), 0, self.engine);
         engine
             .submit(Request {
                 prompts,
@@ -192,7 +198,11 @@ impl Evaluation<'_> {
                 ignore_eos: false,
             })
             .map_err(|e| e.to_string())?;
-        let (samples, _) = engine.run_to_completion().map_err(|e| e.to_string())?;
+        let stopped = || self.stop.is_some_and(|s| s.load(Ordering::Relaxed));
+        let (samples, _) = engine
+            .run_until_done_or(stopped)
+            .map_err(|e| e.to_string())?;
+        drop(engine);
         let mut by_item: Vec<Vec<(u32, String)>> = vec![Vec::new(); items.len()];
         for s in samples {
             let text = self

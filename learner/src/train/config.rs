@@ -66,6 +66,8 @@ pub struct TrainArgs {
     pub token: rookworld_proto::auth::TokenArgs,
     #[command(flatten)]
     pub settings: TrainSettings,
+    #[command(flatten)]
+    pub eval: crate::eval::periodic::PeriodicArgs,
     /// Training prompts from RookWorld text lines or JSONL (default: generated).
     #[arg(long, env = "LEARNER_PROMPTS")]
     pub prompts: Option<PathBuf>,

@@ -38,6 +38,7 @@ pub use report::{StepRecord, StepSeconds, print_summary, reward_trend};
 
 use crate::batch::GrpoBatch;
 use crate::checkpoint;
+use crate::eval::periodic::{Evaluator, Outcome};
 use crate::export::Exporter;
 use crate::optim::AdamW;
 use crate::policy::Trainable;
@@ -89,6 +90,8 @@ pub struct TrainSummary {
     pub interrupted: bool,
     /// The checkpoint written last.
     pub checkpoint: Option<std::path::PathBuf>,
+    /// The evaluations (`--eval-every`), in the order they finished.
+    pub evals: Vec<Outcome>,
 }
 
 /// Where the run stands.
@@ -105,6 +108,8 @@ struct Run {
     settings_json: serde_json::Value,
     /// Whether it continues from a checkpoint.
     resumed: bool,
+    /// The newest evaluation (`--eval-every`).
+    eval: Option<Outcome>,
 }
 
 fn lock(q: &Mutex<Queue>) -> std::sync::MutexGuard<'_, Queue> {
@@ -119,6 +124,7 @@ pub async fn run(
 ) -> Result<TrainSummary, TrainError> {
     let s = args.settings.clone();
     args.validate()?;
+    let eval_suites = args.eval.suites().map_err(ConfigError)?;
     let token = args.token()?;
     let token = match (token, args.local) {
         (Some(t), _) => t,
@@ -199,6 +205,19 @@ pub async fn run(
     tokio::task::block_in_place(|| publish(&args, &run, &latest_tx))?;
     // Later versions: written by the optimizer, hashed and published off this thread.
     let exporter = Exporter::new(&run.policy.vars, latest_tx.clone(), shared_dir.clone());
+    // Evaluations of published weights on a thread of their own (the first: the start's).
+    let evaluator = (!eval_suites.is_empty()).then(|| {
+        let ev = Evaluator::start(
+            eval_suites,
+            run.policy.model.config().clone(),
+            run.policy.model.device().clone(),
+            latest_tx.subscribe(),
+        );
+        if run.step == 0 {
+            ev.request(0, run.version.load(Ordering::SeqCst));
+        }
+        ev
+    });
     let mut reporter = Reporter::new(
         args.log_jsonl.as_deref(),
         args.rollout_dump.as_deref(),
@@ -236,7 +255,9 @@ pub async fn run(
         reporter.dump(run.step + 1, &groups).map_err(ConfigError)?;
         let version = run.version.load(Ordering::SeqCst);
         let batch = to_batch(&groups);
-        let publishing = (run.step + 1) % args.push_every.max(1) == 0 || run.step + 1 == s.steps;
+        let last = run.step + 1 == s.steps;
+        let evaluating = evaluator.is_some() && args.eval.due(run.step + 1, last);
+        let publishing = (run.step + 1) % args.push_every.max(1) == 0 || last || evaluating;
         let mut payload = publishing.then(|| exporter.payload());
         let report = tokio::task::block_in_place(|| {
             train_step(
@@ -262,6 +283,9 @@ pub async fn run(
             exporter
                 .publish(&run.run_id, new_version, payload)
                 .map_err(TrainError::Service)?;
+        }
+        if let Some(ev) = evaluator.as_ref().filter(|_| evaluating) {
+            ev.request(run.step, new_version);
         }
         let push = push_started.elapsed().as_secs_f64();
 
@@ -309,6 +333,11 @@ pub async fn run(
             / record.step_seconds.total.max(1e-9);
         reporter.step(&record).map_err(ConfigError)?;
         summary.steps.push(record);
+        for outcome in evaluator.iter().flat_map(Evaluator::finished) {
+            reporter.eval(&outcome).map_err(ConfigError)?;
+            summary.evals.push(outcome.clone());
+            run.eval = Some(outcome);
+        }
 
         if run.step % args.checkpoint_every.max(1) == 0 && run.step < s.steps {
             summary.checkpoint = Some(tokio::task::block_in_place(|| save(&args, &run))?);
@@ -321,6 +350,24 @@ pub async fn run(
     // Stop leasing, let groups in flight come in, keep everything unfinished.
     lock(&run.queue).close();
     drain(&run.queue, args.drain_timeout()).await;
+    if let Some(ev) = evaluator {
+        // A finished run waits for its final weights' evaluation; a stopped one does not.
+        if !summary.interrupted {
+            ev.close();
+            let mut stop = stop_rx.clone();
+            while !ev.done() && !*stop.borrow() {
+                tokio::select! {
+                    _ = stop.wait_for(|&s| s) => {}
+                    _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                }
+            }
+            for outcome in ev.finished() {
+                reporter.eval(&outcome).map_err(ConfigError)?;
+                summary.evals.push(outcome.clone());
+                run.eval = Some(outcome);
+            }
+        }
+    }
     summary.checkpoint = Some(tokio::task::block_in_place(|| save(&args, &run))?);
     tracing::info!(
         step = run.step,

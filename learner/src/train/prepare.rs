@@ -126,6 +126,7 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
         run_id,
         settings_json,
         resumed,
+        eval: None,
     })
 }
 

@@ -211,6 +211,17 @@ impl Reporter {
         Ok(())
     }
 
+    /// Writes an evaluation's line to the log and sets its metrics.
+    pub fn eval(&mut self, e: &crate::eval::periodic::Outcome) -> Result<(), String> {
+        e.record_metrics();
+        if let Some(f) = self.jsonl.as_mut() {
+            writeln!(f, "{}", e.json_line())
+                .and_then(|()| f.flush())
+                .map_err(|e| format!("--log-jsonl: {e}"))?;
+        }
+        Ok(())
+    }
+
     /// Ends the progress line (before other output).
     pub fn finish(&mut self) {
         self.progress.finish();

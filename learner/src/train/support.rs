@@ -52,6 +52,11 @@ pub(super) fn save(args: &TrainArgs, run: &Run) -> Result<std::path::PathBuf, Tr
         cursor: run.source.cursor(),
         settings: run.settings_json.clone(),
         queue: Some(lock(&run.queue).snapshot()),
+        eval: run
+            .eval
+            .as_ref()
+            .filter(|e| e.step == run.step)
+            .map(|e| serde_json::to_value(e).expect("the evaluation serialises")),
     };
     Ok(checkpoint::save(
         &args.run_dir,

@@ -217,8 +217,20 @@ impl Scheduler {
     /// Steps until every request is done; returns the samples by (request, prompt,
     /// sample) and the summed step statistics. A failed request is an error.
     pub fn run_to_completion(&mut self) -> Result<(Vec<FinishedSample>, StepStats), EngineError> {
+        self.run_until_done_or(|| false)
+    }
+
+    /// [`Self::run_to_completion`], checking `stop` before every step: once it says
+    /// stop, the work left is abandoned and the run fails with [`EngineError::Failed`].
+    pub fn run_until_done_or(
+        &mut self,
+        stop: impl Fn() -> bool,
+    ) -> Result<(Vec<FinishedSample>, StepStats), EngineError> {
         let (mut samples, mut total) = (Vec::new(), StepStats::default());
         while self.has_work() {
+            if stop() {
+                return Err(EngineError::Failed("stopped".into()));
+            }
             let (events, stats) = self.step(true);
             total.prefill_tokens += stats.prefill_tokens;
             total.prefill_seconds += stats.prefill_seconds;
