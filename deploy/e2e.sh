@@ -135,6 +135,11 @@ shared_pushes() { local v; v="$(query 'sum(learner_weight_pushes_total{path="sha
 wait_for 120 "a weight push through the shared volume" shared_pushes
 say "weight pushes: $(query 'sum(learner_weight_pushes_total{path="shared",result="ok"})') through the shared volume, $(query 'sum(learner_weight_pushes_total{path="stream"})') streamed"
 
+# The learner evaluates the start's weights on the held-out suites (LEARNER_EVAL_EVERY).
+evaluated() { [ -n "$(query 'learner_eval{suite="checkmate-in-one",metric="mate"}')" ]; }
+wait_for 300 "a held-out evaluation (learner_eval in Prometheus)" evaluated
+say "evaluation of step $(query learner_eval_step): checkmate-in-one mate $(query 'learner_eval{suite="checkmate-in-one",metric="mate"}'), environment exact FEN $(query 'learner_eval{suite="environment",metric="exact_fen"}')"
+
 say "dashboard metrics exist"
 curl -fsS "$prom/api/v1/label/__name__/values" > "$tmp/names.json"
 python3 - grafana/dashboards/rookworld.json "$tmp/names.json" <<'PY' || fail "dashboard metrics"
