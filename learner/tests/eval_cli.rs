@@ -43,6 +43,7 @@ fn every_suite_is_generated_graded_reported_and_dumped() {
         serde_json::from_str(&std::fs::read_to_string(&out_path).unwrap()).unwrap();
     assert_eq!(report, written);
     assert_eq!(report["samples"], 2);
+    assert_eq!(report["policy_ranking"], "the data lines' evaluations");
     assert_eq!(
         report["temperature"], 1.0,
         "several samples sample at temperature 1"
@@ -158,6 +159,19 @@ fn bad_input_is_one_line_and_a_failure() {
                 "1",
             ],
             "/nonexistent/model-dir",
+        ),
+        (
+            vec![
+                "--preset",
+                "tiny",
+                "--suite",
+                "policy",
+                "--limit",
+                "1",
+                "--engine",
+                "/nonexistent/stockfish",
+            ],
+            "--engine",
         ),
     ];
     for (args, needle) in cases {

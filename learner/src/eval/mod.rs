@@ -3,8 +3,10 @@
 //!
 //! - [`suites`]: the suites' items and the grading of one completion.
 //! - [`report`]: per-suite metrics, pass@1 and pass@K, the table and the JSON.
+//! - [`engine`]: `--engine PATH`, the policy suite ranked by the user's Stockfish.
 //! - [`periodic`]: `learner train --eval-every`, the suites on a thread of their own.
 
+pub mod engine;
 pub mod periodic;
 pub mod report;
 pub mod suites;
@@ -52,6 +54,16 @@ pub struct EvalArgs {
     /// Most tokens a completion may have.
     #[arg(long, default_value_t = 96, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_new_tokens: u32,
+    /// A UCI engine (Stockfish) that re-analyses the policy suite's positions (multipv 5)
+    /// and ranks their moves, instead of the evaluations written on the data lines.
+    #[arg(long = "engine", value_name = "PATH", env = "LEARNER_EVAL_ENGINE")]
+    pub engine_path: Option<PathBuf>,
+    /// Search depth of --engine.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=60))]
+    pub engine_depth: u32,
+    /// Engine processes searching at once (default: one per core).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub engine_processes: Option<u32>,
     /// A directory with replacements of the suites' data files (same names).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
@@ -93,6 +105,22 @@ pub fn run(args: &EvalArgs) -> Result<(), String> {
         items.truncate(args.limit.unwrap_or(usize::MAX));
         work.push((suite, items));
     }
+    let reanalysis = engine::Reanalysis {
+        depth: args.engine_depth,
+        processes: args.engine_processes.map_or_else(
+            || std::thread::available_parallelism().map_or(1, usize::from),
+            |n| n as usize,
+        ),
+    };
+    let ranking = match &args.engine_path {
+        Some(path) => {
+            for (_, items) in &mut work {
+                reanalysis.rerank(items, path)?;
+            }
+            reanalysis.describe(path)
+        }
+        None => "the data lines' evaluations".to_owned(),
+    };
     let loaded = args.model.load().map_err(|e| e.to_string())?;
     tracing::info!(source = %loaded.source, "model loaded");
     let model = Arc::new(prepare_model(loaded.model).map_err(|e| e.to_string())?);
@@ -127,6 +155,7 @@ pub fn run(args: &EvalArgs) -> Result<(), String> {
         model: loaded.source,
         samples: args.samples as usize,
         temperature: sampling.temperature,
+        policy_ranking: ranking,
         suites: reports,
     };
     let json = serde_json::to_string(&report).expect("the report serialises");

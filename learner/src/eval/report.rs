@@ -15,6 +15,8 @@ pub struct Report {
     pub model: String,
     pub samples: usize,
     pub temperature: f32,
+    /// What ranks the policy suite's moves: the data lines' evaluations or `--engine`.
+    pub policy_ranking: String,
     pub suites: Vec<SuiteReport>,
 }
 
@@ -88,8 +90,8 @@ impl Report {
     /// The human-readable table.
     pub fn table(&self) -> String {
         let mut out = format!(
-            "model: {}   samples per item: {}   temperature: {}\n",
-            self.model, self.samples, self.temperature
+            "model: {}   samples per item: {}   temperature: {}\npolicy moves ranked by: {}\n",
+            self.model, self.samples, self.temperature, self.policy_ranking
         );
         for s in &self.suites {
             out += &format!(

@@ -1,0 +1,140 @@
+//! `learner eval --engine PATH`: the policy suite graded against the user's own UCI engine
+//! (Stockfish), which re-analyses every position (multipv 5, a fixed depth) instead of
+//! the evaluations written on the data lines.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use reward_server::engine::{EngineConfig, EnginePool, SearchLimit};
+
+use super::Item;
+
+/// How the policy suite's positions are re-analysed.
+#[derive(Debug, Clone, Copy)]
+pub struct Reanalysis {
+    /// Search depth of each position.
+    pub depth: u32,
+    /// Engine processes searching at once.
+    pub processes: usize,
+}
+
+impl Reanalysis {
+    /// How a report names the ranking `path` gives.
+    pub fn describe(&self, path: &Path) -> String {
+        format!("{} (multipv 5, depth {})", path.display(), self.depth)
+    }
+
+    /// Re-ranks every policy item of `items` by `path`'s analysis, best first; other items
+    /// are left alone. A path that is no UCI engine, or an engine that keeps failing, is
+    /// one clear error.
+    pub fn rerank(&self, items: &mut [Item], path: &Path) -> Result<(), String> {
+        let positions: Vec<_> = items
+            .iter()
+            .enumerate()
+            .filter_map(|(i, item)| item.ranked_position().map(|p| (i, p.clone())))
+            .collect();
+        if positions.is_empty() {
+            return Ok(());
+        }
+        let engine = |e: &dyn std::fmt::Display| format!("--engine: {e}");
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| engine(&e))?;
+        let cfg = EngineConfig {
+            processes: self.processes.max(1),
+            limit: SearchLimit::Depth(self.depth),
+            multipv: 5,
+            timeout: Duration::from_secs(120),
+            ..EngineConfig::new(path)
+        };
+        runtime.block_on(async {
+            let pool = Arc::new(EnginePool::start(cfg).await.map_err(|e| engine(&e))?);
+            let mut searches = tokio::task::JoinSet::new();
+            for (i, position) in positions {
+                let pool = pool.clone();
+                searches.spawn(async move { (i, pool.analyse(&position).await) });
+            }
+            while let Some(done) = searches.join_next().await {
+                let (i, analysis) = done.map_err(|e| engine(&e))?;
+                let analysis = analysis.map_err(|e| engine(&e))?;
+                let ranking = analysis
+                    .lines
+                    .iter()
+                    .map(|l| (l.uci.clone(), l.eval_pawns))
+                    .collect();
+                items[i].rerank(ranking);
+            }
+            Ok(())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::eval::Suite;
+
+    /// Stockfish from the PATH or Debian's /usr/games; `None` (said) where not installed.
+    fn stockfish() -> Option<PathBuf> {
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        let found = std::env::split_paths(&path)
+            .chain([PathBuf::from("/usr/games")])
+            .map(|d| d.join("stockfish"))
+            .find(|p| p.is_file());
+        if found.is_none() {
+            eprintln!("SKIPPED: stockfish not installed (apt-get install -y stockfish)");
+        }
+        found
+    }
+
+    #[test]
+    fn the_engine_ranks_the_policy_positions_and_its_best_move_is_top_1() {
+        let Some(sf) = stockfish() else { return };
+        let mut items = Suite::Policy.items(None).unwrap();
+        items.truncate(4);
+        let before: Vec<_> = items.iter().map(|i| i.grade("B:")).collect();
+        let r = Reanalysis {
+            depth: 6,
+            processes: 2,
+        };
+        r.rerank(&mut items, &sf).unwrap();
+        assert!(r.describe(&sf).contains("depth 6"));
+        for (item, before) in items.iter().zip(before) {
+            let position = item.ranked_position().unwrap().clone();
+            let legal = shakmaty::Position::legal_moves(&position);
+            // The engine's moves, best first, each legal, five where there are five.
+            let lines = item.ranking().unwrap().to_vec();
+            assert_eq!(lines.len(), legal.len().min(5), "{}", item.prompt);
+            let all: Vec<&str> = lines.iter().map(|(m, _)| m.as_str()).collect();
+            let evals = vec!["0.0"; all.len()].join(" ");
+            let g = item.grade(&format!("M: {}  E: {evals}  B: {}", all.join(" "), all[0]));
+            let metric = |n: &str| g.metrics.iter().find(|(m, _)| *m == n).unwrap().1;
+            assert_eq!((metric("top1"), metric("top5_overlap")), (1.0, 1.0));
+            assert!(lines.windows(2).all(|w| w[0].1 >= w[1].1), "{lines:?}");
+            // A malformed answer grades as before.
+            assert_eq!(item.grade("B:"), before);
+        }
+    }
+
+    #[test]
+    fn a_path_that_is_no_engine_is_one_clear_error() {
+        let mut items = Suite::Policy.items(None).unwrap();
+        items.truncate(1);
+        let r = Reanalysis {
+            depth: 1,
+            processes: 1,
+        };
+        let err = r
+            .rerank(&mut items, Path::new("/nonexistent/stockfish"))
+            .unwrap_err();
+        assert!(
+            err.starts_with("--engine") && err.contains("/nonexistent/stockfish"),
+            "{err}"
+        );
+        assert!(!err.contains('\n'));
+    }
+}
