@@ -4,7 +4,7 @@
 use candle_core::{Device, Result as CandleResult, Tensor};
 use serde::{Deserialize, Serialize};
 
-use crate::grpo::{AdvantageNorm, group_advantages};
+use crate::grpo::{Scale, group_advantages};
 
 /// What `learner loss --batch FILE` reads (and what the rollout queue hands the learner).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -137,7 +137,7 @@ impl Layout {
     /// Lays out every group with signal; `None` when no group has any.
     pub fn new(
         batch: &GrpoBatch,
-        norm: AdvantageNorm,
+        scale: Scale,
         pad: u32,
         device: &Device,
     ) -> CandleResult<Option<Self>> {
@@ -145,7 +145,7 @@ impl Layout {
         let mut kept_advantages = Vec::new();
         let mut skipped = 0;
         for (p, prompt) in batch.prompts.iter().enumerate() {
-            let Some(adv) = group_advantages(&batch.rewards[p], norm) else {
+            let Some(adv) = group_advantages(&batch.rewards[p], scale) else {
                 skipped += 1;
                 continue;
             };

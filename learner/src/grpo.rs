@@ -26,8 +26,45 @@ pub enum AdvantageNorm {
     Unbiased,
     /// A = (r − mean) / (std + 1e-4), std with N (population).
     Population,
-    /// A = r − mean (no division).
+    /// A = (r − mean) / (std_batch + 1e-4): the group's mean, the std of every reward in
+    /// the step's batch (N − 1), as TRL's `scale_rewards="batch"`.
+    Batch,
+    /// A = r − mean (no division; Dr. GRPO).
     None,
+}
+
+/// What a group's centred rewards are divided by, resolved for one batch.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Scale {
+    /// The group's own std (N − 1) + 1e-4.
+    GroupUnbiased,
+    /// The group's own std (N) + 1e-4.
+    GroupPopulation,
+    /// One number for every group.
+    Fixed(f64),
+}
+
+impl AdvantageNorm {
+    /// The scale for a batch whose groups' rewards are `rewards`.
+    pub fn scale(self, rewards: &[Vec<f32>]) -> Scale {
+        match self {
+            Self::Unbiased => Scale::GroupUnbiased,
+            Self::Population => Scale::GroupPopulation,
+            Self::None => Scale::Fixed(1.0),
+            Self::Batch => {
+                let all: Vec<f64> = rewards.iter().flatten().map(|&r| f64::from(r)).collect();
+                let n = all.len();
+                let mean = all.iter().sum::<f64>() / n.max(1) as f64;
+                let ss: f64 = all.iter().map(|x| (x - mean).powi(2)).sum();
+                let std = if n > 1 {
+                    (ss / (n - 1) as f64).sqrt()
+                } else {
+                    0.0
+                };
+                Scale::Fixed(std + ADVANTAGE_EPS)
+            }
+        }
+    }
 }
 
 /// How per-token values become one number.
@@ -46,15 +83,45 @@ pub enum Aggregation {
     /// Mean over each completion's tokens, then mean over completions.
     #[default]
     Sequence,
-    /// Mean over all completion tokens of the batch.
+    /// Mean over all completion tokens of the batch (DAPO; TRL `loss_type="dapo"`).
     Token,
+    /// Sum over all completion tokens of the batch divided by a constant, completions ×
+    /// max new tokens (Dr. GRPO; TRL `loss_type="dr_grpo"`): no length bias.
+    Constant,
+}
+
+/// The policy-gradient term of the objective.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+pub enum PolicyLoss {
+    /// PPO/GRPO: per-token ratio ρ_t, `−min(ρ_t·A, clip(ρ_t, 1−ε_low, 1+ε_high)·A)`.
+    #[default]
+    Clip,
+    /// GSPO: one ratio per sequence, `s = exp(mean_t(logπθ − logπ_old))`, clipped with its
+    /// own small ε (`--gspo-eps`, `--gspo-eps-high`), the same term on every token.
+    Gspo,
+    /// GSPO-token: `s_t = sg(s) · πθ(y_t) / sg(πθ(y_t))`, the sequence's value with each
+    /// token's own gradient, clipped as GSPO.
+    GspoToken,
+    /// CISPO: `−sg(min(ρ_t, 1+ε_high)) · A · logπθ(y_t)`: the weight is truncated and
+    /// detached, so every token keeps a gradient.
+    Cispo,
 }
 
 /// Group-relative advantages of one group's rewards:
 /// `A_i = (r_i − mean(r)) / (std(r) + 1e-4)` (or without the division, see
 /// [`AdvantageNorm`]). `None` when every reward is equal: the group carries no signal and
 /// is skipped (and counted) rather than trained on with zero advantages.
-pub fn group_advantages(rewards: &[f32], norm: AdvantageNorm) -> Option<Vec<f32>> {
+pub fn group_advantages(rewards: &[f32], scale: Scale) -> Option<Vec<f32>> {
     let n = rewards.len();
     if n == 0 || rewards.iter().all(|&r| r == rewards[0]) {
         return None;
@@ -62,11 +129,11 @@ pub fn group_advantages(rewards: &[f32], norm: AdvantageNorm) -> Option<Vec<f32>
     let r: Vec<f64> = rewards.iter().map(|&x| x as f64).collect();
     let mean = r.iter().sum::<f64>() / n as f64;
     let ss: f64 = r.iter().map(|x| (x - mean).powi(2)).sum();
-    let scale = match norm {
-        AdvantageNorm::Unbiased if n > 1 => (ss / (n - 1) as f64).sqrt() + ADVANTAGE_EPS,
-        AdvantageNorm::Unbiased => ADVANTAGE_EPS,
-        AdvantageNorm::Population => (ss / n as f64).sqrt() + ADVANTAGE_EPS,
-        AdvantageNorm::None => 1.0,
+    let scale = match scale {
+        Scale::GroupUnbiased if n > 1 => (ss / (n - 1) as f64).sqrt() + ADVANTAGE_EPS,
+        Scale::GroupUnbiased => ADVANTAGE_EPS,
+        Scale::GroupPopulation => (ss / n as f64).sqrt() + ADVANTAGE_EPS,
+        Scale::Fixed(s) => s,
     };
     Some(r.iter().map(|x| ((x - mean) / scale) as f32).collect())
 }
@@ -81,6 +148,39 @@ pub fn ratio(logp: &Tensor, behaviour: &Tensor) -> Result<Tensor> {
     (logp - behaviour)?
         .clamp(-MAX_LOG_DIFF, MAX_LOG_DIFF)?
         .exp()
+}
+
+/// GSPO's sequence ratio `s = exp(clamp(Σ_t (logπθ − logπ_old)·m / Σ_t m, ±MAX_LOG_DIFF))`
+/// (C, 1): the geometric mean of the token ratios.
+pub fn sequence_ratio(logp: &Tensor, behaviour: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    sequence_log_ratio(logp, behaviour, mask)?
+        .clamp(-MAX_LOG_DIFF, MAX_LOG_DIFF)?
+        .exp()
+}
+
+fn sequence_log_ratio(logp: &Tensor, behaviour: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let sum = ((logp - behaviour)? * mask)?.sum_keepdim(D::Minus1)?;
+    sum.broadcast_div(&mask.sum_keepdim(D::Minus1)?.maximum(1.0)?)
+}
+
+/// GSPO-token's ratio `s_t = exp(sg(log s) + logπθ − sg(logπθ))` (C, T): every token's value
+/// is the sequence's ratio, its gradient that of its own log-prob (times s).
+pub fn gspo_token_ratio(logp: &Tensor, behaviour: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let seq = sequence_log_ratio(logp, behaviour, mask)?
+        .clamp(-MAX_LOG_DIFF, MAX_LOG_DIFF)?
+        .detach();
+    (logp - logp.detach())?.broadcast_add(&seq)?.exp()
+}
+
+/// CISPO's per-token term `−sg(min(ρ, 1+ε_high)) · A · logπθ` (C, T).
+pub fn cispo_surrogate(
+    ratio: &Tensor,
+    logp: &Tensor,
+    adv: &Tensor,
+    eps_high: f64,
+) -> Result<Tensor> {
+    let weight = ratio.minimum(1.0 + eps_high)?.detach();
+    (weight * logp)?.broadcast_mul(adv)?.neg()
 }
 
 /// Per-token clipped surrogate `−min(ρ·A, clip(ρ, 1−ε_low, 1+ε_high)·A)` (C, T), with the
@@ -108,25 +208,30 @@ pub fn k3_kl(reference: &Tensor, logp: &Tensor) -> Result<Tensor> {
     ((d.exp()? - d)? - 1.0)?.relu()
 }
 
-/// Fraction of counted tokens whose ratio was clipped (ρA was the larger term).
-pub fn clip_fraction(
+/// Fractions of counted tokens whose ratio (C, T) was clipped, (low, high): below
+/// 1 − ε_low with A < 0, above 1 + ε_high with A > 0 (where the clipped term was taken).
+pub fn clip_fractions(
     ratio: &Tensor,
     adv: &Tensor,
     mask: &Tensor,
     eps_low: f64,
     eps_high: f64,
-) -> Result<f64> {
+) -> Result<(f64, f64)> {
+    let dtype = mask.dtype();
     let low = ratio
         .lt(1.0 - eps_low)?
-        .to_dtype(mask.dtype())?
-        .broadcast_mul(&adv.lt(0.0)?.to_dtype(mask.dtype())?)?;
+        .to_dtype(dtype)?
+        .broadcast_mul(&adv.lt(0.0)?.to_dtype(dtype)?)?;
     let high = ratio
         .gt(1.0 + eps_high)?
-        .to_dtype(mask.dtype())?
-        .broadcast_mul(&adv.gt(0.0)?.to_dtype(mask.dtype())?)?;
-    let clipped = scalar(&((low + high)? * mask)?.sum_all()?)?;
+        .to_dtype(dtype)?
+        .broadcast_mul(&adv.gt(0.0)?.to_dtype(dtype)?)?;
     let total = scalar(&mask.sum_all()?)?;
-    Ok(if total > 0.0 { clipped / total } else { 0.0 })
+    if total <= 0.0 {
+        return Ok((0.0, 0.0));
+    }
+    let share = |x: Tensor| -> Result<f64> { Ok(scalar(&(x * mask)?.sum_all()?)? / total) };
+    Ok((share(low)?, share(high)?))
 }
 
 /// A one-element tensor of any float dtype as f64.
@@ -136,12 +241,22 @@ pub fn scalar(t: &Tensor) -> Result<f64> {
 
 /// One number from per-token values (C, T) under `mask` (C, T):
 /// - [`Aggregation::Sequence`]: `mean_c( Σ_t x·m / Σ_t m )`;
-/// - [`Aggregation::Token`]: `Σ x·m / Σ m`.
+/// - [`Aggregation::Token`]: `Σ x·m / Σ m`;
+/// - [`Aggregation::Constant`]: `Σ x·m / (C · max_new_tokens)`.
 ///
-/// Completions with no token count as empty and are left out of the mean.
-pub fn aggregate(values: &Tensor, mask: &Tensor, how: Aggregation) -> Result<Tensor> {
+/// Completions with no token count as empty and are left out of the sequence mean.
+pub fn aggregate(
+    values: &Tensor,
+    mask: &Tensor,
+    how: Aggregation,
+    max_new_tokens: usize,
+) -> Result<Tensor> {
     let masked = (values * mask)?;
     match how {
+        Aggregation::Constant => {
+            let c = mask.dim(0)?;
+            masked.sum_all()? / (c * max_new_tokens).max(1) as f64
+        }
         Aggregation::Token => masked
             .sum_all()?
             .broadcast_div(&mask.sum_all()?.maximum(1.0)?),
@@ -175,21 +290,21 @@ mod tests {
 
     #[test]
     fn advantages_follow_trl_and_equal_rewards_carry_no_signal() {
-        let a = group_advantages(&[1.0, 0.0, 0.0, 1.0], AdvantageNorm::Unbiased).unwrap();
+        let a = group_advantages(&[1.0, 0.0, 0.0, 1.0], Scale::GroupUnbiased).unwrap();
         let std = (1.0f64 / 3.0).sqrt(); // unbiased std of [1, 0, 0, 1]
         let want = (0.5 / (std + 1e-4)) as f32;
         assert!(
             (a[0] - want).abs() < 1e-6 && (a[1] + want).abs() < 1e-6,
             "{a:?}"
         );
-        let p = group_advantages(&[1.0, 0.0, 0.0, 1.0], AdvantageNorm::Population).unwrap();
+        let p = group_advantages(&[1.0, 0.0, 0.0, 1.0], Scale::GroupPopulation).unwrap();
         assert!((p[0] - (0.5 / (0.5 + 1e-4)) as f32).abs() < 1e-6);
         assert_eq!(
-            group_advantages(&[2.0, 0.0], AdvantageNorm::None).unwrap(),
+            group_advantages(&[2.0, 0.0], Scale::Fixed(1.0)).unwrap(),
             vec![1.0, -1.0]
         );
-        assert_eq!(group_advantages(&[0.3; 8], AdvantageNorm::Unbiased), None);
-        assert_eq!(group_advantages(&[], AdvantageNorm::Unbiased), None);
+        assert_eq!(group_advantages(&[0.3; 8], Scale::GroupUnbiased), None);
+        assert_eq!(group_advantages(&[], Scale::GroupUnbiased), None);
     }
 
     #[test]
@@ -206,8 +321,10 @@ mod tests {
             .unwrap();
         assert_eq!(neg, vec![vec![1.6, 2.0, 3.0]]); // A < 0: the larger ratio term wins
         let mask = t(&[&[1.0, 1.0, 1.0]]);
-        let f = clip_fraction(&r, &t(&[&[2.0]]), &mask, 0.2, 0.2).unwrap();
-        assert!((f - 1.0 / 3.0).abs() < 1e-9);
+        let (lo, hi) = clip_fractions(&r, &t(&[&[2.0]]), &mask, 0.2, 0.2).unwrap();
+        assert!(lo == 0.0 && (hi - 1.0 / 3.0).abs() < 1e-9);
+        let (lo, hi) = clip_fractions(&r, &t(&[&[-2.0]]), &mask, 0.2, 0.2).unwrap();
+        assert!((lo - 1.0 / 3.0).abs() < 1e-9 && hi == 0.0);
     }
 
     #[test]
@@ -247,15 +364,67 @@ mod tests {
         let x = t(&[&[1.0, 3.0, 100.0], &[4.0, 100.0, 100.0]]);
         let m = t(&[&[1.0, 1.0, 0.0], &[1.0, 0.0, 0.0]]);
         assert_eq!(
-            scalar(aggregate(&x, &m, Aggregation::Sequence).unwrap()),
+            scalar(aggregate(&x, &m, Aggregation::Sequence, 0).unwrap()),
             3.0
         ); // (2 + 4) / 2
-        assert!((scalar(aggregate(&x, &m, Aggregation::Token).unwrap()) - 8.0 / 3.0).abs() < 1e-6);
+        assert!(
+            (scalar(aggregate(&x, &m, Aggregation::Token, 0).unwrap()) - 8.0 / 3.0).abs() < 1e-6
+        );
         let empty = t(&[&[1.0, 3.0], &[5.0, 5.0]]);
         let m2 = t(&[&[1.0, 1.0], &[0.0, 0.0]]);
         assert_eq!(
-            scalar(aggregate(&empty, &m2, Aggregation::Sequence).unwrap()),
+            scalar(aggregate(&empty, &m2, Aggregation::Sequence, 0).unwrap()),
             2.0
         );
+        // Dr. GRPO: the sum over 2 completions × 4 max new tokens.
+        assert!((scalar(aggregate(&x, &m, Aggregation::Constant, 4).unwrap()) - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn batch_scale_is_the_std_of_every_reward_in_the_batch() {
+        let rewards = vec![vec![1.0, 0.0], vec![0.5, 0.5]];
+        let Scale::Fixed(s) = AdvantageNorm::Batch.scale(&rewards) else {
+            panic!("a fixed scale")
+        };
+        // Unbiased std of [1, 0, 0.5, 0.5]: sqrt(0.5 / 3).
+        assert!((s - ((0.5f64 / 3.0).sqrt() + ADVANTAGE_EPS)).abs() < 1e-12);
+        let a = group_advantages(&rewards[0], Scale::Fixed(s)).unwrap();
+        assert!((f64::from(a[0]) - 0.5 / s).abs() < 1e-6);
+        assert_eq!(group_advantages(&rewards[1], Scale::Fixed(s)), None);
+    }
+
+    #[test]
+    fn sequence_ratios_are_the_geometric_mean_of_the_token_ratios() {
+        let logp = t(&[&[-1.0, -2.0, 0.0], &[-0.5, 0.0, 0.0]]);
+        let old = t(&[&[-1.5, -1.5, 9.0], &[-1.0, 0.0, 0.0]]);
+        let m = t(&[&[1.0, 1.0, 0.0], &[1.0, 0.0, 0.0]]);
+        let s = sequence_ratio(&logp, &old, &m)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        assert_eq!(s, vec![vec![1.0], vec![0.5f32.exp()]]);
+        let st = gspo_token_ratio(&logp, &old, &m)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        assert!(
+            st.iter()
+                .zip(&s)
+                .all(|(row, s)| row.iter().all(|v| (v - s[0]).abs() < 1e-6))
+        );
+    }
+
+    #[test]
+    fn cispo_weights_each_log_prob_by_the_truncated_ratio() {
+        let r = t(&[&[0.5, 1.0, 3.0]]);
+        let logp = t(&[&[-1.0, -2.0, -3.0]]);
+        let v = cispo_surrogate(&r, &logp, &t(&[&[2.0]]), 0.2)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        // −w·A·logp, w = min(ρ, 1.2).
+        for (got, want) in v[0].iter().zip([1.0, 4.0, 7.2]) {
+            assert!((got - want).abs() < 1e-5, "{v:?}");
+        }
     }
 }

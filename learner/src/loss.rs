@@ -6,7 +6,7 @@ use rookworld_lm::Gpt2;
 use serde::Serialize;
 
 use crate::batch::Layout;
-use crate::grpo::{self, AdvantageNorm, Aggregation};
+use crate::grpo::{self, AdvantageNorm, Aggregation, PolicyLoss};
 use crate::policy::token_logprobs;
 
 /// Hyper-parameters of the objective.
@@ -20,7 +20,18 @@ pub struct LossConfig {
     pub temperature: f64,
     pub advantage_norm: AdvantageNorm,
     pub aggregation: Aggregation,
+    pub policy_loss: PolicyLoss,
+    /// GSPO's clip range of the sequence ratio: [1 − low, 1 + high].
+    pub gspo_eps_low: f64,
+    pub gspo_eps_high: f64,
+    /// The token budget of a completion: [`Aggregation::Constant`] divides by it.
+    pub max_new_tokens: usize,
 }
+
+/// GSPO's clip range by default, as the paper's (3e-4, 4e-4): sequence ratios stay far
+/// closer to 1 than token ratios.
+pub const GSPO_EPS_LOW: f64 = 3e-4;
+pub const GSPO_EPS_HIGH: f64 = 4e-4;
 
 impl Default for LossConfig {
     fn default() -> Self {
@@ -31,6 +42,10 @@ impl Default for LossConfig {
             temperature: 1.0,
             advantage_norm: AdvantageNorm::Unbiased,
             aggregation: Aggregation::Sequence,
+            policy_loss: PolicyLoss::Clip,
+            gspo_eps_low: GSPO_EPS_LOW,
+            gspo_eps_high: GSPO_EPS_HIGH,
+            max_new_tokens: 64,
         }
     }
 }
@@ -43,6 +58,13 @@ impl LossConfig {
         non_negative("--beta", self.beta)?;
         fraction("--clip-eps", self.eps_low)?;
         fraction("--clip-eps-high", self.eps_high)?;
+        fraction("--gspo-eps", self.gspo_eps_low)?;
+        fraction("--gspo-eps-high", self.gspo_eps_high)?;
+        if self.aggregation == Aggregation::Constant && self.max_new_tokens == 0 {
+            return Err(
+                "--aggregation constant divides by --max-new-tokens: give one above 0".into(),
+            );
+        }
         positive("--temperature", self.temperature)
     }
 }
@@ -55,7 +77,9 @@ pub struct LossOutput {
     pub policy_loss: f64,
     /// Unscaled k3 KL (0 when β = 0: the reference is not run).
     pub kl: f64,
-    pub clip_frac: f64,
+    /// Shares of tokens whose ratio was clipped below and above.
+    pub clip_low: f64,
+    pub clip_high: f64,
 }
 
 /// Numbers of one loss evaluation (`learner loss` prints this).
@@ -67,6 +91,8 @@ pub struct LossReport {
     pub grad_norm: f64,
     pub advantages: Vec<Vec<f32>>,
     pub clip_frac: f64,
+    pub clip_low: f64,
+    pub clip_high: f64,
     pub skipped_groups: usize,
     pub tokens: usize,
 }
@@ -111,22 +137,52 @@ pub struct TokenTensors<'a> {
 }
 
 /// The objective from per-token log-probs, however they were computed:
-/// `aggregate(−min(ρA, clip(ρ)A)) + β · aggregate(k3(ref, logπθ))`.
+/// `aggregate(pg) + β · aggregate(k3(ref, logπθ))`, the policy-gradient term `pg` by
+/// [`PolicyLoss`]: PPO/GRPO's `−min(ρA, clip(ρ)A)` on token ratios, GSPO's on the
+/// sequence ratio (each token carrying its sequence's term), GSPO-token's, or CISPO's
+/// `−sg(min(ρ, 1+ε_high))·A·logπθ`.
 pub fn objective(t: &TokenTensors, cfg: &LossConfig) -> CandleResult<LossOutput> {
     let mask = t.mask;
+    let adv = t.advantages;
     let logp = (t.logp * mask)?;
     let behaviour = match t.behaviour {
         Some(b) => (b * mask)?,
         None => logp.detach(),
     };
-    let ratio = grpo::ratio(&logp, &behaviour)?;
-    let surrogate = grpo::clipped_surrogate(&ratio, t.advantages, cfg.eps_low, cfg.eps_high)?;
-    let policy_loss = grpo::aggregate(&surrogate, mask, cfg.aggregation)?;
-    let clip_frac = grpo::clip_fraction(&ratio, t.advantages, mask, cfg.eps_low, cfg.eps_high)?;
+    let (lo, hi) = (cfg.eps_low, cfg.eps_high);
+    let (glo, ghi) = (cfg.gspo_eps_low, cfg.gspo_eps_high);
+    let (surrogate, clipped) = match cfg.policy_loss {
+        PolicyLoss::Clip => {
+            let ratio = grpo::ratio(&logp, &behaviour)?;
+            let clipped = grpo::clip_fractions(&ratio, adv, mask, lo, hi)?;
+            (grpo::clipped_surrogate(&ratio, adv, lo, hi)?, clipped)
+        }
+        PolicyLoss::Gspo => {
+            let ratio = grpo::sequence_ratio(&logp, &behaviour, mask)?; // (C, 1)
+            let surrogate = grpo::clipped_surrogate(&ratio, adv, glo, ghi)?;
+            let per_token = ratio.broadcast_as(mask.shape())?;
+            let clipped = grpo::clip_fractions(&per_token, adv, mask, glo, ghi)?;
+            (surrogate.broadcast_as(mask.shape())?, clipped)
+        }
+        PolicyLoss::GspoToken => {
+            let ratio = grpo::gspo_token_ratio(&logp, &behaviour, mask)?;
+            let clipped = grpo::clip_fractions(&ratio, adv, mask, glo, ghi)?;
+            (grpo::clipped_surrogate(&ratio, adv, glo, ghi)?, clipped)
+        }
+        PolicyLoss::Cispo => {
+            let ratio = grpo::ratio(&logp, &behaviour)?;
+            // Truncated weights, whatever the advantage's sign.
+            let ones = adv.ones_like()?;
+            let (_, high) = grpo::clip_fractions(&ratio, &ones, mask, f64::INFINITY, hi)?;
+            (grpo::cispo_surrogate(&ratio, &logp, adv, hi)?, (0.0, high))
+        }
+    };
+    let aggregate = |x: &Tensor| grpo::aggregate(x, mask, cfg.aggregation, cfg.max_new_tokens);
+    let policy_loss = aggregate(&surrogate)?;
     let (loss, kl) = match t.reference {
         Some(reference) if cfg.beta > 0.0 => {
             let ref_logp = (reference * mask)?;
-            let kl = grpo::aggregate(&grpo::k3_kl(&ref_logp, &logp)?, mask, cfg.aggregation)?;
+            let kl = aggregate(&grpo::k3_kl(&ref_logp, &logp)?)?;
             let value = grpo::scalar(&kl)?;
             ((&policy_loss + (kl * cfg.beta)?)?, value)
         }
@@ -136,6 +192,7 @@ pub fn objective(t: &TokenTensors, cfg: &LossConfig) -> CandleResult<LossOutput>
         policy_loss: grpo::scalar(&policy_loss)?,
         loss,
         kl,
-        clip_frac,
+        clip_low: clipped.0,
+        clip_high: clipped.1,
     })
 }

@@ -7,8 +7,8 @@ use candle_core::{DType, Device};
 use rookworld_lm::checkpoint;
 
 use crate::batch::GrpoBatch;
-use crate::grpo::{AdvantageNorm, Aggregation, group_advantages};
-use crate::loss::{LossConfig, LossReport};
+use crate::grpo::{AdvantageNorm, Aggregation, PolicyLoss, group_advantages};
+use crate::loss::{GSPO_EPS_HIGH, GSPO_EPS_LOW, LossConfig, LossReport};
 use crate::policy::Trainable;
 use crate::step::{StepConfig, accumulate};
 
@@ -36,10 +36,26 @@ pub struct LossArgs {
     /// Sampling temperature of the completions.
     #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
     pub temperature: f64,
+    /// What a group's centred rewards are divided by: its std (unbiased, population),
+    /// the batch's std, or nothing.
     #[arg(long, value_enum, default_value_t = AdvantageNorm::Unbiased)]
     pub advantage_norm: AdvantageNorm,
+    /// How token terms become the loss: per sequence then mean, over the batch's tokens
+    /// (DAPO), or summed over a constant (Dr. GRPO: completions × --max-new-tokens).
     #[arg(long, value_enum, default_value_t = Aggregation::Sequence)]
     pub aggregation: Aggregation,
+    /// The policy-gradient term: clip (PPO/GRPO), gspo, gspo-token, cispo.
+    #[arg(long, value_enum, default_value_t = PolicyLoss::Clip)]
+    pub policy_loss: PolicyLoss,
+    /// GSPO's lower clip ε of the sequence ratio.
+    #[arg(long, allow_negative_numbers = true, default_value_t = GSPO_EPS_LOW)]
+    pub gspo_eps: f64,
+    /// GSPO's upper clip ε of the sequence ratio.
+    #[arg(long, allow_negative_numbers = true, default_value_t = GSPO_EPS_HIGH)]
+    pub gspo_eps_high: f64,
+    /// The completions' token budget (`--aggregation constant` divides by it).
+    #[arg(long, default_value_t = 64)]
+    pub max_new_tokens: usize,
 }
 
 /// Why `learner loss` failed.
@@ -68,6 +84,10 @@ impl LossArgs {
             temperature: self.temperature,
             advantage_norm: self.advantage_norm,
             aggregation: self.aggregation,
+            policy_loss: self.policy_loss,
+            gspo_eps_low: self.gspo_eps,
+            gspo_eps_high: self.gspo_eps_high,
+            max_new_tokens: self.max_new_tokens,
         };
         cfg.validate().map_err(LossCmdError::Input)?;
         Ok(cfg)
@@ -90,10 +110,11 @@ pub fn evaluate(
         max_grad_norm: f64::INFINITY,
     };
     let (grads, report) = accumulate(policy, reference, batch, &step)?;
+    let scale = cfg.advantage_norm.scale(&batch.rewards);
     let advantages = batch
         .rewards
         .iter()
-        .filter_map(|r| group_advantages(r, cfg.advantage_norm))
+        .filter_map(|r| group_advantages(r, scale))
         .collect();
     Ok(LossReport {
         loss: report.loss,
@@ -102,6 +123,8 @@ pub fn evaluate(
         grad_norm: grads.global_norm()?,
         advantages,
         clip_frac: report.clip_frac,
+        clip_low: report.clip_low,
+        clip_high: report.clip_high,
         skipped_groups: report.skipped_groups,
         tokens: report.tokens,
     })

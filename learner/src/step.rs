@@ -36,6 +36,9 @@ pub struct StepReport {
     pub grad_norm: f64,
     pub lr: f64,
     pub clip_frac: f64,
+    /// Shares of tokens clipped below 1 − ε (A < 0) and above 1 + ε (A > 0).
+    pub clip_low: f64,
+    pub clip_high: f64,
     pub tokens: usize,
     pub skipped_groups: usize,
     pub forward_backward_seconds: f64,
@@ -75,16 +78,10 @@ pub fn accumulate_autograd(
     let pad = policy.model.config().eos_token_id;
     let device = policy.model.device();
     let micro = cfg.micro_batch_groups.max(1);
+    let scale = cfg.loss.advantage_norm.scale(&batch.rewards);
     let layouts: Vec<Layout> = (0..batch.prompts.len())
         .step_by(micro)
-        .map(|start| {
-            Layout::new(
-                &slice(batch, start, micro),
-                cfg.loss.advantage_norm,
-                pad,
-                device,
-            )
-        })
+        .map(|start| Layout::new(&slice(batch, start, micro), scale, pad, device))
         .collect::<CandleResult<Vec<_>>>()?
         .into_iter()
         .flatten()
@@ -99,7 +96,7 @@ pub fn accumulate_autograd(
     };
     let weight_of = |l: &Layout| -> CandleResult<f64> {
         Ok(match cfg.loss.aggregation {
-            Aggregation::Sequence => l.advantages.dim(0)? as f64,
+            Aggregation::Sequence | Aggregation::Constant => l.advantages.dim(0)? as f64,
             Aggregation::Token => l.tokens as f64,
         })
     };
@@ -113,11 +110,14 @@ pub fn accumulate_autograd(
         grads.accumulate(&store, &policy.vars)?;
         report.policy_loss += w * out.policy_loss;
         report.kl += w * out.kl;
-        report.clip_frac += out.clip_frac * layout.tokens as f64;
+        report.clip_low += out.clip_low * layout.tokens as f64;
+        report.clip_high += out.clip_high * layout.tokens as f64;
         report.tokens += layout.tokens;
     }
     report.loss = report.policy_loss + cfg.loss.beta * report.kl;
-    report.clip_frac /= report.tokens.max(1) as f64;
+    report.clip_low /= report.tokens.max(1) as f64;
+    report.clip_high /= report.tokens.max(1) as f64;
+    report.clip_frac = report.clip_low + report.clip_high;
     report.forward_backward_seconds = started.elapsed().as_secs_f64();
     Ok((grads, report))
 }
@@ -135,9 +135,10 @@ fn accumulate_fused(
     cfg: &StepConfig,
 ) -> CandleResult<(Gradients, StepReport)> {
     let micro = cfg.micro_batch_groups.max(1);
+    let scale = cfg.loss.advantage_norm.scale(&batch.rewards);
     let micros: Vec<MicroBatch> = (0..batch.prompts.len())
         .step_by(micro)
-        .filter_map(|start| MicroBatch::new(&slice(batch, start, micro), cfg.loss.advantage_norm))
+        .filter_map(|start| MicroBatch::new(&slice(batch, start, micro), scale))
         .collect();
     let kept: usize = micros.iter().map(|m| m.group_advantages.len()).sum();
     let mut report = StepReport {
@@ -145,7 +146,7 @@ fn accumulate_fused(
         ..StepReport::default()
     };
     let weight_of = |m: &MicroBatch| match cfg.loss.aggregation {
-        Aggregation::Sequence => m.completions() as f64,
+        Aggregation::Sequence | Aggregation::Constant => m.completions() as f64,
         Aggregation::Token => m.tokens as f64,
     };
     let total: f64 = micros.iter().map(weight_of).sum();
@@ -168,7 +169,7 @@ fn accumulate_fused(
                 let mut all = Vec::new();
                 for start in (0..batch.prompts.len()).step_by(REFERENCE_GROUPS.max(micro)) {
                     let chunk = slice(batch, start, REFERENCE_GROUPS.max(micro));
-                    if let Some(m) = MicroBatch::new(&chunk, cfg.loss.advantage_norm) {
+                    if let Some(m) = MicroBatch::new(&chunk, scale) {
                         all.extend(reference_logprobs(r, &m, &cfg.loss, &mut work));
                     }
                 }
@@ -185,7 +186,8 @@ fn accumulate_fused(
             let r = micro_step(&params, r_logp, m, &cfg.loss, w, &mut grads, &mut work)?;
             report.policy_loss += w * r.policy_loss;
             report.kl += w * r.kl;
-            report.clip_frac += r.clip_frac * m.tokens as f64;
+            report.clip_low += r.clip_low * m.tokens as f64;
+            report.clip_high += r.clip_high * m.tokens as f64;
             report.tokens += m.tokens;
             report.forward_seconds += r.forward_seconds;
             report.backward_seconds += r.backward_seconds;
@@ -199,7 +201,9 @@ fn accumulate_fused(
         policy.host_gradients(grads)
     };
     report.loss = report.policy_loss + cfg.loss.beta * report.kl;
-    report.clip_frac /= report.tokens.max(1) as f64;
+    report.clip_low /= report.tokens.max(1) as f64;
+    report.clip_high /= report.tokens.max(1) as f64;
+    report.clip_frac = report.clip_low + report.clip_high;
     report.forward_backward_seconds = started.elapsed().as_secs_f64();
     Ok((out, report))
 }

@@ -1,13 +1,14 @@
 //! The fused training pass (`learner::fused`: explicit forward/backward, each group's
 //! prompt once) against candle's autograd on the plain model (`rookworld_lm::Gpt2`, the
 //! forward the rollout worker samples with): loss parts and every parameter's gradient,
-//! with and without behaviour log-probs, both aggregations, three temperatures, with a
-//! completion of one token (fed nowhere, predicted from the prompt's last row).
+//! with and without behaviour log-probs, every aggregation and policy loss, the batch's
+//! std over micro-batches, three temperatures, with a completion of one token (fed
+//! nowhere, predicted from the prompt's last row).
 
 mod common;
 
 use candle_core::{DType, Device};
-use learner::grpo::Aggregation;
+use learner::grpo::{AdvantageNorm, Aggregation, PolicyLoss};
 use learner::loss::LossConfig;
 use learner::policy::Trainable;
 use learner::step::{StepConfig, accumulate, accumulate_autograd};
@@ -19,10 +20,65 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
     let policy = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
     let reference = checkpoint::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
     let mut worst = 0f32;
-    for (with_old, aggregation, temperature, micro) in [
-        (true, Aggregation::Sequence, 1.0, 4),
-        (false, Aggregation::Token, 0.7, 1),
-        (true, Aggregation::Token, 1.3, 2),
+    for (with_old, aggregation, temperature, micro, policy_loss, advantage_norm) in [
+        (
+            true,
+            Aggregation::Sequence,
+            1.0,
+            4,
+            PolicyLoss::Clip,
+            AdvantageNorm::Unbiased,
+        ),
+        (
+            false,
+            Aggregation::Token,
+            0.7,
+            1,
+            PolicyLoss::Clip,
+            AdvantageNorm::Unbiased,
+        ),
+        (
+            true,
+            Aggregation::Token,
+            1.3,
+            2,
+            PolicyLoss::Clip,
+            AdvantageNorm::Unbiased,
+        ),
+        // The objectives users switch on, over micro-batches: the batch's std and Dr.
+        // GRPO's constant must come out as for the whole batch.
+        (
+            true,
+            Aggregation::Constant,
+            1.0,
+            1,
+            PolicyLoss::Clip,
+            AdvantageNorm::Batch,
+        ),
+        (
+            true,
+            Aggregation::Sequence,
+            0.9,
+            2,
+            PolicyLoss::Gspo,
+            AdvantageNorm::None,
+        ),
+        (
+            true,
+            Aggregation::Token,
+            1.0,
+            3,
+            PolicyLoss::GspoToken,
+            AdvantageNorm::Population,
+        ),
+        (
+            true,
+            Aggregation::Constant,
+            1.0,
+            2,
+            PolicyLoss::Cispo,
+            AdvantageNorm::Batch,
+        ),
     ] {
         let mut batch = common::batch_of_four();
         if !with_old {
@@ -32,6 +88,12 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             loss: LossConfig {
                 aggregation,
                 temperature,
+                policy_loss,
+                advantage_norm,
+                // Clipping both in and out of range on the fixture's ratios.
+                gspo_eps_low: 0.1,
+                gspo_eps_high: 0.15,
+                max_new_tokens: 16,
                 ..LossConfig::default()
             },
             micro_batch_groups: micro,

@@ -7,7 +7,7 @@ use std::process::Command;
 
 use candle_core::{DType, Device};
 use learner::batch::GrpoBatch;
-use learner::grpo::{AdvantageNorm, Aggregation};
+use learner::grpo::{AdvantageNorm, Aggregation, PolicyLoss};
 use learner::loss::LossConfig;
 use learner::loss_cmd::evaluate;
 use learner::policy::Trainable;
@@ -32,23 +32,37 @@ fn cases() -> Vec<serde_json::Value> {
 }
 
 fn config(args: &serde_json::Value) -> LossConfig {
-    let norm = match args["advantage_norm"].as_str().unwrap() {
+    let text = |k: &str, default: &str| args[k].as_str().unwrap_or(default).to_owned();
+    let number = |k: &str, default: f64| args[k].as_f64().unwrap_or(default);
+    let norm = match text("advantage_norm", "unbiased").as_str() {
         "unbiased" => AdvantageNorm::Unbiased,
         "population" => AdvantageNorm::Population,
+        "batch" => AdvantageNorm::Batch,
         _ => AdvantageNorm::None,
     };
-    let aggregation = match args["aggregation"].as_str().unwrap() {
+    let aggregation = match text("aggregation", "sequence").as_str() {
         "sequence" => Aggregation::Sequence,
+        "constant" => Aggregation::Constant,
         _ => Aggregation::Token,
     };
-    let eps = args["clip_eps"].as_f64().unwrap();
+    let policy_loss = match text("policy_loss", "clip").as_str() {
+        "clip" => PolicyLoss::Clip,
+        "gspo" => PolicyLoss::Gspo,
+        "gspo_token" => PolicyLoss::GspoToken,
+        _ => PolicyLoss::Cispo,
+    };
+    let eps = number("clip_eps", 0.2);
     LossConfig {
-        beta: args["beta"].as_f64().unwrap(),
+        beta: number("beta", 0.0),
         eps_low: eps,
-        eps_high: eps,
-        temperature: args["temperature"].as_f64().unwrap(),
+        eps_high: number("clip_eps_high", eps),
+        temperature: number("temperature", 1.0),
         advantage_norm: norm,
         aggregation,
+        policy_loss,
+        gspo_eps_low: number("gspo_eps", 3e-4),
+        gspo_eps_high: number("gspo_eps_high", 4e-4),
+        max_new_tokens: number("max_new_tokens", 64.0) as usize,
     }
 }
 

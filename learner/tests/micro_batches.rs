@@ -1,10 +1,10 @@
-//! Micro-batches: the accumulated gradient and loss equal the full batch's, under both
-//! aggregations.
+//! Micro-batches: the accumulated gradient and loss equal the full batch's, under every
+//! aggregation and advantage scale (the batch's std is the whole batch's, not a part's).
 
 mod common;
 
 use candle_core::{DType, Device};
-use learner::grpo::Aggregation;
+use learner::grpo::{AdvantageNorm, Aggregation};
 use learner::loss::LossConfig;
 use learner::policy::Trainable;
 use learner::step::{StepConfig, accumulate};
@@ -16,10 +16,17 @@ fn micro_batched_gradients_equal_the_full_batch() {
     let batch = common::batch_of_four();
     let policy = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
     let reference = checkpoint::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
-    for aggregation in [Aggregation::Sequence, Aggregation::Token] {
+    for (aggregation, advantage_norm) in [
+        (Aggregation::Sequence, AdvantageNorm::Unbiased),
+        (Aggregation::Token, AdvantageNorm::Unbiased),
+        (Aggregation::Constant, AdvantageNorm::Batch),
+        (Aggregation::Token, AdvantageNorm::Batch),
+    ] {
         let cfg = |micro| StepConfig {
             loss: LossConfig {
                 aggregation,
+                advantage_norm,
+                max_new_tokens: 16,
                 ..LossConfig::default()
             },
             micro_batch_groups: micro,

@@ -13,7 +13,7 @@ use rookworld_lm::Gpt2;
 use crate::batch::GrpoBatch;
 use crate::fused::model::{self, Workspace};
 use crate::fused::{GroupInput, Packed, Params};
-use crate::grpo::{AdvantageNorm, group_advantages};
+use crate::grpo::{Scale, group_advantages};
 use crate::loss::{LossConfig, TokenTensors, objective};
 
 /// A micro-batch's groups with signal, laid out for the fused pass.
@@ -32,11 +32,11 @@ pub struct MicroBatch {
 
 impl MicroBatch {
     /// The groups of `batch` with signal; `None` when none has any.
-    pub fn new(batch: &GrpoBatch, norm: AdvantageNorm) -> Option<Self> {
+    pub fn new(batch: &GrpoBatch, scale: Scale) -> Option<Self> {
         let mut inputs = Vec::new();
         let (mut advantages, mut behaviour, mut kept) = (Vec::new(), Vec::new(), Vec::new());
         for (p, prompt) in batch.prompts.iter().enumerate() {
-            let Some(adv) = group_advantages(&batch.rewards[p], norm) else {
+            let Some(adv) = group_advantages(&batch.rewards[p], scale) else {
                 continue;
             };
             inputs.push(GroupInput {
@@ -95,7 +95,8 @@ impl MicroBatch {
 pub struct MicroReport {
     pub policy_loss: f64,
     pub kl: f64,
-    pub clip_frac: f64,
+    pub clip_low: f64,
+    pub clip_high: f64,
     pub forward_seconds: f64,
     pub backward_seconds: f64,
     /// Activation bytes the policy forward planned.
@@ -168,7 +169,8 @@ pub fn micro_step(
         )?;
         report.policy_loss = out.policy_loss;
         report.kl = out.kl;
-        report.clip_frac = out.clip_frac;
+        report.clip_low = out.clip_low;
+        report.clip_high = out.clip_high;
         let store = (out.loss * weight)?.backward()?;
         let g = match store.get(logp_var.as_tensor()) {
             Some(g) => g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?,

@@ -8,8 +8,27 @@ use std::time::Duration;
 use rookworld_lm::cli::ModelArgs;
 use serde::{Deserialize, Serialize};
 
+use crate::grpo::PolicyLoss;
 use crate::grpo::{AdvantageNorm, Aggregation};
-use crate::loss::LossConfig;
+use crate::loss::{GSPO_EPS_HIGH, GSPO_EPS_LOW, LossConfig};
+
+// Settings added later are left out of a checkpoint's settings at their defaults, so that
+// runs checkpointed before they existed resume unchanged.
+fn is_default<T: Default + PartialEq>(v: &T) -> bool {
+    *v == T::default()
+}
+fn gspo_eps_low() -> f64 {
+    GSPO_EPS_LOW
+}
+fn gspo_eps_high() -> f64 {
+    GSPO_EPS_HIGH
+}
+fn is_gspo_eps_low(v: &f64) -> bool {
+    *v == GSPO_EPS_LOW
+}
+fn is_gspo_eps_high(v: &f64) -> bool {
+    *v == GSPO_EPS_HIGH
+}
 use crate::optim::{AdamWConfig, Schedule};
 use crate::queue::QueueConfig;
 use crate::sft::SftSettings;
@@ -244,10 +263,28 @@ pub struct TrainSettings {
         default_value_t = 0.2
     )]
     pub clip_eps_high: f64,
+    /// What a group's centred rewards are divided by: its std (unbiased, population),
+    /// the batch's std (batch), or nothing (none).
     #[arg(long, env = "LEARNER_ADVANTAGE_NORM", value_enum, default_value_t = AdvantageNorm::Unbiased)]
     pub advantage_norm: AdvantageNorm,
+    /// How token terms become the loss: sequence (mean per completion, then mean), token
+    /// (over the batch's tokens; DAPO), constant (sum / (completions × --max-new-tokens);
+    /// Dr. GRPO).
     #[arg(long, env = "LEARNER_AGGREGATION", value_enum, default_value_t = Aggregation::Sequence)]
     pub aggregation: Aggregation,
+    /// The policy-gradient term: clip (PPO/GRPO token ratios), gspo (sequence ratio),
+    /// gspo-token, cispo (truncated, detached weights).
+    #[arg(long, env = "LEARNER_POLICY_LOSS", value_enum, default_value_t = PolicyLoss::Clip)]
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub policy_loss: PolicyLoss,
+    /// GSPO's clip ε of the sequence ratio, lower side.
+    #[arg(long, allow_negative_numbers = true, env = "LEARNER_GSPO_EPS", default_value_t = GSPO_EPS_LOW)]
+    #[serde(default = "gspo_eps_low", skip_serializing_if = "is_gspo_eps_low")]
+    pub gspo_eps: f64,
+    /// GSPO's clip ε of the sequence ratio, upper side.
+    #[arg(long, allow_negative_numbers = true, env = "LEARNER_GSPO_EPS_HIGH", default_value_t = GSPO_EPS_HIGH)]
+    #[serde(default = "gspo_eps_high", skip_serializing_if = "is_gspo_eps_high")]
+    pub gspo_eps_high: f64,
     /// Sampling temperature (the loss uses the same).
     #[arg(
         long,
@@ -442,6 +479,10 @@ impl TrainSettings {
                 temperature: self.temperature,
                 advantage_norm: self.advantage_norm,
                 aggregation: self.aggregation,
+                policy_loss: self.policy_loss,
+                gspo_eps_low: self.gspo_eps,
+                gspo_eps_high: self.gspo_eps_high,
+                max_new_tokens: self.max_new_tokens as usize,
             },
             micro_batch_groups: self.micro_batch_groups,
             max_grad_norm: self.max_grad_norm,

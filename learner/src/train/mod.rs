@@ -298,6 +298,8 @@ pub async fn run(
             grad_norm: report.grad_norm,
             lr: report.lr,
             clip_frac: report.clip_frac,
+            clip_low: report.clip_low,
+            clip_high: report.clip_high,
             tokens: report.tokens,
             groups: groups.len(),
             skipped_groups: report.skipped_groups,

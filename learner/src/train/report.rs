@@ -41,6 +41,12 @@ pub struct StepRecord {
     pub grad_norm: f64,
     pub lr: f64,
     pub clip_frac: f64,
+    /// Of those, the shares clipped below 1 − ε (A < 0) and above 1 + ε (A > 0; for CISPO:
+    /// weights truncated at 1 + ε_high).
+    #[serde(default)]
+    pub clip_low: f64,
+    #[serde(default)]
+    pub clip_high: f64,
     /// Completion tokens trained on.
     pub tokens: usize,
     pub groups: usize,
@@ -242,6 +248,8 @@ fn record_metrics(r: &StepRecord) {
     gauge!("learner_grad_norm").set(r.grad_norm);
     gauge!("learner_lr").set(r.lr);
     gauge!("learner_clipped_tokens_ratio").set(r.clip_frac);
+    gauge!("learner_clipped_low_ratio").set(r.clip_low);
+    gauge!("learner_clipped_high_ratio").set(r.clip_high);
     gauge!("learner_staleness_mean_versions").set(r.staleness_mean);
     gauge!("learner_mfu_ratio").set(r.mfu);
     counter!("learner_tokens_total").increment(r.tokens as u64);
