@@ -7,6 +7,8 @@
 //! - [`grpo`]: the GRPO objective as small pure functions (advantages, ratio, clipped
 //!   surrogate, k3 KL, aggregation); [`batch`] lays a batch out as tensors; [`policy`] holds
 //!   the trainable model and computes token log-probs; [`loss`] assembles the loss.
+//! - [`offpolicy`]: decoupled off-policy correction (importance weights of the proximal
+//!   policy against the sampler's) and the sampler/learner mismatch figures.
 //! - [`loss_cmd`]: `learner loss`, the loss and gradient norm of one batch as JSON.
 //! - [`sft`]: `learner sft`, supervised warm-up ([`sft_loss`]: its loss and gradients); [`checkpoint`]: training checkpoints
 //!   (model, optimizer, trainer state) written atomically, for exact resume.
@@ -41,6 +43,7 @@ pub mod init_cmd;
 pub mod loss;
 pub mod loss_cmd;
 pub mod metrics;
+pub mod offpolicy;
 pub mod optim;
 pub mod policy;
 pub mod prompts;

@@ -7,6 +7,7 @@ use serde::Serialize;
 
 use crate::batch::Layout;
 use crate::grpo::{self, AdvantageNorm, Aggregation, PolicyLoss};
+use crate::offpolicy::{self, Correction, Mismatch};
 use crate::policy::token_logprobs;
 
 /// Hyper-parameters of the objective.
@@ -26,6 +27,10 @@ pub struct LossConfig {
     pub gspo_eps_high: f64,
     /// The token budget of a completion: [`Aggregation::Constant`] divides by it.
     pub max_new_tokens: usize,
+    /// Decoupled off-policy correction (off: the ratio is against the sampler's log-probs).
+    pub correction: Correction,
+    /// C, the bound of the importance weights π_prox/π_behaviour.
+    pub is_cap: f64,
 }
 
 /// GSPO's clip range by default, as the paper's (3e-4, 4e-4): sequence ratios stay far
@@ -46,6 +51,8 @@ impl Default for LossConfig {
             gspo_eps_low: GSPO_EPS_LOW,
             gspo_eps_high: GSPO_EPS_HIGH,
             max_new_tokens: 64,
+            correction: Correction::Off,
+            is_cap: 2.0,
         }
     }
 }
@@ -60,6 +67,9 @@ impl LossConfig {
         fraction("--clip-eps-high", self.eps_high)?;
         fraction("--gspo-eps", self.gspo_eps_low)?;
         fraction("--gspo-eps-high", self.gspo_eps_high)?;
+        if self.is_cap.is_nan() || self.is_cap < 1.0 {
+            return Err(format!("--is-cap must be at least 1, not {}", self.is_cap));
+        }
         if self.aggregation == Aggregation::Constant && self.max_new_tokens == 0 {
             return Err(
                 "--aggregation constant divides by --max-new-tokens: give one above 0".into(),
@@ -80,6 +90,8 @@ pub struct LossOutput {
     /// Shares of tokens whose ratio was clipped below and above.
     pub clip_low: f64,
     pub clip_high: f64,
+    /// The sampler against the learner, when the batch has the sampler's log-probs.
+    pub mismatch: Option<Mismatch>,
 }
 
 /// Numbers of one loss evaluation (`learner loss` prints this).
@@ -93,6 +105,8 @@ pub struct LossReport {
     pub clip_frac: f64,
     pub clip_low: f64,
     pub clip_high: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mismatch: Option<Mismatch>,
     pub skipped_groups: usize,
     pub tokens: usize,
 }
@@ -116,6 +130,7 @@ pub fn grpo_loss(
         logp: &logp,
         reference: ref_logp.as_ref(),
         behaviour: layout.behaviour.as_ref(),
+        proximal: None,
         mask: &layout.mask,
         advantages: &layout.advantages,
     };
@@ -132,6 +147,9 @@ pub struct TokenTensors<'a> {
     pub reference: Option<&'a Tensor>,
     /// log π_old of the sampler; `None`: the policy's own detached log-probs (ratio 1).
     pub behaviour: Option<&'a Tensor>,
+    /// log π_prox, the learner's own at the start of the step (detached); `None`: the
+    /// policy's detached log-probs (the same, for one update per batch).
+    pub proximal: Option<&'a Tensor>,
     pub mask: &'a Tensor,
     pub advantages: &'a Tensor,
 }
@@ -145,9 +163,33 @@ pub fn objective(t: &TokenTensors, cfg: &LossConfig) -> CandleResult<LossOutput>
     let mask = t.mask;
     let adv = t.advantages;
     let logp = (t.logp * mask)?;
-    let behaviour = match t.behaviour {
-        Some(b) => (b * mask)?,
+    let sampler = t.behaviour.map(|b| b * mask).transpose()?;
+    let proximal = match t.proximal {
+        Some(p) => (p * mask)?.detach(),
         None => logp.detach(),
+    };
+    // The ratio's denominator: the proximal policy under the correction (whose weights
+    // then carry the sampler's gap), else the sampler's log-probs.
+    let cap = cfg.is_cap;
+    let (behaviour, weights) = match &sampler {
+        Some(s) if cfg.correction.on() => {
+            let raw = offpolicy::raw_weights(&proximal, s, mask, cfg.correction)?;
+            let w = offpolicy::bounded_weights(&raw, cfg.correction, cap)?;
+            (proximal.clone(), Some(w))
+        }
+        Some(s) => (s.clone(), None),
+        None => (logp.detach(), None),
+    };
+    let mismatch = match &sampler {
+        Some(s) => {
+            let level = match cfg.correction {
+                Correction::Off => Correction::TokenTruncate,
+                c => c,
+            };
+            let raw = offpolicy::raw_weights(&proximal, s, mask, level)?;
+            Some(Mismatch::of(&proximal, s, mask, &raw, cap)?)
+        }
+        None => None,
     };
     let (lo, hi) = (cfg.eps_low, cfg.eps_high);
     let (glo, ghi) = (cfg.gspo_eps_low, cfg.gspo_eps_high);
@@ -177,6 +219,10 @@ pub fn objective(t: &TokenTensors, cfg: &LossConfig) -> CandleResult<LossOutput>
             (grpo::cispo_surrogate(&ratio, &logp, adv, hi)?, (0.0, high))
         }
     };
+    let surrogate = match &weights {
+        Some(w) => (surrogate * w)?,
+        None => surrogate,
+    };
     let aggregate = |x: &Tensor| grpo::aggregate(x, mask, cfg.aggregation, cfg.max_new_tokens);
     let policy_loss = aggregate(&surrogate)?;
     let (loss, kl) = match t.reference {
@@ -194,5 +240,6 @@ pub fn objective(t: &TokenTensors, cfg: &LossConfig) -> CandleResult<LossOutput>
         kl,
         clip_low: clipped.0,
         clip_high: clipped.1,
+        mismatch,
     })
 }

@@ -9,6 +9,7 @@ use rookworld_lm::checkpoint;
 use crate::batch::GrpoBatch;
 use crate::grpo::{AdvantageNorm, Aggregation, PolicyLoss, group_advantages};
 use crate::loss::{GSPO_EPS_HIGH, GSPO_EPS_LOW, LossConfig, LossReport};
+use crate::offpolicy::Correction;
 use crate::policy::Trainable;
 use crate::step::{StepConfig, accumulate};
 
@@ -53,6 +54,13 @@ pub struct LossArgs {
     /// GSPO's upper clip ε of the sequence ratio.
     #[arg(long, allow_negative_numbers = true, default_value_t = GSPO_EPS_HIGH)]
     pub gspo_eps_high: f64,
+    /// Decoupled off-policy correction: off, or the importance weights π_prox/π_behaviour
+    /// truncated or masked above --is-cap, per token or per sequence.
+    #[arg(long, value_enum, default_value_t = Correction::Off)]
+    pub off_policy_correction: Correction,
+    /// C, the bound of the importance weights.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 2.0)]
+    pub is_cap: f64,
     /// The completions' token budget (`--aggregation constant` divides by it).
     #[arg(long, default_value_t = 64)]
     pub max_new_tokens: usize,
@@ -88,6 +96,8 @@ impl LossArgs {
             gspo_eps_low: self.gspo_eps,
             gspo_eps_high: self.gspo_eps_high,
             max_new_tokens: self.max_new_tokens,
+            correction: self.off_policy_correction,
+            is_cap: self.is_cap,
         };
         cfg.validate().map_err(LossCmdError::Input)?;
         Ok(cfg)
@@ -125,6 +135,7 @@ pub fn evaluate(
         clip_frac: report.clip_frac,
         clip_low: report.clip_low,
         clip_high: report.clip_high,
+        mismatch: report.mismatch,
         skipped_groups: report.skipped_groups,
         tokens: report.tokens,
     })

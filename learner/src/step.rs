@@ -39,6 +39,9 @@ pub struct StepReport {
     /// Shares of tokens clipped below 1 − ε (A < 0) and above 1 + ε (A > 0).
     pub clip_low: f64,
     pub clip_high: f64,
+    /// The sampler against the learner over the step's tokens (batches with the sampler's
+    /// log-probs).
+    pub mismatch: Option<crate::offpolicy::Mismatch>,
     pub tokens: usize,
     pub skipped_groups: usize,
     pub forward_backward_seconds: f64,
@@ -112,6 +115,7 @@ pub fn accumulate_autograd(
         report.kl += w * out.kl;
         report.clip_low += out.clip_low * layout.tokens as f64;
         report.clip_high += out.clip_high * layout.tokens as f64;
+        merge(&mut report.mismatch, out.mismatch);
         report.tokens += layout.tokens;
     }
     report.loss = report.policy_loss + cfg.loss.beta * report.kl;
@@ -120,6 +124,12 @@ pub fn accumulate_autograd(
     report.clip_frac = report.clip_low + report.clip_high;
     report.forward_backward_seconds = started.elapsed().as_secs_f64();
     Ok((grads, report))
+}
+
+fn merge(into: &mut Option<crate::offpolicy::Mismatch>, part: Option<crate::offpolicy::Mismatch>) {
+    if let Some(part) = part {
+        into.get_or_insert_with(Default::default).merge(&part);
+    }
 }
 
 /// Groups per reference forward of the fused pass (it keeps no activations, so it can
@@ -188,6 +198,7 @@ fn accumulate_fused(
             report.kl += w * r.kl;
             report.clip_low += r.clip_low * m.tokens as f64;
             report.clip_high += r.clip_high * m.tokens as f64;
+            merge(&mut report.mismatch, r.mismatch);
             report.tokens += m.tokens;
             report.forward_seconds += r.forward_seconds;
             report.backward_seconds += r.backward_seconds;

@@ -10,6 +10,7 @@ use learner::batch::GrpoBatch;
 use learner::grpo::{AdvantageNorm, Aggregation, PolicyLoss};
 use learner::loss::LossConfig;
 use learner::loss_cmd::evaluate;
+use learner::offpolicy::Correction;
 use learner::policy::Trainable;
 use rookworld_lm::checkpoint;
 
@@ -63,6 +64,14 @@ fn config(args: &serde_json::Value) -> LossConfig {
         gspo_eps_low: number("gspo_eps", 3e-4),
         gspo_eps_high: number("gspo_eps_high", 4e-4),
         max_new_tokens: number("max_new_tokens", 64.0) as usize,
+        correction: match text("correction", "off").as_str() {
+            "off" => Correction::Off,
+            "token_truncate" => Correction::TokenTruncate,
+            "token_mask" => Correction::TokenMask,
+            "sequence_truncate" => Correction::SequenceTruncate,
+            _ => Correction::SequenceMask,
+        },
+        is_cap: number("is_cap", 2.0),
     }
 }
 

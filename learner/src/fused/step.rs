@@ -97,6 +97,7 @@ pub struct MicroReport {
     pub kl: f64,
     pub clip_low: f64,
     pub clip_high: f64,
+    pub mismatch: Option<crate::offpolicy::Mismatch>,
     pub forward_seconds: f64,
     pub backward_seconds: f64,
     /// Activation bytes the policy forward planned.
@@ -162,6 +163,7 @@ pub fn micro_step(
                 logp: logp_var.as_tensor(),
                 reference: reference.as_ref(),
                 behaviour: behaviour.as_ref(),
+                proximal: None,
                 mask: &mask,
                 advantages: &advantages,
             },
@@ -171,6 +173,7 @@ pub fn micro_step(
         report.kl = out.kl;
         report.clip_low = out.clip_low;
         report.clip_high = out.clip_high;
+        report.mismatch = out.mismatch;
         let store = (out.loss * weight)?.backward()?;
         let g = match store.get(logp_var.as_tensor()) {
             Some(g) => g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?,

@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use crate::grpo::PolicyLoss;
 use crate::grpo::{AdvantageNorm, Aggregation};
 use crate::loss::{GSPO_EPS_HIGH, GSPO_EPS_LOW, LossConfig};
+use crate::offpolicy::Correction;
 
 // Settings added later are left out of a checkpoint's settings at their defaults, so that
 // runs checkpointed before they existed resume unchanged.
@@ -28,6 +29,12 @@ fn is_gspo_eps_low(v: &f64) -> bool {
 }
 fn is_gspo_eps_high(v: &f64) -> bool {
     *v == GSPO_EPS_HIGH
+}
+fn is_cap() -> f64 {
+    2.0
+}
+fn is_default_cap(v: &f64) -> bool {
+    *v == is_cap()
 }
 use crate::optim::{AdamWConfig, Schedule};
 use crate::queue::QueueConfig;
@@ -285,6 +292,22 @@ pub struct TrainSettings {
     #[arg(long, allow_negative_numbers = true, env = "LEARNER_GSPO_EPS_HIGH", default_value_t = GSPO_EPS_HIGH)]
     #[serde(default = "gspo_eps_high", skip_serializing_if = "is_gspo_eps_high")]
     pub gspo_eps_high: f64,
+    /// Decoupled off-policy correction: off, or the clipped ratio against the proximal
+    /// policy with each token weighted by π_prox/π_behaviour bounded by --is-cap —
+    /// token-truncate, token-mask, sequence-truncate, sequence-mask. Stale groups (up to
+    /// --max-version-lag) are then corrected rather than trained on as if fresh.
+    #[arg(long, env = "LEARNER_OFF_POLICY_CORRECTION", value_enum, default_value_t = Correction::Off)]
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub off_policy_correction: Correction,
+    /// C, the bound of the importance weights (at least 1).
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_IS_CAP",
+        default_value_t = 2.0
+    )]
+    #[serde(default = "is_cap", skip_serializing_if = "is_default_cap")]
+    pub is_cap: f64,
     /// Sampling temperature (the loss uses the same).
     #[arg(
         long,
@@ -483,6 +506,8 @@ impl TrainSettings {
                 gspo_eps_low: self.gspo_eps,
                 gspo_eps_high: self.gspo_eps_high,
                 max_new_tokens: self.max_new_tokens as usize,
+                correction: self.off_policy_correction,
+                is_cap: self.is_cap,
             },
             micro_batch_groups: self.micro_batch_groups,
             max_grad_norm: self.max_grad_norm,

@@ -300,6 +300,7 @@ pub async fn run(
             clip_frac: report.clip_frac,
             clip_low: report.clip_low,
             clip_high: report.clip_high,
+            mismatch: report.mismatch,
             tokens: report.tokens,
             groups: groups.len(),
             skipped_groups: report.skipped_groups,

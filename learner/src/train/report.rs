@@ -47,6 +47,9 @@ pub struct StepRecord {
     pub clip_low: f64,
     #[serde(default)]
     pub clip_high: f64,
+    /// The workers' sampling log-probs against the learner's on the step's tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mismatch: Option<crate::offpolicy::Mismatch>,
     /// Completion tokens trained on.
     pub tokens: usize,
     pub groups: usize,
@@ -250,6 +253,16 @@ fn record_metrics(r: &StepRecord) {
     gauge!("learner_clipped_tokens_ratio").set(r.clip_frac);
     gauge!("learner_clipped_low_ratio").set(r.clip_low);
     gauge!("learner_clipped_high_ratio").set(r.clip_high);
+    if let Some(m) = &r.mismatch {
+        gauge!("learner_sampler_logp_diff", "stat" => "mean").set(m.logp_diff_mean);
+        gauge!("learner_sampler_logp_diff", "stat" => "max").set(m.logp_diff_max);
+        gauge!("learner_sampler_kl").set(m.sampler_kl);
+        gauge!("learner_is_weight", "stat" => "min").set(m.is_min);
+        gauge!("learner_is_weight", "stat" => "mean").set(m.is_mean);
+        gauge!("learner_is_weight", "stat" => "max").set(m.is_max);
+        gauge!("learner_is_bounded_ratio").set(m.is_bounded);
+        gauge!("learner_is_ess_ratio").set(m.ess);
+    }
     gauge!("learner_staleness_mean_versions").set(r.staleness_mean);
     gauge!("learner_mfu_ratio").set(r.mfu);
     counter!("learner_tokens_total").increment(r.tokens as u64);
