@@ -131,6 +131,8 @@ pub struct Layout {
     pub skipped_groups: usize,
     /// Completion tokens counted.
     pub tokens: usize,
+    /// Completions left out of the loss as cut off (`mask_truncated`).
+    pub masked_truncated: usize,
 }
 
 impl Layout {
@@ -139,6 +141,7 @@ impl Layout {
         batch: &GrpoBatch,
         scale: Scale,
         pad: u32,
+        mask_truncated: bool,
         device: &Device,
     ) -> CandleResult<Option<Self>> {
         let mut rows: Vec<Row> = Vec::new();
@@ -171,7 +174,7 @@ impl Layout {
         let n = rows.len();
         let (mut ids, mut targets) = (vec![pad; n * t], vec![pad; n * (t - 1)]);
         let (mut mask, mut behaviour) = (vec![0f32; n * (t - 1)], vec![0f32; n * (t - 1)]);
-        let mut tokens = 0;
+        let (mut tokens, mut truncated) = (0, 0);
         let mut slots = Vec::new();
         for (
             r,
@@ -187,14 +190,21 @@ impl Layout {
             ids[r * t..r * t + seq.len()].copy_from_slice(&seq);
             targets[r * (t - 1)..r * (t - 1) + seq.len() - 1].copy_from_slice(&seq[1..]);
             let first = prompt.len() - 1;
+            // `pad` is end-of-text: a completion without it at the end was cut off.
+            let counted = !(mask_truncated && completion.last() != Some(&pad));
+            if !counted {
+                truncated += 1;
+            }
             for j in 0..completion.len() {
-                mask[r * (t - 1) + first + j] = 1.0;
+                mask[r * (t - 1) + first + j] = f32::from(u8::from(counted));
                 slots.push((r * (t - 1) + first + j) as u32);
                 if let Some(old) = old {
                     behaviour[r * (t - 1) + first + j] = old[j];
                 }
             }
-            tokens += completion.len();
+            if counted {
+                tokens += completion.len();
+            }
         }
         let advantages: Vec<f32> = rows.iter().map(|row| row.advantage).collect();
         Ok(Some(Self {
@@ -210,6 +220,7 @@ impl Layout {
             group_advantages: kept_advantages,
             skipped_groups: skipped,
             tokens,
+            masked_truncated: truncated,
         }))
     }
 }

@@ -31,6 +31,10 @@ pub struct LossConfig {
     pub correction: Correction,
     /// C, the bound of the importance weights π_prox/π_behaviour.
     pub is_cap: f64,
+    /// Leave out of the loss every completion that hit its token budget without
+    /// end-of-text (DAPO's overlong filtering); its reward still counts in its group's
+    /// advantages.
+    pub mask_truncated: bool,
 }
 
 /// GSPO's clip range by default, as the paper's (3e-4, 4e-4): sequence ratios stay far
@@ -53,6 +57,7 @@ impl Default for LossConfig {
             max_new_tokens: 64,
             correction: Correction::Off,
             is_cap: 2.0,
+            mask_truncated: false,
         }
     }
 }

@@ -61,6 +61,10 @@ pub struct LossArgs {
     /// C, the bound of the importance weights.
     #[arg(long, allow_negative_numbers = true, default_value_t = 2.0)]
     pub is_cap: f64,
+    /// Leave completions that end without end-of-text (cut off at the token budget) out
+    /// of the loss.
+    #[arg(long)]
+    pub mask_truncated: bool,
     /// The completions' token budget (`--aggregation constant` divides by it).
     #[arg(long, default_value_t = 64)]
     pub max_new_tokens: usize,
@@ -98,6 +102,7 @@ impl LossArgs {
             max_new_tokens: self.max_new_tokens,
             correction: self.off_policy_correction,
             is_cap: self.is_cap,
+            mask_truncated: self.mask_truncated,
         };
         cfg.validate().map_err(LossCmdError::Input)?;
         Ok(cfg)

@@ -42,6 +42,8 @@ pub struct StepReport {
     /// The sampler against the learner over the step's tokens (batches with the sampler's
     /// log-probs).
     pub mismatch: Option<crate::offpolicy::Mismatch>,
+    /// Completions left out of the loss as cut off at the token budget.
+    pub masked_truncated: usize,
     pub tokens: usize,
     pub skipped_groups: usize,
     pub forward_backward_seconds: f64,
@@ -84,7 +86,15 @@ pub fn accumulate_autograd(
     let scale = cfg.loss.advantage_norm.scale(&batch.rewards);
     let layouts: Vec<Layout> = (0..batch.prompts.len())
         .step_by(micro)
-        .map(|start| Layout::new(&slice(batch, start, micro), scale, pad, device))
+        .map(|start| {
+            Layout::new(
+                &slice(batch, start, micro),
+                scale,
+                pad,
+                cfg.loss.mask_truncated,
+                device,
+            )
+        })
         .collect::<CandleResult<Vec<_>>>()?
         .into_iter()
         .flatten()
@@ -99,7 +109,8 @@ pub fn accumulate_autograd(
     };
     let weight_of = |l: &Layout| -> CandleResult<f64> {
         Ok(match cfg.loss.aggregation {
-            Aggregation::Sequence | Aggregation::Constant => l.advantages.dim(0)? as f64,
+            Aggregation::Sequence => (l.advantages.dim(0)? - l.masked_truncated) as f64,
+            Aggregation::Constant => l.advantages.dim(0)? as f64,
             Aggregation::Token => l.tokens as f64,
         })
     };
@@ -107,7 +118,12 @@ pub fn accumulate_autograd(
     let mut grads = Gradients::default();
     let started = Instant::now();
     for layout in &layouts {
-        let w = weight_of(layout)? / total;
+        // Nothing counted (every completion cut off and masked): no gradient.
+        let w = if total > 0.0 {
+            weight_of(layout)? / total
+        } else {
+            0.0
+        };
         let out = grpo_loss(&policy.model, reference, layout, &cfg.loss)?;
         let store = (out.loss * w)?.backward()?;
         grads.accumulate(&store, &policy.vars)?;
@@ -116,6 +132,7 @@ pub fn accumulate_autograd(
         report.clip_low += out.clip_low * layout.tokens as f64;
         report.clip_high += out.clip_high * layout.tokens as f64;
         merge(&mut report.mismatch, out.mismatch);
+        report.masked_truncated += layout.masked_truncated;
         report.tokens += layout.tokens;
     }
     report.loss = report.policy_loss + cfg.loss.beta * report.kl;
@@ -146,9 +163,11 @@ fn accumulate_fused(
 ) -> CandleResult<(Gradients, StepReport)> {
     let micro = cfg.micro_batch_groups.max(1);
     let scale = cfg.loss.advantage_norm.scale(&batch.rewards);
+    let eot = policy.model.config().eos_token_id;
+    let truncated_without = cfg.loss.mask_truncated.then_some(eot);
     let micros: Vec<MicroBatch> = (0..batch.prompts.len())
         .step_by(micro)
-        .filter_map(|start| MicroBatch::new(&slice(batch, start, micro), scale))
+        .filter_map(|start| MicroBatch::new(&slice(batch, start, micro), scale, truncated_without))
         .collect();
     let kept: usize = micros.iter().map(|m| m.group_advantages.len()).sum();
     let mut report = StepReport {
@@ -156,8 +175,9 @@ fn accumulate_fused(
         ..StepReport::default()
     };
     let weight_of = |m: &MicroBatch| match cfg.loss.aggregation {
-        Aggregation::Sequence | Aggregation::Constant => m.completions() as f64,
-        Aggregation::Token => m.tokens as f64,
+        Aggregation::Sequence => (m.completions() - m.masked_truncated) as f64,
+        Aggregation::Constant => m.completions() as f64,
+        Aggregation::Token => m.counted_tokens as f64,
     };
     let total: f64 = micros.iter().map(weight_of).sum();
     let started = Instant::now();
@@ -179,7 +199,7 @@ fn accumulate_fused(
                 let mut all = Vec::new();
                 for start in (0..batch.prompts.len()).step_by(REFERENCE_GROUPS.max(micro)) {
                     let chunk = slice(batch, start, REFERENCE_GROUPS.max(micro));
-                    if let Some(m) = MicroBatch::new(&chunk, scale) {
+                    if let Some(m) = MicroBatch::new(&chunk, scale, None) {
                         all.extend(reference_logprobs(r, &m, &cfg.loss, &mut work));
                     }
                 }
@@ -190,16 +210,21 @@ fn accumulate_fused(
         report.reference_seconds = t.elapsed().as_secs_f64();
         let mut offset = 0;
         for m in &micros {
-            let w = weight_of(m) / total;
+            let w = if total > 0.0 {
+                weight_of(m) / total
+            } else {
+                0.0
+            };
             let r_logp = ref_logp.as_ref().map(|r| &r[offset..offset + m.tokens]);
             offset += m.tokens;
             let r = micro_step(&params, r_logp, m, &cfg.loss, w, &mut grads, &mut work)?;
             report.policy_loss += w * r.policy_loss;
             report.kl += w * r.kl;
-            report.clip_low += r.clip_low * m.tokens as f64;
-            report.clip_high += r.clip_high * m.tokens as f64;
+            report.clip_low += r.clip_low * m.counted_tokens as f64;
+            report.clip_high += r.clip_high * m.counted_tokens as f64;
             merge(&mut report.mismatch, r.mismatch);
-            report.tokens += m.tokens;
+            report.masked_truncated += m.masked_truncated;
+            report.tokens += m.counted_tokens;
             report.forward_seconds += r.forward_seconds;
             report.backward_seconds += r.backward_seconds;
             report.activation_bytes = report.activation_bytes.max(r.activation_bytes);

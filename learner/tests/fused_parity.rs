@@ -21,7 +21,16 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
     let policy = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
     let reference = checkpoint::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
     let mut worst = 0f32;
-    for (with_old, aggregation, temperature, micro, policy_loss, advantage_norm, correction) in [
+    for (
+        with_old,
+        aggregation,
+        temperature,
+        micro,
+        policy_loss,
+        advantage_norm,
+        correction,
+        mask_truncated,
+    ) in [
         (
             true,
             Aggregation::Sequence,
@@ -30,6 +39,7 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             PolicyLoss::Clip,
             AdvantageNorm::Unbiased,
             Correction::Off,
+            false,
         ),
         (
             false,
@@ -39,6 +49,7 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             PolicyLoss::Clip,
             AdvantageNorm::Unbiased,
             Correction::Off,
+            false,
         ),
         (
             true,
@@ -48,6 +59,7 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             PolicyLoss::Clip,
             AdvantageNorm::Unbiased,
             Correction::Off,
+            false,
         ),
         // The objectives users switch on, over micro-batches: the batch's std and Dr.
         // GRPO's constant must come out as for the whole batch.
@@ -59,6 +71,7 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             PolicyLoss::Clip,
             AdvantageNorm::Batch,
             Correction::Off,
+            false,
         ),
         (
             true,
@@ -68,6 +81,7 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             PolicyLoss::Gspo,
             AdvantageNorm::None,
             Correction::Off,
+            false,
         ),
         (
             true,
@@ -77,6 +91,7 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             PolicyLoss::GspoToken,
             AdvantageNorm::Population,
             Correction::Off,
+            false,
         ),
         (
             true,
@@ -86,6 +101,7 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             PolicyLoss::Cispo,
             AdvantageNorm::Batch,
             Correction::Off,
+            false,
         ),
         // Decoupled off-policy correction.
         (
@@ -96,6 +112,7 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             PolicyLoss::Clip,
             AdvantageNorm::Unbiased,
             Correction::TokenTruncate,
+            false,
         ),
         (
             true,
@@ -105,6 +122,7 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             PolicyLoss::Clip,
             AdvantageNorm::Batch,
             Correction::SequenceMask,
+            false,
         ),
         (
             true,
@@ -114,6 +132,28 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             PolicyLoss::Gspo,
             AdvantageNorm::Unbiased,
             Correction::TokenMask,
+            false,
+        ),
+        // Completions cut off at the budget left out, over micro-batches.
+        (
+            true,
+            Aggregation::Sequence,
+            1.0,
+            1,
+            PolicyLoss::Clip,
+            AdvantageNorm::Unbiased,
+            Correction::Off,
+            true,
+        ),
+        (
+            true,
+            Aggregation::Token,
+            1.0,
+            2,
+            PolicyLoss::Clip,
+            AdvantageNorm::Unbiased,
+            Correction::Off,
+            true,
         ),
     ] {
         let mut batch = common::batch_of_four();
@@ -132,6 +172,7 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
                 max_new_tokens: 16,
                 correction,
                 is_cap: 1.3,
+                mask_truncated,
                 ..LossConfig::default()
             },
             micro_batch_groups: micro,

@@ -72,6 +72,7 @@ fn config(args: &serde_json::Value) -> LossConfig {
             _ => Correction::SequenceMask,
         },
         is_cap: number("is_cap", 2.0),
+        mask_truncated: args["mask_truncated"].as_bool().unwrap_or(false),
     }
 }
 

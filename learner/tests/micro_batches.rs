@@ -16,17 +16,21 @@ fn micro_batched_gradients_equal_the_full_batch() {
     let batch = common::batch_of_four();
     let policy = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
     let reference = checkpoint::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
-    for (aggregation, advantage_norm) in [
-        (Aggregation::Sequence, AdvantageNorm::Unbiased),
-        (Aggregation::Token, AdvantageNorm::Unbiased),
-        (Aggregation::Constant, AdvantageNorm::Batch),
-        (Aggregation::Token, AdvantageNorm::Batch),
+    for (aggregation, advantage_norm, mask_truncated) in [
+        (Aggregation::Sequence, AdvantageNorm::Unbiased, false),
+        (Aggregation::Token, AdvantageNorm::Unbiased, false),
+        (Aggregation::Constant, AdvantageNorm::Batch, false),
+        (Aggregation::Token, AdvantageNorm::Batch, false),
+        // Cut-off completions left out: the parts' weights count only what is trained on.
+        (Aggregation::Sequence, AdvantageNorm::Unbiased, true),
+        (Aggregation::Token, AdvantageNorm::Unbiased, true),
     ] {
         let cfg = |micro| StepConfig {
             loss: LossConfig {
                 aggregation,
                 advantage_norm,
                 max_new_tokens: 16,
+                mask_truncated,
                 ..LossConfig::default()
             },
             micro_batch_groups: micro,

@@ -28,11 +28,19 @@ pub struct MicroBatch {
     pub group_advantages: Vec<Vec<f32>>,
     /// Completion tokens.
     pub tokens: usize,
+    /// Per completion, whether its tokens count in the loss (not cut off, or not masked).
+    counted: Vec<bool>,
+    /// Completion tokens counted in the loss.
+    pub counted_tokens: usize,
+    /// Completions left out as cut off.
+    pub masked_truncated: usize,
 }
 
 impl MicroBatch {
     /// The groups of `batch` with signal; `None` when none has any.
-    pub fn new(batch: &GrpoBatch, scale: Scale) -> Option<Self> {
+    /// With `truncated_without`, a completion that does not end with that token (end of
+    /// text) is left out of the loss.
+    pub fn new(batch: &GrpoBatch, scale: Scale, truncated_without: Option<u32>) -> Option<Self> {
         let mut inputs = Vec::new();
         let (mut advantages, mut behaviour, mut kept) = (Vec::new(), Vec::new(), Vec::new());
         for (p, prompt) in batch.prompts.iter().enumerate() {
@@ -53,7 +61,22 @@ impl MicroBatch {
             return None;
         }
         let packed = Packed::new(&inputs);
+        let counted: Vec<bool> = inputs
+            .iter()
+            .flat_map(|g| g.completions.iter())
+            .map(|c| truncated_without.is_none_or(|eot| c.last() == Some(&eot)))
+            .collect();
+        let counted_tokens = packed
+            .tokens
+            .iter()
+            .zip(&counted)
+            .filter(|(_, c)| **c)
+            .map(|(r, _)| r.len())
+            .sum();
         Some(Self {
+            masked_truncated: counted.iter().filter(|c| !**c).count(),
+            counted,
+            counted_tokens,
             tokens: packed.targets.len(),
             packed,
             advantages,
@@ -147,7 +170,9 @@ pub fn micro_step(
         let logp_var = Var::from_tensor(&micro.per_completion(&logp)?)?;
         let mut mask = vec![0f64; c * micro.longest()];
         for (k, r) in micro.packed.tokens.iter().enumerate() {
-            mask[k * micro.longest()..][..r.len()].fill(1.0);
+            if micro.counted[k] {
+                mask[k * micro.longest()..][..r.len()].fill(1.0);
+            }
         }
         let mask = Tensor::from_vec(mask, (c, micro.longest()), &Device::Cpu)?;
         let reference = ref_logp.map(|r| micro.per_completion(r)).transpose()?;

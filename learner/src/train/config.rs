@@ -308,6 +308,11 @@ pub struct TrainSettings {
     )]
     #[serde(default = "is_cap", skip_serializing_if = "is_default_cap")]
     pub is_cap: f64,
+    /// Leave completions cut off at --max-new-tokens (no end-of-text) out of the loss
+    /// (DAPO's overlong filtering); their rewards still shape their groups' advantages.
+    #[arg(long, env = "LEARNER_MASK_TRUNCATED")]
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub mask_truncated: bool,
     /// Sampling temperature (the loss uses the same).
     #[arg(
         long,
@@ -508,6 +513,7 @@ impl TrainSettings {
                 max_new_tokens: self.max_new_tokens as usize,
                 correction: self.off_policy_correction,
                 is_cap: self.is_cap,
+                mask_truncated: self.mask_truncated,
             },
             micro_batch_groups: self.micro_batch_groups,
             max_grad_norm: self.max_grad_norm,

@@ -301,6 +301,7 @@ pub async fn run(
             clip_low: report.clip_low,
             clip_high: report.clip_high,
             mismatch: report.mismatch,
+            masked_truncated: report.masked_truncated,
             tokens: report.tokens,
             groups: groups.len(),
             skipped_groups: report.skipped_groups,

@@ -47,6 +47,9 @@ pub struct StepRecord {
     pub clip_low: f64,
     #[serde(default)]
     pub clip_high: f64,
+    /// Completions left out of the loss as cut off (`--mask-truncated`).
+    #[serde(default)]
+    pub masked_truncated: usize,
     /// The workers' sampling log-probs against the learner's on the step's tokens.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mismatch: Option<crate::offpolicy::Mismatch>,
@@ -267,6 +270,7 @@ fn record_metrics(r: &StepRecord) {
     gauge!("learner_mfu_ratio").set(r.mfu);
     counter!("learner_tokens_total").increment(r.tokens as u64);
     counter!("learner_groups_skipped_total").increment(r.skipped_groups as u64);
+    counter!("learner_completions_masked_truncated_total").increment(r.masked_truncated as u64);
     let s = r.step_seconds;
     for (phase, v) in [
         ("wait", s.wait),
