@@ -111,6 +111,13 @@ pub struct ScoredGroup {
 }
 
 impl ScoredGroup {
+    /// Whether its rewards differ (equal rewards give every completion advantage 0).
+    pub fn has_signal(&self) -> bool {
+        self.completions
+            .windows(2)
+            .any(|w| w[0].reward != w[1].reward)
+    }
+
     /// Bytes the group holds: its ids, log-probs, texts and components (what the queue's
     /// memory is made of; the bounded size of each comes from the submission checks).
     pub fn size_bytes(&self) -> usize {
@@ -460,6 +467,22 @@ impl Queue {
             }
         }
         before - self.scored.len()
+    }
+
+    /// DAPO's dynamic sampling: consumes (and returns) every waiting group without signal,
+    /// so that it neither fills a step nor holds the buffer that other groups need.
+    pub fn take_without_signal(&mut self) -> Vec<ScoredGroup> {
+        let (keep, skip): (VecDeque<_>, VecDeque<_>) = std::mem::take(&mut self.scored)
+            .into_iter()
+            .partition(|(_, g)| g.has_signal());
+        self.scored = keep;
+        skip.into_iter()
+            .map(|(_, group)| {
+                self.scored_bytes -= group.size_bytes();
+                self.counters.groups_consumed += 1;
+                group
+            })
+            .collect()
     }
 
     /// Scored groups a learner at `version` could take now.

@@ -312,3 +312,43 @@ fn the_worker_table_is_bounded() {
     assert_eq!(q.workers()["d"].reported_version, Some(7));
     assert_eq!(q.workers()["d"].push_address, "http://d:1");
 }
+
+#[test]
+fn dynamic_sampling_consumes_groups_without_signal_and_keeps_the_others() {
+    let t0 = Instant::now();
+    let mut q = Queue::new(cfg());
+    let rewarded = |id, rewards: &[f32]| ScoredGroup {
+        completions: rewards
+            .iter()
+            .map(|&reward| ScoredCompletion {
+                ids: vec![1],
+                text: String::new(),
+                logprobs: vec![-1.0],
+                reward,
+                components: BTreeMap::new(),
+            })
+            .collect(),
+        ..group(id, 0)
+    };
+    let mut ids = Vec::new();
+    for rewards in [&[0.5f32, 0.5][..], &[1.0, -1.0], &[-1.0, -1.0]] {
+        let id = q.add(prompt(ids.len() as u64), 0).unwrap();
+        let lease = q.lease("a", 1, t0).unwrap()[0].lease;
+        q.submit("a", lease, rewarded(id, rewards), t0).unwrap();
+        ids.push(id);
+    }
+    let bytes = q.depths().scored_bytes;
+    let skipped = q.take_without_signal();
+    assert_eq!(
+        skipped.iter().map(|g| g.prompt_id).collect::<Vec<_>>(),
+        [ids[0], ids[2]]
+    );
+    assert!(!skipped[0].has_signal() && !skipped[1].has_signal());
+    let d = q.depths();
+    assert_eq!((d.scored, d.counters.groups_consumed), (1, 2));
+    assert!(d.scored_bytes < bytes);
+    let kept = q.take(3, 0);
+    assert_eq!(kept.len(), 1);
+    assert!(kept[0].has_signal() && kept[0].prompt_id == ids[1]);
+    assert_eq!(q.depths().scored_bytes, 0);
+}

@@ -313,6 +313,11 @@ pub struct TrainSettings {
     #[arg(long, env = "LEARNER_MASK_TRUNCATED")]
     #[serde(default, skip_serializing_if = "is_default")]
     pub mask_truncated: bool,
+    /// DAPO's dynamic sampling: groups without signal (equal rewards) are consumed and
+    /// skipped as they arrive, and a step waits for P groups with signal.
+    #[arg(long, env = "LEARNER_DYNAMIC_SAMPLING")]
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub dynamic_sampling: bool,
     /// Sampling temperature (the loss uses the same).
     #[arg(
         long,

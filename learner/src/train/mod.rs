@@ -238,19 +238,19 @@ pub async fn run(
     let mut stalled = None;
     while run.step < s.steps {
         let started = Instant::now();
-        let groups = match gather(&mut run, &s, &mut seeds, &mut stop, &mut watchdog, &fleet).await
-        {
-            Gathered::Groups(groups) => groups,
-            Gathered::Stopped => {
-                summary.interrupted = true;
-                break;
-            }
-            Gathered::Stalled(why) => {
-                summary.interrupted = true;
-                stalled = Some(why);
-                break;
-            }
-        };
+        let (groups, dynamic_skipped) =
+            match gather(&mut run, &s, &mut seeds, &mut stop, &mut watchdog, &fleet).await {
+                Gathered::Groups(groups, skipped) => (groups, skipped),
+                Gathered::Stopped => {
+                    summary.interrupted = true;
+                    break;
+                }
+                Gathered::Stalled(why) => {
+                    summary.interrupted = true;
+                    stalled = Some(why);
+                    break;
+                }
+            };
         let wait = started.elapsed().as_secs_f64();
         reporter.dump(run.step + 1, &groups).map_err(ConfigError)?;
         let version = run.version.load(Ordering::SeqCst);
@@ -305,6 +305,7 @@ pub async fn run(
             tokens: report.tokens,
             groups: groups.len(),
             skipped_groups: report.skipped_groups,
+            dynamic_skipped,
             dropped_stale_total: lock(&run.queue).depths().counters.groups_dropped_stale,
             staleness_mean: groups
                 .iter()
@@ -418,7 +419,9 @@ fn rand_seed_stream(seed: u64, step: u64) -> rand_chacha::ChaCha8Rng {
 
 /// How waiting for a step's groups ended.
 enum Gathered {
-    Groups(Vec<ScoredGroup>),
+    /// The step's groups, and how many without signal were consumed and skipped on the
+    /// way (`--dynamic-sampling`).
+    Groups(Vec<ScoredGroup>, usize),
     /// The shutdown signal.
     Stopped,
     /// No step for the stall timeout; why.
@@ -436,6 +439,7 @@ async fn gather(
 ) -> Gathered {
     use rand::RngCore;
     let version = run.version.load(Ordering::SeqCst);
+    let mut skipped = 0;
     loop {
         {
             let mut q = lock(&run.queue);
@@ -445,11 +449,14 @@ async fn gather(
             }
             q.expire(Instant::now());
             q.purge(version);
+            if s.dynamic_sampling {
+                skipped += q.take_without_signal().len();
+            }
             // Take only a full step's worth, so a shutdown never strands taken groups.
             if q.ready(version) >= s.prompts_per_step {
                 let groups = q.take(s.prompts_per_step, version);
                 crate::metrics::record_queue(&q);
-                return Gathered::Groups(groups);
+                return Gathered::Groups(groups, skipped);
             }
             crate::metrics::record_queue(&q);
         }

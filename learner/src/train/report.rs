@@ -47,6 +47,10 @@ pub struct StepRecord {
     pub clip_low: f64,
     #[serde(default)]
     pub clip_high: f64,
+    /// Groups without signal consumed and skipped while gathering the step's groups
+    /// (`--dynamic-sampling`).
+    #[serde(default)]
+    pub dynamic_skipped: usize,
     /// Completions left out of the loss as cut off (`--mask-truncated`).
     #[serde(default)]
     pub masked_truncated: usize,
@@ -269,7 +273,8 @@ fn record_metrics(r: &StepRecord) {
     gauge!("learner_staleness_mean_versions").set(r.staleness_mean);
     gauge!("learner_mfu_ratio").set(r.mfu);
     counter!("learner_tokens_total").increment(r.tokens as u64);
-    counter!("learner_groups_skipped_total").increment(r.skipped_groups as u64);
+    counter!("learner_groups_skipped_total")
+        .increment((r.skipped_groups + r.dynamic_skipped) as u64);
     counter!("learner_completions_masked_truncated_total").increment(r.masked_truncated as u64);
     let s = r.step_seconds;
     for (phase, v) in [
