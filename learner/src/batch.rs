@@ -20,6 +20,11 @@ pub struct GrpoBatch {
     /// (the policy's own detached log-probs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub old_logprobs: Option<Vec<Vec<Vec<f32>>>>,
+    /// `proximal_logprobs[p][g][t]`: the learner's own log-prob of token t at the start of
+    /// the step (the decoupled objective's proximal policy, see
+    /// [`crate::offpolicy`]); absent = the policy's own detached log-probs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proximal_logprobs: Option<Vec<Vec<Vec<f32>>>>,
 }
 
 /// Why a batch cannot be trained on.
@@ -46,6 +51,16 @@ impl GrpoBatch {
             && old.len() != p
         {
             return bad(format!("{p} prompts but {} old_logprobs groups", old.len()));
+        }
+        if let Some(prox) = &self.proximal_logprobs {
+            let fits = prox.len() == p
+                && self.completions.iter().zip(prox).all(|(group, lps)| {
+                    group.len() == lps.len()
+                        && group.iter().zip(lps).all(|(c, l)| c.len() == l.len())
+                });
+            if !fits {
+                return bad("proximal log-probs do not match the completions".into());
+            }
         }
         for i in 0..p {
             let (prompt, group) = (&self.prompts[i], &self.completions[i]);
@@ -102,6 +117,7 @@ struct Row<'a> {
     prompt: &'a [u32],
     completion: &'a [u32],
     old: Option<&'a [f32]>,
+    proximal: Option<&'a [f32]>,
     advantage: f32,
 }
 
@@ -123,6 +139,8 @@ pub struct Layout {
     /// (C, T−1) f32 behaviour log-probs on completion tokens (0 elsewhere); `None` when the
     /// batch has none (ratio 1: the policy's detached log-probs are used).
     pub behaviour: Option<Tensor>,
+    /// (C, T−1) f32 proximal log-probs on completion tokens, when the batch has them.
+    pub proximal: Option<Tensor>,
     /// (C, 1) f32 advantage of each completion.
     pub advantages: Tensor,
     /// Advantages per kept group, in batch order (for reporting).
@@ -154,10 +172,12 @@ impl Layout {
             };
             for (g, c) in batch.completions[p].iter().enumerate() {
                 let old = batch.old_logprobs.as_ref().map(|o| o[p][g].as_slice());
+                let proximal = batch.proximal_logprobs.as_ref().map(|o| o[p][g].as_slice());
                 rows.push(Row {
                     prompt,
                     completion: c,
                     old,
+                    proximal,
                     advantage: adv[g],
                 });
             }
@@ -174,6 +194,7 @@ impl Layout {
         let n = rows.len();
         let (mut ids, mut targets) = (vec![pad; n * t], vec![pad; n * (t - 1)]);
         let (mut mask, mut behaviour) = (vec![0f32; n * (t - 1)], vec![0f32; n * (t - 1)]);
+        let mut proximal_lp = vec![0f32; n * (t - 1)];
         let (mut tokens, mut truncated) = (0, 0);
         let mut slots = Vec::new();
         for (
@@ -182,6 +203,7 @@ impl Layout {
                 prompt,
                 completion,
                 old,
+                proximal,
                 ..
             },
         ) in rows.iter().enumerate()
@@ -201,6 +223,9 @@ impl Layout {
                 if let Some(old) = old {
                     behaviour[r * (t - 1) + first + j] = old[j];
                 }
+                if let Some(prox) = proximal {
+                    proximal_lp[r * (t - 1) + first + j] = prox[j];
+                }
             }
             if counted {
                 tokens += completion.len();
@@ -214,6 +239,10 @@ impl Layout {
             slots: Tensor::new(slots, device)?,
             behaviour: match batch.old_logprobs {
                 Some(_) => Some(Tensor::from_vec(behaviour, (n, t - 1), device)?),
+                None => None,
+            },
+            proximal: match batch.proximal_logprobs {
+                Some(_) => Some(Tensor::from_vec(proximal_lp, (n, t - 1), device)?),
                 None => None,
             },
             advantages: Tensor::from_vec(advantages, (n, 1), device)?,

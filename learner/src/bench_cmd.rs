@@ -158,6 +158,7 @@ pub fn synthetic_batch(args: &BenchArgs, vocab: usize) -> GrpoBatch {
         completions,
         rewards,
         old_logprobs: Some(old),
+        proximal_logprobs: None,
     }
 }
 

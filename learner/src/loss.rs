@@ -135,7 +135,7 @@ pub fn grpo_loss(
         logp: &logp,
         reference: ref_logp.as_ref(),
         behaviour: layout.behaviour.as_ref(),
-        proximal: None,
+        proximal: layout.proximal.as_ref(),
         mask: &layout.mask,
         advantages: &layout.advantages,
     };

@@ -92,6 +92,45 @@ pub fn token_logprobs(model: &Gpt2, layout: &Layout, temperature: f64) -> Candle
         .reshape((c, t - 1)) // (C, T−1)
 }
 
+/// The model's own log-probs of every completion token of `batch`, `[p][g][t]`, one
+/// group per forward, no gradient: the proximal policy of the decoupled objective, taken
+/// before a step's first update ([`crate::offpolicy`]).
+pub fn own_logprobs(
+    model: &Gpt2,
+    batch: &crate::batch::GrpoBatch,
+    temperature: f64,
+) -> CandleResult<Vec<Vec<Vec<f32>>>> {
+    let eot = model.config().eos_token_id;
+    let mut out = Vec::with_capacity(batch.prompts.len());
+    for (prompt, group) in batch.prompts.iter().zip(&batch.completions) {
+        // Distinct rewards, so that the group is laid out whatever its real ones.
+        let one = crate::batch::GrpoBatch {
+            prompts: vec![prompt.clone()],
+            completions: vec![group.clone()],
+            rewards: vec![(0..group.len()).map(|g| g as f32).collect()],
+            old_logprobs: None,
+            proximal_logprobs: None,
+        };
+        let scale = crate::grpo::Scale::Fixed(1.0);
+        let first = prompt.len() - 1;
+        let rows = match Layout::new(&one, scale, eot, false, model.device())? {
+            Some(layout) => token_logprobs(model, &layout, temperature)?.to_vec2::<f32>()?,
+            None => vec![Vec::new(); group.len()], // one completion: nothing to weigh
+        };
+        out.push(
+            group
+                .iter()
+                .zip(rows)
+                .map(|(c, row)| {
+                    row.get(first..first + c.len())
+                        .map_or_else(|| vec![0.0; c.len()], <[f32]>::to_vec)
+                })
+                .collect(),
+        );
+    }
+    Ok(out)
+}
+
 /// Log-probs under `softmax(logits / temperature)` of `targets` (N) u32 at `slots` (N)
 /// u32 of `ids` (C, T): slot `r·(T−1) + t` is the prediction made at position t of row r.
 /// Only those positions go through the LM head.

@@ -273,6 +273,55 @@ pub fn train_step(
     Ok(report)
 }
 
+/// `updates` optimizer steps on one batch (PPO's epochs, `--updates-per-batch`): π_old
+/// stays the sampler's log-probs throughout; under the off-policy correction the proximal
+/// log-probs are the policy's own before the first update. Only the last update writes
+/// `export`. Reports the first update's loss parts and gradient norm, and the time of all.
+#[allow(clippy::too_many_arguments)]
+pub fn train_updates(
+    policy: &Trainable,
+    reference: Option<&Gpt2>,
+    opt: &mut AdamW,
+    schedule: &Schedule,
+    step: u64,
+    batch: &GrpoBatch,
+    cfg: &StepConfig,
+    updates: u32,
+    mut export: Option<&mut Payload>,
+) -> CandleResult<StepReport> {
+    let owned;
+    let batch = if updates > 1 && cfg.loss.correction.on() && batch.proximal_logprobs.is_none() {
+        let own = crate::policy::own_logprobs(&policy.model, batch, cfg.loss.temperature)?;
+        owned = GrpoBatch {
+            proximal_logprobs: Some(own),
+            ..batch.clone()
+        };
+        &owned
+    } else {
+        batch
+    };
+    let mut first: Option<StepReport> = None;
+    for k in 0..updates.max(1) {
+        let out = if k + 1 == updates.max(1) {
+            export.take()
+        } else {
+            None
+        };
+        let r = train_step(policy, reference, opt, schedule, step, batch, cfg, out)?;
+        match first.as_mut() {
+            None => first = Some(r),
+            Some(f) => {
+                f.forward_backward_seconds += r.forward_backward_seconds;
+                f.optimizer_seconds += r.optimizer_seconds;
+                f.reference_seconds += r.reference_seconds;
+                f.forward_seconds += r.forward_seconds;
+                f.backward_seconds += r.backward_seconds;
+            }
+        }
+    }
+    Ok(first.expect("at least one update"))
+}
+
 /// Groups `start..start + len` of `batch`.
 fn slice(batch: &GrpoBatch, start: usize, len: usize) -> GrpoBatch {
     let end = (start + len).min(batch.prompts.len());
@@ -281,6 +330,10 @@ fn slice(batch: &GrpoBatch, start: usize, len: usize) -> GrpoBatch {
         completions: batch.completions[start..end].to_vec(),
         rewards: batch.rewards[start..end].to_vec(),
         old_logprobs: batch.old_logprobs.as_ref().map(|o| o[start..end].to_vec()),
+        proximal_logprobs: batch
+            .proximal_logprobs
+            .as_ref()
+            .map(|o| o[start..end].to_vec()),
     }
 }
 

@@ -78,14 +78,15 @@ fn config(args: &serde_json::Value) -> LossConfig {
 
 #[test]
 fn loss_parts_advantages_and_grad_norm_match_pytorch() {
-    let batch: GrpoBatch =
-        serde_json::from_str(&std::fs::read_to_string(fixture().join("batch.json")).unwrap())
-            .unwrap();
+    let batch_of = |name: &str| -> GrpoBatch {
+        serde_json::from_str(&std::fs::read_to_string(fixture().join(name)).unwrap()).unwrap()
+    };
     let reference =
         checkpoint::load(&fixture().join("reference"), DType::F32, &Device::Cpu).unwrap();
     for case in cases() {
         let cfg = config(&case["args"]);
         let policy = Trainable::load(&fixture().join("policy"), &Device::Cpu).unwrap();
+        let batch = batch_of(case["args"]["batch"].as_str().unwrap_or("batch.json"));
         let got = evaluate(&policy, Some(&reference), &batch, &cfg).unwrap();
         let want = &case["expected"];
         let label = |n: &str| format!("{n} ({})", case["args"]);
@@ -186,5 +187,9 @@ fn bad_batches_are_one_clear_line() {
     assert!(
         run(r#"{"prompts":[[1]],"completions":[[[2],[3]]],"rewards":[[1.0,0.0]],"old_logprobs":[[[0.1],[]]]}"#)
             .contains("old log-probs")
+    );
+    assert!(
+        run(r#"{"prompts":[[1]],"completions":[[[2],[3]]],"rewards":[[1.0,0.0]],"proximal_logprobs":[[[0.1]]]}"#)
+            .contains("proximal log-probs")
     );
 }

@@ -24,6 +24,7 @@ pub struct MicroBatch {
     /// when the batch has them.
     advantages: Vec<f32>,
     behaviour: Option<Vec<f32>>,
+    proximal: Option<Vec<f32>>,
     /// Advantages per kept group, in batch order (for reporting).
     pub group_advantages: Vec<Vec<f32>>,
     /// Completion tokens.
@@ -43,6 +44,7 @@ impl MicroBatch {
     pub fn new(batch: &GrpoBatch, scale: Scale, truncated_without: Option<u32>) -> Option<Self> {
         let mut inputs = Vec::new();
         let (mut advantages, mut behaviour, mut kept) = (Vec::new(), Vec::new(), Vec::new());
+        let mut proximal = Vec::new();
         for (p, prompt) in batch.prompts.iter().enumerate() {
             let Some(adv) = group_advantages(&batch.rewards[p], scale) else {
                 continue;
@@ -54,6 +56,9 @@ impl MicroBatch {
             advantages.extend_from_slice(&adv);
             if let Some(old) = &batch.old_logprobs {
                 behaviour.extend(old[p].iter().flatten());
+            }
+            if let Some(prox) = &batch.proximal_logprobs {
+                proximal.extend(prox[p].iter().flatten());
             }
             kept.push(adv);
         }
@@ -81,6 +86,7 @@ impl MicroBatch {
             packed,
             advantages,
             behaviour: batch.old_logprobs.as_ref().map(|_| behaviour),
+            proximal: batch.proximal_logprobs.as_ref().map(|_| proximal),
             group_advantages: kept,
         })
     }
@@ -181,6 +187,11 @@ pub fn micro_step(
             .as_deref()
             .map(|b| micro.per_completion(b))
             .transpose()?;
+        let proximal = micro
+            .proximal
+            .as_deref()
+            .map(|b| micro.per_completion(b))
+            .transpose()?;
         let advantages: Vec<f64> = micro.advantages.iter().map(|&a| f64::from(a)).collect();
         let advantages = Tensor::from_vec(advantages, (c, 1), &Device::Cpu)?;
         let out = objective(
@@ -188,7 +199,7 @@ pub fn micro_step(
                 logp: logp_var.as_tensor(),
                 reference: reference.as_ref(),
                 behaviour: behaviour.as_ref(),
-                proximal: None,
+                proximal: proximal.as_ref(),
                 mask: &mask,
                 advantages: &advantages,
             },

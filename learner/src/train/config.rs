@@ -30,6 +30,12 @@ fn is_gspo_eps_low(v: &f64) -> bool {
 fn is_gspo_eps_high(v: &f64) -> bool {
     *v == GSPO_EPS_HIGH
 }
+fn one() -> u32 {
+    1
+}
+fn is_one(v: &u32) -> bool {
+    *v == 1
+}
 fn is_cap() -> f64 {
     2.0
 }
@@ -318,6 +324,12 @@ pub struct TrainSettings {
     #[arg(long, env = "LEARNER_DYNAMIC_SAMPLING")]
     #[serde(default, skip_serializing_if = "is_default")]
     pub dynamic_sampling: bool,
+    /// Optimizer updates on each step's batch (PPO epochs, μ); π_old stays the sampler's,
+    /// and under --off-policy-correction the proximal policy is the learner's own before
+    /// the first update. The weight version advances once per step.
+    #[arg(long, env = "LEARNER_UPDATES_PER_BATCH", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub updates_per_batch: u32,
     /// Sampling temperature (the loss uses the same).
     #[arg(
         long,

@@ -47,7 +47,7 @@ use crate::push::{self, Fleet, SyncConfig};
 use crate::queue::{Queue, ScoredGroup};
 use crate::queue_service::{self, GroupCheck, GroupSpec, QueueServer};
 use crate::step::step_flops;
-use crate::step::train_step;
+use crate::step::train_updates;
 use prepare::prepare;
 use report::Reporter;
 use support::{check_reachable, drain, peak_flops, publish, save};
@@ -260,7 +260,7 @@ pub async fn run(
         let publishing = (run.step + 1) % args.push_every.max(1) == 0 || last || evaluating;
         let mut payload = publishing.then(|| exporter.payload());
         let report = tokio::task::block_in_place(|| {
-            train_step(
+            train_updates(
                 &run.policy,
                 run.reference.as_ref(),
                 &mut run.opt,
@@ -268,6 +268,7 @@ pub async fn run(
                 run.step,
                 &batch,
                 &step_cfg,
+                s.updates_per_batch,
                 payload.as_mut(),
             )
         })?;
@@ -508,5 +509,6 @@ fn to_batch(groups: &[ScoredGroup]) -> GrpoBatch {
                 .map(|g| g.completions.iter().map(|c| c.logprobs.clone()).collect())
                 .collect(),
         ),
+        proximal_logprobs: None,
     }
 }

@@ -1,0 +1,148 @@
+//! `--updates-per-batch μ`: μ optimizer steps on one batch, the proximal policy of the
+//! off-policy correction fixed at the policy's own log-probs before the first, π_old the
+//! sampler's throughout; equal to the same steps taken one by one with those log-probs
+//! given, and different from re-taking them at every update.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use learner::batch::GrpoBatch;
+use learner::loss::LossConfig;
+use learner::offpolicy::Correction;
+use learner::optim::{AdamW, Schedule};
+use learner::policy::{Trainable, own_logprobs};
+use learner::step::{StepConfig, train_step, train_updates};
+use rookworld_lm::checkpoint;
+
+fn weights(policy: &Trainable) -> Vec<Tensor> {
+    policy
+        .vars
+        .iter()
+        .map(|(_, v)| v.as_tensor().copy().unwrap())
+        .collect()
+}
+
+fn largest_difference(a: &[Tensor], b: &[Tensor]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| common::max_abs(&(x - y).unwrap()))
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn updates_on_one_batch_keep_the_proximal_policy_of_the_first() {
+    let dir = common::grpo_fixture();
+    let reference = checkpoint::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
+    let batch = common::batch_of_four();
+    let cfg = StepConfig {
+        loss: LossConfig {
+            correction: Correction::TokenTruncate,
+            is_cap: 1.5,
+            ..LossConfig::default()
+        },
+        micro_batch_groups: 2,
+        max_grad_norm: 1.0,
+    };
+    let schedule = Schedule {
+        lr: 1e-2,
+        min_lr: 1e-2,
+        warmup_steps: 0,
+        total_steps: 1,
+    };
+    let fresh = || {
+        let policy = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
+        let opt = AdamW::new(Default::default());
+        (policy, opt)
+    };
+
+    // Three updates in one call.
+    let (policy, mut opt) = fresh();
+    let report = train_updates(
+        &policy,
+        Some(&reference),
+        &mut opt,
+        &schedule,
+        0,
+        &batch,
+        &cfg,
+        3,
+        None,
+    )
+    .unwrap();
+    assert_eq!(opt.steps, 3);
+    assert!(report.loss.is_finite() && report.tokens > 0);
+    let together = weights(&policy);
+
+    // The same by hand: the policy's own log-probs before the first update, given.
+    let (policy, mut opt) = fresh();
+    let own = own_logprobs(&policy.model, &batch, 1.0).unwrap();
+    let given = GrpoBatch {
+        proximal_logprobs: Some(own),
+        ..batch.clone()
+    };
+    for _ in 0..3 {
+        train_step(
+            &policy,
+            Some(&reference),
+            &mut opt,
+            &schedule,
+            0,
+            &given,
+            &cfg,
+            None,
+        )
+        .unwrap();
+    }
+    let by_hand = weights(&policy);
+    assert!(largest_difference(&together, &by_hand) < 1e-6);
+
+    // Re-taking the proximal policy at every update is another objective.
+    let (policy, mut opt) = fresh();
+    for _ in 0..3 {
+        train_step(
+            &policy,
+            Some(&reference),
+            &mut opt,
+            &schedule,
+            0,
+            &batch,
+            &cfg,
+            None,
+        )
+        .unwrap();
+    }
+    assert!(largest_difference(&together, &weights(&policy)) > 1e-4);
+}
+
+#[test]
+fn the_own_log_probs_are_the_ones_the_loss_uses() {
+    // With the proximal log-probs given as the policy's own, the loss is the one without.
+    let dir = common::grpo_fixture();
+    let policy = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
+    let batch = common::batch_of_four();
+    let own = own_logprobs(&policy.model, &batch, 0.8).unwrap();
+    let cfg = LossConfig {
+        correction: Correction::SequenceTruncate,
+        temperature: 0.8,
+        beta: 0.0,
+        ..LossConfig::default()
+    };
+    let given = GrpoBatch {
+        proximal_logprobs: Some(own),
+        ..batch.clone()
+    };
+    let a = learner::loss_cmd::evaluate(&policy, None, &batch, &cfg).unwrap();
+    let b = learner::loss_cmd::evaluate(&policy, None, &given, &cfg).unwrap();
+    assert!(
+        (a.loss - b.loss).abs() <= 1e-6 * a.loss.abs().max(1e-2),
+        "{} vs {}",
+        a.loss,
+        b.loss
+    );
+    assert!(
+        (a.grad_norm - b.grad_norm).abs() <= 1e-4 * a.grad_norm,
+        "{} vs {}",
+        a.grad_norm,
+        b.grad_norm
+    );
+}
