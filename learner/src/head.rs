@@ -116,6 +116,7 @@ impl CustomOp3 for HeadLogprobs {
             self.temperature,
             &mut Vec::new(),
             false,
+            None,
         );
         Ok((CpuStorage::F32(out), Shape::from(n)))
     }
@@ -158,6 +159,10 @@ impl CustomOp3 for HeadLogprobs {
 /// `log softmax(h_n · Wᵀ / τ)[y_n]` of every row n of `hidden` (N, E) for head W
 /// (V, E), block by block in `buf` (reused from call to call). With `keeping`, the
 /// probabilities `softmax(h_n · Wᵀ / τ)` are left in `buf` (N, V) for [`backward_rows`].
+/// With `entropy`, it gets each row's entropy `H_n = −Σ_v p_v log p_v =
+/// max + ln Σ exp(z − max) − Σ_v p_v z_v` (z the row's logits / τ), at the cost of one
+/// copy and one dot product of the row.
+#[allow(clippy::too_many_arguments)]
 pub fn logprobs_rows(
     hidden: &[f32],
     head: &[f32],
@@ -166,6 +171,7 @@ pub fn logprobs_rows(
     temperature: f64,
     buf: &mut Vec<f32>,
     keeping: bool,
+    mut entropy: Option<&mut Vec<f32>>,
 ) -> Vec<f32> {
     let (n, v) = (targets.len(), head.len() / e);
     let inv_t = (1.0 / temperature) as f32;
@@ -173,6 +179,10 @@ pub fn logprobs_rows(
     let rows = if keeping { n.max(1) } else { block_rows(v) };
     buf.resize(rows.min(n) * v, 0.0); // every element used is overwritten below
     let mut out = Vec::with_capacity(n);
+    let mut logits = Vec::new();
+    if let Some(h) = entropy.as_deref_mut() {
+        h.clear();
+    }
     for start in (0..n).step_by(rows) {
         let m = rows.min(n - start);
         let block = if keeping {
@@ -191,9 +201,23 @@ pub fn logprobs_rows(
         );
         for (r, row) in block.chunks_exact_mut(v).enumerate() {
             let picked = row[targets[start + r] as usize];
+            if entropy.is_some() {
+                logits.clear();
+                logits.extend_from_slice(row);
+            }
             let (max, sum) = exp_shifted(row);
             // In f64 until the one final rounding.
             out.push((f64::from(picked - max) - sum.ln()) as f32);
+            if let Some(h) = entropy.as_deref_mut() {
+                let mut partial = [0f64; 8];
+                for (p, z) in row.chunks(8).zip(logits.chunks(8)) {
+                    for ((acc, &p), &z) in partial.iter_mut().zip(p).zip(z) {
+                        *acc += f64::from(p) * f64::from(z);
+                    }
+                }
+                let mean_z = partial.iter().sum::<f64>() / sum;
+                h.push((f64::from(max) + sum.ln() - mean_z) as f32);
+            }
             if keeping {
                 let inv = (1.0 / sum) as f32;
                 row.iter_mut().for_each(|x| *x *= inv);
@@ -331,6 +355,55 @@ mod tests {
     /// Largest difference relative to the largest magnitude.
     fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
         max_abs(&(a - b).unwrap()) / max_abs(b).max(1e-12)
+    }
+
+    #[test]
+    fn row_entropies_equal_the_softmax_s_own() {
+        let (n, e, v) = (5, 8, 3000);
+        let (h, w, y) = inputs(n, e, v);
+        for (temperature, keeping) in [(1.0, false), (0.7, true)] {
+            let (hv, wv) = (
+                h.as_tensor()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap(),
+                w.as_tensor()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap(),
+            );
+            let mut entropy = Vec::new();
+            let targets = y.to_vec1::<u32>().unwrap();
+            let (mut buf, rows) = (Vec::new(), n);
+            let _ = logprobs_rows(
+                &hv,
+                &wv,
+                &targets,
+                e,
+                temperature,
+                &mut buf,
+                keeping,
+                Some(&mut entropy),
+            );
+            assert_eq!(entropy.len(), rows);
+            let logits =
+                (h.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap() / temperature).unwrap();
+            let logp = candle_nn::ops::log_softmax(&logits, 1).unwrap();
+            let want = (logp.exp().unwrap() * &logp)
+                .unwrap()
+                .sum(1)
+                .unwrap()
+                .neg()
+                .unwrap();
+            for (got, want) in entropy.iter().zip(want.to_vec1::<f32>().unwrap()) {
+                assert!(
+                    (got - want).abs() < 1e-4 * want.abs().max(1.0),
+                    "{got} vs {want}"
+                );
+            }
+        }
     }
 
     #[test]

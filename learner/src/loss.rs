@@ -112,6 +112,9 @@ pub struct LossReport {
     pub clip_high: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mismatch: Option<Mismatch>,
+    /// The policy's mean entropy per counted token (nats), where measured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub entropy: Option<f64>,
     pub skipped_groups: usize,
     pub tokens: usize,
 }

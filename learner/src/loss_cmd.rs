@@ -141,6 +141,7 @@ pub fn evaluate(
         clip_low: report.clip_low,
         clip_high: report.clip_high,
         mismatch: report.mismatch,
+        entropy: report.entropy,
         skipped_groups: report.skipped_groups,
         tokens: report.tokens,
     })

@@ -44,6 +44,8 @@ pub struct StepReport {
     pub mismatch: Option<crate::offpolicy::Mismatch>,
     /// Completions left out of the loss as cut off at the token budget.
     pub masked_truncated: usize,
+    /// The policy's mean entropy per counted token, nats (fused pass only).
+    pub entropy: Option<f64>,
     pub tokens: usize,
     pub skipped_groups: usize,
     pub forward_backward_seconds: f64,
@@ -224,6 +226,7 @@ fn accumulate_fused(
             report.clip_high += r.clip_high * m.counted_tokens as f64;
             merge(&mut report.mismatch, r.mismatch);
             report.masked_truncated += m.masked_truncated;
+            *report.entropy.get_or_insert(0.0) += r.entropy_sum;
             report.tokens += m.counted_tokens;
             report.forward_seconds += r.forward_seconds;
             report.backward_seconds += r.backward_seconds;
@@ -240,6 +243,9 @@ fn accumulate_fused(
     report.clip_low /= report.tokens.max(1) as f64;
     report.clip_high /= report.tokens.max(1) as f64;
     report.clip_frac = report.clip_low + report.clip_high;
+    if let Some(h) = report.entropy.as_mut() {
+        *h /= report.tokens.max(1) as f64;
+    }
     report.forward_backward_seconds = started.elapsed().as_secs_f64();
     Ok((out, report))
 }

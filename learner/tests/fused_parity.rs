@@ -181,6 +181,9 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
         let (fused, a) = accumulate(&policy, Some(&reference), &batch, &cfg).unwrap();
         let (plain, b) = accumulate_autograd(&policy, Some(&reference), &batch, &cfg).unwrap();
         assert!(a.forward_seconds > 0.0, "the fused pass ran");
+        // The policy's entropy per token, between 0 and ln V.
+        let h = a.entropy.expect("the fused pass measures the entropy");
+        assert!(h > 0.0 && h < (512f64).ln(), "{h}");
         assert_eq!(b.forward_seconds, 0.0, "the autograd pass ran");
         for (what, x, y) in [
             ("loss", a.loss, b.loss),

@@ -74,6 +74,8 @@ pub struct Activations {
     hidden: Vec<f32>,     // (N, E) ln_f rows that predict
     head_probs: Vec<f32>, // (N, V) when kept; else the head's block scratch
     head_kept: bool,
+    /// The policy's entropy at each predicted token of the last kept forward (N).
+    pub entropy: Vec<f32>,
     keep: bool,
     grad: GradScratch,
 }
@@ -222,6 +224,7 @@ pub fn forward(
         temperature,
         &mut acts.head_probs,
         keep_probs,
+        keep.then_some(&mut acts.entropy),
     )
 }
 

@@ -127,6 +127,8 @@ pub struct MicroReport {
     pub clip_low: f64,
     pub clip_high: f64,
     pub mismatch: Option<crate::offpolicy::Mismatch>,
+    /// The policy's entropy summed over the counted tokens.
+    pub entropy_sum: f64,
     pub forward_seconds: f64,
     pub backward_seconds: f64,
     /// Activation bytes the policy forward planned.
@@ -168,6 +170,15 @@ pub fn micro_step(
     let started = Instant::now();
     let logp = model::forward(policy, &micro.packed, t, &mut work.policy, true);
     report.activation_bytes = work.policy.bytes();
+    report.entropy_sum = micro
+        .packed
+        .tokens
+        .iter()
+        .zip(&micro.counted)
+        .filter(|(_, c)| **c)
+        .flat_map(|(r, _)| &work.policy.entropy[r.clone()])
+        .map(|&h| f64::from(h))
+        .sum();
     report.forward_seconds = started.elapsed().as_secs_f64();
 
     let started = Instant::now();

@@ -303,6 +303,7 @@ pub async fn run(
             clip_high: report.clip_high,
             mismatch: report.mismatch,
             masked_truncated: report.masked_truncated,
+            entropy: report.entropy,
             tokens: report.tokens,
             groups: groups.len(),
             skipped_groups: report.skipped_groups,

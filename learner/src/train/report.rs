@@ -51,6 +51,9 @@ pub struct StepRecord {
     /// (`--dynamic-sampling`).
     #[serde(default)]
     pub dynamic_skipped: usize,
+    /// The policy's mean entropy per token on the step's batch (nats), where measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub entropy: Option<f64>,
     /// Completions left out of the loss as cut off (`--mask-truncated`).
     #[serde(default)]
     pub masked_truncated: usize,
@@ -260,6 +263,9 @@ fn record_metrics(r: &StepRecord) {
     gauge!("learner_clipped_tokens_ratio").set(r.clip_frac);
     gauge!("learner_clipped_low_ratio").set(r.clip_low);
     gauge!("learner_clipped_high_ratio").set(r.clip_high);
+    if let Some(h) = r.entropy {
+        gauge!("learner_policy_entropy").set(h);
+    }
     if let Some(m) = &r.mismatch {
         gauge!("learner_sampler_logp_diff", "stat" => "mean").set(m.logp_diff_mean);
         gauge!("learner_sampler_logp_diff", "stat" => "max").set(m.logp_diff_max);
