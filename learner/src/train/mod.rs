@@ -324,11 +324,13 @@ pub async fn run(
             optimizer: report.optimizer_seconds,
             push,
         };
-        let flops = step_flops(
-            &run.policy.model,
-            &batch,
-            run.reference.is_some() && s.beta > 0.0,
-        );
+        // Each of the μ updates runs the forward/backward (and the reference) again.
+        let flops = f64::from(s.updates_per_batch)
+            * step_flops(
+                &run.policy.model,
+                &batch,
+                run.reference.is_some() && s.beta > 0.0,
+            );
         record.mfu =
             flops / (report.forward_backward_seconds + report.optimizer_seconds).max(1e-9) / peak;
         record.tokens_per_second = batch
