@@ -176,28 +176,30 @@ pub fn objective(t: &TokenTensors, cfg: &LossConfig) -> CandleResult<LossOutput>
         Some(p) => (p * mask)?.detach(),
         None => logp.detach(),
     };
+    // The importance weights π_prox/π_behaviour at the correction's level (per token when
+    // it is off): reported always, bounded into the loss under the correction.
+    let cap = cfg.is_cap;
+    let level = match cfg.correction {
+        Correction::Off => Correction::TokenTruncate,
+        c => c,
+    };
+    let raw = sampler
+        .as_ref()
+        .map(|s| offpolicy::raw_weights(&proximal, s, mask, level))
+        .transpose()?;
+    let mismatch = match (&sampler, &raw) {
+        (Some(s), Some(raw)) => Some(Mismatch::of(&proximal, s, mask, raw, cap)?),
+        _ => None,
+    };
     // The ratio's denominator: the proximal policy under the correction (whose weights
     // then carry the sampler's gap), else the sampler's log-probs.
-    let cap = cfg.is_cap;
-    let (behaviour, weights) = match &sampler {
-        Some(s) if cfg.correction.on() => {
-            let raw = offpolicy::raw_weights(&proximal, s, mask, cfg.correction)?;
-            let w = offpolicy::bounded_weights(&raw, cfg.correction, cap)?;
-            (proximal.clone(), Some(w))
-        }
-        Some(s) => (s.clone(), None),
-        None => (logp.detach(), None),
-    };
-    let mismatch = match &sampler {
-        Some(s) => {
-            let level = match cfg.correction {
-                Correction::Off => Correction::TokenTruncate,
-                c => c,
-            };
-            let raw = offpolicy::raw_weights(&proximal, s, mask, level)?;
-            Some(Mismatch::of(&proximal, s, mask, &raw, cap)?)
-        }
-        None => None,
+    let (behaviour, weights) = match (&sampler, &raw) {
+        (Some(_), Some(raw)) if cfg.correction.on() => (
+            proximal.clone(),
+            Some(offpolicy::bounded_weights(raw, cfg.correction, cap)?),
+        ),
+        (Some(s), _) => (s.clone(), None),
+        _ => (logp.detach(), None),
     };
     let (lo, hi) = (cfg.eps_low, cfg.eps_high);
     let (glo, ghi) = (cfg.gspo_eps_low, cfg.gspo_eps_high);

@@ -137,12 +137,24 @@ pub fn accumulate_autograd(
         report.masked_truncated += layout.masked_truncated;
         report.tokens += layout.tokens;
     }
-    report.loss = report.policy_loss + cfg.loss.beta * report.kl;
-    report.clip_low /= report.tokens.max(1) as f64;
-    report.clip_high /= report.tokens.max(1) as f64;
-    report.clip_frac = report.clip_low + report.clip_high;
+    report.close(cfg.loss.beta);
     report.forward_backward_seconds = started.elapsed().as_secs_f64();
     Ok((grads, report))
+}
+
+impl StepReport {
+    /// Makes the sums over micro-batches the step's: the loss from its parts, the clip
+    /// shares and the entropy per counted token.
+    fn close(&mut self, beta: f64) {
+        self.loss = self.policy_loss + beta * self.kl;
+        let n = self.tokens.max(1) as f64;
+        self.clip_low /= n;
+        self.clip_high /= n;
+        self.clip_frac = self.clip_low + self.clip_high;
+        if let Some(h) = self.entropy.as_mut() {
+            *h /= n;
+        }
+    }
 }
 
 fn merge(into: &mut Option<crate::offpolicy::Mismatch>, part: Option<crate::offpolicy::Mismatch>) {
@@ -177,7 +189,7 @@ fn accumulate_fused(
         ..StepReport::default()
     };
     let weight_of = |m: &MicroBatch| match cfg.loss.aggregation {
-        Aggregation::Sequence => (m.completions() - m.masked_truncated) as f64,
+        Aggregation::Sequence => (m.completions() - m.masked_truncated()) as f64,
         Aggregation::Constant => m.completions() as f64,
         Aggregation::Token => m.counted_tokens as f64,
     };
@@ -225,7 +237,7 @@ fn accumulate_fused(
             report.clip_low += r.clip_low * m.counted_tokens as f64;
             report.clip_high += r.clip_high * m.counted_tokens as f64;
             merge(&mut report.mismatch, r.mismatch);
-            report.masked_truncated += m.masked_truncated;
+            report.masked_truncated += m.masked_truncated();
             *report.entropy.get_or_insert(0.0) += r.entropy_sum;
             report.tokens += m.counted_tokens;
             report.forward_seconds += r.forward_seconds;
@@ -239,13 +251,7 @@ fn accumulate_fused(
     } else {
         policy.host_gradients(grads)
     };
-    report.loss = report.policy_loss + cfg.loss.beta * report.kl;
-    report.clip_low /= report.tokens.max(1) as f64;
-    report.clip_high /= report.tokens.max(1) as f64;
-    report.clip_frac = report.clip_low + report.clip_high;
-    if let Some(h) = report.entropy.as_mut() {
-        *h /= report.tokens.max(1) as f64;
-    }
+    report.close(cfg.loss.beta);
     report.forward_backward_seconds = started.elapsed().as_secs_f64();
     Ok((out, report))
 }

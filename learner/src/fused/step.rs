@@ -33,8 +33,6 @@ pub struct MicroBatch {
     counted: Vec<bool>,
     /// Completion tokens counted in the loss.
     pub counted_tokens: usize,
-    /// Completions left out as cut off.
-    pub masked_truncated: usize,
 }
 
 impl MicroBatch {
@@ -71,15 +69,8 @@ impl MicroBatch {
             .flat_map(|g| g.completions.iter())
             .map(|c| truncated_without.is_none_or(|eot| c.last() == Some(&eot)))
             .collect();
-        let counted_tokens = packed
-            .tokens
-            .iter()
-            .zip(&counted)
-            .filter(|(_, c)| **c)
-            .map(|(r, _)| r.len())
-            .sum();
+        let counted_tokens = counted_ranges(&packed, &counted).map(|r| r.len()).sum();
         Some(Self {
-            masked_truncated: counted.iter().filter(|c| !**c).count(),
             counted,
             counted_tokens,
             tokens: packed.targets.len(),
@@ -94,6 +85,11 @@ impl MicroBatch {
     /// Completions.
     pub fn completions(&self) -> usize {
         self.advantages.len()
+    }
+
+    /// Completions left out of the loss as cut off.
+    pub fn masked_truncated(&self) -> usize {
+        self.counted.iter().filter(|c| !**c).count()
     }
 
     /// Per-token values (N) as a (C, L) f64 tensor, L the longest completion, 0 elsewhere.
@@ -135,6 +131,19 @@ pub struct MicroReport {
     pub activation_bytes: usize,
 }
 
+/// The token ranges (into the packed targets) of the completions counted in the loss.
+fn counted_ranges<'a>(
+    packed: &'a Packed,
+    counted: &'a [bool],
+) -> impl Iterator<Item = std::ops::Range<usize>> + 'a {
+    packed
+        .tokens
+        .iter()
+        .zip(counted)
+        .filter(|(_, c)| **c)
+        .map(|(r, _)| r.clone())
+}
+
 /// The reference's log-probs of every predicted token of `micro` (N), in one forward
 /// without activations (one pass over several micro-batches is cheaper than one each:
 /// its products are larger and it keeps nothing).
@@ -170,13 +179,8 @@ pub fn micro_step(
     let started = Instant::now();
     let logp = model::forward(policy, &micro.packed, t, &mut work.policy, true);
     report.activation_bytes = work.policy.bytes();
-    report.entropy_sum = micro
-        .packed
-        .tokens
-        .iter()
-        .zip(&micro.counted)
-        .filter(|(_, c)| **c)
-        .flat_map(|(r, _)| &work.policy.entropy[r.clone()])
+    report.entropy_sum = counted_ranges(&micro.packed, &micro.counted)
+        .flat_map(|r| &work.policy.entropy[r])
         .map(|&h| f64::from(h))
         .sum();
     report.forward_seconds = started.elapsed().as_secs_f64();
