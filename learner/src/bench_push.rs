@@ -421,8 +421,16 @@ async fn generate_until(
                 ..Default::default()
             }),
         };
-        let Ok(answer) = client.generate(request).await else {
+        let mut request = tonic::Request::new(request);
+        if rookworld_proto::auth::set_token(request.metadata_mut(), TOKEN).is_err() {
             return;
+        }
+        let answer = match client.generate(request).await {
+            Ok(a) => a,
+            Err(s) => {
+                tracing::warn!(error = %s.message(), "bench push: Generate refused; the pushes run idle");
+                return;
+            }
         };
         let mut stream = answer.into_inner();
         while let Ok(Some(_)) = stream.message().await {}

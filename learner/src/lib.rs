@@ -51,6 +51,7 @@ pub mod push;
 pub mod queue;
 pub mod queue_service;
 pub mod run_dir;
+pub mod run_lock;
 pub mod sft;
 pub mod sft_loss;
 pub mod step;

@@ -26,7 +26,7 @@ use crate::queue::Queue;
 
 mod one;
 use one::note_reachability;
-pub use one::push_to;
+pub use one::{push_over, push_to};
 
 /// What happened to one worker in one push.
 #[derive(Debug, Clone, PartialEq)]
@@ -313,7 +313,7 @@ impl Fleet {
 }
 
 /// How the sync loop works.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct SyncConfig {
     /// Deadline of one push to one worker.
     pub deadline: Duration,
@@ -321,6 +321,8 @@ pub struct SyncConfig {
     pub forget_after: Duration,
     /// How often the loop looks at the queue's workers.
     pub tick: Duration,
+    /// TLS towards `https://` workers.
+    pub tls: rookworld_proto::tls::ClientTlsArgs,
 }
 
 /// Keeps every worker the queue knows on the newest set `latest` holds, until `stop`
@@ -373,8 +375,10 @@ pub async fn run(
         for (address, shared) in due {
             in_flight += 1;
             let (set, token, done) = (set.clone(), token.clone(), done_tx.clone());
+            let (deadline, tls) = (cfg.deadline, cfg.tls.clone());
             tokio::spawn(async move {
-                let outcome = push_to(address, (*set).clone(), token, cfg.deadline, shared).await;
+                let outcome =
+                    push_over(address, (*set).clone(), token, deadline, shared, &tls).await;
                 let _ = done.send(outcome);
             });
         }

@@ -33,6 +33,9 @@ pub struct RunDirArgs {
 pub enum RunDirError {
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    /// Another learner has the directory (see [`crate::run_lock`]).
+    #[error(transparent)]
+    Lock(#[from] crate::run_lock::LockError),
     #[error("{0}")]
     Refused(String),
 }

@@ -346,6 +346,8 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
         },
         None => Source::Generated(Box::new(Generator::new(s.seed, s.policy_fraction))),
     };
+    let _lock = crate::run_lock::RunLock::acquire(&args.run_dir)
+        .map_err(crate::run_dir::RunDirError::from)?;
     let resumed = crate::run_dir::open(&args.run_dir, &args.start, &device)?;
     let (policy, mut opt, schedule, start) = match resumed {
         Some(Loaded {

@@ -145,3 +145,63 @@ fn a_truncated_checkpoint_is_named_and_the_newest_intact_one_resumes() {
         "step 4's checkpoint is whole again"
     );
 }
+
+/// One learner per run directory: while `learner train` runs, a second `train` or `sft`
+/// on its directory exits with one line naming the first's pid and touches nothing; once
+/// the first is killed (no clean exit), the directory is free again.
+#[test]
+fn a_second_learner_on_a_run_directory_is_refused_naming_the_holder() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let mut first = Command::new(env!("CARGO_BIN_EXE_learner"))
+        .args(["train", "--local", "--preset", "tiny", "--steps", "100000"])
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics",
+            "off",
+            "--no-progress",
+        ])
+        .arg("--run-dir")
+        .arg(&run)
+        .env("RUST_LOG", "warn")
+        .env_remove("LEARNER_RESUME")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = first.id().to_string();
+    let lock = run.join(".lock");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while std::fs::read_to_string(&lock)
+        .map(|t| t.trim() != pid)
+        .unwrap_or(true)
+    {
+        assert!(
+            first.try_wait().unwrap().is_none(),
+            "the first learner exited"
+        );
+        assert!(std::time::Instant::now() < deadline, "no lock after 60 s");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+
+    let train = refusal(&learner(
+        &["train", "--local", "--preset", "tiny", "--overwrite"],
+        &run,
+    ));
+    let tuning = refusal(&sft(&run, &["--steps", "2", "--overwrite"]));
+    for err in [train, tuning] {
+        assert!(err.contains(&format!("pid {pid}")), "{err}");
+        assert!(err.contains("in use by another learner"), "{err}");
+    }
+    assert!(
+        first.try_wait().unwrap().is_none(),
+        "the first learner still runs"
+    );
+
+    first.kill().unwrap();
+    first.wait().unwrap();
+    ok(&sft(&run, &["--steps", "2", "--overwrite"]));
+    // The lock file stays, with the last holder's pid: stale pids mean nothing.
+    assert!(lock.exists());
+}

@@ -72,6 +72,8 @@ async fn greedy(c: &mut RolloutServiceClient<Channel>) -> (Vec<u32>, Vec<f32>, u
             ..Default::default()
         }),
     };
+    let mut request = tonic::Request::new(request);
+    rookworld_proto::auth::set_token(request.metadata_mut(), TOKEN).unwrap();
     let mut stream = c.generate(request).await.unwrap().into_inner();
     let answer = stream.message().await.unwrap().expect("one completion");
     let done = answer.completion.unwrap();

@@ -21,6 +21,7 @@ pub mod metrics_http;
 pub mod probe;
 pub mod serve;
 pub mod status;
+pub mod tls;
 
 /// `rookworld.v1`: sampling parameters and completions.
 pub mod v1 {

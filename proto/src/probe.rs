@@ -76,6 +76,9 @@ pub struct HealthArgs {
     /// Seconds before the check fails.
     #[arg(long, default_value_t = 3.0)]
     pub timeout: f64,
+    /// TLS for an `https://` address.
+    #[command(flatten)]
+    pub tls: crate::tls::ClientTlsArgs,
 }
 
 impl HealthArgs {
@@ -91,18 +94,22 @@ impl HealthArgs {
     /// The check, on the caller's runtime.
     pub async fn check(&self) -> Result<(), String> {
         let timeout = std::time::Duration::from_secs_f64(self.timeout.clamp(0.1, 3600.0));
-        check_health(&self.addr, timeout).await
+        check_health(&self.addr, &self.tls, timeout).await
     }
 }
 
 /// `Ok` when the server at `addr` answers the overall health check with SERVING within
 /// `timeout`; otherwise one line saying what it answered, or why it did not.
-pub async fn check_health(addr: &str, timeout: std::time::Duration) -> Result<(), String> {
+pub async fn check_health(
+    addr: &str,
+    tls: &crate::tls::ClientTlsArgs,
+    timeout: std::time::Duration,
+) -> Result<(), String> {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
     let ask = async {
-        let channel = Channel::from_shared(addr.to_owned())
-            .map_err(|e| format!("{addr}: {e}"))?
+        let channel = tls
+            .endpoint(addr)?
             .connect()
             .await
             .map_err(|e| format!("{addr}: cannot connect: {e}"))?;

@@ -5,8 +5,10 @@
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
+use crate::tls::ServerTls;
 use tokio::net::TcpListener;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -110,9 +112,13 @@ pub fn endpoint(url: &str) -> Result<tonic::transport::Endpoint, tonic::transpor
 
 /// Serves `service` with health (marked serving) and reflection v1 and v1alpha on
 /// `listener` until `shutdown` completes; calls in flight get [`SHUTDOWN_GRACE`] to finish.
+/// With `tls`, every connection is TLS (mutual when it has a client CA) and the
+/// certificates are reloaded while it serves ([`crate::tls`]); without it, a listener on
+/// an address other than loopback gets one warning line.
 pub async fn serve<S>(
     service: S,
     listener: TcpListener,
+    tls: Option<Arc<ServerTls>>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
 where
@@ -135,7 +141,17 @@ where
     let when_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|&s| s).await;
     };
-    let server = tonic::transport::Server::builder()
+    let addr = listener.local_addr()?;
+    match &tls {
+        Some(t) => tracing::info!(%addr, service = S::NAME, mutual = t.mutual(), "serving TLS"),
+        None if !addr.ip().is_loopback() => tracing::warn!(
+            %addr,
+            service = S::NAME,
+            "serving plaintext on a non-loopback address: the token, rollouts and weights cross the network readable (see --tls-cert)"
+        ),
+        None => {}
+    }
+    let router = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
         .tcp_keepalive(Some(Duration::from_secs(60)))
@@ -146,8 +162,18 @@ where
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(service)
-        .serve_with_incoming_shutdown(
+        .add_service(service);
+    let server: std::pin::Pin<
+        Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>,
+    > = match tls {
+        Some(tls) => {
+            tokio::spawn(tls.clone().watch(stopped.clone()));
+            Box::pin(router.serve_with_incoming_shutdown(
+                crate::tls::incoming(listener, tls),
+                when_stopped(stopped.clone()),
+            ))
+        }
+        None => Box::pin(router.serve_with_incoming_shutdown(
             TcpListenerStream::new(listener).map(|accepted| {
                 if let Ok(stream) = &accepted {
                     let _ = stream.set_nodelay(true);
@@ -155,7 +181,8 @@ where
                 accepted
             }),
             when_stopped(stopped.clone()),
-        );
+        )),
+    };
     let overdue = async {
         when_stopped(stopped).await;
         tokio::time::sleep(SHUTDOWN_GRACE).await;

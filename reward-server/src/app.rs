@@ -20,7 +20,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Serve the gRPC scoring service (with health, reflection and /metrics).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Score JSONL `{"task","prompt","completion"}` lines, one JSON result per line.
     Score(ScoreArgs),
     /// Measure verifications per second (one thread and all cores).

@@ -147,10 +147,22 @@ pub struct ServeArgs {
     pub max_items_per_call: usize,
     #[command(flatten)]
     pub scoring: ScoringArgs,
+    #[command(flatten)]
+    pub token: rookworld_proto::auth::TokenArgs,
+    #[command(flatten)]
+    pub tls: rookworld_proto::tls::ServerTlsArgs,
 }
 
 /// `reward-server serve`: until Ctrl-C or SIGTERM.
 pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let (token, inspect_token) = (
+        args.token.resolve().map_err(ConfigError)?,
+        args.token.resolve_inspect().map_err(ConfigError)?,
+    );
+    if token.is_none() {
+        tracing::warn!("no --token / ROOKWORLD_TOKEN: Score calls will be refused");
+    }
+    let tls = args.tls.load().map_err(ConfigError)?;
     let scorer = args.scoring.scorer().await?;
     crate::metrics::install_exporter(args.metrics)
         .map_err(|e| ConfigError(format!("metrics on {}: {e}", args.metrics)))?;
@@ -159,6 +171,9 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
         .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", args.listen)))?;
     tracing::info!(listen = %listener.local_addr()?, metrics = %args.metrics, engine = scorer.engine().is_some(), "reward server ready");
     let cfg = ServiceConfig {
+        token,
+        inspect_token,
+        tls,
         max_items_in_flight: args.max_items_in_flight,
         max_items_per_call: args.max_items_per_call,
         ..ServiceConfig::default()

@@ -58,11 +58,27 @@ pub enum ServiceError {
     /// The request itself exceeds the per-call limit.
     #[error("batch of {requested} items exceeds the limit of {limit} per call")]
     TooLarge { requested: usize, limit: usize },
+    /// The call lacks the token it needs.
+    #[error(transparent)]
+    Token(#[from] rookworld_proto::auth::TokenError),
+}
+
+impl ServiceError {
+    /// The `status` label of `reward_requests_total`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Overloaded { .. } => "resource_exhausted",
+            Self::Token(rookworld_proto::auth::TokenError::Missing) => "unauthenticated",
+            Self::Token(_) => "permission_denied",
+            Self::BadItem { .. } | Self::TooLarge { .. } => "invalid_argument",
+        }
+    }
 }
 
 impl From<ServiceError> for tonic::Status {
     fn from(e: ServiceError) -> Self {
         let code = match e {
+            ServiceError::Token(t) => return t.into(),
             ServiceError::BadItem { .. } | ServiceError::TooLarge { .. } => {
                 tonic::Code::InvalidArgument
             }

@@ -4,6 +4,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
 
+use rookworld_proto::auth::Guard;
 use rookworld_proto::reward::v1 as pb;
 use rookworld_proto::reward::v1::reward_service_server::{RewardService, RewardServiceServer};
 use tokio::net::TcpListener;
@@ -16,9 +17,15 @@ use crate::score::{Score, Verdict};
 use crate::scorer::{Item, Scorer};
 use crate::task::Task;
 
-/// Limits of the service.
-#[derive(Debug, Clone)]
+/// Limits and guards of the service.
+#[derive(Clone)]
 pub struct ServiceConfig {
+    /// Shared token that Score must carry; `None` refuses every Score call.
+    pub token: Option<String>,
+    /// Token that Info must carry; `None` leaves it open.
+    pub inspect_token: Option<String>,
+    /// TLS of the port; `None` serves plaintext.
+    pub tls: Option<Arc<rookworld_proto::tls::ServerTls>>,
     /// Items being scored at once across all calls; more is `RESOURCE_EXHAUSTED`.
     pub max_items_in_flight: usize,
     /// Items in one call; more is `INVALID_ARGUMENT`.
@@ -32,10 +39,32 @@ pub struct ServiceConfig {
 impl Default for ServiceConfig {
     fn default() -> Self {
         Self {
+            token: None,
+            inspect_token: None,
+            tls: None,
             max_items_in_flight: 65_536,
             max_items_per_call: 16_384,
             max_message_bytes: 16 * 1024 * 1024,
         }
+    }
+}
+
+impl std::fmt::Debug for ServiceConfig {
+    /// Everything but the tokens' values.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServiceConfig")
+            .field("guard", &self.guard())
+            .field("tls", &self.tls.is_some())
+            .field("max_items_in_flight", &self.max_items_in_flight)
+            .field("max_items_per_call", &self.max_items_per_call)
+            .field("max_message_bytes", &self.max_message_bytes)
+            .finish()
+    }
+}
+
+impl ServiceConfig {
+    fn guard(&self) -> Guard {
+        Guard::new(self.token.clone(), self.inspect_token.clone())
     }
 }
 
@@ -44,12 +73,14 @@ impl Default for ServiceConfig {
 pub struct RewardServer {
     scorer: Scorer,
     cfg: ServiceConfig,
+    guard: Guard,
     slots: Arc<Semaphore>,
 }
 
 impl RewardServer {
     pub fn new(scorer: Scorer, cfg: ServiceConfig) -> Self {
         Self {
+            guard: cfg.guard(),
             slots: Arc::new(Semaphore::new(cfg.max_items_in_flight)),
             scorer,
             cfg,
@@ -138,11 +169,13 @@ impl RewardService for RewardServer {
         request: Request<pb::ScoreRequest>,
     ) -> Result<Response<pb::ScoreResponse>, Status> {
         let started = Instant::now();
-        let result = self.score_batch(request.into_inner().items).await;
+        let result = match self.guard.work(request.metadata()) {
+            Ok(()) => self.score_batch(request.into_inner().items).await,
+            Err(e) => Err(e.into()),
+        };
         let status = match &result {
             Ok(_) => "ok",
-            Err(ServiceError::Overloaded { .. }) => "resource_exhausted",
-            Err(_) => "invalid_argument",
+            Err(e) => e.label(),
         };
         metrics::counter!("reward_requests_total", "status" => status).increment(1);
         metrics::histogram!("reward_request_duration_seconds")
@@ -153,8 +186,11 @@ impl RewardService for RewardServer {
 
     async fn info(
         &self,
-        _: Request<pb::InfoRequest>,
+        request: Request<pb::InfoRequest>,
     ) -> Result<Response<pb::InfoResponse>, Status> {
+        self.guard
+            .inspect(request.metadata())
+            .map_err(ServiceError::from)?;
         let cfg = self.scorer.config();
         let weights = cfg
             .environment
@@ -188,9 +224,9 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    let max = cfg.max_message_bytes;
+    let (max, tls) = (cfg.max_message_bytes, cfg.tls.clone());
     let service = RewardServiceServer::new(RewardServer::new(scorer, cfg))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
-    rookworld_proto::serve::serve(service, listener, shutdown).await
+    rookworld_proto::serve::serve(service, listener, tls, shutdown).await
 }

@@ -5,12 +5,16 @@ use std::net::SocketAddr;
 use reward_server::score::RewardConfig;
 use reward_server::scorer::Scorer;
 use reward_server::service::{self, ServiceConfig};
+use rookworld_proto::auth::Bearer;
 use rookworld_proto::reward::v1::reward_service_client::RewardServiceClient;
 use rookworld_proto::reward::v1::{InfoRequest, ScoreItem, ScoreRequest, Task, Verdict};
 use tokio::sync::oneshot;
 use tokio_stream::StreamExt;
 use tonic::Code;
+use tonic::codegen::InterceptedService;
+use tonic::transport::Channel;
 
+const TOKEN: &str = "reward-test-token";
 const START: &str = "rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1";
 
 struct Server {
@@ -20,7 +24,9 @@ struct Server {
 }
 
 impl Server {
-    async fn start(cfg: ServiceConfig) -> Self {
+    /// The service with `cfg`, guarded by [`TOKEN`] unless `cfg` has a token.
+    async fn start(mut cfg: ServiceConfig) -> Self {
+        cfg.token.get_or_insert_with(|| TOKEN.into());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = oneshot::channel::<()>();
@@ -51,6 +57,11 @@ impl Server {
             .unwrap()
     }
 
+    /// A client that sends [`TOKEN`].
+    async fn client(&self) -> RewardServiceClient<InterceptedService<Channel, Bearer>> {
+        RewardServiceClient::with_interceptor(self.channel().await, Bearer::new(TOKEN).unwrap())
+    }
+
     async fn stop(mut self) {
         let _ = self.stop.take().unwrap().send(());
         self.handle.await.unwrap();
@@ -68,7 +79,7 @@ fn env_item(uci: &str, completion: &str) -> ScoreItem {
 #[tokio::test]
 async fn scores_a_batch_in_order() {
     let server = Server::start(ServiceConfig::default()).await;
-    let mut client = RewardServiceClient::connect(server.url()).await.unwrap();
+    let mut client = server.client().await;
     let items = vec![
         env_item(
             "e2e4",
@@ -119,7 +130,7 @@ async fn scores_a_batch_in_order() {
 #[tokio::test]
 async fn bad_items_are_invalid_argument_naming_the_index() {
     let server = Server::start(ServiceConfig::default()).await;
-    let mut client = RewardServiceClient::connect(server.url()).await.unwrap();
+    let mut client = server.client().await;
     let ok = env_item("e2e4", "x");
     let cases = [
         (vec![ok.clone(), env_item("e2e5", "x")], "item 1", "e2e5"),
@@ -173,7 +184,7 @@ async fn overload_is_resource_exhausted_and_oversize_is_invalid() {
         ..ServiceConfig::default()
     })
     .await;
-    let mut client = RewardServiceClient::connect(server.url()).await.unwrap();
+    let mut client = server.client().await;
     let item = env_item("e2e4", "x");
     let status = client
         .score(ScoreRequest {
@@ -304,4 +315,71 @@ async fn reflection_v1_and_v1alpha_list_and_describe_the_services() {
         );
     }
     server.stop().await;
+}
+
+/// Score spends compute: it needs the shared token (missing: UNAUTHENTICATED; wrong:
+/// PERMISSION_DENIED; none configured: refused). Info is open unless an inspection token
+/// is set; then it, or the shared token, is needed.
+#[tokio::test]
+async fn score_needs_the_token_and_info_the_inspection_token_when_one_is_set() {
+    let items = || ScoreRequest {
+        items: vec![env_item("e2e4", "x")],
+    };
+    let server = Server::start(ServiceConfig {
+        inspect_token: Some("look".into()),
+        ..ServiceConfig::default()
+    })
+    .await;
+    let mut bare = RewardServiceClient::new(server.channel().await);
+    let status = bare.score(items()).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
+    let status = bare.info(InfoRequest {}).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
+    let mut wrong =
+        RewardServiceClient::with_interceptor(server.channel().await, Bearer::new("nope").unwrap());
+    assert_eq!(
+        wrong.score(items()).await.unwrap_err().code(),
+        Code::PermissionDenied
+    );
+    let mut inspector =
+        RewardServiceClient::with_interceptor(server.channel().await, Bearer::new("look").unwrap());
+    inspector.info(InfoRequest {}).await.unwrap();
+    assert_eq!(
+        inspector.score(items()).await.unwrap_err().code(),
+        Code::PermissionDenied,
+        "the inspection token does no work"
+    );
+    let mut client = server.client().await;
+    client.info(InfoRequest {}).await.unwrap();
+    assert_eq!(
+        client
+            .score(items())
+            .await
+            .unwrap()
+            .into_inner()
+            .results
+            .len(),
+        1
+    );
+    server.stop().await;
+
+    // Without an inspection token Info is open; with no token at all, Score is refused.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(service::run(
+        Scorer::new(RewardConfig::default(), None),
+        ServiceConfig::default(),
+        listener,
+        std::future::pending(),
+    ));
+    let mut open = RewardServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    open.info(InfoRequest {}).await.unwrap();
+    let status = open.score(items()).await.unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    assert!(
+        status.message().contains("no token is configured"),
+        "{status:?}"
+    );
 }

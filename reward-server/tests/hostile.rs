@@ -37,6 +37,9 @@ fn free_addr() -> SocketAddr {
 }
 
 /// The server process; killed when dropped.
+/// The shared token the server is started with.
+const TOKEN: &str = "hostile-test-token";
+
 struct Server {
     child: Child,
     addr: SocketAddr,
@@ -51,7 +54,7 @@ impl Server {
         let file = std::fs::File::create(&log).unwrap();
         let addr = free_addr();
         let child = Command::new(BIN)
-            .args(["serve", "--listen", &addr.to_string()])
+            .args(["serve", "--listen", &addr.to_string(), "--token", TOKEN])
             .args(["--metrics", &free_addr().to_string()])
             .env("RUST_LOG", "warn")
             .env_remove("REWARD_ENGINE")
@@ -93,8 +96,12 @@ impl Server {
             "the server died after {after}: {}",
             std::fs::read_to_string(&self.log).unwrap()
         );
-        let health =
-            rookworld_proto::probe::check_health(&self.url(), Duration::from_secs(5)).await;
+        let health = rookworld_proto::probe::check_health(
+            &self.url(),
+            &Default::default(),
+            Duration::from_secs(5),
+        )
+        .await;
         assert_eq!(health, Ok(()), "health after {after}");
         let log = std::fs::read_to_string(&self.log).unwrap();
         assert!(!log.contains("panicked"), "a panic after {after}: {log}");
@@ -240,7 +247,9 @@ async fn raw_score(channel: &Channel, body: Vec<u8>) -> Result<Vec<u8>, tonic::S
         .await
         .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
     let path = tonic::codegen::http::uri::PathAndQuery::from_static(SCORE_PATH);
-    grpc.unary(tonic::Request::new(body), path, Raw)
+    let mut request = tonic::Request::new(body);
+    rookworld_proto::auth::set_token(request.metadata_mut(), TOKEN)?;
+    grpc.unary(request, path, Raw)
         .await
         .map(tonic::Response::into_inner)
 }
@@ -264,7 +273,8 @@ fn len_field(field: u32, bytes: &[u8]) -> Vec<u8> {
 async fn a_million_fuzzed_completions_and_malformed_requests() {
     let mut server = Server::start();
     let channel = connect(&server.url()).await;
-    let mut client = RewardServiceClient::new(channel.clone())
+    let bearer = rookworld_proto::auth::Bearer::new(TOKEN).unwrap();
+    let mut client = RewardServiceClient::with_interceptor(channel.clone(), bearer)
         .max_decoding_message_size(64 << 20)
         .max_encoding_message_size(64 << 20);
     let mut rng = ChaCha8Rng::seed_from_u64(7);

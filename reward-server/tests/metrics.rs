@@ -24,15 +24,24 @@ async fn metrics_count_requests_items_verdicts_and_latency() {
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(service::run(
         scorer,
-        ServiceConfig::default(),
+        ServiceConfig {
+            token: Some("t".into()),
+            ..ServiceConfig::default()
+        },
         listener,
         async {
             let _ = rx.await;
         },
     ));
-    let mut client = RewardServiceClient::connect(format!("http://{addr}"))
+    let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
         .await
         .unwrap();
+    let mut client = RewardServiceClient::with_interceptor(
+        channel,
+        rookworld_proto::auth::Bearer::new("t").unwrap(),
+    );
     let start = "rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1";
     let item = |c: &str| ScoreItem {
         task: Task::Environment as i32,

@@ -23,7 +23,7 @@ enum Command {
     /// Sample G completions per prompt and print one JSON object per prompt.
     Generate(GenerateArgs),
     /// Serve generation and weight updates over gRPC (health, reflection, metrics).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Measure new tokens per second (P prompts × G completions, and one stream).
     Bench(BenchArgs),
     /// Ask a running service's gRPC health endpoint (exit 0 when serving).

@@ -26,6 +26,11 @@ pub struct ServeArgs {
     pub metrics: SocketAddr,
     #[command(flatten)]
     pub token: rookworld_proto::auth::TokenArgs,
+    #[command(flatten)]
+    pub tls: rookworld_proto::tls::ServerTlsArgs,
+    /// TLS towards the learner and the reward server (their `https://` URLs).
+    #[command(flatten)]
+    pub client_tls: rookworld_proto::tls::ClientTlsArgs,
     /// Version number of the weights loaded at start.
     #[arg(long, default_value_t = 0)]
     pub initial_version: u64,
@@ -44,7 +49,7 @@ pub struct ServeArgs {
     pub worker_id: Option<String>,
     /// URL at which the learner reaches this worker's service for weight pushes (default:
     /// the listen address — loopback stays loopback — or, for a wildcard bind such as
-    /// 0.0.0.0, the OS host name: http://HOST:PORT).
+    /// 0.0.0.0, the OS host name: http://HOST:PORT, https:// with --tls-cert).
     #[arg(long, env = "ROLLOUT_ADVERTISE")]
     pub advertise: Option<String>,
     /// Groups in flight in the loop.
@@ -87,15 +92,34 @@ impl ServeArgs {
     fn token(&self) -> Result<Option<String>, ConfigError> {
         self.token.resolve().map_err(ConfigError)
     }
+
+    /// The advertised push URL must match how the port serves.
+    fn check_advertise(&self) -> Result<(), ConfigError> {
+        match &self.advertise {
+            Some(a) if self.tls.enabled() && !a.starts_with("https://") => Err(ConfigError(
+                format!("--advertise {a}: the port serves TLS (--tls-cert), so use https://"),
+            )),
+            Some(a) if !self.tls.enabled() && a.starts_with("https://") => {
+                Err(ConfigError(format!(
+                    "--advertise {a}: the port serves plaintext; set --tls-cert or use http://"
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
 }
 
 /// Runs until Ctrl-C or SIGTERM.
 pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     args.validate()?;
+    args.check_advertise()?;
     let token = args.token()?;
+    let inspect_token = args.token.resolve_inspect().map_err(ConfigError)?;
     if token.is_none() {
-        tracing::warn!("no --token / ROOKWORLD_TOKEN: weight updates will be refused");
+        tracing::warn!("no --token / ROOKWORLD_TOKEN: Generate and weight updates will be refused");
     }
+    let tls = args.tls.load().map_err(ConfigError)?;
+    args.client_tls.check().map_err(ConfigError)?;
     let model_args = args.model.clone();
     let loaded = tokio::task::spawn_blocking(move || model_args.load()).await??;
     let (cfg, dtype, device) = (
@@ -135,6 +159,8 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
         device,
         ServiceConfig {
             token,
+            inspect_token,
+            tls: tls.clone(),
             max_queued_samples: args.max_queued_samples,
             shared_dir: args.shared_dir.clone(),
             ..ServiceConfig::default()
@@ -168,10 +194,11 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
                 push_address: args
                     .advertise
                     .clone()
-                    .unwrap_or_else(|| default_advertise(local)),
+                    .unwrap_or_else(|| default_advertise(local, tls.is_some())),
                 max_in_flight: args.max_in_flight,
                 call_timeout: Duration::from_secs(30),
                 max_backoff: Duration::from_secs(10),
+                tls: args.client_tls.clone(),
             };
             tracing::info!(learner = %cfg.learner, reward = %cfg.reward, worker = %cfg.worker_id, push_address = %cfg.push_address, "pulling work");
             let bos = model_cfg.bos_token_id;
@@ -203,8 +230,9 @@ fn default_worker_id(local: SocketAddr) -> String {
 }
 
 /// Where the learner pushes weights unless `--advertise` says: the address the service
-/// listens on, unless that is a wildcard (0.0.0.0, ::), where the OS host name stands in.
-pub fn default_advertise(local: SocketAddr) -> String {
+/// listens on, unless that is a wildcard (0.0.0.0, ::), where the OS host name stands in;
+/// `https://` when the port serves TLS.
+pub fn default_advertise(local: SocketAddr, tls: bool) -> String {
     let ip = local.ip();
     let host = if ip.is_unspecified() {
         os_host_name()
@@ -213,7 +241,8 @@ pub fn default_advertise(local: SocketAddr) -> String {
     } else {
         ip.to_string()
     };
-    format!("http://{host}:{}", local.port())
+    let scheme = if tls { "https" } else { "http" };
+    format!("{scheme}://{host}:{}", local.port())
 }
 
 /// The host name from the OS (`gethostname`), `localhost` if it has none.
@@ -231,7 +260,7 @@ mod tests {
 
     #[test]
     fn the_default_push_address_follows_the_listen_address() {
-        let at = |s: &str| default_advertise(s.parse().unwrap());
+        let at = |s: &str| default_advertise(s.parse().unwrap(), false);
         assert_eq!(at("127.0.0.1:50053"), "http://127.0.0.1:50053");
         assert_eq!(at("[::1]:7"), "http://[::1]:7");
         assert_eq!(at("10.1.2.3:50053"), "http://10.1.2.3:50053");
@@ -239,5 +268,7 @@ mod tests {
         assert!(!host.is_empty());
         assert_eq!(at("0.0.0.0:50053"), format!("http://{host}:50053"));
         assert_eq!(at("[::]:50053"), format!("http://{host}:50053"));
+        let tls = default_advertise("10.1.2.3:50053".parse().unwrap(), true);
+        assert_eq!(tls, "https://10.1.2.3:50053");
     }
 }

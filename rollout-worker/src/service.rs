@@ -1,5 +1,6 @@
-//! The gRPC service: streaming generation, chunked weight updates (shared-token
-//! authenticated), status, health and server reflection (v1 and v1alpha).
+//! The gRPC service: streaming generation and chunked weight updates (both behind the
+//! shared token), status (open, or behind the inspection token), health and server
+//! reflection (v1 and v1alpha).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -7,9 +8,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rookworld_lm::{Config, Tokenizer};
-use rookworld_proto::auth::check_token;
+use rookworld_proto::auth::Guard;
 use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_server::{RolloutService, RolloutServiceServer};
+use rookworld_proto::tls::ServerTls;
 use rookworld_proto::v1 as common;
 use tokio::net::TcpListener;
 use tokio::sync::{Mutex, mpsc};
@@ -24,10 +26,14 @@ use crate::metrics;
 mod update;
 
 /// Settings of the service around the engine.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ServiceConfig {
-    /// Shared token that control calls must carry; `None` refuses every control call.
+    /// Shared token that Generate and UpdateWeights must carry; `None` refuses them.
     pub token: Option<String>,
+    /// Token that Status must carry; `None` leaves it open.
+    pub inspect_token: Option<String>,
+    /// TLS of the port; `None` serves plaintext.
+    pub tls: Option<Arc<ServerTls>>,
     /// Samples queued (not started) across all calls beyond which Generate is refused
     /// with RESOURCE_EXHAUSTED.
     pub max_queued_samples: usize,
@@ -42,10 +48,31 @@ impl Default for ServiceConfig {
     fn default() -> Self {
         Self {
             token: None,
+            inspect_token: None,
+            tls: None,
             max_queued_samples: 1 << 16,
             max_message_bytes: 16 * 1024 * 1024,
             shared_dir: None,
         }
+    }
+}
+
+impl std::fmt::Debug for ServiceConfig {
+    /// Everything but the tokens' values.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServiceConfig")
+            .field("guard", &self.guard())
+            .field("tls", &self.tls.is_some())
+            .field("max_queued_samples", &self.max_queued_samples)
+            .field("max_message_bytes", &self.max_message_bytes)
+            .field("shared_dir", &self.shared_dir)
+            .finish()
+    }
+}
+
+impl ServiceConfig {
+    fn guard(&self) -> Guard {
+        Guard::new(self.token.clone(), self.inspect_token.clone())
     }
 }
 
@@ -58,6 +85,7 @@ pub struct RolloutServer {
     dtype: candle_core::DType,
     device: candle_core::Device,
     cfg: ServiceConfig,
+    guard: Guard,
     /// One weight update at a time.
     updating: Mutex<()>,
     /// The model the last update retired: the memory of the next version
@@ -83,6 +111,7 @@ impl RolloutServer {
             model_config,
             dtype,
             device,
+            guard: cfg.guard(),
             cfg,
             updating: Mutex::new(()),
             spare: std::sync::Mutex::new(None),
@@ -136,9 +165,11 @@ impl RolloutServer {
         ))
     }
 
-    /// Refuses a control call whose `authorization` is not `Bearer <token>`.
+    /// Refuses a work or control call whose `authorization` is not `Bearer <token>`.
     fn authorize<T>(&self, request: &Request<T>) -> Result<(), ServiceError> {
-        check_token(request.metadata(), self.cfg.token.as_deref()).map_err(ServiceError::Token)
+        self.guard
+            .work(request.metadata())
+            .map_err(ServiceError::Token)
     }
 }
 
@@ -152,6 +183,7 @@ impl RolloutService for RolloutServer {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<GenerateStream>, Status> {
+        self.authorize(&request)?;
         let request = self.engine_request(request.into_inner())?;
         let mut prompt_ids: Vec<Option<Vec<u32>>> =
             request.prompts.iter().cloned().map(Some).collect();
@@ -231,8 +263,11 @@ impl RolloutService for RolloutServer {
 
     async fn status(
         &self,
-        _: Request<pb::StatusRequest>,
+        request: Request<pb::StatusRequest>,
     ) -> Result<Response<pb::StatusResponse>, Status> {
+        self.guard
+            .inspect(request.metadata())
+            .map_err(ServiceError::Token)?;
         let s = self.engine.status();
         let c = &self.model_config;
         let (used, total) =
@@ -274,9 +309,9 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    let max = server.cfg.max_message_bytes;
+    let (max, tls) = (server.cfg.max_message_bytes, server.cfg.tls.clone());
     let service = RolloutServiceServer::new(server)
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
-    rookworld_proto::serve::serve(service, listener, shutdown).await
+    rookworld_proto::serve::serve(service, listener, tls, shutdown).await
 }

@@ -22,7 +22,7 @@ use tonic::transport::Channel;
 use crate::engine::{Engine, Event, Request};
 
 /// Where the loop connects and how hard it works.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct LoopConfig {
     /// Learner queue URL, e.g. `http://127.0.0.1:50051`.
     pub learner: String,
@@ -39,6 +39,24 @@ pub struct LoopConfig {
     pub call_timeout: Duration,
     /// Longest wait between retries.
     pub max_backoff: Duration,
+    /// TLS towards `https://` peers.
+    pub tls: rookworld_proto::tls::ClientTlsArgs,
+}
+
+impl std::fmt::Debug for LoopConfig {
+    /// Everything but the token.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoopConfig")
+            .field("learner", &self.learner)
+            .field("reward", &self.reward)
+            .field("worker_id", &self.worker_id)
+            .field("push_address", &self.push_address)
+            .field("max_in_flight", &self.max_in_flight)
+            .field("call_timeout", &self.call_timeout)
+            .field("max_backoff", &self.max_backoff)
+            .field("tls", &self.tls)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Why a group could not be finished (it is left to its lease's expiry).
@@ -105,8 +123,13 @@ impl Peer {
     }
 }
 
-fn channel(url: &str, timeout: Duration) -> Result<Channel, tonic::transport::Error> {
-    Ok(rookworld_proto::serve::endpoint(url)?
+fn channel(
+    url: &str,
+    timeout: Duration,
+    tls: &rookworld_proto::tls::ClientTlsArgs,
+) -> Result<Channel, String> {
+    Ok(tls
+        .endpoint(url)?
         .connect_timeout(timeout)
         .timeout(timeout)
         // A peer whose host vanished never resets the connection: pings notice it.
@@ -181,9 +204,9 @@ pub async fn run(
     bos: u32,
     cfg: LoopConfig,
     shutdown: impl std::future::Future<Output = ()>,
-) -> Result<(), tonic::transport::Error> {
-    let learner = RolloutQueueClient::new(channel(&cfg.learner, cfg.call_timeout)?);
-    let scorer = RewardServiceClient::new(channel(&cfg.reward, cfg.call_timeout)?);
+) -> Result<(), String> {
+    let learner = RolloutQueueClient::new(channel(&cfg.learner, cfg.call_timeout, &cfg.tls)?);
+    let scorer = RewardServiceClient::new(channel(&cfg.reward, cfg.call_timeout, &cfg.tls)?);
     let slots = Arc::new(Semaphore::new(cfg.max_in_flight.max(1)));
     let cfg = Arc::new(cfg);
     let peers = Arc::new(Peers {
@@ -339,9 +362,12 @@ async fn group(
         .collect();
     let scores = with_backoff(&peers.reward, "score", cfg.max_backoff, || {
         let mut c = scorer.clone();
-        let r = reward::ScoreRequest {
-            items: items.clone(),
-        };
+        let r = authed(
+            reward::ScoreRequest {
+                items: items.clone(),
+            },
+            &cfg.token,
+        );
         async move { c.score(r).await }
     })
     .await

@@ -42,6 +42,11 @@ struct Server {
 
 impl Server {
     async fn start(engine_cfg: EngineConfig) -> Self {
+        Self::start_with(engine_cfg, None).await
+    }
+
+    /// The service behind [`TOKEN`], and `inspect` for Status when given.
+    async fn start_with(engine_cfg: EngineConfig, inspect: Option<&str>) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let engine = Arc::new(Engine::start(model(1), 0, engine_cfg));
@@ -53,6 +58,7 @@ impl Server {
             Device::Cpu,
             ServiceConfig {
                 token: Some(TOKEN.into()),
+                inspect_token: inspect.map(str::to_owned),
                 ..ServiceConfig::default()
             },
         );
@@ -110,11 +116,18 @@ fn generate_request(n: u32, max_new_tokens: u32, seed: u64) -> pb::GenerateReque
 }
 
 /// Every response of a Generate call, by (prompt, sample).
+/// `msg` carrying [`TOKEN`].
+fn authed<T>(msg: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    rookworld_proto::auth::set_token(r.metadata_mut(), TOKEN).unwrap();
+    r
+}
+
 async fn generate(
     client: &mut RolloutServiceClient<Channel>,
     r: pb::GenerateRequest,
 ) -> BTreeMap<(u32, u32), pb::GenerateResponse> {
-    let mut stream = client.generate(r).await.unwrap().into_inner();
+    let mut stream = client.generate(authed(r)).await.unwrap().into_inner();
     let mut out = BTreeMap::new();
     while let Some(item) = stream.next().await {
         let item = item.unwrap();
@@ -191,15 +204,15 @@ async fn generate_streams_every_completion_with_logprobs_and_version() {
 
     // Bad requests fail before anything is generated.
     let mut bad = generate_request(0, 10, 4);
-    let err = client.generate(bad.clone()).await.unwrap_err();
+    let err = client.generate(authed(bad.clone())).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
     bad.num_completions = 1;
     bad.prompts[0].ids = vec![1, 2];
-    let err = client.generate(bad.clone()).await.unwrap_err();
+    let err = client.generate(authed(bad.clone())).await.unwrap_err();
     assert!(err.message().contains("exactly one"), "{err:?}");
     bad.prompts[0].text.clear();
     bad.prompts[0].ids = vec![70_000];
-    let err = client.generate(bad).await.unwrap_err();
+    let err = client.generate(authed(bad)).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().contains("vocabulary"), "{err:?}");
     server.stop().await;
@@ -344,7 +357,7 @@ async fn a_swap_during_generation_never_mixes_versions_in_a_completion() {
         let mut client = server.client().await;
         let (set, received) = bf16_set(&model(3), 7);
         let mut stream = client
-            .generate(generate_request(4, 40, 9))
+            .generate(authed(generate_request(4, 40, 9)))
             .await
             .unwrap()
             .into_inner();
@@ -450,4 +463,40 @@ async fn health_reflection_and_metrics_are_served() {
         .unwrap();
     assert!(tokens >= 12.0, "{tokens}");
     server.stop().await;
+}
+
+/// Generate spends the GPU: it needs the shared token. Status is open unless the worker
+/// has an inspection token; then it (or the shared token) is needed, and it does no work.
+#[tokio::test]
+async fn generate_needs_the_token_and_status_the_inspection_token_when_one_is_set() {
+    let server = Server::start_with(EngineConfig::default(), Some("look")).await;
+    let mut client = server.client().await;
+    let err = client
+        .generate(generate_request(1, 4, 1))
+        .await
+        .expect_err("refused");
+    assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
+    let mut wrong = tonic::Request::new(generate_request(1, 4, 1));
+    rookworld_proto::auth::set_token(wrong.metadata_mut(), "look").unwrap();
+    let err = client.generate(wrong).await.expect_err("refused");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    let err = client.status(pb::StatusRequest {}).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
+    let mut look = tonic::Request::new(pb::StatusRequest {});
+    rookworld_proto::auth::set_token(look.metadata_mut(), "look").unwrap();
+    client.status(look).await.unwrap();
+    client.status(authed(pb::StatusRequest {})).await.unwrap();
+    assert_eq!(
+        generate(&mut client, generate_request(1, 4, 1)).await.len(),
+        2
+    );
+    server.stop().await;
+
+    let open = Server::start(EngineConfig::default()).await;
+    open.client()
+        .await
+        .status(pb::StatusRequest {})
+        .await
+        .unwrap();
+    open.stop().await;
 }

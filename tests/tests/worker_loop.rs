@@ -60,7 +60,10 @@ async fn the_worker_scores_and_submits_every_leased_prompt() {
         let scorer = Scorer::new(RewardConfig::default(), None);
         reward_server::service::run(
             scorer,
-            Default::default(),
+            reward_server::service::ServiceConfig {
+                token: Some("t".into()),
+                ..Default::default()
+            },
             reward_listener,
             std::future::pending(),
         )
@@ -80,6 +83,7 @@ async fn the_worker_scores_and_submits_every_leased_prompt() {
         max_in_flight: 3,
         call_timeout: Duration::from_millis(500),
         max_backoff: Duration::from_millis(400),
+        tls: Default::default(),
     };
     let worker = tokio::spawn(worker_loop::run(
         engine,

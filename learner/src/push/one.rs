@@ -6,12 +6,14 @@ use std::time::{Duration, Instant};
 
 use rollout_worker::weights::{self, CHUNK_BYTES, WeightSet};
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
+use rookworld_proto::tls::ClientTlsArgs;
 
 use super::PushOutcome;
 use crate::queue::Queue;
 
 /// One push of `set` to the worker at `address`, bounded by `deadline`, logged and
-/// counted; through the shared file first when `shared` and the set has one.
+/// counted; through the shared file first when `shared` and the set has one. Plaintext
+/// unless `address` is `https://` (then with the system's roots); see [`push_over`].
 pub async fn push_to(
     address: String,
     set: WeightSet,
@@ -19,12 +21,33 @@ pub async fn push_to(
     deadline: Duration,
     shared: bool,
 ) -> PushOutcome {
+    push_over(
+        address,
+        set,
+        token,
+        deadline,
+        shared,
+        &ClientTlsArgs::default(),
+    )
+    .await
+}
+
+/// [`push_to`] with the client TLS `tls` for `https://` workers (its files are read for
+/// each push, so a rotated client certificate is used from the next push on).
+pub async fn push_over(
+    address: String,
+    set: WeightSet,
+    token: String,
+    deadline: Duration,
+    shared: bool,
+    tls: &ClientTlsArgs,
+) -> PushOutcome {
     let started = Instant::now();
     let mut how = How {
         path: "stream",
         shared_refused: false,
     };
-    let push = push_one(&address, &set, &token, deadline, shared, &mut how);
+    let push = push_one(&address, &set, &token, (deadline, shared, tls), &mut how);
     let result = tokio::time::timeout(deadline, push).await;
     let (error, unreachable) = match result {
         Ok(Ok(())) => (None, false),
@@ -79,15 +102,15 @@ async fn push_one(
     address: &str,
     set: &WeightSet,
     token: &str,
-    deadline: Duration,
-    shared: bool,
+    (deadline, shared, tls): (Duration, bool, &ClientTlsArgs),
     how: &mut How,
 ) -> Result<(), PushError> {
     let unreachable = |why: String| PushError {
         unreachable: true,
         why,
     };
-    let channel = rookworld_proto::serve::endpoint(address)
+    let channel = tls
+        .endpoint(address)
         .map_err(|e| unreachable(format!("bad address {address}: {e}")))?
         .connect_timeout(deadline)
         .timeout(deadline)

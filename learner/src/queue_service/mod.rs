@@ -9,9 +9,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use rookworld_proto::auth::check_token;
+use rookworld_proto::auth::Guard;
 use rookworld_proto::queue::v1 as pb;
 use rookworld_proto::queue::v1::rollout_queue_server::{RolloutQueue, RolloutQueueServer};
+use rookworld_proto::tls::ServerTls;
 use rookworld_proto::v1::SamplingParams;
 use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
@@ -44,7 +45,8 @@ pub struct GroupSpec {
 pub struct QueueServer {
     queue: Arc<Mutex<Queue>>,
     spec: GroupSpec,
-    token: Option<String>,
+    guard: Guard,
+    tls: Option<Arc<ServerTls>>,
     learner_version: Arc<AtomicU64>,
     started: Instant,
 }
@@ -59,14 +61,33 @@ impl QueueServer {
         Self {
             queue,
             spec,
-            token,
+            guard: Guard::new(token, None),
+            tls: None,
             learner_version,
             started: Instant::now(),
         }
     }
 
+    /// Inspection calls need `token` (or the shared token); without, they are open.
+    pub fn with_inspect_token(mut self, token: Option<String>) -> Self {
+        self.guard = Guard::new(self.guard.token().map(str::to_owned), token);
+        self
+    }
+
+    /// Serves TLS with `tls`.
+    pub fn with_tls(mut self, tls: Option<Arc<ServerTls>>) -> Self {
+        self.tls = tls;
+        self
+    }
+
+    /// A worker call: the shared token.
     fn authorize<T>(&self, request: &Request<T>) -> Result<(), Status> {
-        Ok(check_token(request.metadata(), self.token.as_deref())?)
+        Ok(self.guard.work(request.metadata())?)
+    }
+
+    /// An inspection call: open, or the inspection token.
+    fn inspect<T>(&self, request: &Request<T>) -> Result<(), Status> {
+        Ok(self.guard.inspect(request.metadata())?)
     }
 
     fn queue(&self) -> std::sync::MutexGuard<'_, Queue> {
@@ -229,8 +250,9 @@ impl RolloutQueue for QueueServer {
 
     async fn get_depths(
         &self,
-        _: Request<pb::GetDepthsRequest>,
+        request: Request<pb::GetDepthsRequest>,
     ) -> Result<Response<pb::GetDepthsResponse>, Status> {
+        self.inspect(&request)?;
         let (d, run_id) = {
             let q = self.queue();
             (q.depths(), q.run_id().to_owned())
@@ -256,8 +278,9 @@ impl RolloutQueue for QueueServer {
 
     async fn list_workers(
         &self,
-        _: Request<pb::ListWorkersRequest>,
+        request: Request<pb::ListWorkersRequest>,
     ) -> Result<Response<pb::ListWorkersResponse>, Status> {
+        self.inspect(&request)?;
         let now = Instant::now();
         let workers = self
             .queue()
@@ -284,8 +307,9 @@ impl RolloutQueue for QueueServer {
 
     async fn get_staleness(
         &self,
-        _: Request<pb::GetStalenessRequest>,
+        request: Request<pb::GetStalenessRequest>,
     ) -> Result<Response<pb::GetStalenessResponse>, Status> {
+        self.inspect(&request)?;
         let q = self.queue();
         Ok(Response::new(pb::GetStalenessResponse {
             buckets: q.staleness().to_vec(),
@@ -298,6 +322,7 @@ impl RolloutQueue for QueueServer {
         &self,
         request: Request<pb::PeekGroupsRequest>,
     ) -> Result<Response<pb::PeekGroupsResponse>, Status> {
+        self.inspect(&request)?;
         let r = request.into_inner();
         let n = (r.count as usize).clamp(1, MAX_PEEK);
         let groups = self
@@ -326,8 +351,9 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let tls = server.tls.clone();
     let service = RolloutQueueServer::new(server)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    rookworld_proto::serve::serve(service, listener, shutdown).await
+    rookworld_proto::serve::serve(service, listener, tls, shutdown).await
 }

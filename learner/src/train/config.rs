@@ -96,6 +96,12 @@ pub struct TrainArgs {
     pub metrics: String,
     #[command(flatten)]
     pub token: rookworld_proto::auth::TokenArgs,
+    /// TLS of the queue port (with --local, of the local services' ports too).
+    #[command(flatten)]
+    pub tls: rookworld_proto::tls::ServerTlsArgs,
+    /// TLS towards `https://` workers (pushes) and the reward server.
+    #[command(flatten)]
+    pub client_tls: rookworld_proto::tls::ClientTlsArgs,
     #[command(flatten)]
     pub settings: TrainSettings,
     #[command(flatten)]

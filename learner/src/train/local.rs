@@ -14,6 +14,7 @@ use rollout_worker::service::{RolloutServer, ServiceConfig};
 use rollout_worker::weights::WeightSet;
 use rollout_worker::worker_loop::{self, LoopConfig};
 use rookworld_lm::{Gpt2, Tokenizer, checkpoint};
+use rookworld_proto::tls::{ClientTlsArgs, ServerTls};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -32,25 +33,32 @@ pub struct LocalServices {
 impl LocalServices {
     /// Starts the reward server and a worker that runs `weights` (the BF16 set the
     /// learner would push, so worker and learner agree from the first step) and pulls
-    /// from the queue at `queue`.
+    /// from the queue at `queue`. With `tls` (the learner's: its certificate must name
+    /// 127.0.0.1), every local port serves TLS and the worker calls out with `client`.
     pub async fn start(
         queue: SocketAddr,
         weights: &WeightSet,
         config: &rookworld_lm::Config,
         token: &str,
         shared_dir: Option<std::path::PathBuf>,
+        (tls, client): (Option<Arc<ServerTls>>, ClientTlsArgs),
     ) -> Result<Self, BoxError> {
         let (stop, stopped) = watch::channel(false);
         let mut tasks = Vec::new();
+        let scheme = if tls.is_some() { "https" } else { "http" };
 
         let reward_listener = TcpListener::bind("127.0.0.1:0").await?;
-        let reward = format!("http://{}", reward_listener.local_addr()?);
+        let reward = format!("{scheme}://{}", reward_listener.local_addr()?);
         let scorer = Scorer::new(RewardConfig::default(), None);
+        let reward_cfg = reward_server::service::ServiceConfig {
+            token: Some(token.to_owned()),
+            tls: tls.clone(),
+            ..Default::default()
+        };
         let rx = stopped.clone();
         tasks.push(tokio::spawn(async move {
             if let Err(e) =
-                reward_server::service::run(scorer, Default::default(), reward_listener, until(rx))
-                    .await
+                reward_server::service::run(scorer, reward_cfg, reward_listener, until(rx)).await
             {
                 tracing::error!(error = %e, "local reward server");
             }
@@ -63,7 +71,7 @@ impl LocalServices {
                 .with_run(&weights.run_id),
         );
         let worker_listener = TcpListener::bind("127.0.0.1:0").await?;
-        let worker = format!("http://{}", worker_listener.local_addr()?);
+        let worker = format!("{scheme}://{}", worker_listener.local_addr()?);
         let server = RolloutServer::new(
             engine.clone(),
             Tokenizer::gpt2(),
@@ -72,6 +80,7 @@ impl LocalServices {
             Device::Cpu,
             ServiceConfig {
                 token: Some(token.to_owned()),
+                tls,
                 shared_dir,
                 ..ServiceConfig::default()
             },
@@ -83,7 +92,7 @@ impl LocalServices {
             }
         }));
         let cfg = LoopConfig {
-            learner: format!("http://{queue}"),
+            learner: format!("{scheme}://{queue}"),
             reward: reward.clone(),
             token: token.to_owned(),
             worker_id: "local-worker".into(),
@@ -91,6 +100,7 @@ impl LocalServices {
             max_in_flight: 4,
             call_timeout: Duration::from_secs(30),
             max_backoff: Duration::from_secs(2),
+            tls: client,
         };
         let rx = stopped.clone();
         let bos = config.bos_token_id;

@@ -110,6 +110,8 @@ struct Run {
     resumed: bool,
     /// The newest evaluation (`--eval-every`).
     eval: Option<Outcome>,
+    /// The run directory's lock, held until the run ends.
+    _lock: crate::run_lock::RunLock,
 }
 
 fn lock(q: &Mutex<Queue>) -> std::sync::MutexGuard<'_, Queue> {
@@ -138,8 +140,12 @@ pub async fn run(
             .into());
         }
     };
+    let inspect_token = args.token.resolve_inspect().map_err(ConfigError)?;
+    let tls = args.tls.load().map_err(ConfigError)?;
+    args.client_tls.check().map_err(ConfigError)?;
     if let Some(reward) = args.reward.as_ref().filter(|_| !args.local) {
-        check_reachable(reward, Duration::from_secs_f64(args.reward_wait.max(0.0))).await?;
+        let wait = Duration::from_secs_f64(args.reward_wait.max(0.0));
+        check_reachable(reward, &args.client_tls, wait).await?;
     }
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
@@ -162,7 +168,9 @@ pub async fn run(
         spec,
         Some(token.clone()),
         run.version.clone(),
-    );
+    )
+    .with_inspect_token(inspect_token)
+    .with_tls(tls.clone());
     let (server_stop, server_stopped) = watch::channel(false);
     let queue_task = tokio::spawn(queue_service::run(server, listener, until(server_stopped)));
     tracing::info!(queue = %queue_addr, step = run.step, version = run.version.load(Ordering::SeqCst), "learner ready");
@@ -178,6 +186,7 @@ pub async fn run(
                 run.policy.model.config(),
                 &token,
                 shared_dir.clone(),
+                (tls.clone(), args.client_tls.clone()),
             )
             .await
             .map_err(|e| TrainError::Service(format!("local services: {e}")))?,
@@ -199,6 +208,7 @@ pub async fn run(
             deadline: args.push_timeout(),
             forget_after: Duration::from_secs_f64((2.0 * s.lease_timeout).max(60.0)),
             tick: Duration::from_millis(250),
+            tls: args.client_tls.clone(),
         },
         until(sync_stopped),
     ));

@@ -34,6 +34,9 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
         .device
         .parse::<rookworld_lm::device::DeviceChoice>()?
         .open()?;
+    // Before anything in the directory is read or deleted (`--overwrite`).
+    let run_lock =
+        crate::run_lock::RunLock::acquire(&args.run_dir).map_err(run_dir::RunDirError::from)?;
     let latest = run_dir::open(&args.run_dir, &args.start, &device)?;
     let resumed = latest.is_some();
     let run_id = run_dir::run_id(&args.run_dir, !resumed)?;
@@ -127,6 +130,7 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
         settings_json,
         resumed,
         eval: None,
+        _lock: run_lock,
     })
 }
 

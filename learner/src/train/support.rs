@@ -86,8 +86,13 @@ pub(super) async fn drain(queue: &Mutex<Queue>, timeout: Duration) {
 }
 
 /// Fails with one line when nothing answers at `url` within `wait`.
-pub(super) async fn check_reachable(url: &str, wait: Duration) -> Result<(), TrainError> {
-    let endpoint = rookworld_proto::serve::endpoint(url)
+pub(super) async fn check_reachable(
+    url: &str,
+    tls: &rookworld_proto::tls::ClientTlsArgs,
+    wait: Duration,
+) -> Result<(), TrainError> {
+    let endpoint = tls
+        .endpoint(url)
         .map_err(|e| ConfigError(format!("--reward {url}: {e}")))?
         .connect_timeout(Duration::from_secs(2));
     let started = Instant::now();

@@ -160,6 +160,8 @@ impl Cluster {
             &self.reward_addr.to_string(),
             "--metrics",
             &self.reward_metrics.to_string(),
+            "--token-file",
+            self.token_file.to_str().unwrap(),
         ]
         .map(String::from);
         Proc::spawn("reward", REWARD, &args, self.dir.path())

@@ -1,0 +1,377 @@
+//! TLS on every gRPC connection, with rustls (the stack under tonic's TLS): a server's
+//! certificate and key, optionally a client CA that makes it mutual TLS; a client's CA and,
+//! for mutual TLS, its own certificate. Every flag has an environment variable.
+//!
+//! A server re-reads its files on SIGHUP and when they change (checked every
+//! [`RELOAD_POLL`]): new connections get the new certificate, open ones keep theirs, and a
+//! file that fails to load leaves the old certificate serving, with a warning. A client
+//! reads its files whenever it builds a connection (see [`ClientTlsArgs::endpoint`]).
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio_rustls::rustls::server::WebPkiClientVerifier;
+use tokio_rustls::rustls::{self, RootCertStore, ServerConfig};
+
+/// How often a server checks its certificate files for a change.
+pub const RELOAD_POLL: Duration = Duration::from_secs(10);
+/// How long a client may take over its TLS handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Handshakes in progress at once; connections past it are closed at once.
+pub const MAX_HANDSHAKES: usize = 256;
+
+/// A server's TLS options (flattened into every `serve` command line).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ServerTlsArgs {
+    /// Serve TLS with this certificate chain (PEM, leaf first).
+    #[arg(long, env = "ROOKWORLD_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM: PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, env = "ROOKWORLD_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Mutual TLS: require a client certificate signed by this CA (PEM).
+    #[arg(long, env = "ROOKWORLD_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+}
+
+/// A client's TLS options: used for every `https://` address it calls.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ClientTlsArgs {
+    /// Trust servers whose certificate this CA signed (PEM); without it, the system's roots.
+    #[arg(long, env = "ROOKWORLD_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// Mutual TLS: this client certificate chain (PEM)...
+    #[arg(long, env = "ROOKWORLD_TLS_CLIENT_CERT", requires = "tls_client_key")]
+    pub tls_client_cert: Option<PathBuf>,
+    /// ...and its private key (PEM).
+    #[arg(long, env = "ROOKWORLD_TLS_CLIENT_KEY", requires = "tls_client_cert")]
+    pub tls_client_key: Option<PathBuf>,
+}
+
+/// Reads `path` for the option `flag`; the error is one line naming both.
+fn read(flag: &str, path: &Path) -> Result<Vec<u8>, String> {
+    std::fs::read(path).map_err(|e| format!("{flag} {}: {e}", path.display()))
+}
+
+/// Every certificate in a PEM file; an error when it holds none.
+fn certificates(
+    flag: &str,
+    path: &Path,
+    pem: &[u8],
+) -> Result<Vec<CertificateDer<'static>>, String> {
+    let certs = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("{flag} {}: {e}", path.display()))?;
+    if certs.is_empty() {
+        return Err(format!(
+            "{flag} {}: no PEM certificate in it",
+            path.display()
+        ));
+    }
+    Ok(certs)
+}
+
+fn private_key(flag: &str, path: &Path, pem: &[u8]) -> Result<PrivateKeyDer<'static>, String> {
+    PrivateKeyDer::from_pem_slice(pem)
+        .map_err(|e| format!("{flag} {}: no usable PEM private key: {e}", path.display()))
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// The bytes of a server's files, as last read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ServerFiles {
+    cert: Vec<u8>,
+    key: Vec<u8>,
+    client_ca: Option<Vec<u8>>,
+}
+
+impl ServerTlsArgs {
+    /// Whether TLS is asked for.
+    pub fn enabled(&self) -> bool {
+        self.tls_cert.is_some()
+    }
+
+    /// The server's TLS, loaded and checked now; `None` when it serves plaintext.
+    pub fn load(&self) -> Result<Option<Arc<ServerTls>>, String> {
+        if !self.enabled() {
+            return Ok(None);
+        }
+        let files = self.read()?;
+        let config = server_config(self, &files)?;
+        Ok(Some(Arc::new(ServerTls {
+            args: self.clone(),
+            files: Mutex::new(files),
+            config: RwLock::new(Arc::new(config)),
+        })))
+    }
+
+    fn read(&self) -> Result<ServerFiles, String> {
+        let (cert, key) = match (&self.tls_cert, &self.tls_key) {
+            (Some(c), Some(k)) => (c, k),
+            _ => return Err("--tls-cert and --tls-key go together".into()),
+        };
+        Ok(ServerFiles {
+            cert: read("--tls-cert", cert)?,
+            key: read("--tls-key", key)?,
+            client_ca: match &self.tls_client_ca {
+                Some(p) => Some(read("--tls-client-ca", p)?),
+                None => None,
+            },
+        })
+    }
+}
+
+/// A rustls server configuration from `files`: TLS 1.2 and 1.3, HTTP/2 by ALPN, and a
+/// client certificate required and verified against the client CA when one is set.
+fn server_config(args: &ServerTlsArgs, files: &ServerFiles) -> Result<ServerConfig, String> {
+    let cert_path = args.tls_cert.as_deref().unwrap_or(Path::new(""));
+    let key_path = args.tls_key.as_deref().unwrap_or(Path::new(""));
+    let certs = certificates("--tls-cert", cert_path, &files.cert)?;
+    let key = private_key("--tls-key", key_path, &files.key)?;
+    let builder = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS: {e}"))?;
+    let builder = match (&files.client_ca, &args.tls_client_ca) {
+        (Some(pem), Some(path)) => {
+            let mut roots = RootCertStore::empty();
+            for cert in certificates("--tls-client-ca", path, pem)? {
+                roots
+                    .add(cert)
+                    .map_err(|e| format!("--tls-client-ca {}: {e}", path.display()))?;
+            }
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+                .build()
+                .map_err(|e| format!("--tls-client-ca {}: {e}", path.display()))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+        _ => builder.with_no_client_auth(),
+    };
+    let mut config = builder.with_single_cert(certs, key).map_err(|e| {
+        format!(
+            "--tls-cert {} with --tls-key {}: {e}",
+            cert_path.display(),
+            key_path.display()
+        )
+    })?;
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(config)
+}
+
+/// A serving TLS configuration that can be swapped while the server runs.
+#[derive(Debug)]
+pub struct ServerTls {
+    args: ServerTlsArgs,
+    files: Mutex<ServerFiles>,
+    config: RwLock<Arc<ServerConfig>>,
+}
+
+impl ServerTls {
+    /// Whether clients must present a certificate.
+    pub fn mutual(&self) -> bool {
+        self.args.tls_client_ca.is_some()
+    }
+
+    /// The acceptor for the next connection, with the newest configuration.
+    fn acceptor(&self) -> TlsAcceptor {
+        let config = self
+            .config
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        TlsAcceptor::from(config)
+    }
+
+    /// Re-reads the files: `Ok(true)` when they changed and the new configuration serves
+    /// from now on; an error (the old configuration stays) when they no longer load.
+    pub fn reload(&self) -> Result<bool, String> {
+        let files = self.args.read()?;
+        let mut held = self
+            .files
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if *held == files {
+            return Ok(false);
+        }
+        let config = server_config(&self.args, &files)?;
+        *self
+            .config
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(config);
+        *held = files;
+        Ok(true)
+    }
+
+    /// Reloads on SIGHUP and when the files change, until `stopped` says so.
+    pub(crate) async fn watch(self: Arc<Self>, mut stopped: tokio::sync::watch::Receiver<bool>) {
+        #[cfg(unix)]
+        let mut hangup =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+        loop {
+            #[cfg(unix)]
+            let hup = async {
+                match hangup.as_mut() {
+                    Some(s) => {
+                        s.recv().await;
+                    }
+                    None => std::future::pending().await,
+                }
+            };
+            #[cfg(not(unix))]
+            let hup = std::future::pending::<()>();
+            let why = tokio::select! {
+                _ = stopped.wait_for(|&s| s) => return,
+                () = hup => "SIGHUP",
+                () = tokio::time::sleep(RELOAD_POLL) => "a file changed",
+            };
+            let this = self.clone();
+            let result = tokio::task::spawn_blocking(move || this.reload())
+                .await
+                .unwrap_or_else(|e| Err(format!("reload task: {e}")));
+            match result {
+                Ok(true) => {
+                    metrics::counter!("grpc_tls_reloads_total", "result" => "ok").increment(1);
+                    tracing::info!(trigger = why, "TLS certificates reloaded");
+                }
+                Ok(false) if why == "SIGHUP" => {
+                    tracing::info!("SIGHUP: the TLS files are unchanged")
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    metrics::counter!("grpc_tls_reloads_total", "result" => "error").increment(1);
+                    tracing::warn!(trigger = why, error = %e, "TLS certificates not reloaded; the previous ones still serve");
+                }
+            }
+        }
+    }
+}
+
+/// TLS connections from `listener`, each handshake on a task of its own (a slow client
+/// never holds the others up) and bounded by [`HANDSHAKE_TIMEOUT`] and [`MAX_HANDSHAKES`].
+/// Failed handshakes are counted and logged at most once a minute. Ends when the receiver
+/// is dropped.
+pub(crate) fn incoming(
+    listener: TcpListener,
+    tls: Arc<ServerTls>,
+) -> tokio_stream::wrappers::ReceiverStream<
+    std::io::Result<tokio_rustls::server::TlsStream<TcpStream>>,
+> {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        let permits = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+        let said = Arc::new(Mutex::new(None::<std::time::Instant>));
+        loop {
+            let accepted = tokio::select! {
+                a = listener.accept() => a,
+                () = tx.closed() => return,
+            };
+            let (tcp, peer) = match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of descriptors and the like: wait instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let _ = tcp.set_nodelay(true);
+            let Ok(permit) = permits.clone().try_acquire_owned() else {
+                handshake_failed(&said, peer, "too many handshakes in progress", "busy");
+                continue;
+            };
+            let (acceptor, tx, said) = (tls.acceptor(), tx.clone(), said.clone());
+            tokio::spawn(async move {
+                let _permit = permit;
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                    Ok(Ok(stream)) => {
+                        let _ = tx.send(Ok(stream)).await;
+                    }
+                    Ok(Err(e)) => handshake_failed(&said, peer, &e.to_string(), "refused"),
+                    Err(_) => handshake_failed(&said, peer, "no handshake in time", "timeout"),
+                }
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// Counts a failed handshake; logs it unless one was logged in the last minute.
+fn handshake_failed(
+    said: &Mutex<Option<std::time::Instant>>,
+    peer: std::net::SocketAddr,
+    why: &str,
+    reason: &'static str,
+) {
+    metrics::counter!("grpc_tls_handshake_failures_total", "reason" => reason).increment(1);
+    let mut last = said
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if last.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
+        *last = Some(std::time::Instant::now());
+        tracing::warn!(%peer, error = why, "TLS handshake failed (further failures this minute are only counted in grpc_tls_handshake_failures_total)");
+    }
+}
+
+impl ClientTlsArgs {
+    /// Whether any client TLS option is set.
+    pub fn enabled(&self) -> bool {
+        self.tls_ca.is_some() || self.tls_client_cert.is_some()
+    }
+
+    /// Checks that the files load (at start, so a bad path is one line before any call).
+    pub fn check(&self) -> Result<(), String> {
+        if self.enabled() {
+            self.config()?;
+        }
+        Ok(())
+    }
+
+    /// tonic's client TLS from the files as they are now.
+    fn config(&self) -> Result<tonic::transport::ClientTlsConfig, String> {
+        use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+        let mut config = ClientTlsConfig::new();
+        config = match &self.tls_ca {
+            Some(path) => {
+                let pem = read("--tls-ca", path)?;
+                certificates("--tls-ca", path, &pem)?;
+                config.ca_certificate(Certificate::from_pem(pem))
+            }
+            None => config.with_native_roots(),
+        };
+        if let (Some(cert), Some(key)) = (&self.tls_client_cert, &self.tls_client_key) {
+            let (c, k) = (
+                read("--tls-client-cert", cert)?,
+                read("--tls-client-key", key)?,
+            );
+            certificates("--tls-client-cert", cert, &c)?;
+            private_key("--tls-client-key", key, &k)?;
+            config = config.identity(Identity::from_pem(c, k));
+        }
+        Ok(config.timeout(HANDSHAKE_TIMEOUT))
+    }
+
+    /// A client endpoint for `url` ([`crate::serve::endpoint`]), with TLS when the URL is
+    /// `https://` (the files are read now). A plaintext `http://` URL while TLS options are
+    /// set is refused: the call would cross unprotected.
+    pub fn endpoint(&self, url: &str) -> Result<tonic::transport::Endpoint, String> {
+        let endpoint = crate::serve::endpoint(url).map_err(|e| format!("{url}: {e}"))?;
+        if url.starts_with("https://") {
+            return endpoint
+                .tls_config(self.config()?)
+                .map_err(|e| format!("{url}: {e}"));
+        }
+        if self.enabled() {
+            return Err(format!(
+                "{url} is plaintext but TLS options (--tls-ca / --tls-client-cert) are set: use https://"
+            ));
+        }
+        Ok(endpoint)
+    }
+}
