@@ -14,7 +14,7 @@ use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
 
 const LEARNER: &str = env!("CARGO_BIN_EXE_rw-learner");
 const WORKER: &str = env!("CARGO_BIN_EXE_rw-rollout-worker");
-const REWARD: &str = env!("CARGO_BIN_EXE_rw-reward-server");
+pub const REWARD: &str = env!("CARGO_BIN_EXE_rw-reward-server");
 
 /// Completions per prompt in every scenario.
 pub const GROUP: u32 = 4;
@@ -36,7 +36,12 @@ pub struct Proc {
 }
 
 impl Proc {
-    fn spawn(name: &str, bin: &str, args: &[String], dir: &Path) -> Self {
+    pub fn spawn(name: &str, bin: &str, args: &[String], dir: &Path) -> Self {
+        Self::spawn_logging(name, bin, args, dir, "info")
+    }
+
+    /// [`Proc::spawn`] with `RUST_LOG=level`.
+    pub fn spawn_logging(name: &str, bin: &str, args: &[String], dir: &Path, level: &str) -> Self {
         let log = dir.join(format!("{name}.log"));
         let file = std::fs::OpenOptions::new()
             .create(true)
@@ -45,7 +50,7 @@ impl Proc {
             .unwrap();
         let child = Command::new(bin)
             .args(args)
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", level)
             .env_remove("ROOKWORLD_TOKEN")
             .stdin(Stdio::null())
             .stdout(file.try_clone().unwrap())
@@ -88,6 +93,12 @@ impl Proc {
         }
     }
 
+    /// The process id while it runs.
+    #[allow(dead_code)] // tests/tests/tls.rs
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
@@ -119,6 +130,8 @@ pub struct Cluster {
     pub learner_metrics: SocketAddr,
     pub reward_addr: SocketAddr,
     pub reward_metrics: SocketAddr,
+    /// Certificates when every connection is mutual TLS ([`Cluster::with_tls`]).
+    pub tls: Option<PathBuf>,
 }
 
 impl Cluster {
@@ -137,7 +150,74 @@ impl Cluster {
             learner_metrics: free_addr(),
             reward_addr: free_addr(),
             reward_metrics: free_addr(),
+            tls: None,
             dir,
+        }
+    }
+
+    /// A cluster whose every gRPC connection is mutual TLS: a CA and a certificate per
+    /// service (and `operator`, the tests' client) from `deploy/tls/make-certs.sh`.
+    #[allow(dead_code)] // tests/tests/tls.rs
+    pub fn with_tls() -> Self {
+        let mut c = Self::new();
+        let dir = c.path("tls");
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/tls/make-certs.sh");
+        let out = Command::new("bash")
+            .arg(&script)
+            .arg(&dir)
+            .args(["learner", "reward-server", "worker", "operator"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "make-certs.sh: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        c.tls = Some(dir);
+        c
+    }
+
+    fn scheme(&self) -> &'static str {
+        if self.tls.is_some() { "https" } else { "http" }
+    }
+
+    /// `name`'s serving (and, with `client`, calling) TLS flags; none without TLS.
+    fn tls_args(&self, name: &str, client: bool) -> Vec<String> {
+        let Some(dir) = &self.tls else {
+            return vec![];
+        };
+        let f = |file: &str| dir.join(file).to_str().unwrap().to_owned();
+        let mut args = vec![
+            "--tls-cert".into(),
+            f(&format!("{name}.crt")),
+            "--tls-key".into(),
+            f(&format!("{name}.key")),
+            "--tls-client-ca".into(),
+            f("ca.crt"),
+        ];
+        if client {
+            args.extend([
+                "--tls-ca".into(),
+                f("ca.crt"),
+                "--tls-client-cert".into(),
+                f(&format!("{name}.crt")),
+                "--tls-client-key".into(),
+                f(&format!("{name}.key")),
+            ]);
+        }
+        args
+    }
+
+    /// The tests' own client TLS (the `operator` certificate).
+    pub fn client_tls(&self) -> rookworld_proto::tls::ClientTlsArgs {
+        match &self.tls {
+            None => Default::default(),
+            Some(dir) => rookworld_proto::tls::ClientTlsArgs {
+                tls_ca: Some(dir.join("ca.crt")),
+                tls_client_cert: Some(dir.join("operator.crt")),
+                tls_client_key: Some(dir.join("operator.key")),
+                ..Default::default()
+            },
         }
     }
 
@@ -146,11 +226,11 @@ impl Cluster {
     }
 
     pub fn learner_url(&self) -> String {
-        format!("http://{}", self.learner_addr)
+        format!("{}://{}", self.scheme(), self.learner_addr)
     }
 
     pub fn reward_url(&self) -> String {
-        format!("http://{}", self.reward_addr)
+        format!("{}://{}", self.scheme(), self.reward_addr)
     }
 
     pub fn reward_server(&self) -> Proc {
@@ -163,7 +243,10 @@ impl Cluster {
             "--token-file",
             self.token_file.to_str().unwrap(),
         ]
-        .map(String::from);
+        .map(String::from)
+        .to_vec();
+        let mut args = args;
+        args.extend(self.tls_args("reward-server", false));
         Proc::spawn("reward", REWARD, &args, self.dir.path())
     }
 
@@ -194,6 +277,7 @@ impl Cluster {
         if !addrs.advertise.is_empty() {
             args.extend(["--advertise".to_owned(), addrs.advertise.clone()]);
         }
+        args.extend(self.tls_args("worker", true));
         Proc::spawn(id, WORKER, &args, self.dir.path())
     }
 
@@ -248,6 +332,7 @@ impl Cluster {
         .map(String::from)
         .to_vec();
         args.extend(extra.iter().map(|s| s.to_string()));
+        args.extend(self.tls_args("learner", true));
         Proc::spawn("learner", LEARNER, &args, self.dir.path())
     }
 
@@ -258,12 +343,14 @@ impl Cluster {
             listen,
             metrics: free_addr(),
             learner_url: self.learner_url(),
-            advertise: format!("http://{listen}"),
+            advertise: format!("{}://{listen}", self.scheme()),
         }
     }
 
     async fn queue(&self) -> Option<RolloutQueueClient<tonic::transport::Channel>> {
-        let channel = tonic::transport::Endpoint::from_shared(self.learner_url())
+        let channel = self
+            .client_tls()
+            .endpoint(&self.learner_url())
             .unwrap()
             .connect_timeout(Duration::from_secs(1))
             .timeout(Duration::from_secs(3))
@@ -304,6 +391,25 @@ impl Cluster {
             .filter_map(|v| v["step"].as_u64())
             .max()
             .unwrap_or(0)
+    }
+
+    /// The weight version the worker on `listen` reports, over the cluster's TLS.
+    #[allow(dead_code)] // tests/tests/tls.rs
+    pub async fn worker_version_tls(&self, listen: SocketAddr) -> Option<u64> {
+        let url = format!("{}://{listen}", self.scheme());
+        let channel = self
+            .client_tls()
+            .endpoint(&url)
+            .unwrap()
+            .timeout(Duration::from_secs(3))
+            .connect()
+            .await
+            .ok()?;
+        let status = RolloutServiceClient::new(channel)
+            .status(rollout::StatusRequest {})
+            .await
+            .ok()?;
+        Some(status.into_inner().weight_version)
     }
 }
 
