@@ -51,6 +51,11 @@ pub struct ClientTlsArgs {
     /// ...and its private key (PEM).
     #[arg(long, env = "ROOKWORLD_TLS_CLIENT_KEY", requires = "tls_client_cert")]
     pub tls_client_key: Option<PathBuf>,
+    /// The name servers' certificates are checked against, instead of each URL's host
+    /// (set by commands whose peers share one certificate, e.g. the learner's
+    /// `--push-tls-name` for workers that advertise IP addresses).
+    #[arg(skip)]
+    pub server_name: Option<String>,
 }
 
 /// Reads `path` for the option `flag`; the error is one line naming both.
@@ -325,6 +330,16 @@ impl ClientTlsArgs {
         self.tls_ca.is_some() || self.tls_client_cert.is_some()
     }
 
+    /// The contents of the files as they are now (empty without TLS options; an unreadable
+    /// file counts as empty): a change means connections built from now on differ.
+    pub fn snapshot(&self) -> Vec<Vec<u8>> {
+        [&self.tls_ca, &self.tls_client_cert, &self.tls_client_key]
+            .into_iter()
+            .flatten()
+            .map(|p| std::fs::read(p).unwrap_or_default())
+            .collect()
+    }
+
     /// Checks that the files load (at start, so a bad path is one line before any call).
     pub fn check(&self) -> Result<(), String> {
         if self.enabled() {
@@ -353,6 +368,9 @@ impl ClientTlsArgs {
             certificates("--tls-client-cert", cert, &c)?;
             private_key("--tls-client-key", key, &k)?;
             config = config.identity(Identity::from_pem(c, k));
+        }
+        if let Some(name) = &self.server_name {
+            config = config.domain_name(name.clone());
         }
         Ok(config.timeout(HANDSHAKE_TIMEOUT))
     }

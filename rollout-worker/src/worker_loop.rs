@@ -197,6 +197,52 @@ struct Peers {
     reward: Peer,
 }
 
+/// How often the loop looks at its client TLS files for a rotated certificate.
+const TLS_RECHECK: Duration = Duration::from_secs(10);
+
+/// The loop's clients of the learner and the reward server, rebuilt when the client TLS
+/// files change (a rotated certificate or CA is used from the next connection on).
+struct Clients {
+    learner: RolloutQueueClient<Channel>,
+    scorer: RewardServiceClient<Channel>,
+    files: Vec<Vec<u8>>,
+    checked: Instant,
+}
+
+impl Clients {
+    fn connect(cfg: &LoopConfig) -> Result<Self, String> {
+        Ok(Self {
+            learner: RolloutQueueClient::new(channel(&cfg.learner, cfg.call_timeout, &cfg.tls)?),
+            scorer: RewardServiceClient::new(channel(&cfg.reward, cfg.call_timeout, &cfg.tls)?),
+            files: cfg.tls.snapshot(),
+            checked: Instant::now(),
+        })
+    }
+
+    /// Rebuilds the clients when the TLS files changed (checked every [`TLS_RECHECK`]);
+    /// files that no longer load keep the old clients, with a warning.
+    fn refresh(&mut self, cfg: &LoopConfig) {
+        if !cfg.tls.enabled() || self.checked.elapsed() < TLS_RECHECK {
+            return;
+        }
+        self.checked = Instant::now();
+        let files = cfg.tls.snapshot();
+        if files == self.files {
+            return;
+        }
+        match Self::connect(cfg) {
+            Ok(new) => {
+                *self = new;
+                tracing::info!("client TLS files changed: new connections use them");
+            }
+            Err(e) => {
+                self.files = files;
+                tracing::warn!(error = %e, "client TLS files changed but do not load; the old ones stay in use");
+            }
+        }
+    }
+}
+
 /// Runs until `shutdown` resolves; groups in flight then finish (or are left to expire).
 pub async fn run(
     engine: Arc<Engine>,
@@ -205,8 +251,7 @@ pub async fn run(
     cfg: LoopConfig,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), String> {
-    let learner = RolloutQueueClient::new(channel(&cfg.learner, cfg.call_timeout, &cfg.tls)?);
-    let scorer = RewardServiceClient::new(channel(&cfg.reward, cfg.call_timeout, &cfg.tls)?);
+    let mut clients = Clients::connect(&cfg)?;
     let slots = Arc::new(Semaphore::new(cfg.max_in_flight.max(1)));
     let cfg = Arc::new(cfg);
     let peers = Arc::new(Peers {
@@ -220,6 +265,8 @@ pub async fn run(
             permit = slots.clone().acquire_many_owned(1) => permit.expect("semaphore open"),
         };
         drop(free);
+        clients.refresh(&cfg);
+        let learner = clients.learner.clone();
         let want = slots.available_permits().max(1) as u32;
         let status = engine.status();
         let request = queue::LeaseRequest {
@@ -257,7 +304,7 @@ pub async fn run(
             let permit = slots.clone().acquire_owned().await.expect("semaphore open");
             let (engine, tokenizer, cfg) = (engine.clone(), tokenizer.clone(), cfg.clone());
             let peers = peers.clone();
-            let (learner, scorer) = (learner.clone(), scorer.clone());
+            let (learner, scorer) = (clients.learner.clone(), clients.scorer.clone());
             let spec = (leased.num_completions, leased.sampling.unwrap_or_default());
             tokio::spawn(async move {
                 let id = prompt.prompt_id;

@@ -102,6 +102,11 @@ pub struct TrainArgs {
     /// TLS towards `https://` workers (pushes) and the reward server.
     #[command(flatten)]
     pub client_tls: rookworld_proto::tls::ClientTlsArgs,
+    /// Check every worker's certificate against this name instead of the host of its push
+    /// address: for workers that advertise IP addresses or container names and share one
+    /// certificate (compose replicas, Kubernetes pods).
+    #[arg(long, env = "LEARNER_PUSH_TLS_NAME")]
+    pub push_tls_name: Option<String>,
     #[command(flatten)]
     pub settings: TrainSettings,
     #[command(flatten)]

@@ -208,7 +208,10 @@ pub async fn run(
             deadline: args.push_timeout(),
             forget_after: Duration::from_secs_f64((2.0 * s.lease_timeout).max(60.0)),
             tick: Duration::from_millis(250),
-            tls: args.client_tls.clone(),
+            tls: rookworld_proto::tls::ClientTlsArgs {
+                server_name: args.push_tls_name.clone(),
+                ..args.client_tls.clone()
+            },
         },
         until(sync_stopped),
     ));
