@@ -22,7 +22,11 @@ project=rwe2e
 started=$(date +%s)
 say() { echo "[e2e $(( $(date +%s) - started ))s] $*"; }
 fail() { echo "deploy e2e: FAILED: $*" >&2; dcp ps >&2 || true; dcp logs --tail 40 >&2 || true; exit 1; }
-dcp() { "${dc[@]}" -p "$project" -f docker-compose.yml "$@"; }
+# TLS mode (compose.tls.yml: mutual TLS on every gRPC connection) unless E2E_TLS=0.
+tls="${E2E_TLS:-1}"
+files=(-f docker-compose.yml)
+[ "$tls" = 1 ] && files+=(-f compose.tls.yml)
+dcp() { "${dc[@]}" -p "$project" "${files[@]}" "$@"; }
 
 tmp="$(mktemp -d)"
 cleanup() {
@@ -35,6 +39,14 @@ trap cleanup EXIT
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$tmp/token"
 chmod 644 "$tmp/token"
 export ROOKWORLD_TOKEN_PATH="$tmp/token" TAG=e2e WORKERS=2
+scheme=http
+if [ "$tls" = 1 ]; then
+  scheme=https
+  ./tls/make-certs.sh "$tmp/tls" >/dev/null
+  chmod 644 "$tmp/tls"/*.crt "$tmp/tls"/*.key   # the services run as uid 10001
+  chmod 755 "$tmp/tls"
+  export TLS_DIR="$tmp/tls"
+fi
 export LEARNER_PORT="${E2E_LEARNER_PORT:-25051}" PROMETHEUS_PORT="${E2E_PROMETHEUS_PORT:-29090}"
 export LEARNER_STEPS=100000 LEARNER_SFT_STEPS=10 LEARNER_PROMPTS_PER_STEP=4 LEARNER_GROUP_SIZE=4
 export LEARNER_CHECKPOINT_EVERY=2 LEARNER_LEASE_TIMEOUT=20 REWARD_ENGINE_PROCESSES=1 REWARD_ENGINE_DEPTH=6
@@ -70,7 +82,7 @@ one_error_line() { # NAME EXPECTED-TEXT SERVICE ENV...
 }
 one_error_line "missing token" "token" learner ROOKWORLD_TOKEN_FILE=/run/secrets/none
 one_error_line "unreachable reward server" "unreachable" learner \
-  LEARNER_REWARD=http://nowhere.invalid:50052 LEARNER_REWARD_WAIT=2
+  LEARNER_REWARD=$scheme://nowhere.invalid:50052 LEARNER_REWARD_WAIT=2
 one_error_line "wrong model path" "/models/missing" worker \
   ROOKWORLD_MODEL=/models/missing ROOKWORLD_PRESET=
 
@@ -166,6 +178,16 @@ curl -fsS "$prom/api/v1/rules" | grep -q '"name":"LearnerStalled"' || fail "Prom
 say "rollout queue through server reflection (Python grpcio-reflection)"
 python3 -m venv "$tmp/venv"
 "$tmp/venv/bin/pip" install -q grpcio grpcio-reflection protobuf
+if [ "$tls" = 1 ]; then
+  # The operator's certificate, as grpcurl would take it (-cacert, -cert, -key).
+  export ROOKWORLD_TLS_CA="$tmp/tls/ca.crt" ROOKWORLD_TLS_CLIENT_CERT="$tmp/tls/operator.crt" \
+    ROOKWORLD_TLS_CLIENT_KEY="$tmp/tls/operator.key"
+  ! ROOKWORLD_TLS_CA= "$tmp/venv/bin/python" grpc_reflect.py "127.0.0.1:$LEARNER_PORT" list >/dev/null 2>&1 \
+    || fail "the learner's queue answered plaintext"
+  ! ROOKWORLD_TLS_CLIENT_CERT= ROOKWORLD_TLS_CLIENT_KEY= "$tmp/venv/bin/python" grpc_reflect.py \
+    "127.0.0.1:$LEARNER_PORT" list >/dev/null 2>&1 || fail "the learner's queue answered a client without a certificate"
+  say "TLS: plaintext and a client without a certificate are refused; the operator's certificate is taken"
+fi
 reflect() { "$tmp/venv/bin/python" grpc_reflect.py "127.0.0.1:$LEARNER_PORT" "$@"; }
 reflect list > "$tmp/services"
 grep -qx rookworld.queue.v1.RolloutQueue "$tmp/services" || fail "reflection does not list the queue: $(cat "$tmp/services")"

@@ -6,8 +6,11 @@
     python3 deploy/grpc_reflect.py HOST:PORT call rookworld.queue.v1.RolloutQueue/PeekGroups '{"count": 4}'
 
 Requests and answers are JSON (proto3 JSON mapping). Exit 1 with one line on an error.
+TLS, as the services' clients take it: ROOKWORLD_TLS_CA (the CA file; TLS when set), and
+for mutual TLS ROOKWORLD_TLS_CLIENT_CERT and ROOKWORLD_TLS_CLIENT_KEY.
 """
 
+import os
 import sys
 
 import grpc
@@ -17,12 +20,32 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 
+def open_channel(addr):
+    ca = os.environ.get("ROOKWORLD_TLS_CA")
+    if not ca:
+        return grpc.insecure_channel(addr)
+
+    def read(var):
+        path = os.environ.get(var)
+        if not path:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=read("ROOKWORLD_TLS_CA"),
+        private_key=read("ROOKWORLD_TLS_CLIENT_KEY"),
+        certificate_chain=read("ROOKWORLD_TLS_CLIENT_CERT"),
+    )
+    return grpc.secure_channel(addr, creds)
+
+
 def main(argv):
     if len(argv) < 3 or argv[2] not in ("list", "describe", "call"):
         print(__doc__.strip(), file=sys.stderr)
         return 2
     addr, verb = argv[1], argv[2]
-    channel = grpc.insecure_channel(addr)
+    channel = open_channel(addr)
     database = ProtoReflectionDescriptorDatabase(channel)
     if verb == "list":
         for name in database.get_services():

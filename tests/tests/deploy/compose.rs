@@ -118,8 +118,9 @@ fn compose_services_are_configured_for_their_binaries() {
             "{service}: healthcheck"
         );
     }
-    // The workers and the learner share the token secret.
-    for service in ["learner", "worker"] {
+    // Every service has the token secret: the learner's queue, the workers' Generate and
+    // pushes, the reward server's Score are all behind it.
+    for service in ["learner", "worker", "reward-server"] {
         let svc = &services[service];
         let secrets: Vec<String> = svc["secrets"].as_vec().unwrap().iter().map(s).collect();
         assert_eq!(secrets, ["rookworld_token"], "{service}: secrets");
@@ -138,6 +139,81 @@ fn compose_services_are_configured_for_their_binaries() {
             "service_healthy"
         );
     }
+}
+
+#[test]
+fn the_tls_override_makes_every_connection_mutual_tls() {
+    let doc = &yaml("compose.tls.yml")[0];
+    let known = known_env();
+    let mut urls = 0;
+    for (service, binary, grpc, _) in COMPOSE_SERVICES {
+        let svc = &doc["services"][service];
+        let env = env_of_compose(svc);
+        for name in env.keys() {
+            assert!(
+                known[binary].contains(name),
+                "compose.tls.yml sets {name} on {service}, which `{binary}` does not read"
+            );
+        }
+        let file = |key: &str| {
+            env.get(key)
+                .map(String::as_str)
+                .unwrap_or_default()
+                .to_owned()
+        };
+        assert_eq!(
+            file("ROOKWORLD_TLS_CERT"),
+            format!("/run/tls/{service}.crt")
+        );
+        assert_eq!(file("ROOKWORLD_TLS_KEY"), format!("/run/tls/{service}.key"));
+        assert_eq!(
+            file("ROOKWORLD_TLS_CLIENT_CA"),
+            "/run/tls/ca.crt",
+            "{service}: mTLS"
+        );
+        assert_eq!(file("ROOKWORLD_TLS_CA"), "/run/tls/ca.crt");
+        assert_eq!(
+            file("ROOKWORLD_TLS_CLIENT_CERT"),
+            format!("/run/tls/{service}.crt")
+        );
+        // Every peer URL it is given is https.
+        for (k, v) in &env {
+            if v.contains("://") {
+                assert!(v.starts_with("https://"), "{service}: {k}={v}");
+                urls += 1;
+            }
+        }
+        let test: Vec<String> = svc["healthcheck"]["test"]
+            .as_vec()
+            .unwrap()
+            .iter()
+            .map(s)
+            .collect();
+        assert_eq!(
+            test,
+            [
+                "CMD",
+                binary,
+                "health",
+                &format!("https://127.0.0.1:{grpc}")
+            ]
+        );
+        let mounts: Vec<String> = svc["volumes"].as_vec().unwrap().iter().map(s).collect();
+        assert!(
+            mounts.iter().any(|m| m.ends_with(":/run/tls:ro")),
+            "{service}: {mounts:?}"
+        );
+    }
+    assert_eq!(
+        urls, 3,
+        "the learner's reward URL, the workers' learner and reward URLs"
+    );
+    // The workers share one certificate; the learner checks them by its name.
+    let learner = env_of_compose(&doc["services"]["learner"]);
+    assert_eq!(learner["LEARNER_PUSH_TLS_NAME"], "worker");
+    // The certificates the override names are the ones make-certs.sh makes by default.
+    let script = read(&deploy().join("tls/make-certs.sh"));
+    assert!(script.contains("set -- learner reward-server worker operator"));
 }
 
 #[test]

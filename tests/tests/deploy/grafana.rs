@@ -6,7 +6,7 @@ use crate::{deploy, read, s, yaml};
 
 /// A name with the prefix of one of the services' metrics.
 fn is_ours(name: &str) -> bool {
-    ["learner_", "rollout_", "reward_"]
+    ["learner_", "rollout_", "reward_", "grpc_tls_"]
         .iter()
         .any(|p| name.starts_with(p))
 }
@@ -15,7 +15,12 @@ fn is_ours(name: &str) -> bool {
 /// as a metric macro's or `build_info`'s first argument).
 pub fn exported_metrics() -> BTreeSet<String> {
     let mut names = BTreeSet::new();
-    for dir in ["learner/src", "rollout-worker/src", "reward-server/src"] {
+    for dir in [
+        "learner/src",
+        "rollout-worker/src",
+        "reward-server/src",
+        "proto/src",
+    ] {
         let mut stack = vec![deploy().join("..").join(dir)];
         while let Some(path) = stack.pop() {
             if path.is_dir() {

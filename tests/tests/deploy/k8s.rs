@@ -15,6 +15,8 @@ fn k8s_objects() -> BTreeMap<String, Yaml> {
         "reward-server.yaml",
         "learner.yaml",
         "worker.yaml",
+        "network-policies.yaml",
+        "certificates.yaml",
     ] {
         for doc in yaml(&format!("k8s/{file}")) {
             let key = format!("{}/{}", s(&doc["kind"]), s(&doc["metadata"]["name"]));
@@ -62,9 +64,16 @@ fn kubernetes_manifests_reference_each_other_consistently() {
             .iter()
             .map(|p| (s(&p["name"]), s(&p["containerPort"])))
             .collect();
+        // kubelet's gRPC probes cannot speak TLS: the binary's own health check does.
         for probe in ["readinessProbe", "livenessProbe"] {
-            let port = s(&container[probe]["grpc"]["port"]);
-            assert_eq!(ports.get("grpc"), Some(&port), "{key}: {probe}");
+            let command: Vec<String> = container[probe]["exec"]["command"]
+                .as_vec()
+                .unwrap_or_else(|| panic!("{key}: {probe} is no exec probe"))
+                .iter()
+                .map(s)
+                .collect();
+            let url = format!("https://127.0.0.1:{}", ports["grpc"]);
+            assert_eq!(command, [binary, "health", url.as_str()], "{key}: {probe}");
         }
         let env: BTreeMap<String, String> = container["env"]
             .as_vec()
@@ -90,8 +99,8 @@ fn kubernetes_manifests_reference_each_other_consistently() {
                 .as_vec()
                 .unwrap()
                 .iter()
-                .find(|v| !v["secret"].is_badvalue())
-                .unwrap_or_else(|| panic!("{key}: no secret volume"));
+                .find(|v| s(&v["secret"]["secretName"]) == secret)
+                .unwrap_or_else(|| panic!("{key}: no token volume"));
             assert_eq!(s(&volume["secret"]["secretName"]), secret);
             let mount = container["volumeMounts"]
                 .as_vec()
@@ -106,6 +115,51 @@ fn kubernetes_manifests_reference_each_other_consistently() {
                 "{key}: token file in the mount"
             );
         }
+        // Mutual TLS from the Secret of its cert-manager Certificate, every URL https.
+        let name = s(&w["metadata"]["name"]);
+        let tls_secret = format!("rookworld-{name}-tls");
+        let volume = pod["spec"]["volumes"]
+            .as_vec()
+            .unwrap()
+            .iter()
+            .find(|v| s(&v["secret"]["secretName"]) == tls_secret)
+            .unwrap_or_else(|| panic!("{key}: no volume of Secret {tls_secret}"));
+        let mount = container["volumeMounts"]
+            .as_vec()
+            .unwrap()
+            .iter()
+            .find(|m| m["name"] == volume["name"])
+            .unwrap_or_else(|| panic!("{key}: {tls_secret} not mounted"));
+        let dir = s(&mount["mountPath"]);
+        for (var, file) in [
+            ("ROOKWORLD_TLS_CERT", "tls.crt"),
+            ("ROOKWORLD_TLS_KEY", "tls.key"),
+            ("ROOKWORLD_TLS_CLIENT_CA", "ca.crt"),
+            ("ROOKWORLD_TLS_CA", "ca.crt"),
+            ("ROOKWORLD_TLS_CLIENT_CERT", "tls.crt"),
+            ("ROOKWORLD_TLS_CLIENT_KEY", "tls.key"),
+        ] {
+            assert_eq!(env.get(var), Some(&format!("{dir}/{file}")), "{key}: {var}");
+        }
+        for (var, value) in &env {
+            assert!(
+                !value.contains("http://"),
+                "{key}: {var}={value} is plaintext"
+            );
+        }
+        let cert = &objects[&format!("Certificate/{tls_secret}")]["spec"];
+        assert_eq!(s(&cert["secretName"]), tls_secret);
+        let list = |y: &Yaml| -> Vec<String> { y.as_vec().unwrap().iter().map(s).collect() };
+        let dns = list(&cert["dnsNames"]);
+        assert!(
+            dns.contains(&name) && dns.contains(&"localhost".to_owned()),
+            "{key}: {dns:?}"
+        );
+        assert!(list(&cert["ipAddresses"]).contains(&"127.0.0.1".to_owned()));
+        let usages = list(&cert["usages"]);
+        assert!(usages.contains(&"server auth".into()) && usages.contains(&"client auth".into()));
+        assert_eq!(s(&cert["issuerRef"]["name"]), "rookworld-ca");
+
         // A Service of the same name selects these pods by name port.
         let service = &objects[&format!("Service/{}", s(&w["metadata"]["name"]))];
         for (k, v) in service["spec"]["selector"].as_hash().unwrap() {
@@ -140,5 +194,75 @@ fn kubernetes_manifests_reference_each_other_consistently() {
             .unwrap()
             .iter()
             .any(|e| s(&e["name"]) == "ROLLOUT_ADVERTISE" && s(&e["value"]).contains("$(POD_IP)"))
+    );
+}
+
+/// Only workers reach the learner's queue, workers and the learner the reward server, the
+/// learner the workers' push port; the metrics ports stay open to Prometheus.
+#[test]
+fn network_policies_let_each_port_be_reached_only_by_its_callers() {
+    let objects = k8s_objects();
+    let listed: Vec<String> = yaml("k8s/kustomization.yaml")[0]["resources"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .map(s)
+        .collect();
+    assert!(listed.contains(&"network-policies.yaml".to_owned()));
+    let callers = [
+        ("learner", "50051", "9091", vec!["worker"]),
+        ("reward-server", "50052", "9092", vec!["worker", "learner"]),
+        ("worker", "50053", "9093", vec!["learner"]),
+    ];
+    for (name, grpc, metrics, from) in callers {
+        let policy = &objects[&format!("NetworkPolicy/{name}")]["spec"];
+        assert_eq!(
+            s(&policy["podSelector"]["matchLabels"]["app.kubernetes.io/name"]),
+            name
+        );
+        let types: Vec<String> = policy["policyTypes"]
+            .as_vec()
+            .unwrap()
+            .iter()
+            .map(s)
+            .collect();
+        assert_eq!(types, ["Ingress"]);
+        let rules = policy["ingress"].as_vec().unwrap();
+        assert_eq!(rules.len(), 2, "{name}: the gRPC rule and the metrics rule");
+        let port_of = |r: &Yaml| s(&r["ports"][0]["port"]);
+        let grpc_rule = rules.iter().find(|r| port_of(r) == grpc).unwrap();
+        let mut got: Vec<String> = grpc_rule["from"]
+            .as_vec()
+            .unwrap_or_else(|| panic!("{name}: its gRPC port is open to all"))
+            .iter()
+            .map(|f| s(&f["podSelector"]["matchLabels"]["app.kubernetes.io/name"]))
+            .collect();
+        got.sort();
+        let mut want: Vec<String> = from.iter().map(|f| f.to_string()).collect();
+        want.sort();
+        assert_eq!(got, want, "{name}: who reaches port {grpc}");
+        let metrics_rule = rules.iter().find(|r| port_of(r) == metrics).unwrap();
+        assert!(
+            metrics_rule["from"].is_badvalue(),
+            "{name}: Prometheus may scrape"
+        );
+    }
+    // The learner checks the workers by the name their shared certificate carries.
+    let learner = &objects["StatefulSet/learner"]["spec"]["template"]["spec"]["containers"][0];
+    let push_name = learner["env"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .find(|e| s(&e["name"]) == "LEARNER_PUSH_TLS_NAME")
+        .map(|e| s(&e["value"]))
+        .unwrap();
+    let worker_cert = &objects["Certificate/rookworld-worker-tls"]["spec"]["dnsNames"];
+    assert!(
+        worker_cert
+            .as_vec()
+            .unwrap()
+            .iter()
+            .any(|d| s(d) == push_name),
+        "{push_name} is not on the workers' certificate"
     );
 }

@@ -54,11 +54,15 @@ pub fn env_names(cmd: Command) -> BTreeSet<String> {
 }
 
 /// What each service binary's running command reads from the environment, plus what
-/// every binary reads (`RUST_LOG`, the log format).
+/// every binary reads (`RUST_LOG`, the log format) and what its `health` check reads (the
+/// client TLS files).
 pub fn known_env() -> BTreeMap<&'static str, BTreeSet<String>> {
     let with_common = |mut set: BTreeSet<String>| {
         set.extend(env_names(rookworld_proto::logging::LogArgs::augment_args(
             Command::new("logging"),
+        )));
+        set.extend(env_names(rookworld_proto::probe::HealthArgs::augment_args(
+            Command::new("health"),
         )));
         set.insert("RUST_LOG".into());
         set

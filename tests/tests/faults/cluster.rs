@@ -12,8 +12,8 @@ use rookworld_proto::queue::v1::rollout_queue_client::RolloutQueueClient;
 use rookworld_proto::rollout::v1 as rollout;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
 
-const LEARNER: &str = env!("CARGO_BIN_EXE_rw-learner");
-const WORKER: &str = env!("CARGO_BIN_EXE_rw-rollout-worker");
+pub const LEARNER: &str = env!("CARGO_BIN_EXE_rw-learner");
+pub const WORKER: &str = env!("CARGO_BIN_EXE_rw-rollout-worker");
 pub const REWARD: &str = env!("CARGO_BIN_EXE_rw-reward-server");
 
 /// Completions per prompt in every scenario.
