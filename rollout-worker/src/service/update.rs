@@ -56,13 +56,7 @@ impl RolloutServer {
             Assembler::with_buffer(expected * 2 + (1 << 20), buffer.unwrap_or_default());
         let mut shared = None;
         while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|s| {
-                ServiceError::Interrupted(format!(
-                    "after {} bytes: {}",
-                    assembler.received(),
-                    s.message()
-                ))
-            })?;
+            let chunk = chunk.map_err(|s| stream_error(&s, assembler.received()))?;
             let first = assembler.header().is_none();
             assembler.push(chunk)?;
             if first {
@@ -239,4 +233,20 @@ async fn blocking<T: Send + 'static>(
         .await
         .map_err(|e| ServiceError::Internal(format!("a weight update task panicked: {e}")))?
         .map_err(ServiceError::from)
+}
+
+/// A failed read of the weight stream: a chunk that does not decode, or is past the message
+/// limit, is the sender's malformed input (INVALID_ARGUMENT); anything else broke the
+/// stream off (ABORTED: the sender may retry).
+fn stream_error(s: &tonic::Status, received: usize) -> ServiceError {
+    let malformed = s.code() == tonic::Code::OutOfRange
+        || (s.code() == tonic::Code::Internal && s.message().contains("decode"));
+    if malformed {
+        ServiceError::InvalidArgument(format!(
+            "a malformed chunk after {received} bytes: {}",
+            s.message()
+        ))
+    } else {
+        ServiceError::Interrupted(format!("after {received} bytes: {}", s.message()))
+    }
 }
