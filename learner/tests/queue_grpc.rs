@@ -337,3 +337,61 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
     stop.send(()).unwrap();
     handle.await.unwrap().unwrap();
 }
+
+/// With `--inspect-token`, the inspection calls need it (or the shared token); the
+/// inspection token does no worker's work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inspection_token_closes_the_inspection_calls() {
+    let queue = Arc::new(Mutex::new(Queue::new(QueueConfig::default())));
+    let spec = GroupSpec {
+        num_completions: 4,
+        sampling: rookworld_proto::v1::SamplingParams::default(),
+        check: GroupCheck::for_model(&rookworld_lm::Config::tiny()),
+    };
+    let server = QueueServer::new(queue, spec, Some(TOKEN.into()), Arc::new(AtomicU64::new(0)))
+        .with_inspect_token(Some("look".into()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(queue_service::run(server, listener, std::future::pending()));
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = RolloutQueueClient::new(channel);
+    let err = client
+        .get_depths(pb::GetDepthsRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
+    let err = client
+        .list_workers(authed(pb::ListWorkersRequest {}, "nope"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    for token in ["look", TOKEN] {
+        client
+            .get_depths(authed(pb::GetDepthsRequest {}, token))
+            .await
+            .unwrap();
+        client
+            .get_staleness(authed(pb::GetStalenessRequest {}, token))
+            .await
+            .unwrap();
+        client
+            .peek_groups(authed(pb::PeekGroupsRequest::default(), token))
+            .await
+            .unwrap();
+    }
+    let lease = pb::LeaseRequest {
+        worker_id: "w1".into(),
+        max_prompts: 1,
+        ..Default::default()
+    };
+    let err = client.lease(authed(lease, "look")).await.unwrap_err();
+    assert_eq!(
+        err.code(),
+        Code::PermissionDenied,
+        "the inspection token leases nothing"
+    );
+}

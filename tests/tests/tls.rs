@@ -341,3 +341,61 @@ async fn a_cluster_trains_and_pushes_weights_over_mutual_tls() {
         assert!(log.contains("serving TLS"), "{name}:\n{log}");
     }
 }
+
+/// `learner train --local` over TLS when asked: the in-process worker and reward server
+/// serve the learner's certificate and every call between them is mutual TLS.
+#[test]
+fn a_local_run_over_mutual_tls_trains() {
+    let tmp = tempfile::tempdir().unwrap();
+    let certs_dir = tmp.path().join("tls");
+    certs(&certs_dir, &["local"]);
+    let f = |name: &str| s(&certs_dir.join(name));
+    let out = Command::new(cluster::LEARNER)
+        .args([
+            "train",
+            "--local",
+            "--preset",
+            "tiny",
+            "--steps",
+            "2",
+            "--sft-steps",
+            "0",
+        ])
+        .args([
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--max-new-tokens",
+            "12",
+        ])
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics",
+            "off",
+            "--no-progress",
+        ])
+        .arg("--run-dir")
+        .arg(tmp.path().join("run"))
+        .args(["--tls-cert", &f("local.crt"), "--tls-key", &f("local.key")])
+        .args(["--tls-client-ca", &f("ca.crt"), "--tls-ca", &f("ca.crt")])
+        .args([
+            "--tls-client-cert",
+            &f("local.crt"),
+            "--tls-client-key",
+            &f("local.key"),
+        ])
+        .env("RUST_LOG", "info")
+        .output()
+        .unwrap();
+    let log = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{log}");
+    // The queue, the worker and the reward server.
+    assert_eq!(log.matches("serving TLS").count(), 3, "{log}");
+    assert!(!log.contains("handshake failed"), "{log}");
+}
