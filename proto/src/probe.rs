@@ -126,3 +126,49 @@ pub async fn check_health(
         .await
         .map_err(|_| format!("{addr}: no answer within {:.1} s", timeout.as_secs_f64()))?
 }
+
+/// A codec whose messages are raw bytes: a probe sends a message as is (the hostile-input
+/// tests: bytes no generated client would write) and reads the answer undecoded.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RawCodec;
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = Vec<u8>;
+    type Decode = Vec<u8>;
+    type Encoder = RawCodec;
+    type Decoder = RawCodec;
+    fn encoder(&mut self) -> RawCodec {
+        RawCodec
+    }
+    fn decoder(&mut self) -> RawCodec {
+        RawCodec
+    }
+}
+
+impl tonic::codec::Encoder for RawCodec {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn encode(
+        &mut self,
+        item: Vec<u8>,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
+        use bytes::BufMut;
+        dst.put_slice(&item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for RawCodec {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<Vec<u8>>, tonic::Status> {
+        use bytes::Buf;
+        let mut out = vec![0; src.remaining()];
+        src.copy_to_slice(&mut out);
+        Ok(Some(out))
+    }
+}

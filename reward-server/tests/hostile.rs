@@ -15,9 +15,9 @@ use rand_chacha::ChaCha8Rng;
 use reward_server::bench::generate_items;
 use reward_server::scorer::Item;
 use reward_server::task::Task;
+use rookworld_proto::probe::RawCodec as Raw;
 use rookworld_proto::reward::v1 as pb;
 use rookworld_proto::reward::v1::reward_service_client::RewardServiceClient;
-use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::transport::Channel;
 
 const BIN: &str = env!("CARGO_BIN_EXE_reward-server");
@@ -197,44 +197,6 @@ fn to_pb(item: &Item, completion: String) -> pb::ScoreItem {
         } as i32,
         prompt: item.prompt.clone(),
         completion,
-    }
-}
-
-/// Sends raw bytes as the one message of a Score call.
-#[derive(Debug, Clone, Default)]
-struct Raw;
-
-impl Codec for Raw {
-    type Encode = Vec<u8>;
-    type Decode = Vec<u8>;
-    type Encoder = Raw;
-    type Decoder = Raw;
-    fn encoder(&mut self) -> Raw {
-        Raw
-    }
-    fn decoder(&mut self) -> Raw {
-        Raw
-    }
-}
-
-impl Encoder for Raw {
-    type Item = Vec<u8>;
-    type Error = tonic::Status;
-    fn encode(&mut self, item: Vec<u8>, dst: &mut EncodeBuf<'_>) -> Result<(), tonic::Status> {
-        use bytes::BufMut;
-        dst.put_slice(&item);
-        Ok(())
-    }
-}
-
-impl Decoder for Raw {
-    type Item = Vec<u8>;
-    type Error = tonic::Status;
-    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Vec<u8>>, tonic::Status> {
-        use bytes::Buf;
-        let mut out = vec![0; src.remaining()];
-        src.copy_to_slice(&mut out);
-        Ok(Some(out))
     }
 }
 

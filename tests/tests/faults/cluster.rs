@@ -397,19 +397,8 @@ impl Cluster {
     #[allow(dead_code)] // tests/tests/tls.rs
     pub async fn worker_version_tls(&self, listen: SocketAddr) -> Option<u64> {
         let url = format!("{}://{listen}", self.scheme());
-        let channel = self
-            .client_tls()
-            .endpoint(&url)
-            .unwrap()
-            .timeout(Duration::from_secs(3))
-            .connect()
-            .await
-            .ok()?;
-        let status = RolloutServiceClient::new(channel)
-            .status(rollout::StatusRequest {})
-            .await
-            .ok()?;
-        Some(status.into_inner().weight_version)
+        let status = worker_status(&url, &self.client_tls()).await?;
+        Some(status.weight_version)
     }
 }
 
@@ -420,8 +409,18 @@ pub async fn worker_version(listen: SocketAddr) -> Option<u64> {
 
 /// The run id and weight version a worker's `Status` reports.
 pub async fn worker_weights(listen: SocketAddr) -> Option<(String, u64)> {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{listen}"))
-        .unwrap()
+    let status = worker_status(&format!("http://{listen}"), &Default::default()).await?;
+    Some((status.weight_run_id, status.weight_version))
+}
+
+/// A worker's `Status` at `url`, `None` while it does not answer.
+async fn worker_status(
+    url: &str,
+    tls: &rookworld_proto::tls::ClientTlsArgs,
+) -> Option<rollout::StatusResponse> {
+    let channel = tls
+        .endpoint(url)
+        .ok()?
         .timeout(Duration::from_secs(3))
         .connect()
         .await
@@ -430,8 +429,7 @@ pub async fn worker_weights(listen: SocketAddr) -> Option<(String, u64)> {
         .status(rollout::StatusRequest {})
         .await
         .ok()?;
-    let status = status.into_inner();
-    Some((status.weight_run_id, status.weight_version))
+    Some(status.into_inner())
 }
 
 /// The value of the first sample of `metric` whose line contains every one of `labels`.

@@ -1,48 +1,10 @@
 //! gRPC calls whose messages are raw bytes, and protobuf pieces written by hand: what a
 //! hostile client sends, past every check of a generated client.
 
+use rookworld_proto::probe::RawCodec as Raw;
 use tokio_stream::StreamExt;
-use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::codegen::http::uri::PathAndQuery;
 use tonic::transport::Channel;
-
-/// Bytes in, bytes out.
-#[derive(Debug, Clone, Default)]
-pub struct Raw;
-
-impl Codec for Raw {
-    type Encode = Vec<u8>;
-    type Decode = Vec<u8>;
-    type Encoder = Raw;
-    type Decoder = Raw;
-    fn encoder(&mut self) -> Raw {
-        Raw
-    }
-    fn decoder(&mut self) -> Raw {
-        Raw
-    }
-}
-
-impl Encoder for Raw {
-    type Item = Vec<u8>;
-    type Error = tonic::Status;
-    fn encode(&mut self, item: Vec<u8>, dst: &mut EncodeBuf<'_>) -> Result<(), tonic::Status> {
-        use bytes::BufMut;
-        dst.put_slice(&item);
-        Ok(())
-    }
-}
-
-impl Decoder for Raw {
-    type Item = Vec<u8>;
-    type Error = tonic::Status;
-    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Vec<u8>>, tonic::Status> {
-        use bytes::Buf;
-        let mut out = vec![0; src.remaining()];
-        src.copy_to_slice(&mut out);
-        Ok(Some(out))
-    }
-}
 
 fn grpc(channel: &Channel) -> tonic::client::Grpc<Channel> {
     tonic::client::Grpc::new(channel.clone())
