@@ -135,7 +135,7 @@ pub fn set_token(metadata: &mut MetadataMap, token: &str) -> Result<(), Status> 
 }
 
 /// The shared-token options every service takes (flattened into its command line).
-#[derive(Debug, Clone, Default, clap::Args)]
+#[derive(Clone, Default, clap::Args)]
 pub struct TokenArgs {
     /// Shared token of worker and control calls.
     #[arg(
@@ -160,6 +160,19 @@ pub struct TokenArgs {
     /// File holding the inspection token.
     #[arg(long, env = "ROOKWORLD_INSPECT_TOKEN_FILE")]
     pub inspect_token_file: Option<std::path::PathBuf>,
+}
+
+impl std::fmt::Debug for TokenArgs {
+    /// The files, and whether tokens are set, never the tokens.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let set = |t: &Option<String>| t.as_ref().map(|_| "<set>");
+        f.debug_struct("TokenArgs")
+            .field("token", &set(&self.token))
+            .field("token_file", &self.token_file)
+            .field("inspect_token", &set(&self.inspect_token))
+            .field("inspect_token_file", &self.inspect_token_file)
+            .finish()
+    }
 }
 
 impl TokenArgs {
@@ -243,5 +256,15 @@ mod tests {
         assert_eq!(closed.inspect(&with), Ok(()));
         assert_eq!(closed.work(&inspect), Err(TokenError::Wrong));
         assert!(!format!("{closed:?}").contains("work") && !format!("{closed:?}").contains("look"));
+        let args = TokenArgs {
+            token: Some("work".into()),
+            inspect_token: Some("look".into()),
+            ..TokenArgs::default()
+        };
+        let shown = format!("{args:?}");
+        assert!(
+            !shown.contains("work") && !shown.contains("look"),
+            "{shown}"
+        );
     }
 }
