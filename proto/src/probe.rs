@@ -67,6 +67,22 @@ pub fn scrape_metrics(addr: SocketAddr) -> std::io::Result<String> {
     Ok(response)
 }
 
+/// Resident memory of process `pid` now and at its peak, in bytes (`VmRSS`, `VmHWM` of
+/// `/proc/PID/status`, Linux).
+pub fn memory(pid: u32) -> std::io::Result<(u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kb = |key: &str| -> u64 {
+        status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+            * 1024
+    };
+    Ok((kb("VmRSS:"), kb("VmHWM:")))
+}
+
 /// Options of the `health` command every service binary has: asks a running service's
 /// gRPC health endpoint, for container health checks (exit 0 only when serving).
 #[derive(Debug, Clone, clap::Args)]

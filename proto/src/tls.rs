@@ -90,8 +90,8 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-/// The bytes of a server's files, as last read.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// The bytes of a server's files, as last read (no `Debug`: the key is among them).
+#[derive(Clone, PartialEq, Eq)]
 struct ServerFiles {
     cert: Vec<u8>,
     key: Vec<u8>,
@@ -171,11 +171,19 @@ fn server_config(args: &ServerTlsArgs, files: &ServerFiles) -> Result<ServerConf
 }
 
 /// A serving TLS configuration that can be swapped while the server runs.
-#[derive(Debug)]
 pub struct ServerTls {
     args: ServerTlsArgs,
     files: Mutex<ServerFiles>,
     config: RwLock<Arc<ServerConfig>>,
+}
+
+impl std::fmt::Debug for ServerTls {
+    /// The file paths, never their contents (the private key is among them).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerTls")
+            .field("args", &self.args)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ServerTls {

@@ -76,17 +76,7 @@ impl Server {
 
     /// Resident memory now and at its peak, bytes.
     fn memory(&self) -> (u64, u64) {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
-        let kb = |key: &str| -> u64 {
-            status
-                .lines()
-                .find(|l| l.starts_with(key))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0)
-                * 1024
-        };
-        (kb("VmRSS:"), kb("VmHWM:"))
+        rookworld_proto::probe::memory(self.child.id()).unwrap()
     }
 
     /// Alive, serving, and nothing panicked so far.

@@ -98,18 +98,7 @@ impl Target {
 
     /// Resident memory now and at its peak, bytes.
     fn memory(&self) -> (u64, u64) {
-        let pid = self.proc.pid().expect("running");
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-        let kb = |k: &str| -> u64 {
-            status
-                .lines()
-                .find(|l| l.starts_with(k))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0)
-                * 1024
-        };
-        (kb("VmRSS:"), kb("VmHWM:"))
+        rookworld_proto::probe::memory(self.proc.pid().expect("running")).unwrap()
     }
 
     /// Alive, serving, nothing panicked, memory bounded.
