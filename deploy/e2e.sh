@@ -310,6 +310,9 @@ unset FAULT
 wait_for 120 "every service healthy again" all_healthy_scaled
 
 say "stop (the learner drains and writes its final checkpoint)"
+# The resumed learner's counter starts anew: wait until Prometheus has scraped it.
+steps_seen() { [ -n "$(query learner_steps_total)" ]; }
+wait_for 60 "Prometheus to scrape the resumed learner's steps" steps_seen
 steps_before="$(query learner_steps_total)"
 dcp stop learner
 code="$(docker inspect --format '{{.State.ExitCode}}' "$(dcp ps -q learner)")"
