@@ -4,8 +4,8 @@
 //! on loopback with the preset's shape; the learner side turns its own model into the BF16
 //! payload and pushes N versions to it over gRPC, per chunk size while the worker is idle,
 //! and at the default chunk size while it generates; and through the same-host path (the
-//! learner writes the payload file into a directory under /dev/shm that the worker
-//! shares, and sends only the header). The floor is a `memcpy` of the same bytes and a
+//! payload written, as the optimizer writes it, into its file in a directory under
+//! /dev/shm that the worker shares; only the header is sent). The floor is a `memcpy` of the same bytes and a
 //! raw loopback TCP transfer of them. One JSON line on stdout.
 
 use std::sync::Arc;
@@ -23,7 +23,7 @@ use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
 use serde::Serialize;
 
-use crate::export::{Exporter, KEEP_FILES, SharedFiles};
+use crate::export::{Exporter, POOL};
 use crate::optim::{AdamW, AdamWConfig};
 use crate::policy::Trainable;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -51,9 +51,6 @@ struct Pushes {
     /// "stream" (gRPC chunks) or "shared" (the same-host file).
     path: &'static str,
     chunk_kib: usize,
-    /// The learner's write of the payload file (shared path; 0 for the stream), part of
-    /// `seconds`.
-    write_seconds: f64,
     /// End to end, as the learner sees it: first chunk sent to the worker's answer.
     seconds: f64,
     gb_per_second: f64,
@@ -136,8 +133,9 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, String> {
     let set = WeightSet::from_bytes("bench", 1, payload);
     let hash_seconds = t.elapsed().as_secs_f64();
     let bytes = set.bytes.len();
-    let training = training_thread(&learner_model, args.pushes).map_err(|e| err(&e))?;
+    let policy = Trainable::from_model(&learner_model).map_err(|e| err(&e))?;
     drop(learner_model);
+    let training = training_thread(&policy, args.pushes).map_err(|e| err(&e))?;
     if training.set.blake3 == set.blake3 || training.set.bytes.len() != bytes {
         return Err("the optimizer's payload is not an updated model of the same size".into());
     }
@@ -205,23 +203,20 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, String> {
                 kib,
                 args.pushes,
                 &mut progress,
-                None,
             )
             .await?,
         );
     }
-    let mut files = SharedFiles::new(shared_dir.clone());
-    let shared = pushes(
+    let shared = shared_pushes(
         &mut client,
-        &set,
+        &policy,
+        &shared_dir,
         &mut version,
-        0,
         args.pushes,
         &mut progress,
-        Some(&mut files),
     )
     .await;
-    files.remove_all();
+    drop(policy);
     let _ = std::fs::remove_dir(&shared_dir);
     let shared = shared?;
     let generating = if args.idle_only {
@@ -237,7 +232,6 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, String> {
             kib,
             args.pushes,
             &mut progress,
-            None,
         )
         .await;
         busy.store(false, Ordering::SeqCst);
@@ -284,10 +278,9 @@ struct TrainingThread {
     set: Arc<WeightSet>,
 }
 
-/// `n` AdamW steps of `model`'s parameters (fixed pseudo-random gradients) without export,
-/// then `n` writing the payload and publishing it; the medians.
-fn training_thread(model: &rookworld_lm::Gpt2, n: usize) -> rookworld_lm::Result<TrainingThread> {
-    let policy = Trainable::from_model(model)?;
+/// `n` AdamW steps of `policy`'s parameters (fixed pseudo-random gradients) without
+/// export, then `n` writing the payload and publishing it; the medians.
+fn training_thread(policy: &Trainable, n: usize) -> rookworld_lm::Result<TrainingThread> {
     let grads = || {
         let buffers = policy
             .vars
@@ -340,8 +333,7 @@ fn training_thread(model: &rookworld_lm::Gpt2, n: usize) -> rookworld_lm::Result
     })
 }
 
-/// `n` pushes of new versions in `kib`-KiB chunks, or through `shared` files; the median
-/// one.
+/// `n` pushes of new versions in `kib`-KiB chunks; the median one.
 async fn pushes(
     client: &mut RolloutServiceClient<tonic::transport::Channel>,
     set: &WeightSet,
@@ -349,55 +341,88 @@ async fn pushes(
     kib: usize,
     n: usize,
     progress: &mut Progress,
-    mut shared: Option<&mut SharedFiles>,
 ) -> Result<Pushes, String> {
-    // Through files, the first KEEP_FILES versions are written afresh; from then on the
-    // oldest file's memory is written over. Measure that steady state.
-    let warm_up = if shared.is_some() { KEEP_FILES } else { 0 };
     let mut all = vec![];
-    for i in 0..warm_up + n {
+    for _ in 0..n {
         *version += 1;
-        let mut next = WeightSet {
+        let next = WeightSet {
             version: *version,
             ..set.clone()
         };
         let t = Instant::now();
-        let (answer, write) = match shared.as_deref_mut() {
-            Some(files) => {
-                files.write(&mut next);
-                let write = t.elapsed().as_secs_f64();
-                if next.shared_file.is_none() {
-                    return Err("the shared payload file could not be written".into());
-                }
-                (weights::push_shared(client, &next, TOKEN).await, write)
-            }
-            None => (weights::push(client, &next, TOKEN, kib << 10).await, 0.0),
-        };
+        let answer = weights::push(client, &next, TOKEN, kib << 10).await;
         let answer = answer.map_err(|s| format!("push: {:?}: {}", s.code(), s.message()))?;
         let seconds = t.elapsed().as_secs_f64();
-        let what = match shared {
-            Some(_) => "shared file".to_owned(),
-            None => format!("{kib} KiB chunks"),
-        };
-        if i < warm_up {
-            continue;
-        }
-        progress.tick(&format!("{what}: {seconds:.3} s"));
-        all.push((seconds, write, answer));
+        progress.tick(&format!("{kib} KiB chunks: {seconds:.3} s"));
+        all.push((seconds, answer));
     }
+    Ok(median_push(all, "stream", kib, set.bytes.len()))
+}
+
+/// `n` pushes of new versions through the same-host path, the median one: each version's
+/// payload is written into its file by the exporter's path (as the optimizer writes it,
+/// into a pooled file in `dir`), hashed and named, and only its header sent.
+async fn shared_pushes(
+    client: &mut RolloutServiceClient<tonic::transport::Channel>,
+    policy: &Trainable,
+    dir: &std::path::Path,
+    version: &mut u64,
+    n: usize,
+    progress: &mut Progress,
+) -> Result<Pushes, String> {
+    let (tx, mut rx) = tokio::sync::watch::channel(None);
+    let exporter = Exporter::new(&policy.vars, Arc::new(tx), Some(dir.to_owned()));
+    // The pool's files are made on the export thread at its start, and a published one
+    // comes back when its push is done: from the pool's size on, every version is written
+    // into a file already made. Measure that steady state.
+    let warm_up = POOL + 1;
+    let mut all = vec![];
+    for i in 0..warm_up + n {
+        *version += 1;
+        let set = tokio::task::block_in_place(|| {
+            let mut payload = exporter.payload();
+            payload.fill_rest(&policy.vars).map_err(|e| e.to_string())?;
+            exporter.publish("bench", *version, payload)?;
+            exporter.flush()?;
+            rx.borrow_and_update()
+                .clone()
+                .ok_or_else(|| "nothing was published".to_owned())
+        })?;
+        if set.shared_file.is_none() {
+            return Err("the shared payload file could not be written".into());
+        }
+        let t = Instant::now();
+        let answer = weights::push_shared(client, &set, TOKEN).await;
+        let answer = answer.map_err(|s| format!("push: {:?}: {}", s.code(), s.message()))?;
+        let seconds = t.elapsed().as_secs_f64();
+        if i >= warm_up {
+            progress.tick(&format!("shared file: {seconds:.3} s"));
+            all.push((seconds, answer));
+        }
+    }
+    let bytes = rx.borrow().as_ref().map_or(0, |s| s.bytes.len());
+    Ok(median_push(all, "shared", 0, bytes))
+}
+
+/// The median of `all` (end-to-end seconds, the worker's answer) as a measurement.
+fn median_push(
+    mut all: Vec<(f64, pb::UpdateWeightsResponse)>,
+    path: &'static str,
+    chunk_kib: usize,
+    bytes: usize,
+) -> Pushes {
     all.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let (seconds, write_seconds, a) = all.swap_remove(all.len() / 2);
-    Ok(Pushes {
-        path: if shared.is_some() { "shared" } else { "stream" },
-        chunk_kib: kib,
-        write_seconds,
+    let (seconds, a) = all.swap_remove(all.len() / 2);
+    Pushes {
+        path,
+        chunk_kib,
         seconds,
-        gb_per_second: set.bytes.len() as f64 / seconds / 1e9,
+        gb_per_second: bytes as f64 / seconds / 1e9,
         receive_seconds: a.receive_seconds,
         verify_seconds: a.verify_seconds,
         convert_seconds: a.convert_seconds,
         swap_seconds: a.swap_seconds,
-    })
+    }
 }
 
 /// Keeps the worker generating (4 prompts × 8 completions of 64 tokens) until `busy` ends.

@@ -12,64 +12,162 @@
 //!   let go of its bytes, the buffer goes back to the pool, so a step writes into memory
 //!   already mapped instead of faulting in a fresh 249 MB. Every worker's push sends
 //!   slices of the one buffer; no copy per worker;
-//! - with a shared directory (`--shared-dir`, the same-host path), the export thread also
-//!   writes each payload there once, as a file of its own name (written aside, then
-//!   renamed into place; the oldest written over when no worker reads it:
-//!   [`SharedFiles`]); workers on this host read it instead of receiving the stream.
+//! - with a shared directory (`--shared-dir`, the same-host path) every buffer is a file
+//!   there, mapped into memory ([`buffer`]): the optimizer's stores are the file's bytes,
+//!   and publishing names it after its version — workers on this host map it instead of
+//!   receiving the stream, and nothing is copied to get it there.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use bytes::Bytes;
 use candle_core::{DType, Device, Result as CandleResult, Var};
-use rollout_worker::weights::WeightSet;
+use rollout_worker::weights::{WeightSet, shared_file_name};
 use rookworld_lm::bf16_payload::{Layout, write_bf16_parallel};
 use tokio::sync::watch;
 
-mod shared_files;
-pub use shared_files::{KEEP_FILES, SharedFiles, process_dir};
+mod buffer;
+use buffer::{Buffer, PayloadFile};
 
 /// Spare payload buffers kept for reuse.
-const POOL: usize = 2;
+pub const POOL: usize = 2;
 
 /// Where the weight sync takes the newest published set from.
 pub type Latest = Arc<watch::Sender<Option<Arc<WeightSet>>>>;
 
-/// What payloads of one model share: the layout, the parameter names, the buffer pool.
+/// A directory of this process, `{name}-{pid}`, under /dev/shm (memory, where the
+/// same-host path belongs), or under the system's temporary directory where there is no
+/// /dev/shm. Not created here.
+pub fn process_dir(name: &str) -> PathBuf {
+    let shm = Path::new("/dev/shm");
+    let base = if shm.is_dir() {
+        shm.to_path_buf()
+    } else {
+        std::env::temp_dir()
+    };
+    base.join(format!("{name}-{}", std::process::id()))
+}
+
+/// What payloads of one model share: the layout, the parameter names, the buffer pool and
+/// the shared directory their files go into.
 #[derive(Debug)]
 struct Shared {
     layout: Layout,
     names: Vec<String>,
-    pool: Mutex<Vec<Vec<u8>>>,
+    pool: Mutex<Vec<Buffer>>,
+    dir: Option<PathBuf>,
+    /// The last payload file could not be made or published (said once, until one is).
+    failing: AtomicBool,
 }
 
 impl Shared {
-    /// Fills the pool with buffers whose pages are mapped: the first touch of 249 MB of new
-    /// memory took 0.7 s on two cores, paid here at start instead of by a training step.
-    fn prefill(&self) {
+    /// Fills the pool, so the first steps write into memory already faulted in.
+    fn prefill(self: &Arc<Self>) {
         for _ in 0..POOL {
-            let mut bytes = vec![0u8; self.layout.len()];
-            for page in bytes.chunks_mut(4096) {
-                // SAFETY: a write of a byte inside the buffer; volatile, so it is not
-                // elided as a write of the zero already there.
-                unsafe { std::ptr::write_volatile(&mut page[0], 0) };
-            }
+            let fresh = self.fresh();
             let mut pool = self.pool.lock().expect("pool lock");
             if pool.len() >= POOL {
                 return;
             }
-            pool.push(bytes);
+            pool.push(fresh);
         }
     }
 
-    /// A buffer of the payload's size, its header written: a pooled one if there is one.
-    fn buffer(&self) -> Vec<u8> {
-        let pooled = self.pool.lock().expect("pool lock").pop();
-        let mut bytes = pooled.unwrap_or_else(|| vec![0u8; self.layout.len()]);
-        self.layout.write_header(&mut bytes);
-        bytes
+    /// A new buffer: a file in the shared directory when there is one and it takes it,
+    /// else heap memory (that payload is then streamed to every worker).
+    fn fresh(&self) -> Buffer {
+        if let Some(dir) = &self.dir {
+            match PayloadFile::create(dir, self.layout.len()) {
+                Ok(file) => {
+                    self.file_ok();
+                    return Buffer::File(file);
+                }
+                Err(e) => self.file_failed(dir, &e),
+            }
+        }
+        Buffer::heap(self.layout.len())
+    }
+
+    fn file_ok(&self) {
+        if self.failing.swap(false, Ordering::Relaxed) {
+            tracing::info!("shared payload files written again");
+        }
+    }
+
+    fn file_failed(&self, dir: &Path, e: &std::io::Error) {
+        if !self.failing.swap(true, Ordering::Relaxed) {
+            tracing::warn!(dir = %dir.display(), error = %e, "cannot write the shared payload file; workers on this host are streamed the weights");
+        }
+    }
+
+    /// A buffer of the payload's size, its header written: a pooled one when there is one
+    /// (a file a worker still reads is let go of: it is removed when the worker is done).
+    fn buffer(self: &Arc<Self>) -> Pooled {
+        let mut buffer = loop {
+            let pooled = self.pool.lock().expect("pool lock").pop();
+            match pooled {
+                Some(Buffer::File(mut file)) => match file.claim() {
+                    Ok(()) => break Buffer::File(file),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "a payload file is still read; another is made")
+                    }
+                },
+                Some(heap) => break heap,
+                None => break self.fresh(),
+            }
+        };
+        self.layout.write_header(buffer.as_mut_slice());
+        Pooled {
+            buffer,
+            shared: self.clone(),
+        }
+    }
+}
+
+/// A buffer of the pool, back in it when dropped (unless the pool is full).
+#[derive(Debug)]
+struct Pooled {
+    buffer: Buffer,
+    shared: Arc<Shared>,
+}
+
+impl Pooled {
+    /// Names a payload file `name` for the workers: the name, or `None` for a heap
+    /// buffer or a rename that failed (that set is streamed).
+    fn publish_file(&mut self, name: &str) -> Option<String> {
+        let Buffer::File(file) = &mut self.buffer else {
+            return None;
+        };
+        match file.publish(name) {
+            Ok(()) => {
+                self.shared.file_ok();
+                Some(name.to_owned())
+            }
+            Err(e) => {
+                let dir = self.shared.dir.clone().unwrap_or_default();
+                self.shared.file_failed(&dir, &e);
+                None
+            }
+        }
+    }
+}
+
+impl AsRef<[u8]> for Pooled {
+    fn as_ref(&self) -> &[u8] {
+        self.buffer.as_slice()
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        let buffer = std::mem::replace(&mut self.buffer, Buffer::Heap(Vec::new()));
+        let mut pool = self.shared.pool.lock().unwrap_or_else(|e| e.into_inner());
+        if pool.len() < POOL {
+            pool.push(buffer);
+        }
     }
 }
 
@@ -77,21 +175,18 @@ impl Shared {
 /// was made for.
 #[derive(Debug)]
 pub struct Payload {
-    shared: Arc<Shared>,
-    bytes: Vec<u8>,
+    buf: Pooled,
     written: Vec<bool>,
 }
 
 impl Payload {
     /// Parameter `i`'s slot (marked written); `name` must be that parameter's.
     pub fn slot(&mut self, i: usize, name: &str) -> &mut [u8] {
-        assert_eq!(
-            self.shared.names[i], name,
-            "payload slot {i} is not `{name}`"
-        );
+        let shared = &self.buf.shared;
+        assert_eq!(shared.names[i], name, "payload slot {i} is not `{name}`");
         self.written[i] = true;
-        let range = self.shared.layout.slot(i);
-        &mut self.bytes[range]
+        let range = shared.layout.slot(i);
+        &mut self.buf.buffer.as_mut_slice()[range]
     }
 
     /// Converts every parameter of `vars` whose slot was not written (no gradient this
@@ -118,28 +213,6 @@ impl Payload {
     }
 }
 
-/// The bytes of a published set: a pooled buffer that goes back to the pool when the last
-/// `Bytes` of it is dropped.
-struct Pooled {
-    bytes: Vec<u8>,
-    shared: Arc<Shared>,
-}
-
-impl AsRef<[u8]> for Pooled {
-    fn as_ref(&self) -> &[u8] {
-        &self.bytes
-    }
-}
-
-impl Drop for Pooled {
-    fn drop(&mut self) {
-        let mut pool = self.shared.pool.lock().unwrap_or_else(|e| e.into_inner());
-        if pool.len() < POOL {
-            pool.push(std::mem::take(&mut self.bytes));
-        }
-    }
-}
-
 enum Job {
     Publish {
         run_id: String,
@@ -160,7 +233,7 @@ pub struct Exporter {
 
 impl Exporter {
     /// An exporter for payloads of `vars` (names and shapes, in this order), publishing to
-    /// `latest`, and writing each payload into `shared_dir` when given.
+    /// `latest`; with `shared_dir`, each payload is a file there (see [`buffer`]).
     pub fn new(vars: &[(String, Var)], latest: Latest, shared_dir: Option<PathBuf>) -> Self {
         let shapes: Vec<(String, Vec<usize>)> = vars
             .iter()
@@ -170,6 +243,8 @@ impl Exporter {
             layout: Layout::new(&shapes, &[("format", "pt")]),
             names: shapes.into_iter().map(|(n, _)| n).collect(),
             pool: Mutex::new(Vec::new()),
+            dir: shared_dir,
+            failing: AtomicBool::new(false),
         });
         let (jobs, rx) = mpsc::channel();
         let prefill = shared.clone();
@@ -177,11 +252,8 @@ impl Exporter {
             .name("weight-export".into())
             .spawn(move || {
                 prefill.prefill();
-                let mut files = shared_dir.map(SharedFiles::new);
-                publish_loop(&rx, &latest, files.as_mut());
-                if let Some(files) = files {
-                    files.remove_all();
-                }
+                drop(prefill);
+                publish_loop(&rx, &latest);
             })
             .expect("spawn the weight export thread");
         Self {
@@ -194,9 +266,8 @@ impl Exporter {
     /// An empty payload to write the next version into.
     pub fn payload(&self) -> Payload {
         Payload {
-            bytes: self.shared.buffer(),
+            buf: self.shared.buffer(),
             written: vec![false; self.shared.names.len()],
-            shared: self.shared.clone(),
         }
     }
 
@@ -242,7 +313,8 @@ impl Drop for Exporter {
 
 /// The export thread: takes every job waiting, publishes the newest payload among them
 /// (older ones are overtaken: their buffers go back to the pool), then answers flushes.
-fn publish_loop(rx: &mpsc::Receiver<Job>, latest: &Latest, mut files: Option<&mut SharedFiles>) {
+/// A payload file is named after its version once hashed, before the set is published.
+fn publish_loop(rx: &mpsc::Receiver<Job>, latest: &Latest) {
     while let Ok(first) = rx.recv() {
         let mut newest = None;
         let mut flushes = Vec::new();
@@ -257,12 +329,16 @@ fn publish_loop(rx: &mpsc::Receiver<Job>, latest: &Latest, mut files: Option<&mu
             }
         }
         if let Some((run_id, version, payload)) = newest {
-            let Payload { shared, bytes, .. } = payload;
-            let bytes = Bytes::from_owner(Pooled { bytes, shared });
-            let mut set = WeightSet::from_shared(&run_id, version, bytes);
-            if let Some(files) = files.as_deref_mut() {
-                files.write(&mut set);
-            }
+            let Payload { mut buf, .. } = payload;
+            let blake3 = blake3::hash(buf.as_ref()).into();
+            let shared_file = buf.publish_file(&shared_file_name(&run_id, version));
+            let set = WeightSet {
+                run_id,
+                version,
+                bytes: Bytes::from_owner(buf),
+                blake3,
+                shared_file,
+            };
             latest.send_replace(Some(Arc::new(set)));
         }
         for done in flushes {
@@ -294,6 +370,24 @@ mod tests {
         policy.host_gradients(buffers)
     }
 
+    /// An optimizer step writing its payload, published as `version`: the set.
+    fn step(
+        exporter: &Exporter,
+        policy: &Trainable,
+        opt: &mut AdamW,
+        rx: &mut watch::Receiver<Option<Arc<WeightSet>>>,
+        version: u64,
+    ) -> Arc<WeightSet> {
+        let mut payload = exporter.payload();
+        let grads = gradients(policy, version as u32);
+        opt.step_exporting(&policy.vars, &grads, 1e-3, Some(&mut payload))
+            .unwrap();
+        payload.fill_rest(&policy.vars).unwrap();
+        exporter.publish("run", version, payload).unwrap();
+        exporter.flush().unwrap();
+        rx.borrow_and_update().clone().expect("published")
+    }
+
     #[test]
     fn the_optimizer_s_payload_equals_the_model_s_export_and_buffers_are_reused() {
         let model = init_random(&Config::tiny(), 5, DType::F32, &Device::Cpu).unwrap();
@@ -302,14 +396,7 @@ mod tests {
         let exporter = Exporter::new(&policy.vars, Arc::new(tx), None);
         let mut opt = AdamW::new(AdamWConfig::default());
         for version in 1..=3u64 {
-            let mut payload = exporter.payload();
-            let grads = gradients(&policy, version as u32);
-            opt.step_exporting(&policy.vars, &grads, 1e-3, Some(&mut payload))
-                .unwrap();
-            payload.fill_rest(&policy.vars).unwrap();
-            exporter.publish("run", version, payload).unwrap();
-            exporter.flush().unwrap();
-            let set = rx.borrow_and_update().clone().expect("published");
+            let set = step(&exporter, &policy, &mut opt, &mut rx, version);
             assert_eq!(set.version, version);
             // Bit for bit what converting the updated model gives, hash included.
             let want = WeightSet::from_model(&policy.model, "run", version).unwrap();
@@ -325,6 +412,55 @@ mod tests {
         let err = exporter.publish("run", 4, exporter.payload()).unwrap_err();
         assert!(err.contains("unwritten"), "{err}");
         assert_eq!(rx.borrow().as_ref().unwrap().version, 3);
+    }
+
+    /// The names in `dir`, sorted.
+    pub(super) fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn with_a_shared_directory_each_payload_is_its_version_s_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = init_random(&Config::tiny(), 7, DType::F32, &Device::Cpu).unwrap();
+        let policy = Trainable::from_model(&model).unwrap();
+        let (tx, mut rx) = watch::channel(None);
+        let exporter = Exporter::new(&policy.vars, Arc::new(tx), Some(dir.path().to_owned()));
+        let mut opt = AdamW::new(AdamWConfig::default());
+        let mut reader = None;
+        for version in 1..=6u64 {
+            let set = step(&exporter, &policy, &mut opt, &mut rx, version);
+            let name = set.shared_file.clone().expect("a file was published");
+            assert_eq!(name, shared_file_name("run", version));
+            let path = dir.path().join(&name);
+            // The file is the set's bytes: what the optimizer wrote, no copy made.
+            assert_eq!(std::fs::read(&path).unwrap(), set.bytes);
+            let want = WeightSet::from_model(&policy.model, "run", version).unwrap();
+            assert_eq!((set.blake3, &set.bytes), (want.blake3, &want.bytes));
+            if version == 2 {
+                // A worker still reading version 2: its file is never written over.
+                let file = std::fs::File::open(&path).unwrap();
+                file.lock_shared().unwrap();
+                reader = Some((file, set.bytes.to_vec()));
+            }
+            // The published file and the pool's (plus version 2's while it is held).
+            let files = names(dir.path());
+            assert!(files.len() <= POOL + 2, "{files:?}");
+        }
+        let (file, bytes) = reader.unwrap();
+        let mut held = Vec::new();
+        std::io::Read::read_to_end(&mut &file, &mut held).unwrap();
+        assert_eq!(held, bytes, "the reader's file kept version 2's bytes");
+        drop(file);
+        // Files go with the last hold on them.
+        drop(exporter);
+        drop(rx);
+        assert_eq!(names(dir.path()), Vec::<String>::new());
     }
 
     #[test]

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::{DType, Device};
-use learner::export::SharedFiles;
+use learner::export::{Exporter, POOL};
+use learner::policy::Trainable;
 use learner::push::{Fleet, push_to};
 use rollout_worker::engine::{Engine, EngineConfig};
 use rollout_worker::service::{self, RolloutServer, ServiceConfig};
@@ -90,16 +91,36 @@ fn shared_dir() -> tempfile::TempDir {
     }
 }
 
-/// Version `v` of the learner's weights, with its shared file written.
-fn shared_set(files: &mut SharedFiles, base: &WeightSet, v: u64) -> WeightSet {
-    let mut set = WeightSet {
-        version: v,
-        shared_file: None,
-        ..base.clone()
-    };
-    files.write(&mut set);
-    assert!(set.shared_file.is_some(), "the file was written");
-    set
+/// The learner's publishing path with a shared directory: a model's weights as the
+/// exporter publishes them, each version in its file.
+struct Publisher {
+    policy: Trainable,
+    exporter: Exporter,
+    latest: tokio::sync::watch::Receiver<Option<Arc<WeightSet>>>,
+}
+
+impl Publisher {
+    fn new(model: &Gpt2, dir: &Path) -> Self {
+        let policy = Trainable::from_model(model).unwrap();
+        let (tx, latest) = tokio::sync::watch::channel(None);
+        let exporter = Exporter::new(&policy.vars, Arc::new(tx), Some(dir.to_owned()));
+        Self {
+            policy,
+            exporter,
+            latest,
+        }
+    }
+
+    /// Version `v` of run `run`, its file published.
+    fn set(&mut self, run: &str, v: u64) -> WeightSet {
+        let mut payload = self.exporter.payload();
+        payload.fill_rest(&self.policy.vars).unwrap();
+        self.exporter.publish(run, v, payload).unwrap();
+        self.exporter.flush().unwrap();
+        let set = WeightSet::clone(self.latest.borrow_and_update().as_ref().unwrap());
+        assert!(set.shared_file.is_some(), "the file was written");
+        set
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -109,13 +130,13 @@ async fn the_shared_file_delivers_what_the_stream_delivers() {
     let mut c = client(&url).await;
     let learner_model = init_random(&Config::tiny(), 7, DType::F32, &Device::Cpu).unwrap();
     let base = WeightSet::from_model(&learner_model, "run-s", 1).unwrap();
-    let mut files = SharedFiles::new(dir.path().to_owned());
+    let mut files = Publisher::new(&learner_model, dir.path());
 
     // Version 1 over the stream, version 2 (the same weights) through the file.
     let answer = weights::push(&mut c, &base, TOKEN, 1 << 16).await.unwrap();
     assert_eq!(answer.version, 1);
     let streamed = greedy(&mut c).await;
-    let v2 = shared_set(&mut files, &base, 2);
+    let v2 = files.set(&base.run_id, 2);
     let o = push_to(url.clone(), v2, TOKEN.into(), Duration::from_secs(10), true).await;
     assert_eq!((o.error.as_deref(), o.path), (None, "shared"), "{o:?}");
     let shared = greedy(&mut c).await;
@@ -142,9 +163,10 @@ async fn the_shared_file_delivers_what_the_stream_delivers() {
         (2, "run-s")
     );
 
-    // The newest files are kept, older ones removed.
+    // The newest version's file is kept, and the pool's to write the next ones into;
+    // every one goes with the exporter.
     for v in 3..=6 {
-        let set = shared_set(&mut files, &base, v);
+        let set = files.set(&base.run_id, v);
         let o = push_to(
             url.clone(),
             set,
@@ -156,17 +178,17 @@ async fn the_shared_file_delivers_what_the_stream_delivers() {
         assert_eq!((o.error.as_deref(), o.path), (None, "shared"), "{o:?}");
     }
     let left = std::fs::read_dir(dir.path()).unwrap().count();
-    assert_eq!(left, learner::export::KEEP_FILES);
-    files.remove_all();
+    assert!((1..=POOL + 1).contains(&left), "{left} files");
+    drop(files);
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_cannot_read_the_file_is_streamed_the_weights() {
     let dir = shared_dir();
-    let mut files = SharedFiles::new(dir.path().to_owned());
     let model = init_random(&Config::tiny(), 8, DType::F32, &Device::Cpu).unwrap();
     let base = WeightSet::from_model(&model, "run-f", 1).unwrap();
+    let mut files = Publisher::new(&model, dir.path());
 
     // No shared directory at the worker (another host): refused, streamed, and streamed
     // from then on without asking again.
@@ -174,7 +196,7 @@ async fn a_worker_that_cannot_read_the_file_is_streamed_the_weights() {
     client(&elsewhere).await;
     let mut fleet = Fleet::new(Duration::from_secs(1));
     fleet.register(&elsewhere);
-    let set = shared_set(&mut files, &base, 1);
+    let set = files.set(&base.run_id, 1);
     let outcomes = fleet.push(&set, TOKEN, Duration::from_secs(10)).await;
     let o = &outcomes[0];
     assert_eq!(
@@ -183,7 +205,7 @@ async fn a_worker_that_cannot_read_the_file_is_streamed_the_weights() {
         "{o:?}"
     );
     assert!(!fleet.shared(&elsewhere));
-    let set = shared_set(&mut files, &base, 2);
+    let set = files.set(&base.run_id, 2);
     let o = &fleet.push(&set, TOKEN, Duration::from_secs(10)).await[0];
     assert_eq!(
         (o.error.as_deref(), o.path, o.shared_refused),
@@ -196,7 +218,7 @@ async fn a_worker_that_cannot_read_the_file_is_streamed_the_weights() {
     let other_dir = shared_dir();
     let here = worker(Some(other_dir.path().to_owned())).await;
     client(&here).await;
-    let set = shared_set(&mut files, &base, 3);
+    let set = files.set(&base.run_id, 3);
     let o = push_to(here, set, TOKEN.into(), Duration::from_secs(10), true).await;
     assert_eq!(
         (o.error.as_deref(), o.path, o.shared_refused),
@@ -210,16 +232,16 @@ async fn a_damaged_or_misnamed_file_is_refused_and_the_old_weights_serve() {
     let dir = shared_dir();
     let url = worker(Some(dir.path().to_owned())).await;
     let mut c = client(&url).await;
-    let mut files = SharedFiles::new(dir.path().to_owned());
     let model = init_random(&Config::tiny(), 9, DType::F32, &Device::Cpu).unwrap();
     let base = WeightSet::from_model(&model, "run-d", 1).unwrap();
-    let good = shared_set(&mut files, &base, 1);
+    let mut files = Publisher::new(&model, dir.path());
+    let good = files.set(&base.run_id, 1);
     weights::push_shared(&mut c, &good, TOKEN).await.unwrap();
     let before = greedy(&mut c).await;
     let path = |s: &WeightSet| dir.path().join(s.shared_file.as_ref().unwrap());
 
     // A flipped byte: the hash says so (DATA_LOSS).
-    let set = shared_set(&mut files, &base, 2);
+    let set = files.set(&base.run_id, 2);
     let mut bytes = std::fs::read(path(&set)).unwrap();
     let at = bytes.len() / 2;
     bytes[at] ^= 0x10;
@@ -228,14 +250,14 @@ async fn a_damaged_or_misnamed_file_is_refused_and_the_old_weights_serve() {
     assert_eq!(err.code(), tonic::Code::DataLoss, "{err:?}");
 
     // A short file: the size says so.
-    let set = shared_set(&mut files, &base, 3);
+    let set = files.set(&base.run_id, 3);
     std::fs::write(path(&set), &bytes[..at]).unwrap();
     let err = weights::push_shared(&mut c, &set, TOKEN).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
     assert!(err.message().contains("bytes"), "{err:?}");
 
     // A name that leaves the directory is refused before anything is opened.
-    let mut set = shared_set(&mut files, &base, 4);
+    let mut set = files.set(&base.run_id, 4);
     set.shared_file = Some("../outside.safetensors".into());
     let err = weights::push_shared(&mut c, &set, TOKEN).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
@@ -245,7 +267,7 @@ async fn a_damaged_or_misnamed_file_is_refused_and_the_old_weights_serve() {
     // itself is answered as in use: a retry of a push that landed).
     let stale = WeightSet {
         version: 0,
-        ..shared_set(&mut files, &base, 5)
+        ..files.set(&base.run_id, 5)
     };
     let err = weights::push_shared(&mut c, &stale, TOKEN)
         .await
@@ -266,14 +288,14 @@ async fn versions_built_into_retired_memory_serve_exactly_their_weights() {
     let dir = shared_dir();
     let url = worker(Some(dir.path().to_owned())).await;
     let mut c = client(&url).await;
-    let mut files = SharedFiles::new(dir.path().to_owned());
     let bits = |l: &[f32]| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for v in 1..=6u64 {
         let model = init_random(&Config::tiny(), 100 + v, DType::F32, &Device::Cpu).unwrap();
         let base = WeightSet::from_model(&model, "run-m", v).unwrap();
+        let mut files = Publisher::new(&model, dir.path());
         if v == 4 {
             // A damaged file: refused on its hash after it was written into the spare.
-            let set = shared_set(&mut files, &base, v);
+            let set = files.set(&base.run_id, v);
             let path = dir.path().join(set.shared_file.as_ref().unwrap());
             let mut bytes = std::fs::read(&path).unwrap();
             let at = bytes.len() - 7;
@@ -285,7 +307,7 @@ async fn versions_built_into_retired_memory_serve_exactly_their_weights() {
         if v % 2 == 0 {
             weights::push(&mut c, &base, TOKEN, 1 << 16).await.unwrap();
         } else {
-            let set = shared_set(&mut files, &base, v);
+            let set = files.set(&base.run_id, v);
             weights::push_shared(&mut c, &set, TOKEN).await.unwrap();
         }
         let served = greedy(&mut c).await;
@@ -303,10 +325,10 @@ async fn versions_built_into_retired_memory_serve_exactly_their_weights() {
 async fn a_file_being_written_over_is_streamed_instead() {
     let dir = shared_dir();
     let url = worker(Some(dir.path().to_owned())).await;
-    let mut files = SharedFiles::new(dir.path().to_owned());
     let model = init_random(&Config::tiny(), 5, DType::F32, &Device::Cpu).unwrap();
     let base = WeightSet::from_model(&model, "run-l", 1).unwrap();
-    let set = shared_set(&mut files, &base, 1);
+    let mut files = Publisher::new(&model, dir.path());
+    let set = files.set(&base.run_id, 1);
     let path = dir.path().join(set.shared_file.as_ref().unwrap());
     let writer = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
     writer.lock().unwrap();
@@ -326,7 +348,7 @@ async fn a_file_being_written_over_is_streamed_instead() {
     drop(writer);
     let mut c = client(&url).await;
     assert_eq!(greedy(&mut c).await.2, 1);
-    let set = shared_set(&mut files, &base, 2);
+    let set = files.set(&base.run_id, 2);
     let o = push_to(
         url.clone(),
         set,

@@ -13,6 +13,9 @@ use rayon::prelude::*;
 
 use crate::simd;
 
+mod pack;
+use pack::fill_panels;
+
 /// Output columns per panel: two 8-lane AVX registers.
 pub const NR: usize = 16;
 /// Rows per register tile (12 accumulators + 2 weight vectors + 1 broadcast ≤ 16 YMM).
@@ -34,32 +37,6 @@ pub struct PackedMatrix {
     panels: Vec<f32>,       // (⌈N/NR⌉, K, NR)
     bias: Option<Vec<f32>>, // (N)
     epilogue: Epilogue,
-}
-
-/// Writes `w` — (K, N) row-major, or (N, K) when `transposed` — into `panels`
-/// (⌈N/NR⌉, K, NR); the padding columns of the last panel are left as they are (zero).
-fn fill_panels(panels: &mut [f32], w: &[f32], k: usize, n: usize, transposed: bool) {
-    assert_eq!(w.len(), k * n, "weight of {k}×{n}");
-    assert_eq!(panels.len(), n.div_ceil(NR) * k * NR, "panels of {k}×{n}");
-    panels
-        .par_chunks_mut(k * NR)
-        .enumerate()
-        .for_each(|(p, panel)| {
-            let (first, cols) = (p * NR, NR.min(n - p * NR));
-            if transposed {
-                // Row `col` of w is column `col` of W: scattered down the panel.
-                for j in 0..cols {
-                    let row = &w[(first + j) * k..(first + j + 1) * k];
-                    for (kk, &x) in row.iter().enumerate() {
-                        panel[kk * NR + j] = x;
-                    }
-                }
-            } else {
-                for (kk, dst) in panel.chunks_exact_mut(NR).enumerate() {
-                    dst[..cols].copy_from_slice(&w[kk * n + first..kk * n + first + cols]);
-                }
-            }
-        });
 }
 
 /// Whether this CPU runs the packed kernel.

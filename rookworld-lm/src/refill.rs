@@ -12,6 +12,7 @@ use candle_core::{CpuStorage, DType, InplaceOp1, Layout};
 use rayon::prelude::*;
 use safetensors::{Dtype, SafeTensors};
 
+use crate::bf16_payload::read_bf16_parallel;
 use crate::checkpoint;
 use crate::error::Result;
 use crate::model::Gpt2;
@@ -68,7 +69,8 @@ pub fn refillable(model: &Gpt2) -> bool {
 }
 
 /// Writes little-endian bfloat16 or f32 `src` over a contiguous f32 tensor of as many
-/// elements, in parallel pieces (bfloat16 to f32 is exact).
+/// elements, in parallel pieces (bfloat16 to f32 is exact; stored non-temporally:
+/// [`read_bf16`](crate::bf16_payload::read_bf16)).
 struct Overwrite<'a> {
     src: &'a [u8],
     bf16: bool,
@@ -92,17 +94,15 @@ impl InplaceOp1 for Overwrite<'_> {
                 dst.len()
             );
         }
+        if self.bf16 {
+            read_bf16_parallel(self.src, dst);
+            return Ok(());
+        }
         dst.par_chunks_mut(PIECE)
             .zip(self.src.par_chunks(PIECE * width))
             .for_each(|(dst, src)| {
-                if self.bf16 {
-                    for (v, b) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                        *v = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
-                    }
-                } else {
-                    for (v, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
-                        *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                    }
+                for (v, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                    *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
                 }
             });
         Ok(())

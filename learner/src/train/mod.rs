@@ -400,7 +400,8 @@ pub async fn run(
     // Pushes still in flight get their deadline, then the services stop.
     let _ = sync_stop.send(true);
     let _ = sync_task.await;
-    // The shared payload files go with the exporter (no push reads them any more).
+    // The shared payload files go with the last hold on them: the sync's, the exporter's.
+    latest_tx.send_replace(None);
     drop(exporter);
     if args.local
         && args.shared_dir.is_none()

@@ -1,0 +1,191 @@
+//! Weights written into panels: [`PackedMatrix`](super::PackedMatrix)'s packing, run at
+//! load and at every weight update of a CPU rollout worker (half a gigabyte of panels
+//! for gpt2-124m, on the path of every push).
+//!
+//! With AVX2, two things make the transposed packing run at memory speed (3–4× the
+//! value-by-value loop on this project's machine; rows copied as they are already do):
+//! - a transposed weight — a (N, K) matrix such as the tied embedding used as the LM head
+//!   (38.6 M values) — is read 16 rows at a time and transposed 8 × 8 in registers, so
+//!   each panel row (16 values, one 64-byte line) is written whole, once; written value
+//!   by value, each line of a panel was written 16 times over;
+//! - panel rows are stored non-temporally: the panels are read next by matrix products,
+//!   later, on every core; their lines need neither be read in before they are written
+//!   over nor kept in this core's cache.
+//!
+//! Without AVX2 (where the packed kernel does not run anyway) a scalar loop does the same.
+
+use rayon::prelude::*;
+
+use super::NR;
+
+/// Writes `w` — (K, N) row-major, or (N, K) when `transposed` — into `panels`
+/// (⌈N/NR⌉, K, NR); the padding columns of the last panel are left as they are (zero).
+pub(super) fn fill_panels(panels: &mut [f32], w: &[f32], k: usize, n: usize, transposed: bool) {
+    assert_eq!(w.len(), k * n, "weight of {k}×{n}");
+    assert_eq!(panels.len(), n.div_ceil(NR) * k * NR, "panels of {k}×{n}");
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        panels
+            .par_chunks_mut(k * NR)
+            .enumerate()
+            .for_each(|(p, panel)| {
+                // SAFETY: AVX2 is present; `panel` is panel p of a (K, N) weight `w`.
+                unsafe { avx2::fill_panel(panel, w, k, n, p, transposed) }
+            });
+        return;
+    }
+    panels
+        .par_chunks_mut(k * NR)
+        .enumerate()
+        .for_each(|(p, panel)| fill_panel_scalar(panel, w, k, n, p, transposed));
+}
+
+/// Panel `p` (K, NR) of `w`, value by value.
+fn fill_panel_scalar(panel: &mut [f32], w: &[f32], k: usize, n: usize, p: usize, transposed: bool) {
+    let (first, cols) = (p * NR, NR.min(n - p * NR));
+    if transposed {
+        // Row `col` of w is column `col` of W: scattered down the panel.
+        for j in 0..cols {
+            let row = &w[(first + j) * k..(first + j + 1) * k];
+            for (kk, &x) in row.iter().enumerate() {
+                panel[kk * NR + j] = x;
+            }
+        }
+    } else {
+        for (kk, dst) in panel.chunks_exact_mut(NR).enumerate() {
+            dst[..cols].copy_from_slice(&w[kk * n + first..kk * n + first + cols]);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{NR, fill_panel_scalar};
+
+    /// Panel `p` of `w` (see [`super::fill_panels`]): a transposed one through registers,
+    /// its rows stored non-temporally; otherwise (rows copied as they are, which is as
+    /// fast: measured) value by value.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn fill_panel(
+        panel: &mut [f32],
+        w: &[f32],
+        k: usize,
+        n: usize,
+        p: usize,
+        transposed: bool,
+    ) {
+        let (first, cols) = (p * NR, NR.min(n - p * NR));
+        let streamed = (panel.as_ptr() as usize).is_multiple_of(16);
+        if !transposed || cols < NR || !streamed || !k.is_multiple_of(8) {
+            fill_panel_scalar(panel, w, k, n, p, transposed);
+            return;
+        }
+        let out = panel.as_mut_ptr();
+        // SAFETY (whole body): `panel` holds K·NR floats and `w` N·K; panel p's rows
+        // first..first + NR of w lie within N (cols == NR), and K is a multiple of 8; `out`
+        // is 16-byte aligned, as every 64-byte panel row after it.
+        unsafe {
+            // Rows first..first + 16 of w, 8 columns at a time: two 8 × 8 blocks
+            // transposed into 8 panel rows.
+            let base = w.as_ptr().add(first * k);
+            for kk in (0..k).step_by(8) {
+                let lo = transpose8(std::array::from_fn(|j| {
+                    _mm256_loadu_ps(base.add(j * k + kk))
+                }));
+                let hi = transpose8(std::array::from_fn(|j| {
+                    _mm256_loadu_ps(base.add((j + 8) * k + kk))
+                }));
+                for c in 0..8 {
+                    stream_row(out.add((kk + c) * NR), lo[c], hi[c]);
+                }
+            }
+            _mm_sfence();
+        }
+    }
+
+    /// Stores a panel row of 16 values (`lo`, `hi`) at 16-byte aligned `dst`,
+    /// non-temporally.
+    #[inline(always)]
+    unsafe fn stream_row(dst: *mut f32, lo: __m256, hi: __m256) {
+        // SAFETY: the caller's `dst` holds 16 floats and is 16-byte aligned.
+        unsafe {
+            _mm_stream_ps(dst, _mm256_castps256_ps128(lo));
+            _mm_stream_ps(dst.add(4), _mm256_extractf128_ps::<1>(lo));
+            _mm_stream_ps(dst.add(8), _mm256_castps256_ps128(hi));
+            _mm_stream_ps(dst.add(12), _mm256_extractf128_ps::<1>(hi));
+        }
+    }
+
+    /// The 8 × 8 transpose of rows `r`: element c of result j is element j of `r[c]`.
+    #[inline(always)]
+    fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+        // SAFETY: register shuffles only; AVX2 is enabled in every caller.
+        unsafe {
+            let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+            let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+            let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+            let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+            let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+            let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+            let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+            let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+            let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+            let s1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+            let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+            let s3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+            let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+            let s5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+            let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+            let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+            [
+                _mm256_permute2f128_ps::<0x20>(s0, s4),
+                _mm256_permute2f128_ps::<0x20>(s1, s5),
+                _mm256_permute2f128_ps::<0x20>(s2, s6),
+                _mm256_permute2f128_ps::<0x20>(s3, s7),
+                _mm256_permute2f128_ps::<0x31>(s0, s4),
+                _mm256_permute2f128_ps::<0x31>(s1, s5),
+                _mm256_permute2f128_ps::<0x31>(s2, s6),
+                _mm256_permute2f128_ps::<0x31>(s3, s7),
+            ]
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn panels_are_the_scalar_packing_for_every_shape_and_orientation() {
+        for (k, n) in [
+            (8usize, 16usize),
+            (16, 40),
+            (24, 33),
+            (13, 50),
+            (768, 48),
+            (5, 3),
+        ] {
+            let w: Vec<f32> = (0..k * n).map(|i| i as f32 * 0.5 - 7.0).collect();
+            for transposed in [false, true] {
+                let mut want = vec![0f32; n.div_ceil(NR) * k * NR];
+                for (p, panel) in want.chunks_mut(k * NR).enumerate() {
+                    fill_panel_scalar(panel, &w, k, n, p, transposed);
+                }
+                let mut got = vec![0f32; want.len()];
+                fill_panels(&mut got, &w, k, n, transposed);
+                assert_eq!(got, want, "{k}×{n}, transposed: {transposed}");
+                // W's element (kk, col) is at row kk, column col % NR of panel col / NR.
+                let (kk, col) = (k - 1, n - 1);
+                let at = (col / NR) * k * NR + kk * NR + col % NR;
+                let w_kk_col = if transposed {
+                    w[col * k + kk]
+                } else {
+                    w[kk * n + col]
+                };
+                assert_eq!(got[at], w_kk_col);
+            }
+        }
+    }
+}
