@@ -7,15 +7,20 @@ and backward over every completion's `prompt ++ completion` sequence (as GRPO tr
 run it), LM head on the completion positions only (the `head` option `all` puts every
 position through it, as TRL does); the GRPO loss (clipped ratio against behaviour
 log-probs, k3 KL, sequence aggregation); gradient clipping; `torch.optim.AdamW(fused=True)`.
-Both run on `--threads` threads (default 2).
+Both run on `--threads` threads (default 2). With `--device cuda` both run on the GPU:
+PyTorch with f32 master weights and the forward passes under BF16 autocast (`--no-autocast`
+for f32/TF32), `learner bench --device cuda` beside it; times are taken after
+`torch.cuda.synchronize()`, memory is `torch.cuda.max_memory_allocated`.
 
 Usage:  python3 learner/bench/step_vs_pytorch.py [--learner target/release/learner]
         [--prompts 4] [--group 8] [--prompt-tokens 46] [--completion-tokens 64]
         [--steps 1] [--threads 2] [--head completions|all] [--skip-learner]
+        [--device cpu|cuda] [--no-autocast]
 Needs torch (CPU is enough). Prints each side's JSON line, then one with the ratio.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -36,6 +41,20 @@ def torch_step(args):
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def autocast():
+        if cuda and args.autocast:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
     cfg = PRESETS[args.preset]
     E, H, L, V = cfg["n_embd"], cfg["n_head"], cfg["n_layer"], cfg["vocab"]
 
@@ -68,13 +87,13 @@ def torch_step(args):
                 torch.nn.init.normal_(p, std=0.02)
 
         def hidden(self, ids):
-            pos = torch.arange(ids.shape[1])
+            pos = torch.arange(ids.shape[1], device=ids.device)
             x = self.wte(ids) + self.wpe(pos)
             for b in self.h:
                 x = b(x)
             return self.ln_f(x)
 
-    policy, reference = GPT(), GPT()
+    policy, reference = GPT().to(dev), GPT().to(dev)
     reference.load_state_dict(policy.state_dict())
     reference.requires_grad_(False)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-5, weight_decay=0.01, fused=True)
@@ -88,9 +107,14 @@ def torch_step(args):
     adv = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)
     adv = adv.reshape(P * G, 1)
     old = -(9.0 + 3.0 * torch.rand(P * G, Lc, generator=gen))
+    ids, adv, old = ids.to(dev), adv.to(dev), old.to(dev)
     targets = ids[:, Lp:]  # (C, Lc), predicted from positions Lp-1 .. Lp+Lc-2
 
     def logprobs(model, ids):
+        with autocast():
+            return head_logprobs(model, ids)
+
+    def head_logprobs(model, ids):
         h = model.hidden(ids[:, :-1])  # (C, T-1, E)
         if args.head == "all":
             logits = h @ model.wte.weight.T
@@ -100,9 +124,11 @@ def torch_step(args):
         return torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None])[..., 0]
 
     def step():
+        sync()
         t0 = time.perf_counter()
         with torch.no_grad():
             ref = logprobs(reference, ids)
+        sync()
         t1 = time.perf_counter()
         logp = logprobs(policy, ids)
         ratio = torch.exp(torch.clamp(logp - old, -20, 20))
@@ -110,12 +136,15 @@ def torch_step(args):
         d = torch.clamp(ref - logp, -20, 20)
         kl = torch.exp(d) - d - 1
         loss = (surr.mean(1) + 0.04 * kl.mean(1)).mean()
+        sync()
         t2 = time.perf_counter()
         loss.backward()
+        sync()
         t3 = time.perf_counter()
         norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sync()
         t4 = time.perf_counter()
         return dict(step=t4 - t0, reference=t1 - t0, forward=t2 - t1, backward=t3 - t2,
                     clip_optimizer=t4 - t3, loss=loss.item(), grad_norm=norm.item())
@@ -127,11 +156,14 @@ def torch_step(args):
         "side": "pytorch",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "device": str(dev),
+        "autocast_bf16": cuda and args.autocast,
         "head": args.head,
         "step_seconds": mean["step"],
         "phases": {k: mean[k] for k in ("reference", "forward", "backward", "clip_optimizer")},
         "tokens_per_second": P * G * (Lp + Lc) / mean["step"],
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_device_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "loss": mean["loss"],
     }
 
@@ -150,6 +182,11 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--head", default="completions", choices=["completions", "all"])
     ap.add_argument("--skip-learner", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (both sides)")
+    ap.add_argument("--peak-tflops", type=float,
+                    help="the device's dense peak for the learner's MFU (e.g. 989 for BF16 on an H100)")
+    ap.add_argument("--no-autocast", dest="autocast", action="store_false",
+                    help="on CUDA, run PyTorch's forward in f32 (TF32) instead of BF16 autocast")
     args = ap.parse_args()
 
     ours = None
@@ -157,7 +194,10 @@ def main():
         cmd = [args.learner, "bench", "--preset", args.preset, "--prompts", str(args.prompts),
                "--group", str(args.group), "--prompt-tokens", str(args.prompt_tokens),
                "--completion-tokens", str(args.completion_tokens),
-               "--micro-batch-groups", str(args.micro_batch_groups), "--steps", str(args.steps)]
+               "--micro-batch-groups", str(args.micro_batch_groups), "--steps", str(args.steps),
+               "--device", args.device]
+        if args.peak_tflops:
+            cmd += ["--peak-tflops", str(args.peak_tflops)]
         env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if out.returncode != 0:
@@ -175,6 +215,12 @@ def main():
             "pytorch_peak_rss_gib": theirs["peak_rss_bytes"] / 2**30,
             "shape": f"{args.prompts} x {args.group} x ({args.prompt_tokens} + {args.completion_tokens})",
             "threads": args.threads,
+            "device": args.device,
+            "learner_mfu": ours.get("mfu"),
+            "learner_peak_tflops": ours.get("peak_tflops"),
+            "learner_phases": ours.get("phases"),
+            "pytorch_phases": theirs["phases"],
+            "pytorch_peak_device_memory_bytes": theirs["peak_device_memory_bytes"],
         }))
 
 

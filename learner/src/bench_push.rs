@@ -17,6 +17,7 @@ use rollout_worker::engine::{Engine, EngineConfig, prepare_model};
 use rollout_worker::service::{RolloutServer, ServiceConfig};
 use rollout_worker::weights::{self, CHUNK_BYTES, WeightSet};
 use rookworld_lm::config::Config;
+use rookworld_lm::device::{DeviceChoice, default_dtype};
 use rookworld_lm::{Tokenizer, checkpoint};
 use rookworld_proto::logging::Progress;
 use rookworld_proto::rollout::v1 as pb;
@@ -43,6 +44,10 @@ pub struct BenchPushArgs {
     /// Skip the pushes to a generating worker.
     #[arg(long)]
     pub idle_only: bool,
+    /// The worker's device (cpu, cuda, cuda:N); on a GPU its weights are bfloat16, and
+    /// "convert + pack" is the upload to the device.
+    #[arg(long, default_value = "cpu")]
+    pub worker_device: String,
 }
 
 /// One measurement: the median push and where the worker spent it.
@@ -72,6 +77,7 @@ struct Floor {
 #[derive(Debug, Serialize)]
 struct Report {
     preset: String,
+    worker_device: String,
     bytes: usize,
     /// Learner: the model to the BF16 safetensors payload, and its BLAKE3 hash.
     export_seconds: f64,
@@ -144,17 +150,22 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, String> {
     // The worker, as `rollout-worker serve` runs it.
     let shared_dir = crate::export::process_dir("rookworld-bench-push");
     std::fs::create_dir_all(&shared_dir).map_err(|e| err(&e))?;
-    let worker_model = prepare_model(
-        checkpoint::init_random(&cfg, 2, DType::F32, &Device::Cpu).map_err(|e| err(&e))?,
-    )
-    .map_err(|e| err(&e))?;
+    let device = args
+        .worker_device
+        .parse::<DeviceChoice>()
+        .and_then(DeviceChoice::open)
+        .map_err(|e| format!("--worker-device: {e}"))?;
+    let dtype = default_dtype(&device);
+    let worker_model =
+        prepare_model(checkpoint::init_random(&cfg, 2, dtype, &device).map_err(|e| err(&e))?)
+            .map_err(|e| err(&e))?;
     let engine = Arc::new(Engine::start(worker_model, 0, EngineConfig::default()));
     let server = RolloutServer::new(
         engine,
         Tokenizer::gpt2(),
         cfg.clone(),
-        DType::F32,
-        Device::Cpu,
+        dtype,
+        device.clone(),
         ServiceConfig {
             token: Some(TOKEN.into()),
             shared_dir: Some(shared_dir.clone()),
@@ -253,6 +264,7 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, String> {
     let _ = serving.await;
     Ok(Report {
         preset: args.preset.clone(),
+        worker_device: args.worker_device.clone(),
         bytes,
         export_seconds,
         export_generic_seconds,

@@ -3,6 +3,7 @@
 
 use crate::bench_cmd::{self, BenchArgs};
 use crate::generate_cmd::{self, GenerateArgs};
+use crate::parity_cmd::{self, ParityArgs};
 use crate::serve_cmd::{self, ServeArgs};
 use clap::{Parser, Subcommand};
 use rookworld_proto::logging::LogArgs;
@@ -28,6 +29,9 @@ enum Command {
     Bench(BenchArgs),
     /// Ask a running service's gRPC health endpoint (exit 0 when serving).
     Health(HealthArgs),
+    /// Compare the model on a device (f32 and bf16) with the CPU in f32: logits and
+    /// greedy tokens of three prompts, as one JSON line.
+    Parity(ParityArgs),
 }
 
 /// Parses the command line and runs the command; the process exits with what it returns.
@@ -44,6 +48,9 @@ pub fn main() -> std::process::ExitCode {
         }
         Command::Serve(args) => serve(args),
         Command::Health(args) => args.run().map_err(Into::into),
+        Command::Parity(args) => {
+            parity_cmd::run(args, &mut std::io::stdout().lock()).map_err(Into::into)
+        }
     })
 }
 

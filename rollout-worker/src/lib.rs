@@ -12,6 +12,8 @@
 //! - [`generate_cmd`]: `rollout-worker generate`, one-shot generation printing JSON lines.
 //! - [`serve_cmd`]: `rollout-worker serve`, the gRPC service and metrics endpoint.
 //! - [`bench_cmd`]: `rollout-worker bench`, new tokens per second on the benchmark shape.
+//! - [`parity_cmd`]: `rollout-worker parity`, a device's logits and greedy tokens against
+//!   the CPU's.
 
 pub mod app;
 pub mod bench_cmd;
@@ -20,6 +22,7 @@ pub mod error;
 pub mod generate_cmd;
 pub mod gpu;
 pub mod metrics;
+pub mod parity_cmd;
 pub mod serve_cmd;
 pub mod service;
 pub mod weights;

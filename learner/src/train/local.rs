@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use candle_core::{DType, Device};
+use candle_core::Device;
 use reward_server::score::RewardConfig;
 use reward_server::scorer::Scorer;
 use rollout_worker::engine::{Engine, EngineConfig, prepare_model};
@@ -32,13 +32,15 @@ pub struct LocalServices {
 
 impl LocalServices {
     /// Starts the reward server and a worker that runs `weights` (the BF16 set the
-    /// learner would push, so worker and learner agree from the first step) and pulls
-    /// from the queue at `queue`. With `tls` (the learner's: its certificate must name
+    /// learner would push, so worker and learner agree from the first step) on `device`
+    /// (the learner's: f32 on the CPU, bfloat16 on a GPU they share) and pulls from the
+    /// queue at `queue`. With `tls` (the learner's: its certificate must name
     /// 127.0.0.1), every local port serves TLS and the worker calls out with `client`.
     pub async fn start(
         queue: SocketAddr,
         weights: &WeightSet,
         config: &rookworld_lm::Config,
+        device: &Device,
         token: &str,
         shared_dir: Option<std::path::PathBuf>,
         (tls, client): (Option<Arc<ServerTls>>, ClientTlsArgs),
@@ -64,7 +66,8 @@ impl LocalServices {
             }
         }));
 
-        let model: Gpt2 = checkpoint::from_bytes(&weights.bytes, config, DType::F32, &Device::Cpu)?;
+        let dtype = rookworld_lm::device::default_dtype(device);
+        let model: Gpt2 = checkpoint::from_bytes(&weights.bytes, config, dtype, device)?;
         let model = prepare_model(model)?;
         let engine = Arc::new(
             Engine::start(model, weights.version, EngineConfig::default())
@@ -76,8 +79,8 @@ impl LocalServices {
             engine.clone(),
             Tokenizer::gpt2(),
             config.clone(),
-            DType::F32,
-            Device::Cpu,
+            dtype,
+            device.clone(),
             ServiceConfig {
                 token: Some(token.to_owned()),
                 tls,

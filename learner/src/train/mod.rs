@@ -184,6 +184,7 @@ pub async fn run(
                 queue_addr,
                 &weights,
                 run.policy.model.config(),
+                run.policy.model.device(),
                 &token,
                 shared_dir.clone(),
                 (tls.clone(), args.client_tls.clone()),

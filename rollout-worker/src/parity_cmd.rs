@@ -1,0 +1,193 @@
+//! `rollout-worker parity`: the model on a device against the same weights on the CPU in
+//! f32 — the logits of three prompts at every position (relative and largest error, in f32
+//! and in bfloat16 on the device) and their greedy completions — as one JSON line. The
+//! first question `tests/gpu-check.sh` asks of a GPU; on the CPU it checks the bfloat16
+//! path against f32.
+
+use std::io::Write;
+
+use candle_core::{DType, Device, Tensor};
+use rookworld_lm::cli::ModelArgs;
+use rookworld_lm::generate::{GenerationConfig, generate_batch};
+use rookworld_lm::sampling::SamplingParams;
+use rookworld_lm::{Gpt2, LeftPadding, Result};
+use serde::Serialize;
+
+/// The prompts compared: a policy prompt at the start, one from a middlegame, and an
+/// environment prompt.
+pub const PROMPTS: [&str; 3] = [
+    "P: rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1    M:",
+    "P: r1bqkb1r/pppp1ppp/2n2n2/4p3/2B1P3/5N2/PPPP1PPP/RNBQK2R w KQkq - 4 4    M:",
+    "A: rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1+e2e4+",
+];
+
+/// Options of `rollout-worker parity`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ParityArgs {
+    /// The model (`--preset` with `--init-seed`, or `--model DIR`) and the device checked
+    /// (`--device`); `--dtype` is ignored: f32 and bf16 are both checked.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Greedy tokens generated per prompt.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 16)]
+    pub new_tokens: usize,
+}
+
+/// One dtype on the device against the CPU's f32.
+#[derive(Debug, Serialize)]
+struct DtypeParity {
+    dtype: &'static str,
+    /// ‖device − cpu‖ / ‖cpu‖ over the logits of every prompt position.
+    logits_rel_error: f64,
+    logits_max_abs_error: f64,
+    /// Per prompt: how many greedy tokens equal the CPU's, of `new_tokens`.
+    greedy_matching: Vec<usize>,
+    greedy_tokens: Vec<Vec<u32>>,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    device: String,
+    model: String,
+    prompts: usize,
+    new_tokens: usize,
+    cpu_greedy_tokens: Vec<Vec<u32>>,
+    results: Vec<DtypeParity>,
+}
+
+/// Runs the comparison and prints its JSON line.
+pub fn run(args: &ParityArgs, out: &mut impl Write) -> Result<()> {
+    let on = |device: &str, dtype: &str| ModelArgs {
+        device: device.into(),
+        dtype: Some(dtype.into()),
+        ..args.model.clone()
+    };
+    let reference = on("cpu", "f32").load()?;
+    let bos = reference.model.config().bos_token_id;
+    let prompts = PROMPTS
+        .iter()
+        .map(|p| {
+            let mut ids = vec![bos];
+            ids.extend(reference.tokenizer.encode(p)?);
+            Ok(ids)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let want_logits = logits(&reference.model, &prompts)?;
+    let want_tokens = greedy(&reference.model, &prompts, args.new_tokens)?;
+    let mut results = Vec::new();
+    for dtype in ["f32", "bf16"] {
+        let loaded = on(&args.model.device, dtype).load()?;
+        let got = logits(&loaded.model, &prompts)?;
+        let (rel, max_abs) = errors(&got, &want_logits);
+        let tokens = greedy(&loaded.model, &prompts, args.new_tokens)?;
+        let greedy_matching = tokens
+            .iter()
+            .zip(&want_tokens)
+            .map(|(a, b)| a.iter().zip(b).take_while(|(x, y)| x == y).count())
+            .collect();
+        results.push(DtypeParity {
+            dtype,
+            logits_rel_error: rel,
+            logits_max_abs_error: max_abs,
+            greedy_matching,
+            greedy_tokens: tokens,
+        });
+    }
+    let report = Report {
+        device: args.model.device.clone(),
+        model: reference.source,
+        prompts: prompts.len(),
+        new_tokens: args.new_tokens,
+        cpu_greedy_tokens: want_tokens,
+        results,
+    };
+    writeln!(
+        out,
+        "{}",
+        serde_json::to_string(&report).expect("the report serialises")
+    )
+    .map_err(|source| rookworld_lm::Error::Io {
+        path: "<stdout>".into(),
+        source,
+    })?;
+    Ok(())
+}
+
+/// The f32 logits of every position of every prompt, on the host, one prompt after another.
+fn logits(model: &Gpt2, prompts: &[Vec<u32>]) -> Result<Vec<f32>> {
+    let mut all = Vec::new();
+    for ids in prompts {
+        let input = Tensor::new(ids.as_slice(), model.device())?.unsqueeze(0)?; // (1, T)
+        let mut cache = model.new_cache();
+        let logits = model.forward(&input, &LeftPadding::none(1), &mut cache)?; // (1, T, V)
+        all.extend(
+            logits
+                .to_dtype(DType::F32)?
+                .to_device(&Device::Cpu)?
+                .flatten_all()?
+                .to_vec1::<f32>()?,
+        );
+    }
+    Ok(all)
+}
+
+/// `new_tokens` greedy tokens after each prompt.
+fn greedy(model: &Gpt2, prompts: &[Vec<u32>], new_tokens: usize) -> Result<Vec<Vec<u32>>> {
+    let cfg = GenerationConfig {
+        n: 1,
+        max_new_tokens: new_tokens,
+        sampling: SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+        },
+        seed: 0,
+        ignore_eos: true,
+    };
+    let out = generate_batch(model, prompts, &cfg, 0)?;
+    Ok(out
+        .groups
+        .into_iter()
+        .map(|mut g| g.swap_remove(0).ids)
+        .collect())
+}
+
+/// (‖a − b‖ / ‖b‖, max |a − b|).
+fn errors(a: &[f32], b: &[f32]) -> (f64, f64) {
+    let (mut diff, mut norm, mut max) = (0f64, 0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        let d = f64::from(*x) - f64::from(*y);
+        diff += d * d;
+        norm += f64::from(*y) * f64::from(*y);
+        max = max.max(d.abs());
+    }
+    ((diff / norm.max(f64::MIN_POSITIVE)).sqrt(), max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cpu_against_itself_is_exact_and_bf16_is_close() {
+        let args = ParityArgs {
+            model: ModelArgs {
+                model: None,
+                preset: Some("tiny".into()),
+                init_seed: 3,
+                device: "cpu".into(),
+                dtype: None,
+            },
+            new_tokens: 4,
+        };
+        let mut out = Vec::new();
+        run(&args, &mut out).unwrap();
+        let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        let results = report["results"].as_array().unwrap();
+        assert_eq!(results[0]["dtype"], "f32");
+        assert_eq!(results[0]["logits_rel_error"], 0.0);
+        assert_eq!(results[0]["greedy_matching"], serde_json::json!([4, 4, 4]));
+        let bf16 = results[1]["logits_rel_error"].as_f64().unwrap();
+        assert!(bf16 > 0.0 && bf16 < 0.05, "bf16 relative error {bf16}");
+    }
+}
