@@ -20,6 +20,7 @@ mod config;
 mod local;
 mod prepare;
 mod report;
+mod settings;
 mod support;
 mod watchdog;
 
