@@ -167,7 +167,7 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, String> {
         dtype,
         device.clone(),
         ServiceConfig {
-            token: Some(TOKEN.into()),
+            guard: rookworld_proto::auth::Guard::shared(TOKEN),
             shared_dir: Some(shared_dir.clone()),
             ..ServiceConfig::default()
         },

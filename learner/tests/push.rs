@@ -23,7 +23,7 @@ fn serve(listener: tokio::net::TcpListener) {
         DType::F32,
         Device::Cpu,
         ServiceConfig {
-            token: Some(TOKEN.into()),
+            guard: rookworld_proto::auth::Guard::shared(TOKEN),
             ..ServiceConfig::default()
         },
     );

@@ -40,7 +40,7 @@ async fn worker_of(model: Gpt2, shared_dir: Option<PathBuf>) -> String {
         DType::F32,
         Device::Cpu,
         ServiceConfig {
-            token: Some(TOKEN.into()),
+            guard: rookworld_proto::auth::Guard::shared(TOKEN),
             shared_dir,
             ..ServiceConfig::default()
         },

@@ -72,6 +72,11 @@ impl Guard {
         Self { token, inspect }
     }
 
+    /// A guard of the shared `token` alone (inspection open).
+    pub fn shared(token: impl Into<String>) -> Self {
+        Self::new(Some(token.into()), None)
+    }
+
     /// The shared token, if any.
     pub fn token(&self) -> Option<&str> {
         self.token.as_deref()

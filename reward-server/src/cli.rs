@@ -171,8 +171,7 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
         .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", args.listen)))?;
     tracing::info!(listen = %listener.local_addr()?, metrics = %args.metrics, engine = scorer.engine().is_some(), "reward server ready");
     let cfg = ServiceConfig {
-        token,
-        inspect_token,
+        guard: rookworld_proto::auth::Guard::new(token, inspect_token),
         tls,
         max_items_in_flight: args.max_items_in_flight,
         max_items_per_call: args.max_items_per_call,

@@ -18,12 +18,11 @@ use crate::scorer::{Item, Scorer};
 use crate::task::Task;
 
 /// Limits and guards of the service.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct ServiceConfig {
-    /// Shared token that Score must carry; `None` refuses every Score call.
-    pub token: Option<String>,
-    /// Token that Info must carry; `None` leaves it open.
-    pub inspect_token: Option<String>,
+    /// The shared token Score must carry (none: every Score call is refused), and the
+    /// inspection token Info must carry (none: it is open).
+    pub guard: Guard,
     /// TLS of the port; `None` serves plaintext.
     pub tls: Option<Arc<rookworld_proto::tls::ServerTls>>,
     /// Items being scored at once across all calls; more is `RESOURCE_EXHAUSTED`.
@@ -39,32 +38,12 @@ pub struct ServiceConfig {
 impl Default for ServiceConfig {
     fn default() -> Self {
         Self {
-            token: None,
-            inspect_token: None,
+            guard: Guard::default(),
             tls: None,
             max_items_in_flight: 65_536,
             max_items_per_call: 16_384,
             max_message_bytes: 16 * 1024 * 1024,
         }
-    }
-}
-
-impl std::fmt::Debug for ServiceConfig {
-    /// Everything but the tokens' values.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ServiceConfig")
-            .field("guard", &self.guard())
-            .field("tls", &self.tls.is_some())
-            .field("max_items_in_flight", &self.max_items_in_flight)
-            .field("max_items_per_call", &self.max_items_per_call)
-            .field("max_message_bytes", &self.max_message_bytes)
-            .finish()
-    }
-}
-
-impl ServiceConfig {
-    fn guard(&self) -> Guard {
-        Guard::new(self.token.clone(), self.inspect_token.clone())
     }
 }
 
@@ -80,7 +59,7 @@ pub struct RewardServer {
 impl RewardServer {
     pub fn new(scorer: Scorer, cfg: ServiceConfig) -> Self {
         Self {
-            guard: cfg.guard(),
+            guard: cfg.guard.clone(),
             slots: Arc::new(Semaphore::new(cfg.max_items_in_flight)),
             scorer,
             cfg,

@@ -26,7 +26,9 @@ struct Server {
 impl Server {
     /// The service with `cfg`, guarded by [`TOKEN`] unless `cfg` has a token.
     async fn start(mut cfg: ServiceConfig) -> Self {
-        cfg.token.get_or_insert_with(|| TOKEN.into());
+        if cfg.guard.token().is_none() {
+            cfg.guard = rookworld_proto::auth::Guard::shared(TOKEN);
+        }
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = oneshot::channel::<()>();
@@ -326,7 +328,7 @@ async fn score_needs_the_token_and_info_the_inspection_token_when_one_is_set() {
         items: vec![env_item("e2e4", "x")],
     };
     let server = Server::start(ServiceConfig {
-        inspect_token: Some("look".into()),
+        guard: rookworld_proto::auth::Guard::new(Some(TOKEN.into()), Some("look".into())),
         ..ServiceConfig::default()
     })
     .await;

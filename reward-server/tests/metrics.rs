@@ -25,7 +25,7 @@ async fn metrics_count_requests_items_verdicts_and_latency() {
     let server = tokio::spawn(service::run(
         scorer,
         ServiceConfig {
-            token: Some("t".into()),
+            guard: rookworld_proto::auth::Guard::shared("t"),
             ..ServiceConfig::default()
         },
         listener,

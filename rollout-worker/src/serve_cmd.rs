@@ -158,8 +158,7 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
         dtype,
         device,
         ServiceConfig {
-            token,
-            inspect_token,
+            guard: rookworld_proto::auth::Guard::new(token, inspect_token),
             tls: tls.clone(),
             max_queued_samples: args.max_queued_samples,
             shared_dir: args.shared_dir.clone(),

@@ -26,12 +26,11 @@ use crate::metrics;
 mod update;
 
 /// Settings of the service around the engine.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct ServiceConfig {
-    /// Shared token that Generate and UpdateWeights must carry; `None` refuses them.
-    pub token: Option<String>,
-    /// Token that Status must carry; `None` leaves it open.
-    pub inspect_token: Option<String>,
+    /// The shared token Generate and UpdateWeights must carry (none: they are refused),
+    /// and the inspection token Status must carry (none: it is open).
+    pub guard: Guard,
     /// TLS of the port; `None` serves plaintext.
     pub tls: Option<Arc<ServerTls>>,
     /// Samples queued (not started) across all calls beyond which Generate is refused
@@ -47,32 +46,12 @@ pub struct ServiceConfig {
 impl Default for ServiceConfig {
     fn default() -> Self {
         Self {
-            token: None,
-            inspect_token: None,
+            guard: Guard::default(),
             tls: None,
             max_queued_samples: 1 << 16,
             max_message_bytes: 16 * 1024 * 1024,
             shared_dir: None,
         }
-    }
-}
-
-impl std::fmt::Debug for ServiceConfig {
-    /// Everything but the tokens' values.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ServiceConfig")
-            .field("guard", &self.guard())
-            .field("tls", &self.tls.is_some())
-            .field("max_queued_samples", &self.max_queued_samples)
-            .field("max_message_bytes", &self.max_message_bytes)
-            .field("shared_dir", &self.shared_dir)
-            .finish()
-    }
-}
-
-impl ServiceConfig {
-    fn guard(&self) -> Guard {
-        Guard::new(self.token.clone(), self.inspect_token.clone())
     }
 }
 
@@ -111,7 +90,7 @@ impl RolloutServer {
             model_config,
             dtype,
             device,
-            guard: cfg.guard(),
+            guard: cfg.guard.clone(),
             cfg,
             updating: Mutex::new(()),
             spare: std::sync::Mutex::new(None),

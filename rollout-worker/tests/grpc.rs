@@ -57,8 +57,10 @@ impl Server {
             DType::F32,
             Device::Cpu,
             ServiceConfig {
-                token: Some(TOKEN.into()),
-                inspect_token: inspect.map(str::to_owned),
+                guard: rookworld_proto::auth::Guard::new(
+                    Some(TOKEN.into()),
+                    inspect.map(str::to_owned),
+                ),
                 ..ServiceConfig::default()
             },
         );

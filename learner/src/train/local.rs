@@ -53,7 +53,7 @@ impl LocalServices {
         let reward = format!("{scheme}://{}", reward_listener.local_addr()?);
         let scorer = Scorer::new(RewardConfig::default(), None);
         let reward_cfg = reward_server::service::ServiceConfig {
-            token: Some(token.to_owned()),
+            guard: rookworld_proto::auth::Guard::shared(token),
             tls: tls.clone(),
             ..Default::default()
         };
@@ -82,7 +82,7 @@ impl LocalServices {
             dtype,
             device.clone(),
             ServiceConfig {
-                token: Some(token.to_owned()),
+                guard: rookworld_proto::auth::Guard::shared(token),
                 tls,
                 shared_dir,
                 ..ServiceConfig::default()

@@ -173,7 +173,7 @@ mod tests {
             DType::F32,
             Device::Cpu,
             ServiceConfig {
-                token: Some("t".into()),
+                guard: rookworld_proto::auth::Guard::shared("t"),
                 ..ServiceConfig::default()
             },
         );
