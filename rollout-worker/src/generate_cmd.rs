@@ -135,11 +135,7 @@ pub fn run(args: &GenerateArgs, out: &mut impl Write) -> std::result::Result<(),
     let bos = loaded.model.config().bos_token_id;
     let encoded = prompts
         .iter()
-        .map(|p| {
-            let mut ids = vec![bos];
-            ids.extend(loaded.tokenizer.encode(p)?);
-            Ok(ids)
-        })
+        .map(|p| loaded.tokenizer.encode_prompt(bos, p))
         .collect::<Result<Vec<_>>>()?;
 
     let context = loaded.model.config().n_positions;

@@ -66,11 +66,7 @@ pub fn run(args: &ParityArgs, out: &mut impl Write) -> Result<()> {
     let bos = reference.model.config().bos_token_id;
     let prompts = PROMPTS
         .iter()
-        .map(|p| {
-            let mut ids = vec![bos];
-            ids.extend(reference.tokenizer.encode(p)?);
-            Ok(ids)
-        })
+        .map(|p| reference.tokenizer.encode_prompt(bos, p))
         .collect::<Result<Vec<_>>>()?;
     let want_logits = logits(&reference.model, &prompts)?;
     let want_tokens = greedy(&reference.model, &prompts, args.new_tokens)?;

@@ -109,15 +109,10 @@ impl RolloutServer {
             .into_iter()
             .enumerate()
             .map(|(i, p)| match (p.text.is_empty(), p.ids.is_empty()) {
-                (false, true) => {
-                    let mut ids = vec![self.model_config.bos_token_id];
-                    ids.extend(
-                        self.tokenizer.encode(&p.text).map_err(|e| {
-                            ServiceError::InvalidArgument(format!("prompt {i}: {e}"))
-                        })?,
-                    );
-                    Ok(ids)
-                }
+                (false, true) => self
+                    .tokenizer
+                    .encode_prompt(self.model_config.bos_token_id, &p.text)
+                    .map_err(|e| ServiceError::InvalidArgument(format!("prompt {i}: {e}"))),
                 (true, false) => Ok(p.ids),
                 _ => Err(ServiceError::InvalidArgument(format!(
                     "prompt {i}: set exactly one of `text` and `ids`"

@@ -339,12 +339,9 @@ async fn group(
 ) -> Result<(), GroupError> {
     let started = Instant::now();
     let expires = started + Duration::from_secs_f64(prompt.deadline_seconds.clamp(0.0, 1e7));
-    let mut ids = vec![bos];
-    ids.extend(
-        tokenizer
-            .encode(&prompt.prompt)
-            .map_err(|e| GroupError::Generate(e.to_string()))?,
-    );
+    let ids = tokenizer
+        .encode_prompt(bos, &prompt.prompt)
+        .map_err(|e| GroupError::Generate(e.to_string()))?;
     let request = Request {
         seed: prompt.seed,
         ..Request::from_proto(vec![ids.clone()], n as usize, &sampling)

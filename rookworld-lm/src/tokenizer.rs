@@ -95,6 +95,14 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// The ids a prompt is fed as: `bos` (the model's `bos_token_id`), then the tokens of
+    /// `text` — as RookWorld-LM's training documents began.
+    pub fn encode_prompt(&self, bos: u32, text: &str) -> Result<Vec<u32>> {
+        let mut ids = vec![bos];
+        ids.extend(self.encode(text)?);
+        Ok(ids)
+    }
+
     /// Text of `ids`; end-of-text tokens are dropped.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         let kept: Vec<u32> = ids.iter().copied().filter(|&id| id != EOT_TOKEN).collect();
@@ -127,6 +135,10 @@ mod tests {
     fn hello_world_and_the_46_token_policy_prompt() {
         let tok = Tokenizer::gpt2();
         assert_eq!(tok.encode("Hello world").unwrap(), vec![15496, 995]);
+        assert_eq!(
+            tok.encode_prompt(50256, "Hello world").unwrap(),
+            vec![50256, 15496, 995]
+        );
         let ids = tok.encode(START).unwrap();
         assert_eq!(ids.len(), 46);
         assert_eq!(tok.decode(&ids).unwrap(), START);

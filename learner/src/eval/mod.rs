@@ -200,12 +200,10 @@ impl Evaluation<'_> {
             .iter()
             .enumerate()
             .map(|(i, item)| {
-                let mut ids = vec![bos];
-                ids.extend(
-                    self.tokenizer
-                        .encode(&item.prompt)
-                        .map_err(|e| e.to_string())?,
-                );
+                let ids = self
+                    .tokenizer
+                    .encode_prompt(bos, &item.prompt)
+                    .map_err(|e| e.to_string())?;
                 let what = format!("{} item {i}", suite.name());
                 rookworld_proto::check::fits_context(
                     self.max_new_tokens,

@@ -64,8 +64,7 @@ fn touch(bytes: &mut [u8]) {
 /// A payload file in the shared directory, mapped read-write.
 #[derive(Debug)]
 pub(super) struct PayloadFile {
-    dir: PathBuf,
-    /// Its name while it is written.
+    /// Its name while it is written (its directory is the shared one).
     aside: PathBuf,
     /// Where it is now: `aside`, or its published version's name.
     path: PathBuf,
@@ -106,7 +105,6 @@ impl PayloadFile {
             }
         };
         Ok(Self {
-            dir: dir.to_owned(),
             path: aside.clone(),
             aside,
             id,
@@ -133,7 +131,7 @@ impl PayloadFile {
     /// Names the written file `name` in its directory (replacing a file of that name) and
     /// unlocks it for the workers.
     pub(super) fn publish(&mut self, name: &str) -> std::io::Result<()> {
-        let named = self.dir.join(name);
+        let named = self.aside.with_file_name(name);
         std::fs::rename(&self.path, &named)?;
         self.path = named;
         self.file.unlock()?;
