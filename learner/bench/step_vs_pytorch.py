@@ -198,6 +198,8 @@ def main():
                "--device", args.device]
         if args.peak_tflops:
             cmd += ["--peak-tflops", str(args.peak_tflops)]
+        if args.device != "cpu":  # the same precision as PyTorch's side
+            cmd += ["--precision", "bf16" if args.autocast else "f32"]
         env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if out.returncode != 0:

@@ -9,6 +9,7 @@ use candle_core::{DType, Device};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rookworld_lm::config::Config;
+use rookworld_lm::device::DeviceChoice;
 use rookworld_lm::{Gpt2, checkpoint};
 use rookworld_proto::logging::Progress;
 use serde::Serialize;
@@ -16,7 +17,7 @@ use serde::Serialize;
 use crate::batch::GrpoBatch;
 use crate::loss::LossConfig;
 use crate::optim::{AdamW, AdamWConfig};
-use crate::policy::Trainable;
+use crate::policy::{Precision, Trainable};
 use crate::step::{StepConfig, StepReport, accumulate, accumulate_autograd, step_flops};
 
 /// Which implementation of the forward/backward runs.
@@ -58,9 +59,12 @@ pub struct BenchArgs {
     pub beta: f64,
     #[arg(long, value_enum, default_value = "auto")]
     pub path: BenchPath,
-    /// Training device: cpu (the learner trains in f32).
+    /// Training device: cpu, cuda, cuda:N (weights, moments and statistics in f32).
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// Matmul precision: auto (BF16 inputs on CUDA, f32 on the CPU), f32 or bf16.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub precision: Precision,
     /// Peak of the device in TFLOP/s, for MFU (default: an estimate, see `learner train`).
     #[arg(long, allow_negative_numbers = true)]
     pub peak_tflops: Option<f64>,
@@ -74,6 +78,8 @@ pub struct BenchReport {
     pub preset: String,
     pub path: &'static str,
     pub device: String,
+    /// The matmuls' input dtype: "f32" or "bf16".
+    pub matmul_dtype: &'static str,
     pub threads: usize,
     pub prompts: usize,
     pub group: usize,
@@ -95,6 +101,9 @@ pub struct BenchReport {
     pub peak_tflops: f64,
     /// Peak resident memory of the process (bytes).
     pub peak_rss_bytes: u64,
+    /// On CUDA: device memory in use (total − free) after the last step, the caching
+    /// allocator's pool included (bytes).
+    pub device_memory_bytes: Option<u64>,
     /// Largest activation plan of a micro-batch (bytes, fused pass).
     pub activation_bytes: usize,
     pub loss: f64,
@@ -185,12 +194,6 @@ impl BenchArgs {
 
 fn bench(args: &BenchArgs) -> Result<BenchReport, String> {
     args.validate()?;
-    if args.device != "cpu" {
-        return Err(format!(
-            "--device {}: the learner's training step runs on the CPU in this build",
-            args.device
-        ));
-    }
     let cfg = Config::preset(&args.preset).map_err(|e| e.to_string())?;
     if args.prompt_tokens + args.completion_tokens > cfg.n_positions {
         return Err(format!(
@@ -199,10 +202,19 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, String> {
         ));
     }
     let err = |e: candle_core::Error| e.to_string();
-    let device = Device::Cpu;
-    let init =
-        |seed| checkpoint::init_random(&cfg, seed, DType::F32, &device).map_err(|e| e.to_string());
-    let policy = Trainable::from_model(&init(args.seed)?).map_err(|e| e.to_string())?;
+    let device = args
+        .device
+        .parse::<DeviceChoice>()
+        .and_then(DeviceChoice::open)
+        .map_err(|e| e.to_string())?;
+    let init = |seed| -> Result<Gpt2, String> {
+        let mut model =
+            checkpoint::init_random(&cfg, seed, DType::F32, &device).map_err(|e| e.to_string())?;
+        args.precision.apply(&mut model);
+        Ok(model)
+    };
+    let mut policy = Trainable::from_model(&init(args.seed)?).map_err(|e| e.to_string())?;
+    args.precision.apply(&mut policy.model);
     let reference: Option<Gpt2> = if args.beta > 0.0 {
         Some(init(args.seed)?)
     } else {
@@ -237,6 +249,7 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, String> {
         let t = Instant::now();
         opt.step(&policy.vars, &grads, 1e-5).map_err(err)?;
         policy.recycle(grads);
+        device.synchronize().map_err(err)?; // queued kernels count in the step
         let optimizer = t.elapsed().as_secs_f64();
         let seconds = started.elapsed().as_secs_f64();
         if step == 0 {
@@ -279,14 +292,21 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, String> {
         model_flops
     };
     let threads = rayon::current_num_threads();
-    let peak = args
-        .peak_tflops
-        .map_or_else(crate::step::cpu_peak_flops, |t| t * 1e12);
+    let matmul_dtype = policy.model.matmul_dtype();
+    let peak = args.peak_tflops.map_or_else(
+        || crate::step::device_peak_flops(&device, matmul_dtype),
+        |t| t * 1e12,
+    );
     let sequence_tokens = args.prompts * args.group * (args.prompt_tokens + args.completion_tokens);
     Ok(BenchReport {
         preset: args.preset.clone(),
         path: if fused { "fused" } else { "autograd" },
         device: args.device.clone(),
+        matmul_dtype: if matmul_dtype.is_some() {
+            "bf16"
+        } else {
+            "f32"
+        },
         threads,
         prompts: args.prompts,
         group: args.group,
@@ -302,6 +322,7 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, String> {
         mfu: executed_flops / step_seconds / peak,
         peak_tflops: peak / 1e12,
         peak_rss_bytes: peak_rss_bytes(),
+        device_memory_bytes: device_memory_bytes(&device),
         activation_bytes: last.0.activation_bytes,
         loss: last.0.loss,
         grad_norm: last.1,
@@ -328,6 +349,19 @@ fn executed_flops(cfg: &Config, args: &BenchArgs, reference: bool) -> f64 {
 }
 
 /// Peak resident set size of this process (Linux `VmHWM`), 0 where unknown.
+/// Device memory in use (total − free) on a CUDA device; `None` elsewhere.
+fn device_memory_bytes(device: &Device) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cuda) = device {
+        use candle_core::cuda::cudarc::driver::result::mem_get_info;
+        cuda.cuda_stream().context().bind_to_thread().ok()?;
+        let (free, total) = mem_get_info().ok()?;
+        return Some((total - free) as u64);
+    }
+    let _ = device;
+    None
+}
+
 pub fn peak_rss_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()

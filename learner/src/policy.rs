@@ -10,8 +10,41 @@ use rookworld_lm::{Gpt2, LeftPadding, checkpoint};
 
 use crate::batch::Layout;
 use crate::fused::model::Workspace;
-use crate::head::head_logprobs;
+use crate::head::{head_logprobs, plain_head_logprobs};
 use crate::optim::Gradients;
+
+/// How the learner's matmuls run. The weights, the optimizer's moments, layer-norm and
+/// softmax statistics and the log-probs stay f32 whatever is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// BF16 matmul inputs on CUDA (TF32 for the f32 matmuls left), f32 on the CPU.
+    Auto,
+    /// f32 matmuls everywhere (TF32 still allowed on CUDA).
+    F32,
+    /// BF16 matmul inputs with f32 accumulation (cuBLAS; candle's CPU matmul on the CPU).
+    Bf16,
+}
+
+impl Precision {
+    /// The matmuls' input dtype on `device` (`None`: the weights' f32).
+    pub fn matmul_dtype(self, device: &Device) -> Option<DType> {
+        match self {
+            Self::Auto => device.is_cuda().then_some(DType::BF16),
+            Self::F32 => None,
+            Self::Bf16 => Some(DType::BF16),
+        }
+    }
+
+    /// Sets `model`'s matmuls (policy or reference) to this precision; on CUDA also lets
+    /// cuBLAS run the f32 matmuls in TF32.
+    pub fn apply(self, model: &mut Gpt2) {
+        if model.device().is_cuda() {
+            candle_core::cuda::set_gemm_reduced_precision_f32(true);
+        }
+        model.set_matmul_dtype(self.matmul_dtype(model.device()));
+    }
+}
 
 /// A model whose weights are `Var`s, named as in a Hugging Face checkpoint.
 #[derive(Debug)]
@@ -43,12 +76,20 @@ impl Trainable {
         }
         let root = VarBuilder::from_varmap(&varmap, DType::F32, model.device());
         let cfg = model.config().clone();
-        let model = Gpt2::load(root.pp("transformer"), root, &cfg)?;
+        let mut model = Gpt2::load(root.pp("transformer"), root, &cfg)?;
+        Precision::Auto.apply(&mut model);
         Ok(Self {
             model,
             vars,
             workspace: Mutex::default(),
         })
+    }
+
+    /// Whether the fused CPU pass runs this policy's steps (f32 on the CPU, no mixed
+    /// precision); elsewhere candle's autograd does.
+    pub fn fused_pass_applies(&self) -> bool {
+        self.model.matmul_dtype().is_none()
+            && crate::fused::applies(self.model.config(), self.model.head_weight())
     }
 
     /// The parameters' tensors in `vars` order (the fused pass's `Params` order).
@@ -146,5 +187,14 @@ pub fn slot_logprobs(
     let e = hidden.dim(2)?;
     let hidden = hidden.narrow(1, 0, t - 1)?.reshape((c * (t - 1), e))?; // (C·(T−1), E)
     let h = hidden.index_select(slots, 0)?; // (N, E)
-    head_logprobs(&h, model.head_weight(), targets, temperature) // (N)
+    match model.matmul_dtype() {
+        // Mixed precision: the head's matmul in BF16 too, its logits and log-softmax f32.
+        Some(dtype) => plain_head_logprobs(
+            &h.to_dtype(dtype)?,
+            &model.head_weight().to_dtype(dtype)?,
+            targets,
+            temperature,
+        ),
+        None => head_logprobs(&h, model.head_weight(), targets, temperature), // (N)
+    }
 }

@@ -6,7 +6,7 @@ use candle_core::{Device, Tensor};
 use rookworld_lm::Gpt2;
 
 use crate::fused::step::nll_micro;
-use crate::fused::{self, GroupInput, Params};
+use crate::fused::{GroupInput, Params};
 use crate::optim::Gradients;
 use crate::policy::{Trainable, slot_logprobs};
 
@@ -110,7 +110,7 @@ pub(crate) fn gradients(
     micro_size: usize,
 ) -> candle_core::Result<(Gradients, f64)> {
     let total_tokens: usize = batch.iter().map(|d| d.ids.len() - d.first.max(1)).sum();
-    if fused::applies(policy.model.config(), policy.model.head_weight()) {
+    if policy.fused_pass_applies() {
         fused_gradients(policy, batch, micro_size, total_tokens)
     } else {
         autograd_gradients(policy, batch, micro_size, total_tokens)

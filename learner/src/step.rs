@@ -68,7 +68,7 @@ pub fn accumulate(
     batch: &GrpoBatch,
     cfg: &StepConfig,
 ) -> CandleResult<(Gradients, StepReport)> {
-    if fused::applies(policy.model.config(), policy.model.head_weight()) {
+    if policy.fused_pass_applies() {
         return accumulate_fused(policy, reference, batch, cfg);
     }
     accumulate_autograd(policy, reference, batch, cfg)
@@ -374,6 +374,20 @@ pub fn step_flops(model: &Gpt2, batch: &GrpoBatch, reference: bool) -> f64 {
     }
     let per_weight_token = if reference { 8.0 } else { 6.0 };
     per_weight_token * (body * seq as f64 + head * completion as f64)
+}
+
+/// The peak a step's MFU is measured against: on the CPU [`cpu_peak_flops`]; on CUDA the
+/// dense peak of an H100/H200 SXM in the matmuls' dtype — 989 TFLOP/s in BF16, 495 in
+/// TF32 (f32 matmuls).
+pub fn device_peak_flops(
+    device: &candle_core::Device,
+    matmul_dtype: Option<candle_core::DType>,
+) -> f64 {
+    match (device.is_cpu(), matmul_dtype) {
+        (true, _) => cpu_peak_flops(),
+        (false, Some(candle_core::DType::BF16 | candle_core::DType::F16)) => 989e12,
+        (false, _) => 495e12,
+    }
 }
 
 /// An estimate of this CPU's f32 peak: 32 FLOPs per cycle per core (AVX2, two FMA

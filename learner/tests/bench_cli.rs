@@ -36,6 +36,7 @@ fn bench_prints_one_json_line_with_the_step_split() {
     assert_eq!(line.lines().count(), 1, "{line}");
     let v: serde_json::Value = serde_json::from_str(line).unwrap();
     assert_eq!(v["path"], "fused");
+    assert_eq!(v["matmul_dtype"], "f32");
     let step = v["step_seconds"].as_f64().unwrap();
     let phases: f64 = ["reference", "forward", "backward", "clip", "optimizer"]
         .iter()
@@ -46,6 +47,37 @@ fn bench_prints_one_json_line_with_the_step_split() {
     assert!(v["peak_rss_bytes"].as_u64().unwrap() > 0);
     assert!(v["loss"].as_f64().unwrap().is_finite());
     assert!(v["grad_norm"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn bf16_precision_runs_the_step_through_autograd_with_bf16_matmuls() {
+    let out = bench(&[
+        "--preset",
+        "tiny",
+        "-p",
+        "2",
+        "-n",
+        "2",
+        "--prompt-tokens",
+        "8",
+        "--completion-tokens",
+        "8",
+        "--precision",
+        "bf16",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["path"], "autograd");
+    assert_eq!(v["matmul_dtype"], "bf16");
+    assert!(
+        v["device_memory_bytes"].is_null(),
+        "no device memory on the CPU"
+    );
+    assert!(v["loss"].as_f64().unwrap().is_finite());
 }
 
 #[test]

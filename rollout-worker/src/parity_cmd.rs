@@ -1,10 +1,13 @@
 //! `rollout-worker parity`: the model on a device against the same weights on the CPU in
 //! f32 — the logits of three prompts at every position (relative and largest error, in f32
-//! and in bfloat16 on the device) and their greedy completions — as one JSON line. The
+//! and in bfloat16 on the device), their greedy completions, and the same completions from
+//! the rollout engine (grouped cache, fused attention and, on CUDA, sampling on the device)
+//! — plus, on CUDA, each decode kernel against its CPU reference, as one JSON line. The
 //! first question `tests/gpu-check.sh` asks of a GPU; on the CPU it checks the bfloat16
 //! path against f32.
 
 use std::io::Write;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use rookworld_lm::cli::ModelArgs;
@@ -12,6 +15,8 @@ use rookworld_lm::generate::{GenerationConfig, generate_batch};
 use rookworld_lm::sampling::SamplingParams;
 use rookworld_lm::{Gpt2, LeftPadding, Result};
 use serde::Serialize;
+
+use crate::engine::{EngineConfig, Request, Scheduler};
 
 /// The prompts compared: a policy prompt at the start, one from a middlegame, and an
 /// environment prompt.
@@ -43,6 +48,9 @@ struct DtypeParity {
     /// Per prompt: how many greedy tokens equal the CPU's, of `new_tokens`.
     greedy_matching: Vec<usize>,
     greedy_tokens: Vec<Vec<u32>>,
+    /// The same through the rollout engine (two samples per prompt sharing its cache):
+    /// per sample, how many tokens equal the CPU's.
+    engine_greedy_matching: Vec<usize>,
 }
 
 #[derive(Debug, Serialize)]
@@ -53,6 +61,8 @@ struct Report {
     new_tokens: usize,
     cpu_greedy_tokens: Vec<Vec<u32>>,
     results: Vec<DtypeParity>,
+    /// The CUDA decode kernels against their CPU references (CUDA only).
+    kernels: Option<serde_json::Value>,
 }
 
 /// Runs the comparison and prints its JSON line.
@@ -76,10 +86,16 @@ pub fn run(args: &ParityArgs, out: &mut impl Write) -> Result<()> {
         let got = logits(&loaded.model, &prompts)?;
         let (rel, max_abs) = errors(&got, &want_logits);
         let tokens = greedy(&loaded.model, &prompts, args.new_tokens)?;
+        let matching = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
         let greedy_matching = tokens
             .iter()
             .zip(&want_tokens)
-            .map(|(a, b)| a.iter().zip(b).take_while(|(x, y)| x == y).count())
+            .map(|(a, b)| matching(a, b))
+            .collect();
+        let engine_greedy_matching = engine_greedy(loaded.model, &prompts, args.new_tokens)?
+            .iter()
+            .enumerate()
+            .map(|(i, got)| matching(got, &want_tokens[i / ENGINE_SAMPLES]))
             .collect();
         results.push(DtypeParity {
             dtype,
@@ -87,6 +103,7 @@ pub fn run(args: &ParityArgs, out: &mut impl Write) -> Result<()> {
             logits_max_abs_error: max_abs,
             greedy_matching,
             greedy_tokens: tokens,
+            engine_greedy_matching,
         });
     }
     let report = Report {
@@ -96,6 +113,7 @@ pub fn run(args: &ParityArgs, out: &mut impl Write) -> Result<()> {
         new_tokens: args.new_tokens,
         cpu_greedy_tokens: want_tokens,
         results,
+        kernels: kernel_check(&args.model.device)?,
     };
     writeln!(
         out,
@@ -148,6 +166,43 @@ fn greedy(model: &Gpt2, prompts: &[Vec<u32>], new_tokens: usize) -> Result<Vec<V
         .collect())
 }
 
+/// Greedy samples per prompt the engine decodes (rows sharing the prompt's cache).
+const ENGINE_SAMPLES: usize = 2;
+
+/// `new_tokens` greedy tokens of each of `ENGINE_SAMPLES` samples of each prompt, through
+/// the rollout engine; samples in prompt order.
+fn engine_greedy(model: Gpt2, prompts: &[Vec<u32>], new_tokens: usize) -> Result<Vec<Vec<u32>>> {
+    let mut engine = Scheduler::new(Arc::new(model), 0, EngineConfig::default());
+    let request = Request {
+        prompts: prompts.to_vec(),
+        n: ENGINE_SAMPLES,
+        max_new_tokens: new_tokens,
+        sampling: SamplingParams::greedy(),
+        seed: 0,
+        ignore_eos: true,
+    };
+    let failed =
+        |e: crate::engine::EngineError| rookworld_lm::Error::InvalidArgument(e.to_string());
+    engine.submit(request).map_err(failed)?;
+    let (samples, _) = engine.run_to_completion().map_err(failed)?;
+    Ok(samples.into_iter().map(|s| s.completion.ids).collect())
+}
+
+/// The decode step's CUDA kernels against their CPU references; `None` off CUDA.
+fn kernel_check(device: &str) -> Result<Option<serde_json::Value>> {
+    let device: rookworld_lm::device::DeviceChoice = device.parse()?;
+    let device = device.open()?;
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        let check = rookworld_lm::cuda::self_check(&device)?;
+        return Ok(Some(
+            serde_json::to_value(check).expect("the kernel check serialises"),
+        ));
+    }
+    let _ = device;
+    Ok(None)
+}
+
 /// (‖a − b‖ / ‖b‖, max |a − b|).
 fn errors(a: &[f32], b: &[f32]) -> (f64, f64) {
     let (mut diff, mut norm, mut max) = (0f64, 0f64, 0f64);
@@ -183,6 +238,12 @@ mod tests {
         assert_eq!(results[0]["dtype"], "f32");
         assert_eq!(results[0]["logits_rel_error"], 0.0);
         assert_eq!(results[0]["greedy_matching"], serde_json::json!([4, 4, 4]));
+        // The engine (grouped cache, fused CPU attention) decodes what the plain path does.
+        assert_eq!(
+            results[0]["engine_greedy_matching"],
+            serde_json::json!([4, 4, 4, 4, 4, 4])
+        );
+        assert!(report["kernels"].is_null());
         let bf16 = results[1]["logits_rel_error"].as_f64().unwrap();
         assert!(bf16 > 0.0 && bf16 < 0.05, "bf16 relative error {bf16}");
     }

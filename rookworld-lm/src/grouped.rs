@@ -66,8 +66,14 @@ pub(crate) struct StepPlan {
     pub row_start: Vec<usize>,
     pub group_pad: Vec<usize>,
     pub pool_len: usize,
-    /// Use the CPU attention kernel when the buffers allow it.
+    /// Use the fused attention kernel (CPU, or CUDA) when the buffers allow it.
     pub cpu_kernel: bool,
+    /// Run the layers with the fused decode ops ([`crate::fused_ops`]): on CUDA, or
+    /// where a test asks ([`GroupedCache::with_fused_ops`]).
+    pub fused_ops: bool,
+    /// The same geometry on the device, for the CUDA kernel (CUDA steps only).
+    #[cfg(feature = "cuda")]
+    pub device_geometry: Option<crate::cuda::DeviceGeometry>,
 }
 
 /// Prompt caches held once per prompt, plus the per-row caches of their samples.
@@ -80,8 +86,11 @@ pub struct GroupedCache {
     pool_len: usize,
     rows: Vec<Row>,
     cursor: usize,
-    /// Whether f32 CPU steps use the in-place attention kernel (the default).
+    /// Whether steps use the fused attention kernel: in place on the CPU in f32, one
+    /// launch per layer on CUDA (the default).
     cpu_kernel: bool,
+    /// Whether CPU steps use the fused decode ops too (CUDA steps always do).
+    fused_ops_on_cpu: bool,
 }
 
 impl GroupedCache {
@@ -93,11 +102,20 @@ impl GroupedCache {
             rows: Vec::new(),
             cursor: 0,
             cpu_kernel: true,
+            fused_ops_on_cpu: false,
         }
     }
 
-    /// Turns the CPU attention kernel off, so the tensor path (what CUDA runs) is used
-    /// on the CPU too: for tests that compare the two.
+    /// Runs the fused decode ops that CUDA steps run (split q/k/v straight into the
+    /// cache, bias + GELU, residual + layer norm) on the CPU too: for tests that compare
+    /// them with the tensor path.
+    pub fn with_fused_ops(mut self) -> Self {
+        self.fused_ops_on_cpu = true;
+        self
+    }
+
+    /// Turns the fused attention kernels (and the fused decode ops) off, so the tensor
+    /// path is used: for tests that compare the two.
     pub fn without_cpu_kernel(mut self) -> Self {
         self.cpu_kernel = false;
         self
@@ -222,9 +240,10 @@ impl GroupedCache {
 
     /// Drops every row and group.
     pub fn clear(&mut self) {
-        let cpu_kernel = self.cpu_kernel;
+        let (cpu_kernel, fused_ops_on_cpu) = (self.cpu_kernel, self.fused_ops_on_cpu);
         *self = Self::new(self.layers.len());
         self.cpu_kernel = cpu_kernel;
+        self.fused_ops_on_cpu = fused_ops_on_cpu;
     }
 
     /// Makes room for this step's column and rows, and builds what every layer shares.
@@ -261,12 +280,28 @@ impl GroupedCache {
             suffix_bias[r * window..r * window + row.start - first].fill(f32::NEG_INFINITY);
             positions.push((self.prefix_len[row.group] + cursor - row.start) as u32);
         }
+        let scatter = Tensor::from_vec(scatter, n * group_rows, device)?;
+        #[cfg(feature = "cuda")]
+        let device_geometry = if device.is_cuda() && self.cpu_kernel {
+            let u32s = |v: Vec<usize>| v.into_iter().map(|x| x as u32).collect::<Vec<_>>();
+            let starts = u32s(self.rows.iter().map(|r| r.start).collect());
+            let pads = u32s(self.prefix_len.iter().map(|&l| self.pool_len - l).collect());
+            Some(crate::cuda::DeviceGeometry {
+                scatter: scatter.clone(),
+                row_start: Tensor::new(starts.as_slice(), device)?,
+                group_pad: Tensor::new(pads.as_slice(), device)?,
+                group_rows,
+                cursor,
+            })
+        } else {
+            None
+        };
         Ok(StepPlan {
             rows: b,
             cursor,
             first,
             group_rows,
-            scatter: Tensor::from_vec(scatter, n * group_rows, device)?,
+            scatter,
             gather: Tensor::from_vec(gather, b, device)?,
             prefix_bias: Tensor::from_vec(prefix_bias, (n, 1, 1, self.pool_len), device)?,
             suffix_bias: Tensor::from_vec(suffix_bias, (b, 1, 1, window), device)?,
@@ -276,6 +311,9 @@ impl GroupedCache {
             group_pad: self.prefix_len.iter().map(|&l| self.pool_len - l).collect(),
             pool_len: self.pool_len,
             cpu_kernel: self.cpu_kernel,
+            fused_ops: self.cpu_kernel && (device.is_cuda() || self.fused_ops_on_cpu),
+            #[cfg(feature = "cuda")]
+            device_geometry,
         })
     }
 
@@ -357,13 +395,7 @@ impl GroupedLayer {
         plan: &StepPlan,
     ) -> Result<(Tensor, Tensor)> {
         let (b, h, _, d) = k.dims4()?;
-        if self.suffix.is_none() {
-            let rows = b.next_power_of_two().max(MIN_ROWS);
-            let cols = (plan.cursor + 1).next_power_of_two().max(MIN_COLUMNS);
-            let zeros = || Tensor::zeros((rows, h, cols, d), k.dtype(), k.device());
-            self.suffix = Some((zeros()?, zeros()?));
-        }
-        let (sk, sv) = self.suffix.as_ref().expect("allocated");
+        let (sk, sv) = self.suffix_for(b, h, d, k.dtype(), plan)?;
         let cap_rows = sk.dim(0)?;
         let fill = |t: &Tensor| -> Result<Tensor> {
             if cap_rows == b {
@@ -376,15 +408,52 @@ impl GroupedLayer {
         sv.slice_set(&fill(v)?, 2, plan.cursor)?;
         let window = plan.cursor + 1 - plan.first;
         let view = |t: &Tensor| t.narrow(0, 0, b)?.narrow(2, plan.first, window);
-        Ok((view(sk)?, view(sv)?))
+        Ok((view(&sk)?, view(&sv)?))
     }
 }
 
 impl GroupedLayer {
-    /// The step's attention output (B, H·D) computed on the CPU straight from the
-    /// buffers ([`crate::cpu_attention`]), after [`Self::append`]; `None` when the cache
-    /// is not f32 on the CPU (then the tensor path runs).
-    pub(crate) fn cpu_attention(
+    /// The suffix buffers (rows capacity, H, C, D), allocated at the first step (B rows,
+    /// H heads of D, in `dtype`); `reserve` has made room for the step.
+    pub(crate) fn suffix_for(
+        &mut self,
+        b: usize,
+        h: usize,
+        d: usize,
+        dtype: candle_core::DType,
+        plan: &StepPlan,
+    ) -> Result<(Tensor, Tensor)> {
+        if self.suffix.is_none() {
+            let device = self.prefix().0.device().clone();
+            let rows = b.next_power_of_two().max(MIN_ROWS);
+            let cols = (plan.cursor + 1).next_power_of_two().max(MIN_COLUMNS);
+            let zeros = || Tensor::zeros((rows, h, cols, d), dtype, &device);
+            self.suffix = Some((zeros()?, zeros()?));
+        }
+        let (sk, sv) = self.suffix.as_ref().expect("allocated");
+        Ok((sk.clone(), sv.clone()))
+    }
+
+    /// The step's attention output (B, H·D) by a fused kernel straight from the buffers,
+    /// after [`Self::append`]: on the CPU in f32 ([`crate::cpu_attention`]), on CUDA in
+    /// f32 or bf16 (`kernels/grouped_attention.cu`); `None` where neither applies (then
+    /// the tensor path runs).
+    pub(crate) fn fused_attention(
+        &self,
+        q: &Tensor, // (B, H, 1, D)
+        plan: &StepPlan,
+    ) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if let (Some(geometry), Some((pk, pv)), Some((sk, sv))) =
+            (&plan.device_geometry, &self.prefix, &self.suffix)
+        {
+            return crate::cuda::grouped_attention(q, (pk, pv), (sk, sv), geometry);
+        }
+        self.cpu_attention(q, plan)
+    }
+
+    /// The CPU kernel's output; `None` when the cache is not f32 on the CPU.
+    fn cpu_attention(
         &self,
         q: &Tensor, // (B, H, 1, D)
         plan: &StepPlan,

@@ -15,6 +15,9 @@
 //! - [`sampling`]: greedy / temperature / top-k / top-p with per-row seeded streams.
 //! - [`generate`]: G completions per prompt, prompt prefilled once.
 //! - [`device`]: device and dtype selection.
+//! - [`device_sampling`]: a decode step's tokens drawn on the logits' device (CUDA), with its CPU reference.
+//! - `cuda` (feature `cuda`): the decode step's CUDA kernels (fused grouped attention, sampling,
+//!   the small fused ops of `fused_ops`: q/k/v split into the cache, bias + GELU, residual + norm).
 //! - [`cli`]: the model options every binary shares (`--model`/`--preset`, `--device`, `--dtype`).
 //! - [`error`]: the crate's [`Error`].
 
@@ -25,8 +28,12 @@ pub mod cli;
 pub mod config;
 mod cpu_attention;
 pub mod cpu_gemm;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod device;
+pub mod device_sampling;
 pub mod error;
+mod fused_ops;
 pub mod generate;
 pub mod grouped;
 pub mod mask;

@@ -8,6 +8,7 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+pub use crate::device_sampling::RowDraw;
 use crate::error::{Error, Result};
 
 /// How tokens are drawn from the model's logits.
@@ -143,6 +144,22 @@ impl Sampler {
 }
 
 impl Sampler {
+    /// What the device needs to draw this row's next token instead of [`Self::sample`]
+    /// (see [`crate::device_sampling`]): the parameters and, unless greedy, the uniform
+    /// this stream gives the next draw, taken from the stream as `sample` would take it.
+    pub fn draw(&mut self) -> RowDraw {
+        RowDraw {
+            temperature: self.params.temperature,
+            top_k: u32::try_from(self.params.top_k).unwrap_or(u32::MAX),
+            top_p: self.params.top_p,
+            uniform: if self.params.is_greedy() {
+                0.0
+            } else {
+                self.rng.random()
+            },
+        }
+    }
+
     /// Temperature sampling over the whole vocabulary (GRPO's default), in one vectorised
     /// pass: w_i = exp((l_i − max) / T), token i drawn with probability w_i / Σw, and
     /// logprob = (l_i − max) / T − ln Σw. The same draw as the general path.
@@ -221,7 +238,7 @@ fn sanitize(v: f32) -> f64 {
     }
 }
 
-fn not_finite() -> Error {
+pub(crate) fn not_finite() -> Error {
     Error::InvalidArgument("the model produced no finite logits".into())
 }
 

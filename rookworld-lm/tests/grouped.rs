@@ -47,21 +47,39 @@ struct Live {
     budget: usize,
 }
 
-/// Both attention paths: the in-place CPU kernel, and the tensor path (batched matmuls
-/// over the prefix pool) that CUDA runs.
+/// Which decode path a check runs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Path {
+    /// The in-place CPU attention kernel.
+    CpuKernel,
+    /// The tensor path (batched matmuls over the prefix pool).
+    Tensors,
+    /// The fused decode ops CUDA runs (q/k/v split into the cache, bias + GELU, residual +
+    /// layer norm), on the CPU.
+    FusedOps,
+}
+
+/// Every decode path: the in-place CPU kernel, the tensor path, and the fused ops.
 #[test]
 fn rows_sharing_prompts_joining_and_leaving_match_each_sequence_alone() {
-    for cpu_kernel in [true, false] {
-        check_against_alone(cpu_kernel);
+    for path in [Path::CpuKernel, Path::Tensors, Path::FusedOps] {
+        check_against_alone(path);
     }
 }
 
-fn check_against_alone(cpu_kernel: bool) {
-    let m = init_random(&Config::tiny(), 3, DType::F32, &Device::Cpu).unwrap();
+fn check_against_alone(path: Path) {
+    // The fused ops want a head dim that is a multiple of 32, as the CUDA kernel does.
+    let cfg = Config {
+        n_head: 2,
+        ..Config::tiny()
+    };
+    let m = init_random(&cfg, 3, DType::F32, &Device::Cpu).unwrap();
     let mut cache = GroupedCache::new(m.config().n_layer);
-    if !cpu_kernel {
-        cache = cache.without_cpu_kernel();
-    }
+    cache = match path {
+        Path::CpuKernel => cache,
+        Path::Tensors => cache.without_cpu_kernel(),
+        Path::FusedOps => cache.with_fused_ops(),
+    };
     let mut prompts: Vec<Vec<u32>> = vec![tokens(1, 9), tokens(2, 4), tokens(3, 13)];
     prefill(&m, &mut cache, &prompts);
     // (group, tokens it will feed): lengths differ so rows leave at different steps.
@@ -124,10 +142,7 @@ fn check_against_alone(cpu_kernel: bool) {
                 .zip(row)
                 .map(|(a, b)| (a - b).abs())
                 .fold(0f32, f32::max);
-            assert!(
-                d < 1e-4,
-                "CPU kernel {cpu_kernel}, step {step}: max |Δ| = {d}"
-            );
+            assert!(d < 1e-4, "{path:?}, step {step}: max |Δ| = {d}");
             checked += 1;
         }
         // Finished rows leave (swap-remove, as the engine does).

@@ -226,6 +226,18 @@ def cmd_table(args):
             f"max |Δ| {fmt(r['logits_max_abs_error'])}")
         add("parity vs CPU f32", f"{r['dtype']} greedy tokens equal",
             "/".join(str(m) for m in r["greedy_matching"]), f"of {par.get('new_tokens')} each")
+        if "engine_greedy_matching" in r:
+            add("parity vs CPU f32", f"{r['dtype']} engine greedy tokens equal",
+                "/".join(str(m) for m in r["engine_greedy_matching"]),
+                "grouped cache, fused attention, device sampling")
+    kern = par.get("kernels") or {}
+    if kern:
+        add("decode kernels vs CPU reference", "attention f32 / bf16 max |Δ|",
+            f"{fmt(kern['attention_f32_max_abs_error'])} / {fmt(kern['attention_bf16_max_abs_error'])}")
+        add("decode kernels vs CPU reference", "sampled tokens equal",
+            f"{kern['sampling_tokens_equal']}/{kern['sampling_rows']}",
+            f"log-prob max |Δ| {fmt(kern['sampling_max_logprob_error'])}")
+        add("decode kernels vs CPU reference", "result", "pass" if kern.get("passed") else "FAIL")
     if problem(par):
         add("parity vs CPU f32", "result", problem(par))
     copy = d.get("copy_bandwidth", {}).get("gb_per_second")

@@ -46,6 +46,10 @@ fn the_gpu_check_script_runs_every_section_on_the_cpu() {
         at("parity vs CPU f32", "f32 greedy tokens equal"),
         "16/16/16"
     );
+    assert_eq!(
+        at("parity vs CPU f32", "f32 engine greedy tokens equal"),
+        "16/16/16/16/16/16"
+    );
     let bf16: f64 = at("parity vs CPU f32", "bf16 logits rel. error")
         .parse()
         .unwrap();

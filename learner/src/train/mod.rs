@@ -243,7 +243,7 @@ pub async fn run(
         run.resumed || args.start.overwrite,
     )
     .map_err(ConfigError)?;
-    let peak = peak_flops(&args, run.policy.model.device());
+    let peak = peak_flops(&args, &run.policy.model);
     let step_cfg = s.step_config();
     let schedule = s.schedule();
     let mut seeds = rand_seed_stream(s.seed, run.step);

@@ -11,7 +11,7 @@ use super::config::RESUMABLE;
 use super::{ConfigError, Run, TrainArgs, TrainError, TrainSummary, lock};
 use crate::checkpoint::{self, Loaded};
 use crate::optim::AdamW;
-use crate::policy::Trainable;
+use crate::policy::{Precision, Trainable};
 use crate::prompts::{self, Generator, Source};
 use crate::queue::Queue;
 use crate::run_dir;
@@ -110,11 +110,10 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
     // Version 0 is whatever weights a worker started with, never the learner's.
     lock(&queue).retire(0, 0);
     let reference = if s.beta > 0.0 {
-        Some(model_checkpoint::load(
-            &reference_dir,
-            DType::F32,
-            policy.model.device(),
-        )?)
+        let mut reference =
+            model_checkpoint::load(&reference_dir, DType::F32, policy.model.device())?;
+        Precision::Auto.apply(&mut reference);
+        Some(reference)
     } else {
         None
     };

@@ -5,7 +5,6 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use candle_core::Device;
 use rollout_worker::weights::WeightSet;
 use tokio::sync::watch;
 
@@ -112,15 +111,12 @@ pub(super) async fn check_reachable(
     }
 }
 
-/// `--peak-tflops`, or an estimate: on the CPU, 32 f32 FLOPs per cycle per core (AVX2,
-/// two FMA units) at 3 GHz; on CUDA, dense TF32 of an H100/H200 (495 TFLOP/s).
-pub(super) fn peak_flops(args: &TrainArgs, device: &Device) -> f64 {
-    if let Some(t) = args.peak_tflops {
-        return t * 1e12;
-    }
-    if device.is_cpu() {
-        crate::step::cpu_peak_flops()
-    } else {
-        495e12
+/// `--peak-tflops`, or the device's estimate ([`crate::step::device_peak_flops`]): on
+/// the CPU 32 f32 FLOPs per cycle per core at 3 GHz; on CUDA the H100/H200 dense peak in
+/// the policy's matmul dtype (BF16 989, TF32 495 TFLOP/s).
+pub(super) fn peak_flops(args: &TrainArgs, model: &rookworld_lm::Gpt2) -> f64 {
+    match args.peak_tflops {
+        Some(t) => t * 1e12,
+        None => crate::step::device_peak_flops(model.device(), model.matmul_dtype()),
     }
 }

@@ -17,8 +17,9 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 use rayon::prelude::*;
+use rookworld_lm::device_sampling;
 use rookworld_lm::generate::{Completion, FinishReason};
-use rookworld_lm::sampling::Sampler;
+use rookworld_lm::sampling::{Sampled, Sampler};
 use rookworld_lm::{Gpt2, GroupedCache, LeftPadding};
 
 use super::{EngineConfig, EngineError, Event, FinishedSample, Request, RequestId, StepStats};
@@ -447,18 +448,11 @@ impl Scheduler {
             }
             Err(e) => return Err(e),
         };
-        // Rows sample in parallel; each draws from its own stream, so the result does
-        // not depend on the thread.
-        let vocab = logits.len() / ids.len();
-        self.rows
-            .par_iter_mut()
-            .zip(logits.par_chunks(vocab))
-            .try_for_each(|(row, logits)| {
-                let s = row.sampler.sample(logits)?;
-                row.completion.ids.push(s.token);
-                row.completion.logprobs.push(s.logprob);
-                Ok::<_, rookworld_lm::Error>(())
-            })?;
+        let sampled = self.sample_rows(&logits)?;
+        for (row, s) in self.rows.iter_mut().zip(sampled) {
+            row.completion.ids.push(s.token);
+            row.completion.logprobs.push(s.logprob);
+        }
         stats.decode_seconds += started.elapsed().as_secs_f64();
         stats.decode_rows = ids.len();
         for r in (0..self.rows.len()).rev() {
@@ -473,8 +467,8 @@ impl Scheduler {
         self.drop_idle_groups()
     }
 
-    /// Next-token logits of every live row, row-major (B·V).
-    fn forward_rows(&mut self, ids: &[u32]) -> Result<Vec<f32>, EngineError> {
+    /// Next-token logits (B, V) of every live row, on the model's device.
+    fn forward_rows(&mut self, ids: &[u32]) -> Result<Tensor, EngineError> {
         #[cfg(test)]
         if self.fail_above_rows.is_some_and(|n| ids.len() > n) {
             return Err(EngineError::Model(rookworld_lm::Error::Candle(
@@ -483,11 +477,26 @@ impl Scheduler {
                 ),
             )));
         }
+        Ok(self.model.decode_grouped(ids, &mut self.cache)?)
+    }
+
+    /// Draws every live row's next token from its logits (B, V). On CUDA one kernel
+    /// draws them all and only tokens and log-probabilities cross to the host; elsewhere
+    /// rows sample on the host in parallel. Either way each row draws from its own
+    /// seeded stream, so the result depends neither on the thread nor on the batch.
+    fn sample_rows(&mut self, logits: &Tensor) -> Result<Vec<Sampled>, EngineError> {
+        if device_sampling::supported(logits.device()) {
+            let draws: Vec<_> = self.rows.iter_mut().map(|r| r.sampler.draw()).collect();
+            return Ok(device_sampling::sample_rows(logits, &draws)?);
+        }
+        let logits = logits.flatten_all()?.to_vec1::<f32>()?;
+        let vocab = logits.len() / self.rows.len();
         Ok(self
-            .model
-            .decode_grouped(ids, &mut self.cache)?
-            .flatten_all()?
-            .to_vec1::<f32>()?)
+            .rows
+            .par_iter_mut()
+            .zip(logits.par_chunks(vocab))
+            .map(|(row, logits)| row.sampler.sample(logits))
+            .collect::<Result<_, _>>()?)
     }
 
     /// After an out-of-memory error: keeps the first `keep` rows; the others restart later

@@ -11,307 +11,24 @@
 
 use std::sync::Arc;
 
-use candle_core::{D, DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 
-use crate::cache::{KvCache, LayerCache};
+mod layers;
+
+use layers::{Block, Conv1D, LayerNorm};
+
+use crate::cache::KvCache;
 use crate::config::{Activation, Config};
 use crate::cpu_gemm::{Epilogue, PackedMatrix};
-use crate::grouped::{GroupedCache, GroupedLayer, StepPlan, with_zero_row};
+use crate::grouped::{GroupedCache, StepPlan};
 use crate::mask::LeftPadding;
 
 /// True when gradients may flow through `t` (it is, or derives from, a trainable `Var`).
 /// Fused candle ops (layer norm, last-dim softmax) have no backward pass, so tracked
 /// forwards use composed, differentiable ops instead; both agree to float rounding.
-fn tracked(t: &Tensor) -> bool {
+pub(crate) fn tracked(t: &Tensor) -> bool {
     t.track_op()
-}
-
-/// Hugging Face's `Conv1D`: `y = x W + b` with `W` stored `[in, out]`.
-#[derive(Debug, Clone)]
-struct Conv1D {
-    weight: Tensor, // (in, out)
-    bias: Tensor,   // (out)
-    /// `weight` and `bias` packed for the CPU kernel ([`Gpt2::pack_for_cpu`]).
-    packed: Option<Arc<PackedMatrix>>,
-}
-
-impl Conv1D {
-    fn load(vb: VarBuilder, d_in: usize, d_out: usize) -> candle_core::Result<Self> {
-        Ok(Self {
-            weight: vb.get((d_in, d_out), "weight")?,
-            bias: vb.get(d_out, "bias")?,
-            packed: None,
-        })
-    }
-
-    /// Packs the weight and bias, into the panels of the last packing when this layer
-    /// holds them alone (no allocation: [`Gpt2::refill`]).
-    fn pack(&mut self, epilogue: Epilogue) -> candle_core::Result<()> {
-        let (d_in, d_out) = self.weight.dims2()?;
-        let bias = self.bias.to_vec1::<f32>()?;
-        let packed = repack_or_pack(
-            &mut self.packed,
-            &self.weight,
-            (d_in, d_out),
-            false,
-            Some(bias),
-        )?;
-        packed.set_epilogue(epilogue);
-        Ok(())
-    }
-
-    /// `act(x W + b)` in one pass when the packed kernel fuses `act` and applies to `x`.
-    fn forward_fused(&self, x: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let Some(packed) = self
-            .packed
-            .as_ref()
-            .filter(|p| p.epilogue() != Epilogue::None)
-        else {
-            return Ok(None);
-        };
-        let (b, t, d_in) = x.dims3()?;
-        packed_matmul(packed, &x.reshape((b * t, d_in))?)?
-            .map(|y| y.reshape((b, t, packed.n())))
-            .transpose()
-    }
-
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let (b, t, d_in) = x.dims3()?;
-        let d_out = self.bias.dim(0)?;
-        if let Some(packed) = self
-            .packed
-            .as_ref()
-            .filter(|p| p.epilogue() == Epilogue::None)
-            && let Some(y) = packed_matmul(packed, &x.reshape((b * t, d_in))?)?
-        {
-            return y.reshape((b, t, d_out)); // (B, T, out)
-        }
-        x.reshape((b * t, d_in))? // (B*T, in)
-            .matmul(&self.weight)? // (B*T, out)
-            .broadcast_add(&self.bias)?
-            .reshape((b, t, d_out)) // (B, T, out)
-    }
-}
-
-/// Layer norm over the last dimension, statistics in f32 whatever the weights' dtype.
-#[derive(Debug, Clone)]
-struct LayerNorm {
-    weight: Tensor, // (E)
-    bias: Tensor,   // (E)
-    eps: f64,
-}
-
-impl LayerNorm {
-    fn load(vb: VarBuilder, size: usize, eps: f64) -> candle_core::Result<Self> {
-        Ok(Self {
-            weight: vb.get(size, "weight")?,
-            bias: vb.get(size, "bias")?,
-            eps,
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        if !tracked(&self.weight) && x.is_contiguous() && !tracked(x) {
-            return candle_nn::ops::layer_norm(x, &self.weight, &self.bias, self.eps as f32);
-        }
-        let dtype = x.dtype();
-        let x = x.to_dtype(DType::F32)?;
-        let mean = x.mean_keepdim(D::Minus1)?;
-        let centred = x.broadcast_sub(&mean)?;
-        let var = centred.sqr()?.mean_keepdim(D::Minus1)?;
-        let normed = centred.broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        normed
-            .to_dtype(dtype)?
-            .broadcast_mul(&self.weight)?
-            .broadcast_add(&self.bias)
-    }
-}
-
-#[derive(Debug, Clone)]
-struct Attention {
-    c_attn: Conv1D, // E -> 3E
-    c_proj: Conv1D, // E -> E
-    n_head: usize,
-    head_dim: usize,
-}
-
-impl Attention {
-    fn load(vb: VarBuilder, cfg: &Config) -> candle_core::Result<Self> {
-        let e = cfg.n_embd;
-        Ok(Self {
-            c_attn: Conv1D::load(vb.pp("c_attn"), e, 3 * e)?,
-            c_proj: Conv1D::load(vb.pp("c_proj"), e, e)?,
-            n_head: cfg.n_head,
-            head_dim: cfg.head_dim(),
-        })
-    }
-
-    /// Queries, keys and values of `x` (B, T, E): (B, H, T, D) each.
-    fn qkv(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-        let (b, t, _) = x.dims3()?;
-        let (h, d) = (self.n_head, self.head_dim);
-        let qkv = self
-            .c_attn
-            .forward(x)? // (B, T, 3E)
-            .reshape((b, t, 3, h, d))?
-            .permute((2, 0, 3, 1, 4))?; // (3, B, H, T, D)
-        Ok((
-            qkv.get(0)?.contiguous()?,
-            qkv.get(1)?.contiguous()?,
-            qkv.get(2)?.contiguous()?,
-        ))
-    }
-
-    /// `bias`: additive attention bias (B or 1, 1, T, S) in f32, `None` when every key is
-    /// visible (a single new token with no padding).
-    fn forward(
-        &self,
-        x: &Tensor,
-        bias: Option<&Tensor>,
-        cache: &mut LayerCache,
-    ) -> candle_core::Result<Tensor> {
-        let (b, t, e) = x.dims3()?;
-        let d = self.head_dim;
-        let (q, k, v) = self.qkv(x)?; // (B, H, T, D) each
-        let (k, v) = cache.append(&k, &v)?; // (B, H, S, D) each
-
-        let scale = 1.0 / (d as f64).sqrt();
-        let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?; // (B, H, T, S)
-        let scores = match bias {
-            Some(bias) => scores.broadcast_add(bias)?,
-            None => scores,
-        };
-        let probs = if tracked(&scores) {
-            candle_nn::ops::softmax(&scores, D::Minus1)?
-        } else {
-            candle_nn::ops::softmax_last_dim(&scores)?
-        }
-        .to_dtype(v.dtype())?; // (B, H, T, S)
-        let y = probs
-            .matmul(&v)? // (B, H, T, D)
-            .transpose(1, 2)? // (B, T, H, D)
-            .reshape((b, t, e))?; // (B, T, E)
-        self.c_proj.forward(&y)
-    }
-
-    /// One decode step (T = 1) of rows that share their prompts' caches (see
-    /// [`GroupedCache`]): each row attends to its group's prefix and its own suffix under
-    /// one softmax, in f32.
-    fn forward_grouped(
-        &self,
-        x: &Tensor,
-        plan: &StepPlan,
-        cache: &mut GroupedLayer,
-    ) -> candle_core::Result<Tensor> {
-        let (b, _, e) = x.dims3()?;
-        let (h, d) = (self.n_head, self.head_dim);
-        let (q, k, v) = self.qkv(x)?; // (B, H, 1, D) each
-        let (ks, vs) = cache.append(&k, &v, plan)?; // (B, H, W, D) each
-        if !tracked(&q)
-            && let Some(y) = cache.cpu_attention(&q, plan)?
-        {
-            return self.c_proj.forward(&y.reshape((b, 1, e))?); // (B, 1, E)
-        }
-        let (kp, vp) = cache.prefix(); // (N, H, L, D) each
-        let (n, _, l, _) = kp.dims4()?;
-        let r = plan.group_rows;
-        let scale = 1.0 / (d as f64).sqrt();
-        // Rows -> group slots: (B, X) -> (N, H, R, X), empty slots zero.
-        let to_groups = |t: &Tensor, x: usize| -> candle_core::Result<Tensor> {
-            with_zero_row(&t.reshape((b, h * x))?)?
-                .index_select(&plan.scatter, 0)? // (N·R, H·X)
-                .reshape((n, r, h, x))?
-                .transpose(1, 2)? // (N, H, R, X)
-                .contiguous()
-        };
-        // Group slots -> rows: (N, H, R, X) -> (B, H, 1, X).
-        let to_rows = |t: &Tensor, x: usize| -> candle_core::Result<Tensor> {
-            t.transpose(1, 2)? // (N, R, H, X)
-                .contiguous()?
-                .reshape((n * r, h * x))?
-                .index_select(&plan.gather, 0)? // (B, H·X)
-                .reshape((b, h, 1, x))
-        };
-        let prefix_scores = (to_groups(&q, d)?.matmul(&kp.t()?)? * scale)? // (N, H, R, L)
-            .to_dtype(DType::F32)?
-            .broadcast_add(&plan.prefix_bias)?;
-        let suffix_scores = (q.matmul(&ks.t()?)? * scale)? // (B, H, 1, W)
-            .to_dtype(DType::F32)?
-            .broadcast_add(&plan.suffix_bias)?;
-        let w = suffix_scores.dim(3)?;
-        let scores = Tensor::cat(&[&to_rows(&prefix_scores, l)?, &suffix_scores], 3)?; // (B, H, 1, L+W)
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(vs.dtype())?;
-        let prefix_probs = to_groups(&probs.narrow(3, 0, l)?.contiguous()?, l)?; // (N, H, R, L)
-        let from_prefix = to_rows(&prefix_probs.matmul(vp)?, d)?; // (B, H, 1, D)
-        let from_suffix = probs.narrow(3, l, w)?.matmul(&vs)?; // (B, H, 1, D)
-        let y = (from_prefix + from_suffix)?
-            .transpose(1, 2)? // (B, 1, H, D)
-            .reshape((b, 1, e))?;
-        self.c_proj.forward(&y)
-    }
-}
-
-#[derive(Debug, Clone)]
-struct Mlp {
-    c_fc: Conv1D,   // E -> I
-    c_proj: Conv1D, // I -> E
-    act: Activation,
-}
-
-impl Mlp {
-    fn load(vb: VarBuilder, cfg: &Config) -> candle_core::Result<Self> {
-        let (e, i) = (cfg.n_embd, cfg.inner_dim());
-        Ok(Self {
-            c_fc: Conv1D::load(vb.pp("c_fc"), e, i)?,
-            c_proj: Conv1D::load(vb.pp("c_proj"), i, e)?,
-            act: cfg.activation_function,
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        if let Some(h) = self.c_fc.forward_fused(x)? {
-            return self.c_proj.forward(&h); // (B, T, E)
-        }
-        let h = self.c_fc.forward(x)?; // (B, T, I)
-        let h = match self.act {
-            Activation::GeluNew => h.gelu()?, // tanh approximation
-            Activation::Gelu => h.gelu_erf()?,
-            Activation::Relu => h.relu()?,
-        };
-        self.c_proj.forward(&h) // (B, T, E)
-    }
-}
-
-#[derive(Debug, Clone)]
-struct Block {
-    ln_1: LayerNorm,
-    attn: Attention,
-    ln_2: LayerNorm,
-    mlp: Mlp,
-}
-
-impl Block {
-    fn load(vb: VarBuilder, cfg: &Config) -> candle_core::Result<Self> {
-        let (e, eps) = (cfg.n_embd, cfg.layer_norm_epsilon);
-        Ok(Self {
-            ln_1: LayerNorm::load(vb.pp("ln_1"), e, eps)?,
-            attn: Attention::load(vb.pp("attn"), cfg)?,
-            ln_2: LayerNorm::load(vb.pp("ln_2"), e, eps)?,
-            mlp: Mlp::load(vb.pp("mlp"), cfg)?,
-        })
-    }
-
-    /// Pre-norm residual block with `attend` as its attention: x + attn(ln_1 x), then
-    /// x + mlp(ln_2 x).
-    fn forward_with(
-        &self,
-        x: &Tensor,
-        attend: impl FnOnce(&Attention, &Tensor) -> candle_core::Result<Tensor>,
-    ) -> candle_core::Result<Tensor> {
-        let x = (x + attend(&self.attn, &self.ln_1.forward(x)?)?)?;
-        &x + self.mlp.forward(&self.ln_2.forward(&x)?)?
-    }
 }
 
 /// GPT-2 with a language-model head (Hugging Face `GPT2LMHeadModel`).
@@ -325,6 +42,8 @@ pub struct Gpt2 {
     lm_head: Option<Tensor>, // (V, E)
     /// The LM head packed for the CPU kernel ([`Gpt2::pack_for_cpu`]).
     head_packed: Option<Arc<PackedMatrix>>,
+    /// The matmuls' input dtype when it differs from the weights' (mixed precision).
+    matmul_dtype: Option<DType>,
     cfg: Config,
 }
 
@@ -349,6 +68,7 @@ impl Gpt2 {
             ln_f: LayerNorm::load(vb.pp("ln_f"), e, cfg.layer_norm_epsilon)?,
             lm_head,
             head_packed: None,
+            matmul_dtype: None,
             cfg: cfg.clone(),
         })
     }
@@ -363,6 +83,22 @@ impl Gpt2 {
 
     pub fn dtype(&self) -> DType {
         self.wte.dtype()
+    }
+
+    /// Mixed precision: every matmul of the layers (and of [`Self::logits`]) takes its
+    /// inputs in `dtype` — e.g. BF16 on CUDA with f32 weights, so cuBLAS runs BF16 with
+    /// f32 accumulation — and returns the weights' dtype; layer norm, softmax and the
+    /// residual stream stay in the weights' dtype. `None` (the default) turns it off.
+    pub fn set_matmul_dtype(&mut self, dtype: Option<DType>) {
+        self.matmul_dtype = dtype.filter(|&d| d != self.dtype());
+        for block in &mut self.blocks {
+            block.set_matmul_dtype(self.matmul_dtype);
+        }
+    }
+
+    /// The matmuls' input dtype set by [`Self::set_matmul_dtype`].
+    pub fn matmul_dtype(&self) -> Option<DType> {
+        self.matmul_dtype
     }
 
     /// The LM head's weight (V, E): `wte` when tied.
@@ -448,9 +184,7 @@ impl Gpt2 {
         {
             return y.reshape((b, t, packed.n())); // (B, T, V)
         }
-        hidden
-            .reshape((b * t, e))? // (B*T, E)
-            .matmul(&head.t()?)? // (B*T, V)
+        layers::matmul_in(&hidden.reshape((b * t, e))?, &head.t()?, self.matmul_dtype)? // (B*T, V)
             .to_dtype(DType::F32)?
             .reshape((b, t, head.dim(0)?)) // (B, T, V)
     }
@@ -494,11 +228,51 @@ impl Gpt2 {
         let tok = self.wte.embedding_rows(&ids)?; // (B, 1, E)
         let pos = self.wpe.embedding_rows(&plan.positions)?; // (B, 1, E)
         let mut x = (tok + pos)?;
-        for (block, layer) in self.blocks.iter().zip(cache.layers_mut()) {
-            x = block.forward_with(&x, |attn, x| attn.forward_grouped(x, &plan, layer))?;
-        }
+        let hidden = if plan.fused_ops && self.fused_decode_applies() {
+            self.decode_layers_fused(&x.squeeze(1)?, &plan, cache)?
+                .unsqueeze(1)? // (B, 1, E)
+        } else {
+            for (block, layer) in self.blocks.iter().zip(cache.layers_mut()) {
+                x = block.forward_with(&x, |attn, x| attn.forward_grouped(x, &plan, layer))?;
+            }
+            self.ln_f.forward(&x)?
+        };
         cache.finish_step();
-        self.logits(&self.ln_f.forward(&x)?)?.squeeze(1) // (B, V)
+        self.logits(&hidden)?.squeeze(1) // (B, V)
+    }
+
+    /// Whether the fused decode ops apply: untracked f32 or bf16 weights, `gelu_new`, a
+    /// head dim the attention kernel holds, and at least one layer.
+    fn fused_decode_applies(&self) -> bool {
+        let d = self.cfg.head_dim();
+        matches!(self.dtype(), DType::F32 | DType::BF16)
+            && self.cfg.activation_function == Activation::GeluNew
+            && d.is_multiple_of(32)
+            && d <= 128
+            && !self.blocks.is_empty()
+            && !tracked(&self.wte)
+    }
+
+    /// The layers of a decode step with the fused ops ([`crate::fused_ops`]): `x` (B, E)
+    /// embeddings in, `ln_f` of the last residual (B, E) out. Each residual add carries
+    /// the bias of the projection before it and the layer norm after it, so a layer is
+    /// norm-fused adds, four matmuls, the q/k/v split and one attention kernel.
+    fn decode_layers_fused(
+        &self,
+        x: &Tensor,
+        plan: &StepPlan,
+        cache: &mut GroupedCache,
+    ) -> candle_core::Result<Tensor> {
+        let mut x = x.clone();
+        let mut h = self.blocks[0].ln_1.forward(&x)?;
+        for (i, (block, layer)) in self.blocks.iter().zip(cache.layers_mut()).enumerate() {
+            let a = block.attn.forward_grouped_fused(&h, plan, layer)?; // (B, E)
+            (x, h) = block.ln_2.add_norm(&x, &a, &block.attn.c_proj.bias)?;
+            let m = block.mlp.forward_fused(&h)?; // (B, E)
+            let next = self.blocks.get(i + 1).map_or(&self.ln_f, |b| &b.ln_1);
+            (x, h) = next.add_norm(&x, &m, &block.mlp.c_proj.bias)?;
+        }
+        Ok(h)
     }
 
     /// Every parameter under its Hugging Face name (with the `transformer.` prefix),
@@ -545,7 +319,10 @@ impl Gpt2 {
 
 /// `x` (M, K) times a packed weight: (M, N), or `None` when `x` is not an untracked f32
 /// CPU tensor (then candle's matmul runs).
-fn packed_matmul(packed: &PackedMatrix, x: &Tensor) -> candle_core::Result<Option<Tensor>> {
+pub(crate) fn packed_matmul(
+    packed: &PackedMatrix,
+    x: &Tensor,
+) -> candle_core::Result<Option<Tensor>> {
     if tracked(x) || !x.device().is_cpu() || x.dtype() != DType::F32 {
         return Ok(None);
     }
@@ -557,7 +334,7 @@ fn packed_matmul(packed: &PackedMatrix, x: &Tensor) -> candle_core::Result<Optio
 /// Packs `w` — (K, N), or (N, K) when `transposed` — with `bias` into `slot`: into the
 /// panels already there when `slot` holds the only reference to a matrix of that shape,
 /// else into a new matrix. Returns the packed matrix.
-fn repack_or_pack<'a>(
+pub(crate) fn repack_or_pack<'a>(
     slot: &'a mut Option<Arc<PackedMatrix>>,
     w: &Tensor,
     (k, n): (usize, usize),

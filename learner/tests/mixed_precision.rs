@@ -1,0 +1,55 @@
+//! Mixed precision as CUDA runs it (`Precision::Bf16`: BF16 matmul inputs, f32 weights,
+//! moments, layer-norm and softmax statistics), checked here on the CPU: a GRPO step's
+//! loss and every parameter's gradient agree with the f32 step's to BF16 rounding, and
+//! the gradients reach the f32 weights in f32.
+
+mod common;
+
+use candle_core::{DType, Device};
+use learner::loss::LossConfig;
+use learner::policy::{Precision, Trainable};
+use learner::step::{StepConfig, accumulate, accumulate_autograd};
+use rookworld_lm::checkpoint;
+
+#[test]
+fn bf16_matmuls_give_the_f32_step_to_bf16_rounding() {
+    let dir = common::grpo_fixture();
+    let reference = checkpoint::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
+    let exact = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
+    let mut mixed = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
+    assert_eq!(mixed.model.matmul_dtype(), None, "auto is f32 on the CPU");
+    Precision::Bf16.apply(&mut mixed.model);
+    assert_eq!(mixed.model.matmul_dtype(), Some(DType::BF16));
+    assert!(
+        !mixed.fused_pass_applies(),
+        "mixed precision runs through autograd"
+    );
+
+    let batch = common::batch_of_four();
+    let cfg = StepConfig {
+        loss: LossConfig {
+            max_new_tokens: 16,
+            ..LossConfig::default()
+        },
+        micro_batch_groups: 2,
+        max_grad_norm: 1.0,
+    };
+    let (want, a) = accumulate_autograd(&exact, Some(&reference), &batch, &cfg).unwrap();
+    let (got, b) = accumulate(&mixed, Some(&reference), &batch, &cfg).unwrap();
+    // BF16 logits are good to ~2⁻⁸ relative, so log-probs (and the ratios and KL built
+    // from them) move by about 1e-2: the loss, a sum of ±A·ρ terms, by as much.
+    for (what, x, y) in [("loss", a.loss, b.loss), ("kl", a.kl, b.kl)] {
+        assert!((x - y).abs() <= 1e-2, "{what}: f32 {x}, bf16 matmuls {y}");
+    }
+    let mut worst = 0f64;
+    for (name, var) in &exact.vars {
+        let (w, g) = (want.get(name).unwrap(), got.get(name).unwrap());
+        assert_eq!(g.dtype(), DType::F32, "{name}");
+        assert_eq!(var.dtype(), DType::F32, "{name}");
+        // Largest error against the largest gradient entry of the tensor.
+        let rel = f64::from(common::max_abs(&(&g - &w).unwrap()) / common::max_abs(&w).max(1e-12));
+        worst = worst.max(rel);
+        assert!(rel < 0.05, "{name}: relative gradient error {rel}");
+    }
+    assert!(worst > 0.0, "BF16 matmuls changed nothing: did they run?");
+}

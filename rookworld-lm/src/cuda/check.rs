@@ -1,0 +1,233 @@
+//! Each CUDA kernel against its CPU reference on random inputs, on a real GPU: what
+//! `rollout-worker parity` reports and `tests/gpu-check.sh` shows.
+
+use candle_core::{DType, Device, Tensor};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+
+use super::{DeviceGeometry, grouped_attention, sample_rows};
+use crate::cpu_attention::{Geometry, decode_attention};
+use crate::device_sampling::{RowDraw, sample_reference};
+use crate::error::Result;
+use crate::fused_ops::{AddLayerNorm, BiasGelu, QkvSplit};
+
+/// Largest errors of the kernels against their references, and whether they pass.
+#[derive(Debug, Clone, Serialize)]
+pub struct KernelCheck {
+    /// Grouped attention, f32 buffers: max |device − reference|.
+    pub attention_f32_max_abs_error: f64,
+    /// Grouped attention, bf16 buffers, against the reference on the same bf16 values.
+    pub attention_bf16_max_abs_error: f64,
+    /// Sampled rows, and how many drew the reference's token.
+    pub sampling_rows: usize,
+    pub sampling_tokens_equal: usize,
+    /// Max |device − reference| of the reported log-probabilities.
+    pub sampling_max_logprob_error: f64,
+    /// The fused decode ops (q/k/v split, bias + GELU, residual + layer norm) against
+    /// their CPU implementations on the same values: max |device − CPU| in f32 and bf16.
+    pub ops_f32_max_abs_error: f64,
+    pub ops_bf16_max_abs_error: f64,
+    pub passed: bool,
+}
+
+/// Runs both kernels on `device` against their CPU references.
+pub fn self_check(device: &Device) -> Result<KernelCheck> {
+    let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
+    let (f32_error, bf16_error) = check_attention(device, &mut rng)?;
+    let (rows, equal, logprob_error) = check_sampling(device, &mut rng)?;
+    let ops_f32 = check_ops(device, DType::F32, &mut rng)?;
+    let ops_bf16 = check_ops(device, DType::BF16, &mut rng)?;
+    Ok(KernelCheck {
+        attention_f32_max_abs_error: f32_error,
+        attention_bf16_max_abs_error: bf16_error,
+        sampling_rows: rows,
+        sampling_tokens_equal: equal,
+        sampling_max_logprob_error: logprob_error,
+        ops_f32_max_abs_error: ops_f32,
+        ops_bf16_max_abs_error: ops_bf16,
+        passed: f32_error < 1e-4
+            && bf16_error < 2e-2
+            && equal == rows
+            && logprob_error < 1e-3
+            && ops_f32 < 1e-4
+            && ops_bf16 < 5e-2,
+    })
+}
+
+fn random(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+/// Three groups (one of 20 rows, so a group spans two blocks), left-padded prefixes,
+/// rows joined at different suffix columns.
+fn check_attention(device: &Device, rng: &mut ChaCha8Rng) -> Result<(f64, f64)> {
+    let (h, d, l, c, cursor) = (4usize, 64usize, 24usize, 48usize, 37usize);
+    let group_pad = [0usize, 5, 23];
+    let row_group: Vec<usize> = (0..28)
+        .map(|r| if r < 20 { 0 } else { 1 + r % 2 })
+        .collect();
+    let row_start: Vec<usize> = (0..28).map(|r| (r * 7) % (cursor + 1)).collect();
+    let (b, n) = (row_group.len(), group_pad.len());
+    let r = 20;
+    let mut scatter = vec![b as u32; n * r];
+    let mut filled = vec![0usize; n];
+    for (row, &g) in row_group.iter().enumerate() {
+        scatter[g * r + filled[g]] = row as u32;
+        filled[g] += 1;
+    }
+    let q = random(rng, b * h * d);
+    let (pk, pv) = (random(rng, n * h * l * d), random(rng, n * h * l * d));
+    let (sk, sv) = (random(rng, b * h * c * d), random(rng, b * h * c * d));
+    let u32s = |v: &[usize]| v.iter().map(|&x| x as u32).collect::<Vec<_>>();
+    let geometry = DeviceGeometry {
+        scatter: Tensor::from_vec(scatter, n * r, device)?,
+        row_start: Tensor::new(u32s(&row_start).as_slice(), device)?,
+        group_pad: Tensor::new(u32s(&group_pad).as_slice(), device)?,
+        group_rows: r,
+        cursor,
+    };
+    let reference = Geometry {
+        heads: h,
+        head_dim: d,
+        pool_len: l,
+        suffix_cols: c,
+        group_pad: &group_pad,
+        row_group: &row_group,
+        row_start: &row_start,
+        cursor,
+        scale: 1.0 / (d as f32).sqrt(),
+    };
+    let mut errors = [0f64; 2];
+    for (error, dtype) in errors.iter_mut().zip([DType::F32, DType::BF16]) {
+        // Inputs rounded to the dtype, so the reference sees the kernel's values.
+        let put = |v: &[f32], shape: (usize, usize, usize, usize)| -> Result<(Tensor, Vec<f32>)> {
+            let t = Tensor::from_slice(v, shape, &Device::Cpu)?.to_dtype(dtype)?;
+            let rounded = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            Ok((t.to_device(device)?, rounded))
+        };
+        let (qt, qr) = put(&q, (b, h, 1, d))?;
+        let (pkt, pkr) = put(&pk, (n, h, l, d))?;
+        let (pvt, pvr) = put(&pv, (n, h, l, d))?;
+        let (skt, skr) = put(&sk, (b, h, c, d))?;
+        let (svt, svr) = put(&sv, (b, h, c, d))?;
+        let got = grouped_attention(&qt, (&pkt, &pvt), (&skt, &svt), &geometry)?
+            .expect("the kernel applies to f32 and bf16 at head dim 64")
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let want = decode_attention(&reference, &qr, (&pkr, &pvr), (&skr, &svr));
+        *error = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| f64::from((a - b).abs()))
+            .fold(0.0, f64::max);
+    }
+    Ok((errors[0], errors[1]))
+}
+
+/// Rows of a GPT-2-sized vocabulary under greedy, temperature, top-k and top-p draws,
+/// one row with NaN logits.
+fn check_sampling(device: &Device, rng: &mut ChaCha8Rng) -> Result<(usize, usize, f64)> {
+    let v = 50_257;
+    let settings = [
+        (0.0f32, 0u32, 1.0f32),
+        (1.0, 0, 1.0),
+        (0.7, 0, 1.0),
+        (1.0, 50, 1.0),
+        (1.0, 0, 0.9),
+        (0.8, 40, 0.95),
+        (1.3, 1, 1.0),
+        (1.0, 0, 0.05),
+    ];
+    let draws: Vec<RowDraw> = (0..32)
+        .map(|i| {
+            let (temperature, top_k, top_p) = settings[i % settings.len()];
+            RowDraw {
+                temperature,
+                top_k,
+                top_p,
+                uniform: rng.random(),
+            }
+        })
+        .collect();
+    let mut logits: Vec<f32> = (0..draws.len() * v)
+        .map(|_| rng.random_range(-6.0f32..6.0))
+        .collect();
+    for x in logits[5 * v..6 * v].iter_mut().step_by(7) {
+        *x = f32::NAN;
+    }
+    let on_device = Tensor::from_slice(&logits, (draws.len(), v), device)?;
+    let got = sample_rows(&on_device, &draws)?;
+    let (mut equal, mut logprob_error) = (0, 0f64);
+    for ((row, draw), got) in logits.chunks(v).zip(&draws).zip(&got) {
+        let want = sample_reference(row, draw)?;
+        equal += usize::from(want.token == got.token);
+        logprob_error = logprob_error.max(f64::from((want.logprob - got.logprob).abs()));
+    }
+    Ok((draws.len(), equal, logprob_error))
+}
+
+/// Each fused op on `device` and on the CPU from the same `dtype` values: the largest
+/// difference of their outputs (the shapes of a 12-head, 768-wide decode step).
+fn check_ops(device: &Device, dtype: DType, rng: &mut ChaCha8Rng) -> Result<f64> {
+    let (b, h, d, c, col) = (24usize, 12usize, 64usize, 40usize, 17usize);
+    let e = h * d;
+    let on_both = |v: Vec<f32>, shape: &[usize]| -> Result<(Tensor, Tensor)> {
+        let cpu = Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(dtype)?;
+        Ok((cpu.to_device(device)?, cpu))
+    };
+    let ((qkv_d, qkv_c), (bias_d, bias_c)) = (
+        on_both(random(rng, b * 3 * e), &[b, 3 * e])?,
+        on_both(random(rng, 3 * e), &[3 * e])?,
+    );
+    let ((x_d, x_c), (y_d, y_c)) = (
+        on_both(random(rng, b * e), &[b, e])?,
+        on_both(random(rng, b * e), &[b, e])?,
+    );
+    let ((fc_d, fc_c), (fb_d, fb_c)) = (
+        on_both(random(rng, b * 4 * e), &[b, 4 * e])?,
+        on_both(random(rng, 4 * e), &[4 * e])?,
+    );
+    let vectors: Vec<(Tensor, Tensor)> = (0..3)
+        .map(|_| on_both(random(rng, e), &[e]))
+        .collect::<Result<_>>()?;
+    let norm = |pick: fn(&(Tensor, Tensor)) -> Tensor| AddLayerNorm {
+        y_bias: pick(&vectors[0]),
+        weight: pick(&vectors[1]),
+        bias: pick(&vectors[2]),
+        eps: 1e-5,
+    };
+    let (norm_device, norm_cpu) = (norm(|p| p.0.clone()), norm(|p| p.1.clone()));
+    let mut pairs: Vec<(Tensor, Tensor)> = Vec::new();
+    for part in 0..3 {
+        let op = QkvSplit {
+            part,
+            heads: h,
+            col: 0,
+        };
+        pairs.push((op.extract(&qkv_d, &bias_d)?, op.extract(&qkv_c, &bias_c)?));
+        let into = QkvSplit { col, ..op };
+        let dst_d = Tensor::zeros((32, h, c, d), dtype, device)?;
+        let dst_c = Tensor::zeros((32, h, c, d), dtype, &Device::Cpu)?;
+        into.write_into(&dst_d, &qkv_d, &bias_d)?;
+        into.write_into(&dst_c, &qkv_c, &bias_c)?;
+        pairs.push((dst_d, dst_c));
+    }
+    pairs.push((
+        fc_d.apply_op2_no_bwd(&fb_d, &BiasGelu)?,
+        fc_c.apply_op2_no_bwd(&fb_c, &BiasGelu)?,
+    ));
+    let (sd, nd) = norm_device.forward(&x_d, &y_d)?;
+    let (sc, nc) = norm_cpu.forward(&x_c, &y_c)?;
+    pairs.push((sd, sc));
+    pairs.push((nd, nc));
+    let mut worst = 0f64;
+    for (on_device, on_cpu) in pairs {
+        let a = on_device.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+        let b = on_cpu.to_dtype(DType::F32)?;
+        let diff = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        worst = worst.max(f64::from(diff));
+    }
+    Ok(worst)
+}

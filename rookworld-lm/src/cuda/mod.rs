@@ -1,0 +1,64 @@
+//! The decode step's CUDA kernels, written in CUDA C (`kernels/*.cu`), compiled to PTX by
+//! `build.rs` and loaded by the driver on first use:
+//! - [`grouped_attention`]: a layer's attention over the grouped cache in one launch, each
+//!   prompt's keys and values read once per group (`kernels/grouped_attention.cu`);
+//! - [`sample_rows`]: every row's token and log-probability drawn on the device
+//!   (`kernels/sample.cu`);
+//! - [`ops`]: the small fused ops of [`crate::fused_ops`] (`kernels/decode_ops.cu`).
+//!
+//! Each has a CPU reference ([`crate::cpu_attention`], [`crate::device_sampling`]) that
+//! [`self_check`] compares it with on a GPU.
+
+mod attention;
+mod check;
+pub(crate) mod ops;
+mod sample;
+
+pub use attention::{DeviceGeometry, grouped_attention};
+pub use check::{KernelCheck, self_check};
+pub use sample::sample_rows;
+
+use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView};
+use candle_core::cuda::{CudaDType, CudaStorage};
+use candle_core::op::BackpropOp;
+use candle_core::{CudaDevice, Device, Layout, Result, Shape, Storage, Tensor};
+
+const ATTENTION_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/grouped_attention.ptx"));
+const DECODE_OPS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode_ops.ptx"));
+const SAMPLE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/sample.ptx"));
+
+/// The CUDA device a tensor lives on.
+fn cuda_device(t: &Tensor) -> Result<CudaDevice> {
+    match t.device() {
+        Device::Cuda(d) => Ok(d.clone()),
+        other => candle_core::bail!("a CUDA kernel was given a tensor on {other:?}"),
+    }
+}
+
+/// The device memory of a contiguous CUDA tensor, from its storage and layout.
+fn view<'a, T: CudaDType>(storage: &'a Storage, layout: &Layout) -> Result<CudaView<'a, T>> {
+    let Storage::Cuda(cuda) = storage else {
+        candle_core::bail!("a CUDA kernel was given a tensor off the GPU");
+    };
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle_core::bail!("a CUDA kernel was given a non-contiguous tensor");
+    };
+    Ok(cuda.as_cuda_slice::<T>()?.slice(start..end))
+}
+
+/// An uninitialised buffer of `len` elements for a kernel's output (no memset launch).
+/// Callers launch a kernel that writes every element before anything reads it.
+fn output<T: candle_core::cuda::cudarc::driver::DeviceRepr>(
+    device: &CudaDevice,
+    len: usize,
+) -> Result<CudaSlice<T>> {
+    // SAFETY: every caller's kernel writes all `len` elements before the buffer is read
+    // (each documents the coverage at its launch).
+    unsafe { device.alloc::<T>(len) }
+}
+
+/// A kernel's output buffer as a tensor of `shape`.
+fn wrap<T: CudaDType>(slice: CudaSlice<T>, device: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
+    let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, device.clone()));
+    Tensor::from_storage(storage, shape, BackpropOp::none(), false)
+}
