@@ -223,6 +223,8 @@ def main():
             "learner_phases": ours.get("phases"),
             "pytorch_phases": theirs["phases"],
             "pytorch_peak_device_memory_bytes": theirs["peak_device_memory_bytes"],
+            "learner_device_memory_bytes": ours.get("device_memory_bytes"),
+            "learner_matmul_dtype": ours.get("matmul_dtype"),
         }))
 
 

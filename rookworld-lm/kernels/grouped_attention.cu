@@ -86,6 +86,7 @@ __device__ void grouped_attention(const T *__restrict__ q, const T *__restrict__
 
     if (live)
         for (int d = lane; d < D; d += WARP) s_q[warp][d] = to_f32(q[((size_t)row * H + h) * D + d]) * scale;
+    __syncwarp();  // every lane reads the whole query (also when no prefix tile syncs the block)
 
     Online st;
     st.m = -INFINITY;

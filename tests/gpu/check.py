@@ -274,7 +274,12 @@ def cmd_table(args):
         add("learner step", "× PyTorch", fmt(lb.get("speedup_vs_pytorch")))
     if lb.get("learner_mfu") is not None:
         add("learner step", "MFU", fmt(lb["learner_mfu"]),
-            f"of {fmt(lb.get('learner_peak_tflops'))} TFLOP/s; {lb.get('shape', '')}")
+            f"of {fmt(lb.get('learner_peak_tflops'))} TFLOP/s; {lb.get('shape', '')}; "
+            f"{lb.get('learner_matmul_dtype', '?')} matmuls")
+    if lb.get("learner_device_memory_bytes") is not None:
+        theirs = lb.get("pytorch_peak_device_memory_bytes")
+        add("learner step", "device memory GiB", fmt(lb["learner_device_memory_bytes"] / 2**30),
+            f"PyTorch peak {fmt(theirs / 2**30) if theirs else '–'}")
     push = d.get("push", {})
     if push.get("shared"):
         add("weight push", "gRPC idle s", fmt(push["idle"][0]["seconds"]) if push.get("idle") else "–")

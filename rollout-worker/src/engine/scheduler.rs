@@ -16,10 +16,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::Tensor;
-use rayon::prelude::*;
-use rookworld_lm::device_sampling;
 use rookworld_lm::generate::{Completion, FinishReason};
-use rookworld_lm::sampling::{Sampled, Sampler};
+use rookworld_lm::sampling::Sampler;
 use rookworld_lm::{Gpt2, GroupedCache, LeftPadding};
 
 use super::{EngineConfig, EngineError, Event, FinishedSample, Request, RequestId, StepStats};
@@ -429,100 +427,6 @@ impl Scheduler {
         }
     }
 
-    /// One decode step for every live row; rows that finish leave.
-    fn decode(
-        &mut self,
-        events: &mut Vec<Event>,
-        stats: &mut StepStats,
-    ) -> Result<(), EngineError> {
-        let started = Instant::now();
-        let ids: Vec<u32> = self
-            .rows
-            .iter()
-            .map(|r| *r.completion.ids.last().expect("a live row has a token"))
-            .collect();
-        let logits = match self.forward_rows(&ids) {
-            Ok(logits) => logits,
-            Err(e) if is_out_of_memory(&e) && self.rows.len() > 1 => {
-                return self.shed_rows(self.rows.len() / 2);
-            }
-            Err(e) => return Err(e),
-        };
-        let sampled = self.sample_rows(&logits)?;
-        for (row, s) in self.rows.iter_mut().zip(sampled) {
-            row.completion.ids.push(s.token);
-            row.completion.logprobs.push(s.logprob);
-        }
-        stats.decode_seconds += started.elapsed().as_secs_f64();
-        stats.decode_rows = ids.len();
-        for r in (0..self.rows.len()).rev() {
-            let request = self.requests[&self.rows[r].request].request.clone();
-            if let Some(reason) = self.finished(&self.rows[r], &request) {
-                let row = self.remove_row(r)?;
-                let mut row = row;
-                row.completion.finish_reason = reason;
-                self.emit(row, events);
-            }
-        }
-        self.drop_idle_groups()
-    }
-
-    /// Next-token logits (B, V) of every live row, on the model's device.
-    fn forward_rows(&mut self, ids: &[u32]) -> Result<Tensor, EngineError> {
-        #[cfg(test)]
-        if self.fail_above_rows.is_some_and(|n| ids.len() > n) {
-            return Err(EngineError::Model(rookworld_lm::Error::Candle(
-                candle_core::Error::Msg(
-                    "CUDA_ERROR_OUT_OF_MEMORY: out of memory (injected)".into(),
-                ),
-            )));
-        }
-        Ok(self.model.decode_grouped(ids, &mut self.cache)?)
-    }
-
-    /// Draws every live row's next token from its logits (B, V). On CUDA one kernel
-    /// draws them all and only tokens and log-probabilities cross to the host; elsewhere
-    /// rows sample on the host in parallel. Either way each row draws from its own
-    /// seeded stream, so the result depends neither on the thread nor on the batch.
-    fn sample_rows(&mut self, logits: &Tensor) -> Result<Vec<Sampled>, EngineError> {
-        if device_sampling::supported(logits.device()) {
-            let draws: Vec<_> = self.rows.iter_mut().map(|r| r.sampler.draw()).collect();
-            return Ok(device_sampling::sample_rows(logits, &draws)?);
-        }
-        let logits = logits.flatten_all()?.to_vec1::<f32>()?;
-        let vocab = logits.len() / self.rows.len();
-        Ok(self
-            .rows
-            .par_iter_mut()
-            .zip(logits.par_chunks(vocab))
-            .map(|(row, logits)| row.sampler.sample(logits))
-            .collect::<Result<_, _>>()?)
-    }
-
-    /// After an out-of-memory error: keeps the first `keep` rows; the others restart later
-    /// from their prompt (their streams replay the same tokens) and the row limit drops.
-    fn shed_rows(&mut self, keep: usize) -> Result<(), EngineError> {
-        tracing::warn!(
-            rows = self.rows.len(),
-            keep,
-            "out of memory in decode; halving the batch"
-        );
-        self.row_limit = keep.max(1);
-        while self.rows.len() > keep {
-            let r = self.rows.len() - 1;
-            let row = self.remove_row(r)?;
-            let g = self
-                .groups
-                .iter()
-                .position(|g| {
-                    g.work.request == row.request && g.work.prompt_index == row.prompt_index
-                })
-                .expect("a live row's group is held");
-            self.groups[g].work.pending.push_front(row.sample);
-        }
-        Ok(())
-    }
-
     /// Takes row r out of the batch (the last row moves into its place).
     fn remove_row(&mut self, r: usize) -> Result<Row, EngineError> {
         let g = self.cache.row_group(r);
@@ -596,11 +500,8 @@ impl Scheduler {
     }
 }
 
-/// Whether `e` is a device out-of-memory error (CUDA reports `CUDA_ERROR_OUT_OF_MEMORY`).
-pub fn is_out_of_memory(e: &EngineError) -> bool {
-    let text = e.to_string().to_ascii_lowercase();
-    text.contains("out of memory") || text.contains("out_of_memory")
-}
-
+mod decode;
 #[cfg(test)]
 mod tests;
+
+pub use decode::is_out_of_memory;
