@@ -91,20 +91,23 @@ __device__ void add_layer_norm(const T *__restrict__ x, const T *__restrict__ y,
         store(&norm[base + i], (s_row[i] - mean) * inv * to_f32(w[i]) + to_f32(b[i]));
 }
 
-#define DECODE_OPS(SUFFIX, T)                                                                 \
-    extern "C" __global__ void qkv_split_##SUFFIX(const T *qkv, const T *bias, T *dst,        \
-                                                  int part, int B, int H, int D, int C,       \
-                                                  int col) {                                  \
-        qkv_split<T>(qkv, bias, dst, part, B, H, D, C, col);                                  \
-    }                                                                                         \
-    extern "C" __global__ void bias_gelu_##SUFFIX(const T *x, const T *bias, T *out, int M,   \
-                                                  int N) {                                    \
-        bias_gelu<T>(x, bias, out, M, N);                                                     \
-    }                                                                                         \
-    extern "C" __global__ void add_layer_norm_##SUFFIX(const T *x, const T *y, const T *c,    \
-                                                       const T *w, const T *b, T *out, int M, \
-                                                       int E, float eps) {                    \
-        add_layer_norm<T>(x, y, c, w, b, out, M, E, eps);                                     \
+// Threads per block of the layer norm (`THREADS` in src/cuda/ops.rs).
+#define NORM_THREADS 256
+
+#define DECODE_OPS(SUFFIX, T)                                                                \
+    extern "C" __global__ void qkv_split_##SUFFIX(const T *qkv, const T *bias, T *dst,       \
+                                                  int part, int B, int H, int D, int C,      \
+                                                  int col) {                                 \
+        qkv_split<T>(qkv, bias, dst, part, B, H, D, C, col);                                 \
+    }                                                                                        \
+    extern "C" __global__ void bias_gelu_##SUFFIX(const T *x, const T *bias, T *out, int M,  \
+                                                  int N) {                                   \
+        bias_gelu<T>(x, bias, out, M, N);                                                    \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(NORM_THREADS)                               \
+        add_layer_norm_##SUFFIX(const T *x, const T *y, const T *c, const T *w, const T *b,  \
+                                T *out, int M, int E, float eps) {                           \
+        add_layer_norm<T>(x, y, c, w, b, out, M, E, eps);                                    \
     }
 
 DECODE_OPS(f32, float)

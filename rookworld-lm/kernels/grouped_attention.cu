@@ -51,11 +51,16 @@ __device__ __forceinline__ void fold_tile(Online &st, float s, int per_lane, Val
     const float corr = st.m == -INFINITY ? 0.f : __expf(st.m - m_new);
     const float p = s == -INFINITY ? 0.f : __expf(s - m_new);
     st.l = st.l * corr + warp_sum(p);
-    for (int i = 0; i < per_lane; ++i) st.acc[i] *= corr;
+    // Loops to MAX_PER_LANE, unrolled, so the accumulator stays in registers.
+#pragma unroll
+    for (int i = 0; i < MAX_PER_LANE; ++i)
+        if (i < per_lane) st.acc[i] *= corr;
     for (int j = 0; j < WARP; ++j) {
         const float pj = __shfl_sync(0xffffffffu, p, j);
         if (pj == 0.f) continue;  // warp-uniform: pj is the same on every lane
-        for (int i = 0; i < per_lane; ++i) st.acc[i] += pj * value(j, i);
+#pragma unroll
+        for (int i = 0; i < MAX_PER_LANE; ++i)
+            if (i < per_lane) st.acc[i] += pj * value(j, i);
     }
     st.m = m_new;
 }
@@ -64,7 +69,7 @@ __device__ __forceinline__ void fold_tile(Online &st, float s, int per_lane, Val
 // scatter: (N * R) row of slot (g, k), B for an empty slot; row_start: (B) first suffix
 // column of each row; group_pad: (N) padded columns at the start of each prefix.
 template <typename T>
-__device__ void grouped_attention(const T *__restrict__ q, const T *__restrict__ pk,
+__device__ __forceinline__ void grouped_attention(const T *__restrict__ q, const T *__restrict__ pk,
                                   const T *__restrict__ pv, const T *__restrict__ sk,
                                   const T *__restrict__ sv, const uint32_t *__restrict__ scatter,
                                   const uint32_t *__restrict__ row_start,
@@ -91,6 +96,7 @@ __device__ void grouped_attention(const T *__restrict__ q, const T *__restrict__
     Online st;
     st.m = -INFINITY;
     st.l = 0.f;
+#pragma unroll
     for (int i = 0; i < MAX_PER_LANE; ++i) st.acc[i] = 0.f;
 
     // The group's prefix, shared by the block's rows.
@@ -131,18 +137,18 @@ __device__ void grouped_attention(const T *__restrict__ q, const T *__restrict__
     }
 
     const float inv = st.l > 0.f ? 1.f / st.l : 0.f;
-    for (int i = 0; i < per_lane; ++i)
-        store(&out[((size_t)row * H + h) * D + lane + WARP * i], st.acc[i] * inv);
+#pragma unroll
+    for (int i = 0; i < MAX_PER_LANE; ++i)
+        if (i < per_lane) store(&out[((size_t)row * H + h) * D + lane + WARP * i], st.acc[i] * inv);
 }
 
-#define GROUPED_ATTENTION(NAME, T)                                                           \
-    extern "C" __global__ void NAME(const T *q, const T *pk, const T *pv, const T *sk,       \
-                                    const T *sv, const uint32_t *scatter,                    \
-                                    const uint32_t *row_start, const uint32_t *group_pad,    \
-                                    T *out, int B, int H, int D, int L, int C, int R,        \
-                                    int cursor, float scale) {                               \
-        grouped_attention<T>(q, pk, pv, sk, sv, scatter, row_start, group_pad, out, B, H, D, \
-                             L, C, R, cursor, scale);                                        \
+#define GROUPED_ATTENTION(NAME, T)                                                          \
+    extern "C" __global__ void __launch_bounds__(WARP * ROWS_PER_BLOCK)                     \
+        NAME(const T *q, const T *pk, const T *pv, const T *sk, const T *sv,               \
+             const uint32_t *scatter, const uint32_t *row_start, const uint32_t *group_pad, \
+             T *out, int B, int H, int D, int L, int C, int R, int cursor, float scale) {   \
+        grouped_attention<T>(q, pk, pv, sk, sv, scatter, row_start, group_pad, out, B, H,   \
+                             D, L, C, R, cursor, scale);                                    \
     }
 
 GROUPED_ATTENTION(grouped_attention_f32, float)

@@ -85,7 +85,7 @@ __device__ double block_inclusive_scan(double x, double *scratch) {
 // logits: (B, V); draws: (B, 4) temperature, top-k, top-p, uniform; out: (3, B) token,
 // log-probability's bits, status (0, or 1 for a row with no finite logit): one upload and
 // one download per step.
-extern "C" __global__ void sample_rows(const float *__restrict__ logits, int V,
+extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(const float *__restrict__ logits, int V,
                                        const double *__restrict__ draws,
                                        uint32_t *__restrict__ out) {
     __shared__ double s_d[WARPS];

@@ -11,7 +11,8 @@ use super::{DECODE_OPS_PTX, output, view};
 use crate::fused_ops::{AddLayerNorm, QkvSplit};
 
 const MODULE: &str = "rookworld_decode_ops";
-/// Threads per block of the element-wise kernels and of the layer norm.
+/// Threads per block of the element-wise kernels and of the layer norm (`NORM_THREADS`,
+/// its launch bound, in the kernel).
 const THREADS: u32 = 256;
 
 type Arg<'a> = (&'a CudaStorage, &'a Layout);
