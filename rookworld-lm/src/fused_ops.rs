@@ -46,19 +46,25 @@ impl QkvSplit {
         Ok((b, e, self.heads, e / self.heads))
     }
 
-    /// Source index in (B, 3E) and destination index in (·, H, C, D) of element (r, h, d).
-    fn index(
+    /// Calls `put(index, value)` for each element of the part, `index` its place in a
+    /// (·, H, `c`, D) destination: the CPU implementation of both forms.
+    fn split_cpu(
         self,
-        (e, h, d): (usize, usize, usize),
+        (qkv, qkv_l): (&CpuStorage, &Layout),
+        (bias, bias_l): (&CpuStorage, &Layout),
         c: usize,
-        r: usize,
-        i: usize,
-    ) -> (usize, usize) {
-        let (head, dim) = (i / d, i % d);
-        (
-            r * 3 * e + self.part * e + i,
-            ((r * h + head) * c + self.col) * d + dim,
-        )
+        mut put: impl FnMut(usize, f32),
+    ) -> Result<()> {
+        let (b, e, h, d) = self.dims(qkv_l)?;
+        let (x, bias) = (values(qkv, qkv_l)?, values(bias, bias_l)?);
+        for r in 0..b {
+            for i in 0..e {
+                let (head, dim) = (i / d, i % d);
+                let v = x[r * 3 * e + self.part * e + i] + bias[self.part * e + i];
+                put(((r * h + head) * c + self.col) * d + dim, v);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -76,22 +82,16 @@ impl InplaceOp3 for QkvSplit {
         bias: &CpuStorage,
         bias_l: &Layout,
     ) -> Result<()> {
-        let (b, e, h, d) = self.dims(qkv_l)?;
-        let (x, bias) = (values(qkv, qkv_l)?, values(bias, bias_l)?);
         let c = dst_l.dims()[2];
         let (start, _) = contiguous(dst_l)?;
-        for r in 0..b {
-            for i in 0..e {
-                let (from, to) = self.index((e, h, d), c, r, i);
-                let v = x[from] + bias[self.part * e + i];
-                match dst {
-                    CpuStorage::F32(out) => out[start + to] = v,
-                    CpuStorage::BF16(out) => out[start + to] = bf16::from_f32(v),
-                    _ => candle_core::bail!("qkv-split: f32 or bf16 only"),
-                }
+        let (qkv, bias) = ((qkv, qkv_l), (bias, bias_l));
+        match dst {
+            CpuStorage::F32(out) => self.split_cpu(qkv, bias, c, |i, v| out[start + i] = v),
+            CpuStorage::BF16(out) => {
+                self.split_cpu(qkv, bias, c, |i, v| out[start + i] = bf16::from_f32(v))
             }
+            _ => candle_core::bail!("qkv-split: f32 or bf16 only"),
         }
-        Ok(())
     }
 
     #[cfg(feature = "cuda")]
@@ -121,14 +121,8 @@ impl CustomOp2 for QkvSplit {
         bias_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (b, e, h, d) = self.dims(qkv_l)?;
-        let (x, bias) = (values(qkv, qkv_l)?, values(bias, bias_l)?);
         let mut out = vec![0f32; b * e];
-        for r in 0..b {
-            for i in 0..e {
-                let (from, to) = self.index((e, h, d), 1, r, i);
-                out[to] = x[from] + bias[self.part * e + i];
-            }
-        }
+        self.split_cpu((qkv, qkv_l), (bias, bias_l), 1, |i, v| out[i] = v)?;
         Ok((storage(out, qkv), Shape::from((b, h, 1, d))))
     }
 
@@ -148,11 +142,6 @@ impl CustomOp2 for QkvSplit {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct BiasGelu;
 
-/// GPT-2's `gelu_new` (the tanh approximation).
-pub(crate) fn gelu_new(u: f32) -> f32 {
-    0.5 * u * (1.0 + (0.797_884_6 * (u + 0.044_715 * u * u * u)).tanh())
-}
-
 impl CustomOp2 for BiasGelu {
     fn name(&self) -> &'static str {
         "bias-gelu"
@@ -165,13 +154,11 @@ impl CustomOp2 for BiasGelu {
         bias: &CpuStorage,
         bias_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (vals, bias) = (values(x, x_l)?, values(bias, bias_l)?);
-        let n = bias.len();
-        let out = vals
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| gelu_new(v + bias[i % n]))
-            .collect();
+        let (mut out, bias) = (values(x, x_l)?, values(bias, bias_l)?);
+        for row in out.chunks_mut(bias.len()) {
+            row.iter_mut().zip(&bias).for_each(|(v, b)| *v += b);
+        }
+        crate::simd::gelu_new_inplace(&mut out);
         Ok((storage(out, x), x_l.shape().clone()))
     }
 

@@ -281,15 +281,18 @@ impl GroupedCache {
             positions.push((self.prefix_len[row.group] + cursor - row.start) as u32);
         }
         let scatter = Tensor::from_vec(scatter, n * group_rows, device)?;
+        let row_start: Vec<usize> = self.rows.iter().map(|r| r.start).collect();
+        let group_pad: Vec<usize> = self.prefix_len.iter().map(|&l| self.pool_len - l).collect();
         #[cfg(feature = "cuda")]
         let device_geometry = if device.is_cuda() && self.cpu_kernel {
-            let u32s = |v: Vec<usize>| v.into_iter().map(|x| x as u32).collect::<Vec<_>>();
-            let starts = u32s(self.rows.iter().map(|r| r.start).collect());
-            let pads = u32s(self.prefix_len.iter().map(|&l| self.pool_len - l).collect());
+            let on_device = |v: &[usize]| {
+                let v: Vec<u32> = v.iter().map(|&x| x as u32).collect();
+                Tensor::new(v.as_slice(), device)
+            };
             Some(crate::cuda::DeviceGeometry {
                 scatter: scatter.clone(),
-                row_start: Tensor::new(starts.as_slice(), device)?,
-                group_pad: Tensor::new(pads.as_slice(), device)?,
+                row_start: on_device(&row_start)?,
+                group_pad: on_device(&group_pad)?,
                 group_rows,
                 cursor,
             })
@@ -307,8 +310,8 @@ impl GroupedCache {
             suffix_bias: Tensor::from_vec(suffix_bias, (b, 1, 1, window), device)?,
             positions: Tensor::from_vec(positions, (b, 1), device)?,
             row_group: self.rows.iter().map(|r| r.group).collect(),
-            row_start: self.rows.iter().map(|r| r.start).collect(),
-            group_pad: self.prefix_len.iter().map(|&l| self.pool_len - l).collect(),
+            row_start,
+            group_pad,
             pool_len: self.pool_len,
             cpu_kernel: self.cpu_kernel,
             fused_ops: self.cpu_kernel && (device.is_cuda() || self.fused_ops_on_cpu),

@@ -5,7 +5,7 @@ use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::{DType, Result, Tensor};
 use half::bf16;
 
-use super::{ATTENTION_PTX, cuda_device, output, view, wrap};
+use super::{ATTENTION_PTX, cuda_device, kernel, output, view, wrap};
 
 /// Rows of a group one block serves (one warp each): `ROWS_PER_BLOCK` in the kernel.
 const ROWS_PER_BLOCK: usize = 16;
@@ -61,13 +61,9 @@ where
     T: candle_core::cuda::CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr,
 {
     let device = cuda_device(q)?;
-    let name = if q.dtype() == DType::F32 {
-        "grouped_attention_f32"
-    } else {
-        "grouped_attention_bf16"
-    };
+    let name = kernel("grouped_attention", q.dtype())?;
     let func =
-        device.get_or_load_custom_func(name, "rookworld_grouped_attention", ATTENTION_PTX)?;
+        device.get_or_load_custom_func(&name, "rookworld_grouped_attention", ATTENTION_PTX)?;
     let mut out = output::<T>(&device, b * h * d)?; // every live row is one slot's warp
     {
         let (qs, ql) = q.storage_and_layout();

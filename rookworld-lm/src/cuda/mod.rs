@@ -40,10 +40,25 @@ fn view<'a, T: CudaDType>(storage: &'a Storage, layout: &Layout) -> Result<CudaV
     let Storage::Cuda(cuda) = storage else {
         candle_core::bail!("a CUDA kernel was given a tensor off the GPU");
     };
+    slice(cuda, layout)
+}
+
+/// The device memory of a contiguous CUDA storage (a custom op's operand).
+fn slice<'a, T: CudaDType>(storage: &'a CudaStorage, layout: &Layout) -> Result<CudaView<'a, T>> {
     let Some((start, end)) = layout.contiguous_offsets() else {
         candle_core::bail!("a CUDA kernel was given a non-contiguous tensor");
     };
-    Ok(cuda.as_cuda_slice::<T>()?.slice(start..end))
+    Ok(storage.as_cuda_slice::<T>()?.slice(start..end))
+}
+
+/// The name of kernel `base` for `dtype` (`{base}_f32`, `{base}_bf16`); an error for
+/// dtypes the kernels lack.
+fn kernel(base: &str, dtype: candle_core::DType) -> Result<String> {
+    match dtype {
+        candle_core::DType::F32 => Ok(format!("{base}_f32")),
+        candle_core::DType::BF16 => Ok(format!("{base}_bf16")),
+        other => candle_core::bail!("{base}: no kernel for {other:?}"),
+    }
 }
 
 /// An uninitialised buffer of `len` elements for a kernel's output (no memset launch).

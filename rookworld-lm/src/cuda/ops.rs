@@ -7,7 +7,7 @@ use candle_core::cuda::{CudaDType, CudaStorage, WrapErr};
 use candle_core::{DType, Layout, Result, Shape};
 use half::bf16;
 
-use super::{DECODE_OPS_PTX, output, view};
+use super::{DECODE_OPS_PTX, kernel, output, slice, view};
 use crate::fused_ops::{AddLayerNorm, QkvSplit};
 
 const MODULE: &str = "rookworld_decode_ops";
@@ -24,26 +24,6 @@ fn elementwise(n: usize) -> LaunchConfig {
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     }
-}
-
-/// The kernel name for a dtype, or an error for dtypes the kernels lack.
-fn kernel(base: &str, dtype: DType) -> Result<String> {
-    match dtype {
-        DType::F32 => Ok(format!("{base}_f32")),
-        DType::BF16 => Ok(format!("{base}_bf16")),
-        other => candle_core::bail!("{base}: no kernel for {other:?}"),
-    }
-}
-
-/// The device memory of a contiguous operand of a custom op.
-fn slice<'a, T: CudaDType>(
-    s: &'a CudaStorage,
-    l: &Layout,
-) -> Result<candle_core::cuda::cudarc::driver::CudaView<'a, T>> {
-    let Some((start, end)) = l.contiguous_offsets() else {
-        candle_core::bail!("a fused op needs contiguous tensors");
-    };
-    Ok(s.as_cuda_slice::<T>()?.slice(start..end))
 }
 
 /// Writes part `op.part` of qkv (B, 3E) plus bias into column `op.col` of `dst`.
