@@ -1,11 +1,11 @@
-//! With the `cuda` feature: compiles the decode step's kernels (`kernels/*.cu`) to PTX with
+//! With the `cuda` feature: compiles the decode step's and the training ops' kernels (`kernels/*.cu`) to PTX with
 //! nvcc, for `CUDA_COMPUTE_CAP` (as candle's kernels), into `OUT_DIR`; the crate embeds
 //! the PTX and the driver loads it on first use. Without the feature: nothing.
 
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNELS: [&str; 3] = ["decode_ops", "grouped_attention", "sample"];
+const KERNELS: [&str; 4] = ["decode_ops", "grouped_attention", "sample", "train_ops"];
 
 fn main() {
     println!("cargo::rerun-if-changed=build.rs");

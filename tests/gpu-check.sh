@@ -80,6 +80,10 @@ done
 section learner_step "$PY" "$ROOT/learner/bench/step_vs_pytorch.py" --learner "$LEARNER" \
   --preset "$PRESET" --device "$DEVICE" --prompts "$STEP_PROMPTS" --group "$GROUP" --steps 3 \
   --peak-tflops "$PEAK_TFLOPS"
+# The same step with the training ops off (candle's composed ops and their backwards):
+# what the ops' kernels buy.
+section learner_composed "$LEARNER" bench --preset "$PRESET" --device "$DEVICE" \
+  -p "$STEP_PROMPTS" -n "$GROUP" --steps 2 --train-ops off --peak-tflops "$PEAK_TFLOPS"
 section push "$LEARNER" bench-push --preset "$PRESET" --worker-device "$DEVICE" --pushes 3 \
   --chunk-kib 1024 --idle-only
 

@@ -225,6 +225,7 @@ def main():
             "pytorch_peak_device_memory_bytes": theirs["peak_device_memory_bytes"],
             "learner_device_memory_bytes": ours.get("device_memory_bytes"),
             "learner_matmul_dtype": ours.get("matmul_dtype"),
+            "learner_train_ops": ours.get("train_ops"),
         }))
 
 

@@ -30,6 +30,15 @@ pub enum BenchPath {
     Autograd,
 }
 
+/// Whether the autograd path trains through `rookworld_lm::train_ops`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TrainOps {
+    /// On CUDA (the learner's default there), off on the CPU.
+    Auto,
+    On,
+    Off,
+}
+
 /// Options of `learner bench`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
@@ -65,6 +74,10 @@ pub struct BenchArgs {
     /// Matmul precision: auto (BF16 inputs on CUDA, f32 on the CPU), f32 or bf16.
     #[arg(long, value_enum, default_value = "auto")]
     pub precision: Precision,
+    /// The autograd path's layer norms, softmaxes, bias + GELU and head log-probs as
+    /// single ops with their own backwards: auto (on CUDA), on, off.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub train_ops: TrainOps,
     /// Peak of the device in TFLOP/s, for MFU (default: an estimate, see `learner train`).
     #[arg(long, allow_negative_numbers = true)]
     pub peak_tflops: Option<f64>,
@@ -80,6 +93,8 @@ pub struct BenchReport {
     pub device: String,
     /// The matmuls' input dtype: "f32" or "bf16".
     pub matmul_dtype: &'static str,
+    /// Whether the autograd path ran the training ops (`--train-ops`).
+    pub train_ops: bool,
     pub threads: usize,
     pub prompts: usize,
     pub group: usize,
@@ -215,6 +230,11 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, String> {
     };
     let mut policy = Trainable::from_model(&init(args.seed)?).map_err(|e| e.to_string())?;
     args.precision.apply(&mut policy.model);
+    match args.train_ops {
+        TrainOps::Auto => {} // Trainable's default: on CUDA
+        TrainOps::On => policy.model.set_train_ops(true),
+        TrainOps::Off => policy.model.set_train_ops(false),
+    }
     let reference: Option<Gpt2> = if args.beta > 0.0 {
         Some(init(args.seed)?)
     } else {
@@ -307,6 +327,7 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, String> {
         } else {
             "f32"
         },
+        train_ops: !fused && policy.model.train_ops(),
         threads,
         prompts: args.prompts,
         group: args.group,

@@ -116,13 +116,13 @@ pub fn save(
         .iter()
         .map(|(n, v)| (n.as_str(), v.shape().clone()))
         .collect();
-    for (name, (m, v)) in &opt.moments {
+    for (name, m, v) in opt.host_moments()? {
         let shape = shapes
-            .get(name.as_str())
+            .get(name)
             .cloned()
             .unwrap_or_else(|| candle_core::Shape::from(m.len()));
         for (kind, values) in [("m", m), ("v", v)] {
-            let t = Tensor::from_slice(values, shape.clone(), &Device::Cpu)?;
+            let t = Tensor::from_slice(&values, shape.clone(), &Device::Cpu)?;
             moments.push((format!("{kind}.{name}"), t));
         }
     }

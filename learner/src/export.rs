@@ -349,7 +349,7 @@ fn publish_loop(rx: &mpsc::Receiver<Job>, latest: &Latest) {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::{DType, Device};
+    use candle_core::{DType, Device, Tensor};
     use rookworld_lm::checkpoint::{self, init_random};
     use rookworld_lm::config::Config;
 
@@ -412,6 +412,46 @@ mod tests {
         let err = exporter.publish("run", 4, exporter.payload()).unwrap_err();
         assert!(err.contains("unwritten"), "{err}");
         assert_eq!(rx.borrow().as_ref().unwrap().version, 3);
+    }
+
+    /// The GPU's optimizer path (moments on the device, autograd's tensor gradients, the
+    /// bfloat16 copy downloaded per parameter), run on the CPU: its payload too is bit for
+    /// bit the updated model's export.
+    #[test]
+    fn the_device_path_s_payload_equals_the_model_s_export() {
+        let model = init_random(&Config::tiny(), 5, DType::F32, &Device::Cpu).unwrap();
+        let policy = Trainable::from_model(&model).unwrap();
+        let (tx, mut rx) = watch::channel(None);
+        let exporter = Exporter::new(&policy.vars, Arc::new(tx), None);
+        let mut opt = AdamW::new(AdamWConfig::default());
+        opt.use_device_path_everywhere();
+        for version in 1..=2u64 {
+            // Tensor gradients, as autograd leaves them: of Σ_p Σ p ⊙ g_p.
+            let mut loss = Tensor::zeros((), DType::F32, &Device::Cpu).unwrap();
+            for (i, (_, var)) in policy.vars.iter().enumerate() {
+                let g = Tensor::rand(-1f32, 1f32, var.shape(), &Device::Cpu).unwrap();
+                let g = (g * (i + version as usize) as f64).unwrap();
+                let term = (var.as_tensor() * g).unwrap();
+                loss = (loss + term.sum_all().unwrap()).unwrap();
+            }
+            let mut grads = crate::optim::Gradients::default();
+            grads
+                .accumulate(&loss.backward().unwrap(), &policy.vars)
+                .unwrap();
+            let mut payload = exporter.payload();
+            opt.step_exporting(&policy.vars, &grads, 1e-3, Some(&mut payload))
+                .unwrap();
+            payload.fill_rest(&policy.vars).unwrap();
+            exporter.publish("run", version, payload).unwrap();
+            exporter.flush().unwrap();
+            let set = rx.borrow_and_update().clone().expect("published");
+            let want = WeightSet::from_model(&policy.model, "run", version).unwrap();
+            assert_eq!(set.blake3, want.blake3, "version {version}");
+        }
+        assert!(
+            opt.moments.is_empty(),
+            "the moments stayed on the (test's) device"
+        );
     }
 
     /// The names in `dir`, sorted.

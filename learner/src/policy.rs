@@ -78,6 +78,9 @@ impl Trainable {
         let cfg = model.config().clone();
         let mut model = Gpt2::load(root.pp("transformer"), root, &cfg)?;
         Precision::Auto.apply(&mut model);
+        // On CUDA the step runs candle's autograd: its layer norms, softmaxes, bias + GELU
+        // and head log-probs as single kernels with their own backwards.
+        model.set_train_ops(model.device().is_cuda());
         Ok(Self {
             model,
             vars,
@@ -187,6 +190,12 @@ pub fn slot_logprobs(
     let e = hidden.dim(2)?;
     let hidden = hidden.narrow(1, 0, t - 1)?.reshape((c * (t - 1), e))?; // (C·(T−1), E)
     let h = hidden.index_select(slots, 0)?; // (N, E)
+    if model.train_ops() {
+        // The (N, V) logits (BF16 matmul under mixed precision), then one kernel to the
+        // targets' log-probs whose backward needs only those logits.
+        let logits = model.logits(&h.unsqueeze(0)?)?.squeeze(0)?; // (N, V) f32
+        return rookworld_lm::train_ops::target_logprobs(&logits, targets, temperature);
+    }
     match model.matmul_dtype() {
         // Mixed precision: the head's matmul in BF16 too, its logits and log-softmax f32.
         Some(dtype) => plain_head_logprobs(

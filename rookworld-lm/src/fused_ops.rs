@@ -172,6 +172,19 @@ impl CustomOp2 for BiasGelu {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         crate::cuda::ops::bias_gelu((x, x_l), (bias, bias_l))
     }
+
+    /// Training's backward ([`crate::train_ops::bias_gelu`]): dz = dy · gelu_new'(x + b)
+    /// for x, and Σ_rows dz for b.
+    fn bwd(
+        &self,
+        x: &Tensor,
+        bias: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dz, db) = crate::train_ops::bias_gelu_grads(x, bias, dy)?;
+        Ok((Some(dz), Some(db)))
+    }
 }
 
 /// `s = x + (y + c)`, then `layer_norm(s) · w + b` with f32 statistics over the sum as

@@ -18,6 +18,8 @@
 //! - [`device_sampling`]: a decode step's tokens drawn on the logits' device (CUDA), with its CPU reference.
 //! - `cuda` (feature `cuda`): the decode step's CUDA kernels (fused grouped attention, sampling,
 //!   the small fused ops of `fused_ops`: q/k/v split into the cache, bias + GELU, residual + norm).
+//! - [`train_ops`]: the training forward's layer norm, bias + GELU, masked softmax and target
+//!   log-probs as custom ops with hand-written backwards (CPU, and CUDA kernels with `cuda`).
 //! - [`cli`]: the model options every binary shares (`--model`/`--preset`, `--device`, `--dtype`).
 //! - [`error`]: the crate's [`Error`].
 
@@ -42,6 +44,7 @@ pub mod refill;
 pub mod sampling;
 pub mod simd;
 pub mod tokenizer;
+pub mod train_ops;
 
 pub use cache::KvCache;
 pub use config::{Config, EOT_TOKEN};

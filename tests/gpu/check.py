@@ -280,6 +280,13 @@ def cmd_table(args):
         theirs = lb.get("pytorch_peak_device_memory_bytes")
         add("learner step", "device memory GiB", fmt(lb["learner_device_memory_bytes"] / 2**30),
             f"PyTorch peak {fmt(theirs / 2**30) if theirs else '–'}")
+    lc = d.get("learner_composed", {})
+    if problem(lc):
+        add("learner step", "composed ops", problem(lc))
+    elif lc.get("step_seconds") and lb.get("learner_step_seconds"):
+        add("learner step", "× composed ops", fmt(lc["step_seconds"] / lb["learner_step_seconds"]),
+            f"training ops {'on' if lb.get('learner_train_ops') else 'off'}; with them off "
+            f"{fmt(lc['step_seconds'])} s, MFU {fmt(lc.get('mfu'))}")
     push = d.get("push", {})
     if push.get("shared"):
         add("weight push", "gRPC idle s", fmt(push["idle"][0]["seconds"]) if push.get("idle") else "–")

@@ -28,16 +28,21 @@ pub struct KernelCheck {
     /// their CPU implementations on the same values: max |device − CPU| in f32 and bf16.
     pub ops_f32_max_abs_error: f64,
     pub ops_bf16_max_abs_error: f64,
+    /// The training ops (layer norm, bias + GELU, masked softmax, target log-probs), each
+    /// forward and backward through candle's autograd on the device and on the CPU: the
+    /// largest |device − CPU| of an output or gradient over that tensor's largest |CPU|.
+    pub train_ops_max_rel_error: f64,
     pub passed: bool,
 }
 
-/// Runs both kernels on `device` against their CPU references.
+/// Runs every kernel on `device` against its CPU reference.
 pub fn self_check(device: &Device) -> Result<KernelCheck> {
     let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
     let (f32_error, bf16_error) = check_attention(device, &mut rng)?;
     let (rows, equal, logprob_error) = check_sampling(device, &mut rng)?;
     let ops_f32 = check_ops(device, DType::F32, &mut rng)?;
     let ops_bf16 = check_ops(device, DType::BF16, &mut rng)?;
+    let train_ops = check_train_ops(device, &mut rng)?;
     Ok(KernelCheck {
         attention_f32_max_abs_error: f32_error,
         attention_bf16_max_abs_error: bf16_error,
@@ -46,12 +51,14 @@ pub fn self_check(device: &Device) -> Result<KernelCheck> {
         sampling_max_logprob_error: logprob_error,
         ops_f32_max_abs_error: ops_f32,
         ops_bf16_max_abs_error: ops_bf16,
+        train_ops_max_rel_error: train_ops,
         passed: f32_error < 1e-4
             && bf16_error < 2e-2
             && equal == rows
             && logprob_error < 1e-3
             && ops_f32 < 1e-4
-            && ops_bf16 < 5e-2,
+            && ops_bf16 < 5e-2
+            && train_ops < 1e-3,
     })
 }
 
@@ -228,6 +235,106 @@ fn check_ops(device: &Device, dtype: DType, rng: &mut ChaCha8Rng) -> Result<f64>
         let b = on_cpu.to_dtype(DType::F32)?;
         let diff = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         worst = worst.max(f64::from(diff));
+    }
+    Ok(worst)
+}
+
+/// Each training op's value and gradients (of Σ op(·) ⊙ r) on `device` and on the CPU
+/// from the same inputs: the largest relative difference. Shapes of a gpt2-124m step:
+/// rows crossing the 32-row chunks, a causal mask shared and per batch row, the vocabulary.
+fn check_train_ops(device: &Device, rng: &mut ChaCha8Rng) -> Result<f64> {
+    use crate::train_ops;
+    use candle_core::Var;
+    type Op = fn(&[Tensor], &Tensor) -> candle_core::Result<Tensor>;
+    /// An input's values, shape, and whether it is differentiated.
+    type Input = (Vec<f32>, Vec<usize>, bool);
+    let (m, e, t) = (70usize, 768usize, 46usize);
+    let causal: Vec<f32> = (0..t * t)
+        .map(|k| {
+            if k % t <= k / t {
+                0.0
+            } else {
+                f32::NEG_INFINITY
+            }
+        })
+        .collect();
+    let per_row: Vec<f32> = (0..2).flat_map(|_| causal.iter().copied()).collect();
+    let targets: Vec<u32> = (0..40).map(|_| rng.random_range(0..50_257u32)).collect();
+    let cases: Vec<(Vec<Input>, Op)> = vec![
+        (
+            vec![
+                (random(rng, m * e), vec![m, e], true),
+                (random(rng, e), vec![e], true),
+                (random(rng, e), vec![e], true),
+            ],
+            |a, _| train_ops::layer_norm(&a[0], &a[1], &a[2], 1e-5),
+        ),
+        (
+            vec![
+                (random(rng, m * 4 * e), vec![m, 4 * e], true),
+                (random(rng, 4 * e), vec![4 * e], true),
+            ],
+            |a, _| train_ops::bias_gelu(&a[0], &a[1]),
+        ),
+        (
+            vec![
+                (random(rng, 2 * 12 * t * t), vec![2, 12, t, t], true),
+                (causal.clone(), vec![1, 1, t, t], false),
+            ],
+            |a, _| train_ops::masked_softmax(&a[0], &a[1], 0.125),
+        ),
+        (
+            vec![
+                (random(rng, 2 * 12 * t * t), vec![2, 12, t, t], true),
+                (per_row, vec![2, 1, t, t], false),
+            ],
+            |a, _| train_ops::masked_softmax(&a[0], &a[1], 0.125),
+        ),
+        (
+            vec![(
+                random(rng, 40 * 50_257).iter().map(|v| 8.0 * v).collect(),
+                vec![40, 50_257],
+                true,
+            )],
+            |a, y| train_ops::target_logprobs(&a[0], y, 0.9),
+        ),
+    ];
+    let mut worst = 0f64;
+    for (inputs, op) in cases {
+        let mut outputs: Vec<Vec<Vec<f32>>> = Vec::new();
+        for dev in [device, &Device::Cpu] {
+            let vars: Vec<Var> = inputs
+                .iter()
+                .map(|(v, shape, _)| {
+                    Var::from_tensor(&Tensor::from_slice(v, shape.as_slice(), dev)?)
+                })
+                .collect::<candle_core::Result<_>>()?;
+            let args: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+            let y = op(&args, &Tensor::from_slice(&targets, targets.len(), dev)?)?;
+            let r = Tensor::from_vec(
+                (0..y.elem_count())
+                    .map(|k| ((k * 7919) % 13) as f32 / 13.0 - 0.4)
+                    .collect::<Vec<_>>(),
+                y.shape(),
+                dev,
+            )?;
+            let grads = (&y * r)?.sum_all()?.backward()?;
+            let mut got = vec![y.flatten_all()?.to_vec1::<f32>()?];
+            for (var, (_, _, differentiable)) in vars.iter().zip(&inputs) {
+                if *differentiable {
+                    let g = grads
+                        .get(var)
+                        .expect("every differentiable input has a gradient");
+                    got.push(g.flatten_all()?.to_vec1::<f32>()?);
+                }
+            }
+            outputs.push(got);
+        }
+        for (a, b) in outputs[0].iter().zip(&outputs[1]) {
+            let scale = b.iter().fold(0f32, |s, v| s.max(v.abs())).max(1e-12);
+            let diff = a.iter().zip(b).fold(0f32, |s, (x, y)| s.max((x - y).abs()));
+            worst = worst.max(f64::from(diff / scale));
+        }
     }
     Ok(worst)
 }

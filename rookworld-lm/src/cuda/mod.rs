@@ -4,15 +4,19 @@
 //!   prompt's keys and values read once per group (`kernels/grouped_attention.cu`);
 //! - [`sample_rows`]: every row's token and log-probability drawn on the device
 //!   (`kernels/sample.cu`);
-//! - [`ops`]: the small fused ops of [`crate::fused_ops`] (`kernels/decode_ops.cu`).
+//! - [`ops`]: the small fused ops of [`crate::fused_ops`] (`kernels/decode_ops.cu`);
+//! - `train`: the training ops of [`crate::train_ops`] and their backwards
+//!   (`kernels/train_ops.cu`).
 //!
-//! Each has a CPU reference ([`crate::cpu_attention`], [`crate::device_sampling`]) that
+//! Each has a CPU reference ([`crate::cpu_attention`], [`crate::device_sampling`],
+//! [`crate::train_ops::cpu`]) that
 //! [`self_check`] compares it with on a GPU.
 
 mod attention;
 mod check;
 pub(crate) mod ops;
 mod sample;
+pub(crate) mod train;
 
 pub use attention::{DeviceGeometry, grouped_attention};
 pub use check::{KernelCheck, self_check};
@@ -26,6 +30,7 @@ use candle_core::{CudaDevice, Device, Layout, Result, Shape, Storage, Tensor};
 const ATTENTION_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/grouped_attention.ptx"));
 const DECODE_OPS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode_ops.ptx"));
 const SAMPLE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/sample.ptx"));
+const TRAIN_OPS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/train_ops.ptx"));
 
 /// The CUDA device a tensor lives on.
 fn cuda_device(t: &Tensor) -> Result<CudaDevice> {

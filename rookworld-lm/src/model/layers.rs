@@ -12,6 +12,7 @@ use crate::config::{Activation, Config};
 use crate::cpu_gemm::{Epilogue, PackedMatrix};
 use crate::fused_ops::{AddLayerNorm, BiasGelu, QkvSplit};
 use crate::grouped::{GroupedLayer, StepPlan, with_zero_row};
+use crate::train_ops;
 
 /// `a · b` with both inputs cast to `compute` and the product cast back to `a`'s dtype
 /// (mixed precision: BF16 inputs, f32 accumulation in cuBLAS); plain `a · b` when
@@ -106,6 +107,8 @@ pub(crate) struct LayerNorm {
     pub(crate) weight: Tensor, // (E)
     pub(crate) bias: Tensor,   // (E)
     pub(crate) eps: f64,
+    /// Training through [`crate::train_ops::layer_norm`] ([`Gpt2::set_train_ops`]).
+    pub(crate) train_ops: bool,
 }
 
 impl LayerNorm {
@@ -131,12 +134,16 @@ impl LayerNorm {
             weight: vb.get(size, "weight")?,
             bias: vb.get(size, "bias")?,
             eps,
+            train_ops: false,
         })
     }
 
     pub(crate) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         if !tracked(&self.weight) && x.is_contiguous() && !tracked(x) {
             return candle_nn::ops::layer_norm(x, &self.weight, &self.bias, self.eps as f32);
+        }
+        if self.train_ops && train_ops::supported(x) && train_ops::supported(&self.weight) {
+            return train_ops::layer_norm(x, &self.weight, &self.bias, self.eps);
         }
         let dtype = x.dtype();
         let x = x.to_dtype(DType::F32)?;
@@ -159,6 +166,8 @@ pub(crate) struct Attention {
     pub(crate) head_dim: usize,
     /// The score and value matmuls' input dtype ([`matmul_in`]).
     pub(crate) compute: Option<DType>,
+    /// Softmax through [`crate::train_ops::masked_softmax`] ([`Gpt2::set_train_ops`]).
+    pub(crate) train_ops: bool,
 }
 
 impl Attention {
@@ -170,6 +179,7 @@ impl Attention {
             n_head: cfg.n_head,
             head_dim: cfg.head_dim(),
             compute: None,
+            train_ops: false,
         })
     }
 
@@ -203,15 +213,24 @@ impl Attention {
         let (k, v) = cache.append(&k, &v)?; // (B, H, S, D) each
 
         let scale = 1.0 / (d as f64).sqrt();
-        let scores = (matmul_in(&q, &k.t()?, self.compute)? * scale)?.to_dtype(DType::F32)?; // (B, H, T, S)
-        let scores = match bias {
-            Some(bias) => scores.broadcast_add(bias)?,
-            None => scores,
-        };
-        let probs = if tracked(&scores) {
-            candle_nn::ops::softmax(&scores, D::Minus1)?
-        } else {
-            candle_nn::ops::softmax_last_dim(&scores)?
+        let raw = matmul_in(&q, &k.t()?, self.compute)?; // (B, H, T, S)
+        let probs = match bias {
+            // One kernel forward and one backward, nothing else kept.
+            Some(bias) if self.train_ops && train_ops::supported(&raw) => {
+                train_ops::masked_softmax(&raw, bias, scale)?
+            }
+            _ => {
+                let scores = (raw * scale)?.to_dtype(DType::F32)?;
+                let scores = match bias {
+                    Some(bias) => scores.broadcast_add(bias)?,
+                    None => scores,
+                };
+                if tracked(&scores) {
+                    candle_nn::ops::softmax(&scores, D::Minus1)?
+                } else {
+                    candle_nn::ops::softmax_last_dim(&scores)?
+                }
+            }
         }
         .to_dtype(v.dtype())?; // (B, H, T, S)
         let y = matmul_in(&probs, &v, self.compute)? // (B, H, T, D)
@@ -312,6 +331,8 @@ pub(crate) struct Mlp {
     pub(crate) c_fc: Conv1D,   // E -> I
     pub(crate) c_proj: Conv1D, // I -> E
     pub(crate) act: Activation,
+    /// Bias + GELU through [`crate::train_ops::bias_gelu`] ([`Gpt2::set_train_ops`]).
+    pub(crate) train_ops: bool,
 }
 
 impl Mlp {
@@ -321,11 +342,19 @@ impl Mlp {
             c_fc: Conv1D::load(vb.pp("c_fc"), e, i)?,
             c_proj: Conv1D::load(vb.pp("c_proj"), i, e)?,
             act: cfg.activation_function,
+            train_ops: false,
         })
     }
 
     pub(crate) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         if let Some(h) = self.c_fc.forward_fused(x)? {
+            return self.c_proj.forward(&h); // (B, T, E)
+        }
+        if self.train_ops && self.act == Activation::GeluNew && train_ops::supported(x) {
+            let (b, t, e) = x.dims3()?;
+            let fc = &self.c_fc;
+            let h = matmul_in(&x.reshape((b * t, e))?, &fc.weight, fc.compute)?; // (B·T, I)
+            let h = train_ops::bias_gelu(&h, &fc.bias)?.reshape((b, t, ()))?; // (B, T, I)
             return self.c_proj.forward(&h); // (B, T, E)
         }
         let h = self.c_fc.forward(x)?; // (B, T, I)
@@ -364,6 +393,14 @@ impl Block {
         self.attn.c_proj.compute = dtype;
         self.mlp.c_fc.compute = dtype;
         self.mlp.c_proj.compute = dtype;
+    }
+
+    /// Turns the training ops of every layer of the block on or off.
+    pub(crate) fn set_train_ops(&mut self, on: bool) {
+        self.ln_1.train_ops = on;
+        self.attn.train_ops = on;
+        self.ln_2.train_ops = on;
+        self.mlp.train_ops = on;
     }
 
     pub(crate) fn load(vb: VarBuilder, cfg: &Config) -> candle_core::Result<Self> {

@@ -44,6 +44,7 @@ pub struct Gpt2 {
     head_packed: Option<Arc<PackedMatrix>>,
     /// The matmuls' input dtype when it differs from the weights' (mixed precision).
     matmul_dtype: Option<DType>,
+    train_ops: bool,
     cfg: Config,
 }
 
@@ -69,6 +70,7 @@ impl Gpt2 {
             lm_head,
             head_packed: None,
             matmul_dtype: None,
+            train_ops: false,
             cfg: cfg.clone(),
         })
     }
@@ -94,6 +96,24 @@ impl Gpt2 {
         for block in &mut self.blocks {
             block.set_matmul_dtype(self.matmul_dtype);
         }
+    }
+
+    /// Trains through [`crate::train_ops`] (layer norms, attention's softmax, bias +
+    /// GELU: one kernel forward and one backward each, one tensor kept) instead of the
+    /// composed ops; f32 activations only, else the composed ops run. The learner turns it
+    /// on for CUDA; the LM head's log-probs use [`crate::train_ops::target_logprobs`] on
+    /// the caller's side ([`Self::train_ops`]).
+    pub fn set_train_ops(&mut self, on: bool) {
+        self.train_ops = on;
+        self.ln_f.train_ops = on;
+        for block in &mut self.blocks {
+            block.set_train_ops(on);
+        }
+    }
+
+    /// Whether [`Self::set_train_ops`] turned the training ops on.
+    pub fn train_ops(&self) -> bool {
+        self.train_ops
     }
 
     /// The matmuls' input dtype set by [`Self::set_matmul_dtype`].

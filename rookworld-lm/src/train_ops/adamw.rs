@@ -1,0 +1,123 @@
+//! AdamW on the parameter's device: its moments stay there as one (2, n) tensor (first
+//! moments, then second) and a step is two in-place passes, no host round trip — what the
+//! learner runs on CUDA (`kernels/train_ops.cu`: `adamw_moments`, `adamw_param`). The CPU
+//! implementation is the reference, the same f32 arithmetic in the same order as the
+//! learner's host pass:
+//!
+//! ```text
+//! g' = s_g · g      m = β1 m + (1 − β1) g'      v = β2 v + (1 − β2) g'²
+//! p = p · (1 − lr·λ) − lr · (m / (1 − β1ᵗ)) / (√(v / (1 − β2ᵗ)) + ε)
+//! ```
+
+use candle_core::{CpuStorage, InplaceOp2, Layout, Result, Tensor};
+
+/// One step's constants, in f32 as the kernels use them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWStep {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    /// 1 − lr·λ (decoupled weight decay).
+    pub shrink: f32,
+    /// 1 / (1 − β1ᵗ) and 1 / (1 − β2ᵗ).
+    pub s1: f32,
+    pub s2: f32,
+    /// The gradient's scale (clipping).
+    pub grad_scale: f32,
+}
+
+/// Updates `param` (n) in place from `grad` (n) and `moments` (2, n), all contiguous f32
+/// on one device; the moments are updated in place too.
+pub fn adamw_step(param: &Tensor, grad: &Tensor, moments: &Tensor, step: &AdamWStep) -> Result<()> {
+    let n = param.elem_count();
+    if grad.elem_count() != n || moments.dims() != [2, n] {
+        candle_core::bail!(
+            "adamw: parameter {:?}, gradient {:?}, moments {:?}",
+            param.dims(),
+            grad.dims(),
+            moments.dims()
+        );
+    }
+    moments.inplace_op2(&grad.contiguous()?, &AdamWMoments(*step))?;
+    param.inplace_op2(moments, &AdamWParam(*step))
+}
+
+/// The moments' pass: (2, n) in place, from the gradient.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWMoments(pub AdamWStep);
+
+/// The parameter's pass: (n) in place, from the moments.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWParam(pub AdamWStep);
+
+fn f32s_mut<'a>(s: &'a mut CpuStorage, l: &Layout) -> Result<&'a mut [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::F32(v), Some((a, b))) => Ok(&mut v[a..b]),
+        _ => candle_core::bail!("adamw: tensors must be contiguous f32"),
+    }
+}
+
+fn f32s<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::F32(v), Some((a, b))) => Ok(&v[a..b]),
+        _ => candle_core::bail!("adamw: tensors must be contiguous f32"),
+    }
+}
+
+impl InplaceOp2 for AdamWMoments {
+    fn name(&self) -> &'static str {
+        "adamw-moments"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout, g: &CpuStorage, gl: &Layout) -> Result<()> {
+        let c = self.0;
+        let (mv, g) = (f32s_mut(s, l)?, f32s(g, gl)?);
+        let (m, v) = mv.split_at_mut(g.len());
+        for ((m, v), &g) in m.iter_mut().zip(v.iter_mut()).zip(g) {
+            let g = g * c.grad_scale;
+            *m = c.beta1 * *m + (1.0 - c.beta1) * g;
+            *v = c.beta2 * *v + (1.0 - c.beta2) * g * g;
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &mut candle_core::CudaStorage,
+        l: &Layout,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> Result<()> {
+        crate::cuda::train::adamw_moments(&self.0, (s, l), (g, gl))
+    }
+}
+
+impl InplaceOp2 for AdamWParam {
+    fn name(&self) -> &'static str {
+        "adamw-param"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout, mv: &CpuStorage, ml: &Layout) -> Result<()> {
+        let c = self.0;
+        let (p, mv) = (f32s_mut(s, l)?, f32s(mv, ml)?);
+        let (m, v) = mv.split_at(p.len());
+        for ((p, &m), &v) in p.iter_mut().zip(m).zip(v) {
+            let update = (m * c.s1) / ((v * c.s2).sqrt() + c.eps);
+            *p = *p * c.shrink - c.lr * update;
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &mut candle_core::CudaStorage,
+        l: &Layout,
+        mv: &candle_core::CudaStorage,
+        ml: &Layout,
+    ) -> Result<()> {
+        crate::cuda::train::adamw_param(&self.0, (s, l), (mv, ml))
+    }
+}
