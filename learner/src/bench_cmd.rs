@@ -33,9 +33,9 @@ pub enum BenchPath {
 /// Whether the autograd path trains through `rookworld_lm::train_ops`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum TrainOps {
-    /// On CUDA (the learner's default there), off on the CPU.
-    Auto,
+    /// The learner's default.
     On,
+    /// candle's composed ops and their backwards.
     Off,
 }
 
@@ -75,8 +75,8 @@ pub struct BenchArgs {
     #[arg(long, value_enum, default_value = "auto")]
     pub precision: Precision,
     /// The autograd path's layer norms, softmaxes, bias + GELU and head log-probs as
-    /// single ops with their own backwards: auto (on CUDA), on, off.
-    #[arg(long, value_enum, default_value = "auto")]
+    /// single ops with their own backwards (on, the learner's default), or composed (off).
+    #[arg(long, value_enum, default_value = "on")]
     pub train_ops: TrainOps,
     /// Peak of the device in TFLOP/s, for MFU (default: an estimate, see `learner train`).
     #[arg(long, allow_negative_numbers = true)]
@@ -230,11 +230,7 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, String> {
     };
     let mut policy = Trainable::from_model(&init(args.seed)?).map_err(|e| e.to_string())?;
     args.precision.apply(&mut policy.model);
-    match args.train_ops {
-        TrainOps::Auto => {} // Trainable's default: on CUDA
-        TrainOps::On => policy.model.set_train_ops(true),
-        TrainOps::Off => policy.model.set_train_ops(false),
-    }
+    policy.model.set_train_ops(args.train_ops == TrainOps::On);
     let reference: Option<Gpt2> = if args.beta > 0.0 {
         Some(init(args.seed)?)
     } else {

@@ -78,9 +78,10 @@ impl Trainable {
         let cfg = model.config().clone();
         let mut model = Gpt2::load(root.pp("transformer"), root, &cfg)?;
         Precision::Auto.apply(&mut model);
-        // On CUDA the step runs candle's autograd: its layer norms, softmaxes, bias + GELU
-        // and head log-probs as single kernels with their own backwards.
-        model.set_train_ops(model.device().is_cuda());
+        // Where the step runs candle's autograd (CUDA; the CPU off the fused pass): its
+        // layer norms, softmaxes, bias + GELU and head log-probs as single ops with their
+        // own backwards.
+        model.set_train_ops(true);
         Ok(Self {
             model,
             vars,

@@ -100,9 +100,9 @@ impl Gpt2 {
 
     /// Trains through [`crate::train_ops`] (layer norms, attention's softmax, bias +
     /// GELU: one kernel forward and one backward each, one tensor kept) instead of the
-    /// composed ops; f32 activations only, else the composed ops run. The learner turns it
-    /// on for CUDA; the LM head's log-probs use [`crate::train_ops::target_logprobs`] on
-    /// the caller's side ([`Self::train_ops`]).
+    /// composed ops; f32 activations only, else the composed ops run. The learner's
+    /// trainable policy has it on; the LM head's log-probs use
+    /// [`crate::train_ops::target_logprobs`] on the caller's side ([`Self::train_ops`]).
     pub fn set_train_ops(&mut self, on: bool) {
         self.train_ops = on;
         self.ln_f.train_ops = on;

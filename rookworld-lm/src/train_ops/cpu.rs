@@ -1,6 +1,9 @@
 //! The training ops' CPU implementations on plain slices: what the ops run on the CPU and
 //! the reference their CUDA kernels (`kernels/train_ops.cu`) are checked against. f32 in
-//! and out, row statistics and sums in f64. Letters: M rows, E width, S keys, V vocabulary.
+//! and out, row statistics and sums in f64, rows in parallel. Letters: M rows, E width, S
+//! keys, V vocabulary.
+
+use rayon::prelude::*;
 
 /// Rows per partial sum of [`layer_norm_params`] (the CUDA kernel's rows per block).
 pub const PARAM_CHUNK: usize = 32;
@@ -21,12 +24,14 @@ fn stats(row: &[f32], eps: f32) -> (f64, f64) {
 pub fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> Vec<f32> {
     let e = w.len();
     let mut y = vec![0f32; x.len()];
-    for (row, out) in x.chunks(e).zip(y.chunks_mut(e)) {
-        let (mean, rstd) = stats(row, eps);
-        for (i, o) in out.iter_mut().enumerate() {
-            *o = ((f64::from(row[i]) - mean) * rstd) as f32 * w[i] + b[i];
-        }
-    }
+    x.par_chunks(e)
+        .zip(y.par_chunks_mut(e))
+        .for_each(|(row, out)| {
+            let (mean, rstd) = stats(row, eps);
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = ((f64::from(row[i]) - mean) * rstd) as f32 * w[i] + b[i];
+            }
+        });
     y
 }
 
@@ -35,7 +40,8 @@ pub fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> Vec<f32> {
 pub fn layer_norm_dx(x: &[f32], w: &[f32], dy: &[f32], eps: f32) -> Vec<f32> {
     let e = w.len();
     let mut dx = vec![0f32; x.len()];
-    for ((row, dy), out) in x.chunks(e).zip(dy.chunks(e)).zip(dx.chunks_mut(e)) {
+    let rows = x.par_chunks(e).zip(dy.par_chunks(e));
+    rows.zip(dx.par_chunks_mut(e)).for_each(|((row, dy), out)| {
         let (mean, rstd) = stats(row, eps);
         let xhat = |i: usize| (f64::from(row[i]) - mean) * rstd;
         let g = |i: usize| f64::from(dy[i]) * f64::from(w[i]);
@@ -44,7 +50,7 @@ pub fn layer_norm_dx(x: &[f32], w: &[f32], dy: &[f32], eps: f32) -> Vec<f32> {
         for (i, o) in out.iter_mut().enumerate() {
             *o = (rstd * (g(i) - mean_g - xhat(i) * mean_gx)) as f32;
         }
-    }
+    });
     dx
 }
 
@@ -55,7 +61,7 @@ pub fn layer_norm_params(x: &[f32], dy: &[f32], e: usize, eps: f32) -> Vec<f32> 
     let rows = x.len() / e;
     let chunks = rows.div_ceil(PARAM_CHUNK);
     let mut out = vec![0f32; chunks * 2 * e];
-    for (c, part) in out.chunks_mut(2 * e).enumerate() {
+    out.par_chunks_mut(2 * e).enumerate().for_each(|(c, part)| {
         let (mut dw, mut db) = (vec![0f64; e], vec![0f64; e]);
         for r in c * PARAM_CHUNK..((c + 1) * PARAM_CHUNK).min(rows) {
             let (row, dy) = (&x[r * e..(r + 1) * e], &dy[r * e..(r + 1) * e]);
@@ -68,7 +74,7 @@ pub fn layer_norm_params(x: &[f32], dy: &[f32], e: usize, eps: f32) -> Vec<f32> 
         let (w_part, b_part) = part.split_at_mut(e);
         w_part.iter_mut().zip(&dw).for_each(|(o, v)| *o = *v as f32);
         b_part.iter_mut().zip(&db).for_each(|(o, v)| *o = *v as f32);
-    }
+    });
     out
 }
 
@@ -88,11 +94,14 @@ pub fn gelu_new_grad(z: f32) -> f32 {
 /// `dz = dy · gelu_new'(z)`, x and dy (M, I), b (I).
 pub fn bias_gelu_bwd(x: &[f32], b: &[f32], dy: &[f32]) -> Vec<f32> {
     let i = b.len();
-    x.iter()
-        .zip(dy)
-        .enumerate()
-        .map(|(k, (&x, &dy))| dy * gelu_new_grad(x + b[k % i]))
-        .collect()
+    let mut dz = vec![0f32; x.len()];
+    let rows = x.par_chunks(i).zip(dy.par_chunks(i));
+    rows.zip(dz.par_chunks_mut(i)).for_each(|((x, dy), out)| {
+        for (k, o) in out.iter_mut().enumerate() {
+            *o = dy[k] * gelu_new_grad(x[k] + b[k]);
+        }
+    });
+    dz
 }
 
 /// Shape of a masked softmax: scores (B, H, T, S), additive bias (B or 1, 1, T, S).
@@ -117,41 +126,44 @@ impl SoftmaxGeometry {
 pub fn masked_softmax(s: &[f32], bias: &[f32], geom: SoftmaxGeometry, scale: f32) -> Vec<f32> {
     let n = geom.keys;
     let mut p = vec![0f32; s.len()];
-    for (r, (row, out)) in s.chunks(n).zip(p.chunks_mut(n)).enumerate() {
+    let rows = s.par_chunks(n).zip(p.par_chunks_mut(n)).enumerate();
+    rows.for_each(|(r, (row, out))| {
         let bias = &bias[geom.bias_row(r) * n..][..n];
         let z = |j: usize| f64::from(scale * row[j] + bias[j]);
         let max = (0..n).map(z).fold(f64::NEG_INFINITY, f64::max);
         if max == f64::NEG_INFINITY {
-            continue;
+            return;
         }
         let sum = (0..n).map(|j| (z(j) - max).exp()).sum::<f64>();
         for (j, o) in out.iter_mut().enumerate() {
             *o = ((z(j) - max).exp() / sum) as f32;
         }
-    }
+    });
     p
 }
 
 /// The softmax's backward to the raw scores: `ds = scale · p ⊙ (dp − Σ p ⊙ dp)` per row.
 pub fn softmax_bwd(p: &[f32], dp: &[f32], keys: usize, scale: f32) -> Vec<f32> {
     let mut ds = vec![0f32; p.len()];
-    for ((p, dp), out) in p.chunks(keys).zip(dp.chunks(keys)).zip(ds.chunks_mut(keys)) {
-        let dot = p
-            .iter()
-            .zip(dp)
-            .map(|(&a, &b)| f64::from(a) * f64::from(b))
-            .sum::<f64>();
-        for (j, o) in out.iter_mut().enumerate() {
-            *o = (f64::from(scale) * f64::from(p[j]) * (f64::from(dp[j]) - dot)) as f32;
-        }
-    }
+    let rows = p.par_chunks(keys).zip(dp.par_chunks(keys));
+    rows.zip(ds.par_chunks_mut(keys))
+        .for_each(|((p, dp), out)| {
+            let dot = p
+                .iter()
+                .zip(dp)
+                .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                .sum::<f64>();
+            for (j, o) in out.iter_mut().enumerate() {
+                *o = (f64::from(scale) * f64::from(p[j]) * (f64::from(dp[j]) - dot)) as f32;
+            }
+        });
     ds
 }
 
 /// `log softmax(logits_n / τ)[y_n]` per row of logits (N, V); `inv_t` = 1/τ.
 pub fn target_logsoftmax(logits: &[f32], targets: &[u32], v: usize, inv_t: f32) -> Vec<f32> {
     logits
-        .chunks(v)
+        .par_chunks(v)
         .zip(targets)
         .map(|(row, &y)| {
             let z = |j: usize| f64::from(row[j]) * f64::from(inv_t);
@@ -173,7 +185,8 @@ pub fn target_logsoftmax_bwd(
     inv_t: f32,
 ) -> Vec<f32> {
     let mut out = vec![0f32; logits.len()];
-    for (n, (row, o)) in logits.chunks(v).zip(out.chunks_mut(v)).enumerate() {
+    let rows = logits.par_chunks(v).zip(out.par_chunks_mut(v)).enumerate();
+    rows.for_each(|(n, (row, o))| {
         let (y, lp, g) = (
             targets[n] as usize,
             result_grad[2 * n],
@@ -186,6 +199,6 @@ pub fn target_logsoftmax_bwd(
             let p = (f64::from(row[j]) * inv_t - lse).exp();
             *o = (scale * (f64::from(u8::from(j == y)) - p)) as f32;
         }
-    }
+    });
     out
 }

@@ -14,8 +14,8 @@
 //!
 //! Each runs [`cpu`] on the CPU (the reference) and, with the `cuda` feature, one launch of
 //! `kernels/train_ops.cu`. f32 only: mixed precision keeps these in f32 by design. The
-//! model uses them when [`crate::Gpt2::set_train_ops`] is on (the learner turns it on for
-//! CUDA); tested against the composed ops' values and gradients in `tests/train_ops.rs`.
+//! model uses them when [`crate::Gpt2::set_train_ops`] is on (the learner's trainable
+//! policy: CUDA, and the CPU where the fused pass does not apply); tested against the composed ops' values and gradients in `tests/train_ops.rs`.
 
 pub mod adamw;
 pub mod cpu;
