@@ -71,6 +71,7 @@ fn the_gpu_check_script_runs_every_section_on_the_cpu() {
         "worker_2x2_8",
         "hf_2x2_8",
         "learner_step",
+        "learner_composed",
         "push",
         "train",
         "nvml",
@@ -81,4 +82,13 @@ fn the_gpu_check_script_runs_every_section_on_the_cpu() {
         );
     }
     assert!(table.contains("learner train on the device"), "{table}");
+    // The learner's step with the training ops off ran (beside the step with them on).
+    let composed: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.path().join("learner_composed.json")).unwrap())
+            .unwrap();
+    assert_eq!(composed["train_ops"], false, "{composed}");
+    assert!(
+        composed["step_seconds"].as_f64().unwrap() > 0.0,
+        "{composed}"
+    );
 }
