@@ -29,8 +29,9 @@ pub struct KernelCheck {
     pub ops_f32_max_abs_error: f64,
     pub ops_bf16_max_abs_error: f64,
     /// The training ops (layer norm, bias + GELU, masked softmax, target log-probs), each
-    /// forward and backward through candle's autograd on the device and on the CPU: the
-    /// largest |device − CPU| of an output or gradient over that tensor's largest |CPU|.
+    /// forward and backward through candle's autograd on the device and on the CPU, and
+    /// three AdamW steps: the largest |device − CPU| of an output, gradient, parameter or
+    /// moment over that tensor's largest |CPU|.
     pub train_ops_max_rel_error: f64,
     pub passed: bool,
 }
@@ -244,6 +245,7 @@ fn check_ops(device: &Device, dtype: DType, rng: &mut ChaCha8Rng) -> Result<f64>
 /// rows crossing the 32-row chunks, a causal mask shared and per batch row, the vocabulary.
 fn check_train_ops(device: &Device, rng: &mut ChaCha8Rng) -> Result<f64> {
     use crate::train_ops;
+    use crate::train_ops::adamw::{AdamWStep, adamw_step};
     use candle_core::Var;
     type Op = fn(&[Tensor], &Tensor) -> candle_core::Result<Tensor>;
     /// An input's values, shape, and whether it is differentiated.
@@ -330,11 +332,44 @@ fn check_train_ops(device: &Device, rng: &mut ChaCha8Rng) -> Result<f64> {
             }
             outputs.push(got);
         }
-        for (a, b) in outputs[0].iter().zip(&outputs[1]) {
-            let scale = b.iter().fold(0f32, |s, v| s.max(v.abs())).max(1e-12);
-            let diff = a.iter().zip(b).fold(0f32, |s, (x, y)| s.max((x - y).abs()));
-            worst = worst.max(f64::from(diff / scale));
-        }
+        worst = worst.max(largest_relative(&outputs[0], &outputs[1]));
     }
-    Ok(worst)
+    // AdamW's two in-place passes, three steps with decay and a gradient scale.
+    let n = 10_000;
+    let (p0, g0) = (random(rng, n), random(rng, n));
+    let step = AdamWStep {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        shrink: 1.0 - 1e-5,
+        s1: 10.0,
+        s2: 1000.0,
+        grad_scale: 0.5,
+    };
+    let mut outputs: Vec<Vec<Vec<f32>>> = Vec::new();
+    for dev in [device, &Device::Cpu] {
+        let p = Tensor::from_slice(&p0, n, dev)?;
+        let g = Tensor::from_slice(&g0, n, dev)?;
+        let mv = Tensor::zeros((2, n), DType::F32, dev)?;
+        for _ in 0..3 {
+            adamw_step(&p, &g, &mv, &step)?;
+        }
+        outputs.push(vec![
+            p.to_vec1::<f32>()?,
+            mv.flatten_all()?.to_vec1::<f32>()?,
+        ]);
+    }
+    Ok(worst.max(largest_relative(&outputs[0], &outputs[1])))
+}
+
+/// The largest |a − b| over max |b|, tensor by tensor.
+fn largest_relative(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
+    let mut worst = 0f64;
+    for (a, b) in a.iter().zip(b) {
+        let scale = b.iter().fold(0f32, |s, v| s.max(v.abs())).max(1e-12);
+        let diff = a.iter().zip(b).fold(0f32, |s, (x, y)| s.max((x - y).abs()));
+        worst = worst.max(f64::from(diff / scale));
+    }
+    worst
 }
