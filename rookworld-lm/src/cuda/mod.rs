@@ -66,6 +66,17 @@ fn kernel(base: &str, dtype: candle_core::DType) -> Result<String> {
     }
 }
 
+/// Element-wise launch over `n` elements: 256 threads a block, grid-stride loops in the
+/// kernels (at most 65 536 blocks).
+fn elementwise(n: usize) -> candle_core::cuda::cudarc::driver::LaunchConfig {
+    const THREADS: u32 = 256;
+    candle_core::cuda::cudarc::driver::LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(THREADS).clamp(1, 1 << 16), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// An uninitialised buffer of `len` elements for a kernel's output (no memset launch).
 /// Callers launch a kernel that writes every element before anything reads it.
 fn output<T: candle_core::cuda::cudarc::driver::DeviceRepr>(

@@ -7,7 +7,7 @@ use candle_core::cuda::{CudaDType, CudaStorage, WrapErr};
 use candle_core::{DType, Layout, Result, Shape};
 use half::bf16;
 
-use super::{DECODE_OPS_PTX, kernel, output, slice, view};
+use super::{DECODE_OPS_PTX, elementwise, kernel, output, slice, view};
 use crate::fused_ops::{AddLayerNorm, QkvSplit};
 
 const MODULE: &str = "rookworld_decode_ops";
@@ -16,15 +16,6 @@ const MODULE: &str = "rookworld_decode_ops";
 const THREADS: u32 = 256;
 
 type Arg<'a> = (&'a CudaStorage, &'a Layout);
-
-/// Element-wise launch over `n` elements (grid-stride loops in the kernels).
-fn elementwise(n: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: ((n as u32).div_ceil(THREADS).clamp(1, 1 << 16), 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
 
 /// Writes part `op.part` of qkv (B, 3E) plus bias into column `op.col` of `dst`.
 pub(crate) fn qkv_split(

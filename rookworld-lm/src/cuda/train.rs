@@ -6,8 +6,9 @@ use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda::{CudaStorage, WrapErr};
 use candle_core::{CudaDevice, Layout, Result, Shape};
 
-use super::{TRAIN_OPS_PTX, output, slice};
+use super::{TRAIN_OPS_PTX, elementwise, output, slice};
 use crate::train_ops::adamw::AdamWStep;
+use crate::train_ops::rows_of as rows;
 use crate::train_ops::{
     BiasGeluBwd, LayerNorm, LayerNormDx, LayerNormParams, MaskedSoftmax, SoftmaxBwd,
     TargetLogprobs, TargetLogprobsBwd, cpu::PARAM_CHUNK,
@@ -18,6 +19,7 @@ const MODULE: &str = "rookworld_train_ops";
 const ROWS_PER_BLOCK: u32 = 8;
 /// Threads of the block-per-row log-softmax (`REDUCE_THREADS`).
 const REDUCE_THREADS: u32 = 512;
+/// Threads per block of the (V, N)-grid log-softmax backward.
 const THREADS: u32 = 256;
 
 type Arg<'a> = (&'a CudaStorage, &'a Layout);
@@ -29,23 +31,6 @@ fn warp_rows(rows: usize) -> LaunchConfig {
         block_dim: (ROWS_PER_BLOCK * 32, 1, 1),
         shared_mem_bytes: 0,
     }
-}
-
-/// Grid-stride element-wise launch over `n` elements.
-fn elementwise(n: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: ((n as u32).div_ceil(THREADS).clamp(1, 1 << 16), 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-/// Rows and width of x (…, E) for parameters of `e`.
-fn rows(l: &Layout, e: usize, op: &str) -> Result<usize> {
-    if l.dims().last() != Some(&e) || e == 0 {
-        candle_core::bail!("{op}: input {:?} does not end in width {e}", l.dims());
-    }
-    Ok(l.shape().elem_count() / e)
 }
 
 fn done(

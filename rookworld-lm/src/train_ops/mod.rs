@@ -80,8 +80,9 @@ fn out(values: Vec<f32>, shape: impl Into<Shape>) -> Result<(CpuStorage, Shape)>
     Ok((CpuStorage::F32(values), shape.into()))
 }
 
-/// Rows and width of a (…, E) tensor, checked against a parameter of E.
-fn rows_of(l: &Layout, e: usize, op: &str) -> Result<usize> {
+/// Rows of a (…, E) tensor, checked against a parameter of width E (the CUDA launches
+/// check with it too).
+pub(crate) fn rows_of(l: &Layout, e: usize, op: &str) -> Result<usize> {
     let dims = l.dims();
     if dims.last() != Some(&e) || e == 0 {
         candle_core::bail!("{op}: input {dims:?} does not end in the parameters' width {e}");
