@@ -16,6 +16,8 @@
 
 use candle_core::{CpuStorage, CustomOp3, D, DType, Layout, Result as CandleResult, Shape, Tensor};
 
+use rayon::prelude::*;
+
 use crate::fused::ops::gemm_f32;
 
 /// Logit elements per block (64 MiB of f32): rows per block = this / V.
@@ -179,7 +181,7 @@ pub fn logprobs_rows(
     let rows = if keeping { n.max(1) } else { block_rows(v) };
     buf.resize(rows.min(n) * v, 0.0); // every element used is overwritten below
     let mut out = Vec::with_capacity(n);
-    let mut logits = Vec::new();
+    let want_entropy = entropy.is_some();
     if let Some(h) = entropy.as_deref_mut() {
         h.clear();
     }
@@ -199,32 +201,57 @@ pub fn logprobs_rows(
             v,
             inv_t,
         );
-        for (r, row) in block.chunks_exact_mut(v).enumerate() {
-            let picked = row[targets[start + r] as usize];
-            if entropy.is_some() {
-                logits.clear();
-                logits.extend_from_slice(row);
-            }
-            let (max, sum) = exp_shifted(row);
-            // In f64 until the one final rounding.
-            out.push((f64::from(picked - max) - sum.ln()) as f32);
-            if let Some(h) = entropy.as_deref_mut() {
-                let mut partial = [0f64; 8];
-                for (p, z) in row.chunks(8).zip(logits.chunks(8)) {
-                    for ((acc, &p), &z) in partial.iter_mut().zip(p).zip(z) {
-                        *acc += f64::from(p) * f64::from(z);
-                    }
-                }
-                let mean_z = partial.iter().sum::<f64>() / sum;
-                h.push((f64::from(max) + sum.ln() - mean_z) as f32);
-            }
-            if keeping {
-                let inv = (1.0 / sum) as f32;
-                row.iter_mut().for_each(|x| *x *= inv);
-            }
+        // Rows in parallel, each (log-prob, entropy) computed alone: the same bits whatever
+        // the thread count.
+        let picked = &targets[start..start + m];
+        let rows_out: Vec<(f32, f32)> = block
+            .par_chunks_exact_mut(v)
+            .zip(picked.par_iter())
+            .map_init(Vec::new, |logits, (row, &y)| {
+                row_logprob(row, y, keeping, want_entropy.then_some(logits))
+            })
+            .collect();
+        out.extend(rows_out.iter().map(|&(lp, _)| lp));
+        if let Some(h) = entropy.as_deref_mut() {
+            h.extend(rows_out.iter().map(|&(_, ent)| ent));
         }
     }
     out
+}
+
+/// One row of [`logprobs_rows`]: turns the logits `row` into `exp(z − max)` (divided by
+/// their sum when `keeping`, i.e. the softmax) and returns the target's log-prob and, with
+/// a scratch buffer for the logits, the entropy `max + ln Σ − E_p[z]` (else 0).
+fn row_logprob(
+    row: &mut [f32],
+    target: u32,
+    keeping: bool,
+    entropy_scratch: Option<&mut Vec<f32>>,
+) -> (f32, f32) {
+    let picked = row[target as usize];
+    let logits = entropy_scratch.map(|l| {
+        l.clear();
+        l.extend_from_slice(row);
+        &*l
+    });
+    let (max, sum) = exp_shifted(row);
+    // In f64 until the one final rounding.
+    let logprob = (f64::from(picked - max) - sum.ln()) as f32;
+    let entropy = logits.map_or(0.0, |logits| {
+        let mut partial = [0f64; 8];
+        for (p, z) in row.chunks(8).zip(logits.chunks(8)) {
+            for ((acc, &p), &z) in partial.iter_mut().zip(p).zip(z) {
+                *acc += f64::from(p) * f64::from(z);
+            }
+        }
+        let mean_z = partial.iter().sum::<f64>() / sum;
+        (f64::from(max) + sum.ln() - mean_z) as f32
+    });
+    if keeping {
+        let inv = (1.0 / sum) as f32;
+        row.iter_mut().for_each(|x| *x *= inv);
+    }
+    (logprob, entropy)
 }
 
 /// Where [`backward_rows`] accumulates: ∂/∂hidden (N, E) and ∂/∂W (V, E).
@@ -265,20 +292,24 @@ pub fn backward_rows(
             None => {
                 let block = &mut scratch[..m * v];
                 block_logits(block, hb, head, m, e, v, inv_t);
-                for row in block.chunks_exact_mut(v) {
+                block.par_chunks_exact_mut(v).for_each(|row| {
                     let (_, sum) = exp_shifted(row);
                     let inv = (1.0 / sum) as f32;
                     row.iter_mut().for_each(|x| *x *= inv);
-                }
+                });
                 block
             }
         };
         // Each row becomes g·(onehot(y) − softmax)/τ.
-        for (r, row) in block.chunks_exact_mut(v).enumerate() {
-            let scale = -g[start + r] * inv_t;
-            row.iter_mut().for_each(|x| *x *= scale);
-            row[targets[start + r] as usize] += g[start + r] * inv_t;
-        }
+        let (gb, yb) = (&g[start..start + m], &targets[start..start + m]);
+        block
+            .par_chunks_exact_mut(v)
+            .zip(gb.par_iter().zip(yb.par_iter()))
+            .for_each(|(row, (&g, &y))| {
+                let scale = -g * inv_t;
+                row.iter_mut().for_each(|x| *x *= scale);
+                row[y as usize] += g * inv_t;
+            });
         // grad_h[block] += d · W: (m, V)·(V, E).
         gemm_f32(
             &mut grads.hidden[start * e..(start + m) * e],
@@ -297,7 +328,8 @@ fn block_logits(out: &mut [f32], h: &[f32], w: &[f32], m: usize, e: usize, v: us
     // Wᵀ (E, V): element (k, j) is w[j·E + k].
     gemm_f32(out, (m, v, e), false, (h, e, 1), (w, 1, e));
     if inv_t != 1.0 {
-        out.iter_mut().for_each(|x| *x *= inv_t);
+        out.par_chunks_mut(v.max(1))
+            .for_each(|row| row.iter_mut().for_each(|x| *x *= inv_t));
     }
 }
 
