@@ -17,6 +17,7 @@
 //! and the run returns.
 
 mod config;
+mod gather;
 mod local;
 mod prepare;
 mod report;
@@ -37,7 +38,6 @@ use tokio::sync::watch;
 pub use config::{ConfigError, TrainArgs, TrainSettings};
 pub use report::{StepRecord, StepSeconds, print_summary, reward_trend};
 
-use crate::batch::GrpoBatch;
 use crate::checkpoint;
 use crate::eval::periodic::{Evaluator, Outcome};
 use crate::export::Exporter;
@@ -45,14 +45,15 @@ use crate::optim::AdamW;
 use crate::policy::Trainable;
 use crate::prompts::{self, Source};
 use crate::push::{self, Fleet, SyncConfig};
-use crate::queue::{Queue, ScoredGroup};
+use crate::queue::Queue;
 use crate::queue_service::{self, GroupCheck, GroupSpec, QueueServer};
 use crate::step::step_flops;
 use crate::step::train_updates;
+use gather::{Gathered, gather, rand_seed_stream, to_batch};
 use prepare::prepare;
 use report::Reporter;
 use support::{check_reachable, drain, peak_flops, publish, save};
-use watchdog::{Verdict, Watchdog};
+use watchdog::Watchdog;
 
 /// Why a run stopped early.
 #[derive(Debug, thiserror::Error)]
@@ -427,107 +428,4 @@ pub async fn run(
 /// Resolves once `rx` says stop.
 async fn until(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|&s| s).await;
-}
-
-/// Seeds of the groups' sampling, one stream per run (continued on resume).
-fn rand_seed_stream(seed: u64, step: u64) -> rand_chacha::ChaCha8Rng {
-    use rand::SeedableRng;
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15);
-    rng.set_stream(step);
-    rng
-}
-
-/// How waiting for a step's groups ended.
-enum Gathered {
-    /// The step's groups, and how many without signal were consumed and skipped on the
-    /// way (`--dynamic-sampling`).
-    Groups(Vec<ScoredGroup>, usize),
-    /// The shutdown signal.
-    Stopped,
-    /// No step for the stall timeout; why.
-    Stalled(String),
-}
-
-/// Keeps the queue topped up and waits until P groups are taken, watching for a stall.
-async fn gather(
-    run: &mut Run,
-    s: &TrainSettings,
-    seeds: &mut rand_chacha::ChaCha8Rng,
-    stop: &mut watch::Receiver<bool>,
-    watchdog: &mut Watchdog,
-    fleet: &Mutex<Fleet>,
-) -> Gathered {
-    use rand::RngCore;
-    let version = run.version.load(Ordering::SeqCst);
-    let mut skipped = 0;
-    loop {
-        {
-            let mut q = lock(&run.queue);
-            for _ in 0..q.pending_room() {
-                let p = run.source.next_prompt();
-                q.add(p, seeds.next_u64());
-            }
-            q.expire(Instant::now());
-            q.purge(version);
-            if s.dynamic_sampling {
-                skipped += q.take_without_signal().len();
-            }
-            // Take only a full step's worth, so a shutdown never strands taken groups.
-            if q.ready(version) >= s.prompts_per_step {
-                let groups = q.take(s.prompts_per_step, version);
-                crate::metrics::record_queue(&q);
-                return Gathered::Groups(groups, skipped);
-            }
-            crate::metrics::record_queue(&q);
-        }
-        let verdict = watchdog.check(Instant::now());
-        if verdict != Verdict::Fine {
-            // The weight sync's lock order: the fleet, then the queue.
-            let fleet = fleet
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let why = watchdog::diagnose(&lock(&run.queue), &fleet, version, s.prompts_per_step);
-            let limit = watchdog.timeout().unwrap_or_default().as_secs();
-            match verdict {
-                Verdict::Stalled(idle) => {
-                    return Gathered::Stalled(format!(
-                        "no step for {} s (--stall-timeout {limit}): {why}",
-                        idle.as_secs()
-                    ));
-                }
-                Verdict::Report(idle) => tracing::error!(
-                    "no step for {} s (the run stops at {limit} s, --stall-timeout): {why}",
-                    idle.as_secs()
-                ),
-                Verdict::Fine => {}
-            }
-        }
-        tokio::select! {
-            _ = stop.wait_for(|&s| s) => return Gathered::Stopped,
-            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
-        }
-    }
-}
-
-/// The groups as a batch: the worker's prompt ids, sampled ids, rewards and behaviour
-/// log-probs.
-fn to_batch(groups: &[ScoredGroup]) -> GrpoBatch {
-    GrpoBatch {
-        prompts: groups.iter().map(|g| g.prompt_ids.clone()).collect(),
-        completions: groups
-            .iter()
-            .map(|g| g.completions.iter().map(|c| c.ids.clone()).collect())
-            .collect(),
-        rewards: groups
-            .iter()
-            .map(|g| g.completions.iter().map(|c| c.reward).collect())
-            .collect(),
-        old_logprobs: Some(
-            groups
-                .iter()
-                .map(|g| g.completions.iter().map(|c| c.logprobs.clone()).collect())
-                .collect(),
-        ),
-        proximal_logprobs: None,
-    }
 }
