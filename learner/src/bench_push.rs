@@ -27,7 +27,9 @@ use serde::Serialize;
 use crate::export::{Exporter, POOL};
 use crate::optim::{AdamW, AdamWConfig};
 use crate::policy::Trainable;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use floor::{Floor, floor};
+
+mod floor;
 
 /// Options of `learner bench-push`.
 #[derive(Debug, Clone, clap::Args)]
@@ -64,14 +66,6 @@ struct Pushes {
     verify_seconds: f64,
     convert_seconds: f64,
     swap_seconds: f64,
-}
-
-#[derive(Debug, Serialize)]
-struct Floor {
-    memcpy_seconds: f64,
-    memcpy_gb_per_second: f64,
-    tcp_seconds: f64,
-    tcp_gb_per_second: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -472,44 +466,4 @@ async fn generate_until(
         let mut stream = answer.into_inner();
         while let Ok(Some(_)) = stream.message().await {}
     }
-}
-
-/// The floor for moving `bytes`: one `memcpy` into memory already touched, and one raw
-/// loopback TCP transfer (TCP_NODELAY, 1 MiB reads) into a reused buffer.
-async fn floor(bytes: &[u8]) -> std::io::Result<Floor> {
-    let mut dst = vec![1u8; bytes.len()];
-    let t = Instant::now();
-    dst.copy_from_slice(bytes);
-    let memcpy_seconds = t.elapsed().as_secs_f64();
-    std::hint::black_box(&dst);
-    drop(dst);
-
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let reader = tokio::spawn(async move {
-        let (mut s, _) = listener.accept().await?;
-        let mut buf = vec![0u8; 1 << 20];
-        let mut n = 0usize;
-        loop {
-            match s.read(&mut buf).await? {
-                0 => return Ok::<usize, std::io::Error>(n),
-                k => n += k,
-            }
-        }
-    });
-    let t = Instant::now();
-    let mut w = tokio::net::TcpStream::connect(addr).await?;
-    w.set_nodelay(true)?;
-    w.write_all(bytes).await?;
-    w.shutdown().await?;
-    let got = reader.await.map_err(std::io::Error::other)??;
-    let tcp_seconds = t.elapsed().as_secs_f64();
-    assert_eq!(got, bytes.len(), "the reader got every byte");
-    let gbps = |s: f64| bytes.len() as f64 / s / 1e9;
-    Ok(Floor {
-        memcpy_seconds,
-        memcpy_gb_per_second: gbps(memcpy_seconds),
-        tcp_seconds,
-        tcp_gb_per_second: gbps(tcp_seconds),
-    })
 }
