@@ -22,47 +22,68 @@ fn gradients(policy: &Trainable, seed: u32) -> crate::optim::Gradients {
     policy.host_gradients(buffers)
 }
 
+/// A tiny policy (weights from `seed`), its exporter (writing into `dir` when given), the
+/// receiving end of what it publishes, and a fresh optimizer.
+struct Fixture {
+    policy: Trainable,
+    exporter: Exporter,
+    rx: watch::Receiver<Option<Arc<WeightSet>>>,
+    opt: AdamW,
+}
+
+fn fixture(seed: u64, dir: Option<PathBuf>) -> Fixture {
+    let model = init_random(&Config::tiny(), seed, DType::F32, &Device::Cpu).unwrap();
+    let policy = Trainable::from_model(&model).unwrap();
+    let (tx, rx) = watch::channel(None);
+    let exporter = Exporter::new(&policy.vars, Arc::new(tx), dir);
+    Fixture {
+        policy,
+        exporter,
+        rx,
+        opt: AdamW::new(AdamWConfig::default()),
+    }
+}
+
 /// An optimizer step writing its payload, published as `version`: the set.
-fn step(
-    exporter: &Exporter,
-    policy: &Trainable,
-    opt: &mut AdamW,
-    rx: &mut watch::Receiver<Option<Arc<WeightSet>>>,
-    version: u64,
-) -> Arc<WeightSet> {
-    let mut payload = exporter.payload();
-    let grads = gradients(policy, version as u32);
-    opt.step_exporting(&policy.vars, &grads, 1e-3, Some(&mut payload))
+fn step(f: &mut Fixture, version: u64) -> Arc<WeightSet> {
+    let grads = gradients(&f.policy, version as u32);
+    step_with(f, &grads, version)
+}
+
+/// [`step`] with the given gradients.
+fn step_with(f: &mut Fixture, grads: &crate::optim::Gradients, version: u64) -> Arc<WeightSet> {
+    let mut payload = f.exporter.payload();
+    f.opt
+        .step_exporting(&f.policy.vars, grads, 1e-3, Some(&mut payload))
         .unwrap();
-    payload.fill_rest(&policy.vars).unwrap();
-    exporter.publish("run", version, payload).unwrap();
-    exporter.flush().unwrap();
-    rx.borrow_and_update().clone().expect("published")
+    payload.fill_rest(&f.policy.vars).unwrap();
+    f.exporter.publish("run", version, payload).unwrap();
+    f.exporter.flush().unwrap();
+    f.rx.borrow_and_update().clone().expect("published")
 }
 
 #[test]
 fn the_optimizer_s_payload_equals_the_model_s_export_and_buffers_are_reused() {
-    let model = init_random(&Config::tiny(), 5, DType::F32, &Device::Cpu).unwrap();
-    let policy = Trainable::from_model(&model).unwrap();
-    let (tx, mut rx) = watch::channel(None);
-    let exporter = Exporter::new(&policy.vars, Arc::new(tx), None);
-    let mut opt = AdamW::new(AdamWConfig::default());
+    let mut f = fixture(5, None);
     for version in 1..=3u64 {
-        let set = step(&exporter, &policy, &mut opt, &mut rx, version);
+        let set = step(&mut f, version);
         assert_eq!(set.version, version);
         // Bit for bit what converting the updated model gives, hash included.
-        let want = WeightSet::from_model(&policy.model, "run", version).unwrap();
+        let want = WeightSet::from_model(&f.policy.model, "run", version).unwrap();
         assert_eq!(set.blake3, want.blake3, "version {version}");
         assert_eq!(set.bytes, want.bytes);
         let back = checkpoint::from_bytes(&set.bytes, &Config::tiny(), DType::F32, &Device::Cpu);
         assert!(back.is_ok());
     }
     // Every set but the newest was let go of: their buffers are back in the pool.
-    assert!(!exporter.shared.pool.lock().unwrap().is_empty());
+    assert!(!f.exporter.shared.pool.lock().unwrap().is_empty());
     // An incomplete payload is refused, never published.
-    let err = exporter.publish("run", 4, exporter.payload()).unwrap_err();
+    let err = f
+        .exporter
+        .publish("run", 4, f.exporter.payload())
+        .unwrap_err();
     assert!(err.contains("unwritten"), "{err}");
-    assert_eq!(rx.borrow().as_ref().unwrap().version, 3);
+    assert_eq!(f.rx.borrow().as_ref().unwrap().version, 3);
 }
 
 /// The GPU's optimizer path (moments on the device, autograd's tensor gradients, the
@@ -70,16 +91,12 @@ fn the_optimizer_s_payload_equals_the_model_s_export_and_buffers_are_reused() {
 /// bit the updated model's export.
 #[test]
 fn the_device_path_s_payload_equals_the_model_s_export() {
-    let model = init_random(&Config::tiny(), 5, DType::F32, &Device::Cpu).unwrap();
-    let policy = Trainable::from_model(&model).unwrap();
-    let (tx, mut rx) = watch::channel(None);
-    let exporter = Exporter::new(&policy.vars, Arc::new(tx), None);
-    let mut opt = AdamW::new(AdamWConfig::default());
-    opt.use_device_path_everywhere();
+    let mut f = fixture(5, None);
+    f.opt.use_device_path_everywhere();
     for version in 1..=2u64 {
         // Tensor gradients, as autograd leaves them: of Σ_p Σ p ⊙ g_p.
         let mut loss = Tensor::zeros((), DType::F32, &Device::Cpu).unwrap();
-        for (i, (_, var)) in policy.vars.iter().enumerate() {
+        for (i, (_, var)) in f.policy.vars.iter().enumerate() {
             let g = Tensor::rand(-1f32, 1f32, var.shape(), &Device::Cpu).unwrap();
             let g = (g * (i + version as usize) as f64).unwrap();
             let term = (var.as_tensor() * g).unwrap();
@@ -87,20 +104,14 @@ fn the_device_path_s_payload_equals_the_model_s_export() {
         }
         let mut grads = crate::optim::Gradients::default();
         grads
-            .accumulate(&loss.backward().unwrap(), &policy.vars)
+            .accumulate(&loss.backward().unwrap(), &f.policy.vars)
             .unwrap();
-        let mut payload = exporter.payload();
-        opt.step_exporting(&policy.vars, &grads, 1e-3, Some(&mut payload))
-            .unwrap();
-        payload.fill_rest(&policy.vars).unwrap();
-        exporter.publish("run", version, payload).unwrap();
-        exporter.flush().unwrap();
-        let set = rx.borrow_and_update().clone().expect("published");
-        let want = WeightSet::from_model(&policy.model, "run", version).unwrap();
+        let set = step_with(&mut f, &grads, version);
+        let want = WeightSet::from_model(&f.policy.model, "run", version).unwrap();
         assert_eq!(set.blake3, want.blake3, "version {version}");
     }
     assert!(
-        opt.moments.is_empty(),
+        f.opt.moments.is_empty(),
         "the moments stayed on the (test's) device"
     );
 }
@@ -118,20 +129,16 @@ pub(super) fn names(dir: &Path) -> Vec<String> {
 #[test]
 fn with_a_shared_directory_each_payload_is_its_version_s_file() {
     let dir = tempfile::tempdir().unwrap();
-    let model = init_random(&Config::tiny(), 7, DType::F32, &Device::Cpu).unwrap();
-    let policy = Trainable::from_model(&model).unwrap();
-    let (tx, mut rx) = watch::channel(None);
-    let exporter = Exporter::new(&policy.vars, Arc::new(tx), Some(dir.path().to_owned()));
-    let mut opt = AdamW::new(AdamWConfig::default());
+    let mut f = fixture(7, Some(dir.path().to_owned()));
     let mut reader = None;
     for version in 1..=6u64 {
-        let set = step(&exporter, &policy, &mut opt, &mut rx, version);
+        let set = step(&mut f, version);
         let name = set.shared_file.clone().expect("a file was published");
         assert_eq!(name, shared_file_name("run", version));
         let path = dir.path().join(&name);
         // The file is the set's bytes: what the optimizer wrote, no copy made.
         assert_eq!(std::fs::read(&path).unwrap(), set.bytes);
-        let want = WeightSet::from_model(&policy.model, "run", version).unwrap();
+        let want = WeightSet::from_model(&f.policy.model, "run", version).unwrap();
         assert_eq!((set.blake3, &set.bytes), (want.blake3, &want.bytes));
         if version == 2 {
             // A worker still reading version 2: its file is never written over.
@@ -148,23 +155,19 @@ fn with_a_shared_directory_each_payload_is_its_version_s_file() {
     std::io::Read::read_to_end(&mut &file, &mut held).unwrap();
     assert_eq!(held, bytes, "the reader's file kept version 2's bytes");
     drop(file);
-    // Files go with the last hold on them.
-    drop(exporter);
-    drop(rx);
+    // Files go with the last hold on them (the exporter's pool, the published set).
+    drop(f);
     assert_eq!(names(dir.path()), Vec::<String>::new());
 }
 
 #[test]
 fn a_step_without_gradients_still_exports_every_parameter() {
-    let model = init_random(&Config::tiny(), 6, DType::F32, &Device::Cpu).unwrap();
-    let policy = Trainable::from_model(&model).unwrap();
-    let (tx, rx) = watch::channel(None);
-    let exporter = Exporter::new(&policy.vars, Arc::new(tx), None);
-    let mut payload = exporter.payload();
-    payload.fill_rest(&policy.vars).unwrap();
-    exporter.publish("run", 1, payload).unwrap();
-    exporter.flush().unwrap();
-    let set = rx.borrow().clone().unwrap();
-    let want = WeightSet::from_model(&policy.model, "run", 1).unwrap();
+    let f = fixture(6, None);
+    let mut payload = f.exporter.payload();
+    payload.fill_rest(&f.policy.vars).unwrap();
+    f.exporter.publish("run", 1, payload).unwrap();
+    f.exporter.flush().unwrap();
+    let set = f.rx.borrow().clone().unwrap();
+    let want = WeightSet::from_model(&f.policy.model, "run", 1).unwrap();
     assert_eq!(set.blake3, want.blake3);
 }
