@@ -7,9 +7,10 @@ use crate::init_cmd::{self, InitArgs};
 use crate::loss_cmd::{self, LossArgs};
 use crate::sft::{self, SftArgs};
 use crate::train::{self, TrainArgs};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use rookworld_proto::logging::LogArgs;
 use rookworld_proto::probe::HealthArgs;
+use rookworld_proto::run_file::{self, RunFileArgs};
 
 /// GRPO learner of the RookWorld trainer.
 #[derive(Debug, Parser)]
@@ -19,6 +20,13 @@ struct Cli {
     command: Command,
     #[command(flatten)]
     log: LogArgs,
+    #[command(flatten)]
+    run_file: RunFileArgs,
+}
+
+/// The command-line interface (every command and option), for run files and tests.
+pub fn command() -> clap::Command {
+    Cli::command()
 }
 
 #[derive(Debug, Subcommand)]
@@ -43,14 +51,28 @@ enum Command {
     Eval(Box<crate::eval::EvalArgs>),
     /// Ask a running service's gRPC health endpoint (exit 0 when serving).
     Health(HealthArgs),
+    /// Run files: `learner config show [--config FILE] [flags]` prints the resolved
+    /// settings of `learner train` (defaults, file, environment, flags) as TOML.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum ConfigCommand {
+    /// Print every setting of `learner train` as it would run, without running.
+    Show(Box<TrainArgs>),
 }
 
 /// Parses the command line and runs the command; the process exits with what it returns.
 pub fn main() -> std::process::ExitCode {
     rookworld_proto::env::unset_empty();
-    let cli = Cli::parse();
+    let matches = run_file::parse(Cli::command(), &[("config show", "train")]);
+    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let Command::Train(args) = &mut cli.command {
+        args.record = Some(run_file::resolved(&Cli::command(), &matches));
+    }
     rookworld_proto::logging::init(cli.log.log_format);
-    rookworld_lm::cli::exit_with(match &cli.command {
+    let result = match &cli.command {
         Command::Init(args) => init_cmd::run(args).map_err(|e| e.to_string()),
         Command::Loss(args) => loss_cmd::run(args).map_err(|e| e.to_string()),
         Command::Sft(args) => sft::run(args).map(|_| ()).map_err(|e| e.to_string()),
@@ -59,7 +81,17 @@ pub fn main() -> std::process::ExitCode {
         Command::BenchPush(args) => bench_push::run(args),
         Command::Eval(args) => crate::eval::run(args),
         Command::Health(args) => args.run(),
-    })
+        Command::Config(ConfigCommand::Show(args)) => show_config(args, &matches),
+    };
+    rookworld_lm::cli::exit_with(result.map_err(|e| run_file::annotate(&e)))
+}
+
+/// Prints the resolved settings of `learner train` (checked as `train` checks them).
+fn show_config(args: &TrainArgs, matches: &clap::ArgMatches) -> Result<(), String> {
+    args.validate().map_err(|e| e.to_string())?;
+    let table = run_file::resolved(&Cli::command(), matches);
+    print!("{}", crate::run_record::render(&table, None));
+    Ok(())
 }
 
 /// Runs `learner train` on a multi-threaded runtime until its last step or a signal.
@@ -69,13 +101,14 @@ fn train_cmd(args: &TrainArgs) -> Result<(), String> {
         .build()
         .map_err(|e| format!("runtime: {e}"))?;
     runtime.block_on(async {
-        let listen = args.listen;
+        let listen = args.listen_addr();
         let listener = tokio::net::TcpListener::bind(listen)
             .await
             .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
         if let Some(addr) = args.metrics_addr().map_err(|e| e.to_string())? {
-            crate::metrics::install_exporter(addr)
+            let bound = crate::metrics::install_exporter(addr)
                 .map_err(|e| format!("metrics on {addr}: {e}"))?;
+            tracing::info!(metrics = %bound, "Prometheus metrics at http://{bound}/metrics");
         }
         let summary = train::run(
             args.clone(),

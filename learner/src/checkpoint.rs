@@ -49,6 +49,9 @@ pub struct TrainerState {
     /// (always for the final checkpoint of a run that finished).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval: Option<serde_json::Value>,
+    /// The run's record (`config.toml`, [`crate::run_record`]), written beside the state.
+    #[serde(skip)]
+    pub record: Option<String>,
 }
 
 /// Why a checkpoint could not be written or read.
@@ -131,6 +134,9 @@ pub fn save(
     write_atomic(&tmp.join(OPTIMIZER_FILE), &bytes)?;
     let json = serde_json::to_vec_pretty(state).expect("state serialises");
     write_atomic(&tmp.join(STATE_FILE), &json)?;
+    if let Some(record) = &state.record {
+        write_atomic(&tmp.join(crate::run_record::FILE), record.as_bytes())?;
+    }
     sync_dir(&tmp)?;
 
     if dir.exists() {

@@ -119,8 +119,26 @@ pub fn describe() {
         "learner_queue_submissions_invalid_total",
         "Submissions refused before the queue: not a group the learner could train on."
     );
+    describe_counter!(
+        "learner_worker_problems_total",
+        Unit::Count,
+        "Problems workers reported keep them from delivering groups, by `cause`: scoring_refused, reward_unreachable, submit_refused, generation_failed."
+    );
+    describe_counter!(
+        "learner_queue_refused_calls_total",
+        Unit::Count,
+        "Worker calls refused before they reached the queue, by `call` and `cause` (no token, wrong token)."
+    );
     // Counters that move only on faults exist from the start (at 0), for dashboards.
     counter!("learner_queue_submissions_invalid_total").increment(0);
+    for cause in [
+        crate::queue::problems::Cause::ScoringRefused,
+        crate::queue::problems::Cause::RewardUnreachable,
+        crate::queue::problems::Cause::SubmitRefused,
+        crate::queue::problems::Cause::GenerationFailed,
+    ] {
+        counter!("learner_worker_problems_total", "cause" => cause.label()).increment(0);
+    }
     describe_gauge!(
         "learner_workers",
         Unit::Count,
@@ -132,7 +150,7 @@ pub fn describe() {
     );
     describe_counter!("learner_steps_total", Unit::Count, "GRPO steps done.");
     describe_gauge!(
-        "learner_seconds_since_last_step",
+        "learner_step_idle_seconds",
         Unit::Seconds,
         "Seconds since the last step ended (the stall watchdog's clock)."
     );

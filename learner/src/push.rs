@@ -325,8 +325,13 @@ pub struct SyncConfig {
     pub tls: rookworld_proto::tls::ClientTlsArgs,
 }
 
+/// How long a stopping sync waits for pushes under way (a push cut off leaves the worker
+/// on its old weights, which is all a stopped learner's workers need).
+pub const STOP_GRACE: Duration = Duration::from_secs(3);
+
 /// Keeps every worker the queue knows on the newest set `latest` holds, until `stop`
-/// resolves; then waits (up to the push deadline) for pushes under way.
+/// resolves; then waits (up to the push deadline, at most [`STOP_GRACE`]) for pushes under
+/// way.
 pub async fn run(
     queue: Arc<Mutex<Queue>>,
     fleet: Arc<Mutex<Fleet>>,
@@ -383,8 +388,8 @@ pub async fn run(
             });
         }
     }
-    // Pushes under way get their deadline (each one is bounded by it).
-    let _ = tokio::time::timeout(cfg.deadline + Duration::from_secs(1), async {
+    // Pushes under way get their deadline, within the stop's grace.
+    let _ = tokio::time::timeout(cfg.deadline.min(STOP_GRACE), async {
         while in_flight > 0 {
             match done_rx.recv().await {
                 Some(outcome) => {

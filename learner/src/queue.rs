@@ -48,6 +48,8 @@ pub struct Queue {
     run_id: String,
     /// Push addresses the learner could not connect to, and what to tell their workers.
     push_problems: BTreeMap<String, String>,
+    /// Worker calls refused before they reached the queue ([`problems`]).
+    refused: BTreeMap<(String, String, String), problems::Refused>,
 }
 
 impl Queue {
@@ -67,6 +69,7 @@ impl Queue {
             closed: false,
             run_id: String::new(),
             push_problems: BTreeMap::new(),
+            refused: BTreeMap::new(),
         }
     }
 
@@ -370,6 +373,7 @@ impl Queue {
     }
 }
 
+pub mod problems;
 mod snapshot;
 mod types;
 mod workers;

@@ -436,6 +436,7 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
                 settings: settings.clone(),
                 queue: None,
                 eval: None,
+                record: None,
             };
             let dir = checkpoint::save(&args.run_dir, &policy, &opt, &state)?;
             tracing::info!(dir = %dir.display(), "checkpoint written");

@@ -9,6 +9,7 @@
 //! - [`logging`]: the log every service binary writes.
 //! - [`metrics_http`]: the read-only Prometheus endpoint every service serves.
 //! - [`status`]: gRPC statuses with a bounded message.
+//! - [`run_file`]: `--config FILE` (TOML) under the environment and the flags.
 //! - [`probe`]: reflection listing and metrics scrapes of a running service.
 //! - [`serve`]: reflection services and the shutdown signal every server uses.
 //! - [`FILE_DESCRIPTOR_SET`]: the encoded descriptors that gRPC server reflection serves.
@@ -19,6 +20,7 @@ pub mod env;
 pub mod logging;
 pub mod metrics_http;
 pub mod probe;
+pub mod run_file;
 pub mod serve;
 pub mod status;
 pub mod tls;

@@ -188,3 +188,130 @@ impl tonic::codec::Decoder for RawCodec {
         Ok(Some(out))
     }
 }
+
+/// What is wrong with a peer a service depends on, as found by [`reward_server`] or
+/// [`learner_queue`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PeerProblem {
+    #[error("unreachable: {0}")]
+    Unreachable(String),
+    /// It answers, but not as that service (another service's port).
+    #[error("not a {0}: it does not serve {1} (is it another service's port?)")]
+    NotThatService(&'static str, &'static str),
+    /// It refuses the token (none configured there, or another one).
+    #[error("refuses the token ({code}): {message}")]
+    Refused { code: String, message: String },
+    #[error("{call} failed ({code}): {message}")]
+    Failed {
+        call: &'static str,
+        code: String,
+        message: String,
+    },
+}
+
+impl PeerProblem {
+    /// Whether waiting may cure it (the peer is not up yet, or away).
+    pub fn is_unreachable(&self) -> bool {
+        matches!(self, PeerProblem::Unreachable(_))
+    }
+
+    fn of(call: &'static str, service: (&'static str, &'static str), s: tonic::Status) -> Self {
+        use tonic::Code;
+        let message = s.message().to_owned();
+        match s.code() {
+            Code::Unimplemented => PeerProblem::NotThatService(service.0, service.1),
+            Code::Unauthenticated | Code::PermissionDenied => PeerProblem::Refused {
+                code: format!("{:?}", s.code()),
+                message,
+            },
+            Code::Unknown if message.contains("transport") || message.contains("connect") => {
+                PeerProblem::Unreachable(cause_chain(&s))
+            }
+            Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled => {
+                PeerProblem::Unreachable(cause_chain(&s))
+            }
+            code => PeerProblem::Failed {
+                call,
+                code: format!("{code:?}"),
+                message,
+            },
+        }
+    }
+}
+
+/// A failed call's message with its causes (`transport error: … Connection refused`).
+pub fn cause_chain(s: &tonic::Status) -> String {
+    let mut out = s.message().to_owned();
+    let mut source = std::error::Error::source(s);
+    while let Some(e) = source {
+        let text = e.to_string();
+        if !out.contains(&text) {
+            out = format!("{out}: {text}");
+        }
+        source = e.source();
+    }
+    out
+}
+
+/// `msg` with the shared token (a token that is not a valid header value goes without, and
+/// the peer refuses the call).
+fn with_token<T>(msg: T, token: &str) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    let _ = crate::auth::set_token(r.metadata_mut(), token);
+    r
+}
+
+/// Checks that `channel` reaches a reward server that scores with `token`: its `Info`, then
+/// a trial `Score` of one malformed policy completion (no engine work). Returns a short
+/// description of the server.
+pub async fn reward_server(channel: Channel, token: &str) -> Result<String, PeerProblem> {
+    use crate::reward::v1 as pb;
+    use crate::reward::v1::reward_service_client::RewardServiceClient;
+    const SERVICE: (&str, &str) = ("reward server", "rookworld.reward.v1.RewardService");
+    let mut client = RewardServiceClient::new(channel);
+    let info = client
+        .info(with_token(pb::InfoRequest {}, token))
+        .await
+        .map_err(|s| PeerProblem::of("Info", SERVICE, s))?
+        .into_inner();
+    let trial = pb::ScoreRequest {
+        items: vec![pb::ScoreItem {
+            task: pb::Task::Policy as i32,
+            prompt: "P: rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1".into(),
+            completion: String::new(),
+        }],
+    };
+    client
+        .score(with_token(trial, token))
+        .await
+        .map_err(|s| PeerProblem::of("Score", SERVICE, s))?;
+    Ok(format!(
+        "engine {}",
+        if info.engine_configured {
+            "configured"
+        } else {
+            "not configured"
+        }
+    ))
+}
+
+/// Checks that `channel` reaches a learner's queue that takes `token` from `worker_id`: a
+/// `Report` that nothing is wrong (it also registers the worker).
+pub async fn learner_queue(
+    channel: Channel,
+    token: &str,
+    worker_id: &str,
+) -> Result<(), PeerProblem> {
+    use crate::queue::v1 as pb;
+    use crate::queue::v1::rollout_queue_client::RolloutQueueClient;
+    const SERVICE: (&str, &str) = ("learner queue", "rookworld.queue.v1.RolloutQueue");
+    let report = pb::ReportRequest {
+        worker_id: worker_id.to_owned(),
+        ..Default::default()
+    };
+    RolloutQueueClient::new(channel)
+        .report(with_token(report, token))
+        .await
+        .map_err(|s| PeerProblem::of("Report", SERVICE, s))?;
+    Ok(())
+}

@@ -88,7 +88,7 @@ pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Concurrent calls on one connection.
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 256;
 /// How long a shutdown waits for calls in flight before it closes them.
-pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// HTTP/2 flow-control window of one stream, on servers and clients: room for several
 /// chunks of a weight push in flight (with the 64 KiB default a 249 MB push waits on
 /// window updates; `learner bench-push` measures the transfer, see the README).

@@ -3,9 +3,10 @@
 
 use crate::bench::{self, BenchArgs};
 use crate::cli::{self, ScoreArgs, ServeArgs};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use rookworld_proto::logging::LogArgs;
 use rookworld_proto::probe::HealthArgs;
+use rookworld_proto::run_file::{self, RunFileArgs};
 
 /// Reward server of the RookWorld GRPO trainer: verified chess rewards.
 #[derive(Debug, Parser)]
@@ -15,6 +16,13 @@ struct Cli {
     command: Command,
     #[command(flatten)]
     log: LogArgs,
+    #[command(flatten)]
+    run_file: RunFileArgs,
+}
+
+/// The command-line interface (every command and option), for run files and tests.
+pub fn command() -> clap::Command {
+    Cli::command()
 }
 
 #[derive(Debug, Subcommand)]
@@ -32,7 +40,8 @@ enum Command {
 /// Parses the command line and runs the command; the process exits with what it returns.
 pub fn main() -> std::process::ExitCode {
     rookworld_proto::env::unset_empty();
-    let cli = Cli::parse();
+    let matches = run_file::parse(Cli::command(), &[]);
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     rookworld_proto::logging::init(cli.log.log_format);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
@@ -65,6 +74,6 @@ pub fn main() -> std::process::ExitCode {
 }
 
 fn fail(e: impl std::fmt::Display) -> std::process::ExitCode {
-    eprintln!("error: {e}");
+    eprintln!("error: {}", run_file::annotate(&e.to_string()));
     std::process::ExitCode::FAILURE
 }

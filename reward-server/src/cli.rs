@@ -153,8 +153,23 @@ pub struct ServeArgs {
     pub tls: rookworld_proto::tls::ServerTlsArgs,
 }
 
+impl ServeArgs {
+    /// Counts in range: one line at start, not a server that refuses every call.
+    fn validate(&self) -> Result<(), ConfigError> {
+        use rookworld_proto::check::at_least;
+        [
+            at_least("--max-items-per-call", self.max_items_per_call as u64, 1),
+            at_least("--max-items-in-flight", self.max_items_in_flight as u64, 1),
+        ]
+        .into_iter()
+        .collect::<Result<(), _>>()
+        .map_err(ConfigError)
+    }
+}
+
 /// `reward-server serve`: until Ctrl-C or SIGTERM.
 pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    args.validate()?;
     let (token, inspect_token) = (
         args.token.resolve().map_err(ConfigError)?,
         args.token.resolve_inspect().map_err(ConfigError)?,
@@ -164,12 +179,12 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
     }
     let tls = args.tls.load().map_err(ConfigError)?;
     let scorer = args.scoring.scorer().await?;
-    crate::metrics::install_exporter(args.metrics)
+    let metrics = crate::metrics::install_exporter(args.metrics)
         .map_err(|e| ConfigError(format!("metrics on {}: {e}", args.metrics)))?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", args.listen)))?;
-    tracing::info!(listen = %listener.local_addr()?, metrics = %args.metrics, engine = scorer.engine().is_some(), "reward server ready");
+    tracing::info!(listen = %listener.local_addr()?, %metrics, engine = scorer.engine().is_some(), "reward server ready");
     let cfg = ServiceConfig {
         guard: rookworld_proto::auth::Guard::new(token, inspect_token),
         tls,

@@ -5,9 +5,10 @@ use crate::bench_cmd::{self, BenchArgs};
 use crate::generate_cmd::{self, GenerateArgs};
 use crate::parity_cmd::{self, ParityArgs};
 use crate::serve_cmd::{self, ServeArgs};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use rookworld_proto::logging::LogArgs;
 use rookworld_proto::probe::HealthArgs;
+use rookworld_proto::run_file::{self, RunFileArgs};
 
 /// Rollout worker of the RookWorld GRPO trainer: samples completions from the policy.
 #[derive(Debug, Parser)]
@@ -17,6 +18,13 @@ struct Cli {
     command: Command,
     #[command(flatten)]
     log: LogArgs,
+    #[command(flatten)]
+    run_file: RunFileArgs,
+}
+
+/// The command-line interface (every command and option), for run files and tests.
+pub fn command() -> clap::Command {
+    Cli::command()
 }
 
 #[derive(Debug, Subcommand)]
@@ -37,9 +45,10 @@ enum Command {
 /// Parses the command line and runs the command; the process exits with what it returns.
 pub fn main() -> std::process::ExitCode {
     rookworld_proto::env::unset_empty();
-    let cli = Cli::parse();
+    let matches = run_file::parse(Cli::command(), &[]);
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     rookworld_proto::logging::init(cli.log.log_format);
-    rookworld_lm::cli::exit_with(match &cli.command {
+    let result: Result<(), Box<dyn std::error::Error + Send + Sync>> = match &cli.command {
         Command::Generate(args) => {
             generate_cmd::run(args, &mut std::io::stdout().lock()).map_err(Into::into)
         }
@@ -51,7 +60,8 @@ pub fn main() -> std::process::ExitCode {
         Command::Parity(args) => {
             parity_cmd::run(args, &mut std::io::stdout().lock()).map_err(Into::into)
         }
-    })
+    };
+    rookworld_lm::cli::exit_with(result.map_err(|e| run_file::annotate(&e.to_string())))
 }
 
 fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {

@@ -127,7 +127,7 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
         loaded.model.dtype(),
         loaded.device.clone(),
     );
-    crate::metrics::install_exporter(args.metrics)
+    let metrics = crate::metrics::install_exporter(args.metrics)
         .map_err(|e| ConfigError(format!("metrics on {}: {e}", args.metrics)))?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -140,7 +140,7 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
     ));
     tracing::info!(
         listen = %listener.local_addr()?,
-        metrics = %args.metrics,
+        %metrics,
         source = %loaded.source,
         device = ?device,
         dtype = ?dtype,

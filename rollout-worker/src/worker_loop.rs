@@ -20,6 +20,7 @@ use tokio::sync::Semaphore;
 use tonic::transport::Channel;
 
 use crate::engine::{Engine, Event, Request};
+use queue::ProblemCause as Cause;
 
 /// Where the loop connects and how hard it works.
 #[derive(Clone)]
@@ -72,19 +73,77 @@ enum GroupError {
     Expired(&'static str),
 }
 
+impl GroupError {
+    /// Tells the learner what this failure means for delivering groups (an expired lease
+    /// is no problem of the worker's: it is slow, and the learner sees that itself).
+    fn report(&self, reporter: &Reporter, cfg: &LoopConfig) {
+        match self {
+            GroupError::Generate(why) => reporter.problem(Cause::GenerationFailed, "", "", why),
+            GroupError::Score(s) => reporter.problem(
+                Cause::ScoringRefused,
+                &cfg.reward,
+                &format!("{:?}", s.code()),
+                s.message(),
+            ),
+            GroupError::Refused(s) => reporter.problem(
+                Cause::SubmitRefused,
+                &cfg.learner,
+                &format!("{:?}", s.code()),
+                s.message(),
+            ),
+            GroupError::Expired(_) => {}
+        }
+    }
+}
+
+/// At start: whether the learner takes this worker's token and the reward server scores
+/// with it, each logged with its URL (a peer that is not up yet is retried by the loop).
+async fn check_peers(cfg: Arc<LoopConfig>) {
+    use rookworld_proto::probe::{learner_queue, reward_server};
+    let (Ok(learner), Ok(reward)) = (
+        channel(&cfg.learner, cfg.call_timeout, &cfg.tls),
+        channel(&cfg.reward, cfg.call_timeout, &cfg.tls),
+    ) else {
+        return;
+    };
+    match learner_queue(learner, &cfg.token, &cfg.worker_id).await {
+        Ok(()) => {
+            tracing::info!(learner = %cfg.learner, "learner queue answers and takes the token")
+        }
+        Err(p) if p.is_unreachable() => {
+            tracing::warn!(learner = %cfg.learner, problem = %p, "learner queue not reachable yet; the loop retries")
+        }
+        Err(p) => tracing::error!(learner = %cfg.learner, "learner queue {p}"),
+    }
+    match reward_server(reward, &cfg.token).await {
+        Ok(what) => {
+            tracing::info!(reward = %cfg.reward, %what, "reward server answers and takes the token")
+        }
+        Err(p) if p.is_unreachable() => {
+            tracing::warn!(reward = %cfg.reward, problem = %p, "reward server not reachable yet; the loop retries")
+        }
+        Err(p) => tracing::error!(reward = %cfg.reward, "reward server {p}"),
+    }
+}
+
 /// A peer the loop calls, and since when it has been unreachable.
 #[derive(Debug)]
 struct Peer {
     name: &'static str,
+    url: String,
     down_since: Mutex<Option<Instant>>,
+    /// Tells the learner when this peer cannot be reached (the reward server's).
+    reporter: Option<Arc<Reporter>>,
 }
 
 impl Peer {
-    fn new(name: &'static str) -> Self {
+    fn new(name: &'static str, url: &str, reporter: Option<Arc<Reporter>>) -> Self {
         metrics::gauge!("rollout_peer_reachable", "peer" => name).set(1.0);
         Self {
             name,
+            url: url.to_owned(),
             down_since: Mutex::new(None),
+            reporter,
         }
     }
 
@@ -100,6 +159,7 @@ impl Peer {
             metrics::gauge!("rollout_peer_reachable", "peer" => self.name).set(1.0);
             tracing::info!(
                 peer = self.name,
+                url = %self.url,
                 after_seconds = format!("{:.1}", since.elapsed().as_secs_f64()),
                 "reachable again"
             );
@@ -109,17 +169,86 @@ impl Peer {
     /// It could not be reached: said once, when it goes away.
     fn unreachable(&self, call: &str, error: &str) {
         metrics::counter!("rollout_call_retries_total", "call" => call.to_owned()).increment(1);
+        if let Some(r) = &self.reporter {
+            r.problem(Cause::RewardUnreachable, &self.url, "", error);
+        }
         let mut since = self.down_since();
         if since.is_none() {
             *since = Some(Instant::now());
             metrics::gauge!("rollout_peer_reachable", "peer" => self.name).set(0.0);
             tracing::warn!(
                 peer = self.name,
+                url = %self.url,
                 call,
                 error,
                 "unreachable; retrying with back-off"
             );
         }
+    }
+}
+
+/// Tells the learner's queue what keeps this worker from delivering groups (`Report`),
+/// each problem once and again every [`REPORT_EVERY`] while it lasts, and when it is over;
+/// best effort (a learner that cannot be reached learns nothing, and says so itself).
+#[derive(Debug)]
+struct Reporter {
+    client: RolloutQueueClient<Channel>,
+    token: String,
+    worker_id: String,
+    /// The last report sent: cause, message, when.
+    last: Mutex<Option<(Cause, String, Instant)>>,
+}
+
+/// How often a lasting problem is reported again.
+const REPORT_EVERY: Duration = Duration::from_secs(5);
+
+impl Reporter {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<(Cause, String, Instant)>> {
+        self.last
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// `cause` at `peer` (the gRPC `code` of the failed call, if any): `message`.
+    fn problem(&self, cause: Cause, peer: &str, code: &str, message: &str) {
+        {
+            let mut last = self.lock();
+            if let Some((c, m, at)) = last.as_ref()
+                && *c == cause
+                && m == message
+                && at.elapsed() < REPORT_EVERY
+            {
+                return;
+            }
+            *last = Some((cause, message.to_owned(), Instant::now()));
+        }
+        self.send(queue::ReportRequest {
+            worker_id: self.worker_id.clone(),
+            cause: cause as i32,
+            peer: peer.to_owned(),
+            code: code.to_owned(),
+            message: message.chars().take(500).collect(),
+        });
+    }
+
+    /// Groups are delivered again.
+    fn resolved(&self) {
+        if self.lock().take().is_some() {
+            self.send(queue::ReportRequest {
+                worker_id: self.worker_id.clone(),
+                ..Default::default()
+            });
+        }
+    }
+
+    fn send(&self, report: queue::ReportRequest) {
+        let mut client = self.client.clone();
+        let request = authed(report, &self.token);
+        tokio::spawn(async move {
+            if let Err(s) = client.report(request).await {
+                tracing::debug!(code = ?s.code(), error = %s.message(), "report not delivered");
+            }
+        });
     }
 }
 
@@ -177,7 +306,7 @@ where
     loop {
         match call().await {
             Err(s) if unreachable(&s) => {
-                peer.unreachable(what, s.message());
+                peer.unreachable(what, &rookworld_proto::probe::cause_chain(&s));
                 tracing::debug!(call = what, error = %s.message(), retry_in = ?wait, "retrying");
                 tokio::time::sleep(wait).await;
                 wait = (wait * 2).min(max);
@@ -190,11 +319,12 @@ where
     }
 }
 
-/// The peers of one loop.
+/// The peers of one loop, and what tells the learner about problems.
 #[derive(Debug)]
 struct Peers {
     learner: Peer,
     reward: Peer,
+    reporter: Arc<Reporter>,
 }
 
 /// How often the loop looks at its client TLS files for a rotated certificate.
@@ -243,7 +373,12 @@ impl Clients {
     }
 }
 
-/// Runs until `shutdown` resolves; groups in flight then finish (or are left to expire).
+/// How long a stopping loop waits for its groups in flight before it abandons them (their
+/// leases expire at the learner, which re-issues the prompts): a stop never waits on a peer.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(3);
+
+/// Runs until `shutdown` resolves; groups in flight then have [`SHUTDOWN_GRACE`] to finish
+/// and are abandoned after it.
 pub async fn run(
     engine: Arc<Engine>,
     tokenizer: Tokenizer,
@@ -254,12 +389,23 @@ pub async fn run(
     let mut clients = Clients::connect(&cfg)?;
     let slots = Arc::new(Semaphore::new(cfg.max_in_flight.max(1)));
     let cfg = Arc::new(cfg);
-    let peers = Arc::new(Peers {
-        learner: Peer::new("learner"),
-        reward: Peer::new("reward"),
+    let reporter = Arc::new(Reporter {
+        client: clients.learner.clone(),
+        token: cfg.token.clone(),
+        worker_id: cfg.worker_id.clone(),
+        last: Mutex::new(None),
     });
+    let peers = Arc::new(Peers {
+        learner: Peer::new("learner", &cfg.learner, None),
+        reward: Peer::new("reward", &cfg.reward, Some(reporter.clone())),
+        reporter,
+    });
+    tokio::spawn(check_peers(cfg.clone()));
+    let mut groups = tokio::task::JoinSet::new();
     tokio::pin!(shutdown);
-    loop {
+    'lease: loop {
+        // Reap finished groups (their results were logged by the groups themselves).
+        while groups.try_join_next().is_some() {}
         let free = tokio::select! {
             _ = &mut shutdown => break,
             permit = slots.clone().acquire_many_owned(1) => permit.expect("semaphore open"),
@@ -287,41 +433,70 @@ pub async fn run(
         let leased = match leased {
             Ok(r) => r.into_inner(),
             Err(s) => {
-                tracing::error!(error = %s.message(), code = ?s.code(), "lease refused");
-                tokio::time::sleep(cfg.max_backoff).await;
-                continue;
+                tracing::error!(learner = %cfg.learner, error = %s.message(), code = ?s.code(), "lease refused");
+                tokio::select! {
+                    _ = &mut shutdown => break,
+                    _ = tokio::time::sleep(cfg.max_backoff) => continue,
+                }
             }
         };
         if leased.prompts.is_empty() {
             tracing::debug!(reason = %leased.backpressure, "no prompts leased");
-            tokio::time::sleep(Duration::from_secs_f64(
-                leased.retry_after_seconds.clamp(0.05, 5.0),
-            ))
-            .await;
-            continue;
+            let wait = Duration::from_secs_f64(leased.retry_after_seconds.clamp(0.05, 5.0));
+            tokio::select! {
+                _ = &mut shutdown => break,
+                _ = tokio::time::sleep(wait) => continue,
+            }
         }
         for prompt in leased.prompts {
-            let permit = slots.clone().acquire_owned().await.expect("semaphore open");
+            let permit = tokio::select! {
+                _ = &mut shutdown => break 'lease,
+                permit = slots.clone().acquire_owned() => permit.expect("semaphore open"),
+            };
             let (engine, tokenizer, cfg) = (engine.clone(), tokenizer.clone(), cfg.clone());
             let peers = peers.clone();
             let (learner, scorer) = (clients.learner.clone(), clients.scorer.clone());
             let spec = (leased.num_completions, leased.sampling.unwrap_or_default());
-            tokio::spawn(async move {
+            groups.spawn(async move {
                 let id = prompt.prompt_id;
-                if let Err(e) = group(
+                match group(
                     engine, tokenizer, bos, &cfg, &peers, learner, scorer, prompt, spec,
                 )
                 .await
                 {
-                    tracing::warn!(prompt = id, error = %e, "group abandoned; its lease will expire");
+                    Ok(()) => peers.reporter.resolved(),
+                    Err(e) => {
+                        e.report(&peers.reporter, &cfg);
+                        tracing::warn!(prompt = id, error = %e, "group abandoned; its lease will expire");
+                    }
                 }
                 drop(permit);
             });
         }
     }
-    // Let groups in flight finish.
-    let _ = slots.acquire_many(cfg.max_in_flight.max(1) as u32).await;
+    stop_groups(groups, SHUTDOWN_GRACE).await;
     Ok(())
+}
+
+/// Lets the groups in flight finish for up to `grace`, then abandons the rest (one line
+/// saying how many): whatever the peers do, a stop takes at most `grace`.
+async fn stop_groups(mut groups: tokio::task::JoinSet<()>, grace: Duration) {
+    let in_flight = groups.len();
+    let finished =
+        tokio::time::timeout(grace, async { while groups.join_next().await.is_some() {} }).await;
+    if finished.is_err() {
+        let left = groups.len();
+        groups.abort_all();
+        while groups.join_next().await.is_some() {}
+        tracing::warn!(
+            abandoned = left,
+            in_flight,
+            grace_seconds = grace.as_secs_f64(),
+            "stopping: groups still in flight abandoned; their leases will expire at the learner"
+        );
+    } else if in_flight > 0 {
+        tracing::info!(in_flight, "stopping: groups in flight finished");
+    }
 }
 
 /// One leased prompt: generate, score, submit.

@@ -187,6 +187,18 @@ fn every_refused_value_is_one_line_and_exit_1() {
             strings(&["bench", "--items", "0"]),
             "--items must be ≥ 1",
         ),
+        // reward-server serve
+        (
+            REWARD,
+            strings(&[
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--max-items-per-call",
+                "0",
+            ]),
+            "--max-items-per-call must be ≥ 1 (got 0)",
+        ),
     ];
     for (binary, args, expect) in cases {
         let out = Command::new(binary)
@@ -202,13 +214,37 @@ fn every_refused_value_is_one_line_and_exit_1() {
         assert!(!err.contains("panicked"), "{shown}: {err}");
         assert_eq!(err.trim().lines().count(), 1, "{shown}: {err}");
     }
-    // A value that is not a number at all is the parser's usage error (exit 2), and
-    // names the flag — a negative count included, rather than "unexpected argument".
+    // A negative count reaches the range rule (one line, exit 1) on every binary.
+    for (binary, args, expect) in [
+        (
+            LEARNER,
+            train(&["--steps", "-5"]),
+            "--steps must not be negative (got -5)",
+        ),
+        (
+            WORKER,
+            strings(&["serve", "--preset", "tiny", "--max-in-flight", "-2"]),
+            "--max-in-flight must not be negative (got -2)",
+        ),
+        (
+            REWARD,
+            strings(&["serve", "--max-items-per-call", "-1"]),
+            "--max-items-per-call must not be negative (got -1)",
+        ),
+    ] {
+        let out = Command::new(binary).args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(err.contains(expect), "{err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+    }
+    // A value that is not a number at all is the parser's usage error (exit 2), naming the
+    // flag.
     let out = Command::new(LEARNER)
-        .args(train(&["--steps", "-5"]))
+        .args(train(&["--steps", "five"]))
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("invalid value '-5' for '--steps"), "{err}");
+    assert!(err.contains("invalid value 'five' for '--steps"), "{err}");
 }

@@ -27,6 +27,8 @@ pub struct WorkerStats {
     pub reported_at: Option<Instant>,
     #[serde(skip)]
     pub last_seen: Option<Instant>,
+    /// What it last reported keeps it from delivering ([`super::problems`]).
+    pub problem: Option<super::problems::Problem>,
 }
 
 impl Queue {

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use rookworld_proto::auth::Guard;
+use rookworld_proto::auth::{Guard, TokenError};
 use rookworld_proto::queue::v1 as pb;
 use rookworld_proto::queue::v1::rollout_queue_server::{RolloutQueue, RolloutQueueServer};
 use rookworld_proto::tls::ServerTls;
@@ -18,6 +18,7 @@ use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
 
 use crate::prompts::TaskKind;
+use crate::queue::problems::{Cause, Problem};
 use crate::queue::{Backpressure, Queue, ScoredCompletion, ScoredGroup, SubmitError};
 pub use check::GroupCheck;
 
@@ -80,9 +81,22 @@ impl QueueServer {
         self
     }
 
-    /// A worker call: the shared token.
-    fn authorize<T>(&self, request: &Request<T>) -> Result<(), Status> {
-        Ok(self.guard.work(request.metadata())?)
+    /// A worker call (`call`): the shared token. A refused call is counted by cause and
+    /// caller ([`crate::queue::problems`]): such a worker never reaches the queue otherwise.
+    fn authorize<T>(&self, call: &str, request: &Request<T>) -> Result<(), Status> {
+        self.guard.work(request.metadata()).map_err(|e| {
+            let cause = match e {
+                TokenError::Missing => "no token",
+                TokenError::Wrong => "wrong token",
+                TokenError::NotConfigured => "no token configured at the learner",
+            };
+            let caller = request
+                .remote_addr()
+                .map_or_else(|| "an unknown address".to_owned(), |a| a.to_string());
+            self.queue()
+                .refused_call(call, cause, &caller, Instant::now());
+            Status::from(e)
+        })
     }
 
     /// An inspection call: open, or the inspection token.
@@ -148,7 +162,7 @@ impl RolloutQueue for QueueServer {
         &self,
         request: Request<pb::LeaseRequest>,
     ) -> Result<Response<pb::LeaseResponse>, Status> {
-        self.authorize(&request)?;
+        self.authorize("Lease", &request)?;
         let r = request.into_inner();
         check::worker_id(&r.worker_id)?;
         check::push_address(&r.push_address)?;
@@ -218,7 +232,7 @@ impl RolloutQueue for QueueServer {
         &self,
         request: Request<pb::SubmitRequest>,
     ) -> Result<Response<pb::SubmitResponse>, Status> {
-        self.authorize(&request)?;
+        self.authorize("Submit", &request)?;
         let r = request.into_inner();
         self.check_submission(&r).inspect_err(|e| {
             metrics::counter!("learner_queue_submissions_invalid_total").increment(1);
@@ -253,9 +267,21 @@ impl RolloutQueue for QueueServer {
         request: Request<pb::GetDepthsRequest>,
     ) -> Result<Response<pb::GetDepthsResponse>, Status> {
         self.inspect(&request)?;
-        let (d, run_id) = {
+        let now = Instant::now();
+        let (d, run_id, refused_calls) = {
             let q = self.queue();
-            (q.depths(), q.run_id().to_owned())
+            let refused = q
+                .refused_calls()
+                .iter()
+                .map(|((call, cause, peer), r)| pb::RefusedCalls {
+                    call: call.clone(),
+                    cause: cause.clone(),
+                    peer: peer.clone(),
+                    count: r.count,
+                    last_seconds_ago: now.saturating_duration_since(r.last).as_secs_f64(),
+                })
+                .collect();
+            (q.depths(), q.run_id().to_owned(), refused)
         };
         let c = d.counters;
         Ok(Response::new(pb::GetDepthsResponse {
@@ -273,6 +299,7 @@ impl RolloutQueue for QueueServer {
             learner_version: self.learner_version.load(Ordering::SeqCst),
             scored_bytes: d.scored_bytes as u64,
             run_id,
+            refused_calls,
         }))
     }
 
@@ -300,6 +327,12 @@ impl RolloutQueue for QueueServer {
                     .as_secs_f64(),
                 push_address: w.push_address.clone(),
                 weight_run_id: w.reported_run.clone(),
+                last_error: w.problem.as_ref().map(|p| p.describe()).unwrap_or_default(),
+                last_error_seconds_ago: w
+                    .problem
+                    .as_ref()
+                    .and_then(|p| p.at)
+                    .map_or(0.0, |t| now.saturating_duration_since(t).as_secs_f64()),
             })
             .collect();
         Ok(Response::new(pb::ListWorkersResponse { workers }))
@@ -316,6 +349,44 @@ impl RolloutQueue for QueueServer {
             dropped_stale: q.depths().counters.groups_dropped_stale,
             max_version_lag: q.config().max_version_lag,
         }))
+    }
+
+    async fn report(
+        &self,
+        request: Request<pb::ReportRequest>,
+    ) -> Result<Response<pb::ReportResponse>, Status> {
+        self.authorize("Report", &request)?;
+        let r = request.into_inner();
+        check::worker_id(&r.worker_id)?;
+        let now = Instant::now();
+        let bounded = |s: &str, n: usize| s.chars().take(n).collect::<String>();
+        let cause = match pb::ProblemCause::try_from(r.cause) {
+            Ok(pb::ProblemCause::Unspecified) => None,
+            Ok(pb::ProblemCause::ScoringRefused) => Some(Cause::ScoringRefused),
+            Ok(pb::ProblemCause::RewardUnreachable) => Some(Cause::RewardUnreachable),
+            Ok(pb::ProblemCause::SubmitRefused) => Some(Cause::SubmitRefused),
+            Ok(pb::ProblemCause::GenerationFailed) => Some(Cause::GenerationFailed),
+            Err(_) => {
+                return Err(Status::invalid_argument(format!(
+                    "cause {} is not a ProblemCause",
+                    r.cause
+                )));
+            }
+        };
+        let problem = cause.map(|cause| Problem {
+            cause,
+            peer: bounded(&r.peer, 256),
+            code: bounded(&r.code, 64),
+            message: bounded(&r.message, 512),
+            at: Some(now),
+        });
+        if let Some(p) = &problem {
+            tracing::debug!(worker = %r.worker_id.escape_debug(), problem = %p.describe().escape_debug(), "worker reports a problem");
+        }
+        self.queue()
+            .report(&r.worker_id, problem, now)
+            .map_err(|b| Status::resource_exhausted(format!("{b:?}")))?;
+        Ok(Response::new(pb::ReportResponse {}))
     }
 
     async fn peek_groups(

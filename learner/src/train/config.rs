@@ -50,12 +50,14 @@ pub struct TrainArgs {
         default_value_t = 30.0
     )]
     pub reward_wait: f64,
-    /// Address of the rollout queue (workers lease from it; inspection calls too).
-    #[arg(long, env = "LEARNER_LISTEN", default_value = "127.0.0.1:50051")]
-    pub listen: SocketAddr,
-    /// Prometheus `/metrics` endpoint ("off" for none).
-    #[arg(long, env = "LEARNER_METRICS", default_value = "127.0.0.1:9091")]
-    pub metrics: String,
+    /// Address of the rollout queue (workers lease from it; inspection calls too). Default
+    /// 127.0.0.1:50051; with --local a free port (both logged at start).
+    #[arg(long, env = "LEARNER_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// Prometheus `/metrics` endpoint ("off" for none). Default 127.0.0.1:9091; with
+    /// --local a free port.
+    #[arg(long, env = "LEARNER_METRICS")]
+    pub metrics: Option<String>,
     #[command(flatten)]
     pub token: rookworld_proto::auth::TokenArgs,
     /// TLS of the queue port (with --local, of the local services' ports too).
@@ -106,12 +108,13 @@ pub struct TrainArgs {
         default_value_t = 25
     )]
     pub checkpoint_every: u64,
-    /// On Ctrl-C/SIGTERM, wait this long (seconds) for leased groups to come in.
+    /// On Ctrl-C/SIGTERM, wait this long (seconds) for leased groups to come in (prompts
+    /// still out are kept in the checkpoint and leased again on resume).
     #[arg(
         long,
         allow_negative_numbers = true,
         env = "LEARNER_DRAIN_TIMEOUT",
-        default_value_t = 20.0
+        default_value_t = 5.0
     )]
     pub drain_timeout: f64,
     /// Append one JSON object per step to this file.
@@ -138,6 +141,10 @@ pub struct TrainArgs {
     /// Plain log lines even on a terminal (no progress bar).
     #[arg(long, env = "LEARNER_NO_PROGRESS")]
     pub no_progress: bool,
+    /// Every option's resolved value (flags, environment, run file, defaults), recorded in
+    /// `RUN/config.toml`; set by the command line, `None` for callers of the library.
+    #[arg(skip)]
+    pub record: Option<toml::Table>,
 }
 
 /// A configuration problem, reported as one line.
@@ -185,9 +192,26 @@ impl TrainArgs {
         self.token.resolve().map_err(ConfigError)
     }
 
-    /// The metrics address, or `None` for "off".
+    /// The queue's address: `--listen`, else the fixed default, or with `--local` a free
+    /// port (a second local run on one machine must not collide with the first).
+    pub fn listen_addr(&self) -> SocketAddr {
+        let default = if self.local {
+            "127.0.0.1:0"
+        } else {
+            "127.0.0.1:50051"
+        };
+        self.listen
+            .unwrap_or_else(|| default.parse().expect("a socket address"))
+    }
+
+    /// The metrics address, or `None` for "off" (default as for [`Self::listen_addr`]).
     pub fn metrics_addr(&self) -> Result<Option<SocketAddr>, ConfigError> {
-        match self.metrics.as_str() {
+        let default = if self.local {
+            "127.0.0.1:0"
+        } else {
+            "127.0.0.1:9091"
+        };
+        match self.metrics.as_deref().unwrap_or(default) {
             "off" | "" => Ok(None),
             a => a
                 .parse()

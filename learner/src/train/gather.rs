@@ -64,13 +64,16 @@ pub(super) async fn gather(
             }
             crate::metrics::record_queue(&q);
         }
-        let verdict = watchdog.check(Instant::now());
+        let now = Instant::now();
+        let cause_known = !lock(&run.queue).causes(now).is_empty();
+        let verdict = watchdog.check(now, cause_known);
         if verdict != Verdict::Fine {
             // The weight sync's lock order: the fleet, then the queue.
             let fleet = fleet
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let why = watchdog::diagnose(&lock(&run.queue), &fleet, version, s.prompts_per_step);
+            let why =
+                watchdog::diagnose(&lock(&run.queue), &fleet, version, s.prompts_per_step, now);
             let limit = watchdog.timeout().unwrap_or_default().as_secs();
             match verdict {
                 Verdict::Stalled(idle) => {
@@ -78,6 +81,9 @@ pub(super) async fn gather(
                         "no step for {} s (--stall-timeout {limit}): {why}",
                         idle.as_secs()
                     ));
+                }
+                Verdict::Report(idle) if limit == 0 => {
+                    tracing::error!("no step for {} s: {why}", idle.as_secs())
                 }
                 Verdict::Report(idle) => tracing::error!(
                     "no step for {} s (the run stops at {limit} s, --stall-timeout): {why}",

@@ -52,7 +52,7 @@ use crate::step::train_updates;
 use gather::{Gathered, gather, rand_seed_stream, to_batch};
 use prepare::prepare;
 use report::Reporter;
-use support::{check_reachable, drain, peak_flops, publish, save};
+use support::{check_reward, drain, peak_flops, publish, save};
 use watchdog::Watchdog;
 
 /// Why a run stopped early.
@@ -94,6 +94,8 @@ pub struct TrainSummary {
     pub checkpoint: Option<std::path::PathBuf>,
     /// The evaluations (`--eval-every`), in the order they finished.
     pub evals: Vec<Outcome>,
+    /// A resumed run had done all its steps already: what to do instead.
+    pub already_done: Option<String>,
 }
 
 /// Where the run stands.
@@ -112,6 +114,8 @@ struct Run {
     resumed: bool,
     /// The newest evaluation (`--eval-every`).
     eval: Option<Outcome>,
+    /// `RUN/config.toml`'s text ([`crate::run_record`]), kept in every checkpoint.
+    record: Option<String>,
     /// The run directory's lock, held until the run ends.
     _lock: crate::run_lock::RunLock,
 }
@@ -147,7 +151,7 @@ pub async fn run(
     args.client_tls.check().map_err(ConfigError)?;
     if let Some(reward) = args.reward.as_ref().filter(|_| !args.local) {
         let wait = Duration::from_secs_f64(args.reward_wait.max(0.0));
-        check_reachable(reward, &args.client_tls, wait).await?;
+        check_reward(reward, &token, &args.client_tls, wait).await?;
     }
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
@@ -157,6 +161,18 @@ pub async fn run(
 
     let mut summary = TrainSummary::default();
     let mut run = tokio::task::block_in_place(|| prepare(&args, &mut summary))?;
+    run.record = support::write_record(&args, &run)?;
+    if run.resumed && run.step >= s.steps {
+        let line = format!(
+            "all {} steps of {} are done: nothing to train; to train on, resume with more steps (--resume --steps {})",
+            s.steps,
+            args.run_dir.display(),
+            s.steps * 2
+        );
+        tracing::info!("{line}");
+        summary.already_done = Some(line);
+        return Ok(summary);
+    }
     let queue_addr = listener
         .local_addr()
         .map_err(|e| TrainError::Service(e.to_string()))?;

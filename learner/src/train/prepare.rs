@@ -129,6 +129,7 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
         settings_json,
         resumed,
         eval: None,
+        record: None,
         _lock: run_lock,
     })
 }

@@ -296,6 +296,9 @@ fn record_metrics(r: &StepRecord) {
 
 /// The run's outcome on stdout: warm-up loss, first and last 20% of steps' mean reward.
 pub fn print_summary(summary: &TrainSummary) {
+    if let Some(line) = &summary.already_done {
+        println!("{line}");
+    }
     if let (Some(first), Some(last)) = (summary.warm_up.first(), summary.warm_up.last()) {
         println!(
             "warm-up: {} steps, loss {:.3} -> {:.3}",

@@ -50,6 +50,7 @@ pub(super) fn save(args: &TrainArgs, run: &Run) -> Result<std::path::PathBuf, Tr
         schedule: args.settings.schedule(),
         cursor: run.source.cursor(),
         settings: run.settings_json.clone(),
+        record: run.record.clone(),
         queue: Some(lock(&run.queue).snapshot()),
         eval: run
             .eval
@@ -63,6 +64,31 @@ pub(super) fn save(args: &TrainArgs, run: &Run) -> Result<std::path::PathBuf, Tr
         &run.opt,
         &state,
     )?)
+}
+
+/// Writes `RUN/config.toml` (when the command line resolved the settings): on a resumed
+/// run, each setting that differs from the record of the run's last start is logged first.
+pub(super) fn write_record(args: &TrainArgs, run: &Run) -> Result<Option<String>, TrainError> {
+    use crate::run_record::{self, Origin};
+    let Some(settings) = &args.record else {
+        return Ok(None);
+    };
+    let path = args.run_dir.join(run_record::FILE);
+    if run.resumed
+        && let Some(old) = std::fs::read_to_string(&path)
+            .ok()
+            .and_then(|t| run_record::settings_of(&t))
+    {
+        for change in run_record::diff(&old, settings) {
+            tracing::info!(%change, "setting changed since the run's last start");
+        }
+    }
+    let device = format!("{} ({:?})", args.device, run.policy.model.device());
+    let origin = Origin::of(args.model.as_deref(), &args.preset, args.init_seed, &device);
+    let text = run_record::render(settings, Some(&origin));
+    rookworld_lm::checkpoint::write_atomic(&path, text.as_bytes())?;
+    tracing::info!(record = %path.display(), "run settings recorded");
+    Ok(Some(text))
 }
 
 /// Waits (at most `timeout`) until no lease is outstanding.
@@ -84,20 +110,24 @@ pub(super) async fn drain(queue: &Mutex<Queue>, timeout: Duration) {
     }
 }
 
-/// Fails with one line when nothing answers at `url` within `wait`.
-pub(super) async fn check_reachable(
+/// Fails with one line naming `url` and the problem when nothing answers there within
+/// `wait`, when what answers is not a reward server (another service's port), or when it
+/// refuses `token` (none configured there, or another one): its `Info` and a trial `Score`.
+pub(super) async fn check_reward(
     url: &str,
+    token: &str,
     tls: &rookworld_proto::tls::ClientTlsArgs,
     wait: Duration,
 ) -> Result<(), TrainError> {
     let endpoint = tls
         .endpoint(url)
         .map_err(|e| ConfigError(format!("--reward {url}: {e}")))?
-        .connect_timeout(Duration::from_secs(2));
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(10));
     let started = Instant::now();
-    loop {
+    let channel = loop {
         match endpoint.connect().await {
-            Ok(_) => return Ok(()),
+            Ok(channel) => break channel,
             Err(e) if started.elapsed() >= wait => {
                 let why = std::error::Error::source(&e).map_or(e.to_string(), |s| s.to_string());
                 return Err(ConfigError(format!(
@@ -108,6 +138,13 @@ pub(super) async fn check_reachable(
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
         }
+    };
+    match rookworld_proto::probe::reward_server(channel, token).await {
+        Ok(what) => {
+            tracing::info!(reward = url, %what, "reward server answers and takes the token");
+            Ok(())
+        }
+        Err(problem) => Err(ConfigError(format!("reward server {url} {problem}")).into()),
     }
 }
 

@@ -319,7 +319,7 @@ fn prometheus_loads_the_stall_alert_on_the_learners_gauge() {
         .iter()
         .find(|r| s(&r["alert"]) == "LearnerStalled")
         .expect("a LearnerStalled rule");
-    assert!(s(&stalled["expr"]).contains("learner_seconds_since_last_step"));
+    assert!(s(&stalled["expr"]).contains("learner_step_idle_seconds"));
 }
 
 #[test]

@@ -234,24 +234,34 @@ impl Cluster {
     }
 
     pub fn reward_server(&self) -> Proc {
-        let args = [
+        self.reward_server_with(Some(&self.token_file))
+    }
+
+    /// The reward server with its token from `token_file` (`None`: no token).
+    pub fn reward_server_with(&self, token_file: Option<&Path>) -> Proc {
+        let mut args: Vec<String> = [
             "serve",
             "--listen",
             &self.reward_addr.to_string(),
             "--metrics",
             &self.reward_metrics.to_string(),
-            "--token-file",
-            self.token_file.to_str().unwrap(),
         ]
         .map(String::from)
         .to_vec();
-        let mut args = args;
+        if let Some(file) = token_file {
+            args.extend(["--token-file".into(), file.to_str().unwrap().to_owned()]);
+        }
         args.extend(self.tls_args("reward-server", false));
         Proc::spawn("reward", REWARD, &args, self.dir.path())
     }
 
     /// A worker that pulls from `addrs.learner_url` and scores at the reward server.
     pub fn worker(&self, id: &str, addrs: &WorkerAddrs) -> Proc {
+        self.worker_with(id, addrs, &self.token_file)
+    }
+
+    /// [`Cluster::worker`] with its token from `token_file`.
+    pub fn worker_with(&self, id: &str, addrs: &WorkerAddrs, token_file: &Path) -> Proc {
         let args = [
             "serve",
             "--preset",
@@ -261,7 +271,7 @@ impl Cluster {
             "--metrics",
             &addrs.metrics.to_string(),
             "--token-file",
-            self.token_file.to_str().unwrap(),
+            token_file.to_str().unwrap(),
             "--learner",
             &addrs.learner_url,
             "--reward",
@@ -289,6 +299,12 @@ impl Cluster {
 
     /// The learner with `extra` flags (`--resume`, `--overwrite`).
     pub fn learner_with(&self, extra: &[&str]) -> Proc {
+        self.learner_args(extra, true)
+    }
+
+    /// The learner with `extra` flags, and without `--reward` unless `reward` (it then
+    /// does not check the reward server at start).
+    pub fn learner_args(&self, extra: &[&str], reward: bool) -> Proc {
         let mut args: Vec<String> = [
             "train",
             "--preset",
@@ -331,6 +347,10 @@ impl Cluster {
         ]
         .map(String::from)
         .to_vec();
+        if !reward {
+            let at = args.iter().position(|a| a == "--reward").unwrap();
+            args.drain(at..at + 2);
+        }
         args.extend(extra.iter().map(|s| s.to_string()));
         args.extend(self.tls_args("learner", true));
         Proc::spawn("learner", LEARNER, &args, self.dir.path())

@@ -1,0 +1,701 @@
+//! Run files: `--config FILE` (TOML) on every command of the three binaries.
+//!
+//! A key is a long flag with underscores (`group_size = 8` for `--group-size 8`). Tables
+//! group keys freely (`[grpo]`, `[sampling]`, …: the flat form works as well); a table named
+//! after a binary (`[learner]`, `[rollout-worker]`, `[reward-server]`) applies to that binary
+//! only, and within it a table named after one of its commands (`[learner.eval]`) to that
+//! command only; the more specific table wins; `[record]` is never read. So one file can
+//! describe a whole deployment: each command takes the keys it knows and leaves the others'
+//! to them.
+//!
+//! Precedence: built-in defaults < file < environment < flags. Clap does the layering: a
+//! file value becomes a command-line argument only when neither the command line nor the
+//! environment set that option (nor one it conflicts with). A key no command of the three
+//! binaries knows, a value of the wrong type, or a key set twice in one table is one line
+//! naming the key (with the closest known key for a typo), before any work.
+//!
+//! [`resolved`] is the other direction: every option's value after parsing, defaults
+//! included, as a TOML table (what `learner config show` prints and a run records).
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use clap::parser::ValueSource;
+use clap::{ArgAction, ArgMatches, Command};
+
+/// The binaries a run file can scope tables to.
+pub const BINARIES: [&str; 3] = ["learner", "rollout-worker", "reward-server"];
+
+/// A table run files keep but never read: where a recorded run came from
+/// (`RUN/config.toml`'s version, commit, model and device).
+pub const RECORD_TABLE: &str = "record";
+
+/// The variable that names a run file when `--config` is not given.
+pub const CONFIG_ENV: &str = "ROOKWORLD_CONFIG";
+
+/// Options no run file sets: secrets (a token belongs in `token_file`), the file itself,
+/// clap's own.
+const NOT_IN_FILES: [&str; 5] = ["config", "token", "inspect_token", "help", "version"];
+
+/// `--config FILE`, flattened into every binary's top-level options.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct RunFileArgs {
+    /// Run file (TOML): keys are the long options with underscores (`group_size = 8`),
+    /// tables may group them; flags and the environment override it.
+    #[arg(long, global = true, env = CONFIG_ENV, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+}
+
+/// A run file that cannot be used: one line naming the file and the key.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct RunFileError(pub String);
+
+/// Which options the run file set, for naming the key in a later range error.
+#[derive(Debug, Default)]
+struct FromFile {
+    file: PathBuf,
+    /// (`--flag`, key)
+    flags: Vec<(String, String)>,
+}
+
+static FROM_FILE: OnceLock<FromFile> = OnceLock::new();
+
+/// Parses the process's command line for `cmd` with its run file (if any) layered under
+/// the flags and the environment. Clap's own errors (and `--help`) exit as clap does; a run
+/// file problem is one `error: …` line and exit 1.
+///
+/// `stand_ins` lets a command read another's tables: `("config show", "train")` gives
+/// `learner config show` the keys of `[learner.train]`.
+pub fn parse(cmd: Command, stand_ins: &[(&str, &str)]) -> ArgMatches {
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    match parse_from(cmd.clone(), &argv, stand_ins) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
+/// [`parse`] on a given command line (`argv[0]` is the program). Clap errors exit, but a
+/// negative number for a count is one line with the rule, as every range check says it.
+pub fn parse_from(
+    cmd: Command,
+    argv: &[OsString],
+    stand_ins: &[(&str, &str)],
+) -> Result<ArgMatches, RunFileError> {
+    let cmd = negatives_reach_checks(cmd);
+    let argv = with_run_file(&cmd, argv, stand_ins)?;
+    cmd.try_get_matches_from(argv)
+        .map_err(|e| match negative_count(&e) {
+            Some(line) => RunFileError(annotate(&line)),
+            None => e.exit(),
+        })
+}
+
+/// Every option that takes a value takes a negative number as its value (not as an
+/// unknown flag), so that the option's own rule refuses it by name.
+fn negatives_reach_checks(cmd: Command) -> Command {
+    cmd.mut_args(|a| {
+        if a.get_num_args().is_none_or(|n| n.takes_values())
+            && !matches!(
+                a.get_action(),
+                ArgAction::SetTrue
+                    | ArgAction::SetFalse
+                    | ArgAction::Count
+                    | ArgAction::Help
+                    | ArgAction::Version
+                    | ArgAction::HelpShort
+                    | ArgAction::HelpLong
+            )
+            && a.get_long().is_some()
+        {
+            a.allow_negative_numbers(true)
+        } else {
+            a
+        }
+    })
+    .mut_subcommands(negatives_reach_checks)
+}
+
+/// `--steps must not be negative (got -5)` for clap's error on a negative number given to
+/// an option that counts (an unsigned integer).
+fn negative_count(e: &clap::Error) -> Option<String> {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if !matches!(
+        e.kind(),
+        ErrorKind::ValueValidation | ErrorKind::InvalidValue
+    ) {
+        return None;
+    }
+    let text = |k| match e.get(k) {
+        Some(ContextValue::String(s)) => Some(s.clone()),
+        _ => None,
+    };
+    let value = text(ContextKind::InvalidValue)?;
+    let arg = text(ContextKind::InvalidArg)?;
+    let flag = arg.split_whitespace().next()?.to_owned();
+    let negative = value.starts_with('-') && value[1..].parse::<u128>().is_ok();
+    let unsigned = e.to_string().contains("invalid digit");
+    (negative && unsigned).then(|| format!("{flag} must not be negative (got {value})"))
+}
+
+/// The command line with the run file's values appended where neither a flag nor the
+/// environment sets them; unchanged without a run file.
+pub fn with_run_file(
+    cmd: &Command,
+    argv: &[OsString],
+    stand_ins: &[(&str, &str)],
+) -> Result<Vec<OsString>, RunFileError> {
+    // A lenient first pass: which command runs, which run file, what is already set.
+    let lenient = cmd
+        .clone()
+        .ignore_errors(true)
+        .try_get_matches_from(argv.iter())
+        .ok();
+    let Some(lenient) = lenient else {
+        return Ok(argv.to_vec());
+    };
+    let path = config_path(&lenient);
+    let Some(path) = path else {
+        return Ok(argv.to_vec());
+    };
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| RunFileError(format!("--config {}: {e}", path.display())))?;
+    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+        RunFileError(format!(
+            "{}: not valid TOML: {}",
+            path.display(),
+            e.to_string().lines().next().unwrap_or_default()
+        ))
+    })?;
+
+    // The command chain: binary, command, subcommand…
+    let binary = cmd.get_name().to_owned();
+    let mut chain = vec![(cmd.clone(), lenient.clone())];
+    loop {
+        let (c, m) = chain.last().expect("not empty");
+        let Some((name, sub)) = m.subcommand() else {
+            break;
+        };
+        let Some(sc) = c.find_subcommand(name).cloned() else {
+            break;
+        };
+        chain.push((sc, sub.clone()));
+    }
+    let mut names: Vec<String> = chain
+        .iter()
+        .skip(1)
+        .map(|(c, _)| c.get_name().to_owned())
+        .collect();
+    if let Some((_, to)) = stand_ins.iter().find(|(from, _)| *from == names.join(" ")) {
+        names = to.split(' ').map(str::to_owned).collect();
+    }
+    let mut every = Vec::new();
+    command_names(cmd, &mut every);
+    let flat = flatten(&table, &binary, &names, &every, &path)?;
+
+    // Every key some command of the three binaries takes.
+    let known = known_keys();
+    let mut front = Vec::new();
+    let mut back = Vec::new();
+    let mut from_file = FromFile {
+        file: path.clone(),
+        flags: Vec::new(),
+    };
+    let last = chain.len() - 1;
+    for (key, value) in &flat {
+        let target = chain
+            .iter()
+            .enumerate()
+            .rev()
+            .find_map(|(i, (c, m))| find_arg(c, key).map(|a| (i, c, m, a)));
+        let Some((level, command, matches, arg)) = target else {
+            if known.contains(&key.as_str()) {
+                // Another command's or binary's: left to it.
+                continue;
+            }
+            return Err(unknown_key(&path, key, &known));
+        };
+        let id = arg.get_id().as_str();
+        if NOT_IN_FILES.contains(&id) {
+            return Err(RunFileError(format!(
+                "{}: `{key}` cannot be set in a run file{}",
+                path.display(),
+                if id.ends_with("token") {
+                    " (a secret: use token_file, or the environment)"
+                } else {
+                    ""
+                }
+            )));
+        }
+        if explicitly_set(matches, id)
+            || command
+                .get_arg_conflicts_with(arg)
+                .iter()
+                .any(|c| explicitly_set(matches, c.get_id().as_str()))
+        {
+            continue;
+        }
+        let values = values_of(value).ok_or_else(|| {
+            RunFileError(format!(
+                "{}: `{key}` takes a value (a string, number, boolean or a list of them)",
+                path.display()
+            ))
+        })?;
+        let flag = format!("--{}", arg.get_long().expect("found by its long name"));
+        let args = if matches!(arg.get_action(), ArgAction::SetTrue | ArgAction::SetFalse) {
+            match value {
+                toml::Value::Boolean(true) => vec![OsString::from(&flag)],
+                toml::Value::Boolean(false) => vec![],
+                other => {
+                    return Err(RunFileError(format!(
+                        "{}: {key} = {other}: expected true or false",
+                        path.display()
+                    )));
+                }
+            }
+        } else {
+            // The option's own parser on each value, alone (clap's message, the key named).
+            let check = Command::new("run-file").no_binary_name(true).arg(
+                clap::Arg::new("value")
+                    .long("value")
+                    .action(ArgAction::Set)
+                    .allow_negative_numbers(true)
+                    .value_parser(arg.get_value_parser().clone()),
+            );
+            let mut args = Vec::new();
+            for v in &values {
+                check
+                    .clone()
+                    .try_get_matches_from([OsString::from(format!("--value={v}"))])
+                    .map_err(|e| {
+                        let why = match negative_count(&e) {
+                            Some(_) => "must not be negative".to_owned(),
+                            None => clap_reason(&e),
+                        };
+                        RunFileError(format!("{}: {key} = {value}: {why}", path.display()))
+                    })?;
+                args.push(OsString::from(format!("{flag}={v}")));
+            }
+            args
+        };
+        from_file.flags.push((flag, key.clone()));
+        if level == last {
+            back.extend(args);
+        } else if level == 0 {
+            front.extend(args);
+        } else {
+            // Options of an intermediate command: right after its name.
+            back.extend(args);
+        }
+    }
+    let _ = FROM_FILE.set(from_file);
+    let mut out = Vec::with_capacity(argv.len() + front.len() + back.len());
+    out.extend(argv.first().cloned());
+    out.extend(front);
+    // Before a `--`, if the command line has one.
+    let rest = &argv[1.min(argv.len())..];
+    match rest.iter().position(|a| a == "--") {
+        Some(dash) => {
+            out.extend(rest[..dash].iter().cloned());
+            out.extend(back);
+            out.extend(rest[dash..].iter().cloned());
+        }
+        None => {
+            out.extend(rest.iter().cloned());
+            out.extend(back);
+        }
+    }
+    Ok(out)
+}
+
+/// The names of every command under `cmd`, at any depth.
+fn command_names(cmd: &Command, out: &mut Vec<String>) {
+    for sub in cmd.get_subcommands() {
+        out.push(sub.get_name().to_owned());
+        command_names(sub, out);
+    }
+}
+
+/// The run file given with `--config` or [`CONFIG_ENV`], at any level of the command.
+fn config_path(m: &ArgMatches) -> Option<PathBuf> {
+    let mut level = Some(m);
+    let mut found = None;
+    while let Some(m) = level {
+        if let Ok(Some(p)) = m.try_get_one::<PathBuf>("config") {
+            found = Some(p.clone());
+        }
+        level = m.subcommand().map(|(_, s)| s);
+    }
+    found
+}
+
+/// Whether the command line or the environment set `id`.
+fn explicitly_set(m: &ArgMatches, id: &str) -> bool {
+    matches!(
+        m.try_contains_id(id).ok().and_then(|_| m.value_source(id)),
+        Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+    )
+}
+
+/// The option whose long name is `key` with hyphens.
+fn find_arg<'a>(c: &'a Command, key: &str) -> Option<&'a clap::Arg> {
+    let long = key.replace('_', "-");
+    c.get_arguments()
+        .find(|a| a.get_long() == Some(long.as_str()) && !key.contains('-'))
+}
+
+/// A value's command-line strings; `None` for tables and nested lists.
+fn values_of(v: &toml::Value) -> Option<Vec<String>> {
+    let one = |v: &toml::Value| match v {
+        toml::Value::String(s) => Some(s.clone()),
+        toml::Value::Integer(i) => Some(i.to_string()),
+        toml::Value::Float(f) => Some(f.to_string()),
+        toml::Value::Boolean(b) => Some(b.to_string()),
+        _ => None,
+    };
+    match v {
+        toml::Value::Array(a) => a.iter().map(one).collect(),
+        v => one(v).map(|s| vec![s]),
+    }
+}
+
+/// The flat keys that apply to `binary` running `commands` (outermost first): general
+/// tables and top-level keys first, then the binary's table, then its commands' tables,
+/// each more specific one overriding.
+/// Tables named after one of `every` command of the binary belong to that command.
+fn flatten(
+    table: &toml::Table,
+    binary: &str,
+    commands: &[String],
+    every: &[String],
+    path: &Path,
+) -> Result<BTreeMap<String, toml::Value>, RunFileError> {
+    let mut out = BTreeMap::new();
+    let mut unscoped = BINARIES.to_vec();
+    unscoped.push(RECORD_TABLE);
+    general(table, &mut out, path, &unscoped)?;
+    if let Some(toml::Value::Table(own)) = table.get(binary) {
+        let mut scope = own;
+        let names: Vec<&str> = every.iter().map(String::as_str).collect();
+        general(scope, &mut out, path, &names)?;
+        for name in commands {
+            match scope.get(name.as_str()) {
+                Some(toml::Value::Table(t)) => {
+                    general(t, &mut out, path, &names)?;
+                    scope = t;
+                }
+                _ => break,
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The keys of `t` and of its tables but those named in `scoped` (recursively), into `out`;
+/// a key found twice at one level of specificity is an error.
+fn general(
+    t: &toml::Table,
+    out: &mut BTreeMap<String, toml::Value>,
+    path: &Path,
+    scoped: &[&str],
+) -> Result<(), RunFileError> {
+    let mut here = BTreeMap::new();
+    collect(t, &mut here, path, scoped)?;
+    out.extend(here);
+    Ok(())
+}
+
+fn collect(
+    t: &toml::Table,
+    here: &mut BTreeMap<String, toml::Value>,
+    path: &Path,
+    scoped: &[&str],
+) -> Result<(), RunFileError> {
+    for (k, v) in t {
+        match v {
+            toml::Value::Table(inner) => {
+                if scoped.contains(&k.as_str()) || BINARIES.contains(&k.as_str()) {
+                    continue;
+                }
+                collect(inner, here, path, &[])?;
+            }
+            v => {
+                if here.insert(k.clone(), v.clone()).is_some() {
+                    return Err(RunFileError(format!(
+                        "{}: `{k}` is set twice (in two tables of the same scope)",
+                        path.display()
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// "unknown key" with the closest known key, if one is close.
+fn unknown_key(path: &Path, key: &str, known: &[&str]) -> RunFileError {
+    let normal = key.replace('-', "_").to_lowercase();
+    let best = known
+        .iter()
+        .map(|k| (strsim::jaro_winkler(&normal, k), *k))
+        .max_by(|a, b| a.0.total_cmp(&b.0));
+    let hint = match best {
+        Some((score, k)) if score >= 0.8 => format!("; did you mean `{k}`?"),
+        _ => String::new(),
+    };
+    RunFileError(format!(
+        "{}: unknown key `{key}`{hint} (keys are long options with underscores)",
+        path.display()
+    ))
+}
+
+/// The reason in a clap value error, without clap's framing.
+fn clap_reason(e: &clap::Error) -> String {
+    let text = e.to_string();
+    let first = text.lines().next().unwrap_or_default();
+    let reason = first.trim_start_matches("error: ");
+    // "invalid value 'x' for '--value <value>': why" → "why"
+    match reason.split_once("': ") {
+        Some((_, why)) if reason.contains("'--value") => why.to_owned(),
+        _ => reason.to_owned(),
+    }
+}
+
+/// `msg`, with the key and file named when it is about an option the run file set (a
+/// range check after parsing names the flag: `--group-size must be ≥ 2`).
+pub fn annotate(msg: &str) -> String {
+    let Some(from) = FROM_FILE.get() else {
+        return msg.to_owned();
+    };
+    for (flag, key) in &from.flags {
+        if let Some(at) = msg.find(flag.as_str()) {
+            let next = msg[at + flag.len()..].chars().next();
+            if next.is_none_or(|c| !(c.is_alphanumeric() || c == '-')) {
+                return format!("{msg} (`{key}` in {})", from.file.display());
+            }
+        }
+    }
+    msg.to_owned()
+}
+
+/// Every option of the matched command (the deepest subcommand of `m` in `cmd`) with its
+/// value after parsing, defaults included, as TOML: the record of a run. Options without a
+/// value and those no run file sets (secrets) are left out.
+pub fn resolved(cmd: &Command, m: &ArgMatches) -> toml::Table {
+    let (mut c, mut m) = (cmd.clone(), m);
+    while let Some((name, sub)) = m.subcommand() {
+        match c.find_subcommand(name) {
+            Some(sc) => {
+                c = sc.clone();
+                m = sub;
+            }
+            None => break,
+        }
+    }
+    let mut out = toml::Table::new();
+    for arg in c.get_arguments() {
+        let id = arg.get_id().as_str();
+        let Some(long) = arg.get_long() else { continue };
+        if NOT_IN_FILES.contains(&id) || arg.is_hide_set() {
+            continue;
+        }
+        let key = long.replace('-', "_");
+        let Ok(Some(raw)) = m.try_get_raw(id) else {
+            continue;
+        };
+        let values: Vec<String> = raw.map(|v| v.to_string_lossy().into_owned()).collect();
+        let is_flag = matches!(arg.get_action(), ArgAction::SetTrue | ArgAction::SetFalse);
+        let typed = |s: &str| -> toml::Value {
+            if is_flag {
+                return toml::Value::Boolean(s == "true");
+            }
+            if let Ok(i) = s.parse::<i64>() {
+                return toml::Value::Integer(i);
+            }
+            if let Ok(f) = s.parse::<f64>()
+                && f.is_finite()
+                && s.chars().any(|c| c.is_ascii_digit())
+            {
+                return toml::Value::Float(f);
+            }
+            toml::Value::String(s.to_owned())
+        };
+        let takes_many = matches!(arg.get_action(), ArgAction::Append)
+            || arg.get_num_args().is_some_and(|n| n.max_values() > 1);
+        let value = if takes_many {
+            toml::Value::Array(values.iter().map(|v| typed(v)).collect())
+        } else {
+            match values.first() {
+                Some(v) => typed(v),
+                None => continue,
+            }
+        };
+        out.insert(key, value);
+    }
+    out
+}
+
+/// Every key some command of the three binaries takes (long options with underscores).
+/// `tests/tests/run_file.rs` checks it against the binaries' commands.
+pub fn known_keys() -> Vec<&'static str> {
+    KNOWN_KEYS.to_vec()
+}
+
+/// See [`known_keys`].
+pub const KNOWN_KEYS: &[&str] = &[
+    "advantage_norm",
+    "advertise",
+    "aggregation",
+    "batch",
+    "batch_only",
+    "batch_size",
+    "beta",
+    "checkpoint_every",
+    "chunk_kib",
+    "clip_eps",
+    "clip_eps_high",
+    "completion_only",
+    "completion_tokens",
+    "config",
+    "data_dir",
+    "device",
+    "drain_timeout",
+    "dtype",
+    "dump",
+    "dynamic_sampling",
+    "engine",
+    "engine_cache",
+    "engine_depth",
+    "engine_hash_mb",
+    "engine_movetime_ms",
+    "engine_processes",
+    "engine_start_timeout_ms",
+    "engine_threads",
+    "engine_timeout_ms",
+    "eval_data_dir",
+    "eval_every",
+    "eval_limit",
+    "eval_suites",
+    "group",
+    "group_size",
+    "gspo_eps",
+    "gspo_eps_high",
+    "idle_only",
+    "init_seed",
+    "initial_version",
+    "input",
+    "inspect_token",
+    "inspect_token_file",
+    "is_cap",
+    "items",
+    "learner",
+    "lease_timeout",
+    "limit",
+    "listen",
+    "local",
+    "log_format",
+    "log_jsonl",
+    "lr",
+    "mask_truncated",
+    "max_grad_norm",
+    "max_in_flight",
+    "max_items_in_flight",
+    "max_items_per_call",
+    "max_kv_tokens",
+    "max_new_tokens",
+    "max_prefill_tokens",
+    "max_queued_samples",
+    "max_seqs",
+    "max_version_lag",
+    "metrics",
+    "micro_batch_groups",
+    "micro_batch_size",
+    "min_lr",
+    "model",
+    "new_tokens",
+    "no_progress",
+    "num_completions",
+    "off_policy_correction",
+    "out",
+    "overwrite",
+    "path",
+    "peak_tflops",
+    "policy",
+    "policy_fraction",
+    "policy_loss",
+    "precision",
+    "preset",
+    "prompt",
+    "prompt_tokens",
+    "prompts",
+    "prompts_file",
+    "prompts_per_step",
+    "push_every",
+    "push_timeout",
+    "push_tls_name",
+    "pushes",
+    "reference",
+    "repeat",
+    "resume",
+    "resume_from",
+    "reward",
+    "reward_wait",
+    "rollout_dump",
+    "run_dir",
+    "samples",
+    "save_dtype",
+    "seed",
+    "sft_batch_size",
+    "sft_lr",
+    "sft_steps",
+    "shared_dir",
+    "stall_timeout",
+    "steps",
+    "suite",
+    "swap_policy",
+    "temperature",
+    "timeout",
+    "tls_ca",
+    "tls_cert",
+    "tls_client_ca",
+    "tls_client_cert",
+    "tls_client_key",
+    "tls_key",
+    "token",
+    "token_file",
+    "top_k",
+    "top_p",
+    "train_ops",
+    "updates_per_batch",
+    "warmup_steps",
+    "weight_decay",
+    "weights",
+    "worker_device",
+    "worker_id",
+    "write_items",
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_negative_number_for_a_count_is_refused_by_its_rule() {
+        let cmd = Command::new("b").subcommand(
+            Command::new("serve").arg(
+                clap::Arg::new("n")
+                    .long("n")
+                    .action(ArgAction::Set)
+                    .value_parser(clap::value_parser!(usize)),
+            ),
+        );
+        let argv: Vec<OsString> = ["b", "serve", "--n", "-2"].map(OsString::from).to_vec();
+        let e = parse_from(cmd, &argv, &[]).unwrap_err();
+        assert_eq!(e.to_string(), "--n must not be negative (got -2)");
+    }
+}

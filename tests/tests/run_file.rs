@@ -1,0 +1,292 @@
+//! Run files (`--config FILE`) as the binaries read them: the known keys, the precedence
+//! (defaults < file < environment < flags), scoped tables, and one line naming the key for
+//! an unknown key (with the closest known one), a wrong type or a value out of range.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::process::Command;
+
+const LEARNER: &str = env!("CARGO_BIN_EXE_rw-learner");
+const WORKER: &str = env!("CARGO_BIN_EXE_rw-rollout-worker");
+const REWARD: &str = env!("CARGO_BIN_EXE_rw-reward-server");
+
+/// Every long option of every command of `cmd`, with underscores.
+fn keys(cmd: &clap::Command, out: &mut BTreeSet<String>) {
+    for arg in cmd.get_arguments() {
+        if let Some(long) = arg.get_long() {
+            out.insert(long.replace('-', "_"));
+        }
+    }
+    for sub in cmd.get_subcommands() {
+        keys(sub, out);
+    }
+}
+
+#[test]
+fn the_known_keys_are_every_option_of_the_three_binaries() {
+    let mut all = BTreeSet::new();
+    keys(&learner::app::command(), &mut all);
+    keys(&rollout_worker::app::command(), &mut all);
+    keys(&reward_server::app::command(), &mut all);
+    for own in ["help", "version"] {
+        all.remove(own);
+    }
+    let listed: BTreeSet<String> = rookworld_proto::run_file::KNOWN_KEYS
+        .iter()
+        .map(|k| k.to_string())
+        .collect();
+    let wanted: Vec<String> = all.iter().map(|k| format!("    \"{k}\",")).collect();
+    assert_eq!(
+        listed,
+        all,
+        "rookworld_proto::run_file::KNOWN_KEYS must be:\n{}",
+        wanted.join("\n")
+    );
+}
+
+/// Runs `bin args` with extra environment; (exit code, stdout, stderr).
+fn run(bin: &str, args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let mut c = Command::new(bin);
+    c.args(args);
+    for var in [
+        "ROOKWORLD_CONFIG",
+        "LEARNER_LR",
+        "LEARNER_STEPS",
+        "ROOKWORLD_TOKEN",
+    ] {
+        c.env_remove(var);
+    }
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let out = c.output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> String {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
+/// `learner config show` of a run file with extra flags and environment, as a TOML table.
+fn shown(file: &str, flags: &[&str], env: &[(&str, &str)]) -> toml::Table {
+    let mut args = vec!["config", "show", "--config", file];
+    args.extend_from_slice(flags);
+    let (code, out, err) = run(LEARNER, &args, env);
+    assert_eq!(code, 0, "{err}");
+    out.parse().unwrap()
+}
+
+const RUN: &str = r#"
+preset = "tiny"
+[grpo]
+group_size = 4
+lr = 0.0005
+[sampling]
+temperature = 0.9
+top_k = 20
+[learner.train]
+steps = 7
+[learner.eval]
+eval_limit = 3
+[rollout-worker]
+max_in_flight = 3
+[reward-server]
+max_items_per_call = 64
+"#;
+
+#[test]
+fn defaults_lie_under_the_file_the_environment_over_it_and_flags_over_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(dir.path(), "run.toml", RUN);
+    let t = shown(&file, &["--steps", "9"], &[("LEARNER_LR", "0.25")]);
+    // From the file (grouping tables and the binary's command table), the env, a flag.
+    assert_eq!(t["group_size"].as_integer(), Some(4));
+    assert_eq!(t["temperature"].as_float(), Some(0.9));
+    assert_eq!(t["top_k"].as_integer(), Some(20));
+    assert_eq!(
+        t["lr"].as_float(),
+        Some(0.25),
+        "the environment beats the file"
+    );
+    assert_eq!(t["steps"].as_integer(), Some(9), "a flag beats the file");
+    // A default nobody set; another command's and other binaries' keys left alone.
+    assert_eq!(t["beta"].as_float(), Some(0.01));
+    assert_eq!(t["eval_limit"].as_integer(), Some(64));
+    assert!(!t.contains_key("max_in_flight"));
+    // Without the flag and the variable, the file's values.
+    let t = shown(&file, &[], &[]);
+    assert_eq!(t["lr"].as_float(), Some(0.0005));
+    assert_eq!(t["steps"].as_integer(), Some(7));
+    // No secret is ever shown.
+    let t = shown(&file, &["--token", "hunter2"], &[]);
+    assert!(!t.contains_key("token"));
+    // The file is named by the variable too.
+    let (code, out, err) = run(LEARNER, &["config", "show"], &[("ROOKWORLD_CONFIG", &file)]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("steps = 7"), "{out}");
+}
+
+#[test]
+fn a_bad_key_or_value_is_one_line_naming_the_key_and_exit_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: Vec<(&str, &[&str], &str, &str)> = vec![
+        (
+            LEARNER,
+            &["config", "show"],
+            "group_sze = 4\n",
+            "unknown key `group_sze`; did you mean `group_size`?",
+        ),
+        (
+            LEARNER,
+            &["config", "show"],
+            "[learner]\nclip-eps = 0.1\n",
+            "unknown key `clip-eps`; did you mean `clip_eps`?",
+        ),
+        (
+            LEARNER,
+            &["config", "show"],
+            "top_p = \"x\"\n",
+            "top_p = \"x\": invalid float literal",
+        ),
+        (
+            LEARNER,
+            &["config", "show"],
+            "aggregation = \"tokens\"\n",
+            "aggregation = \"tokens\": invalid value 'tokens'",
+        ),
+        (
+            LEARNER,
+            &["config", "show"],
+            "group_size = 1\n",
+            "--group-size must be ≥ 2 (got 1) (`group_size` in",
+        ),
+        (
+            LEARNER,
+            &["config", "show"],
+            "mask_truncated = \"yes\"\n",
+            "mask_truncated = \"yes\": expected true or false",
+        ),
+        (
+            LEARNER,
+            &["config", "show"],
+            "token = \"s3cret\"\n",
+            "`token` cannot be set in a run file (a secret: use token_file",
+        ),
+        (
+            LEARNER,
+            &["config", "show"],
+            "lr = 0.1\n[grpo]\nlr = 0.2\n",
+            "`lr` is set twice",
+        ),
+        (
+            LEARNER,
+            &["config", "show"],
+            "steps = [\n",
+            "not valid TOML",
+        ),
+        (
+            WORKER,
+            &["serve", "--preset", "tiny"],
+            "max_in_flite = 2\n",
+            "did you mean `max_in_flight`?",
+        ),
+        (
+            REWARD,
+            &["serve"],
+            "[reward-server]\nlisten = \"127.0.0.1:0\"\nmax_items = 3\n",
+            "unknown key `max_items`",
+        ),
+    ];
+    for (i, (bin, args, text, want)) in cases.into_iter().enumerate() {
+        let file = write(dir.path(), &format!("bad{i}.toml"), text);
+        let mut argv = args.to_vec();
+        argv.extend(["--config", &file]);
+        let (code, _, err) = run(bin, &argv, &[]);
+        assert_eq!(code, 1, "{text}: exit {code}\n{err}");
+        assert!(err.contains(want), "{text}: wanted {want:?}, got\n{err}");
+        assert_eq!(err.trim().lines().count(), 1, "{text}: one line\n{err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    // A missing file.
+    let (code, _, err) = run(
+        LEARNER,
+        &["config", "show", "--config", "/nonexistent/run.toml"],
+        &[],
+    );
+    assert_eq!(code, 1);
+    assert!(err.contains("--config /nonexistent/run.toml"), "{err}");
+}
+
+#[test]
+fn a_run_records_its_resolved_settings_and_a_resume_names_what_changed() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let file = write(
+        dir.path(),
+        "run.toml",
+        &format!(
+            "preset = \"tiny\"\ninit_seed = 3\n[grpo]\nsteps = 2\nprompts_per_step = 2\ngroup_size = 2\nsft_steps = 0\n\
+             [sampling]\nmax_new_tokens = 8\n[learner.train]\nlocal = true\nno_progress = true\nrun_dir = {:?}\n",
+            run_dir.to_str().unwrap()
+        ),
+    );
+    // Two local runs at once would collide on fixed ports: --local takes free ones.
+    let (code, out, err) = run(LEARNER, &["train", "--config", &file], &[]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        !err.contains("127.0.0.1:50051"),
+        "--local took the fixed queue port\n{err}"
+    );
+    assert!(
+        err.contains("Prometheus metrics at http://127.0.0.1:"),
+        "{err}"
+    );
+    // RUN/config.toml: every setting (defaults too), with where the run came from.
+    let text = std::fs::read_to_string(run_dir.join("config.toml")).unwrap();
+    let t: toml::Table = text.parse().unwrap();
+    assert_eq!(t["steps"].as_integer(), Some(2));
+    assert_eq!(t["beta"].as_float(), Some(0.01), "a default is recorded");
+    let record = t["record"].as_table().unwrap();
+    assert_eq!(record["model"].as_str(), Some("preset tiny (seed 3)"));
+    assert!(record["device"].as_str().unwrap().starts_with("cpu"));
+    assert!(record.contains_key("commit") && record.contains_key("version"));
+    // Each checkpoint keeps the same record.
+    let kept = run_dir.join("checkpoints/step-00000002/config.toml");
+    assert_eq!(std::fs::read_to_string(kept).unwrap(), text);
+
+    // The record runs again; a resumed run names what changed, and a finished one says so.
+    let record_path = run_dir.join("config.toml");
+    let record_path = record_path.to_str().unwrap();
+    let (code, out, err) = run(
+        LEARNER,
+        &[
+            "train",
+            "--config",
+            record_path,
+            "--resume",
+            "--push-timeout",
+            "30",
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(err.contains("push_timeout: 60 → 30"), "{err}");
+    assert!(
+        out.contains("all 2 steps of") && out.contains("--resume --steps 4"),
+        "{out}"
+    );
+    // A setting that defines the maths is refused, named with old and new values.
+    let (code, _, err) = run(
+        LEARNER,
+        &["train", "--config", record_path, "--resume", "--lr", "0.5"],
+        &[],
+    );
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("lr: 0.001 → 0.5"), "{err}");
+}

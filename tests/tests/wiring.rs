@@ -1,0 +1,195 @@
+//! Wiring mistakes and stops, as a user meets them: real processes on loopback (the
+//! launchers in `tests/src/bin` run the services' own command line). Each mistake must end
+//! in a line that names its cause, and a stop must not wait on a peer.
+
+#[path = "faults/cluster.rs"]
+#[allow(dead_code)]
+mod cluster;
+
+use std::time::{Duration, Instant};
+
+use cluster::Cluster;
+
+/// One cluster at a time: the machine has few cores.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+const START: Duration = Duration::from_secs(180);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_reward_server_is_gone_stops_within_10_s_of_sigterm() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::new();
+    let mut reward = c.reward_server();
+    let _learner = c.learner(false);
+    // The learner checked the reward server at start; now it is gone for good.
+    c.wait_until(START, "the learner's queue", || async {
+        c.depths().await.is_some()
+    })
+    .await;
+    reward.kill9();
+    let addrs = c.direct();
+    let mut worker = c.worker("worker-a", &addrs);
+    c.wait_until(START, "worker-a holding leases", || async {
+        c.workers()
+            .await
+            .iter()
+            .any(|w| w.worker_id == "worker-a" && w.outstanding > 0)
+    })
+    .await;
+    // Its groups are generated and now retry scoring against a closed port.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let started = Instant::now();
+    let exited = worker.terminate(Duration::from_secs(10));
+    let took = started.elapsed();
+    let log = worker.log();
+    assert!(
+        exited,
+        "the worker did not exit 0 within 10 s of SIGTERM ({took:?})\n{}",
+        c.log_tails()
+    );
+    assert!(
+        log.contains("abandoned"),
+        "the worker's stop did not say how many groups it abandoned\n{log}"
+    );
+}
+
+/// Waits until `proc`'s log has a line with every one of `words`; returns that line.
+async fn line_naming(
+    c: &Cluster,
+    proc: &cluster::Proc,
+    within: Duration,
+    words: &[&str],
+) -> String {
+    let mut found = String::new();
+    c.wait_until(within, &format!("a line naming {words:?}"), || {
+        found = proc
+            .log()
+            .lines()
+            .find(|l| words.iter().all(|w| l.contains(w)))
+            .unwrap_or_default()
+            .to_owned();
+        let ok = !found.is_empty();
+        async move { ok }
+    })
+    .await;
+    found
+}
+
+/// Within a minute of the mistake.
+const NAMED: Duration = Duration::from_secs(60);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reward_server_without_a_token_is_named_by_the_learner() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::new();
+    let _reward = c.reward_server_with(None);
+    // With --reward, the learner's start-up check says it and exits 1.
+    let mut checked = c.learner_with(&["--reward-wait", "20"]);
+    let line = line_naming(&c, &checked, NAMED, &["error:", &c.reward_url()]).await;
+    assert!(
+        line.contains("refuses the token") && line.contains("no token is configured"),
+        "{line}"
+    );
+    assert!(!checked.terminate(Duration::from_secs(10)), "exit 1, not 0");
+    // Without it, the worker tells the learner, and the learner names it while it waits.
+    let learner = c.learner_args(&["--overwrite"], false);
+    let _worker = c.worker("worker-a", &c.direct());
+    let line = line_naming(&c, &learner, NAMED, &["cannot score", &c.reward_url()]).await;
+    assert!(line.contains("1 of 1 workers"), "{line}");
+    assert!(line.contains("no token is configured"), "{line}");
+    // ListWorkers shows it too.
+    let w = c.workers().await;
+    assert!(w[0].last_error.contains("refuses"), "{:?}", w[0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_reward_port_is_named_by_the_learner_and_the_worker() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::new();
+    // Nothing listens at the reward address.
+    let learner = c.learner_args(&[], false);
+    let worker = c.worker("worker-a", &c.direct());
+    let line = line_naming(&c, &learner, NAMED, &["cannot score", &c.reward_url()]).await;
+    assert!(line.contains("unreachable"), "{line}");
+    let line = line_naming(&c, &worker, NAMED, &["unreachable", &c.reward_url()]).await;
+    assert!(line.contains("WARN"), "{line}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_with_another_token_is_named_with_its_address() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::new();
+    let mut reward = c.reward_server();
+    let mut learner = c.learner(false);
+    let other = c.path("other-token");
+    std::fs::write(&other, "not-the-learner-s\n").unwrap();
+    let worker = c.worker_with("worker-a", &c.direct(), &other);
+    let line = line_naming(
+        &c,
+        &learner,
+        NAMED,
+        &["Lease calls from 127.0.0.1:", "wrong token"],
+    )
+    .await;
+    assert!(line.contains("--token differs"), "{line}");
+    // The worker's own start-up check names the learner's URL.
+    let line = line_naming(
+        &c,
+        &worker,
+        NAMED,
+        &["learner queue refuses the token", &c.learner_url()],
+    )
+    .await;
+    assert!(line.contains("ERROR"), "{line}");
+    // The queue counts the refused calls by cause and caller.
+    let refused = c.depths().await.unwrap().refused_calls;
+    assert!(
+        refused
+            .iter()
+            .any(|r| r.call == "Lease" && r.cause == "wrong token" && r.count > 0),
+        "{refused:?}"
+    );
+    // A learner waiting for groups and a reward server stop within 10 s of SIGTERM, exit 0.
+    assert!(
+        learner.terminate(Duration::from_secs(10)),
+        "{}",
+        c.log_tails()
+    );
+    assert!(
+        reward.terminate(Duration::from_secs(10)),
+        "{}",
+        c.log_tails()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reward_url_at_a_worker_s_port_is_refused_at_start() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::new();
+    let _reward = c.reward_server();
+    let addrs = c.direct();
+    let _worker = c.worker("worker-a", &addrs);
+    c.wait_until(START, "worker-a's service", || async {
+        cluster::worker_version(addrs.listen).await.is_some()
+    })
+    .await;
+    // A learner whose --reward is the worker's port.
+    let wrong = format!("http://{}", addrs.listen);
+    let mut second = c.learner_args(&["--reward", &wrong], false);
+    let line = line_naming(&c, &second, NAMED, &["error:", &wrong]).await;
+    assert!(line.contains("not a reward server"), "{line}");
+    assert!(!second.terminate(Duration::from_secs(10)), "exit 1, not 0");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_started_before_its_learner_names_the_url_then_trains() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::new();
+    let _reward = c.reward_server();
+    let worker = c.worker("worker-a", &c.direct());
+    let line = line_naming(&c, &worker, NAMED, &["not reachable yet", &c.learner_url()]).await;
+    assert!(line.contains("WARN"), "{line}");
+    let _learner = c.learner(false);
+    c.wait_until(START, "a step", || async { c.steps() >= 1 })
+        .await;
+}
