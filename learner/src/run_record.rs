@@ -23,9 +23,14 @@ impl Origin {
     /// The origin of a run starting from `model` (a directory) or a preset.
     pub fn of(model: Option<&Path>, preset: &str, seed: u64, device: &str) -> Self {
         match model {
-            Some(dir) => Self {
-                model: dir.display().to_string(),
-                weights_blake3: weights_hash(dir),
+            Some(model) => Self {
+                model: match rookworld_lm::hub::resolve(model) {
+                    Ok(dir) if dir != model => format!("{} ({})", model.display(), dir.display()),
+                    _ => model.display().to_string(),
+                },
+                weights_blake3: rookworld_lm::hub::resolve(model)
+                    .ok()
+                    .and_then(|dir| weights_hash(&dir)),
                 device: device.to_owned(),
             },
             None => Self {

@@ -14,7 +14,9 @@ use crate::tokenizer::Tokenizer;
 /// Where the weights come from, and where they run.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ModelArgs {
-    /// Hugging Face GPT-2 checkpoint directory (config.json + model.safetensors).
+    /// Hugging Face GPT-2 checkpoint: a directory (config.json + model.safetensors), or a
+    /// Hub repository id (`jrahn/RookWorld-LM-124M`, `@revision` optional) resolved through
+    /// the Hugging Face cache (`HF_HOME`; downloaded when missing unless `HF_HUB_OFFLINE`).
     #[arg(
         long,
         env = "ROOKWORLD_MODEL",
@@ -56,11 +58,19 @@ impl ModelArgs {
             None => default_dtype(&device),
         };
         let (model, tokenizer, source) = match (&self.model, &self.preset) {
-            (Some(dir), _) => (
-                checkpoint::load(dir, dtype, &device)?,
-                Tokenizer::from_dir_or_gpt2(dir)?,
-                format!("checkpoint {}", dir.display()),
-            ),
+            (Some(model), _) => {
+                let dir = crate::hub::resolve(model)?;
+                let source = if dir == *model {
+                    format!("checkpoint {}", dir.display())
+                } else {
+                    format!("{} (checkpoint {})", model.display(), dir.display())
+                };
+                (
+                    checkpoint::load(&dir, dtype, &device)?,
+                    Tokenizer::from_dir_or_gpt2(&dir)?,
+                    source,
+                )
+            }
             (None, Some(name)) => {
                 let cfg = Config::preset(name)?;
                 (

@@ -38,6 +38,7 @@ pub mod error;
 mod fused_ops;
 pub mod generate;
 pub mod grouped;
+pub mod hub;
 pub mod mask;
 pub mod model;
 pub mod refill;

@@ -187,6 +187,18 @@ fn every_refused_value_is_one_line_and_exit_1() {
             strings(&["bench", "--items", "0"]),
             "--items must be ≥ 1",
         ),
+        // learner eval: the output checked before any work
+        (
+            LEARNER,
+            strings(&[
+                "eval",
+                "--preset",
+                "tiny",
+                "--out",
+                "/nonexistent/dir/eval.json",
+            ]),
+            "--out /nonexistent/dir/eval.json: No such file or directory",
+        ),
         // reward-server serve
         (
             REWARD,

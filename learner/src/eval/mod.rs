@@ -98,6 +98,18 @@ pub fn run(args: &EvalArgs) -> Result<(), String> {
         .collect::<Result<Vec<_>, _>>()?;
     let sampling = args.sampling();
     sampling.validate().map_err(|e| e.to_string())?;
+    // The output files before any work: an unwritable path fails at once.
+    let create = |flag: &str, path: &std::path::Path| {
+        std::fs::File::create(path).map_err(|e| format!("{flag} {}: {e}", path.display()))
+    };
+    let mut out = match &args.out {
+        Some(path) => Some(create("--out", path)?),
+        None => None,
+    };
+    let mut dump = match &args.dump {
+        Some(path) => Some(std::io::BufWriter::new(create("--dump", path)?)),
+        None => None,
+    };
     // Every suite's data before the model: a bad file fails at once.
     let mut work = Vec::new();
     for suite in suites {
@@ -124,14 +136,18 @@ pub fn run(args: &EvalArgs) -> Result<(), String> {
     let loaded = args.model.load().map_err(|e| e.to_string())?;
     tracing::info!(source = %loaded.source, "model loaded");
     let model = Arc::new(prepare_model(loaded.model).map_err(|e| e.to_string())?);
-    let mut dump = match &args.dump {
-        Some(path) => Some(std::io::BufWriter::new(
-            std::fs::File::create(path).map_err(|e| format!("{}: {e}", path.display()))?,
-        )),
-        None => None,
-    };
     let mut reports = Vec::new();
-    for (suite, items) in &work {
+    let total = work.len();
+    for (i, (suite, items)) in work.iter().enumerate() {
+        // Progress: a suite is one batched run, so a line as each starts and ends.
+        eprintln!(
+            "eval {}/{total}: {}, {} items × {} samples…",
+            i + 1,
+            suite.name(),
+            items.len(),
+            args.samples
+        );
+        let started = Instant::now();
         let eval = Evaluation {
             model: model.clone(),
             tokenizer: &loaded.tokenizer,
@@ -143,6 +159,12 @@ pub fn run(args: &EvalArgs) -> Result<(), String> {
             stop: None,
         };
         let (report, graded) = eval.suite(*suite, items)?;
+        eprintln!(
+            "eval {}/{total}: {} done in {:.1} s",
+            i + 1,
+            suite.name(),
+            started.elapsed().as_secs_f64()
+        );
         if let Some(out) = dump.as_mut() {
             report::dump(out, *suite, items, &graded).map_err(|e| format!("--dump: {e}"))?;
         }
@@ -159,9 +181,8 @@ pub fn run(args: &EvalArgs) -> Result<(), String> {
         suites: reports,
     };
     let json = serde_json::to_string(&report).expect("the report serialises");
-    if let Some(path) = &args.out {
-        std::fs::write(path, format!("{json}\n"))
-            .map_err(|e| format!("{}: {e}", path.display()))?;
+    if let (Some(file), Some(path)) = (out.as_mut(), &args.out) {
+        writeln!(file, "{json}").map_err(|e| format!("--out {}: {e}", path.display()))?;
     }
     use std::io::IsTerminal;
     if std::io::stdout().is_terminal() {

@@ -12,7 +12,9 @@ pub use super::settings::{RESUMABLE, TrainSettings};
 /// Options of `learner train`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct TrainArgs {
-    /// Starting weights: a Hugging Face checkpoint directory (default: --preset).
+    /// Starting weights: a Hugging Face checkpoint directory, or a Hub repository id
+    /// (`jrahn/RookWorld-LM-124M[@revision]`, through the Hugging Face cache) (default:
+    /// --preset).
     #[arg(long, env = "ROOKWORLD_MODEL", conflicts_with = "preset")]
     pub model: Option<PathBuf>,
     /// Seeded random weights of a preset: tiny, gpt2-124m.

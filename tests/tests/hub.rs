@@ -1,0 +1,90 @@
+//! Models by name: `--model owner/name[@revision]` through a Hugging Face cache the test
+//! lays out as the Hub's clients do (`HF_HOME/hub/models--owner--name/{refs,snapshots}`),
+//! offline (`HF_HUB_OFFLINE=1`): no network in tests.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use candle_core::{DType, Device};
+use rookworld_lm::checkpoint;
+use rookworld_lm::config::Config;
+
+const WORKER: &str = env!("CARGO_BIN_EXE_rw-rollout-worker");
+const COMMIT: &str = "0123456789abcdef0123456789abcdef01234567";
+
+/// `HF_HOME` with `jrahn/RookWorld-LM-124M` at `main` = [`COMMIT`]: a tiny model's files.
+fn lay_out_cache(home: &Path) -> PathBuf {
+    let repo = home.join("hub/models--jrahn--RookWorld-LM-124M");
+    let snapshot = repo.join("snapshots").join(COMMIT);
+    std::fs::create_dir_all(&snapshot).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), COMMIT).unwrap();
+    let cfg = Config::preset("tiny").unwrap();
+    let model = checkpoint::init_random(&cfg, 7, DType::F32, &Device::Cpu).unwrap();
+    checkpoint::save(&model, &snapshot, DType::F32).unwrap();
+    snapshot
+}
+
+#[test]
+fn a_repository_id_resolves_through_the_cache_offline() {
+    let home = tempfile::tempdir().unwrap();
+    let snapshot = lay_out_cache(home.path());
+    let cache = hf_hub::Cache::new(home.path().join("hub"));
+    let resolve = |s: &str| rookworld_lm::hub::resolve_in(Path::new(s), &cache, true);
+    assert_eq!(resolve("jrahn/RookWorld-LM-124M").unwrap(), snapshot);
+    assert_eq!(
+        resolve(&format!("jrahn/RookWorld-LM-124M@{COMMIT}")).unwrap(),
+        snapshot
+    );
+    // Not cached, offline: one line that says where it looked and what to do.
+    let e = resolve("jrahn/Other").unwrap_err().to_string();
+    assert!(
+        e.contains("not in the Hugging Face cache") && e.contains("HF_HUB_OFFLINE"),
+        "{e}"
+    );
+    let e = resolve("jrahn/RookWorld-LM-124M@v9")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("revision v9"), "{e}");
+    // A directory that exists is a directory, whatever its name looks like.
+    assert_eq!(resolve(snapshot.to_str().unwrap()).unwrap(), snapshot);
+    let e = resolve("./no/such-dir").unwrap_err().to_string();
+    assert!(e.contains("does not exist"), "{e}");
+}
+
+#[test]
+fn a_command_loads_a_model_by_name() {
+    let home = tempfile::tempdir().unwrap();
+    lay_out_cache(home.path());
+    let run = |model: &str| {
+        Command::new(WORKER)
+            .args([
+                "generate",
+                "--model",
+                model,
+                "--prompt",
+                "A: ",
+                "--max-new-tokens",
+                "3",
+            ])
+            .env("HF_HOME", home.path())
+            .env("HF_HUB_OFFLINE", "1")
+            .env_remove("ROOKWORLD_PRESET")
+            .output()
+            .unwrap()
+    };
+    let out = run("jrahn/RookWorld-LM-124M");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let line: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().next().unwrap()).unwrap();
+    assert!(line["completions"].is_array(), "{line}");
+    let out = run("jrahn/Missing");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("jrahn/Missing") && err.contains("HF_HUB_OFFLINE"),
+        "{err}"
+    );
+}
