@@ -58,13 +58,13 @@ pub struct BenchArgs {
     #[arg(long, allow_negative_numbers = true, default_value_t = 64)]
     pub completion_tokens: usize,
     /// Prompts per micro-batch (the step's gradient is their weighted sum).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 1)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = crate::loss::DEFAULT_MICRO_BATCH_GROUPS)]
     pub micro_batch_groups: usize,
     /// Measured steps (after one warm-up step); the figures are their mean.
     #[arg(long, allow_negative_numbers = true, default_value_t = 1)]
     pub steps: usize,
     /// KL coefficient β (0 skips the reference forward).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 0.04)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = crate::loss::DEFAULT_BETA)]
     pub beta: f64,
     #[arg(long, value_enum, default_value = "auto")]
     pub path: BenchPath,

@@ -37,6 +37,14 @@ pub struct LossConfig {
     pub mask_truncated: bool,
 }
 
+/// The KL coefficient β by default, in every command that takes `--beta` (`train`, `loss`,
+/// `bench`): small, for a tiny model that must first learn the format.
+pub const DEFAULT_BETA: f64 = 0.01;
+
+/// Groups per forward/backward by default, in every command that takes
+/// `--micro-batch-groups` (`train`, `bench`).
+pub const DEFAULT_MICRO_BATCH_GROUPS: usize = 4;
+
 /// GSPO's clip range by default, as the paper's (3e-4, 4e-4): sequence ratios stay far
 /// closer to 1 than token ratios.
 pub const GSPO_EPS_LOW: f64 = 3e-4;
@@ -66,7 +74,7 @@ impl LossConfig {
     /// The objective's ranges, one rule per flag for `train`, `loss` and `bench`: β ≥ 0,
     /// both clip ε in [0, 1], temperature > 0.
     pub fn validate(&self) -> Result<(), String> {
-        use rookworld_proto::check::{fraction, non_negative, positive};
+        use rookworld_proto::check::{fraction, non_negative};
         non_negative("--beta", self.beta)?;
         fraction("--clip-eps", self.eps_low)?;
         fraction("--clip-eps-high", self.eps_high)?;
@@ -80,7 +88,11 @@ impl LossConfig {
                 "--aggregation constant divides by --max-new-tokens: give one above 0".into(),
             );
         }
-        positive("--temperature", self.temperature)
+        rookworld_lm::sampling::check_temperature("--temperature", self.temperature)?;
+        if self.temperature == 0.0 {
+            return Err("--temperature 0 is greedy: every completion of a group would be the same, with no advantage to learn from; GRPO needs a temperature > 0".into());
+        }
+        Ok(())
     }
 }
 

@@ -26,7 +26,7 @@ pub struct LossArgs {
     #[arg(long)]
     pub batch: PathBuf,
     /// KL coefficient β.
-    #[arg(long, allow_negative_numbers = true, default_value_t = 0.04)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = crate::loss::DEFAULT_BETA)]
     pub beta: f64,
     /// Clip ε on both sides (see --clip-eps-high for an asymmetric upper side).
     #[arg(long, allow_negative_numbers = true, default_value_t = 0.2)]

@@ -41,21 +41,34 @@ impl SamplingParams {
         self.temperature == 0.0
     }
 
-    /// Rejects a negative or non-finite temperature and a top-p outside (0, 1].
+    /// Rejects a negative or non-finite temperature and a top-p outside (0, 1]
+    /// ([`check_temperature`], [`check_top_p`]), naming the fields.
     pub fn validate(&self) -> Result<()> {
-        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(Error::InvalidArgument(format!(
-                "temperature must be a finite number ≥ 0, got {}",
-                self.temperature
-            )));
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(Error::InvalidArgument(format!(
-                "top-p must be in (0, 1], got {}",
-                self.top_p
-            )));
-        }
+        check_temperature("temperature", self.temperature.into())
+            .and_then(|()| check_top_p("top_p", self.top_p.into()))
+            .map_err(Error::InvalidArgument)
+    }
+}
+
+/// The temperature rule of every command and call that samples: a finite number ≥ 0,
+/// where 0 means greedy (argmax). `name` is the flag or field named in the refusal.
+pub fn check_temperature(name: &str, v: f64) -> std::result::Result<(), String> {
+    if v.is_finite() && v >= 0.0 {
         Ok(())
+    } else {
+        Err(format!("{name} must be ≥ 0, 0 meaning greedy (got {v})"))
+    }
+}
+
+/// The top-p rule of every command and call that samples: in (0, 1], where 1 keeps every
+/// token (off).
+pub fn check_top_p(name: &str, v: f64) -> std::result::Result<(), String> {
+    if v > 0.0 && v <= 1.0 {
+        Ok(())
+    } else {
+        Err(format!(
+            "{name} must lie in (0, 1], 1 meaning off (got {v})"
+        ))
     }
 }
 

@@ -40,7 +40,43 @@ fn every_refused_value_is_one_line_and_exit_1() {
         (
             LEARNER,
             train(&["--temperature", "-1"]),
-            "--temperature must be > 0",
+            "--temperature must be ≥ 0, 0 meaning greedy (got -1)",
+        ),
+        (
+            LEARNER,
+            train(&["--temperature", "0"]),
+            "--temperature 0 is greedy: every completion of a group would be the same",
+        ),
+        (
+            LEARNER,
+            train(&["--top-p", "0"]),
+            "--top-p must lie in (0, 1], 1 meaning off (got 0)",
+        ),
+        // The same rules where completions are sampled outside training.
+        (
+            WORKER,
+            strings(&[
+                "generate",
+                "--preset",
+                "tiny",
+                "--prompt",
+                "A: ",
+                "--temperature",
+                "-1",
+            ]),
+            "temperature must be ≥ 0, 0 meaning greedy (got -1)",
+        ),
+        (
+            WORKER,
+            strings(&[
+                "generate", "--preset", "tiny", "--prompt", "A: ", "--top-p", "0",
+            ]),
+            "top_p must lie in (0, 1], 1 meaning off (got 0)",
+        ),
+        (
+            LEARNER,
+            strings(&["eval", "--preset", "tiny", "--temperature", "-0.5"]),
+            "temperature must be ≥ 0, 0 meaning greedy (got -0.5)",
         ),
         (
             LEARNER,
@@ -60,7 +96,7 @@ fn every_refused_value_is_one_line_and_exit_1() {
         (
             LEARNER,
             train(&["--top-p", "1.5"]),
-            "--top-p must lie in [0, 1]",
+            "--top-p must lie in (0, 1], 1 meaning off (got 1.5)",
         ),
         (
             LEARNER,

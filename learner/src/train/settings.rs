@@ -91,7 +91,7 @@ pub struct TrainSettings {
         long,
         allow_negative_numbers = true,
         env = "LEARNER_MICRO_BATCH_GROUPS",
-        default_value_t = 4
+        default_value_t = crate::loss::DEFAULT_MICRO_BATCH_GROUPS
     )]
     pub micro_batch_groups: usize,
     #[arg(
@@ -135,7 +135,7 @@ pub struct TrainSettings {
         long,
         allow_negative_numbers = true,
         env = "LEARNER_BETA",
-        default_value_t = 0.01
+        default_value_t = crate::loss::DEFAULT_BETA
     )]
     pub beta: f64,
     /// Clip ε, lower side.
@@ -316,7 +316,7 @@ impl TrainSettings {
             non_negative("--weight-decay", self.weight_decay),
             non_negative("--max-grad-norm", self.max_grad_norm),
             fraction("--policy-fraction", self.policy_fraction),
-            fraction("--top-p", self.top_p),
+            rookworld_lm::sampling::check_top_p("--top-p", self.top_p),
         ];
         checks
             .into_iter()
