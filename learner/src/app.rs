@@ -108,6 +108,9 @@ fn train_cmd(args: &TrainArgs) -> Result<(), String> {
         if let Some(addr) = args.metrics_addr().map_err(|e| e.to_string())? {
             let bound = crate::metrics::install_exporter(addr)
                 .map_err(|e| format!("metrics on {addr}: {e}"))?;
+            if args.local {
+                crate::metrics::describe_local();
+            }
             tracing::info!(metrics = %bound, "Prometheus metrics at http://{bound}/metrics");
         }
         let summary = train::run(

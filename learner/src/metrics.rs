@@ -26,10 +26,27 @@ pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
             Matcher::Full("learner_weight_push_seconds".into()),
             PUSH_BUCKETS,
         )?
-        .set_buckets_for_metric(Matcher::Full("learner_step_seconds".into()), STEP_BUCKETS)?;
+        .set_buckets_for_metric(Matcher::Full("learner_step_seconds".into()), STEP_BUCKETS)?
+        // `--local`'s worker and reward server record into this endpoint: their histograms
+        // with their own buckets (not summaries).
+        .set_buckets_for_metric(
+            Matcher::Prefix("rollout_".into()),
+            rollout_worker::metrics::SECONDS_BUCKETS,
+        )?
+        .set_buckets_for_metric(
+            Matcher::Full("reward_request_duration_seconds".into()),
+            reward_server::metrics::LATENCY_BUCKETS,
+        )?;
     let bound = rookworld_proto::metrics_http::install(builder, addr)?;
     describe();
     Ok(bound)
+}
+
+/// Descriptions of the metrics of `--local`'s worker and reward server, which record into
+/// the learner's endpoint.
+pub fn describe_local() {
+    rollout_worker::metrics::describe();
+    reward_server::metrics::describe();
 }
 
 /// Descriptions of every metric (labels come from bounded sets: workers, results, lags).
@@ -184,6 +201,21 @@ pub fn describe() {
         "Gradient norm before clipping, latest step."
     );
     describe_gauge!("learner_lr", "Learning rate of the latest step.");
+    describe_gauge!(
+        "learner_clipped_low_ratio",
+        Unit::Count,
+        "Share of the latest step's tokens whose ratio was clipped below (1 - ε)."
+    );
+    describe_gauge!(
+        "learner_clipped_high_ratio",
+        Unit::Count,
+        "Share of the latest step's tokens whose ratio was clipped above (1 + ε_high)."
+    );
+    describe_counter!(
+        "learner_completions_masked_truncated_total",
+        Unit::Count,
+        "Completions cut off at --max-new-tokens left out of the loss (--mask-truncated)."
+    );
     describe_gauge!(
         "learner_clipped_tokens_ratio",
         "Share of completion tokens whose ratio was clipped, latest step."

@@ -6,7 +6,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use rookworld_proto::metrics_http::MetricsError;
 
 /// Latency buckets (seconds) for scoring calls.
-const LATENCY_BUCKETS: &[f64] = &[
+pub const LATENCY_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
 

@@ -12,7 +12,7 @@ use rookworld_proto::metrics_http::MetricsError;
 use crate::engine::{EngineStatus, StepStats};
 
 /// Buckets (seconds) for decode steps, prefills and weight updates.
-const SECONDS_BUCKETS: &[f64] = &[
+pub const SECONDS_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
@@ -37,10 +37,6 @@ pub fn describe() {
         "rollout_tokens_generated_total",
         Unit::Count,
         "New tokens sampled."
-    );
-    describe_gauge!(
-        "rollout_tokens_per_second",
-        "New tokens per second over the last few seconds of work."
     );
     describe_gauge!(
         "rollout_batch_occupancy_ratio",
@@ -162,7 +158,6 @@ pub fn record_step(new_tokens: usize, stats: &StepStats) {
 
 /// Publishes the engine's load (and the GPU's memory on CUDA).
 pub fn set_load(status: &EngineStatus, device: &candle_core::Device) {
-    gauge!("rollout_tokens_per_second").set(status.tokens_per_second);
     gauge!("rollout_batch_rows").set(status.live_rows as f64);
     gauge!("rollout_batch_row_limit").set(status.row_limit as f64);
     gauge!("rollout_batch_occupancy_ratio")

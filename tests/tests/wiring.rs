@@ -193,3 +193,74 @@ async fn a_worker_started_before_its_learner_names_the_url_then_trains() {
     c.wait_until(START, "a step", || async { c.steps() >= 1 })
         .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_run_describes_every_metric_and_stops_within_10_s() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::new();
+    let metrics = cluster::free_addr();
+    let args: Vec<String> = [
+        "train",
+        "--local",
+        "--preset",
+        "tiny",
+        "--run-dir",
+        c.path("run").to_str().unwrap(),
+        "--metrics",
+        &metrics.to_string(),
+        "--steps",
+        "100000",
+        "--sft-steps",
+        "0",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--log-jsonl",
+        c.path("steps.jsonl").to_str().unwrap(),
+        "--no-progress",
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut learner = cluster::Proc::spawn("learner", cluster::LEARNER, &args, c.dir.path());
+    c.wait_until(START, "two steps", || async { c.steps() >= 2 })
+        .await;
+    let text = rookworld_proto::probe::scrape_metrics(metrics).unwrap();
+    let family = |line: &str| {
+        line.split_whitespace()
+            .nth(2)
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let helped: std::collections::BTreeSet<String> = text
+        .lines()
+        .filter(|l| l.starts_with("# HELP"))
+        .map(family)
+        .collect();
+    let typed: Vec<(String, String)> = text
+        .lines()
+        .filter(|l| l.starts_with("# TYPE"))
+        .map(|l| (family(l), l.split_whitespace().nth(3).unwrap().to_owned()))
+        .collect();
+    // The learner's, and the in-process worker's and reward server's.
+    for prefix in ["learner_", "rollout_", "reward_"] {
+        assert!(
+            typed.iter().any(|(n, _)| n.starts_with(prefix)),
+            "no {prefix} metric\n{text}"
+        );
+    }
+    for (name, kind) in &typed {
+        assert!(helped.contains(name), "{name} has no HELP");
+        assert_ne!(
+            kind, "summary",
+            "{name} is a summary, not a histogram with buckets"
+        );
+    }
+    assert!(
+        learner.terminate(Duration::from_secs(10)),
+        "{}",
+        c.log_tails()
+    );
+}
