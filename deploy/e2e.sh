@@ -173,7 +173,7 @@ PY
 
 say "alert rules loaded"
 curl -fsS "$prom/api/v1/rules" | grep -q '"name":"LearnerStalled"' || fail "Prometheus has not loaded the LearnerStalled rule"
-[ -n "$(query learner_seconds_since_last_step)" ] || fail "no learner_seconds_since_last_step in Prometheus"
+[ -n "$(query learner_step_idle_seconds)" ] || fail "no learner_step_idle_seconds in Prometheus"
 
 say "rollout queue through server reflection (Python grpcio-reflection)"
 python3 -m venv "$tmp/venv"

@@ -202,6 +202,62 @@ pub fn describe() {
     );
     describe_gauge!("learner_lr", "Learning rate of the latest step.");
     describe_gauge!(
+        "learner_policy_entropy",
+        "Mean entropy (nats) of the policy over the latest step's completion tokens."
+    );
+    describe_gauge!(
+        "learner_sampler_logp_diff_mean",
+        "Mean |log π_learner − log π_sampler| over the latest step's tokens (off-policy correction on)."
+    );
+    describe_gauge!(
+        "learner_sampler_logp_diff_max",
+        "Largest |log π_learner − log π_sampler| over the latest step's tokens."
+    );
+    describe_gauge!(
+        "learner_sampler_kl",
+        "k3 estimate of KL(sampler ‖ learner) over the latest step's tokens."
+    );
+    describe_gauge!(
+        "learner_is_weight_min",
+        "Smallest importance weight π_prox/π_behaviour before its bound, latest step."
+    );
+    describe_gauge!(
+        "learner_is_weight_mean",
+        "Mean importance weight π_prox/π_behaviour before its bound, latest step."
+    );
+    describe_gauge!(
+        "learner_is_weight_max",
+        "Largest importance weight π_prox/π_behaviour before its bound, latest step."
+    );
+    describe_gauge!(
+        "learner_is_bounded_ratio",
+        Unit::Count,
+        "Share of the latest step's importance weights cut at --is-cap (or masked)."
+    );
+    describe_gauge!(
+        "learner_is_ess_ratio",
+        Unit::Count,
+        "Effective sample size of the latest step's importance weights over their count."
+    );
+    describe_gauge!(
+        "learner_eval",
+        "--eval-every: each metric of the latest evaluation, by `suite` and `metric`."
+    );
+    describe_gauge!(
+        "learner_eval_step",
+        "The step whose weights were evaluated last."
+    );
+    describe_histogram!(
+        "learner_eval_seconds",
+        Unit::Seconds,
+        "Seconds one evaluation took (beside training)."
+    );
+    describe_counter!(
+        "learner_evals_skipped_total",
+        Unit::Count,
+        "Evaluations skipped because the previous one was still running."
+    );
+    describe_gauge!(
         "learner_clipped_low_ratio",
         Unit::Count,
         "Share of the latest step's tokens whose ratio was clipped below (1 - ε)."

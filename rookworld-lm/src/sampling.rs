@@ -45,7 +45,7 @@ impl SamplingParams {
     /// ([`check_temperature`], [`check_top_p`]), naming the fields.
     pub fn validate(&self) -> Result<()> {
         check_temperature("temperature", self.temperature.into())
-            .and_then(|()| check_top_p("top_p", self.top_p.into()))
+            .and_then(|()| check_top_p("top-p", self.top_p.into()))
             .map_err(Error::InvalidArgument)
     }
 }

@@ -290,3 +290,46 @@ fn a_run_records_its_resolved_settings_and_a_resume_names_what_changed() {
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("lr: 0.001 → 0.5"), "{err}");
 }
+
+#[test]
+fn the_deploy_run_file_is_read_by_every_service() {
+    use std::ffi::OsString;
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/run.toml");
+    let path = path.to_str().unwrap();
+    let cases = [
+        (
+            learner::app::command(),
+            ["learner", "train"],
+            vec!["--steps=1000", "--sft-steps=250"],
+        ),
+        (
+            rollout_worker::app::command(),
+            ["rollout-worker", "serve"],
+            vec![],
+        ),
+        (
+            reward_server::app::command(),
+            ["reward-server", "serve"],
+            vec!["--engine-processes=2", "--engine-depth=10"],
+        ),
+    ];
+    for (cmd, start, wanted) in cases {
+        let argv: Vec<OsString> = start
+            .iter()
+            .chain(&["--config", path])
+            .map(OsString::from)
+            .collect();
+        let out = rookworld_proto::run_file::with_run_file(&cmd, &argv, &[])
+            .unwrap_or_else(|e| panic!("{}: {e}", start[0]));
+        let added: Vec<String> = out[argv.len()..]
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        for w in &wanted {
+            assert!(added.contains(&w.to_string()), "{}: {added:?}", start[0]);
+        }
+        if wanted.is_empty() {
+            assert!(added.is_empty(), "{}: {added:?}", start[0]);
+        }
+    }
+}

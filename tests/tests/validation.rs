@@ -71,7 +71,7 @@ fn every_refused_value_is_one_line_and_exit_1() {
             strings(&[
                 "generate", "--preset", "tiny", "--prompt", "A: ", "--top-p", "0",
             ]),
-            "top_p must lie in (0, 1], 1 meaning off (got 0)",
+            "top-p must lie in (0, 1], 1 meaning off (got 0)",
         ),
         (
             LEARNER,
@@ -222,6 +222,12 @@ fn every_refused_value_is_one_line_and_exit_1() {
             REWARD,
             strings(&["bench", "--items", "0"]),
             "--items must be ≥ 1",
+        ),
+        // learner train: the output files checked before the warm-up
+        (
+            LEARNER,
+            train(&["--log-jsonl", "/nonexistent/dir/steps.jsonl"]),
+            "--log-jsonl /nonexistent/dir/steps.jsonl: No such file or directory",
         ),
         // learner eval: the output checked before any work
         (

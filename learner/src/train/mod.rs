@@ -132,6 +132,14 @@ pub async fn run(
 ) -> Result<TrainSummary, TrainError> {
     let s = args.settings.clone();
     args.validate()?;
+    for (flag, path) in [
+        ("--log-jsonl", &args.log_jsonl),
+        ("--rollout-dump", &args.rollout_dump),
+    ] {
+        if let Some(path) = path {
+            report::writable(path, flag).map_err(ConfigError)?;
+        }
+    }
     let eval_suites = args.eval.suites().map_err(ConfigError)?;
     let token = args.token()?;
     let token = match (token, args.local) {

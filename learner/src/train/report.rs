@@ -117,6 +117,12 @@ fn append(path: &Path, what: &str) -> Result<BufWriter<File>, String> {
         .map_err(|e| format!("{what} {}: {e}", path.display()))
 }
 
+/// Checks at start that `path` can be appended to (created if missing), so that a bad
+/// path is refused before the warm-up, not after it.
+pub(super) fn writable(path: &Path, what: &str) -> Result<(), String> {
+    append(path, what).map(drop)
+}
+
 /// Keeps, in a JSONL file of step lines, only the lines of steps up to `step` (and none
 /// that does not parse, such as a line torn by a crash): what a run resumed at `step` has
 /// really done. Returns how many lines went.
@@ -267,12 +273,12 @@ fn record_metrics(r: &StepRecord) {
         gauge!("learner_policy_entropy").set(h);
     }
     if let Some(m) = &r.mismatch {
-        gauge!("learner_sampler_logp_diff", "stat" => "mean").set(m.logp_diff_mean);
-        gauge!("learner_sampler_logp_diff", "stat" => "max").set(m.logp_diff_max);
+        gauge!("learner_sampler_logp_diff_mean").set(m.logp_diff_mean);
+        gauge!("learner_sampler_logp_diff_max").set(m.logp_diff_max);
         gauge!("learner_sampler_kl").set(m.sampler_kl);
-        gauge!("learner_is_weight", "stat" => "min").set(m.is_min);
-        gauge!("learner_is_weight", "stat" => "mean").set(m.is_mean);
-        gauge!("learner_is_weight", "stat" => "max").set(m.is_max);
+        gauge!("learner_is_weight_min").set(m.is_min);
+        gauge!("learner_is_weight_mean").set(m.is_mean);
+        gauge!("learner_is_weight_max").set(m.is_max);
         gauge!("learner_is_bounded_ratio").set(m.is_bounded);
         gauge!("learner_is_ess_ratio").set(m.ess);
     }

@@ -273,11 +273,15 @@ fn the_learner_keeps_its_checkpoints_across_a_stop() {
     let doc = &yaml("docker-compose.yml")[0];
     let learner = &doc["services"]["learner"];
     let env = env_of_compose(learner);
-    // Room to drain (the default drain timeout) and to write the final checkpoint.
-    let drain: f64 = env["LEARNER_DRAIN_TIMEOUT"]
-        .trim_start_matches("${LEARNER_DRAIN_TIMEOUT:-")
-        .trim_end_matches('}')
-        .parse()
+    // Room to drain (the run file's drain timeout) and to write the final checkpoint.
+    let run: toml::Table = read(&deploy().join("run.toml")).parse().unwrap();
+    let drain = run["learner"]["train"]["drain_timeout"]
+        .as_float()
+        .or_else(|| {
+            run["learner"]["train"]["drain_timeout"]
+                .as_integer()
+                .map(|i| i as f64)
+        })
         .unwrap();
     let grace = duration_seconds(&s(&learner["stop_grace_period"]));
     assert!(
@@ -285,6 +289,31 @@ fn the_learner_keeps_its_checkpoints_across_a_stop() {
         "stop_grace_period {grace} s < drain {drain} s + 60 s"
     );
     assert_eq!(env["LEARNER_RESUME"], "true");
+    // Every service reads the one run file, mounted; the environment restates no default.
+    for service in ["learner", "worker", "reward-server"] {
+        let svc = &doc["services"][service];
+        let env = env_of_compose(svc);
+        assert_eq!(
+            env["ROOKWORLD_CONFIG"], "/etc/rookworld/run.toml",
+            "{service}"
+        );
+        let volumes: Vec<String> = svc["volumes"].as_vec().unwrap().iter().map(s).collect();
+        assert!(
+            volumes.contains(&"${RUN_FILE:-./run.toml}:/etc/rookworld/run.toml:ro".to_owned()),
+            "{service}: {volumes:?}"
+        );
+        let settings = ["LEARNER_", "ROLLOUT_", "REWARD_"];
+        for (name, value) in env
+            .iter()
+            .filter(|(n, _)| settings.iter().any(|p| n.starts_with(p)))
+        {
+            let restated = value.starts_with(&format!("${{{name}:-")) && !value.ends_with(":-}");
+            assert!(
+                !restated,
+                "{service}: {name} restates a default ({value}); put it in run.toml"
+            );
+        }
+    }
     // The run directory (set by the image) and the dumps live on named volumes.
     let stages = dockerfile_stages();
     assert!(stages["learner"].contains("LEARNER_RUN_DIR"));

@@ -64,6 +64,9 @@ pub fn known_env() -> BTreeMap<&'static str, BTreeSet<String>> {
         set.extend(env_names(rookworld_proto::probe::HealthArgs::augment_args(
             Command::new("health"),
         )));
+        set.extend(env_names(
+            rookworld_proto::run_file::RunFileArgs::augment_args(Command::new("run-file")),
+        ));
         set.insert("RUST_LOG".into());
         set
     };
