@@ -4,13 +4,14 @@ use std::collections::BTreeMap;
 
 use yaml_rust2::Yaml;
 
-use crate::{deploy, known_env, s, yaml};
+use crate::{deploy, known_env, read, s, yaml};
 
 /// Every Kubernetes object of the manifests, by `kind/name`.
 fn k8s_objects() -> BTreeMap<String, Yaml> {
     let mut objects = BTreeMap::new();
     for file in [
         "namespace.yaml",
+        "run-config.yaml",
         "token-secret.yaml",
         "reward-server.yaml",
         "learner.yaml",
@@ -39,6 +40,14 @@ fn kubernetes_manifests_reference_each_other_consistently() {
     for file in &listed {
         assert!(deploy().join("k8s").join(file).is_file(), "{file}");
     }
+    // One run file for every pod: deploy/run.toml's text in a ConfigMap, mounted where
+    // ROOKWORLD_CONFIG points.
+    let run = &objects["ConfigMap/rookworld-run"];
+    assert_eq!(
+        s(&run["data"]["run.toml"]),
+        read(&deploy().join("run.toml"))
+    );
+    assert!(listed.contains(&"run-config.yaml".to_owned()));
     // Kept out, so that an apply never blanks a token set by hand.
     assert!(!listed.contains(&"token-secret.yaml".to_owned()));
     let secret = s(&objects["Secret/rookworld-token"]["metadata"]["name"]);
@@ -58,6 +67,27 @@ fn kubernetes_manifests_reference_each_other_consistently() {
         }
         let container = &pod["spec"]["containers"][0];
         assert!(s(&container["image"]).starts_with(&format!("rookworld/{binary}:")));
+        let env: Vec<(String, String)> = container["env"]
+            .as_vec()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                (
+                    s(&e["name"]),
+                    e["value"].as_str().unwrap_or_default().to_owned(),
+                )
+            })
+            .collect();
+        assert!(
+            env.contains(&("ROOKWORLD_CONFIG".into(), "/etc/rookworld/run.toml".into())),
+            "{key}: the run file"
+        );
+        let run_volume = pod["spec"]["volumes"]
+            .as_vec()
+            .unwrap()
+            .iter()
+            .any(|v| v["configMap"]["name"].as_str() == Some("rookworld-run"));
+        assert!(run_volume, "{key}: mounts the run file's ConfigMap");
         let ports: BTreeMap<String, String> = container["ports"]
             .as_vec()
             .unwrap()
@@ -122,7 +152,7 @@ fn kubernetes_manifests_reference_each_other_consistently() {
             .as_vec()
             .unwrap()
             .iter()
-            .find(|v| s(&v["secret"]["secretName"]) == tls_secret)
+            .find(|v| v["secret"]["secretName"].as_str() == Some(tls_secret.as_str()))
             .unwrap_or_else(|| panic!("{key}: no volume of Secret {tls_secret}"));
         let mount = container["volumeMounts"]
             .as_vec()
