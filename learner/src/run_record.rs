@@ -23,16 +23,19 @@ impl Origin {
     /// The origin of a run starting from `model` (a directory) or a preset.
     pub fn of(model: Option<&Path>, preset: &str, seed: u64, device: &str) -> Self {
         match model {
-            Some(model) => Self {
-                model: match rookworld_lm::hub::resolve(model) {
-                    Ok(dir) if dir != model => format!("{} ({})", model.display(), dir.display()),
-                    _ => model.display().to_string(),
-                },
-                weights_blake3: rookworld_lm::hub::resolve(model)
-                    .ok()
-                    .and_then(|dir| weights_hash(&dir)),
-                device: device.to_owned(),
-            },
+            Some(model) => {
+                let dir = rookworld_lm::hub::resolve(model).ok();
+                Self {
+                    model: match &dir {
+                        Some(dir) if dir != model => {
+                            format!("{} ({})", model.display(), dir.display())
+                        }
+                        _ => model.display().to_string(),
+                    },
+                    weights_blake3: dir.as_deref().and_then(weights_hash),
+                    device: device.to_owned(),
+                }
+            }
             None => Self {
                 model: format!("preset {preset} (seed {seed})"),
                 weights_blake3: None,

@@ -284,12 +284,11 @@ pub fn with_run_file(
             args
         };
         from_file.flags.push((flag, key.clone()));
-        if level == last {
-            back.extend(args);
-        } else if level == 0 {
+        // The binary's own options go before the command's name, the rest at the end (an
+        // intermediate command such as `learner config` has only global options).
+        if level == 0 && last > 0 {
             front.extend(args);
         } else {
-            // Options of an intermediate command: right after its name.
             back.extend(args);
         }
     }
