@@ -191,8 +191,8 @@ def main():
 
     ours = None
     if not args.skip_learner:
-        cmd = [args.learner, "bench", "--preset", args.preset, "--prompts", str(args.prompts),
-               "--group", str(args.group), "--prompt-tokens", str(args.prompt_tokens),
+        cmd = [args.learner, "bench", "--preset", args.preset, "--prompts-per-step", str(args.prompts),
+               "--group-size", str(args.group), "--prompt-tokens", str(args.prompt_tokens),
                "--completion-tokens", str(args.completion_tokens),
                "--micro-batch-groups", str(args.micro_batch_groups), "--steps", str(args.steps),
                "--device", args.device]

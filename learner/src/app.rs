@@ -48,6 +48,7 @@ enum Command {
     BenchPush(BenchPushArgs),
     /// Evaluate a checkpoint on chess benchmarks (checkmate-in-one, policy, environment):
     /// a table on a terminal, else one JSON object.
+    #[command(mut_arg("temperature", |a| a.default_value("0")))]
     Eval(Box<crate::eval::EvalArgs>),
     /// Ask a running service's gRPC health endpoint (exit 0 when serving).
     Health(HealthArgs),

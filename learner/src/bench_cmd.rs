@@ -18,6 +18,7 @@ use crate::batch::GrpoBatch;
 use crate::loss::LossConfig;
 use crate::optim::{AdamW, AdamWConfig};
 use crate::policy::{Precision, Trainable};
+use crate::settings::{BatchArgs, ObjectiveArgs};
 use crate::step::{StepConfig, StepReport, accumulate, accumulate_autograd, step_flops};
 
 /// Which implementation of the forward/backward runs.
@@ -45,31 +46,25 @@ pub struct BenchArgs {
     /// Model shape (seeded random weights): gpt2-124m or tiny.
     #[arg(long, default_value = "gpt2-124m")]
     pub preset: String,
-    /// Prompts (groups) in the step.
-    #[arg(long, allow_negative_numbers = true, short = 'p', default_value_t = 4)]
-    pub prompts: usize,
-    /// Completions per prompt (G).
-    #[arg(long, allow_negative_numbers = true, short = 'n', default_value_t = 8)]
-    pub group: usize,
+    /// The step's batch: P prompts × G completions, in micro-batches.
+    #[command(flatten)]
+    pub batch: BatchArgs,
     /// Tokens per prompt.
     #[arg(long, allow_negative_numbers = true, default_value_t = 46)]
     pub prompt_tokens: usize,
     /// Tokens per completion.
     #[arg(long, allow_negative_numbers = true, default_value_t = 64)]
     pub completion_tokens: usize,
-    /// Prompts per micro-batch (the step's gradient is their weighted sum).
-    #[arg(long, allow_negative_numbers = true, default_value_t = crate::loss::DEFAULT_MICRO_BATCH_GROUPS)]
-    pub micro_batch_groups: usize,
     /// Measured steps (after one warm-up step); the figures are their mean.
     #[arg(long, allow_negative_numbers = true, default_value_t = 1)]
     pub steps: usize,
-    /// KL coefficient β (0 skips the reference forward).
-    #[arg(long, allow_negative_numbers = true, default_value_t = crate::loss::DEFAULT_BETA)]
-    pub beta: f64,
+    /// The objective (β 0 skips the reference forward).
+    #[command(flatten)]
+    pub objective: ObjectiveArgs,
     #[arg(long, value_enum, default_value = "auto")]
     pub path: BenchPath,
     /// Training device: cpu, cuda, cuda:N (weights, moments and statistics in f32).
-    #[arg(long, default_value = "cpu")]
+    #[arg(long, env = "ROOKWORLD_DEVICE", default_value = "cpu")]
     pub device: String,
     /// Matmul precision: auto (BF16 inputs on CUDA, f32 on the CPU), f32 or bf16.
     #[arg(long, value_enum, default_value = "auto")]
@@ -152,18 +147,22 @@ pub fn synthetic_batch(args: &BenchArgs, vocab: usize) -> GrpoBatch {
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
     let mut ids =
         |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab as u32)).collect() };
-    let prompts: Vec<Vec<u32>> = (0..args.prompts).map(|_| ids(args.prompt_tokens)).collect();
-    let completions: Vec<Vec<Vec<u32>>> = (0..args.prompts)
+    let prompts: Vec<Vec<u32>> = (0..args.batch.prompts_per_step)
+        .map(|_| ids(args.prompt_tokens))
+        .collect();
+    let completions: Vec<Vec<Vec<u32>>> = (0..args.batch.prompts_per_step)
         .map(|_| {
-            (0..args.group)
+            (0..args.batch.group_size as usize)
                 .map(|_| ids(args.completion_tokens))
                 .collect()
         })
         .collect();
-    let rewards = (0..args.prompts)
+    let rewards = (0..args.batch.prompts_per_step)
         .map(|p| {
-            (0..args.group)
-                .map(|g| ((g + p) % args.group) as f32 / args.group as f32)
+            (0..args.batch.group_size as usize)
+                .map(|g| {
+                    ((g + p) % args.batch.group_size as usize) as f32 / args.batch.group_size as f32
+                })
                 .collect()
         })
         .collect();
@@ -190,20 +189,22 @@ impl BenchArgs {
     /// The ranges of the batch shape and the objective (the same rules as `train`).
     fn validate(&self) -> Result<(), String> {
         use rookworld_proto::check::{at_least, positive};
-        at_least("--prompts", self.prompts as u64, 1)?;
-        at_least("--group", self.group as u64, 2)?;
+        self.batch.validate()?;
         at_least("--prompt-tokens", self.prompt_tokens as u64, 1)?;
         at_least("--completion-tokens", self.completion_tokens as u64, 1)?;
-        at_least("--micro-batch-groups", self.micro_batch_groups as u64, 1)?;
         at_least("--steps", self.steps as u64, 1)?;
         if let Some(peak) = self.peak_tflops {
             positive("--peak-tflops", peak)?;
         }
-        LossConfig {
-            beta: self.beta,
-            ..LossConfig::default()
-        }
-        .validate()
+        self.loss_config().map(drop)
+    }
+
+    /// The objective at temperature 1 over completions of `--completion-tokens`.
+    fn loss_config(&self) -> Result<LossConfig, String> {
+        self.objective.loss_config(
+            rookworld_lm::cli::DEFAULT_TEMPERATURE,
+            self.completion_tokens as u32,
+        )
     }
 }
 
@@ -231,18 +232,15 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, String> {
     let mut policy = Trainable::from_model(&init(args.seed)?).map_err(|e| e.to_string())?;
     args.precision.apply(&mut policy.model);
     policy.model.set_train_ops(args.train_ops == TrainOps::On);
-    let reference: Option<Gpt2> = if args.beta > 0.0 {
+    let reference: Option<Gpt2> = if args.objective.beta > 0.0 {
         Some(init(args.seed)?)
     } else {
         None
     };
     let batch = synthetic_batch(args, cfg.vocab_size);
     let step_cfg = StepConfig {
-        loss: LossConfig {
-            beta: args.beta,
-            ..LossConfig::default()
-        },
-        micro_batch_groups: args.micro_batch_groups.max(1),
+        loss: args.loss_config()?,
+        micro_batch_groups: args.batch.micro_batch_groups,
         max_grad_norm: 1.0,
     };
     let mut opt = AdamW::new(AdamWConfig::default());
@@ -313,7 +311,9 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, String> {
         || crate::step::device_peak_flops(&device, matmul_dtype),
         |t| t * 1e12,
     );
-    let sequence_tokens = args.prompts * args.group * (args.prompt_tokens + args.completion_tokens);
+    let sequence_tokens = args.batch.prompts_per_step
+        * args.batch.group_size as usize
+        * (args.prompt_tokens + args.completion_tokens);
     Ok(BenchReport {
         preset: args.preset.clone(),
         path: if fused { "fused" } else { "autograd" },
@@ -325,8 +325,8 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, String> {
         },
         train_ops: !fused && policy.model.train_ops(),
         threads,
-        prompts: args.prompts,
-        group: args.group,
+        prompts: args.batch.prompts_per_step,
+        group: args.batch.group_size as usize,
         prompt_tokens: args.prompt_tokens,
         completion_tokens: args.completion_tokens,
         micro_batch_groups: step_cfg.micro_batch_groups,
@@ -353,7 +353,10 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, String> {
 fn executed_flops(cfg: &Config, args: &BenchArgs, reference: bool) -> f64 {
     let body = (cfg.n_layer * 12 * cfg.n_embd * cfg.n_embd) as f64;
     let head = (cfg.vocab_size * cfg.n_embd) as f64;
-    let (p, g) = (args.prompts as f64, args.group as f64);
+    let (p, g) = (
+        args.batch.prompts_per_step as f64,
+        args.batch.group_size as f64,
+    );
     let (lp, lc) = (args.prompt_tokens as f64, args.completion_tokens as f64);
     let rows = p * (lp + g * (lc - 1.0));
     let predicted = p * g * lc;

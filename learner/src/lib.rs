@@ -53,6 +53,7 @@ pub mod queue_service;
 pub mod run_dir;
 pub mod run_lock;
 pub mod run_record;
+pub mod settings;
 pub mod sft;
 pub mod sft_loss;
 pub mod step;

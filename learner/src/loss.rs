@@ -9,6 +9,7 @@ use crate::batch::Layout;
 use crate::grpo::{self, AdvantageNorm, Aggregation, PolicyLoss};
 use crate::offpolicy::{self, Correction, Mismatch};
 use crate::policy::token_logprobs;
+use crate::settings::ObjectiveArgs;
 
 /// Hyper-parameters of the objective.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -37,36 +38,13 @@ pub struct LossConfig {
     pub mask_truncated: bool,
 }
 
-/// The KL coefficient β by default, in every command that takes `--beta` (`train`, `loss`,
-/// `bench`): small, for a tiny model that must first learn the format.
-pub const DEFAULT_BETA: f64 = 0.01;
-
-/// Groups per forward/backward by default, in every command that takes
-/// `--micro-batch-groups` (`train`, `bench`).
-pub const DEFAULT_MICRO_BATCH_GROUPS: usize = 4;
-
-/// GSPO's clip range by default, as the paper's (3e-4, 4e-4): sequence ratios stay far
-/// closer to 1 than token ratios.
-pub const GSPO_EPS_LOW: f64 = 3e-4;
-pub const GSPO_EPS_HIGH: f64 = 4e-4;
-
 impl Default for LossConfig {
+    /// The defaults of the objective's flags ([`ObjectiveArgs`]) and of sampling.
     fn default() -> Self {
-        Self {
-            beta: 0.04,
-            eps_low: 0.2,
-            eps_high: 0.2,
-            temperature: 1.0,
-            advantage_norm: AdvantageNorm::Unbiased,
-            aggregation: Aggregation::Sequence,
-            policy_loss: PolicyLoss::Clip,
-            gspo_eps_low: GSPO_EPS_LOW,
-            gspo_eps_high: GSPO_EPS_HIGH,
-            max_new_tokens: 64,
-            correction: Correction::Off,
-            is_cap: 2.0,
-            mask_truncated: false,
-        }
+        ObjectiveArgs::default().loss_config_unchecked(
+            rookworld_lm::cli::DEFAULT_TEMPERATURE,
+            rookworld_lm::cli::DEFAULT_MAX_NEW_TOKENS,
+        )
     }
 }
 

@@ -7,10 +7,12 @@ use candle_core::{DType, Device};
 use rookworld_lm::checkpoint;
 
 use crate::batch::GrpoBatch;
-use crate::grpo::{AdvantageNorm, Aggregation, PolicyLoss, group_advantages};
-use crate::loss::{GSPO_EPS_HIGH, GSPO_EPS_LOW, LossConfig, LossReport};
-use crate::offpolicy::Correction;
+use rookworld_lm::cli::{DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE};
+
+use crate::grpo::group_advantages;
+use crate::loss::{LossConfig, LossReport};
 use crate::policy::Trainable;
+use crate::settings::ObjectiveArgs;
 use crate::step::{StepConfig, accumulate};
 
 /// Options of `learner loss`.
@@ -25,49 +27,14 @@ pub struct LossArgs {
     /// JSON batch: {"prompts", "completions", "rewards", "old_logprobs"?}.
     #[arg(long)]
     pub batch: PathBuf,
-    /// KL coefficient β.
-    #[arg(long, allow_negative_numbers = true, default_value_t = crate::loss::DEFAULT_BETA)]
-    pub beta: f64,
-    /// Clip ε on both sides (see --clip-eps-high for an asymmetric upper side).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 0.2)]
-    pub clip_eps: f64,
-    /// Upper clip ε (default: --clip-eps).
-    #[arg(long, allow_negative_numbers = true)]
-    pub clip_eps_high: Option<f64>,
-    /// Sampling temperature of the completions.
-    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
+    #[command(flatten)]
+    pub objective: ObjectiveArgs,
+    /// The temperature the completions were sampled at (log-probs are computed at it).
+    #[arg(long, allow_negative_numbers = true, env = "ROOKWORLD_TEMPERATURE", default_value_t = DEFAULT_TEMPERATURE)]
     pub temperature: f64,
-    /// What a group's centred rewards are divided by: its std (unbiased, population),
-    /// the batch's std, or nothing.
-    #[arg(long, value_enum, default_value_t = AdvantageNorm::Unbiased)]
-    pub advantage_norm: AdvantageNorm,
-    /// How token terms become the loss: per sequence then mean, over the batch's tokens
-    /// (DAPO), or summed over a constant (Dr. GRPO: completions × --max-new-tokens).
-    #[arg(long, value_enum, default_value_t = Aggregation::Sequence)]
-    pub aggregation: Aggregation,
-    /// The policy-gradient term: clip (PPO/GRPO), gspo, gspo-token, cispo.
-    #[arg(long, value_enum, default_value_t = PolicyLoss::Clip)]
-    pub policy_loss: PolicyLoss,
-    /// GSPO's lower clip ε of the sequence ratio.
-    #[arg(long, allow_negative_numbers = true, default_value_t = GSPO_EPS_LOW)]
-    pub gspo_eps: f64,
-    /// GSPO's upper clip ε of the sequence ratio.
-    #[arg(long, allow_negative_numbers = true, default_value_t = GSPO_EPS_HIGH)]
-    pub gspo_eps_high: f64,
-    /// Decoupled off-policy correction: off, or the importance weights π_prox/π_behaviour
-    /// truncated or masked above --is-cap, per token or per sequence.
-    #[arg(long, value_enum, default_value_t = Correction::Off)]
-    pub off_policy_correction: Correction,
-    /// C, the bound of the importance weights.
-    #[arg(long, allow_negative_numbers = true, default_value_t = 2.0)]
-    pub is_cap: f64,
-    /// Leave completions that end without end-of-text (cut off at the token budget) out
-    /// of the loss.
-    #[arg(long)]
-    pub mask_truncated: bool,
     /// The completions' token budget (`--aggregation constant` divides by it).
-    #[arg(long, default_value_t = 64)]
-    pub max_new_tokens: usize,
+    #[arg(long, allow_negative_numbers = true, env = "ROOKWORLD_MAX_NEW_TOKENS", default_value_t = DEFAULT_MAX_NEW_TOKENS)]
+    pub max_new_tokens: u32,
 }
 
 /// Why `learner loss` failed.
@@ -88,24 +55,12 @@ impl From<candle_core::Error> for LossCmdError {
 }
 
 impl LossArgs {
+    /// The objective at the batch's temperature and token budget, checked with the rules
+    /// `train` applies.
     pub fn config(&self) -> Result<LossConfig, LossCmdError> {
-        let cfg = LossConfig {
-            beta: self.beta,
-            eps_low: self.clip_eps,
-            eps_high: self.clip_eps_high.unwrap_or(self.clip_eps),
-            temperature: self.temperature,
-            advantage_norm: self.advantage_norm,
-            aggregation: self.aggregation,
-            policy_loss: self.policy_loss,
-            gspo_eps_low: self.gspo_eps,
-            gspo_eps_high: self.gspo_eps_high,
-            max_new_tokens: self.max_new_tokens,
-            correction: self.off_policy_correction,
-            is_cap: self.is_cap,
-            mask_truncated: self.mask_truncated,
-        };
-        cfg.validate().map_err(LossCmdError::Input)?;
-        Ok(cfg)
+        self.objective
+            .loss_config(self.temperature, self.max_new_tokens)
+            .map_err(LossCmdError::Input)
     }
 }
 

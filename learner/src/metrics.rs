@@ -121,16 +121,16 @@ pub fn describe() {
     describe_histogram!(
         "learner_weight_push_seconds",
         Unit::Seconds,
-        "One weight push to one worker (`worker`)."
+        "One weight push to one worker, by `path` (shared: the same-host file; stream)."
     );
     describe_counter!(
         "learner_weight_push_bytes_total",
         Unit::Bytes,
-        "Weight bytes pushed, by `worker`."
+        "Weight bytes pushed, by `path` (a shared-file push counts the bytes the worker reads)."
     );
     describe_counter!(
         "learner_weight_pushes_total",
-        "Weight pushes by `worker` and `result` (ok, failed)."
+        "Weight pushes by `result` (ok, failed) and `path` (shared, stream)."
     );
     describe_counter!(
         "learner_queue_submissions_invalid_total",
@@ -162,8 +162,8 @@ pub fn describe() {
         "Workers by weight-sync `state`: current, stale, pushing, failing."
     );
     describe_gauge!(
-        "learner_worker_weight_version",
-        "Weight version each `worker` is known to run (-1: unknown or stale)."
+        "learner_workers_oldest_weight_version",
+        "Oldest weight version a registered worker is known to run (-1: none registered, or one whose version is unknown)."
     );
     describe_counter!("learner_steps_total", Unit::Count, "GRPO steps done.");
     describe_gauge!(

@@ -8,7 +8,8 @@
 //! restarted), is synced at once, without waiting for the next step; a worker the queue has
 //! not heard from for a while is forgotten. Every change of a worker's sync state is a log
 //! line, and the states show in `learner_workers{state}` and
-//! `learner_worker_weight_version{worker}`.
+//! `learner_workers_oldest_weight_version` (each worker's own version is its
+//! `rollout_weight_version`, and in `ListWorkers`).
 //!
 //! A set written to the shared directory (the same-host path, [`crate::export`]) is
 //! offered to each worker by its file name first: one header, no body. A worker that
@@ -293,13 +294,14 @@ impl Fleet {
     /// Publishes how many workers are in each state, and each one's known version.
     fn publish_metrics(&self, version: u64) {
         let mut counts: BTreeMap<SyncState, u64> = BTreeMap::new();
+        let mut oldest: Option<f64> = None;
         for (address, m) in &self.members {
             let state = self.state(address, version).expect("a member");
             *counts.entry(state).or_default() += 1;
             let known = m.known.map_or(-1.0, |v| v as f64);
-            metrics::gauge!("learner_worker_weight_version", "worker" => address.clone())
-                .set(known);
+            oldest = Some(oldest.map_or(known, |o| o.min(known)));
         }
+        metrics::gauge!("learner_workers_oldest_weight_version").set(oldest.unwrap_or(-1.0));
         for state in [
             SyncState::Current,
             SyncState::Stale,

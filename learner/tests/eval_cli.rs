@@ -24,6 +24,8 @@ fn every_suite_is_generated_graded_reported_and_dumped() {
         "3",
         "--samples",
         "2",
+        "--temperature",
+        "1",
         "--max-new-tokens",
         "24",
         "--out",

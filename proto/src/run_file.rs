@@ -580,7 +580,6 @@ pub const KNOWN_KEYS: &[&str] = &[
     "eval_every",
     "eval_limit",
     "eval_suites",
-    "group",
     "group_size",
     "gspo_eps",
     "gspo_eps_high",

@@ -10,9 +10,8 @@ use std::time::Instant;
 use std::sync::Arc;
 
 use rookworld_lm::Gpt2;
-use rookworld_lm::cli::ModelArgs;
+use rookworld_lm::cli::{ModelArgs, SamplingArgs};
 use rookworld_lm::generate::{GenerationConfig, generate_batch};
-use rookworld_lm::sampling::SamplingParams;
 use rookworld_proto::logging::Progress;
 
 use crate::engine::{EngineConfig, EngineError, Request, Scheduler, prepare_model};
@@ -36,9 +35,10 @@ pub struct BenchArgs {
         default_value_t = 8
     )]
     pub n: usize,
-    /// New tokens per completion.
-    #[arg(allow_negative_numbers = true, long, default_value_t = 64)]
-    pub max_new_tokens: usize,
+    /// How tokens are drawn; every completion runs to --max-new-tokens (end-of-text
+    /// ignored), so that each measurement generates the same number of tokens.
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Timed repetitions; the fastest is reported.
     #[arg(allow_negative_numbers = true, long, default_value_t = 2)]
     pub repeat: usize,
@@ -66,11 +66,8 @@ fn measure(
     path: Path,
     runs: &mut Progress,
 ) -> Result<serde_json::Value, EngineError> {
-    let sampling = SamplingParams {
-        temperature: 1.0,
-        top_k: 0,
-        top_p: 1.0,
-    };
+    let sampling = args.sampling.params();
+    let max_new_tokens = args.sampling.max_new_tokens as usize;
     let batch = vec![prompt.to_vec(); prompts];
     let mut best = f64::INFINITY;
     let mut tokens = 0;
@@ -86,7 +83,7 @@ fn measure(
                 engine.submit(Request {
                     prompts: batch.clone(),
                     n,
-                    max_new_tokens: args.max_new_tokens,
+                    max_new_tokens,
                     sampling,
                     seed: 0,
                     ignore_eos: true,
@@ -97,7 +94,7 @@ fn measure(
             Path::Reference => {
                 let cfg = GenerationConfig {
                     n,
-                    max_new_tokens: args.max_new_tokens,
+                    max_new_tokens,
                     sampling,
                     seed: 0,
                     ignore_eos: true,
@@ -125,27 +122,26 @@ pub fn run(args: &BenchArgs, out: &mut impl Write) -> Result<(), EngineError> {
     [
         at_least("--prompts", args.prompts as u64, 1),
         at_least("--num-completions", args.n as u64, 1),
-        at_least("--max-new-tokens", args.max_new_tokens as u64, 1),
         at_least("--repeat", args.repeat as u64, 1),
+        args.sampling.validate(),
     ]
     .into_iter()
     .collect::<Result<(), _>>()
     .map_err(EngineError::InvalidRequest)?;
+    let max_new_tokens = args.sampling.max_new_tokens as usize;
     let loaded = args.model.load()?;
     let prompt = loaded.tokenizer.encode(BENCH_PROMPT)?;
     let context = loaded.model.config().n_positions;
-    rookworld_proto::check::fits_context(
-        args.max_new_tokens,
-        prompt.len(),
-        "the bench prompt",
-        context,
-    )
-    .map_err(EngineError::InvalidRequest)?;
+    rookworld_proto::check::fits_context(max_new_tokens, prompt.len(), "the bench prompt", context)
+        .map_err(EngineError::InvalidRequest)?;
     let reference = Arc::new(loaded.model.clone());
     let model = Arc::new(prepare_model(loaded.model)?);
     // Warm-up: allocator and thread pool.
     let warm = BenchArgs {
-        max_new_tokens: 4,
+        sampling: SamplingArgs {
+            max_new_tokens: 4,
+            ..args.sampling.clone()
+        },
         repeat: 1,
         ..args.clone()
     };
@@ -172,6 +168,7 @@ pub fn run(args: &BenchArgs, out: &mut impl Write) -> Result<(), EngineError> {
         "device": format!("{:?}", loaded.device),
         "dtype": format!("{:?}", model.dtype()),
         "prompt_tokens": prompt.len(),
+        "sampling": args.sampling,
         "batch": measure(&model, &prompt, args.prompts, args.n, args, Path::Engine, &mut runs)?,
         "single": measure(&model, &prompt, 1, 1, args, Path::Engine, &mut runs)?,
         "reference_batch": measure(&reference, &prompt, args.prompts, args.n, args, Path::Reference, &mut runs)?,

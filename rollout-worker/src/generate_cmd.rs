@@ -10,8 +10,7 @@ use std::time::Instant;
 
 use std::sync::Arc;
 
-use rookworld_lm::cli::ModelArgs;
-use rookworld_lm::sampling::SamplingParams;
+use rookworld_lm::cli::{ModelArgs, SamplingArgs};
 use rookworld_lm::{Error, Result};
 use serde::Serialize;
 
@@ -38,17 +37,8 @@ pub struct GenerateArgs {
         default_value_t = 1
     )]
     pub n: usize,
-    #[arg(long, allow_negative_numbers = true, default_value_t = 128)]
-    pub max_new_tokens: usize,
-    /// Softmax temperature; 0 = greedy.
-    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
-    pub temperature: f32,
-    /// Keep the k most likely tokens; 0 = off.
-    #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
-    pub top_k: usize,
-    /// Nucleus sampling threshold; 1 = off.
-    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
-    pub top_p: f32,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Sampling seed: the same seed, weights and device give the same completions.
     #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     pub seed: u64,
@@ -112,17 +102,12 @@ fn io_error(path: &std::path::Path, e: std::io::Error) -> Error {
 /// all generate together under continuous batching), writing one JSON line per prompt to
 /// `out`. Every prompt is checked before anything is generated.
 pub fn run(args: &GenerateArgs, out: &mut impl Write) -> std::result::Result<(), EngineError> {
-    let sampling = SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-    };
-    sampling.validate()?;
-    rookworld_proto::check::at_least("--num-completions", args.n as u64, 1)
-        .and_then(|()| {
-            rookworld_proto::check::at_least("--max-new-tokens", args.max_new_tokens as u64, 1)
-        })
+    args.sampling
+        .validate()
+        .and_then(|()| rookworld_proto::check::at_least("--num-completions", args.n as u64, 1))
         .map_err(Error::InvalidArgument)?;
+    let sampling = args.sampling.params();
+    let max_new_tokens = args.sampling.max_new_tokens as usize;
     let prompts = args.collect_prompts()?;
     let loaded = args.model.load()?;
     tracing::info!(
@@ -140,11 +125,11 @@ pub fn run(args: &GenerateArgs, out: &mut impl Write) -> std::result::Result<(),
 
     let context = loaded.model.config().n_positions;
     for (i, ids) in encoded.iter().enumerate() {
-        if ids.len() + args.max_new_tokens > context {
+        if ids.len() + max_new_tokens > context {
             return Err(Error::InvalidArgument(format!(
                 "prompt {i}: {} tokens and --max-new-tokens {} exceed the model's {context}-token context; use --max-new-tokens {} or less",
                 ids.len(),
-                args.max_new_tokens,
+                max_new_tokens,
                 context.saturating_sub(ids.len())
             ))
             .into());
@@ -155,7 +140,7 @@ pub fn run(args: &GenerateArgs, out: &mut impl Write) -> std::result::Result<(),
     engine.submit(Request {
         prompts: encoded.clone(),
         n: args.n,
-        max_new_tokens: args.max_new_tokens,
+        max_new_tokens,
         sampling,
         seed: args.seed,
         ignore_eos: false,

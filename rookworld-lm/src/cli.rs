@@ -28,7 +28,7 @@ pub struct ModelArgs {
     #[arg(long, env = "ROOKWORLD_PRESET")]
     pub preset: Option<String>,
     /// Seed of the random weights of --preset.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, env = "ROOKWORLD_INIT_SEED", default_value_t = 0)]
     pub init_seed: u64,
     /// cpu, cuda, cuda:N, or auto (CUDA when usable, else CPU).
     #[arg(long, env = "ROOKWORLD_DEVICE", default_value = "cpu")]
@@ -103,6 +103,88 @@ pub fn exit_with<E: std::fmt::Display>(
         Err(e) => {
             eprintln!("error: {e}");
             std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// The temperature by default wherever completions are sampled for training or measured
+/// (`learner eval` samples greedily unless told otherwise).
+pub const DEFAULT_TEMPERATURE: f64 = 1.0;
+
+/// The token budget of a completion by default: RookWorld-LM's policy completions run to
+/// about 80 tokens with end-of-text, its environment completions to fewer.
+pub const DEFAULT_MAX_NEW_TOKENS: u32 = 96;
+
+/// How completions are sampled: one type, defaults and rules for every command that
+/// samples (`learner train` and `eval`, `rollout-worker generate` and `bench`). The
+/// temperature is ≥ 0 with 0 meaning greedy ([`crate::sampling::check_temperature`];
+/// training refuses 0, a group of equal completions having nothing to learn from), top-p
+/// lies in (0, 1] with 1 off ([`crate::sampling::check_top_p`]), top-k 0 is off.
+#[derive(Debug, Clone, PartialEq, clap::Args, serde::Serialize, serde::Deserialize)]
+pub struct SamplingArgs {
+    /// Softmax temperature (0: greedy).
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "ROOKWORLD_TEMPERATURE",
+        default_value_t = DEFAULT_TEMPERATURE
+    )]
+    pub temperature: f64,
+    /// Keep the k most likely tokens (0: off).
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "ROOKWORLD_TOP_K",
+        default_value_t = 0
+    )]
+    pub top_k: u32,
+    /// Keep the smallest most likely set whose probability reaches p (1: off).
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "ROOKWORLD_TOP_P",
+        default_value_t = 1.0
+    )]
+    pub top_p: f64,
+    /// Most tokens of a completion (end-of-text included).
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "ROOKWORLD_MAX_NEW_TOKENS",
+        default_value_t = DEFAULT_MAX_NEW_TOKENS
+    )]
+    pub max_new_tokens: u32,
+}
+
+impl Default for SamplingArgs {
+    fn default() -> Self {
+        Self {
+            temperature: DEFAULT_TEMPERATURE,
+            top_k: 0,
+            top_p: 1.0,
+            max_new_tokens: DEFAULT_MAX_NEW_TOKENS,
+        }
+    }
+}
+
+impl SamplingArgs {
+    /// The rules of every sampling flag, naming the flag: temperature ≥ 0, top-p in
+    /// (0, 1], at least one new token.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        crate::sampling::check_temperature("--temperature", self.temperature)?;
+        crate::sampling::check_top_p("--top-p", self.top_p)?;
+        if self.max_new_tokens == 0 {
+            return Err("--max-new-tokens must be ≥ 1 (got 0)".into());
+        }
+        Ok(())
+    }
+
+    /// The sampler's parameters (the token budget travels separately).
+    pub fn params(&self) -> crate::sampling::SamplingParams {
+        crate::sampling::SamplingParams {
+            temperature: self.temperature as f32,
+            top_k: self.top_k as usize,
+            top_p: self.top_p as f32,
         }
     }
 }

@@ -44,6 +44,98 @@ fn the_known_keys_are_every_option_of_the_three_binaries() {
     );
 }
 
+/// Every occurrence of the long option `key` in `cmd`'s commands: (command path, default
+/// values, environment variable, help).
+fn occurrences(cmd: &clap::Command, path: &str, key: &str, out: &mut Vec<[String; 4]>) {
+    for arg in cmd.get_arguments() {
+        if arg.get_long() == Some(key) {
+            let defaults: Vec<String> = arg
+                .get_default_values()
+                .iter()
+                .map(|v| v.to_string_lossy().into_owned())
+                .collect();
+            out.push([
+                path.to_owned(),
+                defaults.join(","),
+                arg.get_env()
+                    .map(|e| e.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+                arg.get_help().map(|h| h.to_string()).unwrap_or_default(),
+            ]);
+        }
+    }
+    for sub in cmd.get_subcommands() {
+        occurrences(sub, &format!("{path} {}", sub.get_name()), key, out);
+    }
+}
+
+#[test]
+fn a_shared_setting_has_one_default_and_one_rule_wherever_it_is_taken() {
+    // The sampling, objective and batch settings, each declared once (SamplingArgs,
+    // ObjectiveArgs, BatchArgs) and taken by several commands, and the model's (`--preset`
+    // is left out: `train` defaults to tiny, the benchmarks to the gpt2-124m shape).
+    let shared = [
+        "temperature",
+        "top-k",
+        "top-p",
+        "max-new-tokens",
+        "beta",
+        "clip-eps",
+        "clip-eps-high",
+        "advantage-norm",
+        "aggregation",
+        "policy-loss",
+        "gspo-eps",
+        "gspo-eps-high",
+        "off-policy-correction",
+        "is-cap",
+        "mask-truncated",
+        "prompts-per-step",
+        "group-size",
+        "micro-batch-groups",
+        "model",
+        "init-seed",
+        "device",
+        "dtype",
+    ];
+    for key in shared {
+        let mut seen = Vec::new();
+        occurrences(&learner::app::command(), "learner", key, &mut seen);
+        occurrences(
+            &rollout_worker::app::command(),
+            "rollout-worker",
+            key,
+            &mut seen,
+        );
+        // `learner eval` measures the greedy policy: its temperature default is 0, the one
+        // documented exception.
+        seen.retain(|o| !(key == "temperature" && o[0] == "learner eval"));
+        assert!(
+            seen.len() >= 2,
+            "--{key} is taken by one command only: {seen:?}"
+        );
+        for o in &seen[1..] {
+            assert_eq!(
+                (&o[1], &o[2]),
+                (&seen[0][1], &seen[0][2]),
+                "--{key}: {} and {} differ in default or environment",
+                seen[0][0],
+                o[0]
+            );
+        }
+    }
+    // The exception is what it says.
+    let mut eval = Vec::new();
+    occurrences(
+        &learner::app::command(),
+        "learner",
+        "temperature",
+        &mut eval,
+    );
+    let eval = eval.iter().find(|o| o[0] == "learner eval").unwrap();
+    assert_eq!(eval[1], "0");
+}
+
 /// Runs `bin args` with extra environment; (exit code, stdout, stderr).
 fn run(bin: &str, args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
     let mut c = Command::new(bin);

@@ -80,6 +80,16 @@ fn every_refused_value_is_one_line_and_exit_1() {
         ),
         (
             LEARNER,
+            strings(&["eval", "--preset", "tiny", "--samples", "4"]),
+            "--samples 4 at --temperature 0 (greedy) would give 4 equal samples",
+        ),
+        (
+            WORKER,
+            strings(&["bench", "--preset", "tiny", "--top-p", "0"]),
+            "--top-p must lie in (0, 1], 1 meaning off (got 0)",
+        ),
+        (
+            LEARNER,
             train(&["--clip-eps", "5"]),
             "--clip-eps must lie in [0, 1]",
         ),
@@ -162,8 +172,8 @@ fn every_refused_value_is_one_line_and_exit_1() {
         ),
         (
             LEARNER,
-            strings(&["bench", "--preset", "tiny", "--group", "1"]),
-            "--group must be ≥ 2",
+            strings(&["bench", "--preset", "tiny", "--group-size", "1"]),
+            "--group-size must be ≥ 2",
         ),
         // rollout-worker bench and generate
         (

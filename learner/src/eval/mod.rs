@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use rollout_worker::engine::{EngineArgs, EngineConfig, Request, Scheduler, prepare_model};
-use rookworld_lm::cli::ModelArgs;
+use rookworld_lm::cli::{ModelArgs, SamplingArgs};
 use rookworld_lm::sampling::SamplingParams;
 use rookworld_lm::{Gpt2, Tokenizer};
 
@@ -45,15 +45,13 @@ pub struct EvalArgs {
     /// Completions per item (K); pass@1 is estimated over them and pass@K reported.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub samples: u32,
-    /// Sampling temperature; 0 is greedy (the default with one sample).
-    #[arg(long)]
-    pub temperature: Option<f32>,
     /// Seed of the samples.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Most tokens a completion may have.
-    #[arg(long, default_value_t = 96, value_parser = clap::value_parser!(u32).range(1..))]
-    pub max_new_tokens: u32,
+    /// How completions are drawn: greedily by default here (`learner` sets this
+    /// command's temperature default to 0), the other settings as everywhere.
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// A UCI engine (Stockfish) that re-analyses the policy suite's positions (multipv 5)
     /// and ranks their moves, instead of the evaluations written on the data lines.
     #[arg(long = "engine", value_name = "PATH", env = "LEARNER_EVAL_ENGINE")]
@@ -76,16 +74,17 @@ pub struct EvalArgs {
 }
 
 impl EvalArgs {
-    /// The sampling: greedy unless a temperature is given (or several samples asked
-    /// for without one: then temperature 1).
-    fn sampling(&self) -> SamplingParams {
-        let temperature = self
-            .temperature
-            .unwrap_or(if self.samples > 1 { 1.0 } else { 0.0 });
-        SamplingParams {
-            temperature,
-            ..SamplingParams::greedy()
+    /// The sampling, checked: several samples of an item need a temperature above 0
+    /// (greedy samples would all be the same).
+    fn sampling(&self) -> Result<SamplingParams, String> {
+        self.sampling.validate()?;
+        if self.samples > 1 && self.sampling.temperature == 0.0 {
+            return Err(format!(
+                "--samples {} at --temperature 0 (greedy) would give {} equal samples: give --temperature above 0 (e.g. 1)",
+                self.samples, self.samples
+            ));
         }
+        Ok(self.sampling.params())
     }
 }
 
@@ -96,8 +95,7 @@ pub fn run(args: &EvalArgs) -> Result<(), String> {
         .iter()
         .map(|s| Suite::parse(s))
         .collect::<Result<Vec<_>, _>>()?;
-    let sampling = args.sampling();
-    sampling.validate().map_err(|e| e.to_string())?;
+    let sampling = args.sampling()?;
     // The output files before any work: an unwritable path fails at once.
     let create = |flag: &str, path: &std::path::Path| {
         std::fs::File::create(path).map_err(|e| format!("{flag} {}: {e}", path.display()))
@@ -154,7 +152,7 @@ pub fn run(args: &EvalArgs) -> Result<(), String> {
             engine: args.engine.config(),
             sampling,
             samples: args.samples as usize,
-            max_new_tokens: args.max_new_tokens as usize,
+            max_new_tokens: args.sampling.max_new_tokens as usize,
             seed: args.seed,
             stop: None,
         };

@@ -79,9 +79,6 @@ impl PeriodicArgs {
     }
 }
 
-/// Most tokens of an evaluated completion (`learner eval`'s default).
-const MAX_NEW_TOKENS: usize = 96;
-
 /// The evaluation of one version of the weights.
 #[derive(Debug, Clone, Serialize)]
 pub struct Outcome {
@@ -320,7 +317,7 @@ impl Worker {
                 engine: EngineConfig::default(),
                 sampling: SamplingParams::greedy(),
                 samples: 1,
-                max_new_tokens: MAX_NEW_TOKENS,
+                max_new_tokens: rookworld_lm::cli::DEFAULT_MAX_NEW_TOKENS as usize,
                 seed: 0,
                 stop: Some(stop),
             };

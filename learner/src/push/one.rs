@@ -68,12 +68,12 @@ pub async fn push_over(
         path: how.path,
         shared_refused: how.shared_refused,
     };
-    metrics::histogram!("learner_weight_push_seconds", "worker" => o.worker.clone())
-        .record(o.seconds);
-    metrics::counter!("learner_weight_push_bytes_total", "worker" => o.worker.clone())
-        .increment(o.bytes);
+    // No per-worker label: worker addresses come and go (pods, replicas); each worker's
+    // own metrics carry its view, and the push logs name it.
+    metrics::histogram!("learner_weight_push_seconds", "path" => o.path).record(o.seconds);
+    metrics::counter!("learner_weight_push_bytes_total", "path" => o.path).increment(o.bytes);
     let result = if o.error.is_none() { "ok" } else { "failed" };
-    metrics::counter!("learner_weight_pushes_total", "worker" => o.worker.clone(), "result" => result, "path" => o.path)
+    metrics::counter!("learner_weight_pushes_total", "result" => result, "path" => o.path)
         .increment(1);
     match &o.error {
         None => {

@@ -24,7 +24,7 @@ pub struct TrainArgs {
     #[arg(
         long,
         allow_negative_numbers = true,
-        env = "LEARNER_INIT_SEED",
+        env = "ROOKWORLD_INIT_SEED",
         default_value_t = 0
     )]
     pub init_seed: u64,

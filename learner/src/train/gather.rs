@@ -57,8 +57,8 @@ pub(super) async fn gather(
                 skipped += q.take_without_signal().len();
             }
             // Take only a full step's worth, so a shutdown never strands taken groups.
-            if q.ready(version) >= s.prompts_per_step {
-                let groups = q.take(s.prompts_per_step, version);
+            if q.ready(version) >= s.batch.prompts_per_step {
+                let groups = q.take(s.batch.prompts_per_step, version);
                 crate::metrics::record_queue(&q);
                 return Gathered::Groups(groups, skipped);
             }
@@ -72,8 +72,13 @@ pub(super) async fn gather(
             let fleet = fleet
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let why =
-                watchdog::diagnose(&lock(&run.queue), &fleet, version, s.prompts_per_step, now);
+            let why = watchdog::diagnose(
+                &lock(&run.queue),
+                &fleet,
+                version,
+                s.batch.prompts_per_step,
+                now,
+            );
             let limit = watchdog.timeout().unwrap_or_default().as_secs();
             match verdict {
                 Verdict::Stalled(idle) => {

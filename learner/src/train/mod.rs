@@ -185,7 +185,7 @@ pub async fn run(
         .local_addr()
         .map_err(|e| TrainError::Service(e.to_string()))?;
     let spec = GroupSpec {
-        num_completions: s.group_size,
+        num_completions: s.batch.group_size,
         sampling: s.sampling(),
         check: GroupCheck::for_model(run.policy.model.config()),
     };
@@ -369,7 +369,7 @@ pub async fn run(
             * step_flops(
                 &run.policy.model,
                 &batch,
-                run.reference.is_some() && s.beta > 0.0,
+                run.reference.is_some() && s.objective.beta > 0.0,
             );
         record.mfu =
             flops / (report.forward_backward_seconds + report.optimizer_seconds).max(1e-9) / peak;

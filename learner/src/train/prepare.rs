@@ -109,7 +109,7 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
     };
     // Version 0 is whatever weights a worker started with, never the learner's.
     lock(&queue).retire(0, 0);
-    let reference = if s.beta > 0.0 {
+    let reference = if s.objective.beta > 0.0 {
         let mut reference =
             model_checkpoint::load(&reference_dir, DType::F32, policy.model.device())?;
         Precision::Auto.apply(&mut reference);
@@ -191,7 +191,7 @@ fn check_context(
         }
     }
     rookworld_proto::check::fits_context(
-        s.max_new_tokens as usize,
+        s.sampling.max_new_tokens as usize,
         longest,
         "the longest prompt",
         context,

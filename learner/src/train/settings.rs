@@ -7,43 +7,21 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::config::ConfigError;
-use crate::grpo::PolicyLoss;
-use crate::grpo::{AdvantageNorm, Aggregation};
-use crate::loss::{GSPO_EPS_HIGH, GSPO_EPS_LOW, LossConfig};
-use crate::offpolicy::Correction;
+use rookworld_lm::cli::SamplingArgs;
+
 use crate::optim::{AdamWConfig, Schedule};
 use crate::queue::QueueConfig;
+use crate::settings::{BatchArgs, ObjectiveArgs, is_default};
 use crate::sft::SftSettings;
 use crate::step::StepConfig;
 
 // Settings added later are left out of a checkpoint's settings at their defaults, so that
 // runs checkpointed before they existed resume unchanged.
-fn is_default<T: Default + PartialEq>(v: &T) -> bool {
-    *v == T::default()
-}
-fn gspo_eps_low() -> f64 {
-    GSPO_EPS_LOW
-}
-fn gspo_eps_high() -> f64 {
-    GSPO_EPS_HIGH
-}
-fn is_gspo_eps_low(v: &f64) -> bool {
-    *v == GSPO_EPS_LOW
-}
-fn is_gspo_eps_high(v: &f64) -> bool {
-    *v == GSPO_EPS_HIGH
-}
 fn one() -> u32 {
     1
 }
 fn is_one(v: &u32) -> bool {
     *v == 1
-}
-fn is_cap() -> f64 {
-    2.0
-}
-fn is_default_cap(v: &f64) -> bool {
-    *v == is_cap()
 }
 /// The settings of [`TrainSettings`] a resumed run may change: the length of the run (the
 /// learning-rate schedule stretches to the new total), how gradients are split into
@@ -70,30 +48,9 @@ pub struct TrainSettings {
         default_value_t = 100
     )]
     pub steps: u64,
-    /// Prompts (groups) per step (P).
-    #[arg(
-        long,
-        allow_negative_numbers = true,
-        env = "LEARNER_PROMPTS_PER_STEP",
-        default_value_t = 6
-    )]
-    pub prompts_per_step: usize,
-    /// Completions per prompt (G).
-    #[arg(
-        long,
-        allow_negative_numbers = true,
-        env = "LEARNER_GROUP_SIZE",
-        default_value_t = 8
-    )]
-    pub group_size: u32,
-    /// Groups per forward/backward (gradients accumulate to the step's).
-    #[arg(
-        long,
-        allow_negative_numbers = true,
-        env = "LEARNER_MICRO_BATCH_GROUPS",
-        default_value_t = crate::loss::DEFAULT_MICRO_BATCH_GROUPS
-    )]
-    pub micro_batch_groups: usize,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub batch: BatchArgs,
     #[arg(
         long,
         allow_negative_numbers = true,
@@ -129,74 +86,9 @@ pub struct TrainSettings {
         default_value_t = 1.0
     )]
     pub max_grad_norm: f64,
-    /// KL coefficient β (0: no reference forward). The local default run uses 0.01:
-    /// a tiny model that must first learn the format.
-    #[arg(
-        long,
-        allow_negative_numbers = true,
-        env = "LEARNER_BETA",
-        default_value_t = crate::loss::DEFAULT_BETA
-    )]
-    pub beta: f64,
-    /// Clip ε, lower side.
-    #[arg(
-        long,
-        allow_negative_numbers = true,
-        env = "LEARNER_CLIP_EPS",
-        default_value_t = 0.2
-    )]
-    pub clip_eps: f64,
-    /// Clip ε, upper side.
-    #[arg(
-        long,
-        allow_negative_numbers = true,
-        env = "LEARNER_CLIP_EPS_HIGH",
-        default_value_t = 0.2
-    )]
-    pub clip_eps_high: f64,
-    /// What a group's centred rewards are divided by: its std (unbiased, population),
-    /// the batch's std (batch), or nothing (none).
-    #[arg(long, env = "LEARNER_ADVANTAGE_NORM", value_enum, default_value_t = AdvantageNorm::Unbiased)]
-    pub advantage_norm: AdvantageNorm,
-    /// How token terms become the loss: sequence (mean per completion, then mean), token
-    /// (over the batch's tokens; DAPO), constant (sum / (completions × --max-new-tokens);
-    /// Dr. GRPO).
-    #[arg(long, env = "LEARNER_AGGREGATION", value_enum, default_value_t = Aggregation::Sequence)]
-    pub aggregation: Aggregation,
-    /// The policy-gradient term: clip (PPO/GRPO token ratios), gspo (sequence ratio),
-    /// gspo-token, cispo (truncated, detached weights).
-    #[arg(long, env = "LEARNER_POLICY_LOSS", value_enum, default_value_t = PolicyLoss::Clip)]
-    #[serde(default, skip_serializing_if = "is_default")]
-    pub policy_loss: PolicyLoss,
-    /// GSPO's clip ε of the sequence ratio, lower side.
-    #[arg(long, allow_negative_numbers = true, env = "LEARNER_GSPO_EPS", default_value_t = GSPO_EPS_LOW)]
-    #[serde(default = "gspo_eps_low", skip_serializing_if = "is_gspo_eps_low")]
-    pub gspo_eps: f64,
-    /// GSPO's clip ε of the sequence ratio, upper side.
-    #[arg(long, allow_negative_numbers = true, env = "LEARNER_GSPO_EPS_HIGH", default_value_t = GSPO_EPS_HIGH)]
-    #[serde(default = "gspo_eps_high", skip_serializing_if = "is_gspo_eps_high")]
-    pub gspo_eps_high: f64,
-    /// Decoupled off-policy correction: off, or the clipped ratio against the proximal
-    /// policy with each token weighted by π_prox/π_behaviour bounded by --is-cap —
-    /// token-truncate, token-mask, sequence-truncate, sequence-mask. Stale groups (up to
-    /// --max-version-lag) are then corrected rather than trained on as if fresh.
-    #[arg(long, env = "LEARNER_OFF_POLICY_CORRECTION", value_enum, default_value_t = Correction::Off)]
-    #[serde(default, skip_serializing_if = "is_default")]
-    pub off_policy_correction: Correction,
-    /// C, the bound of the importance weights (at least 1).
-    #[arg(
-        long,
-        allow_negative_numbers = true,
-        env = "LEARNER_IS_CAP",
-        default_value_t = 2.0
-    )]
-    #[serde(default = "is_cap", skip_serializing_if = "is_default_cap")]
-    pub is_cap: f64,
-    /// Leave completions cut off at --max-new-tokens (no end-of-text) out of the loss
-    /// (DAPO's overlong filtering); their rewards still shape their groups' advantages.
-    #[arg(long, env = "LEARNER_MASK_TRUNCATED")]
-    #[serde(default, skip_serializing_if = "is_default")]
-    pub mask_truncated: bool,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub objective: ObjectiveArgs,
     /// DAPO's dynamic sampling: groups without signal (equal rewards) are consumed and
     /// skipped as they arrive, and a step waits for P groups with signal.
     #[arg(long, env = "LEARNER_DYNAMIC_SAMPLING")]
@@ -208,37 +100,10 @@ pub struct TrainSettings {
     #[arg(long, env = "LEARNER_UPDATES_PER_BATCH", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub updates_per_batch: u32,
-    /// Sampling temperature (the loss uses the same).
-    #[arg(
-        long,
-        allow_negative_numbers = true,
-        env = "LEARNER_TEMPERATURE",
-        default_value_t = 1.0
-    )]
-    pub temperature: f64,
-    /// Top-k (0: off).
-    #[arg(
-        long,
-        allow_negative_numbers = true,
-        env = "LEARNER_TOP_K",
-        default_value_t = 0
-    )]
-    pub top_k: u32,
-    /// Top-p (1: off).
-    #[arg(
-        long,
-        allow_negative_numbers = true,
-        env = "LEARNER_TOP_P",
-        default_value_t = 1.0
-    )]
-    pub top_p: f64,
-    #[arg(
-        long,
-        allow_negative_numbers = true,
-        env = "LEARNER_MAX_NEW_TOKENS",
-        default_value_t = 64
-    )]
-    pub max_new_tokens: u32,
+    /// How the workers sample (the loss computes log-probs at the same temperature).
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub sampling: SamplingArgs,
     /// Seed of the prompt generator and of the groups' sampling seeds.
     #[arg(
         long,
@@ -301,14 +166,12 @@ impl TrainSettings {
     /// Checks ranges so that a bad value is one clear line, not a failure mid-run.
     pub fn validate(&self) -> Result<(), ConfigError> {
         use rookworld_proto::check::{at_least, fraction, non_negative, positive};
-        self.step_config().loss.validate().map_err(ConfigError)?;
         let checks = [
+            self.sampling.validate(),
+            self.batch.validate(),
+            self.loss_config().map(drop),
             at_least("--steps", self.steps, 1),
-            at_least("--prompts-per-step", self.prompts_per_step as u64, 1),
-            at_least("--group-size", self.group_size.into(), 2),
-            at_least("--micro-batch-groups", self.micro_batch_groups as u64, 1),
             at_least("--sft-batch-size", self.sft_batch_size as u64, 1),
-            at_least("--max-new-tokens", self.max_new_tokens.into(), 1),
             positive("--lr", self.lr),
             positive("--sft-lr", self.sft_lr),
             positive("--lease-timeout", self.lease_timeout),
@@ -316,7 +179,6 @@ impl TrainSettings {
             non_negative("--weight-decay", self.weight_decay),
             non_negative("--max-grad-norm", self.max_grad_norm),
             fraction("--policy-fraction", self.policy_fraction),
-            rookworld_lm::sampling::check_top_p("--top-p", self.top_p),
         ];
         checks
             .into_iter()
@@ -324,24 +186,18 @@ impl TrainSettings {
             .map_err(ConfigError)
     }
 
+    /// The objective at the workers' temperature and token budget, checked.
+    pub fn loss_config(&self) -> Result<crate::loss::LossConfig, String> {
+        self.objective
+            .loss_config(self.sampling.temperature, self.sampling.max_new_tokens)
+    }
+
     pub fn step_config(&self) -> StepConfig {
         StepConfig {
-            loss: LossConfig {
-                beta: self.beta,
-                eps_low: self.clip_eps,
-                eps_high: self.clip_eps_high,
-                temperature: self.temperature,
-                advantage_norm: self.advantage_norm,
-                aggregation: self.aggregation,
-                policy_loss: self.policy_loss,
-                gspo_eps_low: self.gspo_eps,
-                gspo_eps_high: self.gspo_eps_high,
-                max_new_tokens: self.max_new_tokens as usize,
-                correction: self.off_policy_correction,
-                is_cap: self.is_cap,
-                mask_truncated: self.mask_truncated,
-            },
-            micro_batch_groups: self.micro_batch_groups,
+            loss: self
+                .objective
+                .loss_config_unchecked(self.sampling.temperature, self.sampling.max_new_tokens),
+            micro_batch_groups: self.batch.micro_batch_groups,
             max_grad_norm: self.max_grad_norm,
         }
     }
@@ -366,7 +222,7 @@ impl TrainSettings {
     /// of scored groups waits: workers stay about one version behind, not more (a deeper
     /// buffer only ages the groups until they are dropped as stale).
     pub fn queue_config(&self) -> QueueConfig {
-        let p = self.prompts_per_step;
+        let p = self.batch.prompts_per_step;
         QueueConfig {
             max_pending: (4 * p).max(16),
             max_scored: p,
@@ -379,10 +235,10 @@ impl TrainSettings {
 
     pub fn sampling(&self) -> rookworld_proto::v1::SamplingParams {
         rookworld_proto::v1::SamplingParams {
-            temperature: self.temperature as f32,
-            top_k: self.top_k,
-            top_p: self.top_p as f32,
-            max_new_tokens: self.max_new_tokens,
+            temperature: self.sampling.temperature as f32,
+            top_k: self.sampling.top_k,
+            top_p: self.sampling.top_p as f32,
+            max_new_tokens: self.sampling.max_new_tokens,
             seed: 0,
         }
     }

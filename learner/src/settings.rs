@@ -1,0 +1,192 @@
+//! The settings the learner's commands share, one type per concept so that a default or a
+//! rule cannot differ between commands: the objective ([`ObjectiveArgs`]: `train`, `loss`,
+//! `bench`) and the shape of a step's batch ([`BatchArgs`]: `train`, `bench`). Sampling
+//! is [`rookworld_lm::cli::SamplingArgs`], shared with the rollout worker.
+//!
+//! Both are also serialised into `learner train`'s checkpoints (flat keys, as the flags
+//! are named); a setting added after runs were checkpointed is left out at its default
+//! so that those runs resume unchanged.
+
+use serde::{Deserialize, Serialize};
+
+use crate::grpo::{AdvantageNorm, Aggregation, PolicyLoss};
+use crate::loss::LossConfig;
+use crate::offpolicy::Correction;
+
+/// The KL coefficient β by default: small, for a tiny model that must first learn the
+/// format.
+pub const DEFAULT_BETA: f64 = 0.01;
+/// The clip ε of the token ratio by default, on both sides (PPO's and GRPO's 0.2).
+pub const DEFAULT_CLIP_EPS: f64 = 0.2;
+/// GSPO's clip range by default, as the paper's (3e-4, 4e-4): sequence ratios stay far
+/// closer to 1 than token ratios.
+pub const GSPO_EPS_LOW: f64 = 3e-4;
+pub const GSPO_EPS_HIGH: f64 = 4e-4;
+/// C, the bound of the importance weights, by default.
+pub const DEFAULT_IS_CAP: f64 = 2.0;
+/// Groups per forward/backward by default.
+pub const DEFAULT_MICRO_BATCH_GROUPS: usize = 4;
+
+pub(crate) fn is_default<T: Default + PartialEq>(v: &T) -> bool {
+    *v == T::default()
+}
+fn gspo_eps_low() -> f64 {
+    GSPO_EPS_LOW
+}
+fn gspo_eps_high() -> f64 {
+    GSPO_EPS_HIGH
+}
+fn is_gspo_eps_low(v: &f64) -> bool {
+    *v == GSPO_EPS_LOW
+}
+fn is_gspo_eps_high(v: &f64) -> bool {
+    *v == GSPO_EPS_HIGH
+}
+fn is_cap() -> f64 {
+    DEFAULT_IS_CAP
+}
+fn is_default_cap(v: &f64) -> bool {
+    *v == DEFAULT_IS_CAP
+}
+
+/// The objective: what the policy-gradient term is, how advantages are normalised and
+/// token terms aggregated, the KL term and the off-policy correction.
+#[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
+pub struct ObjectiveArgs {
+    /// KL coefficient β (0: no reference forward).
+    #[arg(long, allow_negative_numbers = true, env = "LEARNER_BETA", default_value_t = DEFAULT_BETA)]
+    pub beta: f64,
+    /// Clip ε of the token ratio, lower side.
+    #[arg(long, allow_negative_numbers = true, env = "LEARNER_CLIP_EPS", default_value_t = DEFAULT_CLIP_EPS)]
+    pub clip_eps: f64,
+    /// Clip ε of the token ratio, upper side (DAPO's clip-higher raises it).
+    #[arg(long, allow_negative_numbers = true, env = "LEARNER_CLIP_EPS_HIGH", default_value_t = DEFAULT_CLIP_EPS)]
+    pub clip_eps_high: f64,
+    /// What a group's centred rewards are divided by: its std (unbiased, population),
+    /// the batch's std (batch), or nothing (none).
+    #[arg(long, env = "LEARNER_ADVANTAGE_NORM", value_enum, default_value_t = AdvantageNorm::Unbiased)]
+    pub advantage_norm: AdvantageNorm,
+    /// How token terms become the loss: sequence (mean per completion, then mean), token
+    /// (over the batch's tokens; DAPO), constant (sum / (completions × --max-new-tokens);
+    /// Dr. GRPO).
+    #[arg(long, env = "LEARNER_AGGREGATION", value_enum, default_value_t = Aggregation::Sequence)]
+    pub aggregation: Aggregation,
+    /// The policy-gradient term: clip (PPO/GRPO token ratios), gspo (sequence ratio),
+    /// gspo-token, cispo (truncated, detached weights).
+    #[arg(long, env = "LEARNER_POLICY_LOSS", value_enum, default_value_t = PolicyLoss::Clip)]
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub policy_loss: PolicyLoss,
+    /// GSPO's clip ε of the sequence ratio, lower side.
+    #[arg(long, allow_negative_numbers = true, env = "LEARNER_GSPO_EPS", default_value_t = GSPO_EPS_LOW)]
+    #[serde(default = "gspo_eps_low", skip_serializing_if = "is_gspo_eps_low")]
+    pub gspo_eps: f64,
+    /// GSPO's clip ε of the sequence ratio, upper side.
+    #[arg(long, allow_negative_numbers = true, env = "LEARNER_GSPO_EPS_HIGH", default_value_t = GSPO_EPS_HIGH)]
+    #[serde(default = "gspo_eps_high", skip_serializing_if = "is_gspo_eps_high")]
+    pub gspo_eps_high: f64,
+    /// Decoupled off-policy correction: off, or the clipped ratio against the proximal
+    /// policy with each token weighted by π_prox/π_behaviour bounded by --is-cap —
+    /// token-truncate, token-mask, sequence-truncate, sequence-mask. Stale groups (up to
+    /// --max-version-lag) are then corrected rather than trained on as if fresh.
+    #[arg(long, env = "LEARNER_OFF_POLICY_CORRECTION", value_enum, default_value_t = Correction::Off)]
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub off_policy_correction: Correction,
+    /// C, the bound of the importance weights (at least 1).
+    #[arg(long, allow_negative_numbers = true, env = "LEARNER_IS_CAP", default_value_t = DEFAULT_IS_CAP)]
+    #[serde(default = "is_cap", skip_serializing_if = "is_default_cap")]
+    pub is_cap: f64,
+    /// Leave completions cut off at --max-new-tokens (no end-of-text) out of the loss
+    /// (DAPO's overlong filtering); their rewards still shape their groups' advantages.
+    #[arg(long, env = "LEARNER_MASK_TRUNCATED")]
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub mask_truncated: bool,
+}
+
+impl Default for ObjectiveArgs {
+    fn default() -> Self {
+        Self {
+            beta: DEFAULT_BETA,
+            clip_eps: DEFAULT_CLIP_EPS,
+            clip_eps_high: DEFAULT_CLIP_EPS,
+            advantage_norm: AdvantageNorm::Unbiased,
+            aggregation: Aggregation::Sequence,
+            policy_loss: PolicyLoss::Clip,
+            gspo_eps: GSPO_EPS_LOW,
+            gspo_eps_high: GSPO_EPS_HIGH,
+            off_policy_correction: Correction::Off,
+            is_cap: DEFAULT_IS_CAP,
+            mask_truncated: false,
+        }
+    }
+}
+
+impl ObjectiveArgs {
+    /// The loss configuration of completions sampled at `temperature` with a budget of
+    /// `max_new_tokens`, checked ([`LossConfig::validate`]).
+    pub fn loss_config(&self, temperature: f64, max_new_tokens: u32) -> Result<LossConfig, String> {
+        let cfg = self.loss_config_unchecked(temperature, max_new_tokens);
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// [`Self::loss_config`] without the range checks.
+    pub fn loss_config_unchecked(&self, temperature: f64, max_new_tokens: u32) -> LossConfig {
+        LossConfig {
+            beta: self.beta,
+            eps_low: self.clip_eps,
+            eps_high: self.clip_eps_high,
+            temperature,
+            advantage_norm: self.advantage_norm,
+            aggregation: self.aggregation,
+            policy_loss: self.policy_loss,
+            gspo_eps_low: self.gspo_eps,
+            gspo_eps_high: self.gspo_eps_high,
+            max_new_tokens: max_new_tokens as usize,
+            correction: self.off_policy_correction,
+            is_cap: self.is_cap,
+            mask_truncated: self.mask_truncated,
+        }
+    }
+}
+
+/// The shape of a step's batch: P prompts (groups) of G completions, split into
+/// micro-batches of groups whose gradients accumulate to the step's.
+#[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
+pub struct BatchArgs {
+    /// Prompts (groups) per step (P).
+    #[arg(
+        long,
+        short = 'p',
+        allow_negative_numbers = true,
+        env = "LEARNER_PROMPTS_PER_STEP",
+        default_value_t = 6
+    )]
+    pub prompts_per_step: usize,
+    /// Completions per prompt (G, at least 2: advantages compare a group's completions).
+    #[arg(
+        long,
+        short = 'n',
+        allow_negative_numbers = true,
+        env = "LEARNER_GROUP_SIZE",
+        default_value_t = 8
+    )]
+    pub group_size: u32,
+    /// Groups per forward/backward (gradients accumulate to the step's).
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        env = "LEARNER_MICRO_BATCH_GROUPS",
+        default_value_t = DEFAULT_MICRO_BATCH_GROUPS
+    )]
+    pub micro_batch_groups: usize,
+}
+
+impl BatchArgs {
+    /// Every count at least 1, groups at least 2.
+    pub fn validate(&self) -> Result<(), String> {
+        use rookworld_proto::check::at_least;
+        at_least("--prompts-per-step", self.prompts_per_step as u64, 1)?;
+        at_least("--group-size", self.group_size.into(), 2)?;
+        at_least("--micro-batch-groups", self.micro_batch_groups as u64, 1)
+    }
+}
