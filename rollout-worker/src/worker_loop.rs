@@ -8,7 +8,7 @@
 //! prompt), not scored and submitted for nothing.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rookworld_lm::Tokenizer;
@@ -20,6 +20,9 @@ use tokio::sync::Semaphore;
 use tonic::transport::Channel;
 
 use crate::engine::{Engine, Event, Request};
+
+mod peers;
+use peers::{Clients, Peer, Peers, Reporter, authed, check_peers, with_backoff};
 use queue::ProblemCause as Cause;
 
 /// Where the loop connects and how hard it works.
@@ -96,283 +99,6 @@ impl GroupError {
     }
 }
 
-/// At start: whether the learner takes this worker's token and the reward server scores
-/// with it, each logged with its URL (a peer that is not up yet is retried by the loop).
-async fn check_peers(cfg: Arc<LoopConfig>) {
-    use rookworld_proto::probe::{learner_queue, reward_server};
-    let (Ok(learner), Ok(reward)) = (
-        channel(&cfg.learner, cfg.call_timeout, &cfg.tls),
-        channel(&cfg.reward, cfg.call_timeout, &cfg.tls),
-    ) else {
-        return;
-    };
-    match learner_queue(learner, &cfg.token, &cfg.worker_id).await {
-        Ok(()) => {
-            tracing::info!(learner = %cfg.learner, "learner queue answers and takes the token")
-        }
-        Err(p) if p.is_unreachable() => {
-            tracing::warn!(learner = %cfg.learner, problem = %p, "learner queue not reachable yet; the loop retries")
-        }
-        Err(p) => tracing::error!(learner = %cfg.learner, "learner queue {p}"),
-    }
-    match reward_server(reward, &cfg.token).await {
-        Ok(what) => {
-            tracing::info!(reward = %cfg.reward, %what, "reward server answers and takes the token")
-        }
-        Err(p) if p.is_unreachable() => {
-            tracing::warn!(reward = %cfg.reward, problem = %p, "reward server not reachable yet; the loop retries")
-        }
-        Err(p) => tracing::error!(reward = %cfg.reward, "reward server {p}"),
-    }
-}
-
-/// A peer the loop calls, and since when it has been unreachable.
-#[derive(Debug)]
-struct Peer {
-    name: &'static str,
-    url: String,
-    down_since: Mutex<Option<Instant>>,
-    /// Tells the learner when this peer cannot be reached (the reward server's).
-    reporter: Option<Arc<Reporter>>,
-}
-
-impl Peer {
-    fn new(name: &'static str, url: &str, reporter: Option<Arc<Reporter>>) -> Self {
-        metrics::gauge!("rollout_peer_reachable", "peer" => name).set(1.0);
-        Self {
-            name,
-            url: url.to_owned(),
-            down_since: Mutex::new(None),
-            reporter,
-        }
-    }
-
-    fn down_since(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
-        self.down_since
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// It answered: back if it was away.
-    fn answered(&self) {
-        if let Some(since) = self.down_since().take() {
-            metrics::gauge!("rollout_peer_reachable", "peer" => self.name).set(1.0);
-            tracing::info!(
-                peer = self.name,
-                url = %self.url,
-                after_seconds = format!("{:.1}", since.elapsed().as_secs_f64()),
-                "reachable again"
-            );
-        }
-    }
-
-    /// It could not be reached: said once, when it goes away.
-    fn unreachable(&self, call: &str, error: &str) {
-        metrics::counter!("rollout_call_retries_total", "call" => call.to_owned()).increment(1);
-        if let Some(r) = &self.reporter {
-            r.problem(Cause::RewardUnreachable, &self.url, "", error);
-        }
-        let mut since = self.down_since();
-        if since.is_none() {
-            *since = Some(Instant::now());
-            metrics::gauge!("rollout_peer_reachable", "peer" => self.name).set(0.0);
-            tracing::warn!(
-                peer = self.name,
-                url = %self.url,
-                call,
-                error,
-                "unreachable; retrying with back-off"
-            );
-        }
-    }
-}
-
-/// Tells the learner's queue what keeps this worker from delivering groups (`Report`),
-/// each problem once and again every [`REPORT_EVERY`] while it lasts, and when it is over;
-/// best effort (a learner that cannot be reached learns nothing, and says so itself).
-#[derive(Debug)]
-struct Reporter {
-    client: RolloutQueueClient<Channel>,
-    token: String,
-    worker_id: String,
-    /// The last report sent: cause, message, when.
-    last: Mutex<Option<(Cause, String, Instant)>>,
-}
-
-/// How often a lasting problem is reported again.
-const REPORT_EVERY: Duration = Duration::from_secs(5);
-
-impl Reporter {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<(Cause, String, Instant)>> {
-        self.last
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// `cause` at `peer` (the gRPC `code` of the failed call, if any): `message`.
-    fn problem(&self, cause: Cause, peer: &str, code: &str, message: &str) {
-        {
-            let mut last = self.lock();
-            if let Some((c, m, at)) = last.as_ref()
-                && *c == cause
-                && m == message
-                && at.elapsed() < REPORT_EVERY
-            {
-                return;
-            }
-            *last = Some((cause, message.to_owned(), Instant::now()));
-        }
-        self.send(queue::ReportRequest {
-            worker_id: self.worker_id.clone(),
-            cause: cause as i32,
-            peer: peer.to_owned(),
-            code: code.to_owned(),
-            message: message.chars().take(500).collect(),
-        });
-    }
-
-    /// Groups are delivered again.
-    fn resolved(&self) {
-        if self.lock().take().is_some() {
-            self.send(queue::ReportRequest {
-                worker_id: self.worker_id.clone(),
-                ..Default::default()
-            });
-        }
-    }
-
-    fn send(&self, report: queue::ReportRequest) {
-        let mut client = self.client.clone();
-        let request = authed(report, &self.token);
-        tokio::spawn(async move {
-            if let Err(s) = client.report(request).await {
-                tracing::debug!(code = ?s.code(), error = %s.message(), "report not delivered");
-            }
-        });
-    }
-}
-
-fn channel(
-    url: &str,
-    timeout: Duration,
-    tls: &rookworld_proto::tls::ClientTlsArgs,
-) -> Result<Channel, String> {
-    Ok(tls
-        .endpoint(url)?
-        .connect_timeout(timeout)
-        .timeout(timeout)
-        // A peer whose host vanished never resets the connection: pings notice it.
-        .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_timeout(Duration::from_secs(10))
-        .keep_alive_while_idle(true)
-        .tcp_keepalive(Some(Duration::from_secs(30)))
-        .connect_lazy())
-}
-
-/// `msg` with the shared token (a token that cannot be a header value is left out, and
-/// the learner refuses the call as unauthenticated).
-fn authed<T>(msg: T, token: &str) -> tonic::Request<T> {
-    let mut r = tonic::Request::new(msg);
-    let _ = rookworld_proto::auth::set_token(r.metadata_mut(), token);
-    r
-}
-
-/// Whether a failed call means the peer could not be reached (or answered too late), as
-/// opposed to an answer: tonic reports connection failures as UNAVAILABLE (or UNKNOWN with a
-/// transport error) and its client timeout as CANCELLED.
-fn unreachable(s: &tonic::Status) -> bool {
-    match s.code() {
-        tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => true,
-        tonic::Code::Unknown => {
-            s.message().contains("transport") || s.message().contains("connect")
-        }
-        _ => false,
-    }
-}
-
-/// Retries `call` with exponential back-off (100 ms doubling to `max`) while `peer` is
-/// unreachable; other errors return at once.
-async fn with_backoff<T, F, Fut>(
-    peer: &Peer,
-    what: &str,
-    max: Duration,
-    mut call: F,
-) -> Result<T, tonic::Status>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, tonic::Status>>,
-{
-    let mut wait = Duration::from_millis(100);
-    loop {
-        match call().await {
-            Err(s) if unreachable(&s) => {
-                peer.unreachable(what, &rookworld_proto::probe::cause_chain(&s));
-                tracing::debug!(call = what, error = %s.message(), retry_in = ?wait, "retrying");
-                tokio::time::sleep(wait).await;
-                wait = (wait * 2).min(max);
-            }
-            other => {
-                peer.answered();
-                return other;
-            }
-        }
-    }
-}
-
-/// The peers of one loop, and what tells the learner about problems.
-#[derive(Debug)]
-struct Peers {
-    learner: Peer,
-    reward: Peer,
-    reporter: Arc<Reporter>,
-}
-
-/// How often the loop looks at its client TLS files for a rotated certificate.
-const TLS_RECHECK: Duration = Duration::from_secs(10);
-
-/// The loop's clients of the learner and the reward server, rebuilt when the client TLS
-/// files change (a rotated certificate or CA is used from the next connection on).
-struct Clients {
-    learner: RolloutQueueClient<Channel>,
-    scorer: RewardServiceClient<Channel>,
-    files: Vec<Vec<u8>>,
-    checked: Instant,
-}
-
-impl Clients {
-    fn connect(cfg: &LoopConfig) -> Result<Self, String> {
-        Ok(Self {
-            learner: RolloutQueueClient::new(channel(&cfg.learner, cfg.call_timeout, &cfg.tls)?),
-            scorer: RewardServiceClient::new(channel(&cfg.reward, cfg.call_timeout, &cfg.tls)?),
-            files: cfg.tls.snapshot(),
-            checked: Instant::now(),
-        })
-    }
-
-    /// Rebuilds the clients when the TLS files changed (checked every [`TLS_RECHECK`]);
-    /// files that no longer load keep the old clients, with a warning.
-    fn refresh(&mut self, cfg: &LoopConfig) {
-        if !cfg.tls.enabled() || self.checked.elapsed() < TLS_RECHECK {
-            return;
-        }
-        self.checked = Instant::now();
-        let files = cfg.tls.snapshot();
-        if files == self.files {
-            return;
-        }
-        match Self::connect(cfg) {
-            Ok(new) => {
-                *self = new;
-                tracing::info!("client TLS files changed: new connections use them");
-            }
-            Err(e) => {
-                self.files = files;
-                tracing::warn!(error = %e, "client TLS files changed but do not load; the old ones stay in use");
-            }
-        }
-    }
-}
-
 /// How long a stopping loop waits for its groups in flight before it abandons them (their
 /// leases expire at the learner, which re-issues the prompts): a stop never waits on a peer.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(3);
@@ -389,12 +115,7 @@ pub async fn run(
     let mut clients = Clients::connect(&cfg)?;
     let slots = Arc::new(Semaphore::new(cfg.max_in_flight.max(1)));
     let cfg = Arc::new(cfg);
-    let reporter = Arc::new(Reporter {
-        client: clients.learner.clone(),
-        token: cfg.token.clone(),
-        worker_id: cfg.worker_id.clone(),
-        last: Mutex::new(None),
-    });
+    let reporter = Arc::new(Reporter::new(clients.learner.clone(), &cfg));
     let peers = Arc::new(Peers {
         learner: Peer::new("learner", &cfg.learner, None),
         reward: Peer::new("reward", &cfg.reward, Some(reporter.clone())),
