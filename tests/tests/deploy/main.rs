@@ -8,7 +8,7 @@
 //! - `compose`: the compose file, the images' Dockerfile and Prometheus's scrape config.
 //! - `grafana`: the provisioned datasource and dashboard.
 //! - `k8s`: the Kubernetes manifests.
-//! - `metrics`: the README's table of every metric.
+//! - `metrics`: the book's table of every metric (`docs/operations/metrics.md`).
 
 mod compose;
 mod grafana;

@@ -1,18 +1,17 @@
-//! The README's table of metrics against the names the services' sources export.
+//! The book's table of metrics (`docs/operations/metrics.md`) against the names the
+//! services' sources export.
 
 use std::collections::BTreeSet;
 
 use crate::{deploy, read};
 
-/// The metric names of the README's Metrics table (first column).
+fn page() -> String {
+    read(&deploy().join("../docs/operations/metrics.md"))
+}
+
+/// The metric names of the book's Metrics table (first column).
 fn readme_table() -> BTreeSet<String> {
-    let readme = read(&deploy().join("../README.md"));
-    let section = readme
-        .split("\n## Metrics\n")
-        .nth(1)
-        .expect("a Metrics section in the README");
-    let section = section.split("\n## ").next().unwrap();
-    section
+    page()
         .lines()
         .filter_map(|l| l.strip_prefix("| `"))
         .filter_map(|l| l.split('`').next())
@@ -21,18 +20,18 @@ fn readme_table() -> BTreeSet<String> {
 }
 
 #[test]
-fn the_readme_lists_every_metric_the_services_export_and_no_other() {
+fn the_book_lists_every_metric_the_services_export_and_no_other() {
     let table = readme_table();
     let exported = crate::grafana::exported_metrics();
     let missing: Vec<_> = exported.difference(&table).collect();
     let extra: Vec<_> = table.difference(&exported).collect();
     assert!(
         missing.is_empty() && extra.is_empty(),
-        "README Metrics table: missing {missing:?}; not exported {extra:?}"
+        "docs/operations/metrics.md: missing {missing:?}; not exported {extra:?}"
     );
     for name in &table {
         let counter = name.ends_with("_total");
-        let row = read(&deploy().join("../README.md"))
+        let row = page()
             .lines()
             .find(|l| l.starts_with(&format!("| `{name}` |")))
             .unwrap()

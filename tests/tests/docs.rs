@@ -1,0 +1,572 @@
+//! The book's reference pages are generated from the code — the command lines from clap,
+//! the metrics from the services' describe calls, the gRPC API from the `.proto` comments —
+//! and fail here when stale; every relative link of the README and the book resolves.
+//!
+//! After a change of a flag, a metric or a `.proto` comment, write the pages again with
+//! `ROOKWORLD_BLESS=1 cargo test -p rookworld-tests --test docs`.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
+use prost::Message as _;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Compares `text` with the page at `rel` (writes it under `ROOKWORLD_BLESS=1`).
+fn check_page(rel: &str, text: &str) {
+    let path = root().join(rel);
+    if std::env::var_os("ROOKWORLD_BLESS").is_some() {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, text).unwrap();
+        return;
+    }
+    let old = std::fs::read_to_string(&path).unwrap_or_default();
+    if old != text {
+        let line = old
+            .lines()
+            .zip(text.lines())
+            .position(|(a, b)| a != b)
+            .unwrap_or(old.lines().count().min(text.lines().count()));
+        panic!(
+            "{rel} is stale (first difference at line {}): write it again with \
+             `ROOKWORLD_BLESS=1 cargo test -p rookworld-tests --test docs`",
+            line + 1
+        );
+    }
+}
+
+/// A table cell: one line, pipes escaped.
+fn cell(text: &str) -> String {
+    text.split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+        .replace('|', "\\|")
+}
+
+// ---- the command lines ----
+
+fn options_table(cmd: &clap::Command, out: &mut String) {
+    let args: Vec<&clap::Arg> = cmd
+        .get_arguments()
+        .filter(|a| !a.is_hide_set() && !["help", "version"].contains(&a.get_id().as_str()))
+        .collect();
+    if args.is_empty() {
+        return;
+    }
+    out.push_str("| option | default | environment | what |\n| --- | --- | --- | --- |\n");
+    for arg in args {
+        let name = match (arg.get_long(), arg.get_short()) {
+            (Some(long), Some(short)) => format!("`-{short}`, `--{long}`"),
+            (Some(long), None) => format!("`--{long}`"),
+            (None, Some(short)) => format!("`-{short}`"),
+            (None, None) => format!("`{}`", arg.get_id().as_str().to_uppercase()),
+        };
+        let defaults: Vec<String> = arg
+            .get_default_values()
+            .iter()
+            .map(|v| v.to_string_lossy().into_owned())
+            .collect();
+        let default = if defaults.is_empty() {
+            String::new()
+        } else {
+            format!("`{}`", defaults.join(","))
+        };
+        let env = arg
+            .get_env()
+            .map(|e| format!("`{}`", e.to_string_lossy()))
+            .unwrap_or_default();
+        let mut what = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+        let values: Vec<String> = arg
+            .get_possible_values()
+            .iter()
+            .filter(|v| !v.is_hide_set())
+            .map(|v| v.get_name().to_owned())
+            .collect();
+        if !values.is_empty() && arg.get_num_args().is_none_or(|n| n.max_values() != 0) {
+            write!(what, " (one of: {})", values.join(", ")).unwrap();
+        }
+        writeln!(out, "| {name} | {default} | {env} | {} |", cell(&what)).unwrap();
+    }
+    out.push('\n');
+}
+
+fn command_section(cmd: &clap::Command, path: &str, out: &mut String) {
+    let depth = path.split(' ').count().min(4);
+    writeln!(out, "{} `{path}`\n", "#".repeat(depth + 1)).unwrap();
+    if let Some(about) = cmd.get_long_about().or(cmd.get_about()) {
+        writeln!(out, "{about}\n").unwrap();
+    }
+    options_table(cmd, out);
+    for sub in cmd.get_subcommands() {
+        if sub.get_name() != "help" {
+            command_section(sub, &format!("{path} {}", sub.get_name()), out);
+        }
+    }
+}
+
+fn cli_page() -> String {
+    let mut out = String::from(
+        "<!-- Generated from the code by tests/tests/docs.rs: do not edit. -->\n\n\
+         # Command line\n\n\
+         Every option can also be given in a run file (`--config FILE`, the long name with \
+         underscores) or, where a variable is named, in the environment. Precedence: \
+         defaults < run file < environment < flags.\n\n",
+    );
+    for (name, cmd) in [
+        ("learner", learner::app::command()),
+        ("rollout-worker", rollout_worker::app::command()),
+        ("reward-server", reward_server::app::command()),
+    ] {
+        command_section(&cmd, name, &mut out);
+    }
+    out
+}
+
+#[test]
+fn the_command_line_reference_is_current() {
+    check_page("docs/reference/cli.md", &cli_page());
+}
+
+// ---- the metrics ----
+
+/// What a describe call says of a metric: its type, unit and help.
+type Described = BTreeMap<String, (&'static str, Option<Unit>, String)>;
+
+/// Records what the describe calls say; every metric handle is a no-op.
+#[derive(Default)]
+struct Descriptions(Mutex<Described>);
+
+impl Descriptions {
+    fn add(&self, kind: &'static str, key: KeyName, unit: Option<Unit>, help: SharedString) {
+        self.0
+            .lock()
+            .unwrap()
+            .insert(key.as_str().to_owned(), (kind, unit, help.to_string()));
+    }
+}
+
+impl Recorder for Descriptions {
+    fn describe_counter(&self, key: KeyName, unit: Option<Unit>, help: SharedString) {
+        self.add("counter", key, unit, help);
+    }
+    fn describe_gauge(&self, key: KeyName, unit: Option<Unit>, help: SharedString) {
+        self.add("gauge", key, unit, help);
+    }
+    fn describe_histogram(&self, key: KeyName, unit: Option<Unit>, help: SharedString) {
+        self.add("histogram", key, unit, help);
+    }
+    fn register_counter(&self, _: &Key, _: &Metadata<'_>) -> Counter {
+        Counter::noop()
+    }
+    fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+        Gauge::noop()
+    }
+    fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+        Histogram::noop()
+    }
+}
+
+fn described(describe: fn()) -> Described {
+    let recorder = Arc::new(Descriptions::default());
+    metrics::with_local_recorder(recorder.as_ref(), describe);
+    recorder.0.lock().unwrap().clone()
+}
+
+fn metrics_page() -> String {
+    let mut out = String::from(
+        "<!-- Generated from the code by tests/tests/docs.rs: do not edit. -->\n\n\
+         # Metrics\n\n\
+         Every service serves Prometheus text on its `--metrics` address (`/metrics`). \
+         The names, types and descriptions below are the services' own describe calls; \
+         labels are named in the descriptions as `label`.\n\n",
+    );
+    for (service, describe) in [
+        ("learner", learner::metrics::describe as fn()),
+        ("rollout-worker", rollout_worker::metrics::describe),
+        ("reward-server", reward_server::metrics::describe),
+    ] {
+        writeln!(out, "## {service}\n").unwrap();
+        out.push_str("| metric | type | unit | what |\n| --- | --- | --- | --- |\n");
+        for (name, (kind, unit, help)) in described(describe) {
+            let unit = unit.map(|u| u.as_str().to_owned()).unwrap_or_default();
+            writeln!(out, "| `{name}` | {kind} | {unit} | {} |", cell(&help)).unwrap();
+        }
+        out.push('\n');
+    }
+    out
+}
+
+#[test]
+fn the_metrics_reference_is_current() {
+    check_page("docs/reference/metrics.md", &metrics_page());
+}
+
+#[test]
+fn every_exported_metric_is_described() {
+    let mut all = BTreeMap::new();
+    for describe in [
+        learner::metrics::describe as fn(),
+        rollout_worker::metrics::describe,
+        reward_server::metrics::describe,
+    ] {
+        all.extend(described(describe));
+    }
+    for name in metric_names_in_sources() {
+        let (kind, _, _) = all
+            .get(&name)
+            .unwrap_or_else(|| panic!("{name} is recorded but never described"));
+        assert_eq!(
+            name.ends_with("_total"),
+            *kind == "counter",
+            "{name}: `_total` exactly on counters"
+        );
+    }
+}
+
+/// The first argument of every metric macro in the services' sources.
+fn metric_names_in_sources() -> Vec<String> {
+    let mut names = Vec::new();
+    for dir in ["learner/src", "rollout-worker/src", "reward-server/src"] {
+        let mut stack = vec![root().join(dir)];
+        while let Some(path) = stack.pop() {
+            if path.is_dir() {
+                stack.extend(std::fs::read_dir(&path).unwrap().map(|e| e.unwrap().path()));
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path).unwrap();
+                let pieces: Vec<&str> = text.split('"').collect();
+                for pair in pieces.windows(2).step_by(2) {
+                    let (before, name) = (pair[0].trim_end(), pair[1]);
+                    if ["counter!(", "gauge!(", "histogram!("]
+                        .iter()
+                        .any(|m| before.ends_with(m))
+                        && ["learner_", "rollout_", "reward_"]
+                            .iter()
+                            .any(|p| name.starts_with(p))
+                    {
+                        names.push(name.to_owned());
+                    }
+                }
+            }
+        }
+    }
+    names.sort();
+    names.dedup();
+    names
+}
+
+// ---- the gRPC API ----
+
+/// The comment attached to the element at `path` of `file`.
+fn comment(file: &prost_types::FileDescriptorProto, path: &[i32]) -> String {
+    file.source_code_info
+        .as_ref()
+        .and_then(|info| info.location.iter().find(|l| l.path == path))
+        .and_then(|l| l.leading_comments.as_deref())
+        // `///` comments arrive with one slash left on each line.
+        .map(|c| {
+            c.lines()
+                .map(|l| l.strip_prefix('/').unwrap_or(l).trim())
+                .collect::<Vec<_>>()
+                .join("\n")
+                .trim()
+                .to_owned()
+        })
+        .unwrap_or_default()
+}
+
+fn short_type(name: &str) -> String {
+    name.rsplit('.').next().unwrap_or(name).to_owned()
+}
+
+fn field_type(f: &prost_types::FieldDescriptorProto) -> String {
+    use prost_types::field_descriptor_proto::{Label, Type};
+    let base = match f.r#type() {
+        Type::Message | Type::Enum => short_type(f.type_name()),
+        Type::Double => "double".into(),
+        Type::Float => "float".into(),
+        Type::Int64 => "int64".into(),
+        Type::Uint64 => "uint64".into(),
+        Type::Int32 => "int32".into(),
+        Type::Uint32 => "uint32".into(),
+        Type::Bool => "bool".into(),
+        Type::String => "string".into(),
+        Type::Bytes => "bytes".into(),
+        other => format!("{other:?}").to_lowercase(),
+    };
+    if f.label() == Label::Repeated {
+        format!("repeated {base}")
+    } else {
+        base
+    }
+}
+
+fn message_section(
+    file: &prost_types::FileDescriptorProto,
+    msg: &prost_types::DescriptorProto,
+    prefix: &str,
+    path: Vec<i32>,
+    out: &mut String,
+) {
+    let name = format!("{prefix}{}", msg.name());
+    writeln!(out, "#### `{name}`\n").unwrap();
+    let about = comment(file, &path);
+    if !about.is_empty() {
+        writeln!(out, "{about}\n").unwrap();
+    }
+    if !msg.field.is_empty() {
+        out.push_str("| field | type | what |\n| --- | --- | --- |\n");
+        for (i, f) in msg.field.iter().enumerate() {
+            let mut p = path.clone();
+            p.extend([2, i as i32]);
+            writeln!(
+                out,
+                "| `{}` | `{}` | {} |",
+                f.name(),
+                field_type(f),
+                cell(&comment(file, &p))
+            )
+            .unwrap();
+        }
+        out.push('\n');
+    }
+    for (i, nested) in msg.nested_type.iter().enumerate() {
+        if nested.options.as_ref().is_some_and(|o| o.map_entry()) {
+            continue;
+        }
+        let mut p = path.clone();
+        p.extend([3, i as i32]);
+        message_section(file, nested, &format!("{name}."), p, out);
+    }
+    for (i, e) in msg.enum_type.iter().enumerate() {
+        let mut p = path.clone();
+        p.extend([4, i as i32]);
+        enum_section(file, e, &format!("{name}."), p, out);
+    }
+}
+
+fn enum_section(
+    file: &prost_types::FileDescriptorProto,
+    e: &prost_types::EnumDescriptorProto,
+    prefix: &str,
+    path: Vec<i32>,
+    out: &mut String,
+) {
+    writeln!(out, "#### `{prefix}{}` (enum)\n", e.name()).unwrap();
+    let about = comment(file, &path);
+    if !about.is_empty() {
+        writeln!(out, "{about}\n").unwrap();
+    }
+    out.push_str("| value | number | what |\n| --- | --- | --- |\n");
+    for (i, v) in e.value.iter().enumerate() {
+        let mut p = path.clone();
+        p.extend([2, i as i32]);
+        writeln!(
+            out,
+            "| `{}` | {} | {} |",
+            v.name(),
+            v.number(),
+            cell(&comment(file, &p))
+        )
+        .unwrap();
+    }
+    out.push('\n');
+}
+
+fn grpc_page() -> String {
+    let set = prost_types::FileDescriptorSet::decode(rookworld_proto::FILE_DESCRIPTOR_SET)
+        .expect("the descriptor set decodes");
+    let mut out = String::from(
+        "<!-- Generated from the .proto comments by tests/tests/docs.rs: do not edit. -->\n\n\
+         # gRPC API\n\n\
+         Every call needs the shared token (`authorization: Bearer TOKEN`) unless it says \
+         otherwise; every server also answers gRPC health checks and, for grpcurl, server \
+         reflection.\n\n",
+    );
+    let mut files: Vec<_> = set
+        .file
+        .iter()
+        .filter(|f| f.package().starts_with("rookworld."))
+        .collect();
+    files.sort_by_key(|f| f.name().to_owned());
+    for file in files {
+        writeln!(out, "## `{}` (`proto/{}`)\n", file.package(), file.name()).unwrap();
+        for (i, service) in file.service.iter().enumerate() {
+            writeln!(out, "### service `{}`\n", service.name()).unwrap();
+            let about = comment(file, &[6, i as i32]);
+            if !about.is_empty() {
+                writeln!(out, "{about}\n").unwrap();
+            }
+            out.push_str("| call | request | response | what |\n| --- | --- | --- | --- |\n");
+            for (j, m) in service.method.iter().enumerate() {
+                let stream = |yes: bool| if yes { "stream " } else { "" };
+                writeln!(
+                    out,
+                    "| `{}` | `{}{}` | `{}{}` | {} |",
+                    m.name(),
+                    stream(m.client_streaming()),
+                    short_type(m.input_type()),
+                    stream(m.server_streaming()),
+                    short_type(m.output_type()),
+                    cell(&comment(file, &[6, i as i32, 2, j as i32]))
+                )
+                .unwrap();
+            }
+            out.push('\n');
+        }
+        if !file.message_type.is_empty() || !file.enum_type.is_empty() {
+            out.push_str("### Messages\n\n");
+        }
+        for (i, msg) in file.message_type.iter().enumerate() {
+            message_section(file, msg, "", vec![4, i as i32], &mut out);
+        }
+        for (i, e) in file.enum_type.iter().enumerate() {
+            enum_section(file, e, "", vec![5, i as i32], &mut out);
+        }
+    }
+    out
+}
+
+#[test]
+fn the_grpc_reference_is_current() {
+    check_page("docs/reference/grpc.md", &grpc_page());
+}
+
+// ---- links ----
+
+/// The markdown files of the README and the book.
+fn pages() -> Vec<PathBuf> {
+    let mut pages = vec![root().join("README.md"), root().join("deploy/README.md")];
+    let mut stack = vec![root().join("docs")];
+    while let Some(path) = stack.pop() {
+        if path.is_dir() {
+            stack.extend(std::fs::read_dir(&path).unwrap().map(|e| e.unwrap().path()));
+        } else if path.extension().is_some_and(|e| e == "md") {
+            pages.push(path);
+        }
+    }
+    pages.sort();
+    pages
+}
+
+/// The targets of a page's inline links `[text](target)`, outside code.
+fn links(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut fenced = false;
+    for line in text.lines() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        if fenced {
+            continue;
+        }
+        // Inline code spans hold no links.
+        let prose: String = line
+            .split('`')
+            .enumerate()
+            .filter(|(i, _)| i % 2 == 0)
+            .map(|(_, s)| s)
+            .collect::<Vec<_>>()
+            .join(" ");
+        let mut rest = prose.as_str();
+        while let Some(at) = rest.find("](") {
+            let after = &rest[at + 2..];
+            match after.find(')') {
+                Some(end) => {
+                    out.push(after[..end].trim().to_owned());
+                    rest = &after[end..];
+                }
+                None => break,
+            }
+        }
+    }
+    out
+}
+
+/// The anchors of a page's headings, as GitHub and mdBook make them.
+fn anchors(text: &str) -> Vec<String> {
+    let mut fenced = false;
+    text.lines()
+        .filter(|l| {
+            if l.trim_start().starts_with("```") {
+                fenced = !fenced;
+            }
+            !fenced && l.starts_with('#')
+        })
+        .map(|l| {
+            l.trim_start_matches('#')
+                .trim()
+                .to_lowercase()
+                .chars()
+                .filter_map(|c| match c {
+                    ' ' => Some('-'),
+                    c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+                    _ => None,
+                })
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn every_relative_link_of_the_readme_and_the_book_resolves() {
+    let mut broken = Vec::new();
+    for page in pages() {
+        let text = std::fs::read_to_string(&page).unwrap();
+        for link in links(&text) {
+            if link.contains("://") || link.starts_with("mailto:") || link.is_empty() {
+                continue;
+            }
+            let (file, anchor) = match link.split_once('#') {
+                Some((f, a)) => (f, Some(a)),
+                None => (link.as_str(), None),
+            };
+            let target = if file.is_empty() {
+                page.clone()
+            } else {
+                page.parent().unwrap().join(file)
+            };
+            let shown = page
+                .strip_prefix(root())
+                .unwrap_or(&page)
+                .display()
+                .to_string();
+            if !target.exists() {
+                broken.push(format!("{shown}: {link} (no such file)"));
+                continue;
+            }
+            if let Some(anchor) = anchor
+                && target.extension().is_some_and(|e| e == "md")
+            {
+                let text = std::fs::read_to_string(&target).unwrap();
+                if !anchors(&text).iter().any(|a| a == anchor) {
+                    broken.push(format!("{shown}: {link} (no such heading)"));
+                }
+            }
+        }
+    }
+    assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+}
+
+#[test]
+fn the_book_lists_every_page_and_only_pages_that_exist() {
+    let summary = std::fs::read_to_string(root().join("docs/SUMMARY.md")).unwrap();
+    let listed: Vec<String> = links(&summary);
+    for page in pages() {
+        let Ok(rel) = page.strip_prefix(root().join("docs")) else {
+            continue;
+        };
+        let rel = rel.display().to_string();
+        if rel != "SUMMARY.md" {
+            assert!(
+                listed.contains(&rel),
+                "docs/{rel} is not in docs/SUMMARY.md"
+            );
+        }
+    }
+}

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Builds the `cuda` binaries (learner, rollout-worker) on a machine without a GPU or a
+# system CUDA: nvcc and the CUDA 13.0 libraries come from NVIDIA's PyPI wheels, and the
+# driver library the linker wants is a stub made from the symbols cudarc binds. The
+# binaries then run where a driver (580+, CUDA 13) is installed, with the CUDA libraries
+# on LD_LIBRARY_PATH (PyTorch's `nvidia/cu13/lib` has them).
+#
+#   tools/cuda-build.sh [OUT]        # OUT: where the stripped binaries go (default target-cuda/dist)
+#
+# Environment: CUDA_DIR (the toolchain's directory, default $TMPDIR/rookworld-cuda13),
+# CUDA_COMPUTE_CAP (default 90: H100/H200; 80 for A100). A clean build takes 10–15 minutes
+# on 2 cores. Prints the size of each binary, which is what must travel to a GPU machine
+# that has no Rust toolchain.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${1:-$ROOT/target-cuda/dist}
+DIR=${CUDA_DIR:-${TMPDIR:-/tmp}/rookworld-cuda13}
+CUDA_HOME=$DIR/nvidia/cu13
+
+if [ ! -x "$CUDA_HOME/bin/nvcc" ]; then
+  # One minor version for every piece: a newer nvcc writes PTX an older driver rejects.
+  python3 -m pip install -q --target "$DIR" \
+    nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85 \
+    nvidia-cublas==13.0.2.14 nvidia-cuda-nvrtc==13.0.88 nvidia-curand==10.4.0.35 \
+    nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88
+fi
+# The wheels carry versioned libraries only; the linker looks for the plain names.
+(cd "$CUDA_HOME/lib" &&
+  for lib in cudart cublas cublasLt nvrtc; do ln -sf "lib$lib.so.13" "lib$lib.so"; done &&
+  ln -sf libcurand.so.10 libcurand.so)
+
+# libcuda comes with the driver, not the wheels: link against a stub with the same
+# symbols (the real library is loaded at run time).
+if [ ! -f "$CUDA_HOME/lib/stubs/libcuda.so" ]; then
+  (cd "$ROOT" && cargo fetch -q)
+  SYS=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-*/src/driver/sys/mod.rs | tail -1)
+  mkdir -p "$CUDA_HOME/lib/stubs"
+  grep -oE 'pub unsafe fn cu[A-Za-z0-9_]+' "$SYS" | awk '{print "void " $4 "(void) {}"}' |
+    sort -u >"$CUDA_HOME/lib/stubs/libcuda.c"
+  cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$CUDA_HOME/lib/stubs/libcuda.so" \
+    "$CUDA_HOME/lib/stubs/libcuda.c"
+fi
+
+export CUDA_HOME PATH="$CUDA_HOME/bin:$PATH"
+export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
+export LIBRARY_PATH="$CUDA_HOME/lib:$CUDA_HOME/lib/stubs${LIBRARY_PATH:+:$LIBRARY_PATH}"
+echo "cuda-build: $(nvcc --version | tail -1), compute capability $CUDA_COMPUTE_CAP" >&2
+
+cd "$ROOT"
+CARGO_TARGET_DIR=target-cuda cargo build --release --features cuda -p rollout-worker -p learner
+mkdir -p "$OUT"
+for bin in learner rollout-worker; do
+  strip -o "$OUT/$bin" "target-cuda/release/$bin"
+  echo "cuda-build: $OUT/$bin $(du -h "$OUT/$bin" | cut -f1)" >&2
+done
