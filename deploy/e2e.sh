@@ -8,12 +8,17 @@
 #   deploy/e2e.sh            (release binaries; E2E_PROFILE=dev for a debug build;
 #                             E2E_BINARIES=DIR to take DIR's binaries as they are, as CI
 #                             does with target/debug after `cargo test --workspace`)
-# Exits 0 with "SKIPPED" when no Docker engine answers. Grafana is not started (its image
+# Exits 0 with "SKIPPED" when no Docker engine answers, 1 when ROOKWORLD_REQUIRE_DOCKER is
+# set (CI sets it: there a missing engine is a failure, not a skip). Grafana is not started (its image
 # cannot be pulled here); its files are checked by tests/tests/deploy/.
 set -euo pipefail
 cd "$(dirname "$0")"
 
 if ! docker info >/dev/null 2>&1; then
+  if [ -n "${ROOKWORLD_REQUIRE_DOCKER:-}" ]; then
+    echo "deploy e2e: FAILED: no Docker engine answers and ROOKWORLD_REQUIRE_DOCKER is set" >&2
+    exit 1
+  fi
   echo "deploy e2e: SKIPPED (no Docker engine answers)"
   exit 0
 fi

@@ -241,15 +241,6 @@ fn python_float(x: f64) -> String {
     }
 }
 
-/// `stockfish` on the PATH or in /usr/games, if present.
-fn default_engine() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/games")])
-        .map(|d| d.join("stockfish"))
-        .find(|p| p.is_file())
-}
-
 /// The engine for policy-task lines, when `wanted`: `path` or a Stockfish found on the
 /// system; `None` (said once) when none is installed.
 fn start_engine(
@@ -259,7 +250,7 @@ fn start_engine(
     if !wanted {
         return Ok(None);
     }
-    let Some(path) = path.or_else(default_engine) else {
+    let Some(path) = path.or_else(reward_server::engine::find_stockfish) else {
         tracing::warn!("no Stockfish found: supervised data is environment-task only");
         return Ok(None);
     };

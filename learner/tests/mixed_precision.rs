@@ -37,9 +37,14 @@ fn bf16_matmuls_give_the_f32_step_to_bf16_rounding() {
     let (want, a) = accumulate_autograd(&exact, Some(&reference), &batch, &cfg).unwrap();
     let (got, b) = accumulate(&mixed, Some(&reference), &batch, &cfg).unwrap();
     // BF16 logits are good to ~2⁻⁸ relative, so log-probs (and the ratios and KL built
-    // from them) move by about 1e-2: the loss, a sum of ±A·ρ terms, by as much.
-    for (what, x, y) in [("loss", a.loss, b.loss), ("kl", a.kl, b.kl)] {
-        assert!((x - y).abs() <= 1e-2, "{what}: f32 {x}, bf16 matmuls {y}");
+    // from them) move by about 1e-2, and the loss, a sum of ±A·ρ terms that partly
+    // cancel, by a few percent (observed 3.3%; the KL 0.2%). Relative tolerances, so that
+    // a wrong sign or scale fails.
+    for (what, x, y, tol) in [("loss", a.loss, b.loss, 0.1), ("kl", a.kl, b.kl, 0.01)] {
+        assert!(
+            (x - y).abs() <= tol * x.abs(),
+            "{what}: f32 {x}, bf16 matmuls {y} (relative tolerance {tol})"
+        );
     }
     let mut worst = 0f64;
     for (name, var) in &exact.vars {

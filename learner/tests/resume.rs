@@ -131,11 +131,9 @@ fn copy_dir(from: &Path, to: &Path) {
 /// With Stockfish installed, policy-task documents come from its multipv lines.
 #[test]
 fn policy_documents_come_from_the_engine_when_installed() {
-    let engine = Path::new("/usr/games/stockfish");
-    if !engine.is_file() {
-        std::fs::write("/dev/stderr", "skipped: no /usr/games/stockfish\n").ok();
+    let Some(engine) = reward_server::engine::stockfish_for_tests() else {
         return;
-    }
+    };
     let dir = tempfile::tempdir().unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_learner"))
         .args(["sft", "--preset", "tiny", "--run-dir"])

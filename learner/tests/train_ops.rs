@@ -44,9 +44,12 @@ fn a_grpo_step_through_the_training_ops_equals_the_composed_graph() {
             (x - y).abs() <= 1e-5 * x.abs().max(1.0),
             "{what}: composed {x}, ops {y}"
         );
+        // Relative, so that a wrong sign or scale fails: observed 3.3% (loss), 4.4%
+        // (policy loss, a sum of ±A·ρ terms that cancel) and 0.2% (KL).
+        let tol = if what == "kl" { 0.01 } else { 0.1 };
         assert!(
-            (x - z).abs() <= 1e-2,
-            "{what}: f32 {x}, ops with bf16 matmuls {z}"
+            (x - z).abs() <= tol * x.abs(),
+            "{what}: f32 {x}, ops with bf16 matmuls {z} (relative tolerance {tol})"
         );
     }
     let (mut worst, mut worst_bf16) = (0f64, 0f64);

@@ -17,6 +17,40 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::{Mutex, Semaphore};
 
+/// Stockfish where it is usually installed: `$STOCKFISH`, else `stockfish` on the PATH,
+/// else Debian's `/usr/games/stockfish`; `None` when there is none.
+pub fn find_stockfish() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::var_os("STOCKFISH")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain(std::env::split_paths(&path).map(|d| d.join("stockfish")))
+        .chain([PathBuf::from("/usr/games/stockfish")])
+        .find(|p| p.is_file())
+}
+
+/// For tests that need Stockfish: the engine, or `None` after saying SKIPPED — unless
+/// `ROOKWORLD_REQUIRE_STOCKFISH` is set (CI sets it where it installed one), which makes
+/// a missing engine a failure instead of a skip.
+pub fn stockfish_for_tests() -> Option<PathBuf> {
+    let found = find_stockfish();
+    if found.is_none() {
+        assert!(
+            std::env::var_os("ROOKWORLD_REQUIRE_STOCKFISH").is_none(),
+            "Stockfish is required (ROOKWORLD_REQUIRE_STOCKFISH is set) and none is installed"
+        );
+        // libtest captures the output of passing tests; the process's own stderr shows
+        // the skip on a terminal and in CI logs.
+        use std::io::Write;
+        let msg = "SKIPPED: stockfish not installed (apt-get install -y stockfish)\n";
+        match std::fs::OpenOptions::new().append(true).open("/dev/stderr") {
+            Ok(mut stderr) => drop(stderr.write_all(msg.as_bytes())),
+            Err(_) => eprint!("{msg}"),
+        }
+    }
+    found
+}
+
 /// How an engine searches each position.
 #[derive(Debug, Clone, PartialEq)]
 pub enum SearchLimit {

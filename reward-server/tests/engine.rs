@@ -14,26 +14,8 @@ fn position(fen: &str) -> Option<shakmaty::Chess> {
     reward_server::rules::standard(fen).ok()
 }
 
-/// Stockfish from $STOCKFISH, PATH, or Debian's /usr/games.
 fn stockfish() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    let candidates = std::env::var_os("STOCKFISH")
-        .map(PathBuf::from)
-        .into_iter()
-        .chain(std::env::split_paths(&path).map(|d| d.join("stockfish")))
-        .chain([PathBuf::from("/usr/games/stockfish")]);
-    let found = candidates.into_iter().find(|p| p.is_file());
-    if found.is_none() {
-        // libtest captures eprintln! of passing tests; the process's own stderr file
-        // shows the skip on the terminal and in CI logs.
-        use std::io::Write;
-        let msg = "SKIPPED: stockfish not installed (apt-get install -y stockfish); engine test did not run\n";
-        match std::fs::OpenOptions::new().append(true).open("/dev/stderr") {
-            Ok(mut stderr) => drop(stderr.write_all(msg.as_bytes())),
-            Err(_) => eprint!("{msg}"),
-        }
-    }
-    found
+    reward_server::engine::stockfish_for_tests()
 }
 
 fn config(path: PathBuf) -> EngineConfig {

@@ -187,6 +187,9 @@ mod avx2 {
     /// payload is read next by another thread (the hash) or another process, so its lines
     /// need not be read in first nor kept in this core's cache — the optimizer's pass
     /// stays at its own memory traffic.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 (the lengths are checked: the shorter slice bounds the work).
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn stream_bf16(src: &[f32], dst: &mut [u16]) {
         let n = src.len().min(dst.len());
@@ -230,6 +233,9 @@ mod avx2 {
     /// time, written with non-temporal stores: the values are read next by other passes
     /// or threads, long after, so `dst`'s lines need neither be read in first nor kept in
     /// this core's cache.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, and `src` holds at least `2 * dst.len()` bytes.
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn stream_f32(src: &[u8], dst: &mut [f32]) {
         let n = dst.len();

@@ -159,6 +159,7 @@ struct SharedOut(*mut f32);
 
 // SAFETY: threads write disjoint column ranges (one panel each), see `matmul`.
 unsafe impl Send for SharedOut {}
+// SAFETY: as for Send: no two threads write one place, and none reads while they write.
 unsafe impl Sync for SharedOut {}
 
 impl SharedOut {
@@ -197,11 +198,17 @@ fn supported_cached() -> bool {
     *SUPPORTED.get_or_init(supported)
 }
 
+/// One 6×16 tile of a product: `tile[r·NR + j] = Σ_kk a[kk·MR + r] · b[kk·NR + j]`, over a
+/// packed panel of the input (`a`) and one of the weight (`b`).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `a` points to `k * MR` readable values, `b` to `k * NR`, and
+/// `tile` to `MR * NR` writable ones.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn kernel_avx2(a: *const f32, b: *const f32, tile: *mut f32, k: usize) {
     use std::arch::x86_64::*;
-    // SAFETY (whole body): the caller guarantees `a` holds k·MR, `b` k·NR and `tile`
+    // SAFETY: (the whole body) the caller guarantees `a` holds k·MR, `b` k·NR and `tile`
     // MR·NR floats; every offset below stays inside those bounds.
     unsafe {
         let mut acc = [[_mm256_setzero_ps(); 2]; MR];

@@ -96,6 +96,9 @@ mod avx2 {
     use super::*;
 
     /// Applies `f` to 8 lanes at a time; the tail goes through a padded vector.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA ([`crate::cpu_gemm::supported`]).
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn map(xs: &mut [f32], f: impl Fn(__m256) -> __m256) {
         let mut chunks = xs.chunks_exact_mut(8);
@@ -114,13 +117,17 @@ mod avx2 {
     }
 
     /// Σ a·b; the slices have one length.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA, and `b` is at least as long as `a` (the vector loads
+    /// read `a.len()` values of each).
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
         let n = a.len();
         let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         let mut i = 0;
-        // SAFETY (loads): i + 16 ≤ n (resp. i + 8 ≤ n) floats lie in both slices.
         while i + 16 <= n {
+            // SAFETY: i + 16 ≤ n floats lie in both slices (the caller's contract).
             unsafe {
                 s0 = _mm256_fmadd_ps(
                     _mm256_loadu_ps(a.as_ptr().add(i)),
@@ -136,6 +143,7 @@ mod avx2 {
             i += 16;
         }
         while i + 8 <= n {
+            // SAFETY: i + 8 ≤ n floats lie in both slices.
             unsafe {
                 s0 = _mm256_fmadd_ps(
                     _mm256_loadu_ps(a.as_ptr().add(i)),
@@ -152,6 +160,10 @@ mod avx2 {
     }
 
     /// y += a·x; the slices have one length.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA, and `y` is at least as long as `x` (the vector loads and
+    /// stores touch `x.len()` values of each).
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
         let n = x.len();

@@ -78,17 +78,8 @@ mod tests {
     use super::*;
     use crate::eval::Suite;
 
-    /// Stockfish from the PATH or Debian's /usr/games; `None` (said) where not installed.
     fn stockfish() -> Option<PathBuf> {
-        let path = std::env::var_os("PATH").unwrap_or_default();
-        let found = std::env::split_paths(&path)
-            .chain([PathBuf::from("/usr/games")])
-            .map(|d| d.join("stockfish"))
-            .find(|p| p.is_file());
-        if found.is_none() {
-            eprintln!("SKIPPED: stockfish not installed (apt-get install -y stockfish)");
-        }
-        found
+        reward_server::engine::stockfish_for_tests()
     }
 
     #[test]

@@ -67,6 +67,10 @@ mod avx2 {
     /// Panel `p` of `w` (see [`super::fill_panels`]): a transposed one through registers,
     /// its rows stored non-temporally; otherwise (rows copied as they are, which is as
     /// fast: measured) value by value.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `w` holds the K × N matrix (`k * n` values), `p` is one of its
+    /// panels and `panel` holds `k * NR` values.
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn fill_panel(
         panel: &mut [f32],
@@ -83,7 +87,7 @@ mod avx2 {
             return;
         }
         let out = panel.as_mut_ptr();
-        // SAFETY (whole body): `panel` holds K·NR floats and `w` N·K; panel p's rows
+        // SAFETY: (the whole body) `panel` holds K·NR floats and `w` N·K; panel p's rows
         // first..first + NR of w lie within N (cols == NR), and K is a multiple of 8; `out`
         // is 16-byte aligned, as every 64-byte panel row after it.
         unsafe {
@@ -107,6 +111,9 @@ mod avx2 {
 
     /// Stores a panel row of 16 values (`lo`, `hi`) at 16-byte aligned `dst`,
     /// non-temporally.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `dst` is valid for 16 writes of f32 and 16-byte aligned.
     #[inline(always)]
     unsafe fn stream_row(dst: *mut f32, lo: __m256, hi: __m256) {
         // SAFETY: the caller's `dst` holds 16 floats and is 16-byte aligned.
