@@ -11,8 +11,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use candle_core::Device;
-use reward_server::engine::{EngineConfig, EnginePool};
-use reward_server::rules::standard;
+use rookworld_chess::engine::{EngineConfig, EnginePool};
+use rookworld_chess::rules::standard;
 use rookworld_lm::Tokenizer;
 use rookworld_lm::cli::ModelArgs;
 use rookworld_proto::logging::Progress;
@@ -250,7 +250,7 @@ fn start_engine(
     if !wanted {
         return Ok(None);
     }
-    let Some(path) = path.or_else(reward_server::engine::find_stockfish) else {
+    let Some(path) = path.or_else(rookworld_chess::engine::find_stockfish) else {
         tracing::warn!("no Stockfish found: supervised data is environment-task only");
         return Ok(None);
     };

@@ -15,13 +15,14 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rookworld_proto::logging::Progress;
 use shakmaty::uci::UciMove;
-use shakmaty::{CastlingMode, Chess, Position};
+use shakmaty::{CastlingMode, Position};
 
-use crate::env_task::EnvTruth;
-use crate::rules::fen;
-use crate::score::RewardConfig;
-use crate::scorer::{Item, Scorer};
-use crate::task::{EnvPrompt, Task};
+use rookworld_chess::env_task::EnvTruth;
+use rookworld_chess::playout::random_position;
+use rookworld_chess::rules::fen;
+use rookworld_chess::score::RewardConfig;
+use rookworld_chess::scorer::{Item, Scorer};
+use rookworld_chess::task::{EnvPrompt, Task};
 
 /// Options of `reward-server bench`.
 #[derive(Debug, Clone, clap::Args)]
@@ -37,31 +38,6 @@ pub struct BenchArgs {
     /// Write the generated items as JSONL (for the python-chess comparison).
     #[arg(long)]
     pub write_items: Option<PathBuf>,
-}
-
-/// A random legal position: up to `max_plies` random moves from the start, stopping
-/// before the game ends, so the position always has a legal move.
-pub fn random_position(rng: &mut impl Rng, max_plies: usize) -> (Chess, Vec<String>) {
-    let plies = rng.random_range(0..=max_plies);
-    random_playout(rng, plies)
-}
-
-/// Up to `plies` random legal moves from the start, stopping before the game ends (the
-/// position keeps a legal move). Returns the position and the moves in UCI.
-pub fn random_playout(rng: &mut impl Rng, plies: usize) -> (Chess, Vec<String>) {
-    let mut pos = Chess::default();
-    let mut history = Vec::new();
-    for _ in 0..plies {
-        let moves = pos.legal_moves();
-        let Some(m) = moves.choose(rng) else { break };
-        let next = pos.clone().play(*m).expect("legal");
-        if next.legal_moves().is_empty() {
-            break;
-        }
-        history.push(UciMove::from_move(*m, CastlingMode::Standard).to_string());
-        pos = next;
-    }
-    (pos, history)
 }
 
 /// Environment items with true completions and policy items with random legal

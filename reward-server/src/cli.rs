@@ -8,10 +8,10 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::engine::{EngineConfig, EnginePool, SearchLimit};
-use crate::score::{RewardConfig, Score};
-use crate::scorer::{Item, Scorer};
 use crate::service::{self, ServiceConfig};
+use rookworld_chess::engine::{EngineConfig, EnginePool, SearchLimit};
+use rookworld_chess::score::{RewardConfig, Score};
+use rookworld_chess::scorer::{Item, Scorer};
 
 /// Engine and weight options shared by `serve`, `score` and `bench`.
 #[derive(Debug, Clone, clap::Args)]
@@ -311,7 +311,7 @@ fn parse_line(raw: &[u8]) -> Result<Item, String> {
         task: line
             .task
             .parse()
-            .map_err(|e: crate::error::RequestError| e.to_string())?,
+            .map_err(|e: rookworld_chess::error::RequestError| e.to_string())?,
         prompt: line.prompt,
         completion: line.completion,
     })

@@ -3,38 +3,7 @@
 //! A malformed *completion* is not an error (it scores the minimum); these are for
 //! requests the server cannot score at all.
 
-/// Why an item cannot be scored.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum RequestError {
-    /// The task is missing or unknown.
-    #[error("unknown task `{0}` (use P or A)")]
-    UnknownTask(String),
-    /// The prompt lacks its task prefix or its structure.
-    #[error("malformed prompt: {0}")]
-    Prompt(String),
-    /// The prompt's FEN does not parse or is not a legal position.
-    #[error("invalid FEN in prompt `{fen}`: {reason}")]
-    Fen { fen: String, reason: String },
-    /// The environment prompt's move is not a legal move of its position.
-    #[error("move `{mv}` in prompt is not legal in `{fen}`: {reason}")]
-    Move {
-        mv: String,
-        fen: String,
-        reason: String,
-    },
-}
-
-impl RequestError {
-    /// Short stable label for metrics.
-    pub fn label(&self) -> &'static str {
-        match self {
-            Self::UnknownTask(_) => "unknown_task",
-            Self::Prompt(_) => "malformed_prompt",
-            Self::Fen { .. } => "invalid_fen",
-            Self::Move { .. } => "illegal_prompt_move",
-        }
-    }
-}
+pub use rookworld_chess::error::RequestError;
 
 /// Errors of a whole batch call.
 #[derive(Debug, thiserror::Error)]

@@ -72,7 +72,7 @@ pub fn describe() {
 }
 
 /// Counts one scored item.
-pub fn record_score(task: &'static str, score: &crate::score::Score) {
+pub fn record_score(task: &'static str, score: &rookworld_chess::score::Score) {
     metrics::counter!("reward_items_total", "task" => task).increment(1);
     metrics::counter!(
         "reward_verdicts_total",

@@ -13,9 +13,9 @@ use tonic::{Request, Response, Status};
 
 use crate::error::{RequestError, ServiceError};
 use crate::metrics::record_score;
-use crate::score::{Score, Verdict};
-use crate::scorer::{Item, Scorer};
-use crate::task::Task;
+use rookworld_chess::score::{Score, Verdict};
+use rookworld_chess::scorer::{Item, Scorer};
+use rookworld_chess::task::Task;
 
 /// Limits and guards of the service.
 #[derive(Debug, Clone)]

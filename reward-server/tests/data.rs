@@ -1,9 +1,9 @@
 //! Real RookWorld data through the scorer.
 
-use reward_server::env_task::EnvTruth;
-use reward_server::score::{MAX_REWARD, MIN_REWARD, RewardConfig, Verdict};
-use reward_server::scorer::{Item, Scorer};
-use reward_server::task::{EnvPrompt, Task};
+use rookworld_chess::env_task::EnvTruth;
+use rookworld_chess::score::{MAX_REWARD, MIN_REWARD, RewardConfig, Verdict};
+use rookworld_chess::scorer::{Item, Scorer};
+use rookworld_chess::task::{EnvPrompt, Task};
 
 fn fixture(rel: &str) -> String {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -5,17 +5,17 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use reward_server::engine::{EngineConfig, EnginePool, SearchLimit};
-use reward_server::score::{RewardConfig, Verdict};
-use reward_server::scorer::{Item, Scorer};
-use reward_server::task::Task;
+use rookworld_chess::engine::{EngineConfig, EnginePool, SearchLimit};
+use rookworld_chess::score::{RewardConfig, Verdict};
+use rookworld_chess::scorer::{Item, Scorer};
+use rookworld_chess::task::Task;
 
 fn position(fen: &str) -> Option<shakmaty::Chess> {
-    reward_server::rules::standard(fen).ok()
+    rookworld_chess::rules::standard(fen).ok()
 }
 
 fn stockfish() -> Option<PathBuf> {
-    reward_server::engine::stockfish_for_tests()
+    rookworld_chess::engine::stockfish_for_tests()
 }
 
 fn config(path: PathBuf) -> EngineConfig {
@@ -140,7 +140,7 @@ async fn policy_answers_are_graded_against_the_engine() {
     assert!(perfect.engine_graded && poor.engine_graded);
     assert_eq!(perfect.verdict, Verdict::Exact, "{perfect:?}");
     assert!(poor.reward < 0.6, "{poor:?}");
-    let component = |s: &reward_server::score::Score, k: &str| {
+    let component = |s: &rookworld_chess::score::Score, k: &str| {
         s.components.iter().find(|(n, _)| *n == k).unwrap().1
     };
     assert_eq!(component(perfect, "best_rank"), 1.0);

@@ -2,9 +2,9 @@
 
 use std::net::SocketAddr;
 
-use reward_server::score::RewardConfig;
-use reward_server::scorer::Scorer;
 use reward_server::service::{self, ServiceConfig};
+use rookworld_chess::score::RewardConfig;
+use rookworld_chess::scorer::Scorer;
 use rookworld_proto::auth::Bearer;
 use rookworld_proto::reward::v1::reward_service_client::RewardServiceClient;
 use rookworld_proto::reward::v1::{InfoRequest, ScoreItem, ScoreRequest, Task, Verdict};

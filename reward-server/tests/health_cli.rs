@@ -4,9 +4,9 @@
 
 use std::process::{Command, Output};
 
-use reward_server::score::RewardConfig;
-use reward_server::scorer::Scorer;
 use reward_server::service::{self, ServiceConfig};
+use rookworld_chess::score::RewardConfig;
+use rookworld_chess::scorer::Scorer;
 
 const BIN: &str = env!("CARGO_BIN_EXE_reward-server");
 

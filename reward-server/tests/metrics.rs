@@ -1,8 +1,8 @@
 //! A real scrape of `/metrics` after scoring calls (own test binary: the recorder is global).
 
-use reward_server::score::RewardConfig;
-use reward_server::scorer::Scorer;
 use reward_server::service::{self, ServiceConfig};
+use rookworld_chess::score::RewardConfig;
+use rookworld_chess::scorer::Scorer;
 use rookworld_proto::reward::v1::reward_service_client::RewardServiceClient;
 use rookworld_proto::reward::v1::{ScoreItem, ScoreRequest, Task};
 

@@ -3,11 +3,11 @@
 
 use proptest::prelude::*;
 use rand::SeedableRng;
-use reward_server::bench::random_position;
-use reward_server::env_task::EnvTruth;
-use reward_server::score::{MAX_REWARD, RewardConfig};
-use reward_server::scorer::{Item, Scorer};
-use reward_server::task::{EnvPrompt, Task};
+use rookworld_chess::env_task::EnvTruth;
+use rookworld_chess::playout::random_position;
+use rookworld_chess::score::{MAX_REWARD, RewardConfig};
+use rookworld_chess::scorer::{Item, Scorer};
+use rookworld_chess::task::{EnvPrompt, Task};
 use shakmaty::uci::UciMove;
 use shakmaty::{CastlingMode, Position};
 
@@ -52,7 +52,7 @@ proptest! {
     fn every_legal_move_s_truth_scores_max_and_fen_corruptions_less(seed in any::<u64>()) {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let (pos, history) = random_position(&mut rng, 120);
-        let fen = reward_server::rules::fen(&pos);
+        let fen = rookworld_chess::rules::fen(&pos);
         for m in pos.legal_moves() {
             let uci = UciMove::from_move(m, CastlingMode::Standard).to_string();
             let mut h = history.clone();

@@ -4,8 +4,8 @@
 //! `bench/compare_python_chess.py` writes its truths. The bulk check (20,000 random
 //! games) is that script's agreement run.
 
-use reward_server::env_task::EnvTruth;
-use reward_server::task::EnvPrompt;
+use rookworld_chess::env_task::EnvTruth;
+use rookworld_chess::task::EnvPrompt;
 
 const CASES: &[(&str, &str, &str, &str)] = &[
     (

@@ -10,10 +10,10 @@ use candle_core::{DType, Device};
 use learner::prompts::{Generator, TaskKind};
 use learner::queue::{Queue, QueueConfig};
 use learner::queue_service::{self, GroupCheck, GroupSpec, QueueServer};
-use reward_server::score::RewardConfig;
-use reward_server::scorer::Scorer;
 use rollout_worker::engine::{Engine, EngineConfig};
 use rollout_worker::worker_loop::{self, LoopConfig};
+use rookworld_chess::score::RewardConfig;
+use rookworld_chess::scorer::Scorer;
 use rookworld_lm::checkpoint::init_random;
 use rookworld_lm::{Config, Tokenizer};
 

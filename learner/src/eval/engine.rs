@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use reward_server::engine::{EngineConfig, EnginePool, SearchLimit};
+use rookworld_chess::engine::{EngineConfig, EnginePool, SearchLimit};
 
 use super::Item;
 
@@ -79,7 +79,7 @@ mod tests {
     use crate::eval::Suite;
 
     fn stockfish() -> Option<PathBuf> {
-        reward_server::engine::stockfish_for_tests()
+        rookworld_chess::engine::stockfish_for_tests()
     }
 
     #[test]

@@ -3,10 +3,10 @@
 
 use std::path::Path;
 
-use reward_server::env_task::{EnvTruth, score_against};
-use reward_server::policy_task;
-use reward_server::score::{EnvWeights, PolicyWeights, Verdict};
-use reward_server::task::{EnvPrompt, PolicyPrompt};
+use rookworld_chess::env_task::{EnvTruth, score_against};
+use rookworld_chess::policy_task;
+use rookworld_chess::score::{EnvWeights, PolicyWeights, Verdict};
+use rookworld_chess::task::{EnvPrompt, PolicyPrompt};
 use shakmaty::{Chess, Position};
 
 use crate::prompts::{policy_prompt, split_line};
@@ -253,7 +253,7 @@ fn grade_next(truth: &EnvTruth, completion: &str) -> Graded {
 }
 
 fn policy_of(fen: &str) -> Result<(Chess, PolicyPrompt), String> {
-    let position = reward_server::task::parse_position(fen).map_err(|e| e.to_string())?;
+    let position = rookworld_chess::task::parse_position(fen).map_err(|e| e.to_string())?;
     let prompt = policy_prompt(&position);
     let parsed = PolicyPrompt::parse(&prompt).map_err(|e| e.to_string())?;
     Ok((position, parsed))

@@ -7,12 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::Device;
-use reward_server::score::RewardConfig;
-use reward_server::scorer::Scorer;
 use rollout_worker::engine::{Engine, EngineConfig, prepare_model};
 use rollout_worker::service::{RolloutServer, ServiceConfig};
 use rollout_worker::weights::WeightSet;
 use rollout_worker::worker_loop::{self, LoopConfig};
+use rookworld_chess::score::RewardConfig;
+use rookworld_chess::scorer::Scorer;
 use rookworld_lm::{Gpt2, Tokenizer, checkpoint};
 use rookworld_proto::tls::{ClientTlsArgs, ServerTls};
 use tokio::net::TcpListener;

@@ -19,6 +19,7 @@ pub fn exported_metrics() -> BTreeSet<String> {
         "learner/src",
         "rollout-worker/src",
         "reward-server/src",
+        "rookworld-chess/src",
         "proto/src",
     ] {
         let mut stack = vec![deploy().join("..").join(dir)];
