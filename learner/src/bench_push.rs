@@ -15,13 +15,13 @@ use std::time::Instant;
 use candle_core::{DType, Device};
 use rollout_worker::engine::{Engine, EngineConfig, prepare_model};
 use rollout_worker::service::{RolloutServer, ServiceConfig};
-use rollout_worker::weights::{self, CHUNK_BYTES, WeightSet};
 use rookworld_lm::config::Config;
 use rookworld_lm::device::{DeviceChoice, default_dtype};
 use rookworld_lm::{Tokenizer, checkpoint};
 use rookworld_proto::logging::Progress;
 use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
+use rookworld_weights::set::{self as weights, CHUNK_BYTES, WeightSet};
 use serde::Serialize;
 
 use crate::export::{Exporter, POOL};

@@ -25,8 +25,8 @@ use std::thread::JoinHandle;
 
 use bytes::Bytes;
 use candle_core::{DType, Device, Result as CandleResult, Var};
-use rollout_worker::weights::{WeightSet, shared_file_name};
 use rookworld_lm::bf16_payload::{Layout, write_bf16_parallel};
+use rookworld_weights::set::{WeightSet, shared_file_name};
 use tokio::sync::watch;
 
 mod buffer;

@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use rollout_worker::weights::WeightSet;
+use rookworld_weights::set::WeightSet;
 use tokio::sync::{mpsc, watch};
 
 use crate::queue::Queue;

@@ -8,9 +8,9 @@ use candle_core::{DType, Device};
 use learner::push::{Fleet, SyncState};
 use rollout_worker::engine::{Engine, EngineConfig};
 use rollout_worker::service::{self, RolloutServer, ServiceConfig};
-use rollout_worker::weights::WeightSet;
 use rookworld_lm::checkpoint::init_random;
 use rookworld_lm::{Config, Tokenizer};
+use rookworld_weights::set::WeightSet;
 
 const TOKEN: &str = "push-token";
 

@@ -13,11 +13,11 @@ use learner::policy::Trainable;
 use learner::push::{Fleet, push_to};
 use rollout_worker::engine::{Engine, EngineConfig};
 use rollout_worker::service::{self, RolloutServer, ServiceConfig};
-use rollout_worker::weights::{self, WeightSet};
 use rookworld_lm::checkpoint::init_random;
 use rookworld_lm::{Config, Gpt2, Tokenizer, checkpoint};
 use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
+use rookworld_weights::set::{self as weights, WeightSet};
 use tonic::transport::Channel;
 
 const TOKEN: &str = "shared-token";

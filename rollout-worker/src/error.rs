@@ -4,7 +4,7 @@ use rookworld_proto::auth::TokenError;
 use tonic::Status;
 
 use crate::engine::EngineError;
-use crate::weights::WeightError;
+use rookworld_weights::set::WeightError;
 
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]

@@ -6,7 +6,7 @@
 //!   maps its errors to gRPC status codes.
 //! - [`worker_loop`]: lease → generate → score → submit against a learner and a reward
 //!   server, with back-off and several groups in flight.
-//! - [`weights`]: weight sets on the wire (chunks, checksum, checks).
+//! - weight sets on the wire (chunks, checksum, checks) are the `rookworld-weights` crate.
 //! - [`metrics`]: the Prometheus metrics the worker exports; [`gpu`] reads the GPU's
 //!   utilisation from NVML for them.
 //! - [`generate_cmd`]: `rollout-worker generate`, one-shot generation printing JSON lines.
@@ -25,5 +25,4 @@ pub mod metrics;
 pub mod parity_cmd;
 pub mod serve_cmd;
 pub mod service;
-pub mod weights;
 pub mod worker_loop;

@@ -11,7 +11,6 @@ use rollout_worker::engine::{
     Engine, EngineConfig, Request as EngineRequest, Scheduler, SwapPolicy,
 };
 use rollout_worker::service::{self, RolloutServer, ServiceConfig};
-use rollout_worker::weights::{self, WeightSet};
 use rookworld_lm::checkpoint::{self, init_random};
 use rookworld_lm::sampling::SamplingParams;
 use rookworld_lm::{Config, Gpt2, Tokenizer};
@@ -19,6 +18,7 @@ use rookworld_proto::probe::{list_services, scrape_metrics};
 use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
 use rookworld_proto::v1::SamplingParams as PbSampling;
+use rookworld_weights::set::{self as weights, WeightSet};
 use tokio::sync::oneshot;
 use tokio_stream::StreamExt;
 use tonic::Code;

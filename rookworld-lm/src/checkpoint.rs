@@ -22,7 +22,8 @@ use crate::model::Gpt2;
 pub const CONFIG_FILE: &str = "config.json";
 pub const WEIGHTS_FILE: &str = "model.safetensors";
 pub const WEIGHTS_INDEX_FILE: &str = "model.safetensors.index.json";
-pub(crate) const PREFIX: &str = "transformer.";
+/// The prefix of the tensor names in a Hugging Face GPT-2 checkpoint (optional).
+pub const PREFIX: &str = "transformer.";
 
 /// Name and shape of every tensor the model reads, without the `transformer.` prefix
 /// (an untied `lm_head.weight` is listed with its root name).
@@ -138,7 +139,7 @@ pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Gpt2> {
 
 /// Checks a checkpoint's (name, shape) list against `cfg`, naming the first missing or
 /// misshaped tensor; returns whether names carry the `transformer.` prefix.
-pub(crate) fn check_tensors(
+pub fn check_tensors(
     cfg: &Config,
     tensors: impl Iterator<Item = (String, Vec<usize>)>,
 ) -> Result<bool> {

@@ -8,7 +8,6 @@
 //! - [`mask`]: position ids and attention bias for left-padded batches ([`LeftPadding`]).
 //! - [`checkpoint`]: loading and saving Hugging Face checkpoints, seeded random init.
 //! - [`bf16_payload`]: the bfloat16 safetensors payload of a weight push, built in place.
-//! - [`refill`]: a worker's next weights written into a retired model's memory.
 //! - [`cpu_gemm`]: packed-weight f32 matmul for CPU inference (AVX2/FMA).
 //! - [`simd`]: vectorised exp and GELU for the CPU hot paths.
 //! - [`tokenizer`]: GPT-2 byte-level BPE, built in.
@@ -41,7 +40,6 @@ pub mod grouped;
 pub mod hub;
 pub mod mask;
 pub mod model;
-pub mod refill;
 pub mod sampling;
 pub mod simd;
 pub mod tokenizer;

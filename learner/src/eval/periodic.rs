@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 
 use candle_core::Device;
 use rollout_worker::engine::EngineConfig;
-use rollout_worker::weights::{WeightSet, build_model};
 use rookworld_lm::sampling::SamplingParams;
 use rookworld_lm::{Config, Gpt2, Tokenizer};
+use rookworld_weights::set::{WeightSet, build_model};
 use serde::Serialize;
 use tokio::sync::watch;
 

@@ -11,7 +11,7 @@
 //! changes; a worker that opened it just before finds it renamed, or locked, and is
 //! streamed that push instead.
 //!
-//! [`shared_file_name`]: rollout_worker::weights::shared_file_name
+//! [`shared_file_name`]: rookworld_weights::set::shared_file_name
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::MetadataExt;

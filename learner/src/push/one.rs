@@ -4,9 +4,9 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use rollout_worker::weights::{self, CHUNK_BYTES, WeightSet};
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
 use rookworld_proto::tls::ClientTlsArgs;
+use rookworld_weights::set::{self as weights, CHUNK_BYTES, WeightSet};
 
 use super::PushOutcome;
 use crate::queue::Queue;

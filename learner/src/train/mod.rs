@@ -30,8 +30,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use rollout_worker::weights::WeightSet;
 use rookworld_lm::Gpt2;
+use rookworld_weights::set::WeightSet;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use rollout_worker::weights::WeightSet;
+use rookworld_weights::set::WeightSet;
 use tokio::sync::watch;
 
 use super::{ConfigError, Run, TrainArgs, TrainError, lock};

@@ -213,7 +213,7 @@ struct Staged {
 }
 
 /// A model the engine no longer uses, handed back by [`Engine::swap`] (its memory can
-/// hold the next version: `rookworld_lm::refill`).
+/// hold the next version: `rookworld_weights::refill`).
 #[derive(Debug)]
 pub struct Retired {
     pub model: Gpt2,

@@ -21,7 +21,7 @@ use tonic::Streaming;
 use super::RolloutServer;
 use crate::engine::Retired;
 use crate::error::ServiceError;
-use crate::weights::{self, Assembler, WeightError, WeightSet};
+use rookworld_weights::set::{self as weights, Assembler, WeightError, WeightSet};
 
 /// Where the payload's body is, once the header has been accepted.
 enum Body {
@@ -169,7 +169,7 @@ impl RolloutServer {
     fn keep_spare(&self, retired: Option<Retired>) {
         let Some(r) = retired else { return };
         let initial = (r.version == self.initial.1) && (r.run == self.initial.0);
-        if !initial && rookworld_lm::refill::refillable(&r.model) {
+        if !initial && rookworld_weights::refill::refillable(&r.model) {
             *self.spare.lock().expect("spare lock") = Some(r.model);
         }
     }

@@ -155,9 +155,9 @@ mod tests {
     use candle_core::{DType, Device};
     use rollout_worker::engine::{Engine, EngineConfig};
     use rollout_worker::service::{self, RolloutServer, ServiceConfig};
-    use rollout_worker::weights::WeightSet;
     use rookworld_lm::checkpoint::init_random;
     use rookworld_lm::{Config, Tokenizer};
+    use rookworld_weights::set::WeightSet;
 
     use super::*;
 

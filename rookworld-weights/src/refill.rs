@@ -5,17 +5,17 @@
 //! and zeroed by the kernel first — on a small VM a fresh 249 MB buffer's first touch
 //! alone took 0.7 s. [`refill`] instead writes a new version into a retired model's
 //! tensors and panels in place: the same checks as
-//! [`checkpoint::from_bytes`](crate::checkpoint::from_bytes), no allocation of the
+//! [`checkpoint::from_bytes`](rookworld_lm::checkpoint::from_bytes), no allocation of the
 //! model's size.
 
 use candle_core::{CpuStorage, DType, InplaceOp1, Layout};
 use rayon::prelude::*;
 use safetensors::{Dtype, SafeTensors};
 
-use crate::bf16_payload::read_bf16_parallel;
-use crate::checkpoint;
-use crate::error::Result;
-use crate::model::Gpt2;
+use rookworld_lm::Gpt2;
+use rookworld_lm::Result;
+use rookworld_lm::bf16_payload::read_bf16_parallel;
+use rookworld_lm::checkpoint;
 
 /// Elements converted by one parallel piece.
 const PIECE: usize = 1 << 16;
@@ -70,7 +70,7 @@ pub fn refillable(model: &Gpt2) -> bool {
 
 /// Writes little-endian bfloat16 or f32 `src` over a contiguous f32 tensor of as many
 /// elements, in parallel pieces (bfloat16 to f32 is exact; stored non-temporally:
-/// [`read_bf16`](crate::bf16_payload::read_bf16)).
+/// [`read_bf16`](rookworld_lm::bf16_payload::read_bf16)).
 struct Overwrite<'a> {
     src: &'a [u8],
     bf16: bool,
@@ -114,8 +114,8 @@ mod tests {
     use candle_core::{Device, Tensor};
 
     use super::*;
-    use crate::checkpoint::{from_bytes, init_random, to_bf16_payload, to_bytes};
-    use crate::config::Config;
+    use rookworld_lm::Config;
+    use rookworld_lm::checkpoint::{from_bytes, init_random, to_bf16_payload, to_bytes};
 
     fn values(model: &Gpt2) -> Vec<Vec<f32>> {
         model
@@ -127,7 +127,7 @@ mod tests {
 
     fn logits(model: &Gpt2) -> Vec<f32> {
         let ids = Tensor::new(&[[5u32, 17, 3, 250]], &Device::Cpu).unwrap();
-        let padding = crate::LeftPadding::none(1);
+        let padding = rookworld_lm::LeftPadding::none(1);
         let mut cache = model.new_cache();
         model
             .forward(&ids, &padding, &mut cache)

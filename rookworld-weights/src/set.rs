@@ -358,7 +358,7 @@ impl WeightSet {
 /// The model of payload `bytes` (`cfg`'s shape, into `dtype` on `device`, packed for the
 /// CPU kernel where it applies), every tensor checked: written into `spare`'s memory
 /// when one is given that can take it (a retired f32 CPU model nothing else holds:
-/// [`rookworld_lm::refill`]), else built afresh.
+/// [`rookworld_weights::refill`]), else built afresh.
 pub fn build_model(
     bytes: &[u8],
     cfg: &Config,
@@ -370,7 +370,7 @@ pub fn build_model(
         && model.dtype() == dtype
         && model.device().same_device(device)
         && model.config() == cfg
-        && rookworld_lm::refill::refill(&mut model, bytes)?
+        && crate::refill::refill(&mut model, bytes)?
     {
         tracing::debug!("new weights written into the retired model's memory");
         return Ok(model);
