@@ -105,12 +105,17 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
     let first = &got.prompts[0];
     assert_eq!(
         (
-            first.task.as_str(),
+            first.task(),
             first.prompt.as_str(),
             first.seed,
             first.attempt
         ),
-        ("A", "A: prompt 0+", 100, 1)
+        (
+            rookworld_proto::reward::v1::Task::Environment,
+            "A: prompt 0+",
+            100,
+            1
+        )
     );
     assert!(first.deadline_seconds > 100.0);
 

@@ -287,11 +287,7 @@ async fn group(
             tokenizer.decode(&body).unwrap_or_default()
         })
         .collect();
-    let task = if prompt.task == "P" {
-        reward::Task::Policy
-    } else {
-        reward::Task::Environment
-    };
+    let task = prompt.task();
     let items: Vec<reward::ScoreItem> = texts
         .iter()
         .map(|t| reward::ScoreItem {

@@ -40,12 +40,22 @@ fn check_page(rel: &str, text: &str) {
     }
 }
 
-/// A table cell: one line, pipes escaped.
+/// A table cell: one line, pipes escaped, and angle brackets outside code spans too
+/// (`<FEN>` is no HTML tag).
 fn cell(text: &str) -> String {
-    text.split_whitespace()
+    let line = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    line.split('`')
+        .enumerate()
+        .map(|(i, part)| {
+            let part = part.replace('|', "\\|");
+            if i % 2 == 0 {
+                part.replace('<', "&lt;").replace('>', "&gt;")
+            } else {
+                part
+            }
+        })
         .collect::<Vec<_>>()
-        .join(" ")
-        .replace('|', "\\|")
+        .join("`")
 }
 
 // ---- the command lines ----

@@ -12,6 +12,7 @@ use std::time::Instant;
 use rookworld_proto::auth::{Guard, TokenError};
 use rookworld_proto::queue::v1 as pb;
 use rookworld_proto::queue::v1::rollout_queue_server::{RolloutQueue, RolloutQueueServer};
+use rookworld_proto::reward::v1::Task;
 use rookworld_proto::tls::ServerTls;
 use rookworld_proto::v1::SamplingParams;
 use tokio::net::TcpListener;
@@ -198,10 +199,9 @@ impl RolloutQueue for QueueServer {
                         lease_id: g.lease,
                         prompt_id: g.prompt.id,
                         task: match g.prompt.prompt.kind {
-                            TaskKind::Policy => "P",
-                            TaskKind::Environment => "A",
-                        }
-                        .into(),
+                            TaskKind::Policy => Task::Policy,
+                            TaskKind::Environment => Task::Environment,
+                        } as i32,
                         prompt: g.prompt.prompt.prompt,
                         seed: g.prompt.seed,
                         attempt: g.prompt.attempts,
