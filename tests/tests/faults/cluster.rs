@@ -21,12 +21,30 @@ pub const GROUP: u32 = 4;
 /// Seconds a worker has to submit a leased prompt.
 pub const LEASE_SECONDS: f64 = 4.0;
 
-/// A free port on 127.0.0.1 (bound and released).
+/// A free port on 127.0.0.1 for a service that another process binds later. It must stay
+/// free until then, so it is taken below the kernel's ephemeral range (where any outgoing
+/// connection on the machine, or another `bind(:0)`, could take it meanwhile), and never
+/// twice in one test process.
 pub fn free_addr() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    // The ephemeral range starts at 32768 unless the machine says otherwise.
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768);
+    let (low, high) = (10_000u32, ephemeral.clamp(12_000, 65_535));
+    let span = high - low;
+    // Test processes that run one after another start at different places.
+    let start = std::process::id().wrapping_mul(2_654_435_761) % span;
+    for _ in 0..span {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = low + (start + n) % span;
+        if let Ok(listener) = std::net::TcpListener::bind(("127.0.0.1", port as u16)) {
+            return listener.local_addr().unwrap();
+        }
+    }
+    panic!("no free port on 127.0.0.1 in {low}..{high}")
 }
 
 /// One service process; killed when dropped.
