@@ -5,8 +5,9 @@
 #   BIN=DIR tests/gpu-check.sh [OUT]
 #
 # BIN holds `learner` and `rollout-worker` built with `--features cuda` elsewhere
-# (`source ../shared/tools/cuda-toolchain.sh && CARGO_TARGET_DIR=target-cuda cargo build
-# --release --features cuda -p learner -p rollout-worker`; default target-cuda/release).
+# (`tools/cuda-build.sh target-cuda/dist`, or `CARGO_TARGET_DIR=target-cuda cargo build
+# --release --features cuda -p learner -p rollout-worker` with a CUDA toolkit; default
+# target-cuda/release).
 # The GPU machine needs the driver and the CUDA 13 libraries: this script points
 # LD_LIBRARY_PATH at PyTorch's nvidia cu13 wheels (nvidia/cu13/lib) when it finds them.
 # PyTorch and transformers (PYTHON, default python3) run the side-by-side baselines.

@@ -51,6 +51,7 @@ pub fn describe_local() {
 
 /// Descriptions of every metric (labels come from bounded sets: workers, results, lags).
 pub fn describe() {
+    rookworld_proto::tls::describe_metrics();
     let features = if cfg!(feature = "cuda") { "cuda" } else { "" };
     rookworld_proto::metrics_http::build_info(
         "learner_build_info",

@@ -18,6 +18,22 @@ use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::rustls::server::WebPkiClientVerifier;
 use tokio_rustls::rustls::{self, RootCertStore, ServerConfig};
 
+/// Describes the TLS metrics that every service serving TLS records; each service's own
+/// `describe` calls it.
+pub fn describe_metrics() {
+    use metrics::{Unit, describe_counter};
+    describe_counter!(
+        "grpc_tls_handshake_failures_total",
+        Unit::Count,
+        "TLS handshakes that failed, by `reason` (refused, timeout, busy)."
+    );
+    describe_counter!(
+        "grpc_tls_reloads_total",
+        Unit::Count,
+        "Certificate files re-read after SIGHUP or a change, by `result` (ok; error: the old ones still serve)."
+    );
+}
+
 /// How often a server checks its certificate files for a change.
 pub const RELOAD_POLL: Duration = Duration::from_secs(10);
 /// How long a client may take over its TLS handshake.

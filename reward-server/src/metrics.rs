@@ -23,6 +23,7 @@ pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
 
 /// Descriptions of every metric (labels come from bounded sets).
 pub fn describe() {
+    rookworld_proto::tls::describe_metrics();
     use metrics::{Unit, describe_counter, describe_histogram};
     rookworld_proto::metrics_http::build_info("reward_build_info", env!("CARGO_PKG_VERSION"), "");
     describe_counter!(

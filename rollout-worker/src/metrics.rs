@@ -27,6 +27,7 @@ pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
 
 /// Descriptions of every metric (labels come from bounded sets).
 pub fn describe() {
+    rookworld_proto::tls::describe_metrics();
     let features = if cfg!(feature = "cuda") { "cuda" } else { "" };
     rookworld_proto::metrics_http::build_info(
         "rollout_build_info",

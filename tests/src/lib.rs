@@ -1,5 +1,7 @@
-//! Helpers for the cross-crate tests in `tests/`: fixture paths and tensor comparisons.
+//! Helpers for the cross-crate tests in `tests/`: fixture paths, tensor comparisons, and
+//! the repository's pages and metric names as the documentation tests read them.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 
 use candle_core::Tensor;
@@ -30,4 +32,73 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
         .zip(&b)
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
+}
+
+/// The repository's root.
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Every `.rs` (`ext`) file under `rel`, recursively.
+fn files_under(rel: &str, ext: &str) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![repo_root().join(rel)];
+    while let Some(path) = stack.pop() {
+        if path.is_dir() {
+            stack.extend(std::fs::read_dir(&path).unwrap().map(|e| e.unwrap().path()));
+        } else if path.extension().is_some_and(|e| e == ext) {
+            out.push(path);
+        }
+    }
+    out
+}
+
+/// The README, `deploy/README.md` and every page of the book (`docs/`), sorted.
+pub fn book_pages() -> Vec<PathBuf> {
+    let mut pages = vec![
+        repo_root().join("README.md"),
+        repo_root().join("deploy/README.md"),
+    ];
+    pages.extend(files_under("docs", "md"));
+    pages.sort();
+    pages
+}
+
+/// A name with the prefix of one of the services' metrics.
+pub fn is_metric_name(name: &str) -> bool {
+    ["learner_", "rollout_", "reward_", "grpc_tls_"]
+        .iter()
+        .any(|p| name.starts_with(p))
+}
+
+/// Metric names in the sources of every crate that records metrics (`"learner_…"`,
+/// `"rollout_…"`, `"reward_…"`, `"grpc_tls_…"`, as a metric macro's or `build_info`'s
+/// first argument).
+pub fn metric_names_in_sources() -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    for dir in [
+        "learner/src",
+        "rollout-worker/src",
+        "reward-server/src",
+        "rookworld-chess/src",
+        "proto/src",
+    ] {
+        for path in files_under(dir, "rs") {
+            // The first argument of a metric macro (`gauge!("…"`, `describe_gauge!(`) or
+            // of `build_info("…"`: a name, not a label value.
+            let text = std::fs::read_to_string(&path).unwrap();
+            let pieces: Vec<&str> = text.split('"').collect();
+            for pair in pieces.windows(2).step_by(2) {
+                let (before, piece) = (pair[0].trim_end(), pair[1]);
+                let named = before.ends_with("!(") || before.ends_with("build_info(");
+                if named
+                    && is_metric_name(piece)
+                    && piece.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+                {
+                    names.insert(piece.to_owned());
+                }
+            }
+        }
+    }
+    names
 }

@@ -7,14 +7,14 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
 use prost::Message as _;
 
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+    rookworld_tests::repo_root()
 }
 
 /// Compares `text` with the page at `rel` (writes it under `ROOKWORLD_BLESS=1`).
@@ -226,7 +226,7 @@ fn every_exported_metric_is_described() {
     ] {
         all.extend(described(describe));
     }
-    for name in metric_names_in_sources() {
+    for name in rookworld_tests::metric_names_in_sources() {
         let (kind, _, _) = all
             .get(&name)
             .unwrap_or_else(|| panic!("{name} is recorded but never described"));
@@ -236,42 +236,6 @@ fn every_exported_metric_is_described() {
             "{name}: `_total` exactly on counters"
         );
     }
-}
-
-/// The first argument of every metric macro in the services' sources.
-fn metric_names_in_sources() -> Vec<String> {
-    let mut names = Vec::new();
-    for dir in [
-        "learner/src",
-        "rollout-worker/src",
-        "reward-server/src",
-        "rookworld-chess/src",
-    ] {
-        let mut stack = vec![root().join(dir)];
-        while let Some(path) = stack.pop() {
-            if path.is_dir() {
-                stack.extend(std::fs::read_dir(&path).unwrap().map(|e| e.unwrap().path()));
-            } else if path.extension().is_some_and(|e| e == "rs") {
-                let text = std::fs::read_to_string(&path).unwrap();
-                let pieces: Vec<&str> = text.split('"').collect();
-                for pair in pieces.windows(2).step_by(2) {
-                    let (before, name) = (pair[0].trim_end(), pair[1]);
-                    if ["counter!(", "gauge!(", "histogram!("]
-                        .iter()
-                        .any(|m| before.ends_with(m))
-                        && ["learner_", "rollout_", "reward_"]
-                            .iter()
-                            .any(|p| name.starts_with(p))
-                    {
-                        names.push(name.to_owned());
-                    }
-                }
-            }
-        }
-    }
-    names.sort();
-    names.dedup();
-    names
 }
 
 // ---- the gRPC API ----
@@ -453,21 +417,6 @@ fn the_grpc_reference_is_current() {
 
 // ---- links ----
 
-/// The markdown files of the README and the book.
-fn pages() -> Vec<PathBuf> {
-    let mut pages = vec![root().join("README.md"), root().join("deploy/README.md")];
-    let mut stack = vec![root().join("docs")];
-    while let Some(path) = stack.pop() {
-        if path.is_dir() {
-            stack.extend(std::fs::read_dir(&path).unwrap().map(|e| e.unwrap().path()));
-        } else if path.extension().is_some_and(|e| e == "md") {
-            pages.push(path);
-        }
-    }
-    pages.sort();
-    pages
-}
-
 /// The targets of a page's inline links `[text](target)`, outside code.
 fn links(text: &str) -> Vec<String> {
     let mut out = Vec::new();
@@ -531,7 +480,7 @@ fn anchors(text: &str) -> Vec<String> {
 #[test]
 fn every_relative_link_of_the_readme_and_the_book_resolves() {
     let mut broken = Vec::new();
-    for page in pages() {
+    for page in rookworld_tests::book_pages() {
         let text = std::fs::read_to_string(&page).unwrap();
         for link in links(&text) {
             if link.contains("://") || link.starts_with("mailto:") || link.is_empty() {
@@ -572,7 +521,7 @@ fn every_relative_link_of_the_readme_and_the_book_resolves() {
 fn the_book_lists_every_page_and_only_pages_that_exist() {
     let summary = std::fs::read_to_string(root().join("docs/SUMMARY.md")).unwrap();
     let listed: Vec<String> = links(&summary);
-    for page in pages() {
+    for page in rookworld_tests::book_pages() {
         let Ok(rel) = page.strip_prefix(root().join("docs")) else {
             continue;
         };

@@ -14,7 +14,7 @@
 #[path = "faults/cluster.rs"]
 mod cluster;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
@@ -62,19 +62,9 @@ fn readme_commands(readme: &str) -> Vec<Readme> {
 
 /// Every grpcurl command of the README and the book's pages, each with the page it is on.
 fn book_commands() -> Vec<Readme> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let mut pages = vec![root.join("README.md")];
-    let mut stack = vec![root.join("docs")];
-    while let Some(path) = stack.pop() {
-        if path.is_dir() {
-            stack.extend(std::fs::read_dir(&path).unwrap().map(|e| e.unwrap().path()));
-        } else if path.extension().is_some_and(|e| e == "md") {
-            pages.push(path);
-        }
-    }
-    pages.sort();
+    let root = rookworld_tests::repo_root();
     let mut out = Vec::new();
-    for page in pages {
+    for page in rookworld_tests::book_pages() {
         let text = std::fs::read_to_string(&page).unwrap();
         let name = page.strip_prefix(&root).unwrap().display().to_string();
         out.extend(readme_commands(&text).into_iter().map(|mut c| {

@@ -4,53 +4,15 @@ use std::collections::BTreeSet;
 
 use crate::{deploy, read, s, yaml};
 
-/// A name with the prefix of one of the services' metrics.
-fn is_ours(name: &str) -> bool {
-    ["learner_", "rollout_", "reward_", "grpc_tls_"]
-        .iter()
-        .any(|p| name.starts_with(p))
-}
-
-/// Metric names in the services' sources (`"learner_…"`, `"rollout_…"`, `"reward_…"`,
-/// as a metric macro's or `build_info`'s first argument).
+/// Metric names in the services' sources.
 pub fn exported_metrics() -> BTreeSet<String> {
-    let mut names = BTreeSet::new();
-    for dir in [
-        "learner/src",
-        "rollout-worker/src",
-        "reward-server/src",
-        "rookworld-chess/src",
-        "proto/src",
-    ] {
-        let mut stack = vec![deploy().join("..").join(dir)];
-        while let Some(path) = stack.pop() {
-            if path.is_dir() {
-                stack.extend(std::fs::read_dir(&path).unwrap().map(|e| e.unwrap().path()));
-            } else if path.extension().is_some_and(|e| e == "rs") {
-                // The first argument of a metric macro (`gauge!("…"`, `describe_gauge!(`)
-                // or of `build_info("…"`: a name, not a label value.
-                let text = read(&path);
-                let pieces: Vec<&str> = text.split('"').collect();
-                for pair in pieces.windows(2).step_by(2) {
-                    let (before, piece) = (pair[0].trim_end(), pair[1]);
-                    let named = before.ends_with("!(") || before.ends_with("build_info(");
-                    if named
-                        && is_ours(piece)
-                        && piece.chars().all(|c| c.is_ascii_lowercase() || c == '_')
-                    {
-                        names.insert(piece.to_owned());
-                    }
-                }
-            }
-        }
-    }
-    names
+    rookworld_tests::metric_names_in_sources()
 }
 
 /// Metric names an expression uses, without the histogram suffixes.
 fn metrics_in(expr: &str) -> Vec<String> {
     expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-        .filter(|w| is_ours(w))
+        .filter(|w| rookworld_tests::is_metric_name(w))
         .map(|w| {
             ["_bucket", "_sum", "_count"]
                 .iter()
