@@ -5,8 +5,9 @@ use crate::bench_cmd::{self, BenchArgs};
 use crate::bench_push::{self, BenchPushArgs};
 use crate::init_cmd::{self, InitArgs};
 use crate::loss_cmd::{self, LossArgs};
+use crate::settings::ConfigError;
 use crate::sft::{self, SftArgs};
-use crate::train::{self, TrainArgs};
+use crate::train::{self, TrainArgs, TrainError};
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use rookworld_proto::logging::LogArgs;
 use rookworld_proto::probe::HealthArgs;
@@ -77,38 +78,44 @@ pub fn main() -> std::process::ExitCode {
         Command::Init(args) => init_cmd::run(args).map_err(|e| e.to_string()),
         Command::Loss(args) => loss_cmd::run(args).map_err(|e| e.to_string()),
         Command::Sft(args) => sft::run(args).map(|_| ()).map_err(|e| e.to_string()),
-        Command::Train(args) => train_cmd(args),
-        Command::Bench(args) => bench_cmd::run(args),
-        Command::BenchPush(args) => bench_push::run(args),
-        Command::Eval(args) => crate::eval::run(args),
+        Command::Train(args) => train_cmd(args).map_err(|e| e.to_string()),
+        Command::Bench(args) => bench_cmd::run(args).map_err(|e| e.to_string()),
+        Command::BenchPush(args) => bench_push::run(args).map_err(|e| e.to_string()),
+        Command::Eval(args) => crate::eval::run(args).map_err(|e| e.to_string()),
         Command::Health(args) => args.run(),
-        Command::Config(ConfigCommand::Show(args)) => show_config(args, &matches),
+        Command::Config(ConfigCommand::Show(args)) => {
+            show_config(args, &matches).map_err(|e| e.to_string())
+        }
     };
+    // The one place a command's error becomes its line on stderr.
     rookworld_lm::cli::exit_with(result.map_err(|e| run_file::annotate(&e)))
 }
 
 /// Prints the resolved settings of `learner train` (checked as `train` checks them).
-fn show_config(args: &TrainArgs, matches: &clap::ArgMatches) -> Result<(), String> {
-    args.validate().map_err(|e| e.to_string())?;
+fn show_config(args: &TrainArgs, matches: &clap::ArgMatches) -> Result<(), ConfigError> {
+    args.validate()?;
     let table = run_file::resolved(&Cli::command(), matches);
     print!("{}", crate::run_record::render(&table, None));
     Ok(())
 }
 
 /// Runs `learner train` on a multi-threaded runtime until its last step or a signal.
-fn train_cmd(args: &TrainArgs) -> Result<(), String> {
+fn train_cmd(args: &TrainArgs) -> Result<(), TrainError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .map_err(|e| format!("runtime: {e}"))?;
+        .map_err(TrainError::Runtime)?;
     runtime.block_on(async {
         let listen = args.listen_addr();
         let listener = tokio::net::TcpListener::bind(listen)
             .await
-            .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
-        if let Some(addr) = args.metrics_addr().map_err(|e| e.to_string())? {
+            .map_err(|source| TrainError::Listen {
+                addr: listen.to_string(),
+                source,
+            })?;
+        if let Some(addr) = args.metrics_addr()? {
             let bound = crate::metrics::install_exporter(addr)
-                .map_err(|e| format!("metrics on {addr}: {e}"))?;
+                .map_err(|source| TrainError::Metrics { addr, source })?;
             if args.local {
                 crate::metrics::describe_local();
             }
@@ -119,8 +126,7 @@ fn train_cmd(args: &TrainArgs) -> Result<(), String> {
             listener,
             rookworld_proto::serve::shutdown_signal(),
         )
-        .await
-        .map_err(|e| e.to_string())?;
+        .await?;
         train::print_summary(&summary);
         Ok(())
     })

@@ -18,7 +18,7 @@ use crate::batch::GrpoBatch;
 use crate::loss::LossConfig;
 use crate::optim::{AdamW, AdamWConfig};
 use crate::policy::{Precision, Trainable};
-use crate::settings::{BatchArgs, ObjectiveArgs};
+use crate::settings::{BatchArgs, ConfigError, ObjectiveArgs};
 use crate::step::{StepConfig, StepReport, accumulate, accumulate_autograd, step_flops};
 
 /// Which implementation of the forward/backward runs.
@@ -131,8 +131,23 @@ pub struct Phases {
     pub optimizer: f64,
 }
 
+/// Why `learner bench` could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Model(#[from] rookworld_lm::Error),
+}
+
+impl From<candle_core::Error> for BenchError {
+    fn from(e: candle_core::Error) -> Self {
+        Self::Model(e.into())
+    }
+}
+
 /// Runs the benchmark and prints its JSON line.
-pub fn run(args: &BenchArgs) -> Result<(), String> {
+pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
     let report = bench(args)?;
     println!(
         "{}",
@@ -187,7 +202,7 @@ pub fn synthetic_batch(args: &BenchArgs, vocab: usize) -> GrpoBatch {
 
 impl BenchArgs {
     /// The ranges of the batch shape and the objective (the same rules as `train`).
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), ConfigError> {
         use rookworld_proto::check::{at_least, positive};
         self.batch.validate()?;
         at_least("--prompt-tokens", self.prompt_tokens as u64, 1)?;
@@ -200,7 +215,7 @@ impl BenchArgs {
     }
 
     /// The objective at temperature 1 over completions of `--completion-tokens`.
-    fn loss_config(&self) -> Result<LossConfig, String> {
+    fn loss_config(&self) -> Result<LossConfig, ConfigError> {
         self.objective.loss_config(
             rookworld_lm::cli::DEFAULT_TEMPERATURE,
             self.completion_tokens as u32,
@@ -208,28 +223,26 @@ impl BenchArgs {
     }
 }
 
-fn bench(args: &BenchArgs) -> Result<BenchReport, String> {
+fn bench(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     args.validate()?;
-    let cfg = Config::preset(&args.preset).map_err(|e| e.to_string())?;
+    let cfg = Config::preset(&args.preset)?;
     if args.prompt_tokens + args.completion_tokens > cfg.n_positions {
-        return Err(format!(
+        return Err(ConfigError(format!(
             "{} + {} tokens exceed the context of {}",
             args.prompt_tokens, args.completion_tokens, cfg.n_positions
-        ));
+        ))
+        .into());
     }
-    let err = |e: candle_core::Error| e.to_string();
     let device = args
         .device
         .parse::<DeviceChoice>()
-        .and_then(DeviceChoice::open)
-        .map_err(|e| e.to_string())?;
-    let init = |seed| -> Result<Gpt2, String> {
-        let mut model =
-            checkpoint::init_random(&cfg, seed, DType::F32, &device).map_err(|e| e.to_string())?;
+        .and_then(DeviceChoice::open)?;
+    let init = |seed| -> Result<Gpt2, BenchError> {
+        let mut model = checkpoint::init_random(&cfg, seed, DType::F32, &device)?;
         args.precision.apply(&mut model);
         Ok(model)
     };
-    let mut policy = Trainable::from_model(&init(args.seed)?).map_err(|e| e.to_string())?;
+    let mut policy = Trainable::from_model(&init(args.seed)?)?;
     args.precision.apply(&mut policy.model);
     policy.model.set_train_ops(args.train_ops == TrainOps::On);
     let reference: Option<Gpt2> = if args.objective.beta > 0.0 {
@@ -255,15 +268,14 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, String> {
             BenchPath::Autograd => {
                 accumulate_autograd(&policy, reference.as_ref(), &batch, &step_cfg)
             }
-        }
-        .map_err(err)?;
+        }?;
         let t = Instant::now();
-        let norm = grads.clip(step_cfg.max_grad_norm).map_err(err)?;
+        let norm = grads.clip(step_cfg.max_grad_norm)?;
         let clip = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        opt.step(&policy.vars, &grads, 1e-5).map_err(err)?;
+        opt.step(&policy.vars, &grads, 1e-5)?;
         policy.recycle(grads);
-        device.synchronize().map_err(err)?; // queued kernels count in the step
+        device.synchronize()?; // queued kernels count in the step
         let optimizer = t.elapsed().as_secs_f64();
         let seconds = started.elapsed().as_secs_f64();
         if step == 0 {

@@ -21,12 +21,13 @@ use rookworld_lm::{Tokenizer, checkpoint};
 use rookworld_proto::logging::Progress;
 use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
+use rookworld_weights::export::{ExportError, Exporter, POOL};
 use rookworld_weights::set::{self as weights, CHUNK_BYTES, WeightSet};
 use serde::Serialize;
 
-use crate::export::{Exporter, POOL};
 use crate::optim::{AdamW, AdamWConfig};
 use crate::policy::Trainable;
+use crate::settings::ConfigError;
 use floor::{Floor, floor};
 
 mod floor;
@@ -99,16 +100,51 @@ struct Report {
 
 const TOKEN: &str = "bench-push";
 
+/// Why `learner bench-push` could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchPushError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Model(#[from] rookworld_lm::Error),
+    #[error(transparent)]
+    Worker(#[from] rollout_worker::engine::EngineError),
+    #[error(transparent)]
+    Export(#[from] ExportError),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error("connecting to the worker: {0}")]
+    Connect(#[from] tonic::transport::Error),
+    #[error("{what}: {:?}: {}", status.code(), status.message())]
+    Push {
+        what: &'static str,
+        status: tonic::Status,
+    },
+    /// What the benchmark measures did not happen as it must.
+    #[error("{0}")]
+    Unexpected(&'static str),
+}
+
+impl From<candle_core::Error> for BenchPushError {
+    fn from(e: candle_core::Error) -> Self {
+        Self::Model(e.into())
+    }
+}
+
+/// The push's refusal, as `what`.
+fn refused(what: &'static str) -> impl Fn(tonic::Status) -> BenchPushError {
+    move |status| BenchPushError::Push { what, status }
+}
+
 /// Runs the benchmark and prints its JSON line.
-pub fn run(args: &BenchPushArgs) -> Result<(), String> {
-    rookworld_proto::check::at_least("--pushes", args.pushes as u64, 1)?;
+pub fn run(args: &BenchPushArgs) -> Result<(), BenchPushError> {
+    rookworld_proto::check::at_least("--pushes", args.pushes as u64, 1).map_err(ConfigError)?;
     if args.chunk_kib.contains(&0) {
-        return Err("--chunk-kib: every size must be ≥ 1".into());
+        return Err(ConfigError::from("--chunk-kib: every size must be ≥ 1").into());
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
-        .build()
-        .map_err(|e| format!("runtime: {e}"))?;
+        .build()?;
     let report = runtime.block_on(bench(args))?;
     println!(
         "{}",
@@ -117,42 +153,40 @@ pub fn run(args: &BenchPushArgs) -> Result<(), String> {
     Ok(())
 }
 
-async fn bench(args: &BenchPushArgs) -> Result<Report, String> {
-    let err = |e: &dyn std::fmt::Display| e.to_string();
-    let cfg = Config::preset(&args.preset).map_err(|e| err(&e))?;
-    let learner_model =
-        checkpoint::init_random(&cfg, 1, DType::F32, &Device::Cpu).map_err(|e| err(&e))?;
+async fn bench(args: &BenchPushArgs) -> Result<Report, BenchPushError> {
+    let cfg = Config::preset(&args.preset)?;
+    let learner_model = checkpoint::init_random(&cfg, 1, DType::F32, &Device::Cpu)?;
     let t = Instant::now();
-    let generic = checkpoint::to_bytes(&learner_model, DType::BF16).map_err(|e| err(&e))?;
+    let generic = checkpoint::to_bytes(&learner_model, DType::BF16)?;
     let export_generic_seconds = t.elapsed().as_secs_f64();
     drop(generic);
     let t = Instant::now();
-    let payload = checkpoint::to_bf16_payload(&learner_model).map_err(|e| err(&e))?;
+    let payload = checkpoint::to_bf16_payload(&learner_model)?;
     let export_seconds = t.elapsed().as_secs_f64();
     let t = Instant::now();
     let set = WeightSet::from_bytes("bench", 1, payload);
     let hash_seconds = t.elapsed().as_secs_f64();
     let bytes = set.bytes.len();
-    let policy = Trainable::from_model(&learner_model).map_err(|e| err(&e))?;
+    let policy = Trainable::from_model(&learner_model)?;
     drop(learner_model);
-    let training = training_thread(&policy, args.pushes).map_err(|e| err(&e))?;
+    let training = training_thread(&policy, args.pushes)?;
     if training.set.blake3 == set.blake3 || training.set.bytes.len() != bytes {
-        return Err("the optimizer's payload is not an updated model of the same size".into());
+        return Err(BenchPushError::Unexpected(
+            "the optimizer's payload is not an updated model of the same size",
+        ));
     }
-    let floor = floor(&set.bytes).await.map_err(|e| err(&e))?;
+    let floor = floor(&set.bytes).await?;
 
     // The worker, as `rollout-worker serve` runs it.
-    let shared_dir = crate::export::process_dir("rookworld-bench-push");
-    std::fs::create_dir_all(&shared_dir).map_err(|e| err(&e))?;
+    let shared_dir = rookworld_weights::export::process_dir("rookworld-bench-push");
+    std::fs::create_dir_all(&shared_dir)?;
     let device = args
         .worker_device
         .parse::<DeviceChoice>()
         .and_then(DeviceChoice::open)
-        .map_err(|e| format!("--worker-device: {e}"))?;
+        .map_err(|e| ConfigError(format!("--worker-device: {e}")))?;
     let dtype = default_dtype(&device);
-    let worker_model =
-        prepare_model(checkpoint::init_random(&cfg, 2, dtype, &device).map_err(|e| err(&e))?)
-            .map_err(|e| err(&e))?;
+    let worker_model = prepare_model(checkpoint::init_random(&cfg, 2, dtype, &device)?)?;
     let engine = Arc::new(Engine::start(worker_model, 0, EngineConfig::default()));
     let server = RolloutServer::new(
         engine,
@@ -166,19 +200,13 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, String> {
             ..ServiceConfig::default()
         },
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .map_err(|e| err(&e))?;
-    let url = format!("http://{}", listener.local_addr().map_err(|e| err(&e))?);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let serving = tokio::spawn(rollout_worker::service::run(server, listener, async {
         let _ = stopped.await;
     }));
-    let channel = rookworld_proto::serve::endpoint(&url)
-        .map_err(|e| err(&e))?
-        .connect()
-        .await
-        .map_err(|e| err(&e))?;
+    let channel = rookworld_proto::serve::endpoint(&url)?.connect().await?;
     let mut client = RolloutServiceClient::new(channel);
 
     let generating_runs = usize::from(!args.idle_only);
@@ -196,7 +224,7 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, String> {
         };
         weights::push(&mut client, &warm_up, TOKEN, CHUNK_BYTES)
             .await
-            .map_err(|s| format!("warm-up push: {:?}: {}", s.code(), s.message()))?;
+            .map_err(refused("warm-up push"))?;
     }
     let mut idle = vec![];
     for &kib in &args.chunk_kib {
@@ -252,7 +280,9 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, String> {
     let refused = weights::push(&mut client, &stale, TOKEN, CHUNK_BYTES).await;
     let stale_refusal_seconds = t.elapsed().as_secs_f64();
     if refused.is_ok() {
-        return Err("the worker took a stale version".into());
+        return Err(BenchPushError::Unexpected(
+            "the worker took a stale version",
+        ));
     }
     let _ = stop.send(());
     let _ = serving.await;
@@ -286,7 +316,7 @@ struct TrainingThread {
 
 /// `n` AdamW steps of `policy`'s parameters (fixed pseudo-random gradients) without
 /// export, then `n` writing the payload and publishing it; the medians.
-fn training_thread(policy: &Trainable, n: usize) -> rookworld_lm::Result<TrainingThread> {
+fn training_thread(policy: &Trainable, n: usize) -> Result<TrainingThread, BenchPushError> {
     let grads = || {
         let buffers = policy
             .vars
@@ -317,14 +347,10 @@ fn training_thread(policy: &Trainable, n: usize) -> rookworld_lm::Result<Trainin
         let mut payload = exporter.payload();
         opt.step_exporting(&policy.vars, &grads, 1e-5, Some(&mut payload))?;
         payload.fill_rest(&policy.vars)?;
-        exporter
-            .publish("bench", 1000 + i as u64, payload)
-            .map_err(|e| rookworld_lm::Error::from(candle_core::Error::msg(e)))?;
+        exporter.publish("bench", 1000 + i as u64, payload)?;
         exporting.push(t.elapsed().as_secs_f64());
         let t = Instant::now();
-        exporter
-            .flush()
-            .map_err(|e| rookworld_lm::Error::from(candle_core::Error::msg(e)))?;
+        exporter.flush()?;
         publish.push(t.elapsed().as_secs_f64());
         if i == 0 {
             (plain, exporting, publish) = (vec![], vec![], vec![]);
@@ -347,7 +373,7 @@ async fn pushes(
     kib: usize,
     n: usize,
     progress: &mut Progress,
-) -> Result<Pushes, String> {
+) -> Result<Pushes, BenchPushError> {
     let mut all = vec![];
     for _ in 0..n {
         *version += 1;
@@ -357,7 +383,7 @@ async fn pushes(
         };
         let t = Instant::now();
         let answer = weights::push(client, &next, TOKEN, kib << 10).await;
-        let answer = answer.map_err(|s| format!("push: {:?}: {}", s.code(), s.message()))?;
+        let answer = answer.map_err(refused("push"))?;
         let seconds = t.elapsed().as_secs_f64();
         progress.tick(&format!("{kib} KiB chunks: {seconds:.3} s"));
         all.push((seconds, answer));
@@ -375,7 +401,7 @@ async fn shared_pushes(
     version: &mut u64,
     n: usize,
     progress: &mut Progress,
-) -> Result<Pushes, String> {
+) -> Result<Pushes, BenchPushError> {
     let (tx, mut rx) = tokio::sync::watch::channel(None);
     let exporter = Exporter::new(&policy.vars, Arc::new(tx), Some(dir.to_owned()));
     // The pool's files are made on the export thread at its start, and a published one
@@ -387,19 +413,21 @@ async fn shared_pushes(
         *version += 1;
         let set = tokio::task::block_in_place(|| {
             let mut payload = exporter.payload();
-            payload.fill_rest(&policy.vars).map_err(|e| e.to_string())?;
+            payload.fill_rest(&policy.vars)?;
             exporter.publish("bench", *version, payload)?;
             exporter.flush()?;
             rx.borrow_and_update()
                 .clone()
-                .ok_or_else(|| "nothing was published".to_owned())
+                .ok_or(BenchPushError::Unexpected("nothing was published"))
         })?;
         if set.shared_file.is_none() {
-            return Err("the shared payload file could not be written".into());
+            return Err(BenchPushError::Unexpected(
+                "the shared payload file could not be written",
+            ));
         }
         let t = Instant::now();
         let answer = weights::push_shared(client, &set, TOKEN).await;
-        let answer = answer.map_err(|s| format!("push: {:?}: {}", s.code(), s.message()))?;
+        let answer = answer.map_err(refused("push"))?;
         let seconds = t.elapsed().as_secs_f64();
         if i >= warm_up {
             progress.tick(&format!("shared file: {seconds:.3} s"));

@@ -16,7 +16,7 @@
 //!   [`queue_service`]: it over gRPC with inspection calls.
 //! - [`metrics`]: the learner's Prometheus metrics (queue, pushes).
 //! - [`push`]: BF16 weight pushes to every worker in parallel, each with a deadline;
-//!   [`export`]: their payload, written by the optimizer and hashed off the training thread.
+//!   their payload is [`rookworld_weights::export`], written by the optimizer.
 //! - [`prompts`]: generated and loaded training prompts, with a resumable cursor.
 //! - [`train`]: `learner train`, the GRPO loop against the rollout queue (`--local`: with
 //!   a reward server and a worker in-process); [`head`]: LM-head log-probs without the
@@ -35,7 +35,6 @@ pub mod bench_cmd;
 pub mod bench_push;
 pub mod checkpoint;
 pub mod eval;
-pub mod export;
 pub mod fused;
 pub mod grpo;
 pub mod head;

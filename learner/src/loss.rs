@@ -51,7 +51,7 @@ impl Default for LossConfig {
 impl LossConfig {
     /// The objective's ranges, one rule per flag for `train`, `loss` and `bench`: β ≥ 0,
     /// both clip ε in [0, 1], temperature > 0.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), crate::settings::ConfigError> {
         use rookworld_proto::check::{fraction, non_negative};
         non_negative("--beta", self.beta)?;
         fraction("--clip-eps", self.eps_low)?;
@@ -59,7 +59,7 @@ impl LossConfig {
         fraction("--gspo-eps", self.gspo_eps_low)?;
         fraction("--gspo-eps-high", self.gspo_eps_high)?;
         if self.is_cap.is_nan() || self.is_cap < 1.0 {
-            return Err(format!("--is-cap must be at least 1, not {}", self.is_cap));
+            return Err(format!("--is-cap must be at least 1, not {}", self.is_cap).into());
         }
         if self.aggregation == Aggregation::Constant && self.max_new_tokens == 0 {
             return Err(

@@ -44,8 +44,22 @@ pub enum LossCmdError {
     Model(#[from] rookworld_lm::Error),
     #[error(transparent)]
     Batch(#[from] crate::batch::BatchError),
-    #[error("{0}")]
-    Input(String),
+    #[error(transparent)]
+    Config(#[from] crate::settings::ConfigError),
+    #[error("--batch {}: {source}", path.display())]
+    BatchFile {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("--batch {}: {source}", path.display())]
+    BatchJson {
+        path: std::path::PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("--policy and --reference are different models: {policy} vs {reference}")]
+    DifferentModels { policy: String, reference: String },
 }
 
 impl From<candle_core::Error> for LossCmdError {
@@ -60,7 +74,7 @@ impl LossArgs {
     pub fn config(&self) -> Result<LossConfig, LossCmdError> {
         self.objective
             .loss_config(self.temperature, self.max_new_tokens)
-            .map_err(LossCmdError::Input)
+            .map_err(LossCmdError::Config)
     }
 }
 
@@ -105,10 +119,16 @@ pub fn evaluate(
 /// Runs the command, printing one JSON object.
 pub fn run(args: &LossArgs) -> Result<(), LossCmdError> {
     let cfg = args.config()?;
-    let text = std::fs::read_to_string(&args.batch)
-        .map_err(|e| LossCmdError::Input(format!("--batch {}: {e}", args.batch.display())))?;
-    let batch: GrpoBatch = serde_json::from_str(&text)
-        .map_err(|e| LossCmdError::Input(format!("--batch {}: {e}", args.batch.display())))?;
+    let path = || args.batch.clone();
+    let text = std::fs::read_to_string(&args.batch).map_err(|source| LossCmdError::BatchFile {
+        path: path(),
+        source,
+    })?;
+    let batch: GrpoBatch =
+        serde_json::from_str(&text).map_err(|source| LossCmdError::BatchJson {
+            path: path(),
+            source,
+        })?;
     let device = Device::Cpu;
     let policy = Trainable::load(&args.policy, &device)?;
     let reference = if cfg.beta > 0.0 {
@@ -125,9 +145,10 @@ pub fn run(args: &LossArgs) -> Result<(), LossCmdError> {
         };
         let (p, r) = (shape(policy.model.config()), shape(r.config()));
         if p != r {
-            return Err(LossCmdError::Input(format!(
-                "--policy and --reference are different models: {p} vs {r}"
-            )));
+            return Err(LossCmdError::DifferentModels {
+                policy: p,
+                reference: r,
+            });
         }
     }
     let report = evaluate(&policy, reference.as_ref(), &batch, &cfg)?;

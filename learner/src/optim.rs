@@ -176,6 +176,9 @@ impl Schedule {
 }
 
 #[cfg(test)]
+mod export_tests;
+
+#[cfg(test)]
 mod tests {
     use candle_core::Device;
 

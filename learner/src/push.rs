@@ -11,7 +11,7 @@
 //! `learner_workers_oldest_weight_version` (each worker's own version is its
 //! `rollout_weight_version`, and in `ListWorkers`).
 //!
-//! A set written to the shared directory (the same-host path, [`crate::export`]) is
+//! A set written to the shared directory (the same-host path, [`rookworld_weights::export`]) is
 //! offered to each worker by its file name first: one header, no body. A worker that
 //! cannot read it (another host, no `--shared-dir`) answers FAILED_PRECONDITION; it is
 //! streamed that push and every later one.

@@ -120,10 +120,32 @@ impl Default for ObjectiveArgs {
     }
 }
 
+/// A setting out of its range, or settings that contradict each other: one line naming
+/// the flag (the rule lives beside the setting, [`rookworld_proto::check`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+impl From<String> for ConfigError {
+    fn from(message: String) -> Self {
+        Self(message)
+    }
+}
+
+impl From<&str> for ConfigError {
+    fn from(message: &str) -> Self {
+        Self(message.to_owned())
+    }
+}
+
 impl ObjectiveArgs {
     /// The loss configuration of completions sampled at `temperature` with a budget of
     /// `max_new_tokens`, checked ([`LossConfig::validate`]).
-    pub fn loss_config(&self, temperature: f64, max_new_tokens: u32) -> Result<LossConfig, String> {
+    pub fn loss_config(
+        &self,
+        temperature: f64,
+        max_new_tokens: u32,
+    ) -> Result<LossConfig, ConfigError> {
         let cfg = self.loss_config_unchecked(temperature, max_new_tokens);
         cfg.validate()?;
         Ok(cfg)
@@ -183,10 +205,14 @@ pub struct BatchArgs {
 
 impl BatchArgs {
     /// Every count at least 1, groups at least 2.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ConfigError> {
         use rookworld_proto::check::at_least;
         at_least("--prompts-per-step", self.prompts_per_step as u64, 1)?;
         at_least("--group-size", self.group_size.into(), 2)?;
-        at_least("--micro-batch-groups", self.micro_batch_groups as u64, 1)
+        Ok(at_least(
+            "--micro-batch-groups",
+            self.micro_batch_groups as u64,
+            1,
+        )?)
     }
 }

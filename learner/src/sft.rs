@@ -93,7 +93,7 @@ pub struct SftSettings {
 
 impl SftSettings {
     /// Checks ranges (the same rules as `learner train`'s).
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), crate::settings::ConfigError> {
         use rookworld_proto::check::{at_least, fraction, non_negative, positive};
         [
             at_least("--steps", self.steps, 1),
@@ -106,7 +106,8 @@ impl SftSettings {
             fraction("--policy-fraction", self.policy_fraction),
         ]
         .into_iter()
-        .collect()
+        .collect::<Result<(), String>>()
+        .map_err(crate::settings::ConfigError)
     }
 
     /// A fresh AdamW and the schedule these settings ask for.
@@ -145,8 +146,26 @@ pub enum SftError {
     Checkpoint(#[from] checkpoint::CheckpointError),
     #[error(transparent)]
     Prompts(#[from] prompts::PromptError),
-    #[error("{0}")]
-    Config(String),
+    #[error(transparent)]
+    Config(#[from] crate::settings::ConfigError),
+    /// A prompt's position could not be read (the text says which).
+    #[error("prompt FEN {fen}: {detail}")]
+    Position { fen: String, detail: String },
+    /// The engine that writes policy-task answers failed.
+    #[error("engine{}: {source}", path.as_ref().map(|p| format!(" {}", p.display())).unwrap_or_default())]
+    Engine {
+        path: Option<PathBuf>,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    #[error("runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    #[error("{what}: {source}")]
+    Log {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error(transparent)]
     RunDir(#[from] crate::run_dir::RunDirError),
 }
@@ -194,9 +213,10 @@ impl Documents {
             }
             return Ok(Document { ids, first });
         }
-        Err(SftError::Config(
-            "no trainable documents: policy prompts need an engine (--engine), or use --policy-fraction 0".into(),
-        ))
+        Err(crate::settings::ConfigError::from(
+            "no trainable documents: policy prompts need an engine (--engine), or use --policy-fraction 0",
+        )
+        .into())
     }
 
     fn complete(&self, p: &TaskPrompt) -> Result<Option<String>, SftError> {
@@ -206,11 +226,16 @@ impl Documents {
         match (p.kind, &self.engine) {
             (TaskKind::Policy, Some((rt, pool))) => {
                 let fen = p.prompt.trim_start_matches("P: ").trim();
-                let pos = standard(fen)
-                    .map_err(|e| SftError::Config(format!("prompt FEN {fen}: {e:?}")))?;
+                let pos = standard(fen).map_err(|e| SftError::Position {
+                    fen: fen.to_owned(),
+                    detail: format!("{e:?}"),
+                })?;
                 let analysis = rt
                     .block_on(pool.analyse(&pos))
-                    .map_err(|e| SftError::Config(format!("engine: {e}")))?;
+                    .map_err(|e| SftError::Engine {
+                        path: None,
+                        source: Box::new(e),
+                    })?;
                 let moves: Vec<&str> = analysis.lines.iter().map(|l| l.uci.as_str()).collect();
                 let evals: Vec<String> = analysis
                     .lines
@@ -257,10 +282,13 @@ fn start_engine(
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|e| SftError::Config(format!("runtime: {e}")))?;
+        .map_err(SftError::Runtime)?;
     let pool = rt
         .block_on(EnginePool::start(EngineConfig::new(&path)))
-        .map_err(|e| SftError::Config(format!("engine {}: {e}", path.display())))?;
+        .map_err(|e| SftError::Engine {
+            path: Some(path.clone()),
+            source: Box::new(e),
+        })?;
     Ok(Some((rt, pool)))
 }
 
@@ -325,9 +353,9 @@ pub fn warm_up(
 /// Runs (or resumes) supervised training; returns every step's numbers of this process.
 pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
     let s = &args.settings;
-    s.validate().map_err(SftError::Config)?;
+    s.validate()?;
     rookworld_proto::check::at_least("--checkpoint-every", args.checkpoint_every, 1)
-        .map_err(SftError::Config)?;
+        .map_err(crate::settings::ConfigError)?;
     let device = Device::Cpu;
     let settings = serde_json::to_value(s).expect("settings serialise");
     let mut source = match &args.prompts {
@@ -349,12 +377,12 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
         }) => {
             crate::run_dir::check_settings(&state.settings, &settings, SFT_RESUMABLE)?;
             if s.steps < state.step {
-                return Err(SftError::Config(format!(
+                return Err(SftError::Config(crate::settings::ConfigError(format!(
                     "--steps {} is below the {} steps {} has done",
                     s.steps,
                     state.step,
                     dir.display()
-                )));
+                ))));
             }
             source.restore(&state.cursor)?;
             tracing::info!(step = state.step, dir = %dir.display(), "resumed");
@@ -386,7 +414,10 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
                 .create(true)
                 .append(true)
                 .open(path)
-                .map_err(|e| SftError::Config(format!("--log-jsonl {}: {e}", path.display())))?,
+                .map_err(|source| SftError::Log {
+                    what: format!("--log-jsonl {}", path.display()),
+                    source,
+                })?,
         ),
         None => None,
     };
@@ -412,7 +443,10 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
                 "{}",
                 serde_json::to_string(&record).expect("record serialises")
             )
-            .map_err(|e| SftError::Config(format!("--log-jsonl: {e}")))?;
+            .map_err(|source| SftError::Log {
+                what: "--log-jsonl".into(),
+                source,
+            })?;
         }
         out.push(record);
         let done = step + 1;

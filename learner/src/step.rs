@@ -8,13 +8,13 @@ use rookworld_lm::Gpt2;
 use serde::Serialize;
 
 use crate::batch::{GrpoBatch, Layout};
-use crate::export::Payload;
 use crate::fused::step::{MicroBatch, micro_step, reference_logprobs};
 use crate::fused::{self, Params};
 use crate::grpo::Aggregation;
 use crate::loss::{LossConfig, grpo_loss};
 use crate::optim::{AdamW, Gradients, Schedule};
 use crate::policy::Trainable;
+use rookworld_weights::export::Payload;
 
 /// How a step is run.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -258,7 +258,7 @@ fn accumulate_fused(
 
 /// A full step: gradients, clipping, AdamW at the schedule's rate for `step`; with
 /// `export`, the updated weights are also written into it as bfloat16 (see
-/// [`crate::export`]).
+/// [`rookworld_weights::export`]).
 #[allow(clippy::too_many_arguments)]
 pub fn train_step(
     policy: &Trainable,

@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::{DType, Device};
-use learner::export::{Exporter, POOL};
 use learner::policy::Trainable;
 use learner::push::{Fleet, push_to};
 use rollout_worker::engine::{Engine, EngineConfig};
@@ -17,6 +16,7 @@ use rookworld_lm::checkpoint::init_random;
 use rookworld_lm::{Config, Gpt2, Tokenizer, checkpoint};
 use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
+use rookworld_weights::export::{Exporter, POOL};
 use rookworld_weights::set::{self as weights, WeightSet};
 use tonic::transport::Channel;
 

@@ -6,8 +6,12 @@
 //!   ([`rookworld_lm::bf16_payload`]), cut into chunks behind a header (version, run,
 //!   size, BLAKE3 hash) and put back together with every check made before anything is
 //!   trusted; the same-host path, where the payload is one shared file.
+//! - [`export`]: the learner's side — payload buffers the optimizer writes into (pooled;
+//!   files in the shared directory on the same-host path), hashed and published off the
+//!   training thread, newest first.
 //! - [`refill`]: a worker's next weights written into a retired model's memory, in place.
 
+pub mod export;
 pub mod refill;
 pub mod set;
 

@@ -9,6 +9,7 @@ use std::time::Duration;
 use rookworld_chess::engine::{EngineConfig, EnginePool, SearchLimit};
 
 use super::Item;
+use super::error::EvalError;
 
 /// How the policy suite's positions are re-analysed.
 #[derive(Debug, Clone, Copy)]
@@ -28,7 +29,7 @@ impl Reanalysis {
     /// Re-ranks every policy item of `items` by `path`'s analysis, best first; other items
     /// are left alone. A path that is no UCI engine, or an engine that keeps failing, is
     /// one clear error.
-    pub fn rerank(&self, items: &mut [Item], path: &Path) -> Result<(), String> {
+    pub fn rerank(&self, items: &mut [Item], path: &Path) -> Result<(), EvalError> {
         let positions: Vec<_> = items
             .iter()
             .enumerate()
@@ -37,11 +38,10 @@ impl Reanalysis {
         if positions.is_empty() {
             return Ok(());
         }
-        let engine = |e: &dyn std::fmt::Display| format!("--engine: {e}");
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
-            .map_err(|e| engine(&e))?;
+            .map_err(reanalysis)?;
         let cfg = EngineConfig {
             processes: self.processes.max(1),
             limit: SearchLimit::Depth(self.depth),
@@ -50,15 +50,15 @@ impl Reanalysis {
             ..EngineConfig::new(path)
         };
         runtime.block_on(async {
-            let pool = Arc::new(EnginePool::start(cfg).await.map_err(|e| engine(&e))?);
+            let pool = Arc::new(EnginePool::start(cfg).await.map_err(reanalysis)?);
             let mut searches = tokio::task::JoinSet::new();
             for (i, position) in positions {
                 let pool = pool.clone();
                 searches.spawn(async move { (i, pool.analyse(&position).await) });
             }
             while let Some(done) = searches.join_next().await {
-                let (i, analysis) = done.map_err(|e| engine(&e))?;
-                let analysis = analysis.map_err(|e| engine(&e))?;
+                let (i, analysis) = done.map_err(reanalysis)?;
+                let analysis = analysis.map_err(reanalysis)?;
                 let ranking = analysis
                     .lines
                     .iter()
@@ -69,6 +69,11 @@ impl Reanalysis {
             Ok(())
         })
     }
+}
+
+/// The engine's failure, as the evaluation's.
+fn reanalysis(e: impl std::error::Error + Send + Sync + 'static) -> EvalError {
+    EvalError::Reanalysis(Box::new(e))
 }
 
 #[cfg(test)]
@@ -121,7 +126,8 @@ mod tests {
         };
         let err = r
             .rerank(&mut items, Path::new("/nonexistent/stockfish"))
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
         assert!(
             err.starts_with("--engine") && err.contains("/nonexistent/stockfish"),
             "{err}"

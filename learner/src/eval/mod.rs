@@ -7,6 +7,7 @@
 //! - [`periodic`]: `learner train --eval-every`, the suites on a thread of their own.
 
 pub mod engine;
+mod error;
 pub mod periodic;
 pub mod report;
 pub mod suites;
@@ -22,6 +23,9 @@ use rookworld_lm::cli::{ModelArgs, SamplingArgs};
 use rookworld_lm::sampling::SamplingParams;
 use rookworld_lm::{Gpt2, Tokenizer};
 
+use crate::settings::ConfigError;
+
+pub use error::EvalError;
 pub use report::{Report, SuiteReport};
 pub use suites::{Completions, Graded, Item, Suite};
 
@@ -76,20 +80,20 @@ pub struct EvalArgs {
 impl EvalArgs {
     /// The sampling, checked: several samples of an item need a temperature above 0
     /// (greedy samples would all be the same).
-    fn sampling(&self) -> Result<SamplingParams, String> {
+    fn sampling(&self) -> Result<SamplingParams, ConfigError> {
         self.sampling.validate()?;
         if self.samples > 1 && self.sampling.temperature == 0.0 {
-            return Err(format!(
+            return Err(ConfigError(format!(
                 "--samples {} at --temperature 0 (greedy) would give {} equal samples: give --temperature above 0 (e.g. 1)",
                 self.samples, self.samples
-            ));
+            )));
         }
         Ok(self.sampling.params())
     }
 }
 
 /// Runs `learner eval`: the report on stdout (a table on a terminal, else the JSON).
-pub fn run(args: &EvalArgs) -> Result<(), String> {
+pub fn run(args: &EvalArgs) -> Result<(), EvalError> {
     let suites = args
         .suite
         .iter()
@@ -97,8 +101,12 @@ pub fn run(args: &EvalArgs) -> Result<(), String> {
         .collect::<Result<Vec<_>, _>>()?;
     let sampling = args.sampling()?;
     // The output files before any work: an unwritable path fails at once.
-    let create = |flag: &str, path: &std::path::Path| {
-        std::fs::File::create(path).map_err(|e| format!("{flag} {}: {e}", path.display()))
+    let create = |flag: &'static str, path: &std::path::Path| {
+        std::fs::File::create(path).map_err(|source| EvalError::Write {
+            flag,
+            path: path.to_owned(),
+            source,
+        })
     };
     let mut out = match &args.out {
         Some(path) => Some(create("--out", path)?),
@@ -131,9 +139,9 @@ pub fn run(args: &EvalArgs) -> Result<(), String> {
         }
         None => "the data lines' evaluations".to_owned(),
     };
-    let loaded = args.model.load().map_err(|e| e.to_string())?;
+    let loaded = args.model.load()?;
     tracing::info!(source = %loaded.source, "model loaded");
-    let model = Arc::new(prepare_model(loaded.model).map_err(|e| e.to_string())?);
+    let model = Arc::new(prepare_model(loaded.model)?);
     let mut reports = Vec::new();
     let total = work.len();
     for (i, (suite, items)) in work.iter().enumerate() {
@@ -164,12 +172,12 @@ pub fn run(args: &EvalArgs) -> Result<(), String> {
             started.elapsed().as_secs_f64()
         );
         if let Some(out) = dump.as_mut() {
-            report::dump(out, *suite, items, &graded).map_err(|e| format!("--dump: {e}"))?;
+            report::dump(out, *suite, items, &graded).map_err(write_error("--dump", &args.dump))?;
         }
         reports.push(report);
     }
     if let Some(out) = dump.as_mut() {
-        out.flush().map_err(|e| format!("--dump: {e}"))?;
+        out.flush().map_err(write_error("--dump", &args.dump))?;
     }
     let report = Report {
         model: loaded.source,
@@ -180,7 +188,7 @@ pub fn run(args: &EvalArgs) -> Result<(), String> {
     };
     let json = serde_json::to_string(&report).expect("the report serialises");
     if let (Some(file), Some(path)) = (out.as_mut(), &args.out) {
-        writeln!(file, "{json}").map_err(|e| format!("--out {}: {e}", path.display()))?;
+        writeln!(file, "{json}").map_err(write_error("--out", &Some(path.clone())))?;
     }
     use std::io::IsTerminal;
     if std::io::stdout().is_terminal() {
@@ -189,6 +197,15 @@ pub fn run(args: &EvalArgs) -> Result<(), String> {
         println!("{json}");
     }
     Ok(())
+}
+
+/// The failure to write `flag`'s file.
+fn write_error(
+    flag: &'static str,
+    path: &Option<PathBuf>,
+) -> impl FnOnce(std::io::Error) -> EvalError {
+    let path = path.clone().unwrap_or_default();
+    move |source| EvalError::Write { flag, path, source }
 }
 
 /// What one evaluation generates with.
@@ -211,7 +228,7 @@ impl Evaluation<'_> {
         &self,
         suite: Suite,
         items: &[Item],
-    ) -> Result<(SuiteReport, Vec<Completions>), String> {
+    ) -> Result<(SuiteReport, Vec<Completions>), EvalError> {
         let started = Instant::now();
         let context = self.model.config().n_positions;
         let bos = self.model.config().bos_token_id;
@@ -219,42 +236,33 @@ impl Evaluation<'_> {
             .iter()
             .enumerate()
             .map(|(i, item)| {
-                let ids = self
-                    .tokenizer
-                    .encode_prompt(bos, &item.prompt)
-                    .map_err(|e| e.to_string())?;
+                let ids = self.tokenizer.encode_prompt(bos, &item.prompt)?;
                 let what = format!("{} item {i}", suite.name());
                 rookworld_proto::check::fits_context(
                     self.max_new_tokens,
                     ids.len(),
                     &what,
                     context,
-                )?;
+                )
+                .map_err(ConfigError)?;
                 Ok(ids)
             })
-            .collect::<Result<Vec<_>, String>>()?;
+            .collect::<Result<Vec<_>, EvalError>>()?;
         let mut engine = Scheduler::new(self.model.clone(), 0, self.engine);
-        engine
-            .submit(Request {
-                prompts,
-                n: self.samples,
-                max_new_tokens: self.max_new_tokens,
-                sampling: self.sampling,
-                seed: self.seed,
-                ignore_eos: false,
-            })
-            .map_err(|e| e.to_string())?;
+        engine.submit(Request {
+            prompts,
+            n: self.samples,
+            max_new_tokens: self.max_new_tokens,
+            sampling: self.sampling,
+            seed: self.seed,
+            ignore_eos: false,
+        })?;
         let stopped = || self.stop.is_some_and(|s| s.load(Ordering::Relaxed));
-        let (samples, _) = engine
-            .run_until_done_or(stopped)
-            .map_err(|e| e.to_string())?;
+        let (samples, _) = engine.run_until_done_or(stopped)?;
         drop(engine);
         let mut by_item: Vec<Vec<(u32, String)>> = vec![Vec::new(); items.len()];
         for s in samples {
-            let text = self
-                .tokenizer
-                .decode(&s.completion.ids)
-                .map_err(|e| e.to_string())?;
+            let text = self.tokenizer.decode(&s.completion.ids)?;
             let text = text.trim_end_matches(['\n', '\r']).to_owned();
             by_item[s.prompt_index as usize].push((s.sample_index, text));
         }

@@ -23,7 +23,8 @@ use rookworld_weights::set::{WeightSet, build_model};
 use serde::Serialize;
 use tokio::sync::watch;
 
-use super::{Evaluation, Item, Suite, SuiteReport};
+use super::{EvalError, Evaluation, Item, Suite, SuiteReport};
+use crate::settings::ConfigError;
 
 /// `learner train`'s evaluation options.
 #[derive(Debug, Clone, clap::Args)]
@@ -63,14 +64,15 @@ impl PeriodicArgs {
 
     /// The suites and their items, when evaluation is on: a bad suite name or data file
     /// fails here, before the run starts.
-    pub fn suites(&self) -> Result<Vec<(Suite, Vec<Item>)>, String> {
+    pub fn suites(&self) -> Result<Vec<(Suite, Vec<Item>)>, EvalError> {
         if self.eval_every == 0 {
             return Ok(Vec::new());
         }
         self.eval_suites
             .iter()
             .map(|name| {
-                let suite = Suite::parse(name).map_err(|e| format!("--eval-suites: {e}"))?;
+                let suite =
+                    Suite::parse(name).map_err(|e| ConfigError(format!("--eval-suites: {e}")))?;
                 let mut items = suite.items(self.eval_data_dir.as_deref())?;
                 items.truncate(usize::try_from(self.eval_limit).unwrap_or(usize::MAX));
                 Ok((suite, items))
@@ -154,7 +156,7 @@ struct Shared {
 /// The evaluation thread of a training run.
 pub struct Evaluator {
     shared: Arc<Shared>,
-    results: mpsc::Receiver<Result<Outcome, String>>,
+    results: mpsc::Receiver<Result<Outcome, EvalError>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -253,7 +255,7 @@ fn lock(m: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-fn keep(r: Result<Outcome, String>) -> Option<Outcome> {
+fn keep(r: Result<Outcome, EvalError>) -> Option<Outcome> {
     r.map_err(|e| tracing::warn!(error = %e, "evaluation failed"))
         .ok()
 }
@@ -290,7 +292,7 @@ struct Worker {
 }
 
 impl Worker {
-    fn evaluate(&mut self, job: Job, stop: &AtomicBool) -> Result<Outcome, String> {
+    fn evaluate(&mut self, job: Job, stop: &AtomicBool) -> Result<Outcome, EvalError> {
         let started = Instant::now();
         let weights = self.weights(job.version, stop)?;
         // A newer version may have replaced the one asked for: the newer is evaluated.
@@ -305,8 +307,7 @@ impl Worker {
             dtype,
             &self.device,
             self.spare.take(),
-        )
-        .map_err(|e| format!("evaluation model: {e}"))?;
+        )?;
         drop(weights);
         let model = Arc::new(model);
         let mut suites = Vec::new();
@@ -346,7 +347,7 @@ impl Worker {
     }
 
     /// The published weights of `version` or newer, once the exporter has them.
-    fn weights(&self, version: u64, stop: &AtomicBool) -> Result<Arc<WeightSet>, String> {
+    fn weights(&self, version: u64, stop: &AtomicBool) -> Result<Arc<WeightSet>, EvalError> {
         loop {
             if let Some(set) = self.published.borrow().as_ref()
                 && set.version >= version
@@ -354,7 +355,7 @@ impl Worker {
                 return Ok(set.clone());
             }
             if stop.load(Ordering::Relaxed) || self.published.has_changed().is_err() {
-                return Err(format!("version {version} was never published"));
+                return Err(EvalError::NeverPublished(version));
             }
             std::thread::sleep(Duration::from_millis(10));
         }

@@ -9,7 +9,9 @@ use rookworld_chess::score::{EnvWeights, PolicyWeights, Verdict};
 use rookworld_chess::task::{EnvPrompt, PolicyPrompt};
 use shakmaty::{Chess, Position};
 
+use super::error::{EvalError, Malformed};
 use crate::prompts::{policy_prompt, split_line};
+use crate::settings::ConfigError;
 
 /// The suites, by their command-line names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,13 +36,16 @@ impl Suite {
     }
 
     /// The suite named `name`; an unknown name lists the known ones.
-    pub fn parse(name: &str) -> Result<Self, String> {
+    pub fn parse(name: &str) -> Result<Self, ConfigError> {
         Self::ALL
             .into_iter()
             .find(|s| s.name() == name.trim())
             .ok_or_else(|| {
                 let known: Vec<&str> = Self::ALL.iter().map(|s| s.name()).collect();
-                format!("unknown suite `{name}` (known: {})", known.join(", "))
+                ConfigError(format!(
+                    "unknown suite `{name}` (known: {})",
+                    known.join(", ")
+                ))
             })
     }
 
@@ -72,13 +77,15 @@ impl Suite {
 
     /// This suite's items, from `dir` when given, else the embedded data; a missing or
     /// malformed file is one clear error naming it.
-    pub fn items(self, dir: Option<&Path>) -> Result<Vec<Item>, String> {
+    pub fn items(self, dir: Option<&Path>) -> Result<Vec<Item>, EvalError> {
         let owned;
         let (text, origin) = match dir {
             Some(dir) => {
                 let path = dir.join(self.file());
-                owned = std::fs::read_to_string(&path)
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                owned = std::fs::read_to_string(&path).map_err(|e| EvalError::Data {
+                    origin: path.display().to_string(),
+                    detail: e.to_string(),
+                })?;
                 (owned.as_str(), path.display().to_string())
             }
             None => (self.embedded(), format!("embedded {}", self.file())),
@@ -88,9 +95,15 @@ impl Suite {
             Self::Policy => policy_items(text),
             Self::Environment => environment_items(text),
         }
-        .map_err(|e| format!("{origin}: {e}"))?;
+        .map_err(|Malformed(detail)| EvalError::Data {
+            origin: origin.clone(),
+            detail,
+        })?;
         if items.is_empty() {
-            return Err(format!("{origin}: no items"));
+            return Err(EvalError::Data {
+                origin,
+                detail: "no items".into(),
+            });
         }
         Ok(items)
     }
@@ -252,10 +265,10 @@ fn grade_next(truth: &EnvTruth, completion: &str) -> Graded {
     }
 }
 
-fn policy_of(fen: &str) -> Result<(Chess, PolicyPrompt), String> {
-    let position = rookworld_chess::task::parse_position(fen).map_err(|e| e.to_string())?;
+fn policy_of(fen: &str) -> Result<(Chess, PolicyPrompt), Malformed> {
+    let position = rookworld_chess::task::parse_position(fen)?;
     let prompt = policy_prompt(&position);
-    let parsed = PolicyPrompt::parse(&prompt).map_err(|e| e.to_string())?;
+    let parsed = PolicyPrompt::parse(&prompt)?;
     Ok((position, parsed))
 }
 
@@ -269,13 +282,14 @@ struct Checkmate {
     fen: String,
 }
 
-fn checkmate_items(text: &str) -> Result<Vec<Item>, String> {
-    let data: Checkmates = serde_json::from_str(text).map_err(|e| e.to_string())?;
+fn checkmate_items(text: &str) -> Result<Vec<Item>, Malformed> {
+    let data: Checkmates = serde_json::from_str(text)?;
     data.positions
         .into_iter()
         .enumerate()
         .map(|(i, p)| {
-            let (_, prompt) = policy_of(&p.fen).map_err(|e| format!("position {i}: {e}"))?;
+            let (_, prompt) =
+                policy_of(&p.fen).map_err(|e| Malformed(format!("position {i}: {}", e.0)))?;
             Ok(Item {
                 prompt: policy_prompt(&prompt.position),
                 truth: Truth::Mate(Box::new(prompt)),
@@ -284,19 +298,19 @@ fn checkmate_items(text: &str) -> Result<Vec<Item>, String> {
         .collect()
 }
 
-fn policy_items(text: &str) -> Result<Vec<Item>, String> {
+fn policy_items(text: &str) -> Result<Vec<Item>, Malformed> {
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
         .map(|(i, line)| {
-            let bad = |e: String| format!("line {}: {e}", i + 1);
+            let bad = |e: String| Malformed(format!("line {}: {e}", i + 1));
             let split = split_line(line).map_err(|e| bad(e.to_string()))?;
             let answer = split
                 .completion
                 .as_deref()
                 .ok_or_else(|| bad("a `P:` line without its answer".into()))?;
             let listed = policy_task::parse_answer(answer).map_err(|(_, d)| bad(d))?;
-            let ranking = ranking(&listed.moves, &listed.evals).map_err(bad)?;
+            let ranking = ranking(&listed.moves, &listed.evals).map_err(|e| bad(e.0))?;
             let prompt = PolicyPrompt::parse(&split.prompt).map_err(|e| bad(e.to_string()))?;
             Ok(Item {
                 prompt: split.prompt,
@@ -309,13 +323,13 @@ fn policy_items(text: &str) -> Result<Vec<Item>, String> {
 /// The moves of a data line best first: by their evaluations (pawns, side to move),
 /// highest first — the data lists them in another order, and its `B:` is not always the
 /// best (docs/rookworld.md).
-fn ranking(moves: &[String], evals: &[String]) -> Result<Vec<(String, f64)>, String> {
+fn ranking(moves: &[String], evals: &[String]) -> Result<Vec<(String, f64)>, Malformed> {
     if moves.len() != evals.len() {
-        return Err(format!(
+        return Err(Malformed(format!(
             "{} moves but {} evaluations",
             moves.len(),
             evals.len()
-        ));
+        )));
     }
     let mut ranked = moves
         .iter()
@@ -323,10 +337,10 @@ fn ranking(moves: &[String], evals: &[String]) -> Result<Vec<(String, f64)>, Str
         .map(|(m, e)| {
             let v: f64 = e
                 .parse()
-                .map_err(|_| format!("evaluation `{e}` is no number"))?;
+                .map_err(|_| Malformed(format!("evaluation `{e}` is no number")))?;
             Ok((m.clone(), v))
         })
-        .collect::<Result<Vec<_>, String>>()?;
+        .collect::<Result<Vec<_>, Malformed>>()?;
     ranked.sort_by(|a, b| b.1.total_cmp(&a.1));
     Ok(ranked)
 }
@@ -337,19 +351,20 @@ struct EnvLine {
     expected_fen: String,
 }
 
-fn environment_items(text: &str) -> Result<Vec<Item>, String> {
-    let lines: Vec<EnvLine> = serde_json::from_str(text).map_err(|e| e.to_string())?;
+fn environment_items(text: &str) -> Result<Vec<Item>, Malformed> {
+    let lines: Vec<EnvLine> = serde_json::from_str(text)?;
     lines
         .into_iter()
         .enumerate()
         .map(|(i, l)| {
-            let prompt = EnvPrompt::parse(&l.prompt).map_err(|e| format!("item {i}: {e}"))?;
+            let prompt =
+                EnvPrompt::parse(&l.prompt).map_err(|e| Malformed(format!("item {i}: {e}")))?;
             let truth = EnvTruth::of(&prompt);
             if truth.new_fen != l.expected_fen {
-                return Err(format!(
+                return Err(Malformed(format!(
                     "item {i}: the file expects {} but the move gives {}",
                     l.expected_fen, truth.new_fen
-                ));
+                )));
             }
             Ok(Item {
                 prompt: l.prompt,

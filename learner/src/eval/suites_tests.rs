@@ -137,14 +137,20 @@ fn the_environment_suite_grades_field_by_field() {
 #[test]
 fn bad_data_and_unknown_suites_are_one_clear_line() {
     let dir = tempfile::tempdir().unwrap();
-    let err = Suite::CheckmateInOne.items(Some(dir.path())).unwrap_err();
+    let err = Suite::CheckmateInOne
+        .items(Some(dir.path()))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("bigbench_checkmate.json"), "{err}");
     std::fs::write(
         dir.path().join("bigbench_checkmate.json"),
         "{\"positions\": [",
     )
     .unwrap();
-    let err = Suite::CheckmateInOne.items(Some(dir.path())).unwrap_err();
+    let err = Suite::CheckmateInOne
+        .items(Some(dir.path()))
+        .unwrap_err()
+        .to_string();
     assert!(
         err.contains("bigbench_checkmate.json") && !err.contains('\n'),
         "{err}"
@@ -154,8 +160,11 @@ fn bad_data_and_unknown_suites_are_one_clear_line() {
         "P: not a fen M: a B: b\n",
     )
     .unwrap();
-    let err = Suite::Policy.items(Some(dir.path())).unwrap_err();
+    let err = Suite::Policy
+        .items(Some(dir.path()))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("line 1"), "{err}");
-    let err = Suite::parse("chess960").unwrap_err();
+    let err = Suite::parse("chess960").unwrap_err().to_string();
     assert!(err.contains("checkmate-in-one"), "{err}");
 }

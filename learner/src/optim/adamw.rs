@@ -9,8 +9,8 @@ use candle_core::{DType, Result as CandleResult, Tensor, Var};
 use rookworld_lm::train_ops::adamw::{AdamWStep, adamw_step};
 
 use super::{AdamWConfig, Grad, Gradients, decays};
-use crate::export::Payload;
 use crate::fused::HostF32;
+use rookworld_weights::export::Payload;
 
 /// AdamW (Loshchilov & Hutter), as `torch.optim.AdamW`: with t the step count and
 /// g the (clip-scaled) gradient, `p ← p − lr·wd·p` (decaying parameters only),

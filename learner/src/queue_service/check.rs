@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use rookworld_lm::{Config, Tokenizer};
 use rookworld_proto::queue::v1 as pb;
-use tonic::Status;
+
+use super::QueueError;
 
 /// Longest worker id and push address accepted.
 pub const MAX_NAME_BYTES: usize = 256;
@@ -63,23 +64,23 @@ impl GroupCheck {
     }
 
     /// The prompt's ids as the learner makes them: BOS, then the text's tokens.
-    pub fn prompt_ids(&self, prompt: &str) -> Result<Vec<u32>, Status> {
+    pub fn prompt_ids(&self, prompt: &str) -> Result<Vec<u32>, QueueError> {
         let mut ids = vec![self.bos];
         ids.extend(
             self.tokenizer
                 .encode(prompt)
-                .map_err(|e| Status::internal(format!("tokenizing the leased prompt: {e}")))?,
+                .map_err(|e| QueueError::Internal(format!("tokenizing the leased prompt: {e}")))?,
         );
         Ok(ids)
     }
 }
 
-fn invalid(what: String) -> Status {
-    Status::invalid_argument(what)
+fn invalid(what: String) -> QueueError {
+    QueueError::Invalid(what)
 }
 
 /// A worker id: not empty, not too long, printable.
-pub fn worker_id(id: &str) -> Result<(), Status> {
+pub fn worker_id(id: &str) -> Result<(), QueueError> {
     if id.is_empty() || id.len() > MAX_NAME_BYTES || id.chars().any(char::is_control) {
         return Err(invalid(format!(
             "worker_id must be 1 to {MAX_NAME_BYTES} printable bytes"
@@ -89,7 +90,7 @@ pub fn worker_id(id: &str) -> Result<(), Status> {
 }
 
 /// A push address: empty (no pushes) or an http(s) URL of bounded length.
-pub fn push_address(address: &str) -> Result<(), Status> {
+pub fn push_address(address: &str) -> Result<(), QueueError> {
     let ok = address.is_empty()
         || (address.len() <= MAX_NAME_BYTES
             && (address.starts_with("http://") || address.starts_with("https://"))
@@ -110,7 +111,7 @@ pub fn group(
     want: u32,
     max_new_tokens: u32,
     check: &GroupCheck,
-) -> Result<(), Status> {
+) -> Result<(), QueueError> {
     if r.completions.len() != want as usize {
         return Err(invalid(format!(
             "the group has {} completions; the queue asked for {want}",

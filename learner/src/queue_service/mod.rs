@@ -3,6 +3,7 @@
 //! the same port. [`check`] says what a submission must be before it is queued.
 
 pub mod check;
+mod error;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,8 +21,9 @@ use tonic::{Request, Response, Status};
 
 use crate::prompts::TaskKind;
 use crate::queue::problems::{Cause, Problem};
-use crate::queue::{Backpressure, Queue, ScoredCompletion, ScoredGroup, SubmitError};
+use crate::queue::{Backpressure, Queue, ScoredCompletion, ScoredGroup};
 pub use check::GroupCheck;
+pub use error::QueueError;
 
 /// Most groups one PeekGroups returns.
 const MAX_PEEK: usize = 64;
@@ -96,13 +98,16 @@ impl QueueServer {
                 .map_or_else(|| "an unknown address".to_owned(), |a| a.to_string());
             self.queue()
                 .refused_call(call, cause, &caller, Instant::now());
-            Status::from(e)
+            QueueError::from(e).into()
         })
     }
 
     /// An inspection call: open, or the inspection token.
     fn inspect<T>(&self, request: &Request<T>) -> Result<(), Status> {
-        Ok(self.guard.inspect(request.metadata())?)
+        Ok(self
+            .guard
+            .inspect(request.metadata())
+            .map_err(QueueError::from)?)
     }
 
     fn queue(&self) -> std::sync::MutexGuard<'_, Queue> {
@@ -149,9 +154,10 @@ impl QueueServer {
         if let Some(prompt) = leased
             && self.spec.check.prompt_ids(&prompt)? != r.prompt_ids
         {
-            return Err(Status::invalid_argument(
-                "prompt_ids are not the leased prompt's tokens (BOS, then the prompt text)",
-            ));
+            return Err(QueueError::Invalid(
+                "prompt_ids are not the leased prompt's tokens (BOS, then the prompt text)".into(),
+            )
+            .into());
         }
         Ok(())
     }
@@ -180,7 +186,7 @@ impl RolloutQueue for QueueServer {
             result
         };
         if let Err(Backpressure::PushUnreachable(problem)) = &result {
-            return Err(Status::failed_precondition(problem.clone()));
+            return Err(QueueError::PushUnreachable(problem.clone()).into());
         }
         let mut response = pb::LeaseResponse {
             prompts: Vec::new(),
@@ -255,7 +261,7 @@ impl RolloutQueue for QueueServer {
             let mut q = self.queue();
             let result = q.submit(&r.worker_id, r.lease_id, group, Instant::now());
             crate::metrics::record_queue(&q);
-            result.map_err(|e: SubmitError| Status::failed_precondition(e.to_string()))?;
+            result.map_err(QueueError::from)?;
         }
         Ok(Response::new(pb::SubmitResponse {
             learner_version: self.learner_version.load(Ordering::SeqCst),
@@ -367,10 +373,11 @@ impl RolloutQueue for QueueServer {
             Ok(pb::ProblemCause::SubmitRefused) => Some(Cause::SubmitRefused),
             Ok(pb::ProblemCause::GenerationFailed) => Some(Cause::GenerationFailed),
             Err(_) => {
-                return Err(Status::invalid_argument(format!(
+                return Err(QueueError::Invalid(format!(
                     "cause {} is not a ProblemCause",
                     r.cause
-                )));
+                ))
+                .into());
             }
         };
         let problem = cause.map(|cause| Problem {
@@ -385,7 +392,7 @@ impl RolloutQueue for QueueServer {
         }
         self.queue()
             .report(&r.worker_id, problem, now)
-            .map_err(|b| Status::resource_exhausted(format!("{b:?}")))?;
+            .map_err(QueueError::Full)?;
         Ok(Response::new(pb::ReportResponse {}))
     }
 

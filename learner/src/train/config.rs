@@ -149,10 +149,7 @@ pub struct TrainArgs {
     pub record: Option<toml::Table>,
 }
 
-/// A configuration problem, reported as one line.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct ConfigError(pub String);
+pub use crate::settings::ConfigError;
 
 impl TrainArgs {
     /// The starting weights as the shared model options.

@@ -3,7 +3,7 @@
 //! Each step takes P scored groups from the queue (waiting for workers as needed; groups
 //! too many versions behind are dropped and counted), trains on them in micro-batches,
 //! bumps the weight version and publishes the new BF16 weights (the optimizer writes them
-//! as it updates each parameter; they are hashed off this thread, [`crate::export`]), which
+//! as it updates each parameter; they are hashed off this thread, [`rookworld_weights::export`]), which
 //! the weight sync ([`crate::push`]) brings to every registered worker in the background
 //! (each push has its own deadline, so a slow worker holds up nobody).
 //!
@@ -40,7 +40,6 @@ pub use report::{StepRecord, StepSeconds, print_summary, reward_trend};
 
 use crate::checkpoint;
 use crate::eval::periodic::{Evaluator, Outcome};
-use crate::export::Exporter;
 use crate::optim::AdamW;
 use crate::policy::Trainable;
 use crate::prompts::{self, Source};
@@ -52,6 +51,7 @@ use crate::step::train_updates;
 use gather::{Gathered, gather, rand_seed_stream, to_batch};
 use prepare::prepare;
 use report::Reporter;
+use rookworld_weights::export::Exporter;
 use support::{check_reward, drain, peak_flops, publish, save};
 use watchdog::Watchdog;
 
@@ -70,8 +70,30 @@ pub enum TrainError {
     Prompts(#[from] prompts::PromptError),
     #[error("supervised warm-up: {0}")]
     WarmUp(#[from] crate::sft::SftError),
-    #[error("{0}")]
-    Service(String),
+    #[error(transparent)]
+    Report(#[from] report::ReportError),
+    #[error(transparent)]
+    Eval(#[from] crate::eval::EvalError),
+    #[error("the queue's listener: {0}")]
+    Listener(#[source] std::io::Error),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    #[error("metrics on {addr}: {source}")]
+    Metrics {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: rookworld_proto::metrics_http::MetricsError,
+    },
+    #[error("local services: {0}")]
+    LocalServices(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error(transparent)]
+    Export(#[from] rookworld_weights::export::ExportError),
     /// No step for `--stall-timeout`; the message says what the run was waiting on.
     #[error("{0}")]
     Stalled(String),
@@ -137,10 +159,10 @@ pub async fn run(
         ("--rollout-dump", &args.rollout_dump),
     ] {
         if let Some(path) = path {
-            report::writable(path, flag).map_err(ConfigError)?;
+            report::writable(path, flag)?;
         }
     }
-    let eval_suites = args.eval.suites().map_err(ConfigError)?;
+    let eval_suites = args.eval.suites()?;
     let token = args.token()?;
     let token = match (token, args.local) {
         (Some(t), _) => t,
@@ -181,9 +203,7 @@ pub async fn run(
         summary.already_done = Some(line);
         return Ok(summary);
     }
-    let queue_addr = listener
-        .local_addr()
-        .map_err(|e| TrainError::Service(e.to_string()))?;
+    let queue_addr = listener.local_addr().map_err(TrainError::Listener)?;
     let spec = GroupSpec {
         num_completions: s.batch.group_size,
         sampling: s.sampling(),
@@ -216,7 +236,7 @@ pub async fn run(
                 (tls.clone(), args.client_tls.clone()),
             )
             .await
-            .map_err(|e| TrainError::Service(format!("local services: {e}")))?,
+            .map_err(TrainError::LocalServices)?,
         )
     } else {
         None
@@ -266,8 +286,7 @@ pub async fn run(
         run.step,
         // A resumed run redoes the steps after its checkpoint; one started over, all.
         run.resumed || args.start.overwrite,
-    )
-    .map_err(ConfigError)?;
+    )?;
     let peak = peak_flops(&args, &run.policy.model);
     let step_cfg = s.step_config();
     let schedule = s.schedule();
@@ -292,7 +311,7 @@ pub async fn run(
                 }
             };
         let wait = started.elapsed().as_secs_f64();
-        reporter.dump(run.step + 1, &groups).map_err(ConfigError)?;
+        reporter.dump(run.step + 1, &groups)?;
         let version = run.version.load(Ordering::SeqCst);
         let batch = to_batch(&groups);
         let last = run.step + 1 == s.steps;
@@ -321,9 +340,7 @@ pub async fn run(
         if let Some(payload) = payload {
             // Recorded first, so a crash never reuses the number.
             checkpoint::record_published(&args.run_dir, new_version)?;
-            exporter
-                .publish(&run.run_id, new_version, payload)
-                .map_err(TrainError::Service)?;
+            exporter.publish(&run.run_id, new_version, payload)?;
         }
         if let Some(ev) = evaluator.as_ref().filter(|_| evaluating) {
             ev.request(run.step, new_version);
@@ -380,10 +397,10 @@ pub async fn run(
             .map(Vec::len)
             .sum::<usize>() as f64
             / record.step_seconds.total.max(1e-9);
-        reporter.step(&record).map_err(ConfigError)?;
+        reporter.step(&record)?;
         summary.steps.push(record);
         for outcome in evaluator.iter().flat_map(Evaluator::finished) {
-            reporter.eval(&outcome).map_err(ConfigError)?;
+            reporter.eval(&outcome)?;
             summary.evals.push(outcome.clone());
             run.eval = Some(outcome);
         }
@@ -394,7 +411,7 @@ pub async fn run(
     }
     reporter.finish();
     // The last version reaches the weight sync before it stops.
-    exporter.flush().map_err(TrainError::Service)?;
+    exporter.flush()?;
 
     // Stop leasing, let groups in flight come in, keep everything unfinished.
     lock(&run.queue).close();
@@ -411,7 +428,7 @@ pub async fn run(
                 }
             }
             for outcome in ev.finished() {
-                reporter.eval(&outcome).map_err(ConfigError)?;
+                reporter.eval(&outcome)?;
                 summary.evals.push(outcome.clone());
                 run.eval = Some(outcome);
             }

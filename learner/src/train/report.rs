@@ -108,30 +108,47 @@ pub struct Reporter {
     progress: Progress,
 }
 
-fn append(path: &Path, what: &str) -> Result<BufWriter<File>, String> {
+/// A run's log or rollout dump could not be written: which file (with its flag), and why.
+#[derive(Debug, thiserror::Error)]
+#[error("{what}: {source}")]
+pub struct ReportError {
+    what: String,
+    #[source]
+    source: std::io::Error,
+}
+
+/// The error of writing `what` (a flag, a path).
+fn at(what: impl std::fmt::Display) -> impl FnOnce(std::io::Error) -> ReportError {
+    move |source| ReportError {
+        what: what.to_string(),
+        source,
+    }
+}
+
+fn append(path: &Path, what: &str) -> Result<BufWriter<File>, ReportError> {
     std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(path)
         .map(BufWriter::new)
-        .map_err(|e| format!("{what} {}: {e}", path.display()))
+        .map_err(at(format_args!("{what} {}", path.display())))
 }
 
 /// Checks at start that `path` can be appended to (created if missing), so that a bad
 /// path is refused before the warm-up, not after it.
-pub(super) fn writable(path: &Path, what: &str) -> Result<(), String> {
+pub(super) fn writable(path: &Path, what: &str) -> Result<(), ReportError> {
     append(path, what).map(drop)
 }
 
 /// Keeps, in a JSONL file of step lines, only the lines of steps up to `step` (and none
 /// that does not parse, such as a line torn by a crash): what a run resumed at `step` has
 /// really done. Returns how many lines went.
-fn roll_back(path: &Path, step: u64) -> Result<usize, String> {
+fn roll_back(path: &Path, step: u64) -> Result<usize, ReportError> {
     use std::io::BufRead;
     let file = match File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
-        Err(e) => return Err(format!("{}: {e}", path.display())),
+        Err(e) => return Err(at(path.display())(e)),
     };
     #[derive(Deserialize)]
     struct Step {
@@ -140,21 +157,21 @@ fn roll_back(path: &Path, step: u64) -> Result<usize, String> {
     let tmp = path.with_extension("rollback.tmp");
     let mut out = File::create(&tmp)
         .map(BufWriter::new)
-        .map_err(|e| format!("{}: {e}", tmp.display()))?;
+        .map_err(at(tmp.display()))?;
     let mut dropped = 0;
     for line in std::io::BufReader::new(file).split(b'\n') {
-        let line = line.map_err(|e| format!("{}: {e}", path.display()))?;
+        let line = line.map_err(at(path.display()))?;
         match serde_json::from_slice::<Step>(&line) {
             Ok(s) if s.step <= step => {
                 out.write_all(&line)
                     .and_then(|()| out.write_all(b"\n"))
-                    .map_err(|e| format!("{}: {e}", tmp.display()))?;
+                    .map_err(at(tmp.display()))?;
             }
             _ => dropped += 1,
         }
     }
-    out.flush().map_err(|e| format!("{}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, path).map_err(|e| format!("{}: {e}", path.display()))?;
+    out.flush().map_err(at(tmp.display()))?;
+    std::fs::rename(&tmp, path).map_err(at(path.display()))?;
     Ok(dropped)
 }
 
@@ -168,7 +185,7 @@ impl Reporter {
         total_steps: u64,
         first_step: u64,
         roll_back: bool,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, ReportError> {
         if roll_back {
             for path in [jsonl, dump].into_iter().flatten() {
                 let dropped = self::roll_back(path, first_step)?;
@@ -185,7 +202,7 @@ impl Reporter {
     }
 
     /// Appends the step's groups to the rollout dump.
-    pub fn dump(&mut self, step: u64, groups: &[ScoredGroup]) -> Result<(), String> {
+    pub fn dump(&mut self, step: u64, groups: &[ScoredGroup]) -> Result<(), ReportError> {
         let Some(f) = self.dump.as_mut() else {
             return Ok(());
         };
@@ -197,18 +214,18 @@ impl Reporter {
         }
         for group in groups {
             let line = serde_json::to_string(&Line { step, group }).expect("group serialises");
-            writeln!(f, "{line}").map_err(|e| format!("--rollout-dump: {e}"))?;
+            writeln!(f, "{line}").map_err(at("--rollout-dump"))?;
         }
-        f.flush().map_err(|e| format!("--rollout-dump: {e}"))
+        f.flush().map_err(at("--rollout-dump"))
     }
 
-    pub fn step(&mut self, r: &StepRecord) -> Result<(), String> {
+    pub fn step(&mut self, r: &StepRecord) -> Result<(), ReportError> {
         record_metrics(r);
         if let Some(f) = self.jsonl.as_mut() {
             let line = serde_json::to_string(r).expect("record serialises");
             writeln!(f, "{line}")
                 .and_then(|()| f.flush())
-                .map_err(|e| format!("--log-jsonl: {e}"))?;
+                .map_err(at("--log-jsonl"))?;
         }
         if self.progress.on_terminal() {
             let detail = format!(
@@ -237,12 +254,12 @@ impl Reporter {
     }
 
     /// Writes an evaluation's line to the log and sets its metrics.
-    pub fn eval(&mut self, e: &crate::eval::periodic::Outcome) -> Result<(), String> {
+    pub fn eval(&mut self, e: &crate::eval::periodic::Outcome) -> Result<(), ReportError> {
         e.record_metrics();
         if let Some(f) = self.jsonl.as_mut() {
             writeln!(f, "{}", e.json_line())
                 .and_then(|()| f.flush())
-                .map_err(|e| format!("--log-jsonl: {e}"))?;
+                .map_err(at("--log-jsonl"))?;
         }
         Ok(())
     }

@@ -166,10 +166,10 @@ impl TrainSettings {
     /// Checks ranges so that a bad value is one clear line, not a failure mid-run.
     pub fn validate(&self) -> Result<(), ConfigError> {
         use rookworld_proto::check::{at_least, fraction, non_negative, positive};
+        self.sampling.validate()?;
+        self.batch.validate()?;
+        self.loss_config()?;
         let checks = [
-            self.sampling.validate(),
-            self.batch.validate(),
-            self.loss_config().map(drop),
             at_least("--steps", self.steps, 1),
             at_least("--sft-batch-size", self.sft_batch_size as u64, 1),
             positive("--lr", self.lr),
@@ -187,7 +187,7 @@ impl TrainSettings {
     }
 
     /// The objective at the workers' temperature and token budget, checked.
-    pub fn loss_config(&self) -> Result<crate::loss::LossConfig, String> {
+    pub fn loss_config(&self) -> Result<crate::loss::LossConfig, ConfigError> {
         self.objective
             .loss_config(self.sampling.temperature, self.sampling.max_new_tokens)
     }

@@ -32,7 +32,7 @@ pub(super) fn publish(
 pub(super) fn shared_dir(args: &TrainArgs) -> Result<Option<std::path::PathBuf>, TrainError> {
     let dir = match (&args.shared_dir, args.local) {
         (Some(dir), _) => dir.clone(),
-        (None, true) => crate::export::process_dir("rookworld-weights"),
+        (None, true) => rookworld_weights::export::process_dir("rookworld-weights"),
         (None, false) => return Ok(None),
     };
     std::fs::create_dir_all(&dir)

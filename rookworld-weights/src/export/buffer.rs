@@ -154,7 +154,16 @@ impl Drop for PayloadFile {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::export::tests::names;
+
+    /// The names in `dir`, sorted.
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        v.sort();
+        v
+    }
 
     #[test]
     fn a_file_is_written_aside_published_by_name_and_claimed_back() {

@@ -3,7 +3,7 @@
 //! Publishing a version used to convert the whole model to a bfloat16 safetensors payload
 //! and hash it on the training thread (0.4–1 s a step for gpt2-124m on two cores). Now:
 //! - AdamW writes each parameter it updates as bfloat16 straight into its slot of a
-//!   [`Payload`] ([`AdamW::step_exporting`](crate::optim::AdamW::step_exporting)): one
+//!   [`Payload`] (the learner's `AdamW::step_exporting`): one
 //!   store per parameter, in the pass the optimizer makes anyway;
 //! - the [`Exporter`]'s own thread hashes the finished payload (BLAKE3) and hands the
 //!   [`WeightSet`] to the weight sync, newest first (a payload overtaken by a newer one
@@ -23,10 +23,10 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
+use crate::set::{WeightSet, shared_file_name};
 use bytes::Bytes;
 use candle_core::{DType, Device, Result as CandleResult, Var};
 use rookworld_lm::bf16_payload::{Layout, write_bf16_parallel};
-use rookworld_weights::set::{WeightSet, shared_file_name};
 use tokio::sync::watch;
 
 mod buffer;
@@ -223,6 +223,15 @@ enum Job {
     Flush(mpsc::SyncSender<()>),
 }
 
+/// Why a payload was not handed over.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ExportError {
+    #[error("payload of version {0} has unwritten parameters")]
+    Incomplete(u64),
+    #[error("the weight export thread ended")]
+    Ended,
+}
+
 /// Hashes and publishes payloads on its own thread.
 #[derive(Debug)]
 pub struct Exporter {
@@ -273,11 +282,9 @@ impl Exporter {
 
     /// Hands a complete `payload` over as version `version` of run `run_id`: hashed and
     /// published on the export thread. Returns at once.
-    pub fn publish(&self, run_id: &str, version: u64, payload: Payload) -> Result<(), String> {
+    pub fn publish(&self, run_id: &str, version: u64, payload: Payload) -> Result<(), ExportError> {
         if !payload.complete() {
-            return Err(format!(
-                "payload of version {version} has unwritten parameters"
-            ));
+            return Err(ExportError::Incomplete(version));
         }
         self.send(Job::Publish {
             run_id: run_id.to_owned(),
@@ -287,18 +294,22 @@ impl Exporter {
     }
 
     /// Waits until every payload handed over so far is published.
-    pub fn flush(&self) -> Result<(), String> {
+    pub fn flush(&self) -> Result<(), ExportError> {
         let (tx, rx) = mpsc::sync_channel(1);
         self.send(Job::Flush(tx))?;
-        rx.recv()
-            .map_err(|_| "the weight export thread ended".to_owned())
+        rx.recv().map_err(|_| ExportError::Ended)
     }
 
-    fn send(&self, job: Job) -> Result<(), String> {
+    /// Spare buffers in the pool now, ready for the next payloads.
+    pub fn spare_buffers(&self) -> usize {
+        self.shared.pool.lock().expect("pool lock").len()
+    }
+
+    fn send(&self, job: Job) -> Result<(), ExportError> {
         self.jobs
             .as_ref()
             .and_then(|j| j.send(job).ok())
-            .ok_or_else(|| "the weight export thread ended".to_owned())
+            .ok_or(ExportError::Ended)
     }
 }
 
@@ -346,6 +357,3 @@ fn publish_loop(rx: &mpsc::Receiver<Job>, latest: &Latest) {
         }
     }
 }
-
-#[cfg(test)]
-mod tests;
