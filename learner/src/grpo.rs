@@ -1,4 +1,4 @@
-//! The GRPO objective as small pure functions (formulas in `shared/docs/rookworld.md`).
+//! The GRPO objective as small pure functions (formulas in the book, `docs/concepts/grpo.md`).
 //!
 //! Token tensors are (C, T): C completions, T token slots, with a (C, T) f32 mask that is 1
 //! on a completion's own tokens and 0 on prompt and padding slots.

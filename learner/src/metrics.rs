@@ -9,6 +9,68 @@ use rookworld_proto::metrics_http::MetricsError;
 
 use crate::queue::Queue;
 
+/// Every metric name of this crate, once: the describe calls and the recording sites use
+/// these.
+pub mod names {
+    pub const BUILD_INFO: &str = "learner_build_info";
+    pub const CLIPPED_HIGH_RATIO: &str = "learner_clipped_high_ratio";
+    pub const CLIPPED_LOW_RATIO: &str = "learner_clipped_low_ratio";
+    pub const CLIPPED_TOKENS_RATIO: &str = "learner_clipped_tokens_ratio";
+    pub const COMPLETIONS_MASKED_TRUNCATED_TOTAL: &str =
+        "learner_completions_masked_truncated_total";
+    pub const EVAL: &str = "learner_eval";
+    pub const EVAL_SECONDS: &str = "learner_eval_seconds";
+    pub const EVAL_STEP: &str = "learner_eval_step";
+    pub const EVALS_SKIPPED_TOTAL: &str = "learner_evals_skipped_total";
+    pub const GRAD_NORM: &str = "learner_grad_norm";
+    pub const GROUPS_SKIPPED_TOTAL: &str = "learner_groups_skipped_total";
+    pub const IS_BOUNDED_RATIO: &str = "learner_is_bounded_ratio";
+    pub const IS_ESS_RATIO: &str = "learner_is_ess_ratio";
+    pub const IS_WEIGHT_MAX: &str = "learner_is_weight_max";
+    pub const IS_WEIGHT_MEAN: &str = "learner_is_weight_mean";
+    pub const IS_WEIGHT_MIN: &str = "learner_is_weight_min";
+    pub const KL: &str = "learner_kl";
+    pub const LOSS: &str = "learner_loss";
+    pub const LR: &str = "learner_lr";
+    pub const MFU_RATIO: &str = "learner_mfu_ratio";
+    pub const POLICY_ENTROPY: &str = "learner_policy_entropy";
+    pub const POLICY_LOSS: &str = "learner_policy_loss";
+    pub const QUEUE_GROUPS_CONSUMED_BY_LAG_TOTAL: &str =
+        "learner_queue_groups_consumed_by_lag_total";
+    pub const QUEUE_GROUPS_CONSUMED_TOTAL: &str = "learner_queue_groups_consumed_total";
+    pub const QUEUE_GROUPS_DROPPED_STALE_TOTAL: &str = "learner_queue_groups_dropped_stale_total";
+    pub const QUEUE_GROUPS_SUBMITTED_TOTAL: &str = "learner_queue_groups_submitted_total";
+    pub const QUEUE_LEASED: &str = "learner_queue_leased";
+    pub const QUEUE_LEASES_EXPIRED_TOTAL: &str = "learner_queue_leases_expired_total";
+    pub const QUEUE_LEASES_ISSUED_TOTAL: &str = "learner_queue_leases_issued_total";
+    pub const QUEUE_LEASES_RELEASED_TOTAL: &str = "learner_queue_leases_released_total";
+    pub const QUEUE_PENDING: &str = "learner_queue_pending";
+    pub const QUEUE_PROMPTS_ADDED_TOTAL: &str = "learner_queue_prompts_added_total";
+    pub const QUEUE_REFUSED_CALLS_TOTAL: &str = "learner_queue_refused_calls_total";
+    pub const QUEUE_SCORED: &str = "learner_queue_scored";
+    pub const QUEUE_SCORED_BYTES: &str = "learner_queue_scored_bytes";
+    pub const QUEUE_SUBMISSIONS_INVALID_TOTAL: &str = "learner_queue_submissions_invalid_total";
+    pub const QUEUE_SUBMISSIONS_REFUSED_TOTAL: &str = "learner_queue_submissions_refused_total";
+    pub const REWARD_COMPONENT: &str = "learner_reward_component";
+    pub const REWARD_MEAN: &str = "learner_reward_mean";
+    pub const REWARD_STD: &str = "learner_reward_std";
+    pub const SAMPLER_KL: &str = "learner_sampler_kl";
+    pub const SAMPLER_LOGP_DIFF_MAX: &str = "learner_sampler_logp_diff_max";
+    pub const SAMPLER_LOGP_DIFF_MEAN: &str = "learner_sampler_logp_diff_mean";
+    pub const STALENESS_MEAN_VERSIONS: &str = "learner_staleness_mean_versions";
+    pub const STEP_IDLE_SECONDS: &str = "learner_step_idle_seconds";
+    pub const STEP_SECONDS: &str = "learner_step_seconds";
+    pub const STEPS_TOTAL: &str = "learner_steps_total";
+    pub const TOKENS_TOTAL: &str = "learner_tokens_total";
+    pub const WEIGHT_PUSH_BYTES_TOTAL: &str = "learner_weight_push_bytes_total";
+    pub const WEIGHT_PUSH_SECONDS: &str = "learner_weight_push_seconds";
+    pub const WEIGHT_PUSHES_TOTAL: &str = "learner_weight_pushes_total";
+    pub const WEIGHT_VERSION: &str = "learner_weight_version";
+    pub const WORKER_PROBLEMS_TOTAL: &str = "learner_worker_problems_total";
+    pub const WORKERS: &str = "learner_workers";
+    pub const WORKERS_OLDEST_WEIGHT_VERSION: &str = "learner_workers_oldest_weight_version";
+}
+
 /// Buckets (seconds) for weight pushes.
 const PUSH_BUCKETS: &[f64] = &[
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -23,10 +85,10 @@ const STEP_BUCKETS: &[f64] = &[
 pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
     let builder = PrometheusBuilder::new()
         .set_buckets_for_metric(
-            Matcher::Full("learner_weight_push_seconds".into()),
+            Matcher::Full(names::WEIGHT_PUSH_SECONDS.into()),
             PUSH_BUCKETS,
         )?
-        .set_buckets_for_metric(Matcher::Full("learner_step_seconds".into()), STEP_BUCKETS)?
+        .set_buckets_for_metric(Matcher::Full(names::STEP_SECONDS.into()), STEP_BUCKETS)?
         // `--local`'s worker and reward server record into this endpoint: their histograms
         // with their own buckets (not summaries).
         .set_buckets_for_metric(
@@ -34,7 +96,7 @@ pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
             rollout_worker::metrics::SECONDS_BUCKETS,
         )?
         .set_buckets_for_metric(
-            Matcher::Full("reward_request_duration_seconds".into()),
+            Matcher::Full(reward_server::metrics::names::REQUEST_DURATION_SECONDS.into()),
             reward_server::metrics::LATENCY_BUCKETS,
         )?;
     let bound = rookworld_proto::metrics_http::install(builder, addr)?;
@@ -54,249 +116,249 @@ pub fn describe() {
     rookworld_proto::tls::describe_metrics();
     let features = if cfg!(feature = "cuda") { "cuda" } else { "" };
     rookworld_proto::metrics_http::build_info(
-        "learner_build_info",
+        names::BUILD_INFO,
         env!("CARGO_PKG_VERSION"),
         features,
     );
     describe_gauge!(
-        "learner_queue_pending",
+        names::QUEUE_PENDING,
         Unit::Count,
         "Prompts waiting to be leased."
     );
-    describe_gauge!("learner_queue_leased", Unit::Count, "Leases outstanding.");
+    describe_gauge!(names::QUEUE_LEASED, Unit::Count, "Leases outstanding.");
     describe_gauge!(
-        "learner_queue_scored",
+        names::QUEUE_SCORED,
         Unit::Count,
         "Scored groups waiting for the learner."
     );
     describe_gauge!(
-        "learner_queue_scored_bytes",
+        names::QUEUE_SCORED_BYTES,
         Unit::Bytes,
         "Bytes the scored groups waiting for the learner hold."
     );
     describe_counter!(
-        "learner_queue_prompts_added_total",
+        names::QUEUE_PROMPTS_ADDED_TOTAL,
         Unit::Count,
         "Prompts added to the queue."
     );
     describe_counter!(
-        "learner_queue_leases_issued_total",
+        names::QUEUE_LEASES_ISSUED_TOTAL,
         Unit::Count,
         "Leases issued (re-issues included)."
     );
     describe_counter!(
-        "learner_queue_leases_expired_total",
+        names::QUEUE_LEASES_EXPIRED_TOTAL,
         Unit::Count,
         "Leases that passed their deadline."
     );
     describe_counter!(
-        "learner_queue_leases_released_total",
+        names::QUEUE_LEASES_RELEASED_TOTAL,
         Unit::Count,
         "Leases returned by workers that went away."
     );
     describe_counter!(
-        "learner_queue_groups_submitted_total",
+        names::QUEUE_GROUPS_SUBMITTED_TOTAL,
         Unit::Count,
         "Scored groups accepted."
     );
     describe_counter!(
-        "learner_queue_submissions_refused_total",
+        names::QUEUE_SUBMISSIONS_REFUSED_TOTAL,
         Unit::Count,
         "Submissions refused (expired, duplicate or foreign lease)."
     );
     describe_counter!(
-        "learner_queue_groups_consumed_total",
+        names::QUEUE_GROUPS_CONSUMED_TOTAL,
         Unit::Count,
         "Groups the learner trained on."
     );
     describe_counter!(
-        "learner_queue_groups_dropped_stale_total",
+        names::QUEUE_GROUPS_DROPPED_STALE_TOTAL,
         Unit::Count,
         "Groups dropped as too stale."
     );
     describe_counter!(
-        "learner_queue_groups_consumed_by_lag_total",
+        names::QUEUE_GROUPS_CONSUMED_BY_LAG_TOTAL,
         Unit::Count,
         "Groups the learner trained on, by weight-version lag (`lag`: 0…6, 7+)."
     );
     describe_histogram!(
-        "learner_weight_push_seconds",
+        names::WEIGHT_PUSH_SECONDS,
         Unit::Seconds,
         "One weight push to one worker, by `path` (shared: the same-host file; stream)."
     );
     describe_counter!(
-        "learner_weight_push_bytes_total",
+        names::WEIGHT_PUSH_BYTES_TOTAL,
         Unit::Bytes,
         "Weight bytes pushed, by `path` (a shared-file push counts the bytes the worker reads)."
     );
     describe_counter!(
-        "learner_weight_pushes_total",
+        names::WEIGHT_PUSHES_TOTAL,
         "Weight pushes by `result` (ok, failed) and `path` (shared, stream)."
     );
     describe_counter!(
-        "learner_queue_submissions_invalid_total",
+        names::QUEUE_SUBMISSIONS_INVALID_TOTAL,
         "Submissions refused before the queue: not a group the learner could train on."
     );
     describe_counter!(
-        "learner_worker_problems_total",
+        names::WORKER_PROBLEMS_TOTAL,
         Unit::Count,
         "Problems workers reported keep them from delivering groups, by `cause`: scoring_refused, reward_unreachable, submit_refused, generation_failed."
     );
     describe_counter!(
-        "learner_queue_refused_calls_total",
+        names::QUEUE_REFUSED_CALLS_TOTAL,
         Unit::Count,
         "Worker calls refused before they reached the queue, by `call` and `cause` (no token, wrong token)."
     );
     // Counters that move only on faults exist from the start (at 0), for dashboards.
-    counter!("learner_queue_submissions_invalid_total").increment(0);
+    counter!(names::QUEUE_SUBMISSIONS_INVALID_TOTAL).increment(0);
     for cause in [
         crate::queue::problems::Cause::ScoringRefused,
         crate::queue::problems::Cause::RewardUnreachable,
         crate::queue::problems::Cause::SubmitRefused,
         crate::queue::problems::Cause::GenerationFailed,
     ] {
-        counter!("learner_worker_problems_total", "cause" => cause.label()).increment(0);
+        counter!(names::WORKER_PROBLEMS_TOTAL, "cause" => cause.label()).increment(0);
     }
     describe_gauge!(
-        "learner_workers",
+        names::WORKERS,
         Unit::Count,
         "Workers by weight-sync `state`: current, stale, pushing, failing."
     );
     describe_gauge!(
-        "learner_workers_oldest_weight_version",
+        names::WORKERS_OLDEST_WEIGHT_VERSION,
         "Oldest weight version a registered worker is known to run (-1: none registered, or one whose version is unknown)."
     );
-    describe_counter!("learner_steps_total", Unit::Count, "GRPO steps done.");
+    describe_counter!(names::STEPS_TOTAL, Unit::Count, "GRPO steps done.");
     describe_gauge!(
-        "learner_step_idle_seconds",
+        names::STEP_IDLE_SECONDS,
         Unit::Seconds,
         "Seconds since the last step ended (the stall watchdog's clock)."
     );
     describe_gauge!(
-        "learner_weight_version",
+        names::WEIGHT_VERSION,
         "Weight version after the latest step."
     );
     describe_gauge!(
-        "learner_reward_mean",
+        names::REWARD_MEAN,
         "Mean reward of the latest step's completions."
     );
     describe_gauge!(
-        "learner_reward_std",
+        names::REWARD_STD,
         "Reward std of the latest step's completions."
     );
     describe_gauge!(
-        "learner_reward_component",
+        names::REWARD_COMPONENT,
         "Mean of each reward component (`component`) in the latest step."
     );
-    describe_gauge!("learner_loss", "Loss of the latest step (policy + β·KL).");
+    describe_gauge!(names::LOSS, "Loss of the latest step (policy + β·KL).");
     describe_gauge!(
-        "learner_policy_loss",
+        names::POLICY_LOSS,
         "Clipped-surrogate part of the latest loss."
     );
     describe_gauge!(
-        "learner_kl",
+        names::KL,
         "k3 KL to the reference in the latest step (unscaled)."
     );
     describe_gauge!(
-        "learner_grad_norm",
+        names::GRAD_NORM,
         "Gradient norm before clipping, latest step."
     );
-    describe_gauge!("learner_lr", "Learning rate of the latest step.");
+    describe_gauge!(names::LR, "Learning rate of the latest step.");
     describe_gauge!(
-        "learner_policy_entropy",
+        names::POLICY_ENTROPY,
         "Mean entropy (nats) of the policy over the latest step's completion tokens."
     );
     describe_gauge!(
-        "learner_sampler_logp_diff_mean",
+        names::SAMPLER_LOGP_DIFF_MEAN,
         "Mean |log π_learner − log π_sampler| over the latest step's tokens (off-policy correction on)."
     );
     describe_gauge!(
-        "learner_sampler_logp_diff_max",
+        names::SAMPLER_LOGP_DIFF_MAX,
         "Largest |log π_learner − log π_sampler| over the latest step's tokens."
     );
     describe_gauge!(
-        "learner_sampler_kl",
+        names::SAMPLER_KL,
         "k3 estimate of KL(sampler ‖ learner) over the latest step's tokens."
     );
     describe_gauge!(
-        "learner_is_weight_min",
+        names::IS_WEIGHT_MIN,
         "Smallest importance weight π_prox/π_behaviour before its bound, latest step."
     );
     describe_gauge!(
-        "learner_is_weight_mean",
+        names::IS_WEIGHT_MEAN,
         "Mean importance weight π_prox/π_behaviour before its bound, latest step."
     );
     describe_gauge!(
-        "learner_is_weight_max",
+        names::IS_WEIGHT_MAX,
         "Largest importance weight π_prox/π_behaviour before its bound, latest step."
     );
     describe_gauge!(
-        "learner_is_bounded_ratio",
+        names::IS_BOUNDED_RATIO,
         Unit::Count,
         "Share of the latest step's importance weights cut at --is-cap (or masked)."
     );
     describe_gauge!(
-        "learner_is_ess_ratio",
+        names::IS_ESS_RATIO,
         Unit::Count,
         "Effective sample size of the latest step's importance weights over their count."
     );
     describe_gauge!(
-        "learner_eval",
+        names::EVAL,
         "--eval-every: each metric of the latest evaluation, by `suite` and `metric`."
     );
     describe_gauge!(
-        "learner_eval_step",
+        names::EVAL_STEP,
         "The step whose weights were evaluated last."
     );
     describe_histogram!(
-        "learner_eval_seconds",
+        names::EVAL_SECONDS,
         Unit::Seconds,
         "Seconds one evaluation took (beside training)."
     );
     describe_counter!(
-        "learner_evals_skipped_total",
+        names::EVALS_SKIPPED_TOTAL,
         Unit::Count,
         "Evaluations skipped because the previous one was still running."
     );
     describe_gauge!(
-        "learner_clipped_low_ratio",
+        names::CLIPPED_LOW_RATIO,
         Unit::Count,
         "Share of the latest step's tokens whose ratio was clipped below (1 - ε)."
     );
     describe_gauge!(
-        "learner_clipped_high_ratio",
+        names::CLIPPED_HIGH_RATIO,
         Unit::Count,
         "Share of the latest step's tokens whose ratio was clipped above (1 + ε_high)."
     );
     describe_counter!(
-        "learner_completions_masked_truncated_total",
+        names::COMPLETIONS_MASKED_TRUNCATED_TOTAL,
         Unit::Count,
         "Completions cut off at --max-new-tokens left out of the loss (--mask-truncated)."
     );
     describe_gauge!(
-        "learner_clipped_tokens_ratio",
+        names::CLIPPED_TOKENS_RATIO,
         "Share of completion tokens whose ratio was clipped, latest step."
     );
     describe_gauge!(
-        "learner_staleness_mean_versions",
+        names::STALENESS_MEAN_VERSIONS,
         "Mean weight-version lag of the latest step's groups."
     );
     describe_gauge!(
-        "learner_mfu_ratio",
+        names::MFU_RATIO,
         "Model FLOPs utilisation of the latest step's update."
     );
     describe_counter!(
-        "learner_tokens_total",
+        names::TOKENS_TOTAL,
         Unit::Count,
         "Completion tokens trained on."
     );
     describe_counter!(
-        "learner_groups_skipped_total",
+        names::GROUPS_SKIPPED_TOTAL,
         Unit::Count,
         "Groups without signal (all rewards equal)."
     );
     describe_histogram!(
-        "learner_step_seconds",
+        names::STEP_SECONDS,
         Unit::Seconds,
         "Step time by `phase`: wait, forward_backward, optimizer, push, total."
     );
@@ -305,21 +367,21 @@ pub fn describe() {
 /// Publishes the queue's depths and counters.
 pub fn record_queue(queue: &Queue) {
     let d = queue.depths();
-    gauge!("learner_queue_pending").set(d.pending as f64);
-    gauge!("learner_queue_leased").set(d.leased as f64);
-    gauge!("learner_queue_scored").set(d.scored as f64);
-    gauge!("learner_queue_scored_bytes").set(d.scored_bytes as f64);
+    gauge!(names::QUEUE_PENDING).set(d.pending as f64);
+    gauge!(names::QUEUE_LEASED).set(d.leased as f64);
+    gauge!(names::QUEUE_SCORED).set(d.scored as f64);
+    gauge!(names::QUEUE_SCORED_BYTES).set(d.scored_bytes as f64);
     let c = d.counters;
-    counter!("learner_queue_prompts_added_total").absolute(c.prompts_added);
-    counter!("learner_queue_leases_issued_total").absolute(c.leases_issued);
-    counter!("learner_queue_leases_expired_total").absolute(c.leases_expired);
-    counter!("learner_queue_leases_released_total").absolute(c.leases_released);
-    counter!("learner_queue_groups_submitted_total").absolute(c.groups_submitted);
-    counter!("learner_queue_submissions_refused_total").absolute(c.submissions_refused);
-    counter!("learner_queue_groups_consumed_total").absolute(c.groups_consumed);
-    counter!("learner_queue_groups_dropped_stale_total").absolute(c.groups_dropped_stale);
+    counter!(names::QUEUE_PROMPTS_ADDED_TOTAL).absolute(c.prompts_added);
+    counter!(names::QUEUE_LEASES_ISSUED_TOTAL).absolute(c.leases_issued);
+    counter!(names::QUEUE_LEASES_EXPIRED_TOTAL).absolute(c.leases_expired);
+    counter!(names::QUEUE_LEASES_RELEASED_TOTAL).absolute(c.leases_released);
+    counter!(names::QUEUE_GROUPS_SUBMITTED_TOTAL).absolute(c.groups_submitted);
+    counter!(names::QUEUE_SUBMISSIONS_REFUSED_TOTAL).absolute(c.submissions_refused);
+    counter!(names::QUEUE_GROUPS_CONSUMED_TOTAL).absolute(c.groups_consumed);
+    counter!(names::QUEUE_GROUPS_DROPPED_STALE_TOTAL).absolute(c.groups_dropped_stale);
     const LAGS: [&str; 8] = ["0", "1", "2", "3", "4", "5", "6", "7+"];
     for (lag, n) in LAGS.iter().zip(queue.staleness()) {
-        counter!("learner_queue_groups_consumed_by_lag_total", "lag" => *lag).absolute(*n);
+        counter!(names::QUEUE_GROUPS_CONSUMED_BY_LAG_TOTAL, "lag" => *lag).absolute(*n);
     }
 }

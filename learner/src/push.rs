@@ -26,6 +26,7 @@ use tokio::sync::{mpsc, watch};
 use crate::queue::Queue;
 
 mod one;
+use crate::metrics::names;
 use one::note_reachability;
 pub use one::{push_over, push_to};
 
@@ -301,7 +302,7 @@ impl Fleet {
             let known = m.known.map_or(-1.0, |v| v as f64);
             oldest = Some(oldest.map_or(known, |o| o.min(known)));
         }
-        metrics::gauge!("learner_workers_oldest_weight_version").set(oldest.unwrap_or(-1.0));
+        metrics::gauge!(names::WORKERS_OLDEST_WEIGHT_VERSION).set(oldest.unwrap_or(-1.0));
         for state in [
             SyncState::Current,
             SyncState::Stale,
@@ -309,7 +310,7 @@ impl Fleet {
             SyncState::Failing,
         ] {
             let n = counts.get(&state).copied().unwrap_or(0);
-            metrics::gauge!("learner_workers", "state" => state.as_str()).set(n as f64);
+            metrics::gauge!(names::WORKERS, "state" => state.as_str()).set(n as f64);
         }
     }
 }

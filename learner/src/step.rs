@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use candle_core::Result as CandleResult;
 use rookworld_lm::Gpt2;
+use rookworld_weights::export::Payload;
 use serde::Serialize;
 
 use crate::batch::{GrpoBatch, Layout};
@@ -14,7 +15,6 @@ use crate::grpo::Aggregation;
 use crate::loss::{LossConfig, grpo_loss};
 use crate::optim::{AdamW, Gradients, Schedule};
 use crate::policy::Trainable;
-use rookworld_weights::export::Payload;
 
 /// How a step is run.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -74,6 +74,95 @@ pub fn accumulate(
     accumulate_autograd(policy, reference, batch, cfg)
 }
 
+/// A micro-batch's part of the step: its completions, those of them masked as cut off,
+/// and the tokens its loss counts.
+#[derive(Debug, Clone, Copy)]
+struct Share {
+    completions: usize,
+    masked_truncated: usize,
+    tokens: usize,
+}
+
+impl Share {
+    /// n_k, the micro-batch's weight before normalising (its loss's own denominator):
+    /// the completions it counts (sequence), all its completions (constant: each divides
+    /// by the token budget), or its tokens (token).
+    fn size(self, aggregation: Aggregation) -> f64 {
+        match aggregation {
+            Aggregation::Sequence => (self.completions - self.masked_truncated) as f64,
+            Aggregation::Constant => self.completions as f64,
+            Aggregation::Token => self.tokens as f64,
+        }
+    }
+}
+
+/// What one micro-batch's pass gives back for the step's report.
+#[derive(Debug, Default)]
+struct MicroOutcome {
+    policy_loss: f64,
+    kl: f64,
+    /// Shares of the micro-batch's tokens clipped below and above.
+    clip_low: f64,
+    clip_high: f64,
+    mismatch: Option<crate::offpolicy::Mismatch>,
+    /// Σ of the policy's entropy over the counted tokens (fused pass only).
+    entropy_sum: Option<f64>,
+    forward_seconds: f64,
+    backward_seconds: f64,
+    activation_bytes: usize,
+}
+
+/// The accumulation both passes run. The batch is cut into micro-batches of
+/// `cfg.micro_batch_groups` groups (`prepare` gives `None` for one without signal); each
+/// is run at weight `w_k = n_k / Σ_j n_j` ([`Share::size`]), so that
+/// `Σ_k w_k · L_k = L` and `Σ_k w_k · ∇L_k = ∇L`, the full batch's loss and gradient
+/// (`w_k = 0` when nothing counts). `run(m, w_k)` computes micro-batch m's loss scaled by
+/// `w_k` and adds its gradient to the pass's accumulator.
+fn accumulate_micro_batches<M>(
+    batch: &GrpoBatch,
+    cfg: &StepConfig,
+    mut prepare: impl FnMut(&GrpoBatch) -> CandleResult<Option<M>>,
+    share: impl Fn(&M) -> (Share, usize),
+    mut run: impl FnMut(&M, f64) -> CandleResult<MicroOutcome>,
+) -> CandleResult<StepReport> {
+    let micro = cfg.micro_batch_groups.max(1);
+    let mut micros = Vec::new();
+    for start in (0..batch.prompts.len()).step_by(micro) {
+        micros.extend(prepare(&slice(batch, start, micro))?);
+    }
+    let kept: usize = micros.iter().map(|m| share(m).1).sum();
+    let mut report = StepReport {
+        skipped_groups: batch.prompts.len() - kept,
+        ..StepReport::default()
+    };
+    let aggregation = cfg.loss.aggregation;
+    let total: f64 = micros.iter().map(|m| share(m).0.size(aggregation)).sum();
+    for m in &micros {
+        let (s, _) = share(m);
+        let w = if total > 0.0 {
+            s.size(aggregation) / total
+        } else {
+            0.0
+        };
+        let r = run(m, w)?;
+        report.policy_loss += w * r.policy_loss;
+        report.kl += w * r.kl;
+        report.clip_low += r.clip_low * s.tokens as f64;
+        report.clip_high += r.clip_high * s.tokens as f64;
+        merge(&mut report.mismatch, r.mismatch);
+        report.masked_truncated += s.masked_truncated;
+        if let Some(h) = r.entropy_sum {
+            *report.entropy.get_or_insert(0.0) += h;
+        }
+        report.tokens += s.tokens;
+        report.forward_seconds += r.forward_seconds;
+        report.backward_seconds += r.backward_seconds;
+        report.activation_bytes = report.activation_bytes.max(r.activation_bytes);
+    }
+    report.close(cfg.loss.beta);
+    Ok(report)
+}
+
 /// [`accumulate`] through candle's autograd on the plain model (every device and dtype;
 /// the fused pass is checked against it).
 pub fn accumulate_autograd(
@@ -84,60 +173,36 @@ pub fn accumulate_autograd(
 ) -> CandleResult<(Gradients, StepReport)> {
     let pad = policy.model.config().eos_token_id;
     let device = policy.model.device();
-    let micro = cfg.micro_batch_groups.max(1);
     let scale = cfg.loss.advantage_norm.scale(&batch.rewards);
-    let layouts: Vec<Layout> = (0..batch.prompts.len())
-        .step_by(micro)
-        .map(|start| {
-            Layout::new(
-                &slice(batch, start, micro),
-                scale,
-                pad,
-                cfg.loss.mask_truncated,
-                device,
-            )
-        })
-        .collect::<CandleResult<Vec<_>>>()?
-        .into_iter()
-        .flatten()
-        .collect();
-    let mut report = StepReport {
-        skipped_groups: batch.prompts.len()
-            - layouts
-                .iter()
-                .map(|l| l.group_advantages.len())
-                .sum::<usize>(),
-        ..StepReport::default()
-    };
-    let weight_of = |l: &Layout| -> CandleResult<f64> {
-        Ok(match cfg.loss.aggregation {
-            Aggregation::Sequence => (l.advantages.dim(0)? - l.masked_truncated) as f64,
-            Aggregation::Constant => l.advantages.dim(0)? as f64,
-            Aggregation::Token => l.tokens as f64,
-        })
-    };
-    let total: f64 = layouts.iter().map(weight_of).sum::<CandleResult<f64>>()?;
     let mut grads = Gradients::default();
     let started = Instant::now();
-    for layout in &layouts {
-        // Nothing counted (every completion cut off and masked): no gradient.
-        let w = if total > 0.0 {
-            weight_of(layout)? / total
-        } else {
-            0.0
-        };
-        let out = grpo_loss(&policy.model, reference, layout, &cfg.loss)?;
-        let store = (out.loss * w)?.backward()?;
-        grads.accumulate(&store, &policy.vars)?;
-        report.policy_loss += w * out.policy_loss;
-        report.kl += w * out.kl;
-        report.clip_low += out.clip_low * layout.tokens as f64;
-        report.clip_high += out.clip_high * layout.tokens as f64;
-        merge(&mut report.mismatch, out.mismatch);
-        report.masked_truncated += layout.masked_truncated;
-        report.tokens += layout.tokens;
-    }
-    report.close(cfg.loss.beta);
+    let mut report = accumulate_micro_batches(
+        batch,
+        cfg,
+        |part| Layout::new(part, scale, pad, cfg.loss.mask_truncated, device),
+        |l: &Layout| {
+            let completions = l.advantages.dims().first().copied().unwrap_or(0);
+            let share = Share {
+                completions,
+                masked_truncated: l.masked_truncated,
+                tokens: l.tokens,
+            };
+            (share, l.group_advantages.len())
+        },
+        |layout, w| {
+            let out = grpo_loss(&policy.model, reference, layout, &cfg.loss)?;
+            let store = (out.loss * w)?.backward()?;
+            grads.accumulate(&store, &policy.vars)?;
+            Ok(MicroOutcome {
+                policy_loss: out.policy_loss,
+                kl: out.kl,
+                clip_low: out.clip_low,
+                clip_high: out.clip_high,
+                mismatch: out.mismatch,
+                ..MicroOutcome::default()
+            })
+        },
+    )?;
     report.forward_backward_seconds = started.elapsed().as_secs_f64();
     Ok((grads, report))
 }
@@ -179,159 +244,159 @@ fn accumulate_fused(
     let scale = cfg.loss.advantage_norm.scale(&batch.rewards);
     let eot = policy.model.config().eos_token_id;
     let truncated_without = cfg.loss.mask_truncated.then_some(eot);
-    let micros: Vec<MicroBatch> = (0..batch.prompts.len())
-        .step_by(micro)
-        .filter_map(|start| MicroBatch::new(&slice(batch, start, micro), scale, truncated_without))
-        .collect();
-    let kept: usize = micros.iter().map(|m| m.group_advantages.len()).sum();
-    let mut report = StepReport {
-        skipped_groups: batch.prompts.len() - kept,
-        ..StepReport::default()
-    };
-    let weight_of = |m: &MicroBatch| match cfg.loss.aggregation {
-        Aggregation::Sequence => (m.completions() - m.masked_truncated()) as f64,
-        Aggregation::Constant => m.completions() as f64,
-        Aggregation::Token => m.counted_tokens as f64,
-    };
-    let total: f64 = micros.iter().map(weight_of).sum();
     let started = Instant::now();
     let policy_tensors = policy.tensors();
     let ref_tensors = reference.map(fused::step::model_tensors);
     let model_cfg = policy.model.config();
-    let grads = {
-        let params = Params::new(&policy_tensors, model_cfg)?;
-        let ref_params = match &ref_tensors {
-            Some(t) => Some(Params::new(t, model_cfg)?),
-            None => None,
-        };
-        let mut work = policy.workspace.lock().expect("workspace lock");
-        let mut grads = work.zeroed_grads(&params);
-        // The reference over several micro-batches at once, then split by micro-batch.
-        let t = Instant::now();
-        let ref_logp = match (&ref_params, cfg.loss.beta > 0.0) {
-            (Some(r), true) => {
-                let mut all = Vec::new();
-                for start in (0..batch.prompts.len()).step_by(REFERENCE_GROUPS.max(micro)) {
-                    let chunk = slice(batch, start, REFERENCE_GROUPS.max(micro));
-                    if let Some(m) = MicroBatch::new(&chunk, scale, None) {
-                        all.extend(reference_logprobs(r, &m, &cfg.loss, &mut work));
-                    }
+    let params = Params::new(&policy_tensors, model_cfg)?;
+    let ref_params = match &ref_tensors {
+        Some(t) => Some(Params::new(t, model_cfg)?),
+        None => None,
+    };
+    let mut work = policy.workspace.lock().expect("workspace lock");
+    let mut grads = work.zeroed_grads(&params);
+    // The reference over several micro-batches at once, then split by micro-batch.
+    let t = Instant::now();
+    let ref_logp = match (&ref_params, cfg.loss.beta > 0.0) {
+        (Some(r), true) => {
+            let mut all = Vec::new();
+            for start in (0..batch.prompts.len()).step_by(REFERENCE_GROUPS.max(micro)) {
+                let chunk = slice(batch, start, REFERENCE_GROUPS.max(micro));
+                if let Some(m) = MicroBatch::new(&chunk, scale, None) {
+                    all.extend(reference_logprobs(r, &m, &cfg.loss, &mut work));
                 }
-                Some(all)
             }
-            _ => None,
-        };
-        report.reference_seconds = t.elapsed().as_secs_f64();
-        let mut offset = 0;
-        for m in &micros {
-            let w = if total > 0.0 {
-                weight_of(m) / total
-            } else {
-                0.0
+            Some(all)
+        }
+        _ => None,
+    };
+    let reference_seconds = t.elapsed().as_secs_f64();
+    let (mut offset, mut ran) = (0, false);
+    let mut report = accumulate_micro_batches(
+        batch,
+        cfg,
+        |part| Ok(MicroBatch::new(part, scale, truncated_without)),
+        |m: &MicroBatch| {
+            let share = Share {
+                completions: m.completions(),
+                masked_truncated: m.masked_truncated(),
+                tokens: m.counted_tokens,
             };
+            (share, m.group_advantages.len())
+        },
+        |m, w| {
             let r_logp = ref_logp.as_ref().map(|r| &r[offset..offset + m.tokens]);
             offset += m.tokens;
+            ran = true;
             let r = micro_step(&params, r_logp, m, &cfg.loss, w, &mut grads, &mut work)?;
-            report.policy_loss += w * r.policy_loss;
-            report.kl += w * r.kl;
-            report.clip_low += r.clip_low * m.counted_tokens as f64;
-            report.clip_high += r.clip_high * m.counted_tokens as f64;
-            merge(&mut report.mismatch, r.mismatch);
-            report.masked_truncated += m.masked_truncated();
-            *report.entropy.get_or_insert(0.0) += r.entropy_sum;
-            report.tokens += m.counted_tokens;
-            report.forward_seconds += r.forward_seconds;
-            report.backward_seconds += r.backward_seconds;
-            report.activation_bytes = report.activation_bytes.max(r.activation_bytes);
-        }
-        grads
-    };
-    let out = if micros.is_empty() {
-        Gradients::default()
-    } else {
+            Ok(MicroOutcome {
+                policy_loss: r.policy_loss,
+                kl: r.kl,
+                clip_low: r.clip_low,
+                clip_high: r.clip_high,
+                mismatch: r.mismatch,
+                entropy_sum: Some(r.entropy_sum),
+                forward_seconds: r.forward_seconds,
+                backward_seconds: r.backward_seconds,
+                activation_bytes: r.activation_bytes,
+            })
+        },
+    )?;
+    drop(work);
+    let out = if ran {
         policy.host_gradients(grads)
+    } else {
+        Gradients::default()
     };
-    report.close(cfg.loss.beta);
+    report.reference_seconds = reference_seconds;
     report.forward_backward_seconds = started.elapsed().as_secs_f64();
     Ok((out, report))
 }
 
-/// A full step: gradients, clipping, AdamW at the schedule's rate for `step`; with
-/// `export`, the updated weights are also written into it as bfloat16 (see
-/// [`rookworld_weights::export`]).
-#[allow(clippy::too_many_arguments)]
-pub fn train_step(
-    policy: &Trainable,
-    reference: Option<&Gpt2>,
-    opt: &mut AdamW,
-    schedule: &Schedule,
-    step: u64,
-    batch: &GrpoBatch,
-    cfg: &StepConfig,
-    mut export: Option<&mut Payload>,
-) -> CandleResult<StepReport> {
-    let (mut grads, mut report) = accumulate(policy, reference, batch, cfg)?;
-    let started = Instant::now();
-    report.grad_norm = grads.clip(cfg.max_grad_norm)?;
-    report.lr = schedule.lr_at(step);
-    if report.tokens > 0 {
-        opt.step_exporting(&policy.vars, &grads, report.lr, export.as_deref_mut())?;
-    }
-    if let Some(payload) = export {
-        payload.fill_rest(&policy.vars)?;
-    }
-    policy.recycle(grads);
-    report.optimizer_seconds = started.elapsed().as_secs_f64();
-    Ok(report)
+/// What an optimizer step updates, and how: the policy, the frozen reference, AdamW at
+/// its schedule's rate, and the step's configuration.
+pub struct Updater<'a> {
+    pub policy: &'a Trainable,
+    pub reference: Option<&'a Gpt2>,
+    pub opt: &'a mut AdamW,
+    pub schedule: &'a Schedule,
+    pub cfg: &'a StepConfig,
 }
 
-/// `updates` optimizer steps on one batch (PPO's epochs, `--updates-per-batch`): π_old
-/// stays the sampler's log-probs throughout; under the off-policy correction the proximal
-/// log-probs are the policy's own before the first update. Only the last update writes
-/// `export`. Reports the first update's loss parts and gradient norm, and the time of all.
-#[allow(clippy::too_many_arguments)]
-pub fn train_updates(
-    policy: &Trainable,
-    reference: Option<&Gpt2>,
-    opt: &mut AdamW,
-    schedule: &Schedule,
-    step: u64,
-    batch: &GrpoBatch,
-    cfg: &StepConfig,
-    updates: u32,
-    mut export: Option<&mut Payload>,
-) -> CandleResult<StepReport> {
-    let owned;
-    let batch = if updates > 1 && cfg.loss.correction.on() && batch.proximal_logprobs.is_none() {
-        let own = crate::policy::own_logprobs(&policy.model, batch, cfg.loss.temperature)?;
-        owned = GrpoBatch {
-            proximal_logprobs: Some(own),
-            ..batch.clone()
-        };
-        &owned
-    } else {
-        batch
-    };
-    let mut first: Option<StepReport> = None;
-    for k in 0..updates.max(1) {
-        let out = if k + 1 == updates.max(1) {
-            export.take()
+impl Updater<'_> {
+    /// A full step: gradients, clipping, AdamW at the schedule's rate for `step`; with
+    /// `export`, the updated weights are also written into it as bfloat16 (see
+    /// [`rookworld_weights::export`]).
+    pub fn step(
+        &mut self,
+        step: u64,
+        batch: &GrpoBatch,
+        export: Option<&mut Payload>,
+    ) -> CandleResult<StepReport> {
+        let (policy, cfg) = (self.policy, self.cfg);
+        let (mut grads, mut report) = accumulate(policy, self.reference, batch, cfg)?;
+        let started = Instant::now();
+        report.grad_norm = grads.clip(cfg.max_grad_norm)?;
+        report.lr = self.schedule.lr_at(step);
+        let mut export = export;
+        if report.tokens > 0 {
+            self.opt
+                .step_exporting(&policy.vars, &grads, report.lr, export.as_deref_mut())?;
+        }
+        if let Some(payload) = export {
+            payload.fill_rest(&policy.vars)?;
+        }
+        policy.recycle(grads);
+        report.optimizer_seconds = started.elapsed().as_secs_f64();
+        Ok(report)
+    }
+
+    /// `updates` optimizer steps on one batch (PPO's epochs, `--updates-per-batch`): π_old
+    /// stays the sampler's log-probs throughout; under the off-policy correction the
+    /// proximal log-probs are the policy's own before the first update. Only the last
+    /// update writes `export`. Reports the first update's loss parts and gradient norm,
+    /// and the time of all.
+    pub fn updates(
+        &mut self,
+        step: u64,
+        batch: &GrpoBatch,
+        updates: u32,
+        mut export: Option<&mut Payload>,
+    ) -> CandleResult<StepReport> {
+        let cfg = self.cfg;
+        let owned;
+        let batch = if updates > 1 && cfg.loss.correction.on() && batch.proximal_logprobs.is_none()
+        {
+            let own = crate::policy::own_logprobs(&self.policy.model, batch, cfg.loss.temperature)?;
+            owned = GrpoBatch {
+                proximal_logprobs: Some(own),
+                ..batch.clone()
+            };
+            &owned
         } else {
-            None
+            batch
         };
-        let r = train_step(policy, reference, opt, schedule, step, batch, cfg, out)?;
-        match first.as_mut() {
-            None => first = Some(r),
-            Some(f) => {
-                f.forward_backward_seconds += r.forward_backward_seconds;
-                f.optimizer_seconds += r.optimizer_seconds;
-                f.reference_seconds += r.reference_seconds;
-                f.forward_seconds += r.forward_seconds;
-                f.backward_seconds += r.backward_seconds;
+        let mut first: Option<StepReport> = None;
+        for k in 0..updates.max(1) {
+            let out = if k + 1 == updates.max(1) {
+                export.take()
+            } else {
+                None
+            };
+            let r = self.step(step, batch, out)?;
+            match first.as_mut() {
+                None => first = Some(r),
+                Some(f) => {
+                    f.forward_backward_seconds += r.forward_backward_seconds;
+                    f.optimizer_seconds += r.optimizer_seconds;
+                    f.reference_seconds += r.reference_seconds;
+                    f.forward_seconds += r.forward_seconds;
+                    f.backward_seconds += r.backward_seconds;
+                }
             }
         }
+        Ok(first.expect("at least one update"))
     }
-    Ok(first.expect("at least one update"))
 }
 
 /// Groups `start..start + len` of `batch`.

@@ -11,7 +11,7 @@ use learner::loss::LossConfig;
 use learner::offpolicy::Correction;
 use learner::optim::{AdamW, Schedule};
 use learner::policy::{Trainable, own_logprobs};
-use learner::step::{StepConfig, train_step, train_updates};
+use learner::step::{StepConfig, Updater};
 use rookworld_lm::checkpoint;
 
 fn weights(policy: &Trainable) -> Vec<Tensor> {
@@ -57,18 +57,9 @@ fn updates_on_one_batch_keep_the_proximal_policy_of_the_first() {
 
     // Three updates in one call.
     let (policy, mut opt) = fresh();
-    let report = train_updates(
-        &policy,
-        Some(&reference),
-        &mut opt,
-        &schedule,
-        0,
-        &batch,
-        &cfg,
-        3,
-        None,
-    )
-    .unwrap();
+    let report = updater(&policy, &reference, &mut opt, &schedule, &cfg)
+        .updates(0, &batch, 3, None)
+        .unwrap();
     assert_eq!(opt.steps, 3);
     assert!(report.loss.is_finite() && report.tokens > 0);
     let together = weights(&policy);
@@ -81,17 +72,9 @@ fn updates_on_one_batch_keep_the_proximal_policy_of_the_first() {
         ..batch.clone()
     };
     for _ in 0..3 {
-        train_step(
-            &policy,
-            Some(&reference),
-            &mut opt,
-            &schedule,
-            0,
-            &given,
-            &cfg,
-            None,
-        )
-        .unwrap();
+        updater(&policy, &reference, &mut opt, &schedule, &cfg)
+            .step(0, &given, None)
+            .unwrap();
     }
     let by_hand = weights(&policy);
     assert!(largest_difference(&together, &by_hand) < 1e-6);
@@ -99,17 +82,9 @@ fn updates_on_one_batch_keep_the_proximal_policy_of_the_first() {
     // Re-taking the proximal policy at every update is another objective.
     let (policy, mut opt) = fresh();
     for _ in 0..3 {
-        train_step(
-            &policy,
-            Some(&reference),
-            &mut opt,
-            &schedule,
-            0,
-            &batch,
-            &cfg,
-            None,
-        )
-        .unwrap();
+        updater(&policy, &reference, &mut opt, &schedule, &cfg)
+            .step(0, &batch, None)
+            .unwrap();
     }
     assert!(largest_difference(&together, &weights(&policy)) > 1e-4);
 }
@@ -145,4 +120,21 @@ fn the_own_log_probs_are_the_ones_the_loss_uses() {
         a.grad_norm,
         b.grad_norm
     );
+}
+
+/// The updater of `policy` against `reference`.
+fn updater<'a>(
+    policy: &'a Trainable,
+    reference: &'a rookworld_lm::Gpt2,
+    opt: &'a mut AdamW,
+    schedule: &'a Schedule,
+    cfg: &'a StepConfig,
+) -> Updater<'a> {
+    Updater {
+        policy,
+        reference: Some(reference),
+        opt,
+        schedule,
+        cfg,
+    }
 }

@@ -18,17 +18,21 @@ use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::rustls::server::WebPkiClientVerifier;
 use tokio_rustls::rustls::{self, RootCertStore, ServerConfig};
 
+/// The TLS metrics' names (described by [`describe_metrics`]).
+pub const TLS_HANDSHAKE_FAILURES_TOTAL: &str = "grpc_tls_handshake_failures_total";
+pub const TLS_RELOADS_TOTAL: &str = "grpc_tls_reloads_total";
+
 /// Describes the TLS metrics that every service serving TLS records; each service's own
 /// `describe` calls it.
 pub fn describe_metrics() {
     use metrics::{Unit, describe_counter};
     describe_counter!(
-        "grpc_tls_handshake_failures_total",
+        TLS_HANDSHAKE_FAILURES_TOTAL,
         Unit::Count,
         "TLS handshakes that failed, by `reason` (refused, timeout, busy)."
     );
     describe_counter!(
-        "grpc_tls_reloads_total",
+        TLS_RELOADS_TOTAL,
         Unit::Count,
         "Certificate files re-read after SIGHUP or a change, by `result` (ok; error: the old ones still serve)."
     );
@@ -266,7 +270,7 @@ impl ServerTls {
                 .unwrap_or_else(|e| Err(format!("reload task: {e}")));
             match result {
                 Ok(true) => {
-                    metrics::counter!("grpc_tls_reloads_total", "result" => "ok").increment(1);
+                    metrics::counter!(TLS_RELOADS_TOTAL, "result" => "ok").increment(1);
                     tracing::info!(trigger = why, "TLS certificates reloaded");
                 }
                 Ok(false) if why == "SIGHUP" => {
@@ -274,7 +278,7 @@ impl ServerTls {
                 }
                 Ok(false) => {}
                 Err(e) => {
-                    metrics::counter!("grpc_tls_reloads_total", "result" => "error").increment(1);
+                    metrics::counter!(TLS_RELOADS_TOTAL, "result" => "error").increment(1);
                     tracing::warn!(trigger = why, error = %e, "TLS certificates not reloaded; the previous ones still serve");
                 }
             }
@@ -338,7 +342,7 @@ fn handshake_failed(
     why: &str,
     reason: &'static str,
 ) {
-    metrics::counter!("grpc_tls_handshake_failures_total", "reason" => reason).increment(1);
+    metrics::counter!(TLS_HANDSHAKE_FAILURES_TOTAL, "reason" => reason).increment(1);
     let mut last = said
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);

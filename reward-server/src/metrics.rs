@@ -5,6 +5,16 @@ use std::net::SocketAddr;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use rookworld_proto::metrics_http::MetricsError;
 
+/// Every metric name of this crate, once: the describe calls and the recording sites use
+/// these.
+pub mod names {
+    pub const BUILD_INFO: &str = "reward_build_info";
+    pub const ITEMS_TOTAL: &str = "reward_items_total";
+    pub const REQUEST_DURATION_SECONDS: &str = "reward_request_duration_seconds";
+    pub const REQUESTS_TOTAL: &str = "reward_requests_total";
+    pub const VERDICTS_TOTAL: &str = "reward_verdicts_total";
+}
+
 /// Latency buckets (seconds) for scoring calls.
 pub const LATENCY_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -13,7 +23,7 @@ pub const LATENCY_BUCKETS: &[f64] = &[
 /// Serves `/metrics` on `addr` and describes every metric.
 pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
     let builder = PrometheusBuilder::new().set_buckets_for_metric(
-        Matcher::Full("reward_request_duration_seconds".into()),
+        Matcher::Full(names::REQUEST_DURATION_SECONDS.into()),
         LATENCY_BUCKETS,
     )?;
     let bound = rookworld_proto::metrics_http::install(builder, addr)?;
@@ -25,48 +35,49 @@ pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
 pub fn describe() {
     rookworld_proto::tls::describe_metrics();
     use metrics::{Unit, describe_counter, describe_histogram};
-    rookworld_proto::metrics_http::build_info("reward_build_info", env!("CARGO_PKG_VERSION"), "");
+    rookworld_proto::metrics_http::build_info(names::BUILD_INFO, env!("CARGO_PKG_VERSION"), "");
     describe_counter!(
-        "reward_requests_total",
+        names::REQUESTS_TOTAL,
         "Score calls, by gRPC status code (`status`)."
     );
     describe_counter!(
-        "reward_items_total",
+        names::ITEMS_TOTAL,
         Unit::Count,
         "Items scored, by task (`task`: P, A)."
     );
     describe_counter!(
-        "reward_verdicts_total",
+        names::VERDICTS_TOTAL,
         "Scored items by task, verdict and reason (`exact`, `partial`, or the malformed kind)."
     );
     describe_histogram!(
-        "reward_request_duration_seconds",
+        names::REQUEST_DURATION_SECONDS,
         Unit::Seconds,
         "Duration of one Score call."
     );
     describe_counter!(
-        "reward_engine_cache_hits_total",
+        rookworld_chess::metrics::names::ENGINE_CACHE_HITS_TOTAL,
         "Engine analyses served from the cache."
     );
     describe_counter!(
-        "reward_engine_cache_misses_total",
+        rookworld_chess::metrics::names::ENGINE_CACHE_MISSES_TOTAL,
         "Engine analyses that needed an engine search."
     );
     describe_counter!(
-        "reward_engine_restarts_total",
+        rookworld_chess::metrics::names::ENGINE_RESTARTS_TOTAL,
         "Engines killed and replaced after a crash or timeout."
     );
     describe_counter!(
-        "reward_engine_failures_total",
+        rookworld_chess::metrics::names::ENGINE_FAILURES_TOTAL,
         "Policy items scored on rules alone because every engine attempt failed."
     );
     // The engine counters exist from the start (at 0), so that dashboards and alerts see
     // a series even before the first policy item, or with no engine at all.
+    use rookworld_chess::metrics::names as engine;
     for name in [
-        "reward_engine_cache_hits_total",
-        "reward_engine_cache_misses_total",
-        "reward_engine_restarts_total",
-        "reward_engine_failures_total",
+        engine::ENGINE_CACHE_HITS_TOTAL,
+        engine::ENGINE_CACHE_MISSES_TOTAL,
+        engine::ENGINE_RESTARTS_TOTAL,
+        engine::ENGINE_FAILURES_TOTAL,
     ] {
         metrics::counter!(name).increment(0);
     }
@@ -74,9 +85,9 @@ pub fn describe() {
 
 /// Counts one scored item.
 pub fn record_score(task: &'static str, score: &rookworld_chess::score::Score) {
-    metrics::counter!("reward_items_total", "task" => task).increment(1);
+    metrics::counter!(names::ITEMS_TOTAL, "task" => task).increment(1);
     metrics::counter!(
-        "reward_verdicts_total",
+        names::VERDICTS_TOTAL,
         "task" => task,
         "verdict" => score.verdict.label(),
         "reason" => score.reason_label()

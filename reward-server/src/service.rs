@@ -12,6 +12,7 @@ use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status};
 
 use crate::error::{RequestError, ServiceError};
+use crate::metrics::names;
 use crate::metrics::record_score;
 use rookworld_chess::score::{Score, Verdict};
 use rookworld_chess::scorer::{Item, Scorer};
@@ -156,8 +157,8 @@ impl RewardService for RewardServer {
             Ok(_) => "ok",
             Err(e) => e.label(),
         };
-        metrics::counter!("reward_requests_total", "status" => status).increment(1);
-        metrics::histogram!("reward_request_duration_seconds")
+        metrics::counter!(names::REQUESTS_TOTAL, "status" => status).increment(1);
+        metrics::histogram!(names::REQUEST_DURATION_SECONDS)
             .record(started.elapsed().as_secs_f64());
         let results = result.map_err(Status::from)?;
         Ok(Response::new(pb::ScoreResponse { results }))

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::sync::Mutex as StdMutex;
 use std::time::Duration;
 
+use crate::metrics::names;
 use shakmaty::uci::UciMove;
 use shakmaty::{Chess, Move};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
@@ -353,10 +354,10 @@ impl EnginePool {
             self.cfg.limit
         );
         if let Some(hit) = self.cache.lock().expect("cache lock").get(&key) {
-            metrics::counter!("reward_engine_cache_hits_total").increment(1);
+            metrics::counter!(names::ENGINE_CACHE_HITS_TOTAL).increment(1);
             return Ok(hit);
         }
-        metrics::counter!("reward_engine_cache_misses_total").increment(1);
+        metrics::counter!(names::ENGINE_CACHE_MISSES_TOTAL).increment(1);
 
         let _slot = self.slots.acquire().await.expect("semaphore never closed");
         let mut process = self.idle.lock().await.pop();
@@ -397,7 +398,7 @@ impl EnginePool {
             }
             // The engine failed or hung: kill it; the next attempt starts a fresh one.
             let _ = p.child.start_kill();
-            metrics::counter!("reward_engine_restarts_total").increment(1);
+            metrics::counter!(names::ENGINE_RESTARTS_TOTAL).increment(1);
             tracing::warn!(error = %last_error.as_ref().expect("set"), "engine replaced");
         }
         // Keep the pool at full strength even when every attempt failed.

@@ -18,6 +18,7 @@
 pub mod engine;
 pub mod env_task;
 pub mod error;
+pub mod metrics;
 pub mod playout;
 pub mod policy_task;
 pub mod rules;

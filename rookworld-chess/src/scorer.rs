@@ -12,6 +12,7 @@ use rayon::prelude::*;
 use crate::engine::EnginePool;
 use crate::env_task;
 use crate::error::RequestError;
+use crate::metrics::names;
 use crate::policy_task::{self, Checked};
 use crate::score::{RewardConfig, Score};
 use crate::task::{EnvPrompt, PolicyPrompt, Task};
@@ -137,7 +138,7 @@ impl Scorer {
                             }
                             Err(e) => {
                                 tracing::warn!(error = %e, "engine failed; scoring on rules alone");
-                                metrics::counter!("reward_engine_failures_total").increment(1);
+                                metrics::counter!(names::ENGINE_FAILURES_TOTAL).increment(1);
                                 rules
                             }
                         };

@@ -71,34 +71,54 @@ pub fn is_metric_name(name: &str) -> bool {
         .any(|p| name.starts_with(p))
 }
 
-/// Metric names in the sources of every crate that records metrics (`"learner_…"`,
-/// `"rollout_…"`, `"reward_…"`, `"grpc_tls_…"`, as a metric macro's or `build_info`'s
-/// first argument).
-pub fn metric_names_in_sources() -> BTreeSet<String> {
-    let mut names = BTreeSet::new();
-    for dir in [
-        "learner/src",
-        "rollout-worker/src",
-        "reward-server/src",
-        "rookworld-chess/src",
-        "proto/src",
-    ] {
+/// The crates that record metrics, by source folder.
+const METRIC_SOURCES: [&str; 5] = [
+    "learner/src",
+    "rollout-worker/src",
+    "reward-server/src",
+    "rookworld-chess/src",
+    "proto/src",
+];
+
+/// Where a metric name is written in the sources: each string literal that is a metric
+/// name (`"learner_…"`, `"rollout_…"`, `"reward_…"`, `"grpc_tls_…"`), with its file and
+/// whether it is a constant's value (`const X: &str = "…"`) or something else (a literal
+/// given straight to a metric macro or `build_info`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetricLiteral {
+    pub name: String,
+    pub file: PathBuf,
+    pub constant: bool,
+}
+
+/// Every metric-name literal in the sources of the crates that record metrics.
+pub fn metric_literals() -> Vec<MetricLiteral> {
+    let mut out = Vec::new();
+    for dir in METRIC_SOURCES {
         for path in files_under(dir, "rs") {
-            // The first argument of a metric macro (`gauge!("…"`, `describe_gauge!(`) or
-            // of `build_info("…"`: a name, not a label value.
             let text = std::fs::read_to_string(&path).unwrap();
             let pieces: Vec<&str> = text.split('"').collect();
             for pair in pieces.windows(2).step_by(2) {
                 let (before, piece) = (pair[0].trim_end(), pair[1]);
-                let named = before.ends_with("!(") || before.ends_with("build_info(");
+                let constant = before.ends_with("&str =");
+                let named = constant || before.ends_with("!(") || before.ends_with("build_info(");
                 if named
                     && is_metric_name(piece)
                     && piece.chars().all(|c| c.is_ascii_lowercase() || c == '_')
                 {
-                    names.insert(piece.to_owned());
+                    out.push(MetricLiteral {
+                        name: piece.to_owned(),
+                        file: path.clone(),
+                        constant,
+                    });
                 }
             }
         }
     }
-    names
+    out
+}
+
+/// Metric names in the sources of every crate that records metrics.
+pub fn metric_names_in_sources() -> BTreeSet<String> {
+    metric_literals().into_iter().map(|l| l.name).collect()
 }

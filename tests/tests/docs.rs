@@ -238,6 +238,35 @@ fn every_exported_metric_is_described() {
     }
 }
 
+/// Each metric name is written once, as a constant of the crate that records it; describe
+/// calls and recording sites use the constant, so a renamed metric cannot leave a stale
+/// twin behind.
+#[test]
+fn every_metric_name_is_one_constant() {
+    let literals = rookworld_tests::metric_literals();
+    assert!(
+        literals.len() > 50,
+        "the scan found the names: {literals:?}"
+    );
+    let mut seen = BTreeMap::new();
+    for l in &literals {
+        assert!(
+            l.constant,
+            "{} is written as a literal in {}: use its constant",
+            l.name,
+            l.file.display()
+        );
+        if let Some(first) = seen.insert(l.name.clone(), l.file.clone()) {
+            panic!(
+                "{} is defined twice: {} and {}",
+                l.name,
+                first.display(),
+                l.file.display()
+            );
+        }
+    }
+}
+
 // ---- the gRPC API ----
 
 /// The comment attached to the element at `path` of `file`.

@@ -67,18 +67,20 @@ fn every_document_of_rook_val_500_encodes_to_the_shards_ids() {
 }
 
 #[test]
-fn the_46_token_policy_prompt_and_the_shared_tokenizer_files() {
+fn the_46_token_policy_prompt_and_a_model_directory_s_tokenizer_file() {
     let prompt = "P: rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1    M:";
     assert_eq!(Tokenizer::gpt2().encode(prompt).unwrap().len(), 46);
-    // The embedded copy equals the shared one where the shared data is checked out.
-    let shared =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/gpt2-tokenizer");
-    if let Some(tok) = Tokenizer::from_dir(&shared).unwrap() {
-        assert_eq!(
-            tok.encode(prompt).unwrap(),
-            Tokenizer::gpt2().encode(prompt).unwrap()
-        );
-    } else {
-        println!("skipped: ../shared/data/gpt2-tokenizer not present");
-    }
+    // A checkpoint directory's tokenizer.json (here the embedded file, as a converted
+    // checkpoint carries it) loads to the same tokenizer.
+    let dir = tempfile::tempdir().unwrap();
+    let embedded = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../rookworld-lm/assets/gpt2-tokenizer.json");
+    std::fs::copy(embedded, dir.path().join("tokenizer.json")).unwrap();
+    let tok = Tokenizer::from_dir(dir.path())
+        .unwrap()
+        .expect("tokenizer.json");
+    assert_eq!(
+        tok.encode(prompt).unwrap(),
+        Tokenizer::gpt2().encode(prompt).unwrap()
+    );
 }

@@ -24,6 +24,7 @@ use serde::Serialize;
 use tokio::sync::watch;
 
 use super::{EvalError, Evaluation, Item, Suite, SuiteReport};
+use crate::metrics::names;
 use crate::settings::ConfigError;
 
 /// `learner train`'s evaluation options.
@@ -126,11 +127,11 @@ impl Outcome {
                 .map(|(m, v)| (*m, *v))
                 .chain([("mean_reward", s.mean_reward)])
             {
-                metrics::gauge!("learner_eval", "suite" => s.suite, "metric" => metric).set(v);
+                metrics::gauge!(names::EVAL, "suite" => s.suite, "metric" => metric).set(v);
             }
         }
-        metrics::gauge!("learner_eval_step").set(self.step as f64);
-        metrics::histogram!("learner_eval_seconds").record(self.seconds);
+        metrics::gauge!(names::EVAL_STEP).set(self.step as f64);
+        metrics::histogram!(names::EVAL_SECONDS).record(self.seconds);
     }
 }
 
@@ -175,7 +176,7 @@ impl Evaluator {
             stop: AtomicBool::new(false),
         });
         let (tx, results) = mpsc::channel();
-        metrics::counter!("learner_evals_skipped_total").increment(0);
+        metrics::counter!(names::EVALS_SKIPPED_TOTAL).increment(0);
         let thread_shared = shared.clone();
         let thread = std::thread::Builder::new()
             .name("eval".into())
@@ -212,7 +213,7 @@ impl Evaluator {
                 step = old.step,
                 "evaluation skipped: the one before it still runs (raise --eval-every or lower --eval-limit)"
             );
-            metrics::counter!("learner_evals_skipped_total").increment(1);
+            metrics::counter!(names::EVALS_SKIPPED_TOTAL).increment(1);
         }
         self.shared.wake.notify_all();
     }

@@ -9,6 +9,7 @@ use rookworld_proto::tls::ClientTlsArgs;
 use rookworld_weights::set::{self as weights, CHUNK_BYTES, WeightSet};
 
 use super::PushOutcome;
+use crate::metrics::names;
 use crate::queue::Queue;
 
 /// One push of `set` to the worker at `address`, bounded by `deadline`, logged and
@@ -70,10 +71,10 @@ pub async fn push_over(
     };
     // No per-worker label: worker addresses come and go (pods, replicas); each worker's
     // own metrics carry its view, and the push logs name it.
-    metrics::histogram!("learner_weight_push_seconds", "path" => o.path).record(o.seconds);
-    metrics::counter!("learner_weight_push_bytes_total", "path" => o.path).increment(o.bytes);
+    metrics::histogram!(names::WEIGHT_PUSH_SECONDS, "path" => o.path).record(o.seconds);
+    metrics::counter!(names::WEIGHT_PUSH_BYTES_TOTAL, "path" => o.path).increment(o.bytes);
     let result = if o.error.is_none() { "ok" } else { "failed" };
-    metrics::counter!("learner_weight_pushes_total", "result" => result, "path" => o.path)
+    metrics::counter!(names::WEIGHT_PUSHES_TOTAL, "result" => result, "path" => o.path)
         .increment(1);
     match &o.error {
         None => {

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::{Backpressure, Queue};
+use crate::metrics::names;
 
 /// Most distinct (call, cause, caller) entries kept; the oldest goes first.
 const MAX_REFUSED: usize = 64;
@@ -96,7 +97,7 @@ impl Queue {
         if let Some(p) = &problem
             && w.problem.as_ref().is_none_or(|old| old.cause != p.cause)
         {
-            metrics::counter!("learner_worker_problems_total", "cause" => p.cause.label())
+            metrics::counter!(names::WORKER_PROBLEMS_TOTAL, "cause" => p.cause.label())
                 .increment(1);
         }
         w.problem = problem;
@@ -105,7 +106,7 @@ impl Queue {
 
     /// Counts a worker call refused before it reached the queue.
     pub fn refused_call(&mut self, call: &str, cause: &str, caller: &str, now: Instant) {
-        metrics::counter!("learner_queue_refused_calls_total", "call" => call.to_owned(), "cause" => cause.to_owned())
+        metrics::counter!(names::QUEUE_REFUSED_CALLS_TOTAL, "call" => call.to_owned(), "cause" => cause.to_owned())
             .increment(1);
         let key = (call.to_owned(), cause.to_owned(), caller.to_owned());
         if !self.refused.contains_key(&key) && self.refused.len() >= MAX_REFUSED {

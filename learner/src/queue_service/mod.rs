@@ -19,6 +19,7 @@ use rookworld_proto::v1::SamplingParams;
 use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
 
+use crate::metrics::names;
 use crate::prompts::TaskKind;
 use crate::queue::problems::{Cause, Problem};
 use crate::queue::{Backpressure, Queue, ScoredCompletion, ScoredGroup};
@@ -241,7 +242,7 @@ impl RolloutQueue for QueueServer {
         self.authorize("Submit", &request)?;
         let r = request.into_inner();
         self.check_submission(&r).inspect_err(|e| {
-            metrics::counter!("learner_queue_submissions_invalid_total").increment(1);
+            metrics::counter!(names::QUEUE_SUBMISSIONS_INVALID_TOTAL).increment(1);
             tracing::warn!(worker = %r.worker_id.escape_debug(), lease = r.lease_id, error = %e.message(), "submission refused as invalid; its lease stays");
         })?;
         let group = ScoredGroup {

@@ -23,6 +23,7 @@ mod prepare;
 mod report;
 mod settings;
 mod support;
+mod trainer;
 mod watchdog;
 
 use std::future::Future;
@@ -46,13 +47,12 @@ use crate::prompts::{self, Source};
 use crate::push::{self, Fleet, SyncConfig};
 use crate::queue::Queue;
 use crate::queue_service::{self, GroupCheck, GroupSpec, QueueServer};
-use crate::step::step_flops;
-use crate::step::train_updates;
-use gather::{Gathered, gather, rand_seed_stream, to_batch};
+use gather::rand_seed_stream;
 use prepare::prepare;
 use report::Reporter;
 use rookworld_weights::export::Exporter;
 use support::{check_reward, drain, peak_flops, publish, save};
+use trainer::{Stepped, Trainer};
 use watchdog::Watchdog;
 
 /// Why a run stopped early.
@@ -287,126 +287,46 @@ pub async fn run(
         // A resumed run redoes the steps after its checkpoint; one started over, all.
         run.resumed || args.start.overwrite,
     )?;
-    let peak = peak_flops(&args, &run.policy.model);
-    let step_cfg = s.step_config();
-    let schedule = s.schedule();
-    let mut seeds = rand_seed_stream(s.seed, run.step);
-
-    let mut stop = stop_rx.clone();
-    let mut watchdog = Watchdog::new(args.stall_timeout(), Instant::now());
+    let mut trainer = Trainer {
+        args: &args,
+        s: &s,
+        peak: peak_flops(&args, &run.policy.model),
+        seeds: rand_seed_stream(s.seed, run.step),
+        run: &mut run,
+        exporter: &exporter,
+        evaluator: evaluator.as_ref(),
+        fleet: &fleet,
+        reporter: &mut reporter,
+        schedule: s.schedule(),
+        step_cfg: s.step_config(),
+        stop: stop_rx.clone(),
+        watchdog: Watchdog::new(args.stall_timeout(), Instant::now()),
+    };
     let mut stalled = None;
-    while run.step < s.steps {
-        let started = Instant::now();
-        let (groups, dynamic_skipped) =
-            match gather(&mut run, &s, &mut seeds, &mut stop, &mut watchdog, &fleet).await {
-                Gathered::Groups(groups, skipped) => (groups, skipped),
-                Gathered::Stopped => {
-                    summary.interrupted = true;
-                    break;
-                }
-                Gathered::Stalled(why) => {
-                    summary.interrupted = true;
-                    stalled = Some(why);
-                    break;
-                }
-            };
-        let wait = started.elapsed().as_secs_f64();
-        reporter.dump(run.step + 1, &groups)?;
-        let version = run.version.load(Ordering::SeqCst);
-        let batch = to_batch(&groups);
-        let last = run.step + 1 == s.steps;
-        let evaluating = evaluator.is_some() && args.eval.due(run.step + 1, last);
-        let publishing = (run.step + 1) % args.push_every.max(1) == 0 || last || evaluating;
-        let mut payload = publishing.then(|| exporter.payload());
-        let report = tokio::task::block_in_place(|| {
-            train_updates(
-                &run.policy,
-                run.reference.as_ref(),
-                &mut run.opt,
-                &schedule,
-                run.step,
-                &batch,
-                &step_cfg,
-                s.updates_per_batch,
-                payload.as_mut(),
-            )
-        })?;
-        run.step += 1;
-        watchdog.stepped(Instant::now());
-        let new_version = version + 1;
-        run.version.store(new_version, Ordering::SeqCst);
-
-        let push_started = Instant::now();
-        if let Some(payload) = payload {
-            // Recorded first, so a crash never reuses the number.
-            checkpoint::record_published(&args.run_dir, new_version)?;
-            exporter.publish(&run.run_id, new_version, payload)?;
-        }
-        if let Some(ev) = evaluator.as_ref().filter(|_| evaluating) {
-            ev.request(run.step, new_version);
-        }
-        let push = push_started.elapsed().as_secs_f64();
-
-        let mut record = StepRecord {
-            step: run.step,
-            version: new_version,
-            loss: report.loss,
-            policy_loss: report.policy_loss,
-            kl: report.kl,
-            grad_norm: report.grad_norm,
-            lr: report.lr,
-            clip_frac: report.clip_frac,
-            clip_low: report.clip_low,
-            clip_high: report.clip_high,
-            mismatch: report.mismatch,
-            masked_truncated: report.masked_truncated,
-            entropy: report.entropy,
-            tokens: report.tokens,
-            groups: groups.len(),
-            skipped_groups: report.skipped_groups,
-            dynamic_skipped,
-            dropped_stale_total: lock(&run.queue).depths().counters.groups_dropped_stale,
-            staleness_mean: groups
-                .iter()
-                .map(|g| version.saturating_sub(g.weight_version) as f64)
-                .sum::<f64>()
-                / groups.len() as f64,
-            ..StepRecord::default()
+    while trainer.run.step < s.steps {
+        let record = match trainer.step().await? {
+            Stepped::Trained(record) => record,
+            Stepped::Stopped => {
+                summary.interrupted = true;
+                break;
+            }
+            Stepped::Stalled(why) => {
+                summary.interrupted = true;
+                stalled = Some(why);
+                break;
+            }
         };
-        record.rewards_of(&groups);
-        record.step_seconds = StepSeconds {
-            total: started.elapsed().as_secs_f64(),
-            wait,
-            forward_backward: report.forward_backward_seconds,
-            optimizer: report.optimizer_seconds,
-            push,
-        };
-        // Each of the μ updates runs the forward/backward (and the reference) again.
-        let flops = f64::from(s.updates_per_batch)
-            * step_flops(
-                &run.policy.model,
-                &batch,
-                run.reference.is_some() && s.objective.beta > 0.0,
-            );
-        record.mfu =
-            flops / (report.forward_backward_seconds + report.optimizer_seconds).max(1e-9) / peak;
-        record.tokens_per_second = batch
-            .completions
-            .iter()
-            .flatten()
-            .map(Vec::len)
-            .sum::<usize>() as f64
-            / record.step_seconds.total.max(1e-9);
-        reporter.step(&record)?;
-        summary.steps.push(record);
+        trainer.reporter.step(&record)?;
+        summary.steps.push(*record);
         for outcome in evaluator.iter().flat_map(Evaluator::finished) {
-            reporter.eval(&outcome)?;
+            trainer.reporter.eval(&outcome)?;
             summary.evals.push(outcome.clone());
-            run.eval = Some(outcome);
+            trainer.run.eval = Some(outcome);
         }
-
-        if run.step % args.checkpoint_every.max(1) == 0 && run.step < s.steps {
-            summary.checkpoint = Some(tokio::task::block_in_place(|| save(&args, &run))?);
+        let step = trainer.run.step;
+        if step.is_multiple_of(args.checkpoint_every.max(1)) && step < s.steps {
+            let run = &*trainer.run;
+            summary.checkpoint = Some(tokio::task::block_in_place(|| save(&args, run))?);
         }
     }
     reporter.finish();

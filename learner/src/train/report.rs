@@ -11,7 +11,9 @@ use rookworld_proto::logging::Progress;
 use serde::{Deserialize, Serialize};
 
 use super::TrainSummary;
+use crate::metrics::names;
 use crate::queue::ScoredGroup;
+use crate::step::StepReport;
 
 /// Where a step's wall time went, in seconds.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -77,6 +79,39 @@ pub struct StepRecord {
 }
 
 impl StepRecord {
+    /// The record of step `step`, which trained on `groups` (gathered while the weights
+    /// were at `version`) as `report` says, and made version `version + 1`: the loss and
+    /// its parts, the groups' rewards and staleness. The timings, throughput and queue
+    /// counters are the caller's to add.
+    pub fn of(step: u64, version: u64, report: &StepReport, groups: &[ScoredGroup]) -> Self {
+        let mut record = Self {
+            step,
+            version: version + 1,
+            loss: report.loss,
+            policy_loss: report.policy_loss,
+            kl: report.kl,
+            grad_norm: report.grad_norm,
+            lr: report.lr,
+            clip_frac: report.clip_frac,
+            clip_low: report.clip_low,
+            clip_high: report.clip_high,
+            mismatch: report.mismatch,
+            masked_truncated: report.masked_truncated,
+            entropy: report.entropy,
+            tokens: report.tokens,
+            groups: groups.len(),
+            skipped_groups: report.skipped_groups,
+            staleness_mean: groups
+                .iter()
+                .map(|g| version.saturating_sub(g.weight_version) as f64)
+                .sum::<f64>()
+                / groups.len().max(1) as f64,
+            ..Self::default()
+        };
+        record.rewards_of(groups);
+        record
+    }
+
     /// Reward statistics of the step's groups (population std over every completion).
     pub fn rewards_of(&mut self, groups: &[ScoredGroup]) {
         let rewards: Vec<f64> = groups
@@ -271,40 +306,39 @@ impl Reporter {
 }
 
 fn record_metrics(r: &StepRecord) {
-    counter!("learner_steps_total").increment(1);
-    gauge!("learner_weight_version").set(r.version as f64);
-    gauge!("learner_reward_mean").set(r.reward_mean);
-    gauge!("learner_reward_std").set(r.reward_std);
+    counter!(names::STEPS_TOTAL).increment(1);
+    gauge!(names::WEIGHT_VERSION).set(r.version as f64);
+    gauge!(names::REWARD_MEAN).set(r.reward_mean);
+    gauge!(names::REWARD_STD).set(r.reward_std);
     for (name, v) in &r.reward_components {
-        gauge!("learner_reward_component", "component" => name.clone()).set(*v);
+        gauge!(names::REWARD_COMPONENT, "component" => name.clone()).set(*v);
     }
-    gauge!("learner_loss").set(r.loss);
-    gauge!("learner_policy_loss").set(r.policy_loss);
-    gauge!("learner_kl").set(r.kl);
-    gauge!("learner_grad_norm").set(r.grad_norm);
-    gauge!("learner_lr").set(r.lr);
-    gauge!("learner_clipped_tokens_ratio").set(r.clip_frac);
-    gauge!("learner_clipped_low_ratio").set(r.clip_low);
-    gauge!("learner_clipped_high_ratio").set(r.clip_high);
+    gauge!(names::LOSS).set(r.loss);
+    gauge!(names::POLICY_LOSS).set(r.policy_loss);
+    gauge!(names::KL).set(r.kl);
+    gauge!(names::GRAD_NORM).set(r.grad_norm);
+    gauge!(names::LR).set(r.lr);
+    gauge!(names::CLIPPED_TOKENS_RATIO).set(r.clip_frac);
+    gauge!(names::CLIPPED_LOW_RATIO).set(r.clip_low);
+    gauge!(names::CLIPPED_HIGH_RATIO).set(r.clip_high);
     if let Some(h) = r.entropy {
-        gauge!("learner_policy_entropy").set(h);
+        gauge!(names::POLICY_ENTROPY).set(h);
     }
     if let Some(m) = &r.mismatch {
-        gauge!("learner_sampler_logp_diff_mean").set(m.logp_diff_mean);
-        gauge!("learner_sampler_logp_diff_max").set(m.logp_diff_max);
-        gauge!("learner_sampler_kl").set(m.sampler_kl);
-        gauge!("learner_is_weight_min").set(m.is_min);
-        gauge!("learner_is_weight_mean").set(m.is_mean);
-        gauge!("learner_is_weight_max").set(m.is_max);
-        gauge!("learner_is_bounded_ratio").set(m.is_bounded);
-        gauge!("learner_is_ess_ratio").set(m.ess);
+        gauge!(names::SAMPLER_LOGP_DIFF_MEAN).set(m.logp_diff_mean);
+        gauge!(names::SAMPLER_LOGP_DIFF_MAX).set(m.logp_diff_max);
+        gauge!(names::SAMPLER_KL).set(m.sampler_kl);
+        gauge!(names::IS_WEIGHT_MIN).set(m.is_min);
+        gauge!(names::IS_WEIGHT_MEAN).set(m.is_mean);
+        gauge!(names::IS_WEIGHT_MAX).set(m.is_max);
+        gauge!(names::IS_BOUNDED_RATIO).set(m.is_bounded);
+        gauge!(names::IS_ESS_RATIO).set(m.ess);
     }
-    gauge!("learner_staleness_mean_versions").set(r.staleness_mean);
-    gauge!("learner_mfu_ratio").set(r.mfu);
-    counter!("learner_tokens_total").increment(r.tokens as u64);
-    counter!("learner_groups_skipped_total")
-        .increment((r.skipped_groups + r.dynamic_skipped) as u64);
-    counter!("learner_completions_masked_truncated_total").increment(r.masked_truncated as u64);
+    gauge!(names::STALENESS_MEAN_VERSIONS).set(r.staleness_mean);
+    gauge!(names::MFU_RATIO).set(r.mfu);
+    counter!(names::TOKENS_TOTAL).increment(r.tokens as u64);
+    counter!(names::GROUPS_SKIPPED_TOTAL).increment((r.skipped_groups + r.dynamic_skipped) as u64);
+    counter!(names::COMPLETIONS_MASKED_TRUNCATED_TOTAL).increment(r.masked_truncated as u64);
     let s = r.step_seconds;
     for (phase, v) in [
         ("wait", s.wait),
@@ -313,7 +347,7 @@ fn record_metrics(r: &StepRecord) {
         ("push", s.push),
         ("total", s.total),
     ] {
-        histogram!("learner_step_seconds", "phase" => phase).record(v);
+        histogram!(names::STEP_SECONDS, "phase" => phase).record(v);
     }
 }
 

@@ -11,6 +11,7 @@
 
 use std::time::{Duration, Instant};
 
+use crate::metrics::names;
 use crate::push::Fleet;
 use crate::queue::Queue;
 
@@ -64,7 +65,7 @@ impl Watchdog {
         self.last_step = now;
         self.next_cause = now;
         self.next_report = now + self.timeout.map_or(Duration::MAX / 4, |t| t / 2);
-        metrics::gauge!("learner_step_idle_seconds").set(0.0);
+        metrics::gauge!(names::STEP_IDLE_SECONDS).set(0.0);
     }
 
     /// Where the run stands at `now`: with a known cause (`cause_known`), a report once
@@ -73,7 +74,7 @@ impl Watchdog {
     /// timeout.
     pub fn check(&mut self, now: Instant, cause_known: bool) -> Verdict {
         let idle = now.saturating_duration_since(self.last_step);
-        metrics::gauge!("learner_step_idle_seconds").set(idle.as_secs_f64());
+        metrics::gauge!(names::STEP_IDLE_SECONDS).set(idle.as_secs_f64());
         if cause_known && idle >= CAUSE_AFTER && now >= self.next_cause {
             self.next_cause = now + CAUSE_EVERY;
             self.next_report = self.next_report.max(now + CAUSE_EVERY);

@@ -13,6 +13,7 @@ use rookworld_proto::reward::v1::reward_service_client::RewardServiceClient;
 use tonic::transport::Channel;
 
 use super::LoopConfig;
+use crate::metrics::names;
 
 /// At start: whether the learner takes this worker's token and the reward server scores
 /// with it, each logged with its URL (a peer that is not up yet is retried by the loop).
@@ -56,7 +57,7 @@ pub(super) struct Peer {
 
 impl Peer {
     pub(super) fn new(name: &'static str, url: &str, reporter: Option<Arc<Reporter>>) -> Self {
-        metrics::gauge!("rollout_peer_reachable", "peer" => name).set(1.0);
+        metrics::gauge!(names::PEER_REACHABLE, "peer" => name).set(1.0);
         Self {
             name,
             url: url.to_owned(),
@@ -74,7 +75,7 @@ impl Peer {
     /// It answered: back if it was away.
     pub(super) fn answered(&self) {
         if let Some(since) = self.down_since().take() {
-            metrics::gauge!("rollout_peer_reachable", "peer" => self.name).set(1.0);
+            metrics::gauge!(names::PEER_REACHABLE, "peer" => self.name).set(1.0);
             tracing::info!(
                 peer = self.name,
                 url = %self.url,
@@ -86,14 +87,14 @@ impl Peer {
 
     /// It could not be reached: said once, when it goes away.
     pub(super) fn unreachable(&self, call: &str, error: &str) {
-        metrics::counter!("rollout_call_retries_total", "call" => call.to_owned()).increment(1);
+        metrics::counter!(names::CALL_RETRIES_TOTAL, "call" => call.to_owned()).increment(1);
         if let Some(r) = &self.reporter {
             r.problem(Cause::RewardUnreachable, &self.url, "", error);
         }
         let mut since = self.down_since();
         if since.is_none() {
             *since = Some(Instant::now());
-            metrics::gauge!("rollout_peer_reachable", "peer" => self.name).set(0.0);
+            metrics::gauge!(names::PEER_REACHABLE, "peer" => self.name).set(0.0);
             tracing::warn!(
                 peer = self.name,
                 url = %self.url,

@@ -5,103 +5,36 @@
 
 use rayon::prelude::*;
 
-/// Rows per partial sum of [`layer_norm_params`] (the CUDA kernel's rows per block).
-pub const PARAM_CHUNK: usize = 32;
+pub use super::layer_norm::PARAM_CHUNK;
+use super::{gelu, layer_norm as ln};
 
-/// Mean and 1/√(var + eps) of one row.
-fn stats(row: &[f32], eps: f32) -> (f64, f64) {
-    let n = row.len() as f64;
-    let mean = row.iter().map(|&v| f64::from(v)).sum::<f64>() / n;
-    let var = row
-        .iter()
-        .map(|&v| (f64::from(v) - mean).powi(2))
-        .sum::<f64>()
-        / n;
-    (mean, 1.0 / (var + f64::from(eps)).sqrt())
-}
-
-/// `y = (x − μ)/√(σ² + eps) · w + b` per row of x (M, E).
+/// `y = (x − μ)/√(σ² + eps) · w + b` per row of x (M, E) ([`ln::forward`]).
 pub fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> Vec<f32> {
-    let e = w.len();
+    let rows = x.len() / w.len().max(1);
     let mut y = vec![0f32; x.len()];
-    x.par_chunks(e)
-        .zip(y.par_chunks_mut(e))
-        .for_each(|(row, out)| {
-            let (mean, rstd) = stats(row, eps);
-            for (i, o) in out.iter_mut().enumerate() {
-                *o = ((f64::from(row[i]) - mean) * rstd) as f32 * w[i] + b[i];
-            }
-        });
+    let (mut mean, mut rstd) = (vec![0f32; rows], vec![0f32; rows]);
+    ln::forward(&mut y, &mut mean, &mut rstd, x, w, b, eps);
     y
 }
 
-/// The layer norm's input gradient, per row with x̂ = (x − μ)·r and g = dy ⊙ w:
-/// `dx = r · (g − mean(g) − x̂ · mean(g ⊙ x̂))`.
+/// The layer norm's input gradient ([`ln::backward_dx`]), the statistics recomputed.
 pub fn layer_norm_dx(x: &[f32], w: &[f32], dy: &[f32], eps: f32) -> Vec<f32> {
-    let e = w.len();
+    let (mean, rstd) = ln::row_stats(x, w.len(), eps);
     let mut dx = vec![0f32; x.len()];
-    let rows = x.par_chunks(e).zip(dy.par_chunks(e));
-    rows.zip(dx.par_chunks_mut(e)).for_each(|((row, dy), out)| {
-        let (mean, rstd) = stats(row, eps);
-        let xhat = |i: usize| (f64::from(row[i]) - mean) * rstd;
-        let g = |i: usize| f64::from(dy[i]) * f64::from(w[i]);
-        let mean_g = (0..e).map(g).sum::<f64>() / e as f64;
-        let mean_gx = (0..e).map(|i| g(i) * xhat(i)).sum::<f64>() / e as f64;
-        for (i, o) in out.iter_mut().enumerate() {
-            *o = (rstd * (g(i) - mean_g - xhat(i) * mean_gx)) as f32;
-        }
-    });
+    ln::backward_dx(&mut dx, dy, x, &mean, &rstd, w);
     dx
 }
 
-/// Partial sums of the layer norm's parameter gradients over chunks of [`PARAM_CHUNK`]
-/// rows: (C, 2, E) with `[c][0] = Σ dy ⊙ x̂` (the weight's) and `[c][1] = Σ dy` (the
-/// bias's) over chunk c's rows. Summed over C by the caller, in a fixed order.
+/// Partial sums of the layer norm's parameter gradients over blocks of [`PARAM_CHUNK`]
+/// rows, (C, 2, E) ([`ln::param_partials`]); summed over C by the caller, in order.
 pub fn layer_norm_params(x: &[f32], dy: &[f32], e: usize, eps: f32) -> Vec<f32> {
-    let rows = x.len() / e;
-    let chunks = rows.div_ceil(PARAM_CHUNK);
-    let mut out = vec![0f32; chunks * 2 * e];
-    out.par_chunks_mut(2 * e).enumerate().for_each(|(c, part)| {
-        let (mut dw, mut db) = (vec![0f64; e], vec![0f64; e]);
-        for r in c * PARAM_CHUNK..((c + 1) * PARAM_CHUNK).min(rows) {
-            let (row, dy) = (&x[r * e..(r + 1) * e], &dy[r * e..(r + 1) * e]);
-            let (mean, rstd) = stats(row, eps);
-            for i in 0..e {
-                dw[i] += f64::from(dy[i]) * (f64::from(row[i]) - mean) * rstd;
-                db[i] += f64::from(dy[i]);
-            }
-        }
-        let (w_part, b_part) = part.split_at_mut(e);
-        w_part.iter_mut().zip(&dw).for_each(|(o, v)| *o = *v as f32);
-        b_part.iter_mut().zip(&db).for_each(|(o, v)| *o = *v as f32);
-    });
-    out
+    let (mean, rstd) = ln::row_stats(x, e, eps);
+    ln::param_partials(dy, x, &mean, &rstd, e)
 }
 
-/// √(2/π) and the cubic coefficient of `gelu_new`.
-const GELU_A: f64 = 0.797_884_560_802_865_4;
-const GELU_B: f64 = 0.044_715;
-
-/// `gelu_new`'s derivative at z: with u = a(z + b z³), t = tanh u,
-/// `½(1 + t) + ½ z (1 − t²) a (1 + 3b z²)`.
-pub fn gelu_new_grad(z: f32) -> f32 {
-    let z = f64::from(z);
-    let t = (GELU_A * (z + GELU_B * z * z * z)).tanh();
-    (0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * GELU_A * (1.0 + 3.0 * GELU_B * z * z)) as f32
-}
-
-/// The gradient of `gelu_new(x + b)` with respect to its argument z = x + b:
-/// `dz = dy · gelu_new'(z)`, x and dy (M, I), b (I).
+/// The gradient of `gelu_new(x + b)` with respect to z = x + b ([`gelu::bias_backward`]).
 pub fn bias_gelu_bwd(x: &[f32], b: &[f32], dy: &[f32]) -> Vec<f32> {
-    let i = b.len();
-    let mut dz = vec![0f32; x.len()];
-    let rows = x.par_chunks(i).zip(dy.par_chunks(i));
-    rows.zip(dz.par_chunks_mut(i)).for_each(|((x, dy), out)| {
-        for (k, o) in out.iter_mut().enumerate() {
-            *o = dy[k] * gelu_new_grad(x[k] + b[k]);
-        }
-    });
-    dz
+    gelu::bias_backward(x, b, dy)
 }
 
 /// Shape of a masked softmax: scores (B, H, T, S), additive bias (B or 1, 1, T, S).

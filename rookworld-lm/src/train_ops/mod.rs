@@ -12,6 +12,9 @@
 //! - [`adamw::adamw_step`]: the optimizer's step on the parameter's device, moments kept
 //!   there.
 //!
+//! Layer norm and GELU have one CPU implementation each ([`layer_norm`](mod@layer_norm),
+//! [`gelu`]) that these ops and the learner's fused pass share.
+//!
 //! Each runs [`cpu`] on the CPU (the reference) and, with the `cuda` feature, one launch of
 //! `kernels/train_ops.cu`. f32 only: mixed precision keeps these in f32 by design. The
 //! model uses them when [`crate::Gpt2::set_train_ops`] is on (the learner's trainable
@@ -19,6 +22,8 @@
 
 pub mod adamw;
 pub mod cpu;
+pub mod gelu;
+pub mod layer_norm;
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
