@@ -21,18 +21,18 @@ mod gather;
 mod local;
 mod prepare;
 mod report;
+mod services;
 mod settings;
 mod support;
 mod trainer;
 mod watchdog;
 
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rookworld_lm::Gpt2;
-use rookworld_weights::set::WeightSet;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -40,18 +40,16 @@ pub use config::{ConfigError, TrainArgs, TrainSettings};
 pub use report::{StepRecord, StepSeconds, print_summary, reward_trend};
 
 use crate::checkpoint;
-use crate::eval::periodic::{Evaluator, Outcome};
+use crate::eval::periodic::Outcome;
 use crate::optim::AdamW;
 use crate::policy::Trainable;
 use crate::prompts::{self, Source};
-use crate::push::{self, Fleet, SyncConfig};
 use crate::queue::Queue;
-use crate::queue_service::{self, GroupCheck, GroupSpec, QueueServer};
 use gather::rand_seed_stream;
 use prepare::prepare;
 use report::Reporter;
-use rookworld_weights::export::Exporter;
-use support::{check_reward, drain, peak_flops, publish, save};
+use services::Services;
+use support::{drain, peak_flops, save};
 use trainer::{Stepped, Trainer};
 use watchdog::Watchdog;
 
@@ -153,36 +151,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<TrainSummary, TrainError> {
     let s = args.settings.clone();
-    args.validate()?;
-    for (flag, path) in [
-        ("--log-jsonl", &args.log_jsonl),
-        ("--rollout-dump", &args.rollout_dump),
-    ] {
-        if let Some(path) = path {
-            report::writable(path, flag)?;
-        }
-    }
-    let eval_suites = args.eval.suites()?;
-    let token = args.token()?;
-    let token = match (token, args.local) {
-        (Some(t), _) => t,
-        // One process on loopback: a fresh random token guards it.
-        (None, true) => format!("local-{:016x}", rand::random::<u64>()),
-        (None, false) => {
-            return Err(ConfigError(
-                "the learner needs the shared token (--token, --token-file or ROOKWORLD_TOKEN)"
-                    .into(),
-            )
-            .into());
-        }
-    };
-    let inspect_token = args.token.resolve_inspect().map_err(ConfigError)?;
-    let tls = args.tls.load().map_err(ConfigError)?;
-    args.client_tls.check().map_err(ConfigError)?;
-    if let Some(reward) = args.reward.as_ref().filter(|_| !args.local) {
-        let wait = Duration::from_secs_f64(args.reward_wait.max(0.0));
-        check_reward(reward, &token, &args.client_tls, wait).await?;
-    }
+    let checked = services::check(&args).await?;
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
         shutdown.await;
@@ -203,81 +172,7 @@ pub async fn run(
         summary.already_done = Some(line);
         return Ok(summary);
     }
-    let queue_addr = listener.local_addr().map_err(TrainError::Listener)?;
-    let spec = GroupSpec {
-        num_completions: s.batch.group_size,
-        sampling: s.sampling(),
-        check: GroupCheck::for_model(run.policy.model.config()),
-    };
-    let server = QueueServer::new(
-        run.queue.clone(),
-        spec,
-        Some(token.clone()),
-        run.version.clone(),
-    )
-    .with_inspect_token(inspect_token)
-    .with_tls(tls.clone());
-    let (server_stop, server_stopped) = watch::channel(false);
-    let queue_task = tokio::spawn(queue_service::run(server, listener, until(server_stopped)));
-    tracing::info!(queue = %queue_addr, step = run.step, version = run.version.load(Ordering::SeqCst), "learner ready");
-
-    let shared_dir = support::shared_dir(&args)?;
-    let local = if args.local {
-        let version = run.version.load(Ordering::SeqCst);
-        let weights = WeightSet::from_model(&run.policy.model, &run.run_id, version)?;
-        Some(
-            local::LocalServices::start(
-                queue_addr,
-                &weights,
-                run.policy.model.config(),
-                run.policy.model.device(),
-                &token,
-                shared_dir.clone(),
-                (tls.clone(), args.client_tls.clone()),
-            )
-            .await
-            .map_err(TrainError::LocalServices)?,
-        )
-    } else {
-        None
-    };
-    // The weight sync: every registered worker gets the newest published weights.
-    let (latest_tx, latest_rx) = watch::channel(None);
-    let latest_tx = Arc::new(latest_tx);
-    let fleet = Arc::new(Mutex::new(Fleet::new(Duration::from_secs(30))));
-    let (sync_stop, sync_stopped) = watch::channel(false);
-    let sync_task = tokio::spawn(push::run(
-        run.queue.clone(),
-        fleet.clone(),
-        latest_rx,
-        token.clone(),
-        SyncConfig {
-            deadline: args.push_timeout(),
-            forget_after: Duration::from_secs_f64((2.0 * s.lease_timeout).max(60.0)),
-            tick: Duration::from_millis(250),
-            tls: rookworld_proto::tls::ClientTlsArgs {
-                server_name: args.push_tls_name.clone(),
-                ..args.client_tls.clone()
-            },
-        },
-        until(sync_stopped),
-    ));
-    tokio::task::block_in_place(|| publish(&args, &run, &latest_tx))?;
-    // Later versions: written by the optimizer, hashed and published off this thread.
-    let exporter = Exporter::new(&run.policy.vars, latest_tx.clone(), shared_dir.clone());
-    // Evaluations of published weights on a thread of their own (the first: the start's).
-    let evaluator = (!eval_suites.is_empty()).then(|| {
-        let ev = Evaluator::start(
-            eval_suites,
-            run.policy.model.config().clone(),
-            run.policy.model.device().clone(),
-            latest_tx.subscribe(),
-        );
-        if run.step == 0 {
-            ev.request(0, run.version.load(Ordering::SeqCst));
-        }
-        ev
-    });
+    let services = Services::start(&args, &run, checked, listener).await?;
     let mut reporter = Reporter::new(
         args.log_jsonl.as_deref(),
         args.rollout_dump.as_deref(),
@@ -293,9 +188,9 @@ pub async fn run(
         peak: peak_flops(&args, &run.policy.model),
         seeds: rand_seed_stream(s.seed, run.step),
         run: &mut run,
-        exporter: &exporter,
-        evaluator: evaluator.as_ref(),
-        fleet: &fleet,
+        exporter: &services.exporter,
+        evaluator: services.evaluator.as_ref(),
+        fleet: &services.fleet,
         reporter: &mut reporter,
         schedule: s.schedule(),
         step_cfg: s.step_config(),
@@ -318,7 +213,7 @@ pub async fn run(
         };
         trainer.reporter.step(&record)?;
         summary.steps.push(*record);
-        for outcome in evaluator.iter().flat_map(Evaluator::finished) {
+        for outcome in trainer.evaluator.iter().flat_map(|ev| ev.finished()) {
             trainer.reporter.eval(&outcome)?;
             summary.evals.push(outcome.clone());
             trainer.run.eval = Some(outcome);
@@ -331,27 +226,27 @@ pub async fn run(
     }
     reporter.finish();
     // The last version reaches the weight sync before it stops.
-    exporter.flush()?;
+    services.exporter.flush()?;
 
     // Stop leasing, let groups in flight come in, keep everything unfinished.
     lock(&run.queue).close();
     drain(&run.queue, args.drain_timeout()).await;
-    if let Some(ev) = evaluator {
+    if let Some(ev) = &services.evaluator
+        && !summary.interrupted
+    {
         // A finished run waits for its final weights' evaluation; a stopped one does not.
-        if !summary.interrupted {
-            ev.close();
-            let mut stop = stop_rx.clone();
-            while !ev.done() && !*stop.borrow() {
-                tokio::select! {
-                    _ = stop.wait_for(|&s| s) => {}
-                    _ = tokio::time::sleep(Duration::from_millis(50)) => {}
-                }
+        ev.close();
+        let mut stop = stop_rx.clone();
+        while !ev.done() && !*stop.borrow() {
+            tokio::select! {
+                _ = stop.wait_for(|&s| s) => {}
+                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
             }
-            for outcome in ev.finished() {
-                reporter.eval(&outcome)?;
-                summary.evals.push(outcome.clone());
-                run.eval = Some(outcome);
-            }
+        }
+        for outcome in ev.finished() {
+            reporter.eval(&outcome)?;
+            summary.evals.push(outcome.clone());
+            run.eval = Some(outcome);
         }
     }
     summary.checkpoint = Some(tokio::task::block_in_place(|| save(&args, &run))?);
@@ -361,25 +256,7 @@ pub async fn run(
         interrupted = summary.interrupted,
         "checkpoint written; stopping"
     );
-    // Pushes still in flight get their deadline, then the services stop.
-    let _ = sync_stop.send(true);
-    let _ = sync_task.await;
-    // The shared payload files go with the last hold on them: the sync's, the exporter's.
-    latest_tx.send_replace(None);
-    drop(exporter);
-    if args.local
-        && args.shared_dir.is_none()
-        && let Some(dir) = &shared_dir
-    {
-        let _ = std::fs::remove_dir(dir);
-    }
-    if let Some(local) = local {
-        local.stop().await;
-    }
-    let _ = server_stop.send(true);
-    if let Ok(Ok(Err(e))) = tokio::time::timeout(Duration::from_secs(5), queue_task).await {
-        tracing::warn!(error = %e, "queue server");
-    }
+    services.stop(&args).await;
     match stalled {
         Some(why) => Err(TrainError::Stalled(why)),
         None => Ok(summary),
