@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use rookworld_weights::set::WeightSet;
 use tokio::sync::{mpsc, watch};
 
-use crate::queue::Queue;
+use crate::queue::QueueHandle;
 
 mod one;
 use crate::metrics::names;
@@ -336,7 +336,7 @@ pub const STOP_GRACE: Duration = Duration::from_secs(3);
 /// resolves; then waits (up to the push deadline, at most [`STOP_GRACE`]) for pushes under
 /// way.
 pub async fn run(
-    queue: Arc<Mutex<Queue>>,
+    queue: QueueHandle,
     fleet: Arc<Mutex<Fleet>>,
     mut latest: watch::Receiver<Option<Arc<WeightSet>>>,
     token: String,
@@ -361,16 +361,17 @@ pub async fn run(
             Some(outcome) = done_rx.recv() => {
                 in_flight -= 1;
                 lock_fleet().finish(&outcome, Instant::now());
-                note_reachability(&queue, &outcome);
+                note_reachability(&queue, outcome).await;
             }
         }
         let Some(set) = latest.borrow().clone() else {
             continue;
         };
         let now = Instant::now();
+        let workers = advertised(&queue, cfg.forget_after, now).await;
         let due = {
             let mut fleet = lock_fleet();
-            observe(&queue, &mut fleet, cfg.forget_after, set.version, now);
+            observe(&workers, &mut fleet, set.version);
             let due = fleet.due(set.version, now);
             fleet.publish_metrics(set.version);
             due.into_iter()
@@ -398,7 +399,7 @@ pub async fn run(
                 Some(outcome) => {
                     in_flight -= 1;
                     lock_fleet().finish(&outcome, Instant::now());
-                    note_reachability(&queue, &outcome);
+                    note_reachability(&queue, outcome).await;
                 }
                 None => break,
             }
@@ -407,33 +408,43 @@ pub async fn run(
     .await;
 }
 
-/// Brings `fleet` in line with the queue's workers: registers advertised addresses, takes
-/// the versions workers report, forgets addresses no worker has used for `forget_after`.
-fn observe(
-    queue: &Mutex<Queue>,
-    fleet: &mut Fleet,
-    forget_after: Duration,
-    newest: u64,
-    now: Instant,
-) {
-    let q = queue
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+/// A worker the queue heard from: its push address and the version it reports, when.
+struct Advertised {
+    address: String,
+    reported: Option<(u64, Instant)>,
+}
+
+/// The queue's workers with a push address, seen within `forget_after`.
+async fn advertised(queue: &QueueHandle, forget_after: Duration, now: Instant) -> Vec<Advertised> {
+    queue
+        .run(move |q| {
+            q.workers()
+                .values()
+                .filter(|w| {
+                    !w.push_address.is_empty()
+                        && w.last_seen
+                            .is_some_and(|t| now.saturating_duration_since(t) < forget_after)
+                })
+                .map(|w| Advertised {
+                    address: w.push_address.clone(),
+                    reported: w.reported_version.zip(w.reported_at),
+                })
+                .collect()
+        })
+        .await
+}
+
+/// Brings `fleet` in line with the queue's `workers`: registers advertised addresses,
+/// takes the versions workers report, forgets addresses no worker has used lately.
+fn observe(workers: &[Advertised], fleet: &mut Fleet, newest: u64) {
     let mut live = std::collections::BTreeSet::new();
-    for w in q.workers().values() {
-        let recent = w
-            .last_seen
-            .is_some_and(|t| now.saturating_duration_since(t) < forget_after);
-        if w.push_address.is_empty() || !recent {
-            continue;
+    for w in workers {
+        fleet.register(&w.address);
+        if let Some((version, at)) = w.reported {
+            fleet.reported(&w.address, version, at, newest);
         }
-        fleet.register(&w.push_address);
-        if let (Some(version), Some(at)) = (w.reported_version, w.reported_at) {
-            fleet.reported(&w.push_address, version, at, newest);
-        }
-        live.insert(w.push_address.clone());
+        live.insert(w.address.clone());
     }
-    drop(q);
     for address in fleet.addresses() {
         if !live.contains(&address) {
             fleet.forget(&address);

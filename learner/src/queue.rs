@@ -373,11 +373,13 @@ impl Queue {
     }
 }
 
+mod handle;
 pub mod problems;
 mod snapshot;
 mod types;
 mod workers;
 
+pub use handle::QueueHandle;
 pub use snapshot::QueueSnapshot;
 pub use types::{
     Backpressure, Counters, Depths, Grant, LeaseId, PromptId, QueueConfig, QueuedPrompt,

@@ -2,11 +2,11 @@
 //! submissions and the inspection calls people use with grpcurl; reflection lists it.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex};
 
 use learner::prompts::{TaskKind, TaskPrompt};
-use learner::queue::{Queue, QueueConfig};
+use learner::queue::{Queue, QueueConfig, QueueHandle};
 use learner::queue_service::{self, GroupCheck, GroupSpec, QueueServer};
 use rookworld_proto::queue::v1 as pb;
 use rookworld_proto::queue::v1::rollout_queue_client::RolloutQueueClient;
@@ -29,10 +29,10 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
         .local_addr()
         .unwrap();
     learner::metrics::install_exporter(metrics_addr).unwrap();
-    let queue = Arc::new(Mutex::new(Queue::new(QueueConfig::default())));
-    queue.lock().unwrap().set_run("run-a");
+    let mut initial = Queue::new(QueueConfig::default());
+    initial.set_run("run-a");
     for i in 0..3 {
-        queue.lock().unwrap().add(
+        initial.add(
             TaskPrompt {
                 kind: TaskKind::Environment,
                 prompt: format!("A: prompt {i}+"),
@@ -41,6 +41,7 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
             100 + i,
         );
     }
+    let queue = QueueHandle::start(initial);
     let spec = GroupSpec {
         num_completions: 4,
         sampling: rookworld_proto::v1::SamplingParams {
@@ -288,7 +289,7 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
     );
 
     // The learner takes it; the staleness histogram shows lag 0.
-    assert_eq!(queue.lock().unwrap().take(10, 3).len(), 1);
+    assert_eq!(queue.run(|q| q.take(10, 3).len()).await, 1);
     let s = client
         .get_staleness(pb::GetStalenessRequest {})
         .await
@@ -303,8 +304,8 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
     old_run.run_id = "run-old".into();
     old_run.prompt_ids = check.prompt_ids(&got.prompts[1].prompt).unwrap();
     client.submit(authed(old_run, TOKEN)).await.unwrap();
-    assert_eq!(queue.lock().unwrap().ready(3), 0);
-    assert_eq!(queue.lock().unwrap().take(10, 3).len(), 0);
+    assert_eq!(queue.run(|q| q.ready(3)).await, 0);
+    assert_eq!(queue.run(|q| q.take(10, 3).len()).await, 0);
     let s = client
         .get_staleness(pb::GetStalenessRequest {})
         .await
@@ -316,11 +317,12 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
     let mut other = lease(1);
     other.weight_run_id = "run-old".into();
     client.lease(authed(other, TOKEN)).await.unwrap();
-    let reported = {
-        let q = queue.lock().unwrap();
-        let w = &q.workers()["w1"];
-        (w.reported_run.clone(), w.reported_version)
-    };
+    let reported = queue
+        .run(|q| {
+            let w = &q.workers()["w1"];
+            (w.reported_run.clone(), w.reported_version)
+        })
+        .await;
     assert_eq!(reported, ("run-old".to_owned(), Some(0)));
 
     for alpha in [false, true] {
@@ -347,7 +349,7 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
 /// inspection token does no worker's work.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_inspection_token_closes_the_inspection_calls() {
-    let queue = Arc::new(Mutex::new(Queue::new(QueueConfig::default())));
+    let queue = QueueHandle::start(Queue::new(QueueConfig::default()));
     let spec = GroupSpec {
         num_completions: 4,
         sampling: rookworld_proto::v1::SamplingParams::default(),

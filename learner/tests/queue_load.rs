@@ -5,12 +5,12 @@
 //! refuses the invalid groups.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use learner::prompts::Generator;
-use learner::queue::{Queue, QueueConfig};
+use learner::queue::{Queue, QueueConfig, QueueHandle};
 use learner::queue_service::{self, GroupCheck, GroupSpec, QueueServer};
 use rookworld_proto::queue::v1 as pb;
 use rookworld_proto::queue::v1::rollout_queue_client::RolloutQueueClient;
@@ -115,7 +115,7 @@ async fn a_burst_of_workers_stays_within_bounds_and_inspection_keeps_answering()
         max_version_lag: 2,
         max_workers: 128,
     };
-    let queue = Arc::new(Mutex::new(Queue::new(cfg)));
+    let queue = QueueHandle::start(Queue::new(cfg));
     let check = GroupCheck::for_model(&rookworld_lm::Config::tiny());
     let spec = GroupSpec {
         num_completions: G,
@@ -156,16 +156,20 @@ async fn a_burst_of_workers_stays_within_bounds_and_inspection_keeps_answering()
             let mut prompts = Generator::new(3, 0.0);
             let mut longest_prompt = 0;
             while Instant::now() < until + Duration::from_secs(1) {
-                {
-                    let mut q = queue.lock().unwrap();
-                    for _ in 0..q.pending_room() {
-                        let p = prompts.next_prompt();
-                        longest_prompt = longest_prompt.max(p.prompt.len());
-                        q.add(p, 0);
-                    }
-                    q.expire(Instant::now());
-                    q.take(8, 0);
+                let room = queue.run(|q| q.pending_room()).await;
+                let batch: Vec<_> = (0..room).map(|_| prompts.next_prompt()).collect();
+                for p in &batch {
+                    longest_prompt = longest_prompt.max(p.prompt.len());
                 }
+                queue
+                    .run(move |q| {
+                        for p in batch {
+                            q.add(p, 0);
+                        }
+                        q.expire(Instant::now());
+                        q.take(8, 0);
+                    })
+                    .await;
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
             longest_prompt

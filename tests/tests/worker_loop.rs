@@ -2,13 +2,13 @@
 //! loopback: it leases, generates, scores and submits every prompt, and waits out a reward
 //! server that comes up late.
 
+use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
 use learner::prompts::{Generator, TaskKind};
-use learner::queue::{Queue, QueueConfig};
+use learner::queue::{Queue, QueueConfig, QueueHandle};
 use learner::queue_service::{self, GroupCheck, GroupSpec, QueueServer};
 use rollout_worker::engine::{Engine, EngineConfig};
 use rollout_worker::worker_loop::{self, LoopConfig};
@@ -20,13 +20,14 @@ use rookworld_lm::{Config, Tokenizer};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_worker_scores_and_submits_every_leased_prompt() {
     // The queue, with four environment prompts of three completions each.
-    let queue = Arc::new(Mutex::new(Queue::new(QueueConfig::default())));
+    let mut initial = Queue::new(QueueConfig::default());
     let mut prompts = Generator::new(1, 0.0);
     for i in 0..4 {
         let p = prompts.next_prompt();
         assert_eq!(p.kind, TaskKind::Environment);
-        queue.lock().unwrap().add(p, i);
+        initial.add(p, i);
     }
+    let queue = QueueHandle::start(initial);
     let spec = GroupSpec {
         num_completions: 3,
         sampling: rookworld_proto::v1::SamplingParams {
@@ -96,18 +97,18 @@ async fn the_worker_scores_and_submits_every_leased_prompt() {
     ));
 
     let started = Instant::now();
-    while queue.lock().unwrap().depths().scored < 4 {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "{:?}",
-            queue.lock().unwrap().depths()
-        );
+    loop {
+        let depths = queue.run(|q| q.depths()).await;
+        if depths.scored >= 4 {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "{depths:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     stop.send(()).unwrap();
     worker.await.unwrap().unwrap();
 
-    let groups = queue.lock().unwrap().take(10, 0);
+    let groups = queue.run(|q| q.take(10, 0)).await;
     assert_eq!(groups.len(), 4);
     let mut ids: Vec<u64> = groups.iter().map(|g| g.prompt_id).collect();
     ids.sort_unstable();
@@ -125,10 +126,12 @@ async fn the_worker_scores_and_submits_every_leased_prompt() {
         }
     }
     assert_eq!(
-        queue.lock().unwrap().workers()["worker-a"].push_address,
+        queue
+            .run(|q| q.workers()["worker-a"].push_address.clone())
+            .await,
         "http://127.0.0.1:1"
     );
-    let d = queue.lock().unwrap().depths();
+    let d = queue.run(|q| q.depths()).await;
     assert_eq!(
         (
             d.counters.groups_submitted,

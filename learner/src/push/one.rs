@@ -1,7 +1,6 @@
 //! One push of a weight set to one worker: the same-host file first where it may work,
 //! else (or then) the stream; bounded by a deadline, logged and counted.
 
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
@@ -10,7 +9,7 @@ use rookworld_weights::set::{self as weights, CHUNK_BYTES, WeightSet};
 
 use super::PushOutcome;
 use crate::metrics::names;
-use crate::queue::Queue;
+use crate::queue::{Queue, QueueHandle};
 
 /// One push of `set` to the worker at `address`, bounded by `deadline`, logged and
 /// counted; through the shared file first when `shared` and the set has one. Plaintext
@@ -180,10 +179,11 @@ fn source_chain(e: &dyn std::error::Error) -> String {
 /// Tells the queue whether the worker at `o.worker` can be reached for pushes: the first
 /// time it cannot, one ERROR naming the address and `--advertise`; the queue then answers
 /// that worker's leases with the same text until a push reaches it.
-pub(super) fn note_reachability(queue: &Mutex<Queue>, o: &PushOutcome) {
-    let mut q = queue
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+pub(super) async fn note_reachability(queue: &QueueHandle, o: PushOutcome) {
+    queue.run(move |q| note(q, &o)).await;
+}
+
+fn note(q: &mut Queue, o: &PushOutcome) {
     if o.unreachable {
         let problem = format!(
             "the learner cannot reach {} for weight pushes ({}); start the worker with --advertise URL (ROLLOUT_ADVERTISE) at which the learner reaches its service",

@@ -6,8 +6,8 @@ pub mod check;
 mod error;
 
 use std::future::Future;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use rookworld_proto::auth::{Guard, TokenError};
@@ -22,7 +22,7 @@ use tonic::{Request, Response, Status};
 use crate::metrics::names;
 use crate::prompts::TaskKind;
 use crate::queue::problems::{Cause, Problem};
-use crate::queue::{Backpressure, Queue, ScoredCompletion, ScoredGroup};
+use crate::queue::{Backpressure, QueueHandle, ScoredCompletion, ScoredGroup, WorkerStats};
 pub use check::GroupCheck;
 pub use error::QueueError;
 
@@ -48,7 +48,7 @@ pub struct GroupSpec {
 /// The queue service, shared with the learner that fills and drains the queue.
 #[derive(Debug, Clone)]
 pub struct QueueServer {
-    queue: Arc<Mutex<Queue>>,
+    queue: QueueHandle,
     spec: GroupSpec,
     guard: Guard,
     tls: Option<Arc<ServerTls>>,
@@ -58,7 +58,7 @@ pub struct QueueServer {
 
 impl QueueServer {
     pub fn new(
-        queue: Arc<Mutex<Queue>>,
+        queue: QueueHandle,
         spec: GroupSpec,
         token: Option<String>,
         learner_version: Arc<AtomicU64>,
@@ -87,20 +87,22 @@ impl QueueServer {
 
     /// A worker call (`call`): the shared token. A refused call is counted by cause and
     /// caller ([`crate::queue::problems`]): such a worker never reaches the queue otherwise.
-    fn authorize<T>(&self, call: &str, request: &Request<T>) -> Result<(), Status> {
-        self.guard.work(request.metadata()).map_err(|e| {
-            let cause = match e {
-                TokenError::Missing => "no token",
-                TokenError::Wrong => "wrong token",
-                TokenError::NotConfigured => "no token configured at the learner",
-            };
-            let caller = request
-                .remote_addr()
-                .map_or_else(|| "an unknown address".to_owned(), |a| a.to_string());
-            self.queue()
-                .refused_call(call, cause, &caller, Instant::now());
-            QueueError::from(e).into()
-        })
+    async fn authorize<T>(&self, call: &'static str, request: &Request<T>) -> Result<(), Status> {
+        let Err(e) = self.guard.work(request.metadata()) else {
+            return Ok(());
+        };
+        let cause = match e {
+            TokenError::Missing => "no token",
+            TokenError::Wrong => "wrong token",
+            TokenError::NotConfigured => "no token configured at the learner",
+        };
+        let caller = request
+            .remote_addr()
+            .map_or_else(|| "an unknown address".to_owned(), |a| a.to_string());
+        self.queue
+            .run(move |q| q.refused_call(call, cause, &caller, Instant::now()))
+            .await;
+        Err(QueueError::from(e).into())
     }
 
     /// An inspection call: open, or the inspection token.
@@ -110,11 +112,30 @@ impl QueueServer {
             .inspect(request.metadata())
             .map_err(QueueError::from)?)
     }
+}
 
-    fn queue(&self) -> std::sync::MutexGuard<'_, Queue> {
-        self.queue
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+/// A worker as `ListWorkers` shows it at `now` (never seen: since `started`).
+fn worker_to_pb(id: &str, w: &WorkerStats, now: Instant, started: Instant) -> pb::WorkerInfo {
+    pb::WorkerInfo {
+        worker_id: id.to_owned(),
+        leased: w.leased,
+        submitted: w.submitted,
+        expired: w.expired,
+        refused: w.refused,
+        outstanding: w.outstanding as u32,
+        weight_version: w.weight_version,
+        last_seen_seconds_ago: w
+            .last_seen
+            .map_or(now.duration_since(started), |t| now.duration_since(t))
+            .as_secs_f64(),
+        push_address: w.push_address.clone(),
+        weight_run_id: w.reported_run.clone(),
+        last_error: w.problem.as_ref().map(|p| p.describe()).unwrap_or_default(),
+        last_error_seconds_ago: w
+            .problem
+            .as_ref()
+            .and_then(|p| p.at)
+            .map_or(0.0, |t| now.saturating_duration_since(t).as_secs_f64()),
     }
 }
 
@@ -143,7 +164,7 @@ impl QueueServer {
     /// What [`check`] asks of a submission, and that its prompt ids are the leased
     /// prompt's, as the learner tokenises it (the behaviour log-probs were computed on
     /// them; an unknown lease is refused later, by the queue).
-    fn check_submission(&self, r: &pb::SubmitRequest) -> Result<(), Status> {
+    async fn check_submission(&self, r: &pb::SubmitRequest) -> Result<(), Status> {
         check::worker_id(&r.worker_id)?;
         check::group(
             r,
@@ -151,7 +172,8 @@ impl QueueServer {
             self.spec.sampling.max_new_tokens,
             &self.spec.check,
         )?;
-        let leased = self.queue().leased_prompt(r.lease_id);
+        let lease = r.lease_id;
+        let leased = self.queue.run(move |q| q.leased_prompt(lease)).await;
         if let Some(prompt) = leased
             && self.spec.check.prompt_ids(&prompt)? != r.prompt_ids
         {
@@ -170,22 +192,26 @@ impl RolloutQueue for QueueServer {
         &self,
         request: Request<pb::LeaseRequest>,
     ) -> Result<Response<pb::LeaseResponse>, Status> {
-        self.authorize("Lease", &request)?;
+        self.authorize("Lease", &request).await?;
         let r = request.into_inner();
         check::worker_id(&r.worker_id)?;
         check::push_address(&r.push_address)?;
         let now = Instant::now();
         let max = (r.max_prompts as usize).clamp(1, MAX_LEASE);
-        let result = {
-            let mut q = self.queue();
-            let reported = (r.weight_run_id.as_str(), r.weight_version);
-            // Before the lease too: a known worker's new push address counts at once.
-            q.describe_worker(&r.worker_id, &r.push_address, reported, now);
-            let result = q.lease(&r.worker_id, max, now);
-            q.describe_worker(&r.worker_id, &r.push_address, reported, now);
-            crate::metrics::record_queue(&q);
-            result
-        };
+        let (worker, address) = (r.worker_id.clone(), r.push_address.clone());
+        let (reported_run, reported_version) = (r.weight_run_id.clone(), r.weight_version);
+        let (result, run_id) = self
+            .queue
+            .run(move |q| {
+                let reported = (reported_run.as_str(), reported_version);
+                // Before the lease too: a known worker's new push address counts at once.
+                q.describe_worker(&worker, &address, reported, now);
+                let result = q.lease(&worker, max, now);
+                q.describe_worker(&worker, &address, reported, now);
+                crate::metrics::record_queue(q);
+                (result, q.run_id().to_owned())
+            })
+            .await;
         if let Err(Backpressure::PushUnreachable(problem)) = &result {
             return Err(QueueError::PushUnreachable(problem.clone()).into());
         }
@@ -196,7 +222,7 @@ impl RolloutQueue for QueueServer {
             learner_version: self.learner_version.load(Ordering::SeqCst),
             backpressure: String::new(),
             retry_after_seconds: 0.0,
-            run_id: self.queue().run_id().to_owned(),
+            run_id,
         };
         match result {
             Ok(grants) => {
@@ -239,9 +265,9 @@ impl RolloutQueue for QueueServer {
         &self,
         request: Request<pb::SubmitRequest>,
     ) -> Result<Response<pb::SubmitResponse>, Status> {
-        self.authorize("Submit", &request)?;
+        self.authorize("Submit", &request).await?;
         let r = request.into_inner();
-        self.check_submission(&r).inspect_err(|e| {
+        self.check_submission(&r).await.inspect_err(|e| {
             metrics::counter!(names::QUEUE_SUBMISSIONS_INVALID_TOTAL).increment(1);
             tracing::warn!(worker = %r.worker_id.escape_debug(), lease = r.lease_id, error = %e.message(), "submission refused as invalid; its lease stays");
         })?;
@@ -258,12 +284,15 @@ impl RolloutQueue for QueueServer {
             score_seconds: r.score_seconds,
             lease_seconds: 0.0,
         };
-        {
-            let mut q = self.queue();
-            let result = q.submit(&r.worker_id, r.lease_id, group, Instant::now());
-            crate::metrics::record_queue(&q);
-            result.map_err(QueueError::from)?;
-        }
+        let (worker, lease) = (r.worker_id, r.lease_id);
+        self.queue
+            .run(move |q| {
+                let result = q.submit(&worker, lease, group, Instant::now());
+                crate::metrics::record_queue(q);
+                result
+            })
+            .await
+            .map_err(QueueError::from)?;
         Ok(Response::new(pb::SubmitResponse {
             learner_version: self.learner_version.load(Ordering::SeqCst),
         }))
@@ -275,21 +304,23 @@ impl RolloutQueue for QueueServer {
     ) -> Result<Response<pb::GetDepthsResponse>, Status> {
         self.inspect(&request)?;
         let now = Instant::now();
-        let (d, run_id, refused_calls) = {
-            let q = self.queue();
-            let refused = q
-                .refused_calls()
-                .iter()
-                .map(|((call, cause, peer), r)| pb::RefusedCalls {
-                    call: call.clone(),
-                    cause: cause.clone(),
-                    peer: peer.clone(),
-                    count: r.count,
-                    last_seconds_ago: now.saturating_duration_since(r.last).as_secs_f64(),
-                })
-                .collect();
-            (q.depths(), q.run_id().to_owned(), refused)
-        };
+        let (d, run_id, refused_calls) = self
+            .queue
+            .run(move |q| {
+                let refused = q
+                    .refused_calls()
+                    .iter()
+                    .map(|((call, cause, peer), r)| pb::RefusedCalls {
+                        call: call.clone(),
+                        cause: cause.clone(),
+                        peer: peer.clone(),
+                        count: r.count,
+                        last_seconds_ago: now.saturating_duration_since(r.last).as_secs_f64(),
+                    })
+                    .collect();
+                (q.depths(), q.run_id().to_owned(), refused)
+            })
+            .await;
         let c = d.counters;
         Ok(Response::new(pb::GetDepthsResponse {
             pending: d.pending as u64,
@@ -316,32 +347,16 @@ impl RolloutQueue for QueueServer {
     ) -> Result<Response<pb::ListWorkersResponse>, Status> {
         self.inspect(&request)?;
         let now = Instant::now();
+        let started = self.started;
         let workers = self
-            .queue()
-            .workers()
-            .iter()
-            .map(|(id, w)| pb::WorkerInfo {
-                worker_id: id.clone(),
-                leased: w.leased,
-                submitted: w.submitted,
-                expired: w.expired,
-                refused: w.refused,
-                outstanding: w.outstanding as u32,
-                weight_version: w.weight_version,
-                last_seen_seconds_ago: w
-                    .last_seen
-                    .map_or(now.duration_since(self.started), |t| now.duration_since(t))
-                    .as_secs_f64(),
-                push_address: w.push_address.clone(),
-                weight_run_id: w.reported_run.clone(),
-                last_error: w.problem.as_ref().map(|p| p.describe()).unwrap_or_default(),
-                last_error_seconds_ago: w
-                    .problem
-                    .as_ref()
-                    .and_then(|p| p.at)
-                    .map_or(0.0, |t| now.saturating_duration_since(t).as_secs_f64()),
+            .queue
+            .run(move |q| {
+                q.workers()
+                    .iter()
+                    .map(|(id, w)| worker_to_pb(id, w, now, started))
+                    .collect()
             })
-            .collect();
+            .await;
         Ok(Response::new(pb::ListWorkersResponse { workers }))
     }
 
@@ -350,19 +365,22 @@ impl RolloutQueue for QueueServer {
         request: Request<pb::GetStalenessRequest>,
     ) -> Result<Response<pb::GetStalenessResponse>, Status> {
         self.inspect(&request)?;
-        let q = self.queue();
-        Ok(Response::new(pb::GetStalenessResponse {
-            buckets: q.staleness().to_vec(),
-            dropped_stale: q.depths().counters.groups_dropped_stale,
-            max_version_lag: q.config().max_version_lag,
-        }))
+        let response = self
+            .queue
+            .run(|q| pb::GetStalenessResponse {
+                buckets: q.staleness().to_vec(),
+                dropped_stale: q.depths().counters.groups_dropped_stale,
+                max_version_lag: q.config().max_version_lag,
+            })
+            .await;
+        Ok(Response::new(response))
     }
 
     async fn report(
         &self,
         request: Request<pb::ReportRequest>,
     ) -> Result<Response<pb::ReportResponse>, Status> {
-        self.authorize("Report", &request)?;
+        self.authorize("Report", &request).await?;
         let r = request.into_inner();
         check::worker_id(&r.worker_id)?;
         let now = Instant::now();
@@ -391,8 +409,10 @@ impl RolloutQueue for QueueServer {
         if let Some(p) = &problem {
             tracing::debug!(worker = %r.worker_id.escape_debug(), problem = %p.describe().escape_debug(), "worker reports a problem");
         }
-        self.queue()
-            .report(&r.worker_id, problem, now)
+        let worker = r.worker_id;
+        self.queue
+            .run(move |q| q.report(&worker, problem, now))
+            .await
             .map_err(QueueError::Full)?;
         Ok(Response::new(pb::ReportResponse {}))
     }
@@ -404,9 +424,11 @@ impl RolloutQueue for QueueServer {
         self.inspect(&request)?;
         let r = request.into_inner();
         let n = (r.count as usize).clamp(1, MAX_PEEK);
+        let newest = r.newest;
         let groups = self
-            .queue()
-            .peek(n, r.newest)
+            .queue
+            .run(move |q| q.peek(n, newest))
+            .await
             .into_iter()
             .map(|g| pb::Group {
                 prompt_id: g.prompt_id,

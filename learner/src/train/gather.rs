@@ -1,14 +1,14 @@
 //! Waiting for a step's groups: the queue kept topped up with prompts (their sampling seeds
 //! from one stream per run), the stall watchdog consulted, and the taken groups as a batch.
 
-use std::sync::Mutex;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
 use super::watchdog::{self, Verdict, Watchdog};
-use super::{Run, TrainSettings, lock};
+use super::{Run, TrainSettings};
 use crate::batch::GrpoBatch;
 use crate::push::Fleet;
 use crate::queue::ScoredGroup;
@@ -39,46 +39,54 @@ pub(super) async fn gather(
     seeds: &mut rand_chacha::ChaCha8Rng,
     stop: &mut watch::Receiver<bool>,
     watchdog: &mut Watchdog,
-    fleet: &Mutex<Fleet>,
+    fleet: &Arc<Mutex<Fleet>>,
 ) -> Gathered {
     use rand::RngCore;
     let version = run.version.load(Ordering::SeqCst);
     let mut skipped = 0;
     loop {
-        {
-            let mut q = lock(&run.queue);
-            for _ in 0..q.pending_room() {
-                let p = run.source.next_prompt();
-                q.add(p, seeds.next_u64());
-            }
-            q.expire(Instant::now());
-            q.purge(version);
-            if s.dynamic_sampling {
-                skipped += q.take_without_signal().len();
-            }
-            // Take only a full step's worth, so a shutdown never strands taken groups.
-            if q.ready(version) >= s.batch.prompts_per_step {
-                let groups = q.take(s.batch.prompts_per_step, version);
-                crate::metrics::record_queue(&q);
-                return Gathered::Groups(groups, skipped);
-            }
-            crate::metrics::record_queue(&q);
+        // Only this loop adds prompts: the room it reads is there when they arrive.
+        let room = run.queue.run(|q| q.pending_room()).await;
+        let prompts: Vec<_> = (0..room)
+            .map(|_| (run.source.next_prompt(), seeds.next_u64()))
+            .collect();
+        let (need, dynamic) = (s.batch.prompts_per_step, s.dynamic_sampling);
+        let (groups, dropped, cause_known) = run
+            .queue
+            .run(move |q| {
+                for (p, seed) in prompts {
+                    q.add(p, seed);
+                }
+                q.expire(Instant::now());
+                q.purge(version);
+                let dropped = if dynamic {
+                    q.take_without_signal().len()
+                } else {
+                    0
+                };
+                // Take only a full step's worth, so a shutdown never strands taken groups.
+                let groups = (q.ready(version) >= need).then(|| q.take(need, version));
+                crate::metrics::record_queue(q);
+                (groups, dropped, !q.causes(Instant::now()).is_empty())
+            })
+            .await;
+        skipped += dropped;
+        if let Some(groups) = groups {
+            return Gathered::Groups(groups, skipped);
         }
         let now = Instant::now();
-        let cause_known = !lock(&run.queue).causes(now).is_empty();
         let verdict = watchdog.check(now, cause_known);
         if verdict != Verdict::Fine {
-            // The weight sync's lock order: the fleet, then the queue.
-            let fleet = fleet
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let why = watchdog::diagnose(
-                &lock(&run.queue),
-                &fleet,
-                version,
-                s.batch.prompts_per_step,
-                now,
-            );
+            let fleet = fleet.clone();
+            let why = run
+                .queue
+                .run(move |q| {
+                    let fleet = fleet
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    watchdog::diagnose(q, &fleet, version, need, now)
+                })
+                .await;
             let limit = watchdog.timeout().unwrap_or_default().as_secs();
             match verdict {
                 Verdict::Stalled(idle) => {

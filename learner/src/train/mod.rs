@@ -28,8 +28,8 @@ mod trainer;
 mod watchdog;
 
 use std::future::Future;
+use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rookworld_lm::Gpt2;
@@ -44,7 +44,7 @@ use crate::eval::periodic::Outcome;
 use crate::optim::AdamW;
 use crate::policy::Trainable;
 use crate::prompts::{self, Source};
-use crate::queue::Queue;
+use crate::queue::QueueHandle;
 use gather::rand_seed_stream;
 use prepare::prepare;
 use report::Reporter;
@@ -125,7 +125,7 @@ struct Run {
     opt: AdamW,
     step: u64,
     source: Source,
-    queue: Arc<Mutex<Queue>>,
+    queue: QueueHandle,
     version: Arc<AtomicU64>,
     /// The run's id ([`crate::run_dir::run_id`]), carried by every push.
     run_id: String,
@@ -138,10 +138,6 @@ struct Run {
     record: Option<String>,
     /// The run directory's lock, held until the run ends.
     _lock: crate::run_lock::RunLock,
-}
-
-fn lock(q: &Mutex<Queue>) -> std::sync::MutexGuard<'_, Queue> {
-    q.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Runs `learner train` with the queue on `listener` until the last step or `shutdown`.
@@ -229,7 +225,7 @@ pub async fn run(
     services.exporter.flush()?;
 
     // Stop leasing, let groups in flight come in, keep everything unfinished.
-    lock(&run.queue).close();
+    run.queue.run(|q| q.close()).await;
     drain(&run.queue, args.drain_timeout()).await;
     if let Some(ev) = &services.evaluator
         && !summary.interrupted

@@ -1,19 +1,19 @@
 //! Where a run starts: a fresh policy after the supervised warm-up, or a checkpoint, with
 //! the weight version that goes on from it.
 
+use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex};
 
 use candle_core::DType;
 use rookworld_lm::checkpoint as model_checkpoint;
 
 use super::config::RESUMABLE;
-use super::{ConfigError, Run, TrainArgs, TrainError, TrainSummary, lock};
+use super::{ConfigError, Run, TrainArgs, TrainError, TrainSummary};
 use crate::checkpoint::{self, Loaded};
 use crate::optim::AdamW;
 use crate::policy::{Precision, Trainable};
 use crate::prompts::{self, Generator, Source};
-use crate::queue::Queue;
+use crate::queue::{Queue, QueueHandle};
 use crate::run_dir;
 
 /// Loads or resumes the policy, the reference and the queue; runs the warm-up on a fresh
@@ -28,7 +28,8 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
         },
         None => Source::Generated(Box::new(Generator::new(s.seed, s.policy_fraction))),
     };
-    let queue = Arc::new(Mutex::new(Queue::new(s.queue_config())));
+    // Configured here, then handed to its own thread (QueueHandle) for the run.
+    let mut queue = Queue::new(s.queue_config());
     let reference_dir = args.run_dir.join("reference");
     let device = args
         .device
@@ -40,7 +41,7 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
     let latest = run_dir::open(&args.run_dir, &args.start, &device)?;
     let resumed = latest.is_some();
     let run_id = run_dir::run_id(&args.run_dir, !resumed)?;
-    lock(&queue).set_run(&run_id);
+    queue.set_run(&run_id);
     tracing::info!(run = %run_id, "run id");
     let (policy, opt, step, version) = match latest {
         Some(Loaded {
@@ -62,7 +63,7 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
             }
             source.restore(&state.cursor)?;
             if let Some(snapshot) = state.queue {
-                lock(&queue).restore(snapshot);
+                queue.restore(snapshot);
             }
             // Checkpoints from before versions were kept: the version was the step.
             let saved = if state.version > 0 {
@@ -70,7 +71,7 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
             } else {
                 state.step
             };
-            let version = resumed_version(&args.run_dir, saved, &mut lock(&queue))?;
+            let version = resumed_version(&args.run_dir, saved, &mut queue)?;
             tracing::info!(step = state.step, version, dir = %dir.display(), "resumed");
             (policy, opt, state.step, version)
         }
@@ -108,7 +109,7 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
         }
     };
     // Version 0 is whatever weights a worker started with, never the learner's.
-    lock(&queue).retire(0, 0);
+    queue.retire(0, 0);
     let reference = if s.objective.beta > 0.0 {
         let mut reference =
             model_checkpoint::load(&reference_dir, DType::F32, policy.model.device())?;
@@ -123,7 +124,7 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
         opt,
         step,
         source,
-        queue,
+        queue: QueueHandle::start(queue),
         version: Arc::new(AtomicU64::new(version)),
         run_id,
         settings_json,

@@ -1,16 +1,16 @@
 //! The loop's helpers: publishing weights, checkpoints, the drain on shutdown, the
 //! reward server's reachability at start, and the FLOP count behind MFU.
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rookworld_weights::set::WeightSet;
 use tokio::sync::watch;
 
-use super::{ConfigError, Run, TrainArgs, TrainError, lock};
+use super::{ConfigError, Run, TrainArgs, TrainError};
 use crate::checkpoint::{self, TrainerState};
-use crate::queue::Queue;
+use crate::queue::QueueHandle;
 
 /// Publishes the policy's weights at the run's current version: recorded first (so a
 /// crash never reuses the number), converted to BF16 once, handed to the weight sync.
@@ -51,7 +51,8 @@ pub(super) fn save(args: &TrainArgs, run: &Run) -> Result<std::path::PathBuf, Tr
         cursor: run.source.cursor(),
         settings: run.settings_json.clone(),
         record: run.record.clone(),
-        queue: Some(lock(&run.queue).snapshot()),
+        // On a blocking thread (`block_in_place`): the snapshot waits for the queue.
+        queue: Some(run.queue.call(|q| q.snapshot())),
         eval: run
             .eval
             .as_ref()
@@ -92,10 +93,10 @@ pub(super) fn write_record(args: &TrainArgs, run: &Run) -> Result<Option<String>
 }
 
 /// Waits (at most `timeout`) until no lease is outstanding.
-pub(super) async fn drain(queue: &Mutex<Queue>, timeout: Duration) {
+pub(super) async fn drain(queue: &QueueHandle, timeout: Duration) {
     let started = Instant::now();
     loop {
-        let leased = lock(queue).depths().leased;
+        let leased = queue.run(|q| q.depths().leased).await;
         if leased == 0 {
             return;
         }

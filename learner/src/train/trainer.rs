@@ -1,8 +1,8 @@
 //! One training step after another: gather P scored groups, update the policy on them,
 //! publish the new weight version, and say what the step did as a [`StepRecord`].
 
-use std::sync::Mutex;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use rookworld_weights::export::Exporter;
@@ -11,7 +11,7 @@ use tokio::sync::watch;
 use super::gather::{Gathered, gather, to_batch};
 use super::report::{Reporter, StepRecord, StepSeconds};
 use super::watchdog::Watchdog;
-use super::{Run, TrainArgs, TrainError, TrainSettings, lock};
+use super::{Run, TrainArgs, TrainError, TrainSettings};
 use crate::checkpoint;
 use crate::eval::periodic::Evaluator;
 use crate::optim::Schedule;
@@ -34,7 +34,7 @@ pub(super) struct Trainer<'a> {
     pub run: &'a mut Run,
     pub exporter: &'a Exporter,
     pub evaluator: Option<&'a Evaluator>,
-    pub fleet: &'a Mutex<Fleet>,
+    pub fleet: &'a Arc<Mutex<Fleet>>,
     pub reporter: &'a mut Reporter,
     pub schedule: Schedule,
     pub step_cfg: StepConfig,
@@ -103,7 +103,10 @@ impl Trainer<'_> {
 
         let mut record = StepRecord::of(run.step, version, &report, &groups);
         record.dynamic_skipped = dynamic_skipped;
-        record.dropped_stale_total = lock(&run.queue).depths().counters.groups_dropped_stale;
+        record.dropped_stale_total = run
+            .queue
+            .run(|q| q.depths().counters.groups_dropped_stale)
+            .await;
         record.step_seconds = StepSeconds {
             total: started.elapsed().as_secs_f64(),
             wait,
