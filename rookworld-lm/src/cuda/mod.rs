@@ -5,11 +5,11 @@
 //! - [`sample_rows`]: every row's token and log-probability drawn on the device
 //!   (`kernels/sample.cu`);
 //! - [`ops`]: the small fused ops of [`crate::fused_ops`] (`kernels/decode_ops.cu`);
-//! - `train`: the training ops of [`crate::train_ops`] and their backwards
-//!   (`kernels/train_ops.cu`).
+//! - `train`: what the launches of [`crate::train_ops`] share (each op's launches sit in
+//!   its own module there, `kernels/train_ops.cu`).
 //!
 //! Each has a CPU reference ([`crate::cpu_attention`], [`crate::device_sampling`],
-//! [`crate::train_ops::cpu`]) that
+//! each module of [`crate::train_ops`]) that
 //! [`self_check`] compares it with on a GPU.
 
 mod attention;
@@ -30,7 +30,7 @@ use candle_core::{CudaDevice, Device, Layout, Result, Shape, Storage, Tensor};
 const ATTENTION_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/grouped_attention.ptx"));
 const DECODE_OPS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode_ops.ptx"));
 const SAMPLE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/sample.ptx"));
-const TRAIN_OPS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/train_ops.ptx"));
+pub(crate) const TRAIN_OPS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/train_ops.ptx"));
 
 /// The CUDA device a tensor lives on.
 fn cuda_device(t: &Tensor) -> Result<CudaDevice> {
@@ -49,7 +49,10 @@ fn view<'a, T: CudaDType>(storage: &'a Storage, layout: &Layout) -> Result<CudaV
 }
 
 /// The device memory of a contiguous CUDA storage (a custom op's operand).
-fn slice<'a, T: CudaDType>(storage: &'a CudaStorage, layout: &Layout) -> Result<CudaView<'a, T>> {
+pub(crate) fn slice<'a, T: CudaDType>(
+    storage: &'a CudaStorage,
+    layout: &Layout,
+) -> Result<CudaView<'a, T>> {
     let Some((start, end)) = layout.contiguous_offsets() else {
         candle_core::bail!("a CUDA kernel was given a non-contiguous tensor");
     };
@@ -68,7 +71,7 @@ fn kernel(base: &str, dtype: candle_core::DType) -> Result<String> {
 
 /// Element-wise launch over `n` elements: 256 threads a block, grid-stride loops in the
 /// kernels (at most 65 536 blocks).
-fn elementwise(n: usize) -> candle_core::cuda::cudarc::driver::LaunchConfig {
+pub(crate) fn elementwise(n: usize) -> candle_core::cuda::cudarc::driver::LaunchConfig {
     const THREADS: u32 = 256;
     candle_core::cuda::cudarc::driver::LaunchConfig {
         grid_dim: ((n as u32).div_ceil(THREADS).clamp(1, 1 << 16), 1, 1),
@@ -79,7 +82,7 @@ fn elementwise(n: usize) -> candle_core::cuda::cudarc::driver::LaunchConfig {
 
 /// An uninitialised buffer of `len` elements for a kernel's output (no memset launch).
 /// Callers launch a kernel that writes every element before anything reads it.
-fn output<T: candle_core::cuda::cudarc::driver::DeviceRepr>(
+pub(crate) fn output<T: candle_core::cuda::cudarc::driver::DeviceRepr>(
     device: &CudaDevice,
     len: usize,
 ) -> Result<CudaSlice<T>> {

@@ -90,7 +90,7 @@ impl InplaceOp2 for AdamWMoments {
         g: &candle_core::CudaStorage,
         gl: &Layout,
     ) -> Result<()> {
-        crate::cuda::train::adamw_moments(&self.0, (s, l), (g, gl))
+        cuda::adamw_moments(&self.0, (s, l), (g, gl))
     }
 }
 
@@ -118,6 +118,66 @@ impl InplaceOp2 for AdamWParam {
         mv: &candle_core::CudaStorage,
         ml: &Layout,
     ) -> Result<()> {
-        crate::cuda::train::adamw_param(&self.0, (s, l), (mv, ml))
+        cuda::adamw_param(&self.0, (s, l), (mv, ml))
+    }
+}
+
+/// The kernels' launches (`kernels/train_ops.cu`).
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda::cudarc::driver::PushKernelArg;
+    use candle_core::cuda::{CudaStorage, WrapErr};
+    use candle_core::{Layout, Result};
+
+    use super::AdamWStep;
+    use crate::cuda::train::{Arg, MODULE};
+    use crate::cuda::{TRAIN_OPS_PTX, elementwise, slice};
+
+    /// The in-place element-wise AdamW passes: `dst` updated from `src`, n elements.
+    fn adamw_pass(
+        name: &str,
+        (dst, dl): (&mut CudaStorage, &Layout),
+        (src, sl): Arg,
+        n: usize,
+        scalars: &[f32],
+    ) -> Result<()> {
+        let Some((start, end)) = dl.contiguous_offsets() else {
+            candle_core::bail!("{name}: the updated tensor must be contiguous");
+        };
+        let device = src.device().clone();
+        let func = device.get_or_load_custom_func(name, MODULE, TRAIN_OPS_PTX)?;
+        let sv = slice::<f32>(src, sl)?;
+        let mut dv = dst.as_cuda_slice_mut::<f32>()?.slice_mut(start..end);
+        let n_arg = n;
+        let mut b = func.builder();
+        b.arg(&mut dv).arg(&sv).arg(&n_arg);
+        for v in scalars {
+            b.arg(v);
+        }
+        // SAFETY: adamw_moments (mv, g, n, b1, b2, gs) over 2n and n elements, or adamw_param
+        // (p, mv, n, lr, eps, shrink, s1, s2) over n and 2n (sizes checked by `adamw_step`).
+        unsafe { b.launch(elementwise(n)) }.w()?;
+        Ok(())
+    }
+
+    pub(in crate::train_ops) fn adamw_moments(
+        step: &AdamWStep,
+        mv: (&mut CudaStorage, &Layout),
+        g: Arg,
+    ) -> Result<()> {
+        let n = g.1.shape().elem_count();
+        let scalars = [step.beta1, step.beta2, step.grad_scale];
+        adamw_pass("adamw_moments", mv, g, n, &scalars)
+    }
+
+    pub(in crate::train_ops) fn adamw_param(
+        step: &AdamWStep,
+        p: (&mut CudaStorage, &Layout),
+        mv: Arg,
+    ) -> Result<()> {
+        let n = p.1.shape().elem_count();
+        let scalars = [step.lr, step.eps, step.shrink, step.s1, step.s2];
+        adamw_pass("adamw_param", p, mv, n, &scalars)
     }
 }

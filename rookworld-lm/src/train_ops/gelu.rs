@@ -1,12 +1,19 @@
-//! GPT-2's activation on the CPU, one implementation for every path: the decode step's
-//! bias + GELU, the learner's fused pass ([`forward`], [`backward`]) and the autograd op's
-//! backward ([`bias_backward`]); the CUDA kernels are checked against these.
+//! GPT-2's activation, the op in one place: [`bias_gelu`] (the decode step's bias + GELU
+//! given a backward, [`BiasGeluBwd`]), its CPU implementation — one for every path: the
+//! decode step, the learner's fused pass ([`forward`], [`backward`]) and the candle op's
+//! backward ([`bias_backward`]) — and, with the `cuda` feature, its backward kernel's
+//! launch, checked against the CPU.
 //!
 //! `gelu_new(x) = ½x(1 + tanh u)`, u = √(2/π)(x + 0.044715x³), and with t = tanh u:
 //! `gelu_new'(x) = ½(1 + t) + ½x(1 − t²)·√(2/π)(1 + 3·0.044715x²)`.
 
 use rayon::prelude::*;
 
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
+
+use super::fwd_impls;
+use super::{Cpu, f32s, out, rows_of};
+use crate::fused_ops::BiasGelu;
 use crate::simd;
 
 /// √(2/π), GELU's tanh-approximation constant.
@@ -67,4 +74,86 @@ pub fn bias_backward(x: &[f32], b: &[f32], dy: &[f32]) -> Vec<f32> {
     let mut dz = vec![0f32; x.len()];
     backward(&mut dz, Some(dy), &z);
     dz
+}
+
+/// `gelu_new(x + b)` for x (…, I), b (I), differentiable in both.
+pub fn bias_gelu(x: &Tensor, b: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op2(&b.contiguous()?, BiasGelu)
+}
+
+/// `gelu_new(x + b)`'s gradient to its argument (x, b, dy) → dz.
+#[derive(Debug, Clone, Copy)]
+pub struct BiasGeluBwd;
+
+impl BiasGeluBwd {
+    fn cpu(&self, (x, xl): Cpu, (b, bl): Cpu, (dy, dyl): Cpu) -> Result<(CpuStorage, Shape)> {
+        let b = f32s(b, bl, "bias-gelu-bwd")?;
+        rows_of(xl, b.len(), "bias-gelu-bwd")?;
+        let (x, dy) = (
+            f32s(x, xl, "bias-gelu-bwd")?,
+            f32s(dy, dyl, "bias-gelu-bwd")?,
+        );
+        out(bias_backward(x, b, dy), xl.shape().clone())
+    }
+}
+
+impl CustomOp3 for BiasGeluBwd {
+    fn name(&self) -> &'static str {
+        "bias-gelu-bwd"
+    }
+
+    fwd_impls!(3, cpu, cuda::bias_gelu_bwd);
+}
+
+/// The gradients of [`bias_gelu`]: (dz, Σ_rows dz) for x (…, I), b (I).
+pub(crate) fn bias_gelu_grads(x: &Tensor, b: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    let dz = x.apply_op3_no_bwd(b, &dy.contiguous()?, &BiasGeluBwd)?;
+    let i = b.dim(0)?;
+    let db = dz.reshape(((), i))?.sum(0)?; // (I)
+    Ok((dz, db))
+}
+
+/// The kernels' launches (`kernels/train_ops.cu`).
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda::cudarc::driver::PushKernelArg;
+    use candle_core::cuda::{CudaStorage, WrapErr};
+    use candle_core::{Result, Shape};
+
+    use super::BiasGeluBwd;
+    use crate::cuda::train::{Arg, MODULE, done};
+    use crate::cuda::{TRAIN_OPS_PTX, elementwise, output, slice};
+    use crate::train_ops::rows_of as rows;
+
+    pub(in crate::train_ops) fn bias_gelu_bwd(
+        _: &BiasGeluBwd,
+        (x, xl): Arg,
+        (bias, bl): Arg,
+        (dy, dyl): Arg,
+    ) -> Result<(CudaStorage, Shape)> {
+        let n = bl.shape().elem_count();
+        let m = rows(xl, n, "bias-gelu-bwd")?;
+        let device = x.device().clone();
+        let func = device.get_or_load_custom_func("bias_gelu_bwd", MODULE, TRAIN_OPS_PTX)?;
+        let mut out = output::<f32>(&device, m * n)?; // the grid-stride loop covers M·N
+        {
+            let (xv, bv, dv) = (
+                slice::<f32>(x, xl)?,
+                slice::<f32>(bias, bl)?,
+                slice::<f32>(dy, dyl)?,
+            );
+            let (m_arg, n_arg) = (m as i32, n as i32);
+            let mut b = func.builder();
+            b.arg(&xv)
+                .arg(&bv)
+                .arg(&dv)
+                .arg(&mut out)
+                .arg(&m_arg)
+                .arg(&n_arg);
+            // SAFETY: (x, b, dy, dz, M, N) over M·N elements.
+            unsafe { b.launch(elementwise(m * n)) }.w()?;
+        }
+        done(out, device, xl.shape().clone())
+    }
 }
