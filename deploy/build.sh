@@ -5,7 +5,7 @@
 #   deploy/build.sh --from DIR     stage binaries already built in DIR (e.g. target/debug
 #                                  after `cargo test --workspace`, as CI does); no build
 # --cuda also builds the worker with the `cuda` feature into deploy/image/bin-cuda/
-# (for compose.gpu.yml; needs a CUDA toolkit: tools/cuda-build.sh sets one up from PyPI).
+# (for compose.gpu.yml; needs a CUDA toolkit: deploy/cuda/build.sh sets one up from PyPI).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 profile=release

@@ -1,46 +1,62 @@
 #!/usr/bin/env bash
-# Checks this project on a lent GPU in one command (< 10 minutes) and prints one table;
-# every figure is also a JSON file under OUT (default gpu-check-out/), `summary.json` all.
+# Checks this project on a GPU in one bounded command and prints one table; every figure
+# is also a JSON file under OUT, `summary.json` all of them, `table.txt` the table.
 #
-#   BIN=DIR tests/gpu-check.sh [OUT]
+#   BIN=DIR tests/gpu-check.sh OUT
 #
-# BIN holds `learner` and `rollout-worker` built with `--features cuda` elsewhere
-# (`tools/cuda-build.sh target-cuda/dist`, or `CARGO_TARGET_DIR=target-cuda cargo build
-# --release --features cuda -p learner -p rollout-worker` with a CUDA toolkit; default
+# BIN holds `learner` and `rollout-worker` built with `--features cuda` (unpacked from
+# `deploy/cuda/build.sh`'s archive, or `CARGO_TARGET_DIR=target-cuda cargo build --release
+# --features cuda -p learner -p rollout-worker` with a CUDA toolkit; default
 # target-cuda/release).
 # The GPU machine needs the driver and the CUDA 13 libraries: this script points
 # LD_LIBRARY_PATH at PyTorch's nvidia cu13 wheels (nvidia/cu13/lib) when it finds them.
 # PyTorch and transformers (PYTHON, default python3) run the side-by-side baselines.
 #
-# Sections: device and driver; CUDA vs CPU parity (logits in f32 and bf16, greedy tokens
-# of 3 prompts); rollout-worker bench at 32×8 and 64×8 rows × 64 and 192 new tokens beside
-# transformers' generate, with the achieved memory bandwidth against the device's copy
-# bandwidth; the learner's GRPO step beside PyTorch's (BF16 autocast) with MFU; a 124M
+# Time: the whole run ends by DEADLINE seconds (default 540); each section gets at most
+# SECTION_TIMEOUT seconds (default 60), the local training run TRAIN_TIMEOUT (default 150),
+# both cut to what is left; a section with no time left is recorded as skipped for the
+# deadline. Each section's JSON and the table so far are written as it ends, so a run
+# killed from outside still leaves what finished. A section that fails records its error
+# and the rest still run; the exit status is the number of failed sections.
+#
+# Sections, the headline shape (256 rows, 192 new tokens) first: device and driver; CUDA
+# vs CPU parity (logits in f32 and bf16, greedy tokens of 3 prompts, the decode kernels
+# against their CPU references); rollout-worker bench beside transformers' generate, with
+# the achieved memory bandwidth against the device's copy bandwidth; the learner's GRPO
+# step beside PyTorch's (BF16 autocast) with MFU, and with the training ops off; a 124M
 # weight push to a worker on the GPU; a short `learner train --local` on the GPU, the
-# in-process worker's NVML gauges scraped while it runs. A section that fails records its
-# error and the script goes on.
+# in-process worker's NVML gauges scraped while it runs.
 #
 # DEVICE=cpu QUICK=1 runs the same flow on the CPU with the tiny preset (a dry run of the
 # script itself; tests/tests/gpu_check.rs does it).
 set -u
-OUT=${1:-gpu-check-out}
+if [ $# -ne 1 ]; then
+  echo "usage: BIN=DIR $0 OUT (the directory the figures go to)" >&2
+  exit 2
+fi
+OUT=$1
 BIN=${BIN:-target-cuda/release}
 LEARNER=${LEARNER:-$BIN/learner}
 WORKER=${WORKER:-$BIN/rollout-worker}
 DEVICE=${DEVICE:-cuda}
 PY=${PYTHON:-python3}
 PEAK_TFLOPS=${PEAK_TFLOPS:-989}
-LIMIT=${SECTION_TIMEOUT:-240}
+LIMIT=${SECTION_TIMEOUT:-60}
+TRAIN_LIMIT=${TRAIN_TIMEOUT:-150}
+DEADLINE=${DEADLINE:-540}
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(dirname "$HERE")
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-rm -f "$OUT"/*.json "$OUT"/*.log
+rm -f "$OUT"/*.json "$OUT"/*.log "$OUT"/table.txt
+FAILED=0
 
 if [ "${QUICK:-0}" = 1 ]; then
-  PRESET=tiny DTYPE=f32 ROWS="2" NEWS="8" GROUP=2 STEP_PROMPTS=2 TRAIN_STEPS=2
+  PRESET=tiny DTYPE=f32 ROWS="2" NEWS="8" GROUP=2 STEP_PROMPTS=2 TRAIN_STEPS=2 MICRO=1
 else
-  PRESET=gpt2-124m DTYPE=bf16 ROWS="32 64" NEWS="64 192" GROUP=8 STEP_PROMPTS=32 TRAIN_STEPS=5
+  # The learner's step in one micro-batch (all 32 groups): the batch that fills the GPU.
+  PRESET=gpt2-124m DTYPE=bf16 ROWS="32 64" NEWS="192 64" GROUP=8 STEP_PROMPTS=32 TRAIN_STEPS=5
+  MICRO=32
 fi
 [ "$DEVICE" = cpu ] && DTYPE=f32
 if [ "$DEVICE" != cpu ]; then
@@ -49,63 +65,117 @@ if [ "$DEVICE" != cpu ]; then
 fi
 echo "{\"preset\": \"$PRESET\", \"device\": \"$DEVICE\", \"dtype\": \"$DTYPE\", \"bin\": \"$BIN\"}" > "$OUT/config.json"
 
+# Seconds a section may run: its limit, cut to what is left before the deadline; 0 when
+# less than 5 s are left (the section is skipped).
+budget() {
+  local left=$((DEADLINE - SECONDS))
+  if [ "$left" -lt 5 ]; then echo 0
+  elif [ "$left" -lt "$1" ]; then echo "$left"
+  else echo "$1"
+  fi
+}
+
+# The table so far (table.txt, summary.json); a run killed later still leaves it.
+table() {
+  "$PY" "$HERE/gpu/check.py" table "$OUT" > "$OUT/table.txt" 2>> "$OUT/table.log"
+}
+
+# Counts a failed section (a JSON with an error) and rewrites the table.
+settle() {
+  grep -q '"error"' "$OUT/$1.json" 2>/dev/null && FAILED=$((FAILED + 1))
+  table
+}
+
 # section NAME CMD...: CMD's last stdout line is OUT/NAME.json, its stderr OUT/NAME.log.
 section() {
-  local name=$1 started=$SECONDS rc
+  local name=$1 started=$SECONDS rc limit
   shift
+  limit=$(budget "$LIMIT")
   echo "== $name" >&2
-  timeout "$LIMIT" "$@" > "$OUT/$name.stdout" 2> "$OUT/$name.log"
+  if [ "$limit" -eq 0 ]; then
+    echo "{\"error\": \"skipped: the ${DEADLINE} s deadline was reached\"}" > "$OUT/$name.json"
+    settle "$name"
+    return
+  fi
+  timeout -k 5 "$limit" "$@" > "$OUT/$name.stdout" 2> "$OUT/$name.log"
   rc=$?
   if [ $rc -eq 0 ] && [ -s "$OUT/$name.stdout" ]; then
     tail -n 1 "$OUT/$name.stdout" > "$OUT/$name.json"
   else
     local why
     why=$(tail -n 1 "$OUT/$name.log" | tr -d '"\\' | cut -c1-300)
+    [ $rc -eq 124 ] || [ $rc -eq 137 ] && why="stopped at its ${limit} s limit; $why"
     echo "{\"error\": \"exit $rc: $why\"}" > "$OUT/$name.json"
   fi
   rm -f "$OUT/$name.stdout"
+  settle "$name"
   echo "   $((SECONDS - started)) s" >&2
 }
 
-section device "$PY" "$HERE/gpu/check.py" device - --device "$DEVICE"
-section parity "$WORKER" parity --preset "$PRESET" --device "$DEVICE" --new-tokens 16
-section copy_bandwidth "$PY" "$HERE/gpu/check.py" copy-bandwidth - --device "$DEVICE"
-for p in $ROWS; do
-  for t in $NEWS; do
+# A short local run on the device (learner and its in-process worker share it); the
+# worker's NVML gauges scraped from the learner's metrics endpoint while it runs.
+train_section() {
+  METRICS_PORT=$(( 20000 + RANDOM % 20000 ))
+  echo "== train" >&2
+  local limit why
+  limit=$(budget "$TRAIN_LIMIT")
+  if [ "$limit" -eq 0 ]; then
+    echo "{\"error\": \"skipped: the ${DEADLINE} s deadline was reached\"}" > "$OUT/train.json"
+    echo '{"skipped": "no training run"}' > "$OUT/nvml.json"
+  else
+    timeout -k 5 "$limit" "$LEARNER" train --local --preset "$PRESET" --device "$DEVICE" \
+      --steps "$TRAIN_STEPS" --sft-steps 20 --prompts-per-step 4 --group-size "$GROUP" \
+      --max-new-tokens 32 \
+      --run-dir "$OUT/run" --overwrite --metrics "127.0.0.1:$METRICS_PORT" --listen 127.0.0.1:0 \
+      --log-jsonl "$OUT/train.jsonl" --no-progress > "$OUT/train.log" 2>&1 &
+    TRAIN_PID=$!
+    "$PY" "$HERE/gpu/check.py" scrape "http://127.0.0.1:$METRICS_PORT/metrics" "$OUT/nvml.json" \
+      --while-pid "$TRAIN_PID" > /dev/null 2>> "$OUT/train.log"
+    wait "$TRAIN_PID"
+    TRAIN_RC=$?
+    if [ $TRAIN_RC -eq 0 ] && [ -s "$OUT/train.jsonl" ]; then
+      "$PY" "$HERE/gpu/check.py" train-summary "$OUT/train.jsonl" "$OUT/train.json" > /dev/null
+    else
+      why=$(tail -n 1 "$OUT/train.log" | tr -d '"\\' | cut -c1-300)
+      [ $TRAIN_RC -eq 124 ] || [ $TRAIN_RC -eq 137 ] && why="stopped at its ${limit} s limit; $why"
+      echo "{\"error\": \"exit $TRAIN_RC: $why\"}" > "$OUT/train.json"
+    fi
+  fi
+  settle train
+}
+
+# rollout SHAPE...: the worker's bench and transformers' generate, PROMPTSxGROUP_NEW.
+rollout() {
+  local shape p t
+  for shape in "$@"; do
+    p=${shape%%x*} t=${shape##*_}
     section "worker_${p}x${GROUP}_$t" "$WORKER" bench --preset "$PRESET" --device "$DEVICE" \
       --dtype "$DTYPE" --prompts "$p" -n "$GROUP" --max-new-tokens "$t" --repeat 2 --batch-only
     section "hf_${p}x${GROUP}_$t" "$PY" "$HERE/gpu/check.py" hf-generate - --device "$DEVICE" \
       --dtype "$DTYPE" --preset "$PRESET" --prompts "$p" -n "$GROUP" --max-new-tokens "$t"
   done
-done
+}
+SHAPES=()
+for p in $ROWS; do for t in $NEWS; do SHAPES+=("${p}x${GROUP}_$t"); done; done
+
+# The headline figures first, so that a deadline cuts the extras.
+section device "$PY" "$HERE/gpu/check.py" device - --device "$DEVICE"
+section parity "$WORKER" parity --preset "$PRESET" --device "$DEVICE" --new-tokens 16
+section copy_bandwidth "$PY" "$HERE/gpu/check.py" copy-bandwidth - --device "$DEVICE"
+rollout "${SHAPES[0]}"
 section learner_step "$PY" "$ROOT/learner/bench/step_vs_pytorch.py" --learner "$LEARNER" \
   --preset "$PRESET" --device "$DEVICE" --prompts "$STEP_PROMPTS" --group "$GROUP" --steps 3 \
-  --peak-tflops "$PEAK_TFLOPS"
+  --micro-batch-groups "$MICRO" --peak-tflops "$PEAK_TFLOPS"
+section push "$LEARNER" bench-push --preset "$PRESET" --worker-device "$DEVICE" --pushes 3 \
+  --chunk-kib 1024 --idle-only
+train_section
+rollout "${SHAPES[@]:1}"
 # The same step with the training ops off (candle's composed ops and their backwards):
 # what the ops' kernels buy.
 section learner_composed "$LEARNER" bench --preset "$PRESET" --device "$DEVICE" \
-  -p "$STEP_PROMPTS" -n "$GROUP" --steps 2 --train-ops off --peak-tflops "$PEAK_TFLOPS"
-section push "$LEARNER" bench-push --preset "$PRESET" --worker-device "$DEVICE" --pushes 3 \
-  --chunk-kib 1024 --idle-only
+  -p "$STEP_PROMPTS" -n "$GROUP" --steps 2 --micro-batch-groups "$MICRO" --train-ops off \
+  --peak-tflops "$PEAK_TFLOPS"
 
-# A short local run on the device (learner and its in-process worker share it); the
-# worker's NVML gauges scraped from the learner's metrics endpoint while it runs.
-METRICS_PORT=$(( 20000 + RANDOM % 20000 ))
-echo "== train" >&2
-timeout "$LIMIT" "$LEARNER" train --local --preset "$PRESET" --device "$DEVICE" \
-  --steps "$TRAIN_STEPS" --sft-steps 20 --prompts-per-step 4 --group-size "$GROUP" \
-  --max-new-tokens 32 \
-  --run-dir "$OUT/run" --overwrite --metrics "127.0.0.1:$METRICS_PORT" --listen 127.0.0.1:0 \
-  --log-jsonl "$OUT/train.jsonl" --no-progress > "$OUT/train.log" 2>&1 &
-TRAIN_PID=$!
-"$PY" "$HERE/gpu/check.py" scrape "http://127.0.0.1:$METRICS_PORT/metrics" "$OUT/nvml.json" \
-  --while-pid "$TRAIN_PID" > /dev/null 2>> "$OUT/train.log"
-wait "$TRAIN_PID"
-TRAIN_RC=$?
-if [ -s "$OUT/train.jsonl" ]; then
-  "$PY" "$HERE/gpu/check.py" train-summary "$OUT/train.jsonl" "$OUT/train.json" > /dev/null
-else
-  echo "{\"error\": \"exit $TRAIN_RC: $(tail -n 1 "$OUT/train.log" | tr -d '"\\' | cut -c1-300)\"}" > "$OUT/train.json"
-fi
-
-"$PY" "$HERE/gpu/check.py" table "$OUT"
+cat "$OUT/table.txt"
+echo "gpu-check: $FAILED failed section(s), $SECONDS s" >&2
+exit "$FAILED"

@@ -22,6 +22,8 @@ struct Cli {
     #[command(flatten)]
     log: LogArgs,
     #[command(flatten)]
+    kernels: rookworld_lm::cli::KernelArgs,
+    #[command(flatten)]
     run_file: RunFileArgs,
 }
 
@@ -74,6 +76,7 @@ pub fn main() -> std::process::ExitCode {
         args.record = Some(run_file::resolved(&Cli::command(), &matches));
     }
     rookworld_proto::logging::init(cli.log.log_format);
+    cli.kernels.apply();
     let result = match &cli.command {
         Command::Init(args) => init_cmd::run(args).map_err(|e| e.to_string()),
         Command::Loss(args) => loss_cmd::run(args).map_err(|e| e.to_string()),

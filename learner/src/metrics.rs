@@ -13,6 +13,7 @@ use crate::queue::Queue;
 /// these.
 pub mod names {
     pub const BUILD_INFO: &str = "learner_build_info";
+    pub const CUDA_KERNEL_FALLBACK: &str = "learner_cuda_kernel_fallback";
     pub const CLIPPED_HIGH_RATIO: &str = "learner_clipped_high_ratio";
     pub const CLIPPED_LOW_RATIO: &str = "learner_clipped_low_ratio";
     pub const CLIPPED_TOKENS_RATIO: &str = "learner_clipped_tokens_ratio";
@@ -111,9 +112,22 @@ pub fn describe_local() {
     reward_server::metrics::describe();
 }
 
+/// The CUDA kernels the start-up check turned off so far (once a device is open).
+pub fn record_kernel_fallbacks() {
+    for kernel in rookworld_lm::kernels::SWITCHES.disabled() {
+        gauge!(names::CUDA_KERNEL_FALLBACK, "kernel" => kernel.name()).set(1.0);
+    }
+}
+
 /// Descriptions of every metric (labels come from bounded sets: workers, results, lags).
 pub fn describe() {
     rookworld_proto::tls::describe_metrics();
+    describe_gauge!(
+        names::CUDA_KERNEL_FALLBACK,
+        Unit::Count,
+        "1 for each of this project's CUDA kernels (label kernel) that failed its start-up check against its reference: that op runs candle's ops instead (--strict-kernels exits instead)."
+    );
+    record_kernel_fallbacks();
     let features = if cfg!(feature = "cuda") { "cuda" } else { "" };
     rookworld_proto::metrics_http::build_info(
         names::BUILD_INFO,

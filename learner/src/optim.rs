@@ -80,18 +80,22 @@ impl Gradients {
     /// is one parameter).
     pub fn global_norm(&self) -> CandleResult<f64> {
         let mut total = 0f64;
+        // On a device each tensor's sum stays there and one read brings their total back
+        // (one synchronisation, not one per parameter).
+        let mut on_device = Vec::new();
         for g in self.by_name.values() {
-            total += match g {
-                Grad::Host(v, _) => sum_squares(v),
+            match g {
+                Grad::Host(v, _) => total += sum_squares(v),
                 Grad::Tensor(g) => match HostF32::new(g) {
-                    Some(values) => sum_squares(values.as_slice()),
-                    None => g
-                        .to_dtype(DType::F64)?
-                        .sqr()?
-                        .sum_all()?
-                        .to_scalar::<f64>()?,
+                    Some(values) => total += sum_squares(values.as_slice()),
+                    None => on_device.push(g.to_dtype(DType::F64)?.sqr()?.sum_all()?),
                 },
-            };
+            }
+        }
+        if !on_device.is_empty() {
+            total += Tensor::stack(&on_device, 0)?
+                .sum_all()?
+                .to_scalar::<f64>()?;
         }
         Ok(total.sqrt() * self.scale)
     }

@@ -654,6 +654,7 @@ pub const KNOWN_KEYS: &[&str] = &[
     "shared_dir",
     "stall_timeout",
     "steps",
+    "strict_kernels",
     "suite",
     "swap_policy",
     "temperature",

@@ -19,6 +19,8 @@ struct Cli {
     #[command(flatten)]
     log: LogArgs,
     #[command(flatten)]
+    kernels: rookworld_lm::cli::KernelArgs,
+    #[command(flatten)]
     run_file: RunFileArgs,
 }
 
@@ -48,6 +50,7 @@ pub fn main() -> std::process::ExitCode {
     let matches = run_file::parse(Cli::command(), &[]);
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     rookworld_proto::logging::init(cli.log.log_format);
+    cli.kernels.apply();
     let result: Result<(), Box<dyn std::error::Error + Send + Sync>> = match &cli.command {
         Command::Generate(args) => {
             generate_cmd::run(args, &mut std::io::stdout().lock()).map_err(Into::into)

@@ -71,12 +71,16 @@ fn measure(
     let batch = vec![prompt.to_vec(); prompts];
     let mut best = f64::INFINITY;
     let mut tokens = 0;
+    let mut phases = serde_json::Value::Null;
     for _ in 0..args.repeat.max(1) {
         let start = Instant::now();
         tokens = match path {
             Path::Engine => {
+                // Every row at once: room for all of them in the KV bound too.
+                let kv = prompts * (prompt.len() + n * max_new_tokens);
                 let cfg = EngineConfig {
                     max_seqs: prompts * n,
+                    max_kv_tokens: kv.max(EngineConfig::default().max_kv_tokens),
                     ..EngineConfig::default()
                 };
                 let mut engine = Scheduler::new(model.clone(), 0, cfg);
@@ -88,7 +92,19 @@ fn measure(
                     seed: 0,
                     ignore_eos: true,
                 })?;
-                let (samples, _) = engine.run_to_completion()?;
+                let (samples, stats) = engine.run_to_completion()?;
+                // Where a run's time went (host clock; on CUDA the forward's share is
+                // its launches, sampling's includes the wait for the device).
+                let run = start.elapsed().as_secs_f64();
+                if run < best {
+                    phases = serde_json::json!({
+                        "prefill_seconds": stats.prefill_seconds,
+                        "decode_seconds": stats.decode_seconds,
+                        "decode_forward_seconds": stats.decode_forward_seconds,
+                        "decode_sample_seconds": stats.decode_sample_seconds,
+                        "decoded_rows": stats.decode_rows,
+                    });
+                }
                 samples.iter().map(|s| s.completion.ids.len()).sum()
             }
             Path::Reference => {
@@ -112,6 +128,7 @@ fn measure(
         "new_tokens": tokens,
         "seconds": best,
         "tokens_per_second": tokens as f64 / best,
+        "phases": phases,
     }))
 }
 

@@ -19,6 +19,7 @@ pub mod names {
     pub const BATCH_ROWS: &str = "rollout_batch_rows";
     pub const BUILD_INFO: &str = "rollout_build_info";
     pub const CALL_RETRIES_TOTAL: &str = "rollout_call_retries_total";
+    pub const CUDA_KERNEL_FALLBACK: &str = "rollout_cuda_kernel_fallback";
     pub const COMPLETIONS_TOTAL: &str = "rollout_completions_total";
     pub const DECODE_STEP_SECONDS: &str = "rollout_decode_step_seconds";
     pub const GPU_MEMORY_BUSY_RATIO: &str = "rollout_gpu_memory_busy_ratio";
@@ -53,9 +54,22 @@ pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
     Ok(bound)
 }
 
+/// The CUDA kernels the start-up check turned off so far (once a device is open).
+pub fn record_kernel_fallbacks() {
+    for kernel in rookworld_lm::kernels::SWITCHES.disabled() {
+        gauge!(names::CUDA_KERNEL_FALLBACK, "kernel" => kernel.name()).set(1.0);
+    }
+}
+
 /// Descriptions of every metric (labels come from bounded sets).
 pub fn describe() {
     rookworld_proto::tls::describe_metrics();
+    describe_gauge!(
+        names::CUDA_KERNEL_FALLBACK,
+        Unit::Count,
+        "1 for each of this project's CUDA kernels (label kernel) that failed its start-up check against its reference: that op runs candle's ops instead (--strict-kernels exits instead)."
+    );
+    record_kernel_fallbacks();
     let features = if cfg!(feature = "cuda") { "cuda" } else { "" };
     rookworld_proto::metrics_http::build_info(
         names::BUILD_INFO,

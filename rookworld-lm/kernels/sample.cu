@@ -117,7 +117,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(const float *_
     }
 
     const float temp = (float)draw[0];
-    if (temp == 0.f) {  // greedy: the plain log-softmax of the argmax
+    const float inv_t = 1.f / temp;
+    // Greedy at T = 0 and wherever 1/T overflows (SamplingParams::is_greedy): the plain
+    // log-softmax of the argmax.
+    if (!isfinite(inv_t)) {
         double part = 0.0;
         for (int i = lo_i; i < hi_i; ++i) part += exp((double)sanitize(x[i]) - (double)m);
         const double lse = (double)m + log(block_total(part, s_d));
@@ -129,7 +132,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(const float *_
         return;
     }
 
-    const float inv_t = 1.f / temp;
     // w of token i (0 for NaN logits).
     auto weight = [&](int i) { return __expf((sanitize(x[i]) - m) * inv_t); };
 
@@ -197,7 +199,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(const float *_
     __syncthreads();
     if (s_chosen == 0xffffffffu) {  // rounding put the target past the last token
         const uint32_t last = block_max(any ? last_kept + 1 : 0, s_u);
-        if (t == 0) s_chosen = last - 1;  // m is finite, so some token has w = 1
+        // m is finite and 1/T is, so the argmax has w = 1; should no weight be kept all the
+        // same, the argmax, never an index before the row.
+        if (t == 0) s_chosen = last > 0 ? last - 1 : best_i;
         __syncthreads();
     }
     if (t == 0) {

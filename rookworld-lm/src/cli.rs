@@ -38,6 +38,23 @@ pub struct ModelArgs {
     pub dtype: Option<String>,
 }
 
+/// The CUDA kernels' start-up check (every binary that opens a device; see
+/// [`crate::kernels`]).
+#[derive(Debug, Clone, clap::Args)]
+pub struct KernelArgs {
+    /// Exit when one of this project's CUDA kernels fails its start-up check against its
+    /// reference, instead of logging an ERROR and using candle's ops for it.
+    #[arg(long, global = true, env = "ROOKWORLD_STRICT_KERNELS")]
+    pub strict_kernels: bool,
+}
+
+impl KernelArgs {
+    /// Applies the choice to the process (before any device is opened).
+    pub fn apply(&self) {
+        crate::kernels::set_strict(self.strict_kernels);
+    }
+}
+
 /// A loaded model with its tokenizer and where it runs.
 #[derive(Debug)]
 pub struct LoadedModel {

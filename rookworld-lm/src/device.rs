@@ -66,7 +66,11 @@ pub const BUILT_COMPUTE_CAP: &str = match option_env!("CUDA_COMPUTE_CAP") {
 /// instead of in the middle of a run.
 #[cfg(feature = "cuda")]
 fn open_cuda(ordinal: usize) -> Result<Device> {
-    let device = Device::new_cuda(ordinal).map_err(|e| {
+    // One stream of its own, not candle's default per-thread stream: models are built,
+    // weights swapped in and casts run on one host thread and the engine runs them on
+    // another, and only work on one stream is ordered without a synchronisation. Each
+    // open is its own stream and cuBLAS handle (the learner and an in-process worker).
+    let device = Device::new_cuda_with_stream(ordinal).map_err(|e| {
         Error::InvalidArgument(format!("CUDA device {ordinal} is unavailable: {e}"))
     })?;
     let probe = candle_core::Tensor::ones(8, DType::F32, &device)
@@ -74,7 +78,10 @@ fn open_cuda(ordinal: usize) -> Result<Device> {
         .and_then(|t| t.sum_all())
         .and_then(|t| t.to_scalar::<f32>());
     match probe {
-        Ok(_) => Ok(device),
+        Ok(_) => {
+            startup_check_once(ordinal, &device)?;
+            Ok(device)
+        }
         Err(e) => {
             let gpu = match &device {
                 Device::Cuda(d) => d
@@ -94,6 +101,31 @@ fn open_cuda(ordinal: usize) -> Result<Device> {
             )))
         }
     }
+}
+
+/// The start-up check of this project's kernels ([`crate::kernels`]), once per device
+/// and process: a kernel that fails it is turned off (or, strict, the open fails).
+#[cfg(feature = "cuda")]
+fn startup_check_once(ordinal: usize, device: &Device) -> Result<()> {
+    static CHECKED: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+    let mut checked = CHECKED.lock().unwrap_or_else(|e| e.into_inner());
+    if checked.contains(&ordinal) {
+        return Ok(());
+    }
+    if let Ok(value) = std::env::var(crate::kernels::DISABLE_ENV) {
+        crate::kernels::SWITCHES.turn_off(&crate::kernels::parse_disabled(&value)?);
+    }
+    let started = std::time::Instant::now();
+    let findings = crate::cuda::startup_check(device);
+    crate::kernels::SWITCHES.apply(&format!("cuda:{ordinal}"), &findings)?;
+    checked.push(ordinal);
+    tracing::info!(
+        device = ordinal,
+        seconds = started.elapsed().as_secs_f64(),
+        disabled = ?crate::kernels::SWITCHES.disabled().iter().map(|k| k.name()).collect::<Vec<_>>(),
+        "CUDA kernels checked against their references"
+    );
+    Ok(())
 }
 
 #[cfg(not(feature = "cuda"))]

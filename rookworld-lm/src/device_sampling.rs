@@ -31,7 +31,9 @@ pub struct RowDraw {
 /// Whether [`sample_rows`] runs on `device`: CUDA, in a build with the `cuda` feature.
 /// Elsewhere the caller samples on the host ([`crate::sampling::Sampler::sample`]).
 pub fn supported(device: &Device) -> bool {
-    cfg!(feature = "cuda") && device.is_cuda()
+    cfg!(feature = "cuda")
+        && device.is_cuda()
+        && crate::kernels::enabled(crate::kernels::Kernel::Sampling)
 }
 
 /// Each row's token and log-probability drawn on the logits' device from (B, V) logits,
@@ -88,7 +90,8 @@ pub fn sample_reference(logits: &[f32], draw: &RowDraw) -> Result<Sampled> {
     if !m.is_finite() {
         return Err(not_finite());
     }
-    if draw.temperature == 0.0 {
+    // Greedy at T = 0 and wherever 1/T overflows, as `SamplingParams::is_greedy`.
+    if !(1.0 / draw.temperature).is_finite() {
         let sum: f64 = logits
             .iter()
             .map(|&x| (f64::from(sanitize(x)) - f64::from(m)).exp())

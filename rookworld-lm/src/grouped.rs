@@ -18,6 +18,7 @@ use candle_core::{Device, Result, Tensor};
 
 use crate::cache::KvCache;
 use crate::cpu_attention::{Geometry, decode_attention, with_f32};
+use crate::kernels::{self, Kernel};
 use crate::mask::LeftPadding;
 
 /// Smallest suffix buffer, in columns and in rows.
@@ -284,21 +285,22 @@ impl GroupedCache {
         let row_start: Vec<usize> = self.rows.iter().map(|r| r.start).collect();
         let group_pad: Vec<usize> = self.prefix_len.iter().map(|&l| self.pool_len - l).collect();
         #[cfg(feature = "cuda")]
-        let device_geometry = if device.is_cuda() && self.cpu_kernel {
-            let on_device = |v: &[usize]| {
-                let v: Vec<u32> = v.iter().map(|&x| x as u32).collect();
-                Tensor::new(v.as_slice(), device)
+        let device_geometry =
+            if device.is_cuda() && self.cpu_kernel && kernels::enabled(Kernel::Attention) {
+                let on_device = |v: &[usize]| {
+                    let v: Vec<u32> = v.iter().map(|&x| x as u32).collect();
+                    Tensor::new(v.as_slice(), device)
+                };
+                Some(crate::cuda::DeviceGeometry {
+                    scatter: scatter.clone(),
+                    row_start: on_device(&row_start)?,
+                    group_pad: on_device(&group_pad)?,
+                    group_rows,
+                    cursor,
+                })
+            } else {
+                None
             };
-            Some(crate::cuda::DeviceGeometry {
-                scatter: scatter.clone(),
-                row_start: on_device(&row_start)?,
-                group_pad: on_device(&group_pad)?,
-                group_rows,
-                cursor,
-            })
-        } else {
-            None
-        };
         Ok(StepPlan {
             rows: b,
             cursor,
@@ -314,7 +316,13 @@ impl GroupedCache {
             group_pad,
             pool_len: self.pool_len,
             cpu_kernel: self.cpu_kernel,
-            fused_ops: self.cpu_kernel && (device.is_cuda() || self.fused_ops_on_cpu),
+            // On CUDA the fused layers also need the attention kernel's geometry.
+            fused_ops: self.cpu_kernel
+                && if device.is_cuda() {
+                    kernels::enabled(Kernel::Attention) && kernels::enabled(Kernel::DecodeOps)
+                } else {
+                    self.fused_ops_on_cpu
+                },
             #[cfg(feature = "cuda")]
             device_geometry,
         })
@@ -323,6 +331,13 @@ impl GroupedCache {
     /// Called after every layer has written the step's column.
     pub(crate) fn finish_step(&mut self) {
         self.cursor += 1;
+    }
+
+    /// Takes back the last decode step (its column is written over by the next): for a
+    /// caller whose use of the step's logits failed (an out-of-memory error while
+    /// sampling), so that the step can run again as if it never had.
+    pub fn undo_step(&mut self) {
+        self.cursor = self.cursor.saturating_sub(1);
     }
 
     pub(crate) fn layers_mut(&mut self) -> impl Iterator<Item = &mut GroupedLayer> {

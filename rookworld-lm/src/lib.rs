@@ -38,6 +38,7 @@ mod fused_ops;
 pub mod generate;
 pub mod grouped;
 pub mod hub;
+pub mod kernels;
 pub mod mask;
 pub mod model;
 pub mod sampling;

@@ -37,8 +37,11 @@ impl SamplingParams {
         }
     }
 
+    /// Greedy at 0 and at any temperature so small that 1/T overflows (below about
+    /// 3e-39): there the scaled logits are ±inf or NaN and no draw is defined, so the CPU
+    /// sampler and the device kernel both take the argmax.
     pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0
+        !(1.0 / self.temperature).is_finite()
     }
 
     /// Rejects a negative or non-finite temperature and a top-p outside (0, 1]
@@ -157,19 +160,27 @@ impl Sampler {
 }
 
 impl Sampler {
+    /// Where the row's stream stands: [`Self::rewind`] to it takes back the draws since.
+    pub fn position(&self) -> u128 {
+        self.rng.get_word_pos()
+    }
+
+    /// Puts the stream back at `position`: the next draws repeat those made after it.
+    pub fn rewind(&mut self, position: u128) {
+        self.rng.set_word_pos(position);
+    }
+
     /// What the device needs to draw this row's next token instead of [`Self::sample`]
     /// (see [`crate::device_sampling`]): the parameters and, unless greedy, the uniform
     /// this stream gives the next draw, taken from the stream as `sample` would take it.
     pub fn draw(&mut self) -> RowDraw {
+        let greedy = self.params.is_greedy();
         RowDraw {
-            temperature: self.params.temperature,
+            // The kernel's greedy branch is `temperature == 0`.
+            temperature: if greedy { 0.0 } else { self.params.temperature },
             top_k: u32::try_from(self.params.top_k).unwrap_or(u32::MAX),
             top_p: self.params.top_p,
-            uniform: if self.params.is_greedy() {
-                0.0
-            } else {
-                self.rng.random()
-            },
+            uniform: if greedy { 0.0 } else { self.rng.random() },
         }
     }
 
@@ -273,6 +284,24 @@ mod tests {
         assert_eq!(s.token, 1);
         let lse = (1f64.exp() + 2.0 * 3f64.exp() + (-2f64).exp()).ln();
         assert!((s.logprob as f64 - (3.0 - lse)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_temperature_whose_inverse_overflows_is_greedy_on_the_host_and_the_device() {
+        let logits = [0.5f32, 2.0, -1.0, 1.5];
+        let want = greedy(&logits).unwrap();
+        for t in [0.0f32, 1e-45, 2e-39] {
+            for (k, p) in [(0, 1.0), (2, 0.9)] {
+                let mut s = Sampler::new(params(t, k, p), 7, 0);
+                assert_eq!(s.sample(&logits).unwrap(), want, "T = {t}");
+                let draw = s.draw();
+                assert_eq!(draw.temperature, 0.0, "the kernel's greedy branch, T = {t}");
+                let device = crate::device_sampling::sample_reference(&logits, &draw).unwrap();
+                assert_eq!(device, want, "T = {t}");
+            }
+        }
+        // The smallest temperatures with a finite inverse still sample.
+        assert!(!params(1e-30, 0, 1.0).is_greedy());
     }
 
     #[test]

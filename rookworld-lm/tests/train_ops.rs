@@ -253,3 +253,10 @@ fn the_model_trains_the_same_with_the_ops_on() {
         "the training ops changed nothing: did they run?"
     );
 }
+
+/// Zero rows: every op returns empty results and empty gradients, and AdamW on nothing
+/// does nothing (the GPU self-check runs the same function on the device).
+#[test]
+fn every_op_takes_zero_rows() {
+    rookworld_lm::train_ops::check_empty_rows(&candle_core::Device::Cpu).unwrap();
+}

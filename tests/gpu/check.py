@@ -89,9 +89,26 @@ def cmd_copy_bandwidth(args):
         if dev.type == "cuda":
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t)
-    # A copy reads and writes every byte.
-    write(args.out, {"device": str(dev), "bytes": n, "seconds": best,
-                     "gb_per_second": 2 * n / best / 1e9})
+    out = {"device": str(dev), "bytes": n, "seconds": best,
+           "gb_per_second": 2 * n / best / 1e9}  # a copy reads and writes every byte
+    if dev.type == "cuda":
+        # The other ceiling: a dense BF16 matrix product on random data (the MFU's peak is
+        # the datasheet's; this is what the card gives here), the median of 10 by events.
+        k = 8192
+        a, b = (torch.randn(k, k, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        for _ in range(3):
+            a @ b
+        times = []
+        for _ in range(10):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            a @ b
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        times.sort()
+        out["bf16_matmul_tflops"] = 2 * k**3 / times[len(times) // 2] / 1e12
+    write(args.out, out)
 
 
 def cmd_hf_generate(args):
@@ -237,11 +254,16 @@ def cmd_table(args):
         add("decode kernels vs CPU reference", "sampled tokens equal",
             f"{kern['sampling_tokens_equal']}/{kern['sampling_rows']}",
             f"log-prob max |Δ| {fmt(kern['sampling_max_logprob_error'])}")
+        if "empty_rows" in kern:
+            add("decode kernels vs CPU reference", "training ops on zero rows", kern["empty_rows"])
         add("decode kernels vs CPU reference", "result", "pass" if kern.get("passed") else "FAIL")
     if problem(par):
         add("parity vs CPU f32", "result", problem(par))
     copy = d.get("copy_bandwidth", {}).get("gb_per_second")
     add("memory", "device copy GB/s", fmt(copy), problem(d.get("copy_bandwidth", {})))
+    mm = d.get("copy_bandwidth", {}).get("bf16_matmul_tflops")
+    if mm:
+        add("memory", "BF16 matmul TFLOP/s", fmt(mm), "8192³, random data (torch)")
     for name in sorted(k for k in d if k.startswith("worker_")):
         w, shape = d[name], name[len("worker_"):]
         hf = d.get("hf_" + shape, {})
@@ -257,6 +279,12 @@ def cmd_table(args):
         achieved = bytes_step / step / 1e9
         add("rollout " + shape, "tokens/s", fmt(batch["tokens_per_second"], 4))
         add("rollout " + shape, "step ms", fmt(step * 1e3))
+        ph = batch.get("phases") or {}
+        if ph.get("decode_seconds"):
+            add("rollout " + shape, "decode: launch / sample+wait ms",
+                f"{fmt(ph['decode_forward_seconds'] / new * 1e3)} / "
+                f"{fmt(ph['decode_sample_seconds'] / new * 1e3)}",
+                f"per step (host clock); prefill {fmt(ph['prefill_seconds'] * 1e3)} ms")
         add("rollout " + shape, "achieved GB/s", fmt(achieved),
             f"{achieved / copy:.0%} of copy" if copy else "")
         if "tokens_per_second" not in hf:

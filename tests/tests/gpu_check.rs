@@ -92,3 +92,67 @@ fn the_gpu_check_script_runs_every_section_on_the_cpu() {
         "{composed}"
     );
 }
+
+/// The script's time budget, with stand-ins for the binaries: a section past its limit is
+/// stopped and recorded, the sections after it still run, a deadline skips what is left,
+/// each section leaves its JSON and the table so far, and the exit status counts the
+/// failed sections.
+#[test]
+fn the_gpu_check_script_bounds_each_section_and_the_whole_run() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let stubs = tempfile::tempdir().unwrap();
+    let slow = stubs.path().join("slow");
+    std::fs::write(&slow, "#!/bin/sh\nsleep 60\n").unwrap();
+    std::fs::set_permissions(&slow, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let run = |out: &Path, env: &[(&str, &str)]| {
+        let mut cmd = Command::new("bash");
+        cmd.arg(root.join("tests/gpu-check.sh"))
+            .arg(out)
+            .current_dir(root)
+            .env("DEVICE", "cpu")
+            .env("QUICK", "1")
+            .env("LEARNER", "/bin/false")
+            .env("WORKER", &slow)
+            .envs(env.iter().copied());
+        let started = std::time::Instant::now();
+        let output = cmd.output().expect("bash runs");
+        (output, started.elapsed())
+    };
+    let errors = |out: &Path| {
+        std::fs::read_dir(out)
+            .unwrap()
+            .filter_map(|e| {
+                let path = e.unwrap().path();
+                let name = path.file_name()?.to_str()?.to_owned();
+                let text = std::fs::read_to_string(&path).ok()?;
+                (name.ends_with(".json") && text.contains("\"error\"")).then_some(name)
+            })
+            .collect::<Vec<_>>()
+    };
+
+    // Each worker section (the stand-in sleeps 60 s) is stopped at its 2 s limit.
+    let out = tempfile::tempdir().unwrap();
+    let (done, took) = run(out.path(), &[("SECTION_TIMEOUT", "2")]);
+    assert!(
+        took.as_secs() < 50,
+        "the sections were not stopped: {took:?}"
+    );
+    let parity = std::fs::read_to_string(out.path().join("parity.json")).unwrap();
+    assert!(parity.contains("stopped at its 2 s limit"), "{parity}");
+    for later in ["learner_step", "push", "train", "learner_composed"] {
+        assert!(out.path().join(format!("{later}.json")).exists(), "{later}");
+    }
+    assert!(out.path().join("table.txt").exists() && out.path().join("summary.json").exists());
+    let failed = errors(out.path());
+    assert!(failed.len() >= 6, "{failed:?}");
+    assert_eq!(done.status.code(), Some(failed.len() as i32), "{failed:?}");
+
+    // Past the deadline every section is skipped, and counted.
+    let out = tempfile::tempdir().unwrap();
+    let (done, _) = run(out.path(), &[("DEADLINE", "0")]);
+    let failed = errors(out.path());
+    assert_eq!(failed.len(), 9, "{failed:?}");
+    assert_eq!(done.status.code(), Some(9));
+    let train = std::fs::read_to_string(out.path().join("train.json")).unwrap();
+    assert!(train.contains("deadline"), "{train}");
+}

@@ -115,6 +115,13 @@ impl LocalServices {
                 tracing::error!(error = %e, "local worker loop");
             }
         }));
+        // The worker's GPU gauges, as a separate worker publishes them (none on the CPU).
+        let rx = stopped.clone();
+        tasks.push(tokio::spawn(rollout_worker::gpu::monitor(
+            device.clone(),
+            Duration::from_secs(5),
+            until(rx),
+        )));
         tracing::info!(%reward, %worker, "local reward server and rollout worker started");
         Ok(Self {
             stop,

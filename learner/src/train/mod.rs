@@ -156,6 +156,7 @@ pub async fn run(
 
     let mut summary = TrainSummary::default();
     let mut run = tokio::task::block_in_place(|| prepare(&args, &mut summary))?;
+    crate::metrics::record_kernel_fallbacks(); // the device is open: its kernels are checked
     run.record = support::write_record(&args, &run)?;
     if run.resumed && run.step >= s.steps {
         let line = format!(

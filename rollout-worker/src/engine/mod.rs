@@ -200,6 +200,10 @@ pub struct StepStats {
     /// Rows decoded (= tokens sampled by the decode step).
     pub decode_rows: usize,
     pub decode_seconds: f64,
+    /// Of `decode_seconds`: the forward's host time (on CUDA the launches: the device
+    /// runs behind), and sampling (on CUDA the wait for the device, then the draw).
+    pub decode_forward_seconds: f64,
+    pub decode_sample_seconds: f64,
 }
 
 /// Errors of the engine.

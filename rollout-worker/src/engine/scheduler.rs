@@ -80,6 +80,9 @@ pub struct Scheduler {
     /// Test hook: a decode step with more rows than this fails as out of memory.
     #[cfg(test)]
     fail_above_rows: Option<usize>,
+    /// Test hook: sampling more rows than this fails as out of memory, after the draws.
+    #[cfg(test)]
+    fail_sampling_above_rows: Option<usize>,
 }
 
 impl Scheduler {
@@ -100,6 +103,8 @@ impl Scheduler {
             next_id: 0,
             #[cfg(test)]
             fail_above_rows: None,
+            #[cfg(test)]
+            fail_sampling_above_rows: None,
         }
     }
 
@@ -236,6 +241,8 @@ impl Scheduler {
             total.first_tokens += stats.first_tokens;
             total.decode_rows += stats.decode_rows;
             total.decode_seconds += stats.decode_seconds;
+            total.decode_forward_seconds += stats.decode_forward_seconds;
+            total.decode_sample_seconds += stats.decode_sample_seconds;
             for event in events {
                 match event {
                     Event::Sample(s) => samples.push(s),

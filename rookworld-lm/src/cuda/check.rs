@@ -11,6 +11,7 @@ use crate::cpu_attention::{Geometry, decode_attention};
 use crate::device_sampling::{RowDraw, sample_reference};
 use crate::error::Result;
 use crate::fused_ops::{AddLayerNorm, BiasGelu, QkvSplit};
+use crate::kernels::{Finding, Kernel, judge};
 
 /// Largest errors of the kernels against their references, and whether they pass.
 #[derive(Debug, Clone, Serialize)]
@@ -33,18 +34,70 @@ pub struct KernelCheck {
     /// three AdamW steps: the largest |device − CPU| of an output, gradient, parameter or
     /// moment over that tensor's largest |CPU|.
     pub train_ops_max_rel_error: f64,
+    /// The training ops on zero rows (forward and backward, and AdamW on nothing): `ok`,
+    /// or the error. They return empty results without a launch.
+    pub empty_rows: String,
     pub passed: bool,
 }
 
 /// Runs every kernel on `device` against its CPU reference.
 pub fn self_check(device: &Device) -> Result<KernelCheck> {
+    let (check, errors) = run_checks(device);
+    match errors.into_iter().next() {
+        Some(f) => Err(crate::Error::InvalidArgument(format!(
+            "the {} kernel check did not run: {}",
+            f.kernel.name(),
+            f.problem
+        ))),
+        None => Ok(check),
+    }
+}
+
+/// The start-up check of a CUDA device: every PTX module of this project loaded and each
+/// kernel family run once against its reference. Returns what failed to run or
+/// disagreed beyond its tolerance, for [`crate::kernels::Switches::apply`].
+pub fn startup_check(device: &Device) -> Vec<Finding> {
+    let (check, mut findings) = run_checks(device);
+    let ran = |k: Kernel| !findings.iter().any(|f: &Finding| f.kernel == k);
+    let judged: Vec<Finding> = check
+        .findings()
+        .into_iter()
+        .filter(|f| ran(f.kernel))
+        .collect();
+    findings.extend(judged);
+    findings
+}
+
+/// Each family's check, one failing to run (NaN figures and a finding) leaving the
+/// others to run.
+fn run_checks(device: &Device) -> (KernelCheck, Vec<Finding>) {
     let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
-    let (f32_error, bf16_error) = check_attention(device, &mut rng)?;
-    let (rows, equal, logprob_error) = check_sampling(device, &mut rng)?;
-    let ops_f32 = check_ops(device, DType::F32, &mut rng)?;
-    let ops_bf16 = check_ops(device, DType::BF16, &mut rng)?;
-    let train_ops = check_train_ops(device, &mut rng)?;
-    Ok(KernelCheck {
+    let mut errors = Vec::new();
+    let mut ran = |kernel: Kernel, r: Result<f64>| -> f64 {
+        r.unwrap_or_else(|e| {
+            errors.push(Finding {
+                kernel,
+                problem: format!("did not run: {e}"),
+            });
+            f64::NAN
+        })
+    };
+    let attention = check_attention(device, &mut rng);
+    let (f32_error, bf16_error) = match attention {
+        Ok(pair) => pair,
+        Err(e) => {
+            let nan = ran(Kernel::Attention, Err(e));
+            (nan, nan)
+        }
+    };
+    let (rows, equal, logprob_error) = match check_sampling(device, &mut rng) {
+        Ok(triple) => triple,
+        Err(e) => (1, 0, ran(Kernel::Sampling, Err(e))),
+    };
+    let ops_f32 = ran(Kernel::DecodeOps, check_ops(device, DType::F32, &mut rng));
+    let ops_bf16 = ran(Kernel::DecodeOps, check_ops(device, DType::BF16, &mut rng));
+    let train_ops = ran(Kernel::TrainOps, check_train_ops(device, &mut rng));
+    let mut check = KernelCheck {
         attention_f32_max_abs_error: f32_error,
         attention_bf16_max_abs_error: bf16_error,
         sampling_rows: rows,
@@ -53,14 +106,69 @@ pub fn self_check(device: &Device) -> Result<KernelCheck> {
         ops_f32_max_abs_error: ops_f32,
         ops_bf16_max_abs_error: ops_bf16,
         train_ops_max_rel_error: train_ops,
-        passed: f32_error < 1e-4
-            && bf16_error < 2e-2
-            && equal == rows
-            && logprob_error < 1e-3
-            && ops_f32 < 1e-4
-            && ops_bf16 < 5e-2
-            && train_ops < 1e-3,
-    })
+        empty_rows: match crate::train_ops::check_empty_rows(device) {
+            Ok(()) => "ok".into(),
+            Err(e) => e.to_string(),
+        },
+        passed: false,
+    };
+    check.passed = check.findings().is_empty();
+    (check, errors)
+}
+
+impl KernelCheck {
+    /// Each figure against its tolerance (the one place they are stated).
+    pub fn findings(&self) -> Vec<Finding> {
+        let sampled = (self.sampling_tokens_equal != self.sampling_rows).then(|| Finding {
+            kernel: Kernel::Sampling,
+            problem: format!(
+                "{} of {} rows drew the reference's token",
+                self.sampling_tokens_equal, self.sampling_rows
+            ),
+        });
+        [
+            judge(
+                Kernel::Attention,
+                "f32 max |Δ|",
+                self.attention_f32_max_abs_error,
+                1e-4,
+            ),
+            judge(
+                Kernel::Attention,
+                "bf16 max |Δ|",
+                self.attention_bf16_max_abs_error,
+                2e-2,
+            ),
+            sampled,
+            judge(
+                Kernel::Sampling,
+                "log-prob max |Δ|",
+                self.sampling_max_logprob_error,
+                1e-3,
+            ),
+            judge(
+                Kernel::DecodeOps,
+                "f32 max |Δ|",
+                self.ops_f32_max_abs_error,
+                1e-4,
+            ),
+            judge(
+                Kernel::DecodeOps,
+                "bf16 max |Δ|",
+                self.ops_bf16_max_abs_error,
+                5e-2,
+            ),
+            judge(
+                Kernel::TrainOps,
+                "max rel. error",
+                self.train_ops_max_rel_error,
+                1e-3,
+            ),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
 }
 
 fn random(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {

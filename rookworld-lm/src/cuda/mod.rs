@@ -19,7 +19,7 @@ mod sample;
 pub(crate) mod train;
 
 pub use attention::{DeviceGeometry, grouped_attention};
-pub use check::{KernelCheck, self_check};
+pub use check::{KernelCheck, self_check, startup_check};
 pub use sample::sample_rows;
 
 use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView};

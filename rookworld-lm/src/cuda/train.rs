@@ -16,13 +16,22 @@ pub(crate) const THREADS: u32 = 256;
 
 pub(crate) type Arg<'a> = (&'a CudaStorage, &'a Layout);
 
-/// A warp per row, eight rows per block.
+/// A warp per row, eight rows per block (rows > 0: zero rows return [`empty`] unlaunched).
 pub(crate) fn warp_rows(rows: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: ((rows as u32).div_ceil(ROWS_PER_BLOCK).max(1), 1, 1),
+        grid_dim: ((rows as u32).div_ceil(ROWS_PER_BLOCK), 1, 1),
         block_dim: (ROWS_PER_BLOCK * 32, 1, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// What an op on zero rows returns without a launch: a grid of one block would write into
+/// its zero-length output, and CUDA refuses a zero-byte allocation. `shape` has no
+/// elements; the one-element buffer under it is never read.
+pub(crate) fn empty(device: CudaDevice, shape: impl Into<Shape>) -> Result<(CudaStorage, Shape)> {
+    let shape = shape.into();
+    debug_assert_eq!(shape.elem_count(), 0);
+    done(crate::cuda::output::<f32>(&device, 1)?, device, shape)
 }
 
 pub(crate) fn done(

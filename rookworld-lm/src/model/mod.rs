@@ -257,8 +257,11 @@ impl Gpt2 {
             }
             self.ln_f.forward(&x)?
         };
+        // The head (the step's largest allocation) before the step counts: an error there
+        // leaves the cache as it was.
+        let logits = self.logits(&hidden)?.squeeze(1)?; // (B, V)
         cache.finish_step();
-        self.logits(&hidden)?.squeeze(1) // (B, V)
+        Ok(logits)
     }
 
     /// Whether the fused decode ops apply: untracked f32 or bf16 weights, `gelu_new`, a

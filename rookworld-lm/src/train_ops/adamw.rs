@@ -39,8 +39,29 @@ pub fn adamw_step(param: &Tensor, grad: &Tensor, moments: &Tensor, step: &AdamWS
             moments.dims()
         );
     }
+    if n == 0 {
+        return Ok(()); // nothing to update (candle refuses in-place ops on empty tensors)
+    }
+    if param.device().is_cuda() && !crate::kernels::enabled(crate::kernels::Kernel::TrainOps) {
+        return composed(param, grad, moments, step);
+    }
     moments.inplace_op2(&grad.contiguous()?, &AdamWMoments(*step))?;
     param.inplace_op2(moments, &AdamWParam(*step))
+}
+
+/// The same step in candle's ops, written back in place: where the kernels failed their
+/// start-up check ([`crate::kernels`]). Several passes instead of two; the same values
+/// up to rounding.
+fn composed(param: &Tensor, grad: &Tensor, moments: &Tensor, c: &AdamWStep) -> Result<()> {
+    let f = f64::from;
+    let g = (grad.flatten_all()? * f(c.grad_scale))?; // (n)
+    let m = ((moments.get(0)? * f(c.beta1))? + (&g * f(1.0 - c.beta1))?)?;
+    let v = ((moments.get(1)? * f(c.beta2))? + (g.sqr()? * f(1.0 - c.beta2))?)?;
+    let denom = ((&v * f(c.s2))?.sqrt()? + f(c.eps))?;
+    let update = ((&m * f(c.s1))? / denom)?;
+    let p = ((param.flatten_all()? * f(c.shrink))? - (update * f(c.lr))?)?;
+    moments.slice_set(&Tensor::stack(&[m, v], 0)?, 0, 0)?;
+    param.slice_set(&p.reshape(param.shape())?, 0, 0)
 }
 
 /// The moments' pass: (2, n) in place, from the gradient.
@@ -145,6 +166,9 @@ mod cuda {
         let Some((start, end)) = dl.contiguous_offsets() else {
             candle_core::bail!("{name}: the updated tensor must be contiguous");
         };
+        if n == 0 {
+            return Ok(()); // nothing to update, and no launch of an empty grid
+        }
         let device = src.device().clone();
         let func = device.get_or_load_custom_func(name, MODULE, TRAIN_OPS_PTX)?;
         let sv = slice::<f32>(src, sl)?;
@@ -179,5 +203,52 @@ mod cuda {
         let n = p.1.shape().elem_count();
         let scalars = [step.lr, step.eps, step.shrink, step.s1, step.s2];
         adamw_pass("adamw_param", p, mv, n, &scalars)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Tensor};
+
+    use super::*;
+
+    /// The composed fallback against the two-pass op (the reference), three steps.
+    #[test]
+    fn the_composed_fallback_takes_the_same_step() {
+        let n = 1000;
+        let values = |k: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i * 7919 + k * 104_729) % 997) as f32 / 997.0 - 0.5)
+                .collect()
+        };
+        let step = AdamWStep {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            shrink: 1.0 - 1e-4,
+            s1: 10.0,
+            s2: 1000.0,
+            grad_scale: 0.5,
+        };
+        let run = |composed_path: bool| -> Result<(Vec<f32>, Vec<f32>)> {
+            let p = Tensor::from_vec(values(0), (10, 100), &Device::Cpu)?;
+            let mv = Tensor::zeros((2, n), DType::F32, &Device::Cpu)?;
+            for k in 1..=3 {
+                let g = Tensor::from_vec(values(k), (10, 100), &Device::Cpu)?;
+                if composed_path {
+                    composed(&p, &g, &mv, &step)?;
+                } else {
+                    adamw_step(&p, &g, &mv, &step)?;
+                }
+            }
+            Ok((p.flatten_all()?.to_vec1()?, mv.flatten_all()?.to_vec1()?))
+        };
+        let (want, got) = (run(false).unwrap(), run(true).unwrap());
+        let worst =
+            |a: &[f32], b: &[f32]| a.iter().zip(b).fold(0f32, |w, (x, y)| w.max((x - y).abs()));
+        assert!(worst(&want.0, &got.0) < 1e-6, "{}", worst(&want.0, &got.0));
+        assert!(worst(&want.1, &got.1) < 1e-6, "{}", worst(&want.1, &got.1));
+        assert_ne!(want.0, values(0), "the parameters moved");
     }
 }

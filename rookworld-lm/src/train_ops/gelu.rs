@@ -122,7 +122,7 @@ mod cuda {
     use candle_core::{Result, Shape};
 
     use super::BiasGeluBwd;
-    use crate::cuda::train::{Arg, MODULE, done};
+    use crate::cuda::train::{Arg, MODULE, done, empty};
     use crate::cuda::{TRAIN_OPS_PTX, elementwise, output, slice};
     use crate::train_ops::rows_of as rows;
 
@@ -135,6 +135,9 @@ mod cuda {
         let n = bl.shape().elem_count();
         let m = rows(xl, n, "bias-gelu-bwd")?;
         let device = x.device().clone();
+        if m * n == 0 {
+            return empty(device, xl.shape().clone());
+        }
         let func = device.get_or_load_custom_func("bias_gelu_bwd", MODULE, TRAIN_OPS_PTX)?;
         let mut out = output::<f32>(&device, m * n)?; // the grid-stride loop covers M·N
         {

@@ -249,13 +249,13 @@ impl CustomOp2 for LayerNormParams {
 /// The kernels' launches (`kernels/train_ops.cu`).
 #[cfg(feature = "cuda")]
 mod cuda {
-    use candle_core::backend::BackendStorage;
+    use candle_core::backend::{BackendDevice, BackendStorage};
     use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
     use candle_core::cuda::{CudaStorage, WrapErr};
-    use candle_core::{Result, Shape};
+    use candle_core::{DType, Result, Shape};
 
     use super::{LayerNorm, LayerNormDx, LayerNormParams, PARAM_CHUNK};
-    use crate::cuda::train::{Arg, MODULE, ROWS_PER_BLOCK, done, warp_rows};
+    use crate::cuda::train::{Arg, MODULE, ROWS_PER_BLOCK, done, empty, warp_rows};
     use crate::cuda::{TRAIN_OPS_PTX, output, slice};
     use crate::train_ops::rows_of as rows;
 
@@ -270,6 +270,9 @@ mod cuda {
         let e = wl.shape().elem_count();
         let m = rows(xl, e, name)?;
         let device = x.device().clone();
+        if m * e == 0 {
+            return empty(device, xl.shape().clone());
+        }
         let func = device.get_or_load_custom_func(name, MODULE, TRAIN_OPS_PTX)?;
         let mut out = output::<f32>(&device, m * e)?; // warp r writes row r
         {
@@ -320,6 +323,11 @@ mod cuda {
         let m = rows(xl, e, "layer-norm-params")?;
         let chunks = m.div_ceil(PARAM_CHUNK);
         let device = x.device().clone();
+        if chunks == 0 {
+            // No rows: one part of zeros (the sums over no rows), without a launch.
+            let shape = Shape::from((1, 2, e));
+            return Ok((device.zeros_impl(&shape, DType::F32)?, shape));
+        }
         let func = device.get_or_load_custom_func("layer_norm_params", MODULE, TRAIN_OPS_PTX)?;
         let mut out = output::<f32>(&device, chunks * 2 * e)?; // block c writes part c
         {
@@ -333,7 +341,7 @@ mod cuda {
                 .arg(&e_arg)
                 .arg(&op.eps);
             let cfg = LaunchConfig {
-                grid_dim: (chunks.max(1) as u32, 1, 1),
+                grid_dim: (chunks as u32, 1, 1),
                 block_dim: (ROWS_PER_BLOCK * 32, 1, 1),
                 shared_mem_bytes: 0,
             };

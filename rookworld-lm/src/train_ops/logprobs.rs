@@ -160,7 +160,7 @@ mod cuda {
     use candle_core::{Result, Shape};
 
     use super::{TargetLogprobs, TargetLogprobsBwd, target_dims};
-    use crate::cuda::train::{Arg, MODULE, REDUCE_THREADS, THREADS, done};
+    use crate::cuda::train::{Arg, MODULE, REDUCE_THREADS, THREADS, done, empty};
     use crate::cuda::{TRAIN_OPS_PTX, output, slice};
 
     pub(in crate::train_ops) fn target_logprobs(
@@ -170,6 +170,9 @@ mod cuda {
     ) -> Result<(CudaStorage, Shape)> {
         let (n, v) = target_dims(ll, tl)?;
         let device = l.device().clone();
+        if n == 0 {
+            return empty(device, n);
+        }
         let func = device.get_or_load_custom_func("target_logprobs_fwd", MODULE, TRAIN_OPS_PTX)?;
         let mut out = output::<f32>(&device, n)?; // block n writes out[n]
         {
@@ -183,7 +186,7 @@ mod cuda {
                 .arg(&v_arg)
                 .arg(&op.inv_t);
             let cfg = LaunchConfig {
-                grid_dim: (n.max(1) as u32, 1, 1),
+                grid_dim: (n as u32, 1, 1),
                 block_dim: (REDUCE_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
@@ -208,6 +211,9 @@ mod cuda {
             );
         }
         let device = l.device().clone();
+        if n * v == 0 {
+            return empty(device, (n, v));
+        }
         let func = device.get_or_load_custom_func("target_logprobs_bwd", MODULE, TRAIN_OPS_PTX)?;
         let mut out = output::<f32>(&device, n * v)?; // thread (v, n) writes d[n, v]
         {
@@ -226,11 +232,7 @@ mod cuda {
                 .arg(&v_arg)
                 .arg(&op.inv_t);
             let cfg = LaunchConfig {
-                grid_dim: (
-                    (v as u32).div_ceil(THREADS).max(1),
-                    n.clamp(1, 65_535) as u32,
-                    1,
-                ),
+                grid_dim: ((v as u32).div_ceil(THREADS), n.min(65_535) as u32, 1),
                 block_dim: (THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };

@@ -33,9 +33,12 @@ pub use layer_norm::{LayerNorm, LayerNormDx, LayerNormParams, layer_norm};
 pub use logprobs::{TargetLogprobs, TargetLogprobsBwd, target_dims, target_logprobs};
 pub use softmax::{MaskedSoftmax, SoftmaxBwd, SoftmaxGeometry, masked_softmax};
 
-/// Whether the training ops take `t`: f32, on the CPU or (with the feature) CUDA.
+/// Whether the training ops take `t`: f32, on the CPU or (with the feature) CUDA where
+/// their kernels passed the start-up check ([`crate::kernels`]).
 pub fn supported(t: &Tensor) -> bool {
-    t.dtype() == DType::F32 && (t.device().is_cpu() || t.device().is_cuda())
+    t.dtype() == DType::F32
+        && (t.device().is_cpu()
+            || t.device().is_cuda() && crate::kernels::enabled(crate::kernels::Kernel::TrainOps))
 }
 
 /// A contiguous f32 operand of a CPU op.
@@ -122,3 +125,47 @@ macro_rules! fwd_impls {
 pub(crate) use fwd_impls;
 
 pub(crate) type Cpu<'a> = (&'a CpuStorage, &'a Layout);
+
+/// Each training op on zero rows, forward and backward, and AdamW on zero elements.
+/// What the GPU self-check reports as `empty_rows`; the CPU tests run it too.
+pub fn check_empty_rows(device: &candle_core::Device) -> Result<()> {
+    use crate::train_ops;
+    use adamw::{AdamWStep, adamw_step};
+    use candle_core::Var;
+    let (e, v) = (768, 50_257);
+    let var = |shape: (usize, usize)| Var::zeros(shape, DType::F32, device);
+    let ones = |n: usize| Tensor::ones(n, DType::F32, device);
+    let x = var((0, e))?;
+    let y = train_ops::layer_norm(x.as_tensor(), &ones(e)?, &ones(e)?, 1e-5)?;
+    let h = var((0, 4 * e))?;
+    let g = train_ops::bias_gelu(h.as_tensor(), &ones(4 * e)?)?;
+    let l = var((0, v))?;
+    let targets = Tensor::zeros(0, DType::U32, device)?;
+    let lp = train_ops::target_logprobs(l.as_tensor(), &targets, 1.0)?;
+    let loss = (y.sum_all()? + g.sum_all()? + lp.sum_all()?)?;
+    let grads = loss.backward()?;
+    for t in [&x, &h, &l] {
+        let grad = grads.get(t.as_tensor());
+        if grad.is_some_and(|g| g.elem_count() != 0) {
+            candle_core::bail!("a gradient of an empty input is not empty");
+        }
+    }
+    let step = AdamWStep {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        shrink: 1.0,
+        s1: 1.0,
+        s2: 1.0,
+        grad_scale: 1.0,
+    };
+    let empty = Tensor::zeros(0, DType::F32, device)?;
+    adamw_step(
+        &empty,
+        &empty,
+        &Tensor::zeros((2, 0), DType::F32, device)?,
+        &step,
+    )?;
+    device.synchronize()
+}

@@ -164,7 +164,7 @@ mod cuda {
     use candle_core::{Result, Shape};
 
     use super::{MaskedSoftmax, SoftmaxBwd};
-    use crate::cuda::train::{Arg, MODULE, done, warp_rows};
+    use crate::cuda::train::{Arg, MODULE, done, empty, warp_rows};
     use crate::cuda::{TRAIN_OPS_PTX, output, slice};
 
     pub(in crate::train_ops) fn masked_softmax(
@@ -176,6 +176,9 @@ mod cuda {
         let total = sl.shape().elem_count();
         let r = total / geom.keys.max(1);
         let device = s.device().clone();
+        if total == 0 {
+            return empty(device, sl.shape().clone());
+        }
         let func = device.get_or_load_custom_func("masked_softmax_fwd", MODULE, TRAIN_OPS_PTX)?;
         let mut out = output::<f32>(&device, total)?; // warp r writes row r
         {
@@ -206,6 +209,9 @@ mod cuda {
         let total = pl.shape().elem_count();
         let r = total / keys.max(1);
         let device = p.device().clone();
+        if total == 0 {
+            return empty(device, pl.shape().clone());
+        }
         let func = device.get_or_load_custom_func("softmax_bwd", MODULE, TRAIN_OPS_PTX)?;
         let mut out = output::<f32>(&device, total)?; // warp r writes row r
         {

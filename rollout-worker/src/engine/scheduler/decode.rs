@@ -25,6 +25,7 @@ impl Scheduler {
             .iter()
             .map(|r| *r.completion.ids.last().expect("a live row has a token"))
             .collect();
+        let forward = Instant::now();
         let logits = match self.forward_rows(&ids) {
             Ok(logits) => logits,
             Err(e) if is_out_of_memory(&e) && self.rows.len() > 1 => {
@@ -32,7 +33,24 @@ impl Scheduler {
             }
             Err(e) => return Err(e),
         };
-        let sampled = self.sample_rows(&logits)?;
+        // The draws are taken back with the step if sampling runs out of memory (its
+        // buffers are allocated after the draws): the shed rows' streams and the kept
+        // rows' cache stand as before the step, so the output is unchanged.
+        let marks: Vec<u128> = self.rows.iter().map(|r| r.sampler.position()).collect();
+        let sampling = Instant::now();
+        stats.decode_forward_seconds += (sampling - forward).as_secs_f64();
+        let sampled = match self.sample_rows(&logits) {
+            Ok(sampled) => sampled,
+            Err(e) if is_out_of_memory(&e) && self.rows.len() > 1 => {
+                for (row, mark) in self.rows.iter_mut().zip(marks) {
+                    row.sampler.rewind(mark);
+                }
+                self.cache.undo_step();
+                return self.shed_rows(self.rows.len() / 2);
+            }
+            Err(e) => return Err(e),
+        };
+        stats.decode_sample_seconds += sampling.elapsed().as_secs_f64();
         for (row, s) in self.rows.iter_mut().zip(sampled) {
             row.completion.ids.push(s.token);
             row.completion.logprobs.push(s.logprob);
@@ -69,6 +87,23 @@ impl Scheduler {
     /// rows sample on the host in parallel. Either way each row draws from its own
     /// seeded stream, so the result depends neither on the thread nor on the batch.
     fn sample_rows(&mut self, logits: &Tensor) -> Result<Vec<Sampled>, EngineError> {
+        let sampled = self.sample_rows_now(logits);
+        #[cfg(test)]
+        if self
+            .fail_sampling_above_rows
+            .is_some_and(|n| self.rows.len() > n)
+        {
+            // After the draws, as the device path's buffers are allocated.
+            return Err(EngineError::Model(rookworld_lm::Error::Candle(
+                candle_core::Error::Msg(
+                    "CUDA_ERROR_OUT_OF_MEMORY: out of memory (injected)".into(),
+                ),
+            )));
+        }
+        sampled
+    }
+
+    fn sample_rows_now(&mut self, logits: &Tensor) -> Result<Vec<Sampled>, EngineError> {
         if device_sampling::supported(logits.device()) {
             let draws: Vec<_> = self.rows.iter_mut().map(|r| r.sampler.draw()).collect();
             return Ok(device_sampling::sample_rows(logits, &draws)?);

@@ -198,8 +198,9 @@ fn a_finished_row_is_refilled_at_the_next_step_and_limits_hold() {
     assert!(err.to_string().contains("KV tokens"), "{err}");
 }
 
-#[test]
-fn out_of_memory_halves_the_batch_and_the_output_is_unchanged() {
+/// A run where `inject` makes steps of more than 5 rows fail as out of memory gives the
+/// same samples as a clean run, with the row limit lowered.
+fn recovers_from_injected_oom(inject: impl FnOnce(&mut Scheduler)) {
     let m = model(5);
     let prompts = vec![prompt(1, 9), prompt(2, 11)];
     let mut clean = Scheduler::new(m.clone(), 1, EngineConfig::default());
@@ -207,7 +208,7 @@ fn out_of_memory_halves_the_batch_and_the_output_is_unchanged() {
     let want = run_all(&mut clean);
 
     let mut s = Scheduler::new(m.clone(), 1, EngineConfig::default());
-    s.fail_above_rows = Some(5);
+    inject(&mut s);
     s.submit(request(prompts, 6, 10, 3)).unwrap();
     let got = run_all(&mut s);
     assert!(s.row_limit() <= 5, "row limit {}", s.row_limit());
@@ -216,6 +217,18 @@ fn out_of_memory_halves_the_batch_and_the_output_is_unchanged() {
         assert_eq!(g.completion.ids, w.completion.ids);
         assert!(max_diff(&g.completion.logprobs, &w.completion.logprobs) < 1e-5);
     }
+}
+
+#[test]
+fn out_of_memory_halves_the_batch_and_the_output_is_unchanged() {
+    recovers_from_injected_oom(|s| s.fail_above_rows = Some(5));
+}
+
+/// Sampling fails after the draws (as the device path's buffers are allocated): the step
+/// is taken back, streams and cache, before the batch is halved.
+#[test]
+fn out_of_memory_while_sampling_takes_the_step_back_and_the_output_is_unchanged() {
+    recovers_from_injected_oom(|s| s.fail_sampling_above_rows = Some(5));
 }
 
 #[test]

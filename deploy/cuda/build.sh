@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # Builds the `cuda` binaries (learner, rollout-worker) on a machine without a GPU or a
-# system CUDA: nvcc and the CUDA 13.0 libraries come from NVIDIA's PyPI wheels, and the
+# system CUDA, and packs them into one archive to carry to a GPU machine that has no Rust
+# toolchain: nvcc and the CUDA 13.0 libraries come from NVIDIA's PyPI wheels, and the
 # driver library the linker wants is a stub made from the symbols cudarc binds. The
 # binaries then run where a driver (580+, CUDA 13) is installed, with the CUDA libraries
-# on LD_LIBRARY_PATH (PyTorch's `nvidia/cu13/lib` has them).
+# on LD_LIBRARY_PATH (PyTorch's `nvidia/cu13/lib` has them; tests/gpu-check.sh finds it).
 #
-#   tools/cuda-build.sh [OUT]        # OUT: where the stripped binaries go (default target-cuda/dist)
+#   deploy/cuda/build.sh [OUT]   # default OUT: target-cuda/dist
 #
+# OUT receives the stripped binaries and `rookworld-cuda.tar.xz` holding both; unpack it
+# there with `tar -xJf rookworld-cuda.tar.xz -C DIR` and run `BIN=DIR tests/gpu-check.sh`.
 # Environment: CUDA_DIR (the toolchain's directory, default $TMPDIR/rookworld-cuda13),
-# CUDA_COMPUTE_CAP (default 90: H100/H200; 80 for A100). A clean build takes 10–15 minutes
-# on 2 cores. Prints the size of each binary, which is what must travel to a GPU machine
-# that has no Rust toolchain.
+# CUDA_COMPUTE_CAP (default 90: H100/H200; 80 for A100). A clean build takes about 25
+# minutes on 2 cores. Prints each binary's size and the archive's, and fails when the
+# archive is over ARCHIVE_LIMIT_MIB (default 64).
 set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${1:-$ROOT/target-cuda/dist}
 DIR=${CUDA_DIR:-${TMPDIR:-/tmp}/rookworld-cuda13}
 CUDA_HOME=$DIR/nvidia/cu13
@@ -49,7 +52,16 @@ echo "cuda-build: $(nvcc --version | tail -1), compute capability $CUDA_COMPUTE_
 cd "$ROOT"
 CARGO_TARGET_DIR=target-cuda cargo build --release --features cuda -p rollout-worker -p learner
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 for bin in learner rollout-worker; do
   strip -o "$OUT/$bin" "target-cuda/release/$bin"
-  echo "cuda-build: $OUT/$bin $(du -h "$OUT/$bin" | cut -f1)" >&2
+  echo "cuda-build: $OUT/$bin $(du -m "$OUT/$bin" | cut -f1) MiB stripped" >&2
 done
+# Most of each binary is PTX text (candle's kernels and ours): xz packs it tightly.
+tar -C "$OUT" -cf - learner rollout-worker | xz -T0 -9 >"$OUT/rookworld-cuda.tar.xz"
+MIB=$(( ($(stat -c %s "$OUT/rookworld-cuda.tar.xz") + 1048575) / 1048576 ))
+echo "cuda-build: $OUT/rookworld-cuda.tar.xz ${MIB} MiB" >&2
+if [ "$MIB" -gt "${ARCHIVE_LIMIT_MIB:-64}" ]; then
+  echo "cuda-build: the archive is over ${ARCHIVE_LIMIT_MIB:-64} MiB" >&2
+  exit 1
+fi
