@@ -86,6 +86,20 @@ settle() {
   table
 }
 
+# failed NAME RC LIMIT LOG: NAME's JSON records the exit status and LOG's last line (and
+# that the section was stopped at its LIMIT).
+failed() {
+  local why
+  why=$(tail -n 1 "$4" | tr -d '"\\' | cut -c1-300)
+  [ "$2" -eq 124 ] || [ "$2" -eq 137 ] && why="stopped at its $3 s limit; $why"
+  echo "{\"error\": \"exit $2: $why\"}" > "$OUT/$1.json"
+}
+
+# skipped NAME: NAME's JSON records that the deadline left it no time.
+skipped() {
+  echo "{\"error\": \"skipped: the ${DEADLINE} s deadline was reached\"}" > "$OUT/$1.json"
+}
+
 # section NAME CMD...: CMD's last stdout line is OUT/NAME.json, its stderr OUT/NAME.log.
 section() {
   local name=$1 started=$SECONDS rc limit
@@ -93,7 +107,7 @@ section() {
   limit=$(budget "$LIMIT")
   echo "== $name" >&2
   if [ "$limit" -eq 0 ]; then
-    echo "{\"error\": \"skipped: the ${DEADLINE} s deadline was reached\"}" > "$OUT/$name.json"
+    skipped "$name"
     settle "$name"
     return
   fi
@@ -102,10 +116,7 @@ section() {
   if [ $rc -eq 0 ] && [ -s "$OUT/$name.stdout" ]; then
     tail -n 1 "$OUT/$name.stdout" > "$OUT/$name.json"
   else
-    local why
-    why=$(tail -n 1 "$OUT/$name.log" | tr -d '"\\' | cut -c1-300)
-    [ $rc -eq 124 ] || [ $rc -eq 137 ] && why="stopped at its ${limit} s limit; $why"
-    echo "{\"error\": \"exit $rc: $why\"}" > "$OUT/$name.json"
+    failed "$name" "$rc" "$limit" "$OUT/$name.log"
   fi
   rm -f "$OUT/$name.stdout"
   settle "$name"
@@ -117,10 +128,10 @@ section() {
 train_section() {
   METRICS_PORT=$(( 20000 + RANDOM % 20000 ))
   echo "== train" >&2
-  local limit why
+  local limit
   limit=$(budget "$TRAIN_LIMIT")
   if [ "$limit" -eq 0 ]; then
-    echo "{\"error\": \"skipped: the ${DEADLINE} s deadline was reached\"}" > "$OUT/train.json"
+    skipped train
     echo '{"skipped": "no training run"}' > "$OUT/nvml.json"
   else
     timeout -k 5 "$limit" "$LEARNER" train --local --preset "$PRESET" --device "$DEVICE" \
@@ -136,9 +147,7 @@ train_section() {
     if [ $TRAIN_RC -eq 0 ] && [ -s "$OUT/train.jsonl" ]; then
       "$PY" "$HERE/gpu/check.py" train-summary "$OUT/train.jsonl" "$OUT/train.json" > /dev/null
     else
-      why=$(tail -n 1 "$OUT/train.log" | tr -d '"\\' | cut -c1-300)
-      [ $TRAIN_RC -eq 124 ] || [ $TRAIN_RC -eq 137 ] && why="stopped at its ${limit} s limit; $why"
-      echo "{\"error\": \"exit $TRAIN_RC: $why\"}" > "$OUT/train.json"
+      failed train "$TRAIN_RC" "$limit" "$OUT/train.log"
     fi
   fi
   settle train

@@ -73,6 +73,13 @@ impl Switches {
         &self.off[Kernel::ALL.iter().position(|&k| k == kernel).unwrap_or(0)]
     }
 
+    /// Turns `kernel` off, counting it the first time only.
+    fn off(&self, kernel: Kernel) {
+        if !self.slot(kernel).swap(true, Ordering::Relaxed) {
+            self.fallbacks.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     pub fn enabled(&self, kernel: Kernel) -> bool {
         !self.slot(kernel).load(Ordering::Relaxed)
     }
@@ -106,9 +113,7 @@ impl Switches {
                 problem = %f.problem,
                 "a CUDA kernel failed its start-up check; using candle's ops for it from now on"
             );
-            if !self.slot(f.kernel).swap(true, Ordering::Relaxed) {
-                self.fallbacks.fetch_add(1, Ordering::Relaxed);
-            }
+            self.off(f.kernel);
         }
         Ok(())
     }
@@ -120,9 +125,7 @@ impl Switches {
                 kernel = k.name(),
                 "CUDA kernel turned off by {DISABLE_ENV}; using candle's ops for it"
             );
-            if !self.slot(k).swap(true, Ordering::Relaxed) {
-                self.fallbacks.fetch_add(1, Ordering::Relaxed);
-            }
+            self.off(k);
         }
     }
 
