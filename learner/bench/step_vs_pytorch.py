@@ -1,22 +1,32 @@
 #!/usr/bin/env python3
 """One GRPO step in PyTorch beside `learner bench`, same shapes, same machine, same run.
 
-PyTorch's step: a GPT-2 (the given preset's shape, random weights) in f32 on the CPU with
-`scaled_dot_product_attention`; the reference forward under no_grad; the policy forward
+PyTorch's step: a GPT-2 (the given preset's shape, random weights) with f32 master weights
+and `scaled_dot_product_attention`; the reference forward under no_grad; the policy forward
 and backward over every completion's `prompt ++ completion` sequence (as GRPO trainers
 run it), LM head on the completion positions only (the `head` option `all` puts every
 position through it, as TRL does); the GRPO loss (clipped ratio against behaviour
 log-probs, k3 KL, sequence aggregation); gradient clipping; `torch.optim.AdamW(fused=True)`.
-Both run on `--threads` threads (default 2). With `--device cuda` both run on the GPU:
-PyTorch with f32 master weights and the forward passes under BF16 autocast (`--no-autocast`
-for f32/TF32), `learner bench --device cuda` beside it; times are taken after
+
+PyTorch runs in each configuration of `--torch-configs`, each in a process of its own (so
+each one's peak RSS is its own), one after the other in this run:
+  f32           eager, f32
+  bf16          eager, forward passes under `torch.autocast(dtype=torch.bfloat16)`
+  compile-f32   `torch.compile` of the forward (and through it the backward), f32
+  compile-bf16  `torch.compile` + BF16 autocast: what GPU tuning guides for GRPO recommend
+The default on the CPU is `f32,bf16,compile-bf16`; on CUDA `bf16` (`f32` with
+`--no-autocast`). The compile time is the warm-up step, reported apart and not timed.
+`learner bench` runs with `--precision` (default auto). Both run on `--threads` threads
+(default 2). With `--device cuda` both run on the GPU; times are taken after
 `torch.cuda.synchronize()`, memory is `torch.cuda.max_memory_allocated`.
 
 Usage:  python3 learner/bench/step_vs_pytorch.py [--learner target/release/learner]
         [--prompts 4] [--group 8] [--prompt-tokens 46] [--completion-tokens 64]
         [--steps 1] [--threads 2] [--head completions|all] [--skip-learner]
-        [--device cpu|cuda] [--no-autocast]
-Needs torch (CPU is enough). Prints each side's JSON line, then one with the ratio.
+        [--device cpu|cuda] [--no-autocast] [--torch-configs f32,bf16,compile-bf16]
+        [--precision auto|f32|bf16]
+Needs torch (CPU is enough). Prints each side's JSON line, a table, then one JSON line
+with the ratios: against each configuration and against PyTorch's best.
 """
 
 import argparse
@@ -36,7 +46,15 @@ PRESETS = {
 }
 
 
-def torch_step(args):
+CONFIGS = {
+    "f32": dict(autocast=False, compile=False),
+    "bf16": dict(autocast=True, compile=False),
+    "compile-f32": dict(autocast=False, compile=True),
+    "compile-bf16": dict(autocast=True, compile=True),
+}
+
+
+def torch_step(args, config):
     import torch
     import torch.nn.functional as F
 
@@ -52,9 +70,11 @@ def torch_step(args):
         if cuda:
             torch.cuda.synchronize()
 
+    mode = CONFIGS[config]
+
     def autocast():
-        if cuda and args.autocast:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        if mode["autocast"]:
+            return torch.autocast(dev.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
     cfg = PRESETS[args.preset]
     E, H, L, V = cfg["n_embd"], cfg["n_head"], cfg["n_layer"], cfg["vocab"]
@@ -115,6 +135,9 @@ def torch_step(args):
         with autocast():
             return head_logprobs(model, ids)
 
+    if mode["compile"]:
+        logprobs = torch.compile(logprobs)
+
     def head_logprobs(model, ids):
         h = model.hidden(ids[:, :-1])  # (C, T-1, E)
         if args.head == "all":
@@ -150,7 +173,9 @@ def torch_step(args):
         return dict(step=t4 - t0, reference=t1 - t0, forward=t2 - t1, backward=t3 - t2,
                     clip_optimizer=t4 - t3, loss=loss.item(), grad_norm=norm.item())
 
-    step()  # warm-up, as `learner bench` does
+    warm = time.perf_counter()
+    step()  # warm-up (and compilation), as `learner bench` warms up
+    warm = time.perf_counter() - warm
     runs = [step() for _ in range(max(1, args.steps))]
     mean = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
     return {
@@ -158,7 +183,10 @@ def torch_step(args):
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "device": str(dev),
-        "autocast_bf16": cuda and args.autocast,
+        "config": config,
+        "autocast_bf16": mode["autocast"],
+        "compiled": mode["compile"],
+        "warm_up_seconds": warm,
         "head": args.head,
         "step_seconds": mean["step"],
         "phases": {k: mean[k] for k in ("reference", "forward", "backward", "clip_optimizer")},
@@ -188,7 +216,25 @@ def main():
                     help="the device's dense peak for the learner's MFU (e.g. 989 for BF16 on an H100)")
     ap.add_argument("--no-autocast", dest="autocast", action="store_false",
                     help="on CUDA, run PyTorch's forward in f32 (TF32) instead of BF16 autocast")
+    ap.add_argument("--torch-configs",
+                    help="comma-separated PyTorch configurations: f32, bf16, compile-f32, compile-bf16 "
+                         "(default: f32,bf16,compile-bf16 on the CPU; bf16 on CUDA, f32 with --no-autocast)")
+    ap.add_argument("--precision", choices=["auto", "f32", "bf16"],
+                    help="learner bench's --precision (default: auto on the CPU; on CUDA PyTorch's)")
+    ap.add_argument("--torch-only", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.torch_only:  # one configuration, in a process of its own
+        print(json.dumps(torch_step(args, args.torch_only)))
+        return
+    if args.torch_configs:
+        configs = args.torch_configs.split(",")
+    elif args.device == "cpu":
+        configs = ["f32", "bf16", "compile-bf16"]
+    else:
+        configs = ["bf16" if args.autocast else "f32"]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        sys.exit(f"unknown --torch-configs {unknown}: use {', '.join(CONFIGS)}")
 
     ours = None
     if not args.skip_learner:
@@ -199,7 +245,9 @@ def main():
                "--device", args.device]
         if args.peak_tflops:
             cmd += ["--peak-tflops", str(args.peak_tflops)]
-        if args.device != "cpu":  # the same precision as PyTorch's side
+        if args.precision:
+            cmd += ["--precision", args.precision]
+        elif args.device != "cpu":  # the same precision as PyTorch's side
             cmd += ["--precision", "bf16" if args.autocast else "f32"]
         env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -212,11 +260,37 @@ def main():
         print(json.dumps({"skipped": "no torch: PyTorch's side not run",
                           "learner_step_seconds": ours["step_seconds"] if ours else None}))
         return
-    theirs = torch_step(args)
-    print(json.dumps(theirs))
+    runs = {}
+    for config in configs:
+        cmd = [sys.executable, os.path.abspath(__file__), "--torch-only", config]
+        cmd += [a for a in sys.argv[1:] if a != "--skip-learner"] + ["--skip-learner"]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            tail = out.stderr.strip().splitlines()[-3:]
+            print(json.dumps({"side": "pytorch", "config": config, "failed": " | ".join(tail)}))
+            continue
+        runs[config] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(json.dumps(runs[config]))
+    if not runs:
+        sys.exit("no PyTorch configuration ran")
+    best = min(runs, key=lambda c: runs[c]["step_seconds"])
+    theirs = runs[best]
+    print(f"{'':24} {'step (s)':>9} {'reference':>9} {'forward':>8} {'backward':>8} {'clip+AdamW':>10} "
+          f"{'peak RSS':>9} {'learner ×':>9}")
+    rows = [(f"PyTorch {c}", r) for c, r in runs.items()]
+    if ours:
+        rows.append((f"learner ({ours.get('matmul_dtype') or 'f32'})", ours))
+    for name, r in rows:
+        ph = r["phases"]
+        clip = ph.get("clip_optimizer", ph.get("clip", 0) + ph.get("optimizer", 0))
+        ratio = f"{r['step_seconds'] / ours['step_seconds']:8.2f}x" if ours and r is not ours else ""
+        print(f"{name:24} {r['step_seconds']:9.2f} {ph['reference']:9.2f} {ph['forward']:8.2f} "
+              f"{ph['backward']:8.2f} {clip:10.2f} {r['peak_rss_bytes'] / 2**30:8.1f}G {ratio:>9}")
     if ours:
         print(json.dumps({
             "speedup_vs_pytorch": theirs["step_seconds"] / ours["step_seconds"],
+            "pytorch_best_config": best,
+            "speedup_vs_each": {c: r["step_seconds"] / ours["step_seconds"] for c, r in runs.items()},
             "learner_step_seconds": ours["step_seconds"],
             "pytorch_step_seconds": theirs["step_seconds"],
             "learner_peak_rss_gib": ours["peak_rss_bytes"] / 2**30,

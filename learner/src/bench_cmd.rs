@@ -67,7 +67,7 @@ pub struct BenchArgs {
     #[arg(long, env = "ROOKWORLD_DEVICE", default_value = "cpu")]
     pub device: String,
     /// Matmul precision: auto (BF16 inputs on CUDA, f32 on the CPU), f32 or bf16.
-    #[arg(long, value_enum, default_value = "auto")]
+    #[arg(long, value_enum, env = "ROOKWORLD_PRECISION", default_value = "auto")]
     pub precision: Precision,
     /// The autograd path's layer norms, softmaxes, bias + GELU and head log-probs as
     /// single ops with their own backwards (on, the learner's default), or composed (off).

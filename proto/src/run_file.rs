@@ -564,7 +564,6 @@ pub const KNOWN_KEYS: &[&str] = &[
     "data_dir",
     "device",
     "drain_timeout",
-    "dtype",
     "dump",
     "dynamic_sampling",
     "engine",

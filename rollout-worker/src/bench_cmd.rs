@@ -184,6 +184,7 @@ pub fn run(args: &BenchArgs, out: &mut impl Write) -> Result<(), EngineError> {
         "source": loaded.source,
         "device": format!("{:?}", loaded.device),
         "dtype": format!("{:?}", model.dtype()),
+        "panels": format!("{:?}", model.panel_dtype()),
         "prompt_tokens": prompt.len(),
         "sampling": args.sampling,
         "batch": measure(&model, &prompt, args.prompts, args.n, args, Path::Engine, &mut runs)?,

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use rookworld_lm::cli::ModelArgs;
+use rookworld_lm::cpu_gemm::PanelDtype;
 use rookworld_lm::generate::{GenerationConfig, generate_batch};
 use rookworld_lm::sampling::SamplingParams;
 use rookworld_lm::{Gpt2, LeftPadding, Result};
@@ -30,7 +31,7 @@ pub const PROMPTS: [&str; 3] = [
 #[derive(Debug, Clone, clap::Args)]
 pub struct ParityArgs {
     /// The model (`--preset` with `--init-seed`, or `--model DIR`) and the device checked
-    /// (`--device`); `--dtype` is ignored: f32 and bf16 are both checked.
+    /// (`--device`); `--precision` is ignored: f32 and bf16 are both checked.
     #[command(flatten)]
     pub model: ModelArgs,
     /// Greedy tokens generated per prompt.
@@ -69,7 +70,7 @@ struct Report {
 pub fn run(args: &ParityArgs, out: &mut impl Write) -> Result<()> {
     let on = |device: &str, dtype: &str| ModelArgs {
         device: device.into(),
-        dtype: Some(dtype.into()),
+        precision: dtype.into(),
         ..args.model.clone()
     };
     let reference = on("cpu", "f32").load()?;
@@ -82,7 +83,11 @@ pub fn run(args: &ParityArgs, out: &mut impl Write) -> Result<()> {
     let want_tokens = greedy(&reference.model, &prompts, args.new_tokens)?;
     let mut results = Vec::new();
     for dtype in ["f32", "bf16"] {
-        let loaded = on(&args.model.device, dtype).load()?;
+        let mut loaded = on(&args.model.device, dtype).load()?;
+        if loaded.model.panel_dtype() == PanelDtype::Bf16 {
+            // On the CPU, BF16 lives in the packed panels (`--precision`): check those.
+            loaded.model.pack_for_cpu()?;
+        }
         let got = logits(&loaded.model, &prompts)?;
         let (rel, max_abs) = errors(&got, &want_logits);
         let tokens = greedy(&loaded.model, &prompts, args.new_tokens)?;
@@ -227,7 +232,7 @@ mod tests {
                 preset: Some("tiny".into()),
                 init_seed: 3,
                 device: "cpu".into(),
-                dtype: None,
+                precision: "auto".into(),
             },
             new_tokens: 4,
         };

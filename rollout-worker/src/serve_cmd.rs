@@ -122,9 +122,10 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
     args.client_tls.check().map_err(ConfigError)?;
     let model_args = args.model.clone();
     let loaded = tokio::task::spawn_blocking(move || model_args.load()).await??;
-    let (cfg, dtype, device) = (
+    let (cfg, dtype, panels, device) = (
         loaded.model.config().clone(),
         loaded.model.dtype(),
+        loaded.model.panel_dtype(),
         loaded.device.clone(),
     );
     let metrics = crate::metrics::install_exporter(args.metrics)
@@ -144,6 +145,7 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
         source = %loaded.source,
         device = ?device,
         dtype = ?dtype,
+        panels = ?panels,
         "rollout worker ready"
     );
     let local = listener.local_addr()?;
@@ -164,7 +166,8 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
             shared_dir: args.shared_dir.clone(),
             ..ServiceConfig::default()
         },
-    );
+    )
+    .with_panels(panels);
     let (stop, stopped) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
         rookworld_proto::serve::shutdown_signal().await;

@@ -62,6 +62,8 @@ pub struct RolloutServer {
     tokenizer: Tokenizer,
     model_config: Config,
     dtype: candle_core::DType,
+    /// What a new model's CPU panels hold ([`RolloutServer::with_panels`]).
+    panels: rookworld_lm::cpu_gemm::PanelDtype,
     device: candle_core::Device,
     cfg: ServiceConfig,
     guard: Guard,
@@ -89,6 +91,7 @@ impl RolloutServer {
             tokenizer,
             model_config,
             dtype,
+            panels: Default::default(),
             device,
             guard: cfg.guard.clone(),
             cfg,
@@ -101,6 +104,13 @@ impl RolloutServer {
             },
             engine,
         }
+    }
+
+    /// Builds each pushed model with CPU panels of `panels` (the engine's model's own,
+    /// `--precision`); f32 unless set.
+    pub fn with_panels(mut self, panels: rookworld_lm::cpu_gemm::PanelDtype) -> Self {
+        self.panels = panels;
+        self
     }
 
     /// The request's prompts as token ids.

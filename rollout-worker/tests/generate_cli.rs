@@ -169,7 +169,13 @@ fn bad_input_gives_one_error_line_and_exit_code_1() {
     );
     assert_one_line_error(
         &run(&[
-            "generate", "--preset", "tiny", "--dtype", "f8", "--prompt", "x",
+            "generate",
+            "--preset",
+            "tiny",
+            "--precision",
+            "f8",
+            "--prompt",
+            "x",
         ]),
         "f8",
     );

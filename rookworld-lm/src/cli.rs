@@ -6,7 +6,7 @@ use candle_core::Device;
 
 use crate::checkpoint;
 use crate::config::Config;
-use crate::device::{DeviceChoice, default_dtype, parse_dtype};
+use crate::device::{DeviceChoice, Precision};
 use crate::error::{Error, Result};
 use crate::model::Gpt2;
 use crate::tokenizer::Tokenizer;
@@ -33,9 +33,15 @@ pub struct ModelArgs {
     /// cpu, cuda, cuda:N, or auto (CUDA when usable, else CPU).
     #[arg(long, env = "ROOKWORLD_DEVICE", default_value = "cpu")]
     pub device: String,
-    /// f32, f16 or bf16; default f32 on the CPU, bf16 on CUDA.
-    #[arg(long, env = "ROOKWORLD_DTYPE")]
-    pub dtype: Option<String>,
+    /// auto, f32, bf16 or f16: the weights' dtype on CUDA (auto: bf16); on the CPU, f32
+    /// activations with BF16 (auto, bf16) or f32 matmul weights. `--dtype` is an older name.
+    #[arg(
+        long,
+        visible_alias = "dtype",
+        env = "ROOKWORLD_PRECISION",
+        default_value = "auto"
+    )]
+    pub precision: String,
 }
 
 /// The CUDA kernels' start-up check (every binary that opens a device; see
@@ -70,10 +76,8 @@ impl ModelArgs {
     pub fn load(&self) -> Result<LoadedModel> {
         let choice: DeviceChoice = self.device.parse()?;
         let device = choice.open()?;
-        let dtype = match &self.dtype {
-            Some(name) => parse_dtype(name)?,
-            None => default_dtype(&device),
-        };
+        let precision: Precision = self.precision.parse()?;
+        let (dtype, panels) = precision.resolve(&device);
         let (model, tokenizer, source) = match (&self.model, &self.preset) {
             (Some(model), _) => {
                 let dir = crate::hub::resolve(model)?;
@@ -102,6 +106,8 @@ impl ModelArgs {
                 ));
             }
         };
+        let mut model = model;
+        model.set_panel_dtype(panels);
         Ok(LoadedModel {
             model,
             tokenizer,

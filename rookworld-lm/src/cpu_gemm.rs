@@ -7,6 +7,12 @@
 //! AVX2/FMA micro-kernel keeps an `MR × NR` tile of the output in registers; threads
 //! (rayon) split the panels. Machines without AVX2 and FMA keep candle's matmul.
 //!
+//! The panels hold f32, or BF16 ([`PanelDtype`]): half the memory and half the bytes a
+//! step streams. A BF16 weight is widened to f32 in registers (exactly: a BF16 value is
+//! the top half of an f32) and multiplied with f32 inputs into f32 sums, so for weights
+//! that are BF16 values already (a learner's BF16 push) the product is the f32 panels'
+//! to the last bit; f32 weights are rounded to the nearest BF16 once, when packed.
+//!
 //! Letters: M rows of `x`, K inputs, N outputs.
 
 use rayon::prelude::*;
@@ -14,7 +20,7 @@ use rayon::prelude::*;
 use crate::simd;
 
 mod pack;
-use pack::fill_panels;
+use pack::{fill_panels, fill_panels_bf16};
 
 /// Output columns per panel: two 8-lane AVX registers.
 pub const NR: usize = 16;
@@ -29,12 +35,57 @@ pub enum Epilogue {
     GeluNew,
 }
 
+/// What a [`PackedMatrix`]'s panels hold.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum PanelDtype {
+    #[default]
+    F32,
+    /// BF16 bit patterns, each panel row in [`BF16_COLUMNS`] order.
+    Bf16,
+}
+
+/// The column each position of a BF16 panel row holds. Unpacking a row's 16 values
+/// (one 256-bit load) with zeros puts positions 0..4 and 8..12 into one register's f32
+/// lanes and 4..8, 12..16 into the other's (each 128-bit half on its own); in this order
+/// that is columns 0..8 and 8..16.
+pub const BF16_COLUMNS: [usize; NR] = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15];
+
+/// The panels' values.
+#[derive(Debug, Clone)]
+enum Panels {
+    F32(Vec<f32>),  // (⌈N/NR⌉, K, NR)
+    Bf16(Vec<u16>), // (⌈N/NR⌉, K, NR), rows in BF16_COLUMNS order
+}
+
+impl Panels {
+    fn new(dtype: PanelDtype, len: usize) -> Self {
+        match dtype {
+            PanelDtype::F32 => Self::F32(vec![0f32; len]),
+            PanelDtype::Bf16 => Self::Bf16(vec![0u16; len]),
+        }
+    }
+
+    fn dtype(&self) -> PanelDtype {
+        match self {
+            Self::F32(_) => PanelDtype::F32,
+            Self::Bf16(_) => PanelDtype::Bf16,
+        }
+    }
+
+    fn fill(&mut self, w: &[f32], k: usize, n: usize, transposed: bool) {
+        match self {
+            Self::F32(panels) => fill_panels(panels, w, k, n, transposed),
+            Self::Bf16(panels) => fill_panels_bf16(panels, w, k, n, transposed),
+        }
+    }
+}
+
 /// A weight matrix (K, N) packed into ⌈N / NR⌉ panels of (K, NR), zero-padded.
 #[derive(Debug, Clone)]
 pub struct PackedMatrix {
     k: usize,
     n: usize,
-    panels: Vec<f32>,       // (⌈N/NR⌉, K, NR)
+    panels: Panels,
     bias: Option<Vec<f32>>, // (N)
     epilogue: Epilogue,
 }
@@ -52,12 +103,24 @@ pub fn supported() -> bool {
 }
 
 impl PackedMatrix {
-    /// Packs `w`: (K, N) row-major, or (N, K) row-major when `transposed` (a `Linear`
-    /// weight or the tied embedding used as the LM head).
+    /// Packs `w` into f32 panels: (K, N) row-major, or (N, K) row-major when `transposed`
+    /// (a `Linear` weight or the tied embedding used as the LM head).
     pub fn pack(w: &[f32], k: usize, n: usize, transposed: bool, bias: Option<Vec<f32>>) -> Self {
+        Self::pack_as(PanelDtype::F32, w, k, n, transposed, bias)
+    }
+
+    /// [`pack`](Self::pack) into panels of `dtype`.
+    pub fn pack_as(
+        dtype: PanelDtype,
+        w: &[f32],
+        k: usize,
+        n: usize,
+        transposed: bool,
+        bias: Option<Vec<f32>>,
+    ) -> Self {
         assert_eq!(w.len(), k * n, "weight of {k}×{n}");
-        let mut panels = vec![0f32; n.div_ceil(NR) * k * NR];
-        fill_panels(&mut panels, w, k, n, transposed);
+        let mut panels = Panels::new(dtype, n.div_ceil(NR) * k * NR);
+        panels.fill(w, k, n, transposed);
         Self {
             k,
             n,
@@ -68,8 +131,8 @@ impl PackedMatrix {
     }
 
     /// Packs new values `w` of the same shape into this matrix's own panels (memory
-    /// already faulted in: no allocation), and `bias` into its bias. Returns false,
-    /// changing nothing, when the shape or the presence of a bias differs.
+    /// already faulted in: no allocation; their dtype kept), and `bias` into its bias.
+    /// Returns false, changing nothing, when the shape or the presence of a bias differs.
     pub fn repack(&mut self, w: &[f32], transposed: bool, bias: Option<&[f32]>) -> bool {
         let same_bias = match (&self.bias, bias) {
             (Some(old), Some(new)) => old.len() == new.len(),
@@ -79,7 +142,7 @@ impl PackedMatrix {
         if w.len() != self.k * self.n || !same_bias {
             return false;
         }
-        fill_panels(&mut self.panels, w, self.k, self.n, transposed);
+        self.panels.fill(w, self.k, self.n, transposed);
         if let (Some(old), Some(new)) = (self.bias.as_mut(), bias) {
             old.copy_from_slice(new);
         }
@@ -105,6 +168,11 @@ impl PackedMatrix {
         self.n
     }
 
+    /// What the panels hold.
+    pub fn dtype(&self) -> PanelDtype {
+        self.panels.dtype()
+    }
+
     /// `x` (M, K) row-major → (M, N) row-major, bias (and epilogue) applied.
     pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
         let (k, n) = (self.k, self.n);
@@ -121,35 +189,57 @@ impl PackedMatrix {
         }
         let mut out = vec![0f32; m * n];
         let target = SharedOut(out.as_mut_ptr());
+        match &self.panels {
+            Panels::F32(panels) => panels
+                .par_chunks(k * NR)
+                .enumerate()
+                .for_each(|(p, panel)| {
+                    self.panel_product(&a, m, p, target, |a, tile| kernel(a, panel, tile, k))
+                }),
+            Panels::Bf16(panels) => panels
+                .par_chunks(k * NR)
+                .enumerate()
+                .for_each(|(p, panel)| {
+                    self.panel_product(&a, m, p, target, |a, tile| kernel_bf16(a, panel, tile, k))
+                }),
+        }
+        out
+    }
+
+    /// Columns p·NR.. of `out` (M, N) for panel p: each row block's tile from `product`
+    /// (a block of `a` → the tile), bias and epilogue applied, written into `out`.
+    fn panel_product(
+        &self,
+        a: &[f32],
+        m: usize,
+        p: usize,
+        target: SharedOut,
+        product: impl Fn(&[f32], &mut [f32; MR * NR]),
+    ) {
+        let (k, n) = (self.k, self.n);
         let (bias, epilogue) = (self.bias.as_deref(), self.epilogue);
-        self.panels
-            .par_chunks(k * NR)
-            .enumerate()
-            .for_each(|(p, panel)| {
-                let cols = NR.min(n - p * NR);
-                let mut tile = [0f32; MR * NR];
-                for blk in 0..blocks {
-                    kernel(&a[blk * k * MR..(blk + 1) * k * MR], panel, &mut tile, k);
-                    if let Some(bias) = bias {
-                        for row in tile.chunks_exact_mut(NR) {
-                            for (v, b) in row[..cols].iter_mut().zip(&bias[p * NR..]) {
-                                *v += b;
-                            }
-                        }
-                    }
-                    if epilogue == Epilogue::GeluNew {
-                        simd::gelu_new_inplace(&mut tile);
-                    }
-                    let rows = MR.min(m - blk * MR);
-                    for (r, src) in tile.chunks_exact(NR).take(rows).enumerate() {
-                        let offset = (blk * MR + r) * n + p * NR;
-                        // SAFETY: panel p owns columns p·NR..p·NR+cols of every row, so no two
-                        // threads write the same element, and offset + cols ≤ m·n.
-                        unsafe { target.write(offset, &src[..cols]) };
+        let cols = NR.min(n - p * NR);
+        let mut tile = [0f32; MR * NR];
+        for blk in 0..m.div_ceil(MR) {
+            product(&a[blk * k * MR..(blk + 1) * k * MR], &mut tile);
+            if let Some(bias) = bias {
+                for row in tile.chunks_exact_mut(NR) {
+                    for (v, b) in row[..cols].iter_mut().zip(&bias[p * NR..]) {
+                        *v += b;
                     }
                 }
-            });
-        out
+            }
+            if epilogue == Epilogue::GeluNew {
+                simd::gelu_new_inplace(&mut tile);
+            }
+            let rows = MR.min(m - blk * MR);
+            for (r, src) in tile.chunks_exact(NR).take(rows).enumerate() {
+                let offset = (blk * MR + r) * n + p * NR;
+                // SAFETY: panel p owns columns p·NR..p·NR+cols of every row, so no two
+                // threads write the same element, and offset + cols ≤ m·n.
+                unsafe { target.write(offset, &src[..cols]) };
+            }
+        }
     }
 }
 
@@ -192,6 +282,33 @@ fn kernel(a: &[f32], b: &[f32], tile: &mut [f32; MR * NR], k: usize) {
     }
 }
 
+/// [`kernel`] over a BF16 panel `b` (rows in [`BF16_COLUMNS`] order): each weight widened
+/// to f32, the same sums.
+fn kernel_bf16(a: &[f32], b: &[u16], tile: &mut [f32; MR * NR], k: usize) {
+    assert!(a.len() == k * MR && b.len() == k * NR);
+    #[cfg(target_arch = "x86_64")]
+    if supported_cached() {
+        // SAFETY: AVX2 and FMA are present (checked above); the slices hold exactly the
+        // elements the kernel reads and writes (asserted above).
+        unsafe { kernel_bf16_avx2(a.as_ptr(), b.as_ptr(), tile.as_mut_ptr(), k) };
+        return;
+    }
+    kernel_bf16_scalar(a, b, tile, k)
+}
+
+/// [`kernel_bf16`] value by value: the reference.
+fn kernel_bf16_scalar(a: &[f32], b: &[u16], tile: &mut [f32; MR * NR], k: usize) {
+    for r in 0..MR {
+        for (pos, &col) in BF16_COLUMNS.iter().enumerate() {
+            let mut s = 0.0;
+            for kk in 0..k {
+                s += a[kk * MR + r] * f32::from_bits(u32::from(b[kk * NR + pos]) << 16);
+            }
+            tile[r * NR + col] = s;
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 fn supported_cached() -> bool {
     static SUPPORTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -208,23 +325,72 @@ fn supported_cached() -> bool {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn kernel_avx2(a: *const f32, b: *const f32, tile: *mut f32, k: usize) {
     use std::arch::x86_64::*;
-    // SAFETY: (the whole body) the caller guarantees `a` holds k·MR, `b` k·NR and `tile`
-    // MR·NR floats; every offset below stays inside those bounds.
+    // SAFETY: the caller's guarantees; row kk of the panel is b[kk·NR..(kk + 1)·NR].
+    unsafe {
+        fma_tile(a, tile, k, |kk| {
+            [
+                _mm256_loadu_ps(b.add(kk * NR)),
+                _mm256_loadu_ps(b.add(kk * NR + 8)),
+            ]
+        })
+    }
+}
+
+/// [`kernel_avx2`] over a BF16 panel: each row of 16 weights is one load, widened to
+/// two registers of f32 by interleaving zeros below each value (see [`BF16_COLUMNS`]).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `a` points to `k * MR` readable values, `b` to `k * NR`, and
+/// `tile` to `MR * NR` writable ones.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn kernel_bf16_avx2(a: *const f32, b: *const u16, tile: *mut f32, k: usize) {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's guarantees; row kk of the panel is b[kk·NR..(kk + 1)·NR].
+    unsafe {
+        let zero = _mm256_setzero_si256();
+        fma_tile(a, tile, k, |kk| {
+            let raw = _mm256_loadu_si256(b.add(kk * NR).cast());
+            [
+                _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, raw)), // columns 0..8
+                _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, raw)), // columns 8..16
+            ]
+        })
+    }
+}
+
+/// The kernels' shared body: an `MR × NR` tile of sums in registers, `row(kk)` giving the
+/// weight panel's row kk as f32 (columns 0..8, 8..16).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `a` points to `k * MR` readable values, `tile` to `MR * NR`
+/// writable ones, and `row` reads only its panel's rows 0..k.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn fma_tile(
+    a: *const f32,
+    tile: *mut f32,
+    k: usize,
+    row: impl Fn(usize) -> [std::arch::x86_64::__m256; 2],
+) {
+    use std::arch::x86_64::*;
+    // SAFETY: (the whole body) the caller guarantees `a` holds k·MR and `tile` MR·NR
+    // floats; every offset below stays inside those bounds.
     unsafe {
         let mut acc = [[_mm256_setzero_ps(); 2]; MR];
         for kk in 0..k {
-            let b0 = _mm256_loadu_ps(b.add(kk * NR));
-            let b1 = _mm256_loadu_ps(b.add(kk * NR + 8));
+            let [b0, b1] = row(kk);
             let ak = a.add(kk * MR);
-            for (r, row) in acc.iter_mut().enumerate() {
+            for (r, sums) in acc.iter_mut().enumerate() {
                 let x = _mm256_broadcast_ss(&*ak.add(r));
-                row[0] = _mm256_fmadd_ps(x, b0, row[0]);
-                row[1] = _mm256_fmadd_ps(x, b1, row[1]);
+                sums[0] = _mm256_fmadd_ps(x, b0, sums[0]);
+                sums[1] = _mm256_fmadd_ps(x, b1, sums[1]);
             }
         }
-        for (r, row) in acc.iter().enumerate() {
-            _mm256_storeu_ps(tile.add(r * NR), row[0]);
-            _mm256_storeu_ps(tile.add(r * NR + 8), row[1]);
+        for (r, sums) in acc.iter().enumerate() {
+            _mm256_storeu_ps(tile.add(r * NR), sums[0]);
+            _mm256_storeu_ps(tile.add(r * NR + 8), sums[1]);
         }
     }
 }
@@ -266,12 +432,7 @@ mod tests {
                 .fold(0f32, f32::max);
             assert!(d < 1e-3, "{m}×{k}×{n}: max |Δ| = {d}");
             // The same weight given transposed (N, K).
-            let mut wt = vec![0f32; k * n];
-            for kk in 0..k {
-                for j in 0..n {
-                    wt[j * k + kk] = w[kk * n + j];
-                }
-            }
+            let wt = transpose(&w, k, n);
             let got_t = PackedMatrix::pack(&wt, k, n, true, Some(bias)).matmul(&x, m);
             assert_eq!(got, got_t);
         }
@@ -299,5 +460,96 @@ mod tests {
             assert!(!packed.repack(&w, transposed, None));
             assert_eq!(packed.matmul(&x, m), fresh.matmul(&x, m));
         }
+    }
+
+    /// `w` with every value rounded to the nearest BF16.
+    fn bf16_values(w: &[f32]) -> Vec<f32> {
+        w.iter()
+            .map(|&x| half::bf16::from_f32(x).to_f32())
+            .collect()
+    }
+
+    #[test]
+    fn bf16_panels_compute_what_f32_panels_of_the_rounded_weights_do() {
+        for (m, k, n) in [(1, 7, 3), (5, 300, 33), (13, 513, 16), (32, 64, 50)] {
+            let (x, w, bias) = (values(m * k, 1), values(k * n, 2), values(n, 3));
+            let rounded = bf16_values(&w);
+            for transposed in [false, true] {
+                let w_in = if transposed {
+                    transpose(&w, k, n)
+                } else {
+                    w.clone()
+                };
+                let r_in = if transposed {
+                    transpose(&rounded, k, n)
+                } else {
+                    rounded.clone()
+                };
+                let bf16 = PackedMatrix::pack_as(
+                    PanelDtype::Bf16,
+                    &w_in,
+                    k,
+                    n,
+                    transposed,
+                    Some(bias.clone()),
+                )
+                .with_epilogue(Epilogue::GeluNew);
+                assert_eq!(bf16.dtype(), PanelDtype::Bf16);
+                let f32 = PackedMatrix::pack(&r_in, k, n, transposed, Some(bias.clone()))
+                    .with_epilogue(Epilogue::GeluNew);
+                // The same products to the bit: widening a BF16 value is exact.
+                assert_eq!(bf16.matmul(&x, m), f32.matmul(&x, m), "{m}×{k}×{n}");
+            }
+            // Against a naive f64 product of the rounded weights.
+            let got = PackedMatrix::pack_as(PanelDtype::Bf16, &w, k, n, false, Some(bias.clone()))
+                .matmul(&x, m);
+            let want = naive(&x, &rounded, m, k, n, &bias);
+            let d = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(d < 1e-3, "{m}×{k}×{n}: max |Δ| = {d}");
+        }
+    }
+
+    #[test]
+    fn the_bf16_kernel_equals_its_scalar_reference() {
+        let k = 37;
+        let a = values(k * MR, 11);
+        let b: Vec<u16> = values(k * NR, 12)
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_bits())
+            .collect();
+        let (mut fast, mut reference) = ([0f32; MR * NR], [0f32; MR * NR]);
+        kernel_bf16(&a, &b, &mut fast, k);
+        kernel_bf16_scalar(&a, &b, &mut reference, k);
+        for (f, r) in fast.iter().zip(&reference) {
+            assert!((f - r).abs() <= 1e-5 * r.abs().max(1.0), "{f} vs {r}");
+        }
+    }
+
+    #[test]
+    fn a_bf16_matrix_repacks_into_its_own_panels() {
+        let (m, k, n) = (7, 300, 33);
+        let x = values(m * k, 9);
+        let mut packed =
+            PackedMatrix::pack_as(PanelDtype::Bf16, &values(k * n, 4), k, n, true, None);
+        let w = values(k * n, 6);
+        assert!(packed.repack(&w, true, None));
+        assert_eq!(packed.dtype(), PanelDtype::Bf16);
+        let fresh = PackedMatrix::pack_as(PanelDtype::Bf16, &w, k, n, true, None);
+        assert_eq!(packed.matmul(&x, m), fresh.matmul(&x, m));
+    }
+
+    /// (K, N) row-major → (N, K) row-major.
+    fn transpose(w: &[f32], k: usize, n: usize) -> Vec<f32> {
+        let mut wt = vec![0f32; k * n];
+        for kk in 0..k {
+            for j in 0..n {
+                wt[j * k + kk] = w[kk * n + j];
+            }
+        }
+        wt
     }
 }

@@ -4,6 +4,8 @@ use std::str::FromStr;
 
 use candle_core::{DType, Device};
 
+use crate::cpu_gemm::PanelDtype;
+
 use crate::error::{Error, Result};
 
 /// `cpu`, `cuda`, `cuda:N` or `auto` (CUDA device 0 when usable, else the CPU).
@@ -145,6 +147,62 @@ pub fn parse_dtype(name: &str) -> Result<DType> {
         other => Err(Error::InvalidArgument(format!(
             "unknown dtype `{other}` (use f32, f16 or bf16)"
         ))),
+    }
+}
+
+/// How an inference model holds its weights and runs its matmuls: `--precision
+/// auto|f32|bf16|f16` of the commands that load a model.
+///
+/// | precision | CUDA | CPU with AVX2/FMA |
+/// | --- | --- | --- |
+/// | `auto` | BF16 weights | as `bf16` |
+/// | `f32` | f32 weights (TF32 allowed) | f32 weights, f32 panels |
+/// | `bf16` | BF16 weights | f32 weights and activations, BF16 panels for every matmul |
+/// | `f16` | F16 weights | F16 weights (candle's matmul) |
+///
+/// On the CPU, `bf16` keeps activations, layer-norm and softmax statistics and the
+/// log-probs in f32 and only the packed matmul weights in BF16 ([`crate::cpu_gemm`]): half
+/// the panels' memory and bytes per step, faster on every CPU measured, and for a
+/// learner's BF16 pushes the very same products as f32 panels (so `auto` chooses it). A
+/// CPU without AVX2/FMA gets candle's BF16 tensors for `bf16`, f32 for `auto`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precision {
+    Auto,
+    F32,
+    Bf16,
+    F16,
+}
+
+impl std::str::FromStr for Precision {
+    type Err = Error;
+
+    /// `auto`, `f32`, `bf16` or `f16` (also `float32`, `bfloat16`, `float16`).
+    fn from_str(name: &str) -> Result<Self> {
+        Ok(match name {
+            "auto" => Self::Auto,
+            "f32" | "float32" => Self::F32,
+            "bf16" | "bfloat16" => Self::Bf16,
+            "f16" | "float16" | "half" => Self::F16,
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "unknown precision `{other}` (use auto, f32, bf16 or f16)"
+                )));
+            }
+        })
+    }
+}
+
+impl Precision {
+    /// The weights' dtype and the CPU kernel's panels on `device`.
+    pub fn resolve(self, device: &Device) -> (DType, PanelDtype) {
+        let packs = device.is_cpu() && crate::cpu_gemm::supported();
+        match self {
+            Self::Auto | Self::Bf16 if packs => (DType::F32, PanelDtype::Bf16),
+            Self::Auto => (default_dtype(device), PanelDtype::F32),
+            Self::F32 => (DType::F32, PanelDtype::F32),
+            Self::Bf16 => (DType::BF16, PanelDtype::F32),
+            Self::F16 => (DType::F16, PanelDtype::F32),
+        }
     }
 }
 

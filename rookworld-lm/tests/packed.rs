@@ -1,9 +1,10 @@
 //! The CPU inference kernels (packed weights with fused GELU, in-place decode attention)
-//! compute what the plain tensor path computes.
+//! compute what the plain tensor path computes, in f32 panels and in BF16 panels.
 
 use candle_core::{DType, Device, Tensor};
-use rookworld_lm::checkpoint::init_random;
-use rookworld_lm::{Config, GroupedCache, LeftPadding};
+use rookworld_lm::checkpoint::{self, init_random};
+use rookworld_lm::cpu_gemm::PanelDtype;
+use rookworld_lm::{Config, Gpt2, GroupedCache, LeftPadding};
 
 mod common;
 use common::max_diff;
@@ -18,17 +19,7 @@ fn packed_weights_give_the_logits_of_the_plain_model() {
     let plain = init_random(&cfg, 4, DType::F32, &Device::Cpu).unwrap();
     let mut packed = plain.clone();
     if !packed.pack_for_cpu().unwrap() {
-        // CI sets ROOKWORLD_REQUIRE_AVX2 on its AVX2 machines: there a skip is a failure.
-        assert!(
-            std::env::var_os("ROOKWORLD_REQUIRE_AVX2").is_none(),
-            "AVX2/FMA is required (ROOKWORLD_REQUIRE_AVX2 is set) and this CPU lacks it"
-        );
-        std::fs::write(
-            "/dev/stderr",
-            "SKIPPED: this CPU lacks AVX2/FMA, nothing is packed\n",
-        )
-        .ok();
-        return;
+        return skipped();
     }
     // A left-padded prefill batch.
     let ids = Tensor::new(&[[5u32, 6, 7, 8, 9], [0, 0, 11, 12, 13]], &Device::Cpu).unwrap();
@@ -56,4 +47,90 @@ fn packed_weights_give_the_logits_of_the_plain_model() {
         let d = max_diff(&a, &b);
         assert!(d < 1e-4, "step {step}: max |Δ| = {d}");
     }
+}
+
+/// Reports a test that cannot run here: this CPU lacks AVX2/FMA, nothing is packed. CI
+/// sets ROOKWORLD_REQUIRE_AVX2 on its AVX2 machines: there a skip is a failure.
+fn skipped() {
+    assert!(
+        std::env::var_os("ROOKWORLD_REQUIRE_AVX2").is_none(),
+        "AVX2/FMA is required (ROOKWORLD_REQUIRE_AVX2 is set) and this CPU lacks it"
+    );
+    std::fs::write(
+        "/dev/stderr",
+        "SKIPPED: this CPU lacks AVX2/FMA, nothing is packed\n",
+    )
+    .ok();
+}
+
+/// Log-softmax of a prefill and 12 grouped decode steps of `model` (f32 activations):
+/// every row's log-probs over the vocabulary, concatenated.
+fn logprobs_of(model: &Gpt2) -> Vec<f32> {
+    let ids = Tensor::new(&[[5u32, 6, 7, 8, 9], [0, 0, 11, 12, 13]], &Device::Cpu).unwrap();
+    let padding = LeftPadding::new(vec![0, 2]);
+    let mut kv = model.new_cache();
+    let mut out = Vec::new();
+    let mut push = |logits: &Tensor| {
+        let lp = candle_nn::ops::log_softmax(logits, candle_core::D::Minus1).unwrap();
+        out.extend(lp.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+    };
+    push(&model.forward(&ids, &padding, &mut kv).unwrap());
+    let mut cache = GroupedCache::new(model.config().n_layer);
+    cache.add_groups(&kv, &padding).unwrap();
+    for g in [0, 0, 1] {
+        cache.add_row(g);
+    }
+    for step in 0..12u32 {
+        push(
+            &model
+                .decode_grouped(&[step, step + 7, step + 300], &mut cache)
+                .unwrap(),
+        );
+    }
+    out
+}
+
+fn packed_in(model: &Gpt2, dtype: PanelDtype) -> Option<Gpt2> {
+    let mut m = model.clone();
+    m.set_panel_dtype(dtype);
+    m.pack_for_cpu().unwrap().then_some(m)
+}
+
+/// `--precision bf16` on the CPU (BF16 panels, f32 activations and statistics): log-probs
+/// within 2e-2 of the f32 panels' on f32 weights (each weight rounded to BF16 once), and
+/// the f32 panels' to the bit on weights that are BF16 values, as a learner's push is.
+#[test]
+fn bf16_panels_give_the_log_probs_of_f32_panels() {
+    let cfg = Config {
+        n_embd: 96,
+        n_head: 3,
+        ..Config::tiny()
+    };
+    let f32_weights = init_random(&cfg, 4, DType::F32, &Device::Cpu).unwrap();
+    let (Some(f32_panels), Some(bf16_panels)) = (
+        packed_in(&f32_weights, PanelDtype::F32),
+        packed_in(&f32_weights, PanelDtype::Bf16),
+    ) else {
+        return skipped();
+    };
+    let (want, got) = (logprobs_of(&f32_panels), logprobs_of(&bf16_panels));
+    let d = want
+        .iter()
+        .zip(&got)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    println!(
+        "f32 weights: BF16 panels' log-probs max |Δ| = {d:.3e} over {}",
+        want.len()
+    );
+    assert!(d > 0.0 && d < 2e-2, "max |Δ| = {d}");
+
+    // Weights that are BF16 values: saved in BF16 and loaded back in f32.
+    let dir = tempfile::tempdir().unwrap();
+    checkpoint::save(&f32_weights, dir.path(), DType::BF16).unwrap();
+    let bf16_values = checkpoint::load(dir.path(), DType::F32, &Device::Cpu).unwrap();
+    let f32_panels = packed_in(&bf16_values, PanelDtype::F32).unwrap();
+    let bf16_panels = packed_in(&bf16_values, PanelDtype::Bf16).unwrap();
+    assert_eq!(bf16_panels.panel_dtype(), PanelDtype::Bf16);
+    assert_eq!(logprobs_of(&f32_panels), logprobs_of(&bf16_panels));
 }

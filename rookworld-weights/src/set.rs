@@ -356,18 +356,19 @@ impl WeightSet {
 }
 
 /// The model of payload `bytes` (`cfg`'s shape, into `dtype` on `device`, packed for the
-/// CPU kernel where it applies), every tensor checked: written into `spare`'s memory
+/// CPU kernel in panels of `panels` where it applies), every tensor checked: written into `spare`'s memory
 /// when one is given that can take it (a retired f32 CPU model nothing else holds:
 /// [`rookworld_weights::refill`]), else built afresh.
 pub fn build_model(
     bytes: &[u8],
     cfg: &Config,
-    dtype: candle_core::DType,
+    (dtype, panels): (candle_core::DType, rookworld_lm::cpu_gemm::PanelDtype),
     device: &candle_core::Device,
     spare: Option<Gpt2>,
 ) -> Result<Gpt2, WeightError> {
     if let Some(mut model) = spare
         && model.dtype() == dtype
+        && model.panel_dtype() == panels
         && model.device().same_device(device)
         && model.config() == cfg
         && crate::refill::refill(&mut model, bytes)?
@@ -376,6 +377,7 @@ pub fn build_model(
         return Ok(model);
     }
     let mut model = checkpoint::from_bytes(bytes, cfg, dtype, device)?;
+    model.set_panel_dtype(panels);
     model.pack_for_cpu().map_err(rookworld_lm::Error::from)?;
     Ok(model)
 }

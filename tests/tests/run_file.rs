@@ -96,7 +96,7 @@ fn a_shared_setting_has_one_default_and_one_rule_wherever_it_is_taken() {
         "model",
         "init-seed",
         "device",
-        "dtype",
+        "precision",
     ];
     for key in shared {
         let mut seen = Vec::new();

@@ -305,7 +305,7 @@ impl Worker {
         let model = build_model(
             &weights.bytes,
             &self.cfg,
-            dtype,
+            (dtype, Default::default()),
             &self.device,
             self.spare.take(),
         )?;

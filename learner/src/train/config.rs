@@ -159,7 +159,7 @@ impl TrainArgs {
             preset: self.model.is_none().then(|| self.preset.clone()),
             init_seed: self.init_seed,
             device: self.device.clone(),
-            dtype: Some("f32".into()),
+            precision: "f32".into(),
         }
     }
 

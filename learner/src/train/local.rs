@@ -66,8 +66,11 @@ impl LocalServices {
             }
         }));
 
-        let dtype = rookworld_lm::device::default_dtype(device);
-        let model: Gpt2 = checkpoint::from_bytes(&weights.bytes, config, dtype, device)?;
+        // The worker's `--precision auto`: BF16 on CUDA, BF16 panels on the CPU (the
+        // pushes are BF16 values: the same products as f32 panels, half the bytes).
+        let (dtype, panels) = rookworld_lm::device::Precision::Auto.resolve(device);
+        let mut model: Gpt2 = checkpoint::from_bytes(&weights.bytes, config, dtype, device)?;
+        model.set_panel_dtype(panels);
         let model = prepare_model(model)?;
         let engine = Arc::new(
             Engine::start(model, weights.version, EngineConfig::default())
@@ -87,7 +90,8 @@ impl LocalServices {
                 shared_dir,
                 ..ServiceConfig::default()
             },
-        );
+        )
+        .with_panels(panels);
         let rx = stopped.clone();
         tasks.push(tokio::spawn(async move {
             if let Err(e) = rollout_worker::service::run(server, worker_listener, until(rx)).await {

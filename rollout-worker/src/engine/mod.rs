@@ -17,7 +17,8 @@ use rookworld_lm::generate::{Completion, validate_prompt};
 use rookworld_lm::sampling::SamplingParams;
 
 /// Readies a model for the engine: on the CPU in f32, its weights are packed for the
-/// AVX2/FMA kernel ([`Gpt2::pack_for_cpu`]); elsewhere it is unchanged.
+/// AVX2/FMA kernel in the model's panel dtype ([`Gpt2::pack_for_cpu`],
+/// [`Gpt2::set_panel_dtype`]); elsewhere it is unchanged.
 pub fn prepare_model(mut model: Gpt2) -> Result<Gpt2, EngineError> {
     if model.pack_for_cpu()? {
         tracing::debug!("weights packed for the CPU kernel");

@@ -120,6 +120,7 @@ impl RolloutServer {
         let target = Target {
             cfg: self.model_config.clone(),
             dtype: self.dtype,
+            panels: self.panels,
             device: self.device.clone(),
         };
         let spare = self.spare.lock().expect("spare lock").take();
@@ -180,6 +181,7 @@ impl RolloutServer {
 struct Target {
     cfg: rookworld_lm::Config,
     dtype: candle_core::DType,
+    panels: rookworld_lm::cpu_gemm::PanelDtype,
     device: candle_core::Device,
 }
 
@@ -187,7 +189,13 @@ impl Target {
     /// The model of verified `bytes`, into `spare`'s memory when it can take it.
     fn build(&self, bytes: &[u8], spare: Option<Gpt2>) -> (Result<Gpt2, WeightError>, Duration) {
         let clock = Instant::now();
-        let model = weights::build_model(bytes, &self.cfg, self.dtype, &self.device, spare);
+        let model = weights::build_model(
+            bytes,
+            &self.cfg,
+            (self.dtype, self.panels),
+            &self.device,
+            spare,
+        );
         (model, clock.elapsed())
     }
 }

@@ -1,5 +1,5 @@
 //! Weights written into panels: [`PackedMatrix`](super::PackedMatrix)'s packing, run at
-//! load and at every weight update of a CPU rollout worker (half a gigabyte of panels
+//! load and at every weight update of a CPU rollout worker (half a gigabyte of f32 panels
 //! for gpt2-124m, on the path of every push).
 //!
 //! With AVX2, two things make the transposed packing run at memory speed (3–4× the
@@ -16,28 +16,53 @@
 
 use rayon::prelude::*;
 
-use super::NR;
+use super::{BF16_COLUMNS, NR};
 
 /// Writes `w` — (K, N) row-major, or (N, K) when `transposed` — into `panels`
 /// (⌈N/NR⌉, K, NR); the padding columns of the last panel are left as they are (zero).
 pub(super) fn fill_panels(panels: &mut [f32], w: &[f32], k: usize, n: usize, transposed: bool) {
     assert_eq!(w.len(), k * n, "weight of {k}×{n}");
     assert_eq!(panels.len(), n.div_ceil(NR) * k * NR, "panels of {k}×{n}");
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        panels
-            .par_chunks_mut(k * NR)
-            .enumerate()
-            .for_each(|(p, panel)| {
-                // SAFETY: AVX2 is present; `panel` is panel p of a (K, N) weight `w`.
-                unsafe { avx2::fill_panel(panel, w, k, n, p, transposed) }
-            });
-        return;
-    }
     panels
         .par_chunks_mut(k * NR)
         .enumerate()
-        .for_each(|(p, panel)| fill_panel_scalar(panel, w, k, n, p, transposed));
+        .for_each(|(p, panel)| fill_panel(panel, w, k, n, p, transposed));
+}
+
+/// [`fill_panels`] into BF16 panels: each value rounded to the nearest BF16 (ties to
+/// even), each panel row in [`BF16_COLUMNS`] order. A panel is written in f32 first, into
+/// a buffer of the thread's own (K × NR values), then rounded into place.
+pub(super) fn fill_panels_bf16(
+    panels: &mut [u16],
+    w: &[f32],
+    k: usize,
+    n: usize,
+    transposed: bool,
+) {
+    assert_eq!(w.len(), k * n, "weight of {k}×{n}");
+    assert_eq!(panels.len(), n.div_ceil(NR) * k * NR, "panels of {k}×{n}");
+    panels.par_chunks_mut(k * NR).enumerate().for_each_init(
+        || vec![0f32; k * NR],
+        |wide, (p, panel)| {
+            fill_panel(wide, w, k, n, p, transposed);
+            for (dst, src) in panel.chunks_exact_mut(NR).zip(wide.chunks_exact(NR)) {
+                for (d, &col) in dst.iter_mut().zip(&BF16_COLUMNS) {
+                    *d = half::bf16::from_f32(src[col]).to_bits();
+                }
+            }
+        },
+    );
+}
+
+/// Panel `p` (K, NR) of `w`: through registers where the CPU has AVX2, else value by value.
+fn fill_panel(panel: &mut [f32], w: &[f32], k: usize, n: usize, p: usize, transposed: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present; `panel` is panel p of a (K, N) weight `w`.
+        unsafe { avx2::fill_panel(panel, w, k, n, p, transposed) };
+        return;
+    }
+    fill_panel_scalar(panel, w, k, n, p, transposed)
 }
 
 /// Panel `p` (K, NR) of `w`, value by value.

@@ -9,7 +9,7 @@ use candle_nn::VarBuilder;
 use super::{packed_matmul, repack_or_pack, tracked};
 use crate::cache::LayerCache;
 use crate::config::{Activation, Config};
-use crate::cpu_gemm::{Epilogue, PackedMatrix};
+use crate::cpu_gemm::{Epilogue, PackedMatrix, PanelDtype};
 use crate::fused_ops::{AddLayerNorm, BiasGelu, QkvSplit};
 use crate::grouped::{GroupedLayer, StepPlan, with_zero_row};
 use crate::train_ops;
@@ -55,11 +55,16 @@ impl Conv1D {
 
     /// Packs the weight and bias, into the panels of the last packing when this layer
     /// holds them alone (no allocation: [`Gpt2::refill`]).
-    pub(crate) fn pack(&mut self, epilogue: Epilogue) -> candle_core::Result<()> {
+    pub(crate) fn pack(
+        &mut self,
+        dtype: PanelDtype,
+        epilogue: Epilogue,
+    ) -> candle_core::Result<()> {
         let (d_in, d_out) = self.weight.dims2()?;
         let bias = self.bias.to_vec1::<f32>()?;
         let packed = repack_or_pack(
             &mut self.packed,
+            dtype,
             &self.weight,
             (d_in, d_out),
             false,

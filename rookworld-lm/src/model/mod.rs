@@ -20,7 +20,7 @@ use layers::{Block, Conv1D, LayerNorm};
 
 use crate::cache::KvCache;
 use crate::config::{Activation, Config};
-use crate::cpu_gemm::{Epilogue, PackedMatrix};
+use crate::cpu_gemm::{Epilogue, PackedMatrix, PanelDtype};
 use crate::grouped::{GroupedCache, StepPlan};
 use crate::mask::LeftPadding;
 
@@ -42,6 +42,8 @@ pub struct Gpt2 {
     lm_head: Option<Tensor>, // (V, E)
     /// The LM head packed for the CPU kernel ([`Gpt2::pack_for_cpu`]).
     head_packed: Option<Arc<PackedMatrix>>,
+    /// What [`Gpt2::pack_for_cpu`]'s panels hold.
+    panel_dtype: PanelDtype,
     /// The matmuls' input dtype when it differs from the weights' (mixed precision).
     matmul_dtype: Option<DType>,
     train_ops: bool,
@@ -69,6 +71,7 @@ impl Gpt2 {
             ln_f: LayerNorm::load(vb.pp("ln_f"), e, cfg.layer_norm_epsilon)?,
             lm_head,
             head_packed: None,
+            panel_dtype: PanelDtype::F32,
             matmul_dtype: None,
             train_ops: false,
             cfg: cfg.clone(),
@@ -171,6 +174,7 @@ impl Gpt2 {
     /// agree with candle's matmul to float rounding). Returns false, changing nothing,
     /// off the CPU, in other dtypes, without AVX2/FMA, or for trainable weights (the
     /// packed copy would not follow optimizer steps).
+    /// The panels are f32 unless [`set_panel_dtype`](Self::set_panel_dtype) chose BF16.
     pub fn pack_for_cpu(&mut self) -> candle_core::Result<bool> {
         if !self.device().is_cpu()
             || self.dtype() != DType::F32
@@ -180,19 +184,39 @@ impl Gpt2 {
             return Ok(false);
         }
         for block in &mut self.blocks {
-            block.attn.c_attn.pack(Epilogue::None)?;
-            block.attn.c_proj.pack(Epilogue::None)?;
+            let dtype = self.panel_dtype;
+            block.attn.c_attn.pack(dtype, Epilogue::None)?;
+            block.attn.c_proj.pack(dtype, Epilogue::None)?;
             let fc_epilogue = match block.mlp.act {
                 Activation::GeluNew => Epilogue::GeluNew,
                 Activation::Gelu | Activation::Relu => Epilogue::None,
             };
-            block.mlp.c_fc.pack(fc_epilogue)?;
-            block.mlp.c_proj.pack(Epilogue::None)?;
+            block.mlp.c_fc.pack(dtype, fc_epilogue)?;
+            block.mlp.c_proj.pack(dtype, Epilogue::None)?;
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.wte); // (V, E)
         let (v, e) = head.dims2()?;
-        repack_or_pack(&mut self.head_packed, head, (e, v), true, None)?;
+        repack_or_pack(
+            &mut self.head_packed,
+            self.panel_dtype,
+            head,
+            (e, v),
+            true,
+            None,
+        )?;
         Ok(true)
+    }
+
+    /// What the CPU kernel's panels hold from the next [`pack_for_cpu`](Self::pack_for_cpu)
+    /// on (BF16: half the memory and the bytes a step streams; each weight rounded to
+    /// BF16 once, which changes nothing for weights that are BF16 values).
+    pub fn set_panel_dtype(&mut self, dtype: PanelDtype) {
+        self.panel_dtype = dtype;
+    }
+
+    /// What the CPU kernel's panels hold (or will, once packed).
+    pub fn panel_dtype(&self) -> PanelDtype {
+        self.panel_dtype
     }
 
     /// Logits (B, T, V) in f32 for hidden states (B, T, E).
@@ -354,22 +378,27 @@ pub(crate) fn packed_matmul(
     Tensor::from_vec(packed.matmul(&data, m), (m, packed.n()), x.device()).map(Some)
 }
 
-/// Packs `w` — (K, N), or (N, K) when `transposed` — with `bias` into `slot`: into the
-/// panels already there when `slot` holds the only reference to a matrix of that shape,
-/// else into a new matrix. Returns the packed matrix.
+/// Packs `w` — (K, N), or (N, K) when `transposed` — with `bias` into `slot`, in panels
+/// of `dtype`: into the panels already there when `slot` holds the only reference to a
+/// matrix of that shape and dtype, else into a new matrix. Returns the packed matrix.
 pub(crate) fn repack_or_pack<'a>(
     slot: &'a mut Option<Arc<PackedMatrix>>,
+    dtype: PanelDtype,
     w: &Tensor,
     (k, n): (usize, usize),
     transposed: bool,
     bias: Option<Vec<f32>>,
 ) -> candle_core::Result<&'a mut PackedMatrix> {
     let reused = match slot.as_mut().and_then(Arc::get_mut) {
-        Some(packed) => with_values(w, |w| packed.repack(w, transposed, bias.as_deref()))?,
-        None => false,
+        Some(packed) if packed.dtype() == dtype => {
+            with_values(w, |w| packed.repack(w, transposed, bias.as_deref()))?
+        }
+        _ => false,
     };
     if !reused {
-        let packed = with_values(w, |w| PackedMatrix::pack(w, k, n, transposed, bias))?;
+        let packed = with_values(w, |w| {
+            PackedMatrix::pack_as(dtype, w, k, n, transposed, bias)
+        })?;
         *slot = Some(Arc::new(packed));
     }
     Ok(Arc::get_mut(slot.as_mut().expect("packed above")).expect("held alone"))

@@ -28,7 +28,14 @@ fn chunks_reassemble_into_the_same_model() {
     );
     assert_eq!(back.run_id, "run-a");
     back.supersedes("run-a", 2).unwrap();
-    let m = build_model(&back.bytes, &Config::tiny(), DType::F32, &Device::Cpu, None).unwrap();
+    let m = build_model(
+        &back.bytes,
+        &Config::tiny(),
+        (DType::F32, Default::default()),
+        &Device::Cpu,
+        None,
+    )
+    .unwrap();
     assert_eq!(m.named_tensors().len(), Config::tiny().n_layer * 12 + 4);
 }
 
@@ -91,6 +98,13 @@ fn corruption_gaps_and_stale_versions_are_refused() {
         n_layer: 3,
         ..Config::tiny()
     };
-    let err = build_model(&set().bytes, &other, DType::F32, &Device::Cpu, None).unwrap_err();
+    let err = build_model(
+        &set().bytes,
+        &other,
+        (DType::F32, Default::default()),
+        &Device::Cpu,
+        None,
+    )
+    .unwrap_err();
     assert!(err.to_string().contains("h.2"), "{err}");
 }
