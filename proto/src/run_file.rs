@@ -643,6 +643,7 @@ pub const KNOWN_KEYS: &[&str] = &[
     "reward",
     "reward_wait",
     "rollout_dump",
+    "rollout_precision",
     "run_dir",
     "samples",
     "save_dtype",

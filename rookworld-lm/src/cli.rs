@@ -33,8 +33,9 @@ pub struct ModelArgs {
     /// cpu, cuda, cuda:N, or auto (CUDA when usable, else CPU).
     #[arg(long, env = "ROOKWORLD_DEVICE", default_value = "cpu")]
     pub device: String,
-    /// auto, f32, bf16 or f16: the weights' dtype on CUDA (auto: bf16); on the CPU, f32
-    /// activations with BF16 (auto, bf16) or f32 matmul weights. `--dtype` is an older name.
+    /// auto, f32, bf16, f16 or int8: the weights' dtype on CUDA (auto: bf16); on the CPU, f32
+    /// activations with BF16 (auto, bf16), f32 or INT8 (int8: quantized, CPU only) matmul
+    /// weights. `--dtype` is an older name.
     #[arg(
         long,
         visible_alias = "dtype",
@@ -77,7 +78,7 @@ impl ModelArgs {
         let choice: DeviceChoice = self.device.parse()?;
         let device = choice.open()?;
         let precision: Precision = self.precision.parse()?;
-        let (dtype, panels) = precision.resolve(&device);
+        let (dtype, panels) = precision.resolve(&device)?;
         let (model, tokenizer, source) = match (&self.model, &self.preset) {
             (Some(model), _) => {
                 let dir = crate::hub::resolve(model)?;

@@ -19,7 +19,9 @@ use rayon::prelude::*;
 
 use crate::simd;
 
+mod int8;
 mod pack;
+use int8::Int8Panels;
 use pack::{fill_panels, fill_panels_bf16};
 
 /// Output columns per panel: two 8-lane AVX registers.
@@ -42,6 +44,9 @@ pub enum PanelDtype {
     F32,
     /// BF16 bit patterns, each panel row in [`BF16_COLUMNS`] order.
     Bf16,
+    /// Each column quantized to i8 with its own scale; the inputs quantized per row at
+    /// each product (see `int8.rs`).
+    Int8,
 }
 
 /// The column each position of a BF16 panel row holds. Unpacking a row's 16 values
@@ -55,13 +60,16 @@ pub const BF16_COLUMNS: [usize; NR] = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12,
 enum Panels {
     F32(Vec<f32>),  // (⌈N/NR⌉, K, NR)
     Bf16(Vec<u16>), // (⌈N/NR⌉, K, NR), rows in BF16_COLUMNS order
+    Int8(Int8Panels),
 }
 
 impl Panels {
-    fn new(dtype: PanelDtype, len: usize) -> Self {
+    fn new(dtype: PanelDtype, k: usize, n: usize) -> Self {
+        let len = n.div_ceil(NR) * k * NR;
         match dtype {
             PanelDtype::F32 => Self::F32(vec![0f32; len]),
             PanelDtype::Bf16 => Self::Bf16(vec![0u16; len]),
+            PanelDtype::Int8 => Self::Int8(Int8Panels::new(k, n)),
         }
     }
 
@@ -69,6 +77,7 @@ impl Panels {
         match self {
             Self::F32(_) => PanelDtype::F32,
             Self::Bf16(_) => PanelDtype::Bf16,
+            Self::Int8(_) => PanelDtype::Int8,
         }
     }
 
@@ -76,6 +85,7 @@ impl Panels {
         match self {
             Self::F32(panels) => fill_panels(panels, w, k, n, transposed),
             Self::Bf16(panels) => fill_panels_bf16(panels, w, k, n, transposed),
+            Self::Int8(panels) => panels.fill(w, k, n, transposed),
         }
     }
 }
@@ -119,7 +129,7 @@ impl PackedMatrix {
         bias: Option<Vec<f32>>,
     ) -> Self {
         assert_eq!(w.len(), k * n, "weight of {k}×{n}");
-        let mut panels = Panels::new(dtype, n.div_ceil(NR) * k * NR);
+        let mut panels = Panels::new(dtype, k, n);
         panels.fill(w, k, n, transposed);
         Self {
             k,
@@ -177,51 +187,77 @@ impl PackedMatrix {
     pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
         let (k, n) = (self.k, self.n);
         assert_eq!(x.len(), m * k, "input of {m}×{k}");
-        let blocks = m.div_ceil(MR);
-        // x packed by row block, k-major: a[block][k][r], zero rows past M.
-        let mut a = vec![0f32; blocks * k * MR];
-        for (row, xs) in x.chunks_exact(k).enumerate() {
-            let (b, r) = (row / MR, row % MR);
-            let dst = &mut a[b * k * MR..(b + 1) * k * MR];
-            for (kk, &v) in xs.iter().enumerate() {
-                dst[kk * MR + r] = v;
-            }
-        }
         let mut out = vec![0f32; m * n];
         let target = SharedOut(out.as_mut_ptr());
         match &self.panels {
-            Panels::F32(panels) => panels
-                .par_chunks(k * NR)
-                .enumerate()
-                .for_each(|(p, panel)| {
-                    self.panel_product(&a, m, p, target, |a, tile| kernel(a, panel, tile, k))
-                }),
-            Panels::Bf16(panels) => panels
-                .par_chunks(k * NR)
-                .enumerate()
-                .for_each(|(p, panel)| {
-                    self.panel_product(&a, m, p, target, |a, tile| kernel_bf16(a, panel, tile, k))
-                }),
+            Panels::F32(panels) => self.float_product(x, m, panels, target, kernel),
+            Panels::Bf16(panels) => self.float_product(x, m, panels, target, kernel_bf16),
+            Panels::Int8(panels) => {
+                let (a, row_scales) = int8::quantize_rows(x, m, k);
+                let kq = int8::groups(k);
+                let block = kq * MR * 4;
+                panels
+                    .panels(k)
+                    .enumerate()
+                    .for_each(|(p, (q, col_scales))| {
+                        self.panel_product(m, p, target, |blk, tile| {
+                            let mut sums = [0i32; MR * NR];
+                            int8::kernel(&a[blk * block..(blk + 1) * block], q, &mut sums, kq);
+                            let rows = &row_scales[blk * MR..(blk + 1) * MR];
+                            for ((t, s), &rs) in tile
+                                .chunks_exact_mut(NR)
+                                .zip(sums.chunks_exact(NR))
+                                .zip(rows)
+                            {
+                                for ((t, &s), &cs) in t.iter_mut().zip(s).zip(col_scales) {
+                                    *t = s as f32 * rs * cs;
+                                }
+                            }
+                        })
+                    })
+            }
         }
         out
     }
 
+    /// The product over panels of f32 or BF16 weights: `x` packed by row block in f32,
+    /// each block times each panel by `kernel`.
+    fn float_product<T: Sync>(
+        &self,
+        x: &[f32],
+        m: usize,
+        panels: &[T],
+        target: SharedOut,
+        kernel: fn(&[f32], &[T], &mut [f32; MR * NR], usize),
+    ) {
+        let k = self.k;
+        let a = pack_rows(x, m, k);
+        let block = k * MR; // values of `a` per row block
+        panels
+            .par_chunks(k * NR)
+            .enumerate()
+            .for_each(|(p, panel)| {
+                self.panel_product(m, p, target, |blk, tile| {
+                    kernel(&a[blk * block..(blk + 1) * block], panel, tile, k)
+                })
+            })
+    }
+
     /// Columns p·NR.. of `out` (M, N) for panel p: each row block's tile from `product`
-    /// (a block of `a` → the tile), bias and epilogue applied, written into `out`.
+    /// (row block → the tile), bias and epilogue applied, written into `out`.
     fn panel_product(
         &self,
-        a: &[f32],
         m: usize,
         p: usize,
         target: SharedOut,
-        product: impl Fn(&[f32], &mut [f32; MR * NR]),
+        product: impl Fn(usize, &mut [f32; MR * NR]),
     ) {
-        let (k, n) = (self.k, self.n);
+        let n = self.n;
         let (bias, epilogue) = (self.bias.as_deref(), self.epilogue);
         let cols = NR.min(n - p * NR);
         let mut tile = [0f32; MR * NR];
         for blk in 0..m.div_ceil(MR) {
-            product(&a[blk * k * MR..(blk + 1) * k * MR], &mut tile);
+            product(blk, &mut tile);
             if let Some(bias) = bias {
                 for row in tile.chunks_exact_mut(NR) {
                     for (v, b) in row[..cols].iter_mut().zip(&bias[p * NR..]) {
@@ -241,6 +277,19 @@ impl PackedMatrix {
             }
         }
     }
+}
+
+/// `x` (M, K) packed by row block, k-major: `a[block][k][r]`, zero rows past M.
+fn pack_rows(x: &[f32], m: usize, k: usize) -> Vec<f32> {
+    let mut a = vec![0f32; m.div_ceil(MR) * k * MR];
+    for (row, xs) in x.chunks_exact(k).enumerate() {
+        let (b, r) = (row / MR, row % MR);
+        let dst = &mut a[b * k * MR..(b + 1) * k * MR];
+        for (kk, &v) in xs.iter().enumerate() {
+            dst[kk * MR + r] = v;
+        }
+    }
+    a
 }
 
 /// The output buffer, written by many threads at disjoint places.
@@ -540,6 +589,57 @@ mod tests {
         assert_eq!(packed.dtype(), PanelDtype::Bf16);
         let fresh = PackedMatrix::pack_as(PanelDtype::Bf16, &w, k, n, true, None);
         assert_eq!(packed.matmul(&x, m), fresh.matmul(&x, m));
+    }
+
+    #[test]
+    fn int8_panels_compute_the_product_to_the_quantization_error() {
+        for (m, k, n) in [(1, 7, 3), (5, 300, 33), (13, 513, 16), (32, 64, 50)] {
+            let (x, w, bias) = (values(m * k, 1), values(k * n, 2), values(n, 3));
+            let want = naive(&x, &w, m, k, n, &bias);
+            for transposed in [false, true] {
+                let w_in = if transposed {
+                    transpose(&w, k, n)
+                } else {
+                    w.clone()
+                };
+                let int8 = PackedMatrix::pack_as(
+                    PanelDtype::Int8,
+                    &w_in,
+                    k,
+                    n,
+                    transposed,
+                    Some(bias.clone()),
+                );
+                assert_eq!(int8.dtype(), PanelDtype::Int8);
+                let got = int8.matmul(&x, m);
+                // Inputs and weights within 1, each to half of 1/127: |Δ| ≤ Σ_k (|x| + |w|) / 254.
+                let bound = k as f32 / 127.0;
+                let d = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(d < bound, "{m}×{k}×{n}: max |Δ| = {d} (bound {bound})");
+                // A mean error far below the bound: rounding errors cancel.
+                let mean = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .sum::<f32>()
+                    / got.len() as f32;
+                assert!(mean < bound / 8.0, "{m}×{k}×{n}: mean |Δ| = {mean}");
+            }
+        }
+        // A zero row or zero column gives exactly the bias.
+        let int8 = PackedMatrix::pack_as(
+            PanelDtype::Int8,
+            &[0.0; 8 * 5],
+            8,
+            5,
+            false,
+            Some(values(5, 3)),
+        );
+        assert_eq!(int8.matmul(&values(8, 1), 1), values(5, 3));
     }
 
     /// (K, N) row-major → (N, K) row-major.

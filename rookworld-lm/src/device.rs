@@ -159,33 +159,38 @@ pub fn parse_dtype(name: &str) -> Result<DType> {
 /// | `f32` | f32 weights (TF32 allowed) | f32 weights, f32 panels |
 /// | `bf16` | BF16 weights | f32 weights and activations, BF16 panels for every matmul |
 /// | `f16` | F16 weights | F16 weights (candle's matmul) |
+/// | `int8` | (refused) | f32 activations, INT8 panels: each weight column quantized to i8 once, each input row at every product |
 ///
 /// On the CPU, `bf16` keeps activations, layer-norm and softmax statistics and the
 /// log-probs in f32 and only the packed matmul weights in BF16 ([`crate::cpu_gemm`]): half
 /// the panels' memory and bytes per step, faster on every CPU measured, and for a
 /// learner's BF16 pushes the very same products as f32 panels (so `auto` chooses it). A
-/// CPU without AVX2/FMA gets candle's BF16 tensors for `bf16`, f32 for `auto`.
+/// CPU without AVX2/FMA gets candle's BF16 tensors for `bf16`, f32 for `auto`. `int8` is
+/// an approximation the sampler's log-probs carry (the learner's off-policy correction
+/// weighs it): opt-in, CPU only.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Precision {
     Auto,
     F32,
     Bf16,
     F16,
+    Int8,
 }
 
 impl std::str::FromStr for Precision {
     type Err = Error;
 
-    /// `auto`, `f32`, `bf16` or `f16` (also `float32`, `bfloat16`, `float16`).
+    /// `auto`, `f32`, `bf16`, `f16` or `int8` (also `float32`, `bfloat16`, `float16`).
     fn from_str(name: &str) -> Result<Self> {
         Ok(match name {
             "auto" => Self::Auto,
             "f32" | "float32" => Self::F32,
             "bf16" | "bfloat16" => Self::Bf16,
             "f16" | "float16" | "half" => Self::F16,
+            "int8" => Self::Int8,
             other => {
                 return Err(Error::InvalidArgument(format!(
-                    "unknown precision `{other}` (use auto, f32, bf16 or f16)"
+                    "unknown precision `{other}` (use auto, f32, bf16, f16 or int8)"
                 )));
             }
         })
@@ -193,16 +198,23 @@ impl std::str::FromStr for Precision {
 }
 
 impl Precision {
-    /// The weights' dtype and the CPU kernel's panels on `device`.
-    pub fn resolve(self, device: &Device) -> (DType, PanelDtype) {
+    /// The weights' dtype and the CPU kernel's panels on `device`; `int8` where the packed
+    /// kernel does not run is an error that says so.
+    pub fn resolve(self, device: &Device) -> Result<(DType, PanelDtype)> {
         let packs = device.is_cpu() && crate::cpu_gemm::supported();
-        match self {
+        Ok(match self {
             Self::Auto | Self::Bf16 if packs => (DType::F32, PanelDtype::Bf16),
+            Self::Int8 if packs => (DType::F32, PanelDtype::Int8),
             Self::Auto => (default_dtype(device), PanelDtype::F32),
             Self::F32 => (DType::F32, PanelDtype::F32),
             Self::Bf16 => (DType::BF16, PanelDtype::F32),
             Self::F16 => (DType::F16, PanelDtype::F32),
-        }
+            Self::Int8 => {
+                return Err(Error::InvalidArgument(format!(
+                    "--precision int8 runs on the CPU with AVX2/FMA only, not on {device:?}"
+                )));
+            }
+        })
     }
 }
 

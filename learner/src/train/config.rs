@@ -40,6 +40,10 @@ pub struct TrainArgs {
     /// gRPC), so that one command trains.
     #[arg(long)]
     pub local: bool,
+    /// With --local: the local rollout worker's --precision (auto, f32, bf16, f16, or int8
+    /// on the CPU: see `rollout-worker serve --precision`).
+    #[arg(long, env = "LEARNER_ROLLOUT_PRECISION", default_value = "auto")]
+    pub rollout_precision: String,
     /// Reward server the workers use; when given, the learner waits for it to answer at
     /// start (up to --reward-wait seconds) and fails with one line otherwise.
     #[arg(long, env = "LEARNER_REWARD")]
@@ -163,10 +167,18 @@ impl TrainArgs {
         }
     }
 
+    /// `--rollout-precision`, parsed.
+    pub fn rollout_precision(&self) -> Result<rookworld_lm::device::Precision, ConfigError> {
+        self.rollout_precision
+            .parse()
+            .map_err(|e: rookworld_lm::Error| ConfigError(format!("--rollout-precision: {e}")))
+    }
+
     /// The settings' ranges and the process's own options (intervals, timeouts, URLs).
     pub fn validate(&self) -> Result<(), ConfigError> {
         use rookworld_proto::check::{at_least, non_negative, positive, url};
         self.settings.validate()?;
+        self.rollout_precision()?;
         let mut checks = vec![
             at_least("--push-every", self.push_every, 1),
             at_least("--checkpoint-every", self.checkpoint_every, 1),

@@ -12,6 +12,7 @@ use rollout_worker::service::{RolloutServer, ServiceConfig};
 use rollout_worker::worker_loop::{self, LoopConfig};
 use rookworld_chess::score::RewardConfig;
 use rookworld_chess::scorer::Scorer;
+use rookworld_lm::device::Precision;
 use rookworld_lm::{Gpt2, Tokenizer, checkpoint};
 use rookworld_proto::tls::{ClientTlsArgs, ServerTls};
 use rookworld_weights::set::WeightSet;
@@ -33,14 +34,14 @@ pub struct LocalServices {
 impl LocalServices {
     /// Starts the reward server and a worker that runs `weights` (the BF16 set the
     /// learner would push, so worker and learner agree from the first step) on `device`
-    /// (the learner's: f32 on the CPU, bfloat16 on a GPU they share) and pulls from the
-    /// queue at `queue`. With `tls` (the learner's: its certificate must name
+    /// (the learner's: f32 on the CPU, bfloat16 on a GPU they share) at `precision`
+    /// (`--rollout-precision`) and pulls from the queue at `queue`. With `tls` (the learner's: its certificate must name
     /// 127.0.0.1), every local port serves TLS and the worker calls out with `client`.
     pub async fn start(
         queue: SocketAddr,
         weights: &WeightSet,
         config: &rookworld_lm::Config,
-        device: &Device,
+        (device, precision): (&Device, Precision),
         token: &str,
         shared_dir: Option<std::path::PathBuf>,
         (tls, client): (Option<Arc<ServerTls>>, ClientTlsArgs),
@@ -66,9 +67,9 @@ impl LocalServices {
             }
         }));
 
-        // The worker's `--precision auto`: BF16 on CUDA, BF16 panels on the CPU (the
-        // pushes are BF16 values: the same products as f32 panels, half the bytes).
-        let (dtype, panels) = rookworld_lm::device::Precision::Auto.resolve(device);
+        // `auto`: BF16 on CUDA, BF16 panels on the CPU (the pushes are BF16 values: the
+        // same products as f32 panels, half the bytes).
+        let (dtype, panels) = precision.resolve(device)?;
         let mut model: Gpt2 = checkpoint::from_bytes(&weights.bytes, config, dtype, device)?;
         model.set_panel_dtype(panels);
         let model = prepare_model(model)?;

@@ -124,7 +124,7 @@ impl Services {
                     queue_addr,
                     &weights,
                     run.policy.model.config(),
-                    run.policy.model.device(),
+                    (run.policy.model.device(), args.rollout_precision()?),
                     &token,
                     shared_dir.clone(),
                     (tls, args.client_tls.clone()),

@@ -44,6 +44,7 @@ pub(super) fn fill_panels_bf16(
     panels.par_chunks_mut(k * NR).enumerate().for_each_init(
         || vec![0f32; k * NR],
         |wide, (p, panel)| {
+            wide.fill(0.0); // the last panel's padding columns
             fill_panel(wide, w, k, n, p, transposed);
             for (dst, src) in panel.chunks_exact_mut(NR).zip(wide.chunks_exact(NR)) {
                 for (d, &col) in dst.iter_mut().zip(&BF16_COLUMNS) {
@@ -55,7 +56,14 @@ pub(super) fn fill_panels_bf16(
 }
 
 /// Panel `p` (K, NR) of `w`: through registers where the CPU has AVX2, else value by value.
-fn fill_panel(panel: &mut [f32], w: &[f32], k: usize, n: usize, p: usize, transposed: bool) {
+pub(super) fn fill_panel(
+    panel: &mut [f32],
+    w: &[f32],
+    k: usize,
+    n: usize,
+    p: usize,
+    transposed: bool,
+) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 is present; `panel` is panel p of a (K, N) weight `w`.
