@@ -524,16 +524,8 @@ mod tests {
             let (x, w, bias) = (values(m * k, 1), values(k * n, 2), values(n, 3));
             let rounded = bf16_values(&w);
             for transposed in [false, true] {
-                let w_in = if transposed {
-                    transpose(&w, k, n)
-                } else {
-                    w.clone()
-                };
-                let r_in = if transposed {
-                    transpose(&rounded, k, n)
-                } else {
-                    rounded.clone()
-                };
+                let w_in = oriented(&w, k, n, transposed);
+                let r_in = oriented(&rounded, k, n, transposed);
                 let bf16 = PackedMatrix::pack_as(
                     PanelDtype::Bf16,
                     &w_in,
@@ -597,11 +589,7 @@ mod tests {
             let (x, w, bias) = (values(m * k, 1), values(k * n, 2), values(n, 3));
             let want = naive(&x, &w, m, k, n, &bias);
             for transposed in [false, true] {
-                let w_in = if transposed {
-                    transpose(&w, k, n)
-                } else {
-                    w.clone()
-                };
+                let w_in = oriented(&w, k, n, transposed);
                 let int8 = PackedMatrix::pack_as(
                     PanelDtype::Int8,
                     &w_in,
@@ -640,6 +628,15 @@ mod tests {
             Some(values(5, 3)),
         );
         assert_eq!(int8.matmul(&values(8, 1), 1), values(5, 3));
+    }
+
+    /// `w` (K, N) as `pack` takes it: itself, or its (N, K) transpose when `transposed`.
+    fn oriented(w: &[f32], k: usize, n: usize, transposed: bool) -> Vec<f32> {
+        if transposed {
+            transpose(w, k, n)
+        } else {
+            w.to_vec()
+        }
     }
 
     /// (K, N) row-major → (N, K) row-major.
