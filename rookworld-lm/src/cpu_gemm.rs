@@ -199,20 +199,12 @@ impl PackedMatrix {
                 panels
                     .panels(k)
                     .enumerate()
-                    .for_each(|(p, (q, col_scales))| {
+                    .for_each(|(p, (q, col_scales, corrections))| {
                         self.panel_product(m, p, target, |blk, tile| {
                             let mut sums = [0i32; MR * NR];
                             int8::kernel(&a[blk * block..(blk + 1) * block], q, &mut sums, kq);
                             let rows = &row_scales[blk * MR..(blk + 1) * MR];
-                            for ((t, s), &rs) in tile
-                                .chunks_exact_mut(NR)
-                                .zip(sums.chunks_exact(NR))
-                                .zip(rows)
-                            {
-                                for ((t, &s), &cs) in t.iter_mut().zip(s).zip(col_scales) {
-                                    *t = s as f32 * rs * cs;
-                                }
-                            }
+                            int8::dequantize(tile, &sums, rows, (col_scales, corrections));
                         })
                     })
             }
@@ -600,8 +592,9 @@ mod tests {
                 );
                 assert_eq!(int8.dtype(), PanelDtype::Int8);
                 let got = int8.matmul(&x, m);
-                // Inputs and weights within 1, each to half of 1/127: |Δ| ≤ Σ_k (|x| + |w|) / 254.
-                let bound = k as f32 / 127.0;
+                // Inputs and weights within 1, inputs to half of 1/127 and weights to half
+                // of 1/63: |Δ| ≤ Σ_k (|w| / 254 + |x| / 126).
+                let bound = k as f32 * (1.0 / 254.0 + 1.0 / 126.0);
                 let d = got
                     .iter()
                     .zip(&want)

@@ -159,7 +159,7 @@ pub fn parse_dtype(name: &str) -> Result<DType> {
 /// | `f32` | f32 weights (TF32 allowed) | f32 weights, f32 panels |
 /// | `bf16` | BF16 weights | f32 weights and activations, BF16 panels for every matmul |
 /// | `f16` | F16 weights | F16 weights (candle's matmul) |
-/// | `int8` | (refused) | f32 activations, INT8 panels: each weight column quantized to i8 once, each input row at every product |
+/// | `int8` | (refused) | f32 activations, INT8 panels: each weight column quantized to 7 bits once, each input row to 8 at every product |
 ///
 /// On the CPU, `bf16` keeps activations, layer-norm and softmax statistics and the
 /// log-probs in f32 and only the packed matmul weights in BF16 ([`crate::cpu_gemm`]): half

@@ -374,8 +374,8 @@ pub(crate) fn packed_matmul(
         return Ok(None);
     }
     let m = x.dim(0)?;
-    let data = x.flatten_all()?.to_vec1::<f32>()?;
-    Tensor::from_vec(packed.matmul(&data, m), (m, packed.n()), x.device()).map(Some)
+    let y = with_values(x, |data| packed.matmul(data, m))?; // x read in place when contiguous
+    Tensor::from_vec(y, (m, packed.n()), x.device()).map(Some)
 }
 
 /// Packs `w` — (K, N), or (N, K) when `transposed` — with `bias` into `slot`, in panels
