@@ -49,6 +49,16 @@ fn level(v: f32, inv: f32) -> i32 {
     ((v * inv + SHIFT) - SHIFT) as i32
 }
 
+/// The scale `max / levels` of values whose largest magnitude is `max`, and its inverse
+/// (both zero for an all-zero column or row).
+fn scale_and_inverse(max: f32, levels: f32) -> (f32, f32) {
+    if max > 0.0 {
+        (max / levels, levels / max)
+    } else {
+        (0.0, 0.0)
+    }
+}
+
 /// The quantized panels of a (K, N) matrix, each column's scale and its offset
 /// correction `c_j`.
 #[derive(Debug, Clone)]
@@ -110,11 +120,7 @@ fn quantize_panel(wide: &[f32], q: &mut [i8], scales: &mut [f32], corrections: &
     }
     let mut inv = [0f32; NR];
     for ((s, i), &m) in scales.iter_mut().zip(&mut inv).zip(&max) {
-        (*s, *i) = if m > 0.0 {
-            (m / WEIGHT_LEVELS, WEIGHT_LEVELS / m)
-        } else {
-            (0.0, 0.0)
-        };
+        (*s, *i) = scale_and_inverse(m, WEIGHT_LEVELS);
     }
     let mut sums = [0i32; NR];
     for (kk, row) in wide.chunks_exact(NR).enumerate() {
@@ -157,8 +163,8 @@ fn quantize_block(a: &mut [u8], scales: &mut [f32], rows: &[f32], k: usize) {
             })
             .into_iter()
             .fold(0f32, f32::max);
-        *scale = if max > 0.0 { max / INPUT_LEVELS } else { 0.0 };
-        let inv = if max > 0.0 { INPUT_LEVELS / max } else { 0.0 };
+        let inv;
+        (*scale, inv) = scale_and_inverse(max, INPUT_LEVELS);
         for (g, four) in xs.chunks(4).enumerate() {
             let dst = &mut a[(g * MR + r) * 4..][..four.len()];
             for (d, &v) in dst.iter_mut().zip(four) {
