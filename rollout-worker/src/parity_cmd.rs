@@ -2,7 +2,9 @@
 //! f32 — the logits of three prompts at every position (relative and largest error, in f32
 //! and in bfloat16 on the device), their greedy completions, and the same completions from
 //! the rollout engine (grouped cache, fused attention and, on CUDA, sampling on the device)
-//! — plus, on CUDA, each decode kernel against its CPU reference, as one JSON line. The
+//! — plus the bfloat16 model a weight push builds (on a GPU: one upload of the payload,
+//! every weight a view of it) against the one loaded, and, on CUDA, each decode kernel
+//! against its CPU reference, as one JSON line. The
 //! first question `tests/gpu-check.sh` asks of a GPU; on the CPU it checks the bfloat16
 //! path against f32.
 
@@ -52,6 +54,12 @@ struct DtypeParity {
     /// The same through the rollout engine (two samples per prompt sharing its cache):
     /// per sample, how many tokens equal the CPU's.
     engine_greedy_matching: Vec<usize>,
+    /// bf16 only: the model built from the CPU model's push payload (BF16), as a worker
+    /// builds a pushed version, against this loaded one: the largest |Δ| of the logits
+    /// (0 on CUDA, the same BF16 values; on the CPU the payload also rounds the f32
+    /// embeddings, biases and norm gains that the loaded model keeps).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pushed_logits_max_abs_error: Option<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -97,6 +105,17 @@ pub fn run(args: &ParityArgs, out: &mut impl Write) -> Result<()> {
             .zip(&want_tokens)
             .map(|(a, b)| matching(a, b))
             .collect();
+        let pushed_logits_max_abs_error = if dtype == "bf16" {
+            Some(
+                errors(
+                    &logits(&pushed(&reference.model, &loaded.model)?, &prompts)?,
+                    &got,
+                )
+                .1,
+            )
+        } else {
+            None
+        };
         let engine_greedy_matching = engine_greedy(loaded.model, &prompts, args.new_tokens)?
             .iter()
             .enumerate()
@@ -109,6 +128,7 @@ pub fn run(args: &ParityArgs, out: &mut impl Write) -> Result<()> {
             greedy_matching,
             greedy_tokens: tokens,
             engine_greedy_matching,
+            pushed_logits_max_abs_error,
         });
     }
     let report = Report {
@@ -148,6 +168,15 @@ fn logits(model: &Gpt2, prompts: &[Vec<u32>]) -> Result<Vec<f32>> {
         );
     }
     Ok(all)
+}
+
+/// `reference`'s weights pushed to a worker like `like` (its dtype, panels and device):
+/// the BF16 payload a learner sends, built as the worker builds it.
+fn pushed(reference: &Gpt2, like: &Gpt2) -> Result<Gpt2> {
+    let payload = rookworld_lm::checkpoint::to_bf16_payload(reference)?;
+    let kind = (like.dtype(), like.panel_dtype());
+    rookworld_weights::set::build_model(&payload, like.config(), kind, like.device(), None)
+        .map_err(|e| rookworld_lm::Error::InvalidArgument(e.to_string()))
 }
 
 /// `new_tokens` greedy tokens after each prompt.
@@ -251,5 +280,10 @@ mod tests {
         assert!(report["kernels"].is_null());
         let bf16 = results[1]["logits_rel_error"].as_f64().unwrap();
         assert!(bf16 > 0.0 && bf16 < 0.05, "bf16 relative error {bf16}");
+        // A pushed BF16 model computes what the loaded one does, up to the payload's
+        // rounding of the weights the CPU keeps in f32.
+        assert!(results[0].get("pushed_logits_max_abs_error").is_none());
+        let pushed = results[1]["pushed_logits_max_abs_error"].as_f64().unwrap();
+        assert!(pushed < 0.05, "pushed bf16 logits differ by {pushed}");
     }
 }

@@ -341,7 +341,7 @@ fn publish_loop(rx: &mpsc::Receiver<Job>, latest: &Latest) {
         }
         if let Some((run_id, version, payload)) = newest {
             let Payload { mut buf, .. } = payload;
-            let blake3 = blake3::hash(buf.as_ref()).into();
+            let blake3 = crate::set::hash(buf.as_ref());
             let shared_file = buf.publish_file(&shared_file_name(&run_id, version));
             let set = WeightSet {
                 run_id,

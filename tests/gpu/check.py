@@ -247,6 +247,9 @@ def cmd_table(args):
             add("parity vs CPU f32", f"{r['dtype']} engine greedy tokens equal",
                 "/".join(str(m) for m in r["engine_greedy_matching"]),
                 "grouped cache, fused attention, device sampling")
+        if r.get("pushed_logits_max_abs_error") is not None:
+            add("parity vs CPU f32", f"{r['dtype']} pushed vs loaded max |Δ|",
+                fmt(r["pushed_logits_max_abs_error"]), "model built from a push payload")
     kern = par.get("kernels") or {}
     if kern:
         add("decode kernels vs CPU reference", "attention f32 / bf16 max |Δ|",
@@ -314,7 +317,8 @@ def cmd_table(args):
     elif lc.get("step_seconds") and lb.get("learner_step_seconds"):
         add("learner step", "× composed ops", fmt(lc["step_seconds"] / lb["learner_step_seconds"]),
             f"training ops {'on' if lb.get('learner_train_ops') else 'off'}; with them off "
-            f"{fmt(lc['step_seconds'])} s, MFU {fmt(lc.get('mfu'))}")
+            f"{fmt(lc['step_seconds'])} s, MFU {fmt(lc.get('mfu'))}, "
+            f"{lc.get('micro_batch_groups', '?')} groups per micro-batch")
     push = d.get("push", {})
     if push.get("shared"):
         add("weight push", "gRPC idle s", fmt(push["idle"][0]["seconds"]) if push.get("idle") else "–")
