@@ -175,8 +175,12 @@ fn logits(model: &Gpt2, prompts: &[Vec<u32>]) -> Result<Vec<f32>> {
 fn pushed(reference: &Gpt2, like: &Gpt2) -> Result<Gpt2> {
     let payload = rookworld_lm::checkpoint::to_bf16_payload(reference)?;
     let kind = (like.dtype(), like.panel_dtype());
-    rookworld_weights::set::build_model(&payload, like.config(), kind, like.device(), None)
-        .map_err(|e| rookworld_lm::Error::InvalidArgument(e.to_string()))
+    rookworld_weights::set::build_model(&payload, like.config(), kind, like.device(), None).map_err(
+        |e| match e {
+            rookworld_weights::set::WeightError::Model(e) => e,
+            other => rookworld_lm::Error::InvalidArgument(other.to_string()),
+        },
+    )
 }
 
 /// `new_tokens` greedy tokens after each prompt.
