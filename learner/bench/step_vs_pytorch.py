@@ -24,7 +24,7 @@ Usage:  python3 learner/bench/step_vs_pytorch.py [--learner target/release/learn
         [--prompts 4] [--group 8] [--prompt-tokens 46] [--completion-tokens 64]
         [--steps 1] [--threads 2] [--head completions|all] [--skip-learner]
         [--device cpu|cuda] [--no-autocast] [--torch-configs f32,bf16,compile-bf16]
-        [--precision auto|f32|bf16]
+        [--precision auto|f32|bf16[,...]]
 Needs torch (CPU is enough). Prints each side's JSON line, a table, then one JSON line
 with the ratios: against each configuration and against PyTorch's best.
 """
@@ -219,8 +219,10 @@ def main():
     ap.add_argument("--torch-configs",
                     help="comma-separated PyTorch configurations: f32, bf16, compile-f32, compile-bf16 "
                          "(default: f32,bf16,compile-bf16 on the CPU; bf16 on CUDA, f32 with --no-autocast)")
-    ap.add_argument("--precision", choices=["auto", "f32", "bf16"],
-                    help="learner bench's --precision (default: auto on the CPU; on CUDA PyTorch's)")
+    ap.add_argument("--precision",
+                    help="learner bench's --precision: auto, f32 or bf16, or several comma-separated, each "
+                         "its own row (the fastest is the one compared); default: auto on the CPU, on CUDA "
+                         "PyTorch's")
     ap.add_argument("--torch-only", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.torch_only:  # one configuration, in a process of its own
@@ -236,25 +238,36 @@ def main():
     if unknown:
         sys.exit(f"unknown --torch-configs {unknown}: use {', '.join(CONFIGS)}")
 
-    ours = None
+    ours, ours_all = None, []
     if not args.skip_learner:
-        cmd = [args.learner, "bench", "--preset", args.preset, "--prompts-per-step", str(args.prompts),
-               "--group-size", str(args.group), "--prompt-tokens", str(args.prompt_tokens),
-               "--completion-tokens", str(args.completion_tokens),
-               "--micro-batch-groups", str(args.micro_batch_groups), "--steps", str(args.steps),
-               "--device", args.device]
-        if args.peak_tflops:
-            cmd += ["--peak-tflops", str(args.peak_tflops)]
         if args.precision:
-            cmd += ["--precision", args.precision]
+            precisions = args.precision.split(",")
         elif args.device != "cpu":  # the same precision as PyTorch's side
-            cmd += ["--precision", "bf16" if args.autocast else "f32"]
-        env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if out.returncode != 0:
-            sys.exit(f"learner bench failed: {out.stderr.strip()}")
-        ours = json.loads(out.stdout.strip().splitlines()[-1])
-        print(json.dumps(ours))
+            precisions = ["bf16" if args.autocast else "f32"]
+        else:
+            precisions = [None]
+        bad = [p for p in precisions if p not in (None, "auto", "f32", "bf16")]
+        if bad:
+            sys.exit(f"unknown --precision {bad}: use auto, f32, bf16")
+        for precision in precisions:
+            cmd = [args.learner, "bench", "--preset", args.preset, "--prompts-per-step", str(args.prompts),
+                   "--group-size", str(args.group), "--prompt-tokens", str(args.prompt_tokens),
+                   "--completion-tokens", str(args.completion_tokens),
+                   "--micro-batch-groups", str(args.micro_batch_groups), "--steps", str(args.steps),
+                   "--device", args.device]
+            if args.peak_tflops:
+                cmd += ["--peak-tflops", str(args.peak_tflops)]
+            if precision:
+                cmd += ["--precision", precision]
+            env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if out.returncode != 0:
+                sys.exit(f"learner bench failed: {out.stderr.strip()}")
+            run = json.loads(out.stdout.strip().splitlines()[-1])
+            run["precision"] = precision or "auto"
+            ours_all.append(run)
+            print(json.dumps(run))
+        ours = min(ours_all, key=lambda r: r["step_seconds"])
     if importlib.util.find_spec("torch") is None:
         # The learner's side ran; PyTorch's cannot (the GPU check's CPU dry run in CI).
         print(json.dumps({"skipped": "no torch: PyTorch's side not run",
@@ -278,8 +291,8 @@ def main():
     print(f"{'':24} {'step (s)':>9} {'reference':>9} {'forward':>8} {'backward':>8} {'clip+AdamW':>10} "
           f"{'peak RSS':>9} {'learner ×':>9}")
     rows = [(f"PyTorch {c}", r) for c, r in runs.items()]
-    if ours:
-        rows.append((f"learner ({ours.get('matmul_dtype') or 'f32'})", ours))
+    for run in ours_all:
+        rows.append((f"learner {run['precision']} ({run.get('matmul_dtype') or 'f32'})", run))
     for name, r in rows:
         ph = r["phases"]
         clip = ph.get("clip_optimizer", ph.get("clip", 0) + ph.get("optimizer", 0))
@@ -306,6 +319,7 @@ def main():
             "learner_device_memory_bytes": ours.get("device_memory_bytes"),
             "learner_matmul_dtype": ours.get("matmul_dtype"),
             "learner_train_ops": ours.get("train_ops"),
+            "learner_step_seconds_by_precision": {r["precision"]: r["step_seconds"] for r in ours_all},
         }))
 
 

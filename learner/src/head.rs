@@ -18,7 +18,7 @@ use candle_core::{CpuStorage, CustomOp3, D, DType, Layout, Result as CandleResul
 
 use rayon::prelude::*;
 
-use crate::fused::ops::gemm_f32;
+use crate::fused::ops::{Matmuls, Rhs, gemm, gemm_rhs};
 
 /// Logit elements per block (64 MiB of f32): rows per block = this / V.
 const BLOCK_ELEMENTS: usize = 16 << 20;
@@ -119,6 +119,7 @@ impl CustomOp3 for HeadLogprobs {
             &mut Vec::new(),
             false,
             None,
+            Matmuls::F32,
         );
         Ok((CpuStorage::F32(out), Shape::from(n)))
     }
@@ -148,6 +149,7 @@ impl CustomOp3 for HeadLogprobs {
             e,
             self.temperature,
             None,
+            Matmuls::F32,
         );
         let device = hidden.device();
         Ok((
@@ -174,6 +176,7 @@ pub fn logprobs_rows(
     buf: &mut Vec<f32>,
     keeping: bool,
     mut entropy: Option<&mut Vec<f32>>,
+    how: Matmuls,
 ) -> Vec<f32> {
     let (n, v) = (targets.len(), head.len() / e);
     let inv_t = (1.0 / temperature) as f32;
@@ -185,6 +188,8 @@ pub fn logprobs_rows(
     if let Some(h) = entropy.as_deref_mut() {
         h.clear();
     }
+    // Wᵀ (E, V): element (k, j) is w[j·E + k].
+    let wt = Rhs::new((head, 1, e), (e, v), how);
     for start in (0..n).step_by(rows) {
         let m = rows.min(n - start);
         let block = if keeping {
@@ -195,11 +200,10 @@ pub fn logprobs_rows(
         block_logits(
             block,
             &hidden[start * e..(start + m) * e],
-            head,
-            m,
-            e,
-            v,
+            &wt,
+            (m, e, v),
             inv_t,
+            how,
         );
         // Rows in parallel, each (log-prob, entropy) computed alone: the same bits whatever
         // the thread count.
@@ -270,6 +274,7 @@ pub fn backward_rows(
     e: usize,
     temperature: f64,
     mut probs: Option<&mut [f32]>,
+    how: Matmuls,
 ) {
     let (n, v) = (targets.len(), head.len() / e);
     let inv_t = (1.0 / temperature) as f32;
@@ -284,6 +289,13 @@ pub fn backward_rows(
     if probs.is_none() {
         scratch.resize(rows.min(n) * v, 0.0);
     }
+    // W (V, E) for ∂/∂h, and Wᵀ (E, V) to recompute the logits: each packed once where the
+    // products are BF16.
+    let w = Rhs::new((head, e, 1), (v, e), how);
+    let wt = match probs {
+        Some(_) => Rhs::Plain((head, 1, e)), // not used: the logits are not recomputed
+        None => Rhs::new((head, 1, e), (e, v), how),
+    };
     for start in (0..n).step_by(rows) {
         let m = rows.min(n - start);
         let hb = &hidden[start * e..(start + m) * e];
@@ -291,7 +303,7 @@ pub fn backward_rows(
             Some(p) => &mut p[start * v..(start + m) * v],
             None => {
                 let block = &mut scratch[..m * v];
-                block_logits(block, hb, head, m, e, v, inv_t);
+                block_logits(block, hb, &wt, (m, e, v), inv_t, how);
                 block.par_chunks_exact_mut(v).for_each(|row| {
                     let (_, sum) = exp_shifted(row);
                     let inv = (1.0 / sum) as f32;
@@ -311,22 +323,30 @@ pub fn backward_rows(
                 row[y as usize] += g * inv_t;
             });
         // grad_h[block] += d · W: (m, V)·(V, E).
-        gemm_f32(
+        gemm_rhs(
             &mut grads.hidden[start * e..(start + m) * e],
             (m, e, v),
             true,
             (block, v, 1),
-            (head, e, 1),
+            &w,
+            how,
         );
         // grad_W += dᵀ · h[block]: (V, m)·(m, E).
-        gemm_f32(grads.head, (v, e, m), true, (block, 1, v), (hb, e, 1));
+        gemm(grads.head, (v, e, m), true, (block, 1, v), (hb, e, 1), how);
     }
 }
 
-/// `out` (m, V) = h (m, E) · Wᵀ / τ for head W (V, E), all row-major.
-fn block_logits(out: &mut [f32], h: &[f32], w: &[f32], m: usize, e: usize, v: usize, inv_t: f32) {
-    // Wᵀ (E, V): element (k, j) is w[j·E + k].
-    gemm_f32(out, (m, v, e), false, (h, e, 1), (w, 1, e));
+/// `out` (m, V) = h (m, E) · Wᵀ / τ for head W (V, E) given as `wt` = Wᵀ (E, V), all
+/// row-major.
+fn block_logits(
+    out: &mut [f32],
+    h: &[f32],
+    wt: &Rhs,
+    (m, e, v): (usize, usize, usize),
+    inv_t: f32,
+    how: Matmuls,
+) {
+    gemm_rhs(out, (m, v, e), false, (h, e, 1), wt, how);
     if inv_t != 1.0 {
         out.par_chunks_mut(v.max(1))
             .for_each(|row| row.iter_mut().for_each(|x| *x *= inv_t));
@@ -418,6 +438,7 @@ mod tests {
                 &mut buf,
                 keeping,
                 Some(&mut entropy),
+                Matmuls::F32,
             );
             assert_eq!(entropy.len(), rows);
             let logits =

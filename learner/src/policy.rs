@@ -18,11 +18,13 @@ use crate::optim::Gradients;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
-    /// BF16 matmul inputs on CUDA (TF32 for the f32 matmuls left), f32 on the CPU.
+    /// BF16 matmul inputs on CUDA (TF32 for the f32 matmuls left), f32 on the CPU (where
+    /// the fused pass's BF16 products are not yet faster than its f32 ones).
     Auto,
     /// f32 matmuls everywhere (TF32 still allowed on CUDA).
     F32,
-    /// BF16 matmul inputs with f32 accumulation (cuBLAS; candle's CPU matmul on the CPU).
+    /// BF16 matmul inputs with f32 accumulation (cuBLAS; on the CPU the fused pass's
+    /// BF16 products: `vdpbf16ps` with AVX512-BF16, rounded operands in f32 elsewhere).
     Bf16,
 }
 
@@ -89,11 +91,19 @@ impl Trainable {
         })
     }
 
-    /// Whether the fused CPU pass runs this policy's steps (f32 on the CPU, no mixed
-    /// precision); elsewhere candle's autograd does.
+    /// Whether the fused CPU pass runs this policy's steps (on the CPU with f32 weights,
+    /// f32 or BF16 matmuls); elsewhere candle's autograd does.
     pub fn fused_pass_applies(&self) -> bool {
-        self.model.matmul_dtype().is_none()
+        matches!(self.model.matmul_dtype(), None | Some(DType::BF16))
             && crate::fused::applies(self.model.config(), self.model.head_weight())
+    }
+
+    /// How the fused pass multiplies for this policy's `--precision`.
+    pub fn fused_matmuls(&self) -> crate::fused::ops::Matmuls {
+        match self.model.matmul_dtype() {
+            Some(DType::BF16) => crate::fused::ops::Matmuls::Bf16,
+            _ => crate::fused::ops::Matmuls::F32,
+        }
     }
 
     /// The parameters' tensors in `vars` order (the fused pass's `Params` order).

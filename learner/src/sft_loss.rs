@@ -55,7 +55,7 @@ pub(crate) fn fused_gradients(
     total_tokens: usize,
 ) -> candle_core::Result<(Gradients, f64)> {
     let tensors = policy.tensors();
-    let params = Params::new(&tensors, policy.model.config())?;
+    let params = Params::new(&tensors, policy.model.config())?.with_matmuls(policy.fused_matmuls());
     let mut work = policy.workspace.lock().expect("workspace lock");
     let mut buffers = work.zeroed_grads(&params);
     let mut loss = 0.0;

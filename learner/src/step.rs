@@ -248,9 +248,10 @@ fn accumulate_fused(
     let policy_tensors = policy.tensors();
     let ref_tensors = reference.map(fused::step::model_tensors);
     let model_cfg = policy.model.config();
-    let params = Params::new(&policy_tensors, model_cfg)?;
+    let matmuls = policy.fused_matmuls();
+    let params = Params::new(&policy_tensors, model_cfg)?.with_matmuls(matmuls);
     let ref_params = match &ref_tensors {
-        Some(t) => Some(Params::new(t, model_cfg)?),
+        Some(t) => Some(Params::new(t, model_cfg)?.with_matmuls(matmuls)),
         None => None,
     };
     let mut work = policy.workspace.lock().expect("workspace lock");

@@ -15,7 +15,7 @@ alone. Peers, each in its best configurations:
   CTranslate2   the same directory converted by its own converter, `generate_batch(
                 sampling_topk=0, num_hypotheses=8)`, in every compute type this CPU supports
                 of float32, int8, int8_float32, bfloat16, int8_bfloat16
-Ours, in every `--precisions` value: `rollout-worker bench` (generation only, best of
+Ours, in every `--precisions` value (`int8@avx2` is int8 kept to the AVX2 kernels): `rollout-worker bench` (generation only, best of
 `--repeat`, as the peers are timed) and `rollout-worker generate` timed as a whole process
 (start, checkpoint load, packing, generation, output). All in this one run, one after the
 other, on `--threads` threads (run it on an idle machine). Prints one table with each
@@ -76,31 +76,37 @@ def ct2_rate(generator, tokens, prompts, n, new_tokens, repeat):
     return best_of(repeat, run)
 
 
-def ours_bench(args, model_dir, precision):
+def ours_bench(args, model_dir, config):
+    precision = config.split("@")[0]
     out = subprocess.run(
         [args.binary, "bench", "--model", model_dir, "--precision", precision, "--prompts", str(args.prompts),
          "-n", str(args.n), "--max-new-tokens", str(args.max_new_tokens), "--repeat", str(args.repeat)],
-        check=True, capture_output=True, text=True, env=ours_env(args),
+        check=True, capture_output=True, text=True, env=ours_env(args, config),
     )
     return json.loads(out.stdout)
 
 
-def ours_generate(args, model_dir, precision):
+def ours_generate(args, model_dir, config):
     """New tokens/s of `rollout-worker generate` as a whole process, best of `--repeat`."""
+    precision = config.split("@")[0]
     cmd = [args.binary, "generate", "--model", model_dir, "--precision", precision, "-n", str(args.n),
            "--max-new-tokens", str(args.max_new_tokens), "--temperature", "1"]
     for _ in range(args.prompts):
         cmd += ["--prompt", PROMPT]
 
     def run():
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=ours_env(args))
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=ours_env(args, config))
         return sum(len(c["ids"]) for line in out.stdout.splitlines() for c in json.loads(line)["completions"])
 
     return best_of(args.repeat, run)
 
 
-def ours_env(args):
-    return {**os.environ, "RUST_LOG": "warn", "RAYON_NUM_THREADS": str(args.threads)}
+def ours_env(args, config):
+    """Our environment for `config`: a precision, with `@avx2` to keep the CPU kernels to AVX2."""
+    env = {**os.environ, "RUST_LOG": "warn", "RAYON_NUM_THREADS": str(args.threads)}
+    if config.endswith("@avx2"):
+        env["ROOKWORLD_CPU_KERNELS"] = "avx2"
+    return env
 
 
 def cpu_features():
@@ -121,7 +127,9 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--precisions", default="f32,bf16", help="rollout-worker --precision values to run")
+    ap.add_argument("--precisions", default="f32,bf16",
+                    help="rollout-worker --precision values to run; PRECISION@avx2 runs one with "
+                         "ROOKWORLD_CPU_KERNELS=avx2 (no AVX-512 dot products), to compare in the same run")
     ap.add_argument("--skip-single", action="store_true", help="only the P x G batch")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

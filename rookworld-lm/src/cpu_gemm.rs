@@ -1,4 +1,4 @@
-//! f32 `y = x W + b` for CPU inference, with `W` packed once into column panels.
+//! `y = x W + b` for CPU inference, with `W` packed once into column panels.
 //!
 //! Decode steps multiply a few dozen rows by every weight matrix: M is small, so a
 //! general GEMM spends much of its time re-packing the weights on every call. Here each
@@ -13,14 +13,22 @@
 //! that are BF16 values already (a learner's BF16 push) the product is the f32 panels'
 //! to the last bit; f32 weights are rounded to the nearest BF16 once, when packed.
 //!
+//! Where the CPU has AVX-512 ([`avx512`]), BF16 and INT8 panels take its dot products: BF16
+//! panels are laid out in pairs of k for `vdpbf16ps` (inputs rounded to BF16 at each
+//! product, f32 sums: PyTorch's BF16 autocast on such a CPU; no longer the f32 panels'
+//! product to the bit), INT8 panels keep their layout and sum each group of four k in one
+//! `vpdpbusd` (VNNI) instead of three AVX2 instructions, to the same i32 sums.
+//!
 //! Letters: M rows of `x`, K inputs, N outputs.
 
 use rayon::prelude::*;
 
 use crate::simd;
 
+mod general;
 mod int8;
 mod pack;
+pub use general::{PackedRhs, Strided, gemm_bf16, gemm_bf16_packed};
 use int8::Int8Panels;
 use pack::{fill_panels, fill_panels_bf16};
 
@@ -55,19 +63,54 @@ pub enum PanelDtype {
 /// that is columns 0..8 and 8..16.
 pub const BF16_COLUMNS: [usize; NR] = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15];
 
+/// The AVX-512 dot products this CPU lends the packed kernels.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Avx512 {
+    /// `vpdpbusd` (AVX512-VNNI): INT8 panels.
+    pub vnni: bool,
+    /// `vdpbf16ps` (AVX512-BF16): BF16 panels in pairs of k, inputs rounded to BF16.
+    pub bf16: bool,
+}
+
+/// What of [`Avx512`] the packed kernels use on this CPU (detected once). Setting
+/// `ROOKWORLD_CPU_KERNELS=avx2` keeps them to AVX2: to compare the two in one run, or for
+/// BF16 panels whose product is the f32 panels' to the bit (the widening kernel).
+pub fn avx512() -> Avx512 {
+    static FOUND: std::sync::OnceLock<Avx512> = std::sync::OnceLock::new();
+    *FOUND.get_or_init(|| {
+        let avx2_only = std::env::var("ROOKWORLD_CPU_KERNELS").is_ok_and(|v| v == "avx2");
+        #[cfg(target_arch = "x86_64")]
+        if supported() && !avx2_only && std::arch::is_x86_feature_detected!("avx512f") {
+            return Avx512 {
+                vnni: std::arch::is_x86_feature_detected!("avx512vnni"),
+                bf16: std::arch::is_x86_feature_detected!("avx512bf16"),
+            };
+        }
+        let _ = avx2_only;
+        Avx512::default()
+    })
+}
+
 /// The panels' values.
 #[derive(Debug, Clone)]
 enum Panels {
     F32(Vec<f32>),  // (⌈N/NR⌉, K, NR)
     Bf16(Vec<u16>), // (⌈N/NR⌉, K, NR), rows in BF16_COLUMNS order
+    /// BF16 for `vdpbf16ps`: (⌈N/NR⌉, ⌈K/2⌉, NR, 2), each column's two k adjacent (the
+    /// even k first), zero past K.
+    Bf16Pairs(Vec<u16>),
     Int8(Int8Panels),
 }
 
 impl Panels {
-    fn new(dtype: PanelDtype, k: usize, n: usize) -> Self {
+    /// Empty panels of `dtype` for a (K, N) weight, laid out for the kernels `isa` allows.
+    fn new(dtype: PanelDtype, isa: Avx512, k: usize, n: usize) -> Self {
         let len = n.div_ceil(NR) * k * NR;
         match dtype {
             PanelDtype::F32 => Self::F32(vec![0f32; len]),
+            PanelDtype::Bf16 if isa.bf16 => {
+                Self::Bf16Pairs(vec![0u16; n.div_ceil(NR) * k.div_ceil(2) * 2 * NR])
+            }
             PanelDtype::Bf16 => Self::Bf16(vec![0u16; len]),
             PanelDtype::Int8 => Self::Int8(Int8Panels::new(k, n)),
         }
@@ -76,7 +119,7 @@ impl Panels {
     fn dtype(&self) -> PanelDtype {
         match self {
             Self::F32(_) => PanelDtype::F32,
-            Self::Bf16(_) => PanelDtype::Bf16,
+            Self::Bf16(_) | Self::Bf16Pairs(_) => PanelDtype::Bf16,
             Self::Int8(_) => PanelDtype::Int8,
         }
     }
@@ -85,6 +128,10 @@ impl Panels {
         match self {
             Self::F32(panels) => fill_panels(panels, w, k, n, transposed),
             Self::Bf16(panels) => fill_panels_bf16(panels, w, k, n, transposed),
+            Self::Bf16Pairs(panels) => {
+                let b = if transposed { (w, 1, k) } else { (w, n, 1) };
+                general::fill_pair_panels(panels, b, k, n)
+            }
             Self::Int8(panels) => panels.fill(w, k, n, transposed),
         }
     }
@@ -128,8 +175,21 @@ impl PackedMatrix {
         transposed: bool,
         bias: Option<Vec<f32>>,
     ) -> Self {
+        Self::pack_for(avx512(), dtype, w, k, n, transposed, bias)
+    }
+
+    /// [`pack_as`](Self::pack_as) for the kernels `isa` allows.
+    fn pack_for(
+        isa: Avx512,
+        dtype: PanelDtype,
+        w: &[f32],
+        k: usize,
+        n: usize,
+        transposed: bool,
+        bias: Option<Vec<f32>>,
+    ) -> Self {
         assert_eq!(w.len(), k * n, "weight of {k}×{n}");
-        let mut panels = Panels::new(dtype, k, n);
+        let mut panels = Panels::new(dtype, isa, k, n);
         panels.fill(w, k, n, transposed);
         Self {
             k,
@@ -183,6 +243,12 @@ impl PackedMatrix {
         self.panels.dtype()
     }
 
+    /// Whether products round their inputs to BF16 (BF16 panels on a CPU with
+    /// AVX512-BF16): then BF16 panels are not the f32 panels' product to the bit.
+    pub fn rounds_inputs_to_bf16(&self) -> bool {
+        matches!(self.panels, Panels::Bf16Pairs(_))
+    }
+
     /// `x` (M, K) row-major → (M, N) row-major, bias (and epilogue) applied.
     pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
         let (k, n) = (self.k, self.n);
@@ -192,6 +258,23 @@ impl PackedMatrix {
         match &self.panels {
             Panels::F32(panels) => self.float_product(x, m, panels, target, kernel),
             Panels::Bf16(panels) => self.float_product(x, m, panels, target, kernel_bf16),
+            Panels::Bf16Pairs(panels) => {
+                let kp = k.div_ceil(2);
+                let a = general::pack_rows((x, k, 1), m, k);
+                panels
+                    .par_chunks(kp * 2 * NR)
+                    .enumerate()
+                    .for_each(|(p, panel)| {
+                        self.panel_product(m, p, target, |blk, tile| {
+                            kernel_bf16_pairs(
+                                &a[blk * kp * MR..(blk + 1) * kp * MR],
+                                panel,
+                                tile,
+                                kp,
+                            )
+                        })
+                    })
+            }
             Panels::Int8(panels) => {
                 let (a, row_scales) = int8::quantize_rows(x, m, k);
                 let kq = int8::groups(k);
@@ -300,6 +383,20 @@ impl SharedOut {
         // SAFETY: guaranteed by the caller.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.0.add(offset), src.len()) };
     }
+
+    /// Writes `src` at `offset`, or adds it to what is there when `accumulate`.
+    ///
+    /// # Safety
+    /// As for [`write`](Self::write); nothing else reads the range meanwhile either.
+    unsafe fn put(self, offset: usize, src: &[f32], accumulate: bool) {
+        if !accumulate {
+            // SAFETY: guaranteed by the caller.
+            return unsafe { self.write(offset, src) };
+        }
+        // SAFETY: guaranteed by the caller: the range is this thread's alone.
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.0.add(offset), src.len()) };
+        dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
+    }
 }
 
 /// `tile (MR, NR) = a (k, MR)ᵀ · b (k, NR)`.
@@ -346,6 +443,67 @@ fn kernel_bf16_scalar(a: &[f32], b: &[u16], tile: &mut [f32; MR * NR], k: usize)
                 s += a[kk * MR + r] * f32::from_bits(u32::from(b[kk * NR + pos]) << 16);
             }
             tile[r * NR + col] = s;
+        }
+    }
+}
+
+/// `tile (MR, NR) = a · b` over BF16 pairs: `a` a row block of `general::pack_rows` (kp pairs),
+/// `b` a [`Panels::Bf16Pairs`] panel; f32 sums.
+fn kernel_bf16_pairs(a: &[u32], b: &[u16], tile: &mut [f32; MR * NR], kp: usize) {
+    assert!(a.len() == kp * MR && b.len() == kp * 2 * NR);
+    #[cfg(target_arch = "x86_64")]
+    if avx512().bf16 {
+        // SAFETY: AVX512F and AVX512-BF16 are present (checked above); the slices hold
+        // exactly the elements the kernel reads and writes (asserted above).
+        unsafe { kernel_dpbf16(a.as_ptr(), b.as_ptr(), tile.as_mut_ptr(), kp) };
+        return;
+    }
+    kernel_bf16_pairs_scalar(a, b, tile, kp)
+}
+
+/// [`kernel_bf16_pairs`] value by value, as `vdpbf16ps` sums (the odd k's product added
+/// first, each addition rounded; products of two BF16 values are exact in f32): the
+/// reference, which the instruction meets but for results it flushes below f32's normals.
+fn kernel_bf16_pairs_scalar(a: &[u32], b: &[u16], tile: &mut [f32; MR * NR], kp: usize) {
+    let widen = |bits: u32| f32::from_bits(bits << 16);
+    for r in 0..MR {
+        for c in 0..NR {
+            let mut s = 0f32;
+            for pair in 0..kp {
+                let x = a[pair * MR + r];
+                let w = &b[(pair * NR + c) * 2..][..2];
+                s += widen(x >> 16) * widen(u32::from(w[1]));
+                s += widen(x & 0xffff) * widen(u32::from(w[0]));
+            }
+            tile[r * NR + c] = s;
+        }
+    }
+}
+
+/// One 6×16 tile over BF16 pairs with `vdpbf16ps`: per pair and row, the row's two inputs
+/// broadcast and dotted with each column's two weights into that column's f32 sum.
+///
+/// # Safety
+/// The CPU has AVX512F and AVX512-BF16; `a` points to `kp * MR` readable values, `b` to
+/// `kp * 2 * NR`, and `tile` to `MR * NR` writable ones.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn kernel_dpbf16(a: *const u32, b: *const u16, tile: *mut f32, kp: usize) {
+    use std::arch::x86_64::*;
+    // SAFETY: (the whole body) the caller guarantees the extents above; every offset
+    // below stays inside them. A __m512i and a __m512bh are the same 64 bytes.
+    unsafe {
+        let mut acc = [_mm512_setzero_ps(); MR];
+        for pair in 0..kp {
+            let w: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(pair * 2 * NR).cast()));
+            let ap = a.add(pair * MR);
+            for (r, sums) in acc.iter_mut().enumerate() {
+                let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(*ap.add(r) as i32));
+                *sums = _mm512_dpbf16_ps(*sums, x, w);
+            }
+        }
+        for (r, sums) in acc.iter().enumerate() {
+            _mm512_storeu_ps(tile.add(r * NR), *sums);
         }
     }
 }
@@ -510,15 +668,30 @@ mod tests {
             .collect()
     }
 
+    /// The widening layout (any AVX2 CPU) and the pairs layout (AVX512-BF16, else its
+    /// scalar reference): what `isa` packs BF16 panels for.
+    const BF16_KERNELS: [Avx512; 2] = [
+        Avx512 {
+            vnni: false,
+            bf16: false,
+        },
+        Avx512 {
+            vnni: false,
+            bf16: true,
+        },
+    ];
+
     #[test]
     fn bf16_panels_compute_what_f32_panels_of_the_rounded_weights_do() {
+        let widening = BF16_KERNELS[0];
         for (m, k, n) in [(1, 7, 3), (5, 300, 33), (13, 513, 16), (32, 64, 50)] {
             let (x, w, bias) = (values(m * k, 1), values(k * n, 2), values(n, 3));
             let rounded = bf16_values(&w);
             for transposed in [false, true] {
                 let w_in = oriented(&w, k, n, transposed);
                 let r_in = oriented(&rounded, k, n, transposed);
-                let bf16 = PackedMatrix::pack_as(
+                let bf16 = PackedMatrix::pack_for(
+                    widening,
                     PanelDtype::Bf16,
                     &w_in,
                     k,
@@ -528,14 +701,23 @@ mod tests {
                 )
                 .with_epilogue(Epilogue::GeluNew);
                 assert_eq!(bf16.dtype(), PanelDtype::Bf16);
+                assert!(!bf16.rounds_inputs_to_bf16());
                 let f32 = PackedMatrix::pack(&r_in, k, n, transposed, Some(bias.clone()))
                     .with_epilogue(Epilogue::GeluNew);
                 // The same products to the bit: widening a BF16 value is exact.
                 assert_eq!(bf16.matmul(&x, m), f32.matmul(&x, m), "{m}×{k}×{n}");
             }
             // Against a naive f64 product of the rounded weights.
-            let got = PackedMatrix::pack_as(PanelDtype::Bf16, &w, k, n, false, Some(bias.clone()))
-                .matmul(&x, m);
+            let got = PackedMatrix::pack_for(
+                widening,
+                PanelDtype::Bf16,
+                &w,
+                k,
+                n,
+                false,
+                Some(bias.clone()),
+            )
+            .matmul(&x, m);
             let want = naive(&x, &rounded, m, k, n, &bias);
             let d = got
                 .iter()
@@ -543,6 +725,84 @@ mod tests {
                 .map(|(a, b)| (a - b).abs())
                 .fold(0f32, f32::max);
             assert!(d < 1e-3, "{m}×{k}×{n}: max |Δ| = {d}");
+        }
+    }
+
+    #[test]
+    fn bf16_pair_panels_compute_the_product_of_rounded_inputs_and_weights() {
+        let pairs = BF16_KERNELS[1];
+        for (m, k, n) in [(1, 7, 3), (5, 300, 33), (13, 513, 16), (32, 64, 50)] {
+            let (x, w, bias) = (values(m * k, 1), values(k * n, 2), values(n, 3));
+            let want = naive(&bf16_values(&x), &bf16_values(&w), m, k, n, &bias);
+            let mut first = None;
+            for transposed in [false, true] {
+                let w_in = oriented(&w, k, n, transposed);
+                let bf16 = PackedMatrix::pack_for(
+                    pairs,
+                    PanelDtype::Bf16,
+                    &w_in,
+                    k,
+                    n,
+                    transposed,
+                    Some(bias.clone()),
+                );
+                assert_eq!(bf16.dtype(), PanelDtype::Bf16);
+                assert!(bf16.rounds_inputs_to_bf16());
+                let got = bf16.matmul(&x, m);
+                let d = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(d < 1e-3, "{m}×{k}×{n}: max |Δ| = {d}");
+                // Either orientation packs the same panels.
+                assert_eq!(first.get_or_insert_with(|| got.clone()), &got);
+            }
+        }
+    }
+
+    #[test]
+    fn the_dpbf16_kernel_equals_its_scalar_reference() {
+        let kp = 37; // 74 k
+        let bits = |v: f32| u32::from(half::bf16::from_f32(v).to_bits());
+        let x = values(kp * MR * 2, 13);
+        let a: Vec<u32> = x
+            .chunks_exact(2)
+            .map(|p| bits(p[0]) | bits(p[1]) << 16)
+            .collect();
+        let b: Vec<u16> = values(kp * 2 * NR, 14)
+            .iter()
+            .map(|&v| bits(v) as u16)
+            .collect();
+        let (mut fast, mut reference) = ([0f32; MR * NR], [0f32; MR * NR]);
+        kernel_bf16_pairs(&a, &b, &mut fast, kp);
+        kernel_bf16_pairs_scalar(&a, &b, &mut reference, kp);
+        for (f, r) in fast.iter().zip(&reference) {
+            assert!((f - r).abs() <= 1e-6 * r.abs().max(1.0), "{f} vs {r}");
+        }
+    }
+
+    #[test]
+    fn the_bf16_pairs_of_a_row_block_are_its_rounded_inputs_in_order() {
+        let (m, k) = (7, 5); // an odd K and a part-filled second row block
+        let x = values(m * k, 15);
+        let a = general::pack_rows((&x, k, 1), m, k);
+        let kp = k.div_ceil(2);
+        assert_eq!(a.len(), 2 * kp * MR);
+        for block in 0..2 {
+            for pair in 0..kp {
+                for r in 0..MR {
+                    let (row, v) = (block * MR + r, a[(block * kp + pair) * MR + r]);
+                    for (half, kk) in [(v & 0xffff, 2 * pair), (v >> 16, 2 * pair + 1)] {
+                        let want = if row < m && kk < k {
+                            half::bf16::from_f32(x[row * k + kk]).to_bits()
+                        } else {
+                            0 // past M or K: zero
+                        };
+                        assert_eq!(half as u16, want, "row {row}, k {kk}");
+                    }
+                }
+            }
         }
     }
 
@@ -564,15 +824,18 @@ mod tests {
 
     #[test]
     fn a_bf16_matrix_repacks_into_its_own_panels() {
-        let (m, k, n) = (7, 300, 33);
-        let x = values(m * k, 9);
-        let mut packed =
-            PackedMatrix::pack_as(PanelDtype::Bf16, &values(k * n, 4), k, n, true, None);
-        let w = values(k * n, 6);
-        assert!(packed.repack(&w, true, None));
-        assert_eq!(packed.dtype(), PanelDtype::Bf16);
-        let fresh = PackedMatrix::pack_as(PanelDtype::Bf16, &w, k, n, true, None);
-        assert_eq!(packed.matmul(&x, m), fresh.matmul(&x, m));
+        for isa in BF16_KERNELS {
+            for (m, k, n) in [(7, 300, 33), (3, 301, 17)] {
+                let x = values(m * k, 9);
+                let pack =
+                    |w: &[f32]| PackedMatrix::pack_for(isa, PanelDtype::Bf16, w, k, n, true, None);
+                let mut packed = pack(&values(k * n, 4));
+                let w = values(k * n, 6);
+                assert!(packed.repack(&w, true, None));
+                assert_eq!(packed.dtype(), PanelDtype::Bf16);
+                assert_eq!(packed.matmul(&x, m), pack(&w).matmul(&x, m), "{isa:?}");
+            }
+        }
     }
 
     #[test]

@@ -97,8 +97,10 @@ fn packed_in(model: &Gpt2, dtype: PanelDtype) -> Option<Gpt2> {
 }
 
 /// `--precision bf16` on the CPU (BF16 panels, f32 activations and statistics): log-probs
-/// within 2e-2 of the f32 panels' on f32 weights (each weight rounded to BF16 once), and
-/// the f32 panels' to the bit on weights that are BF16 values, as a learner's push is.
+/// within 2e-2 of the f32 panels' on f32 weights (each weight rounded to BF16 once). On
+/// weights that are BF16 values, as a learner's push is: the f32 panels' to the bit where
+/// the weights are widened (AVX2), within 2e-2 where each product also rounds its inputs
+/// to BF16 (`vdpbf16ps`, AVX512-BF16).
 #[test]
 fn bf16_panels_give_the_log_probs_of_f32_panels() {
     let cfg = Config {
@@ -132,7 +134,18 @@ fn bf16_panels_give_the_log_probs_of_f32_panels() {
     let f32_panels = packed_in(&bf16_values, PanelDtype::F32).unwrap();
     let bf16_panels = packed_in(&bf16_values, PanelDtype::Bf16).unwrap();
     assert_eq!(bf16_panels.panel_dtype(), PanelDtype::Bf16);
-    assert_eq!(logprobs_of(&f32_panels), logprobs_of(&bf16_panels));
+    let (want, got) = (logprobs_of(&f32_panels), logprobs_of(&bf16_panels));
+    if rookworld_lm::cpu_gemm::avx512().bf16 {
+        let d = want
+            .iter()
+            .zip(&got)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        println!("BF16 weights, BF16 inputs (vdpbf16ps): log-probs max |Δ| = {d:.3e}");
+        assert!(d < 2e-2, "max |Δ| = {d}");
+    } else {
+        assert_eq!(want, got);
+    }
 }
 
 /// `--precision int8` on the CPU (INT8 panels, inputs quantized per row): an approximation

@@ -75,6 +75,8 @@ impl<'a> HostF32<'a> {
 pub struct Params<'a> {
     held: Vec<HostF32<'a>>,
     pub cfg: &'a Config,
+    /// How the pass multiplies (f32 unless [`with_matmuls`](Self::with_matmuls) says).
+    pub matmuls: ops::Matmuls,
 }
 
 impl<'a> Params<'a> {
@@ -91,7 +93,17 @@ impl<'a> Params<'a> {
                 None => candle_core::bail!("fused pass: weights must be contiguous f32 on the CPU"),
             })
             .collect::<CandleResult<Vec<_>>>()?;
-        Ok(Self { held, cfg })
+        Ok(Self {
+            held,
+            cfg,
+            matmuls: ops::Matmuls::F32,
+        })
+    }
+
+    /// The pass multiplies as `matmuls` says.
+    pub fn with_matmuls(mut self, matmuls: ops::Matmuls) -> Self {
+        self.matmuls = matmuls;
+        self
     }
 
     /// Number of parameter tensors.

@@ -173,6 +173,7 @@ pub fn forward(
     let heads = Heads { e, h: cfg.n_head };
     acts.plan(params, packed, keep);
     let w = |l: usize, j: usize| params.get(Params::layer(l, j));
+    let how = params.matmuls;
     ops::embedding_forward(
         &mut acts.layers[0].x,
         &packed.ids,
@@ -185,15 +186,15 @@ pub fn forward(
         let a = &mut acts.layers[l % blocks];
         let (m1, s1) = &mut a.ln1_stats;
         ops::layernorm_forward(&mut a.ln1, m1, s1, &a.x, w(l, 0), w(l, 1), eps);
-        ops::matmul_forward(&mut a.qkv, &a.ln1, w(l, 2), w(l, 3), r, e);
+        ops::matmul_forward(&mut a.qkv, (&a.ln1, w(l, 2), w(l, 3)), r, e, how);
         attention::attention_forward(&mut a.atty, &mut a.probs, &a.qkv, &packed.groups, heads);
-        ops::matmul_forward(&mut acts.scratch, &a.atty, w(l, 4), w(l, 5), r, e);
+        ops::matmul_forward(&mut acts.scratch, (&a.atty, w(l, 4), w(l, 5)), r, e, how);
         ops::add(&mut a.x2, &a.x, &acts.scratch);
         let (m2, s2) = &mut a.ln2_stats;
         ops::layernorm_forward(&mut a.ln2, m2, s2, &a.x2, w(l, 6), w(l, 7), eps);
-        ops::matmul_forward(&mut a.fch, &a.ln2, w(l, 8), w(l, 9), r, e);
+        ops::matmul_forward(&mut a.fch, (&a.ln2, w(l, 8), w(l, 9)), r, e, how);
         ops::gelu_forward(&mut a.fcg, &a.fch);
-        ops::matmul_forward(&mut acts.scratch, &a.fcg, w(l, 10), w(l, 11), r, i);
+        ops::matmul_forward(&mut acts.scratch, (&a.fcg, w(l, 10), w(l, 11)), r, i, how);
         let a = &acts.layers[l % blocks];
         ops::add(&mut acts.out, &a.x2, &acts.scratch);
         if l + 1 < cfg.n_layer {
@@ -225,6 +226,7 @@ pub fn forward(
         &mut acts.head_probs,
         keep_probs,
         keep.then_some(&mut acts.entropy),
+        how,
     )
 }
 
@@ -271,6 +273,7 @@ pub fn backward(
         e,
         temperature,
         probs,
+        params.matmuls,
     );
     g.tmp.fill(0.0);
     for (row, d) in packed.head_rows.iter().zip(g.hidden.chunks_exact(e)) {
@@ -296,6 +299,7 @@ pub fn backward(
         params.get(f),
     );
     let w = |l: usize, j: usize| params.get(Params::layer(l, j));
+    let how = params.matmuls;
     for l in (0..cfg.n_layer).rev() {
         let a = &acts.layers[l];
         let p = |j: usize| Params::layer(l, j);
@@ -310,10 +314,21 @@ pub fn backward(
             &a.fcg,
             w(l, 10),
             (r, i, e),
+            how,
         );
         ops::gelu_backward(&mut g.fc, None, &a.fch);
         let (gw, gb) = pair(grads, p(8));
-        ops::matmul_backward(&mut g.tmp, false, gw, gb, &g.fc, &a.ln2, w(l, 8), (r, e, i));
+        ops::matmul_backward(
+            &mut g.tmp,
+            false,
+            gw,
+            gb,
+            &g.fc,
+            &a.ln2,
+            w(l, 8),
+            (r, e, i),
+            how,
+        );
         let (gw, gb) = pair(grads, p(6));
         let (m2, s2) = &a.ln2_stats;
         ops::layernorm_backward(&mut g.res, gw, gb, &g.tmp, &a.x2, m2, s2, w(l, 6));
@@ -328,6 +343,7 @@ pub fn backward(
             &a.atty,
             w(l, 4),
             (r, e, e),
+            how,
         );
         attention::attention_backward(&mut g.qkv, &g.atty, &a.qkv, &a.probs, &packed.groups, heads);
         let (gw, gb) = pair(grads, p(2));
@@ -340,6 +356,7 @@ pub fn backward(
             &a.ln1,
             w(l, 2),
             (r, e, 3 * e),
+            how,
         );
         let (gw, gb) = pair(grads, p(0));
         let (m1, s1) = &a.ln1_stats;

@@ -1,11 +1,86 @@
 //! Row-wise kernels of the fused training pass, each `*_forward` beside its `*_backward`
 //! (llm.c's layout): matrix products with bias and embeddings here; layer norm and GELU
-//! from [`rookworld_lm::train_ops`], the implementation the autograd ops share. Everything is f32, row-major; R rows of width E (or I, 3E).
+//! from [`rookworld_lm::train_ops`], the implementation the autograd ops share. Everything is f32, row-major; R rows of width E (or I, 3E),
+//! but for the matrix products' operands under [`Matmuls::Bf16`].
 //!
 //! Gradients of parameters are *accumulated* (`+=`), gradients of activations are written
 //! or accumulated as each function says.
 
 use rayon::prelude::*;
+use rookworld_lm::cpu_gemm;
+
+/// How the fused pass multiplies matrices. Weights, gradients, activations and every
+/// statistic stay f32 either way.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Matmuls {
+    /// f32 operands and sums.
+    #[default]
+    F32,
+    /// Mixed precision: both operands of every product rounded to BF16, f32 sums
+    /// (`vdpbf16ps` on a CPU with AVX512-BF16; elsewhere the rounded operands multiplied
+    /// in f32, the same maths, slower than f32).
+    Bf16,
+}
+
+/// `dst` (rows, cols) = [dst +] a · b in `how`'s precision: [`gemm_f32`], or
+/// [`cpu_gemm::gemm_bf16`] (same operands and strides).
+pub fn gemm(
+    dst: &mut [f32],
+    shape: (usize, usize, usize),
+    accumulate: bool,
+    a: (&[f32], usize, usize),
+    b: (&[f32], usize, usize),
+    how: Matmuls,
+) {
+    match how {
+        Matmuls::F32 => gemm_f32(dst, shape, accumulate, a, b),
+        Matmuls::Bf16 if cpu_gemm::avx512().bf16 => {
+            cpu_gemm::gemm_bf16(dst, shape, accumulate, a, b)
+        }
+        Matmuls::Bf16 => {
+            let round = |x: &[f32]| -> Vec<f32> {
+                x.par_iter()
+                    .map(|&v| half::bf16::from_f32(v).to_f32())
+                    .collect()
+            };
+            let (ra, rb) = (round(a.0), round(b.0));
+            gemm_f32(dst, shape, accumulate, (&ra, a.1, a.2), (&rb, b.1, b.2))
+        }
+    }
+}
+
+/// A right operand (inner, cols) that several products share (an LM head's weight, block
+/// after block of rows): packed once where the products are BF16 dot products.
+pub enum Rhs<'a> {
+    Plain((&'a [f32], usize, usize)),
+    Packed(cpu_gemm::PackedRhs),
+}
+
+impl<'a> Rhs<'a> {
+    /// `b` (inner, cols) as the right operand of products in `how`'s precision.
+    pub fn new(b: (&'a [f32], usize, usize), (inner, cols): (usize, usize), how: Matmuls) -> Self {
+        if how == Matmuls::Bf16 && cpu_gemm::avx512().bf16 {
+            Self::Packed(cpu_gemm::PackedRhs::new(b, inner, cols))
+        } else {
+            Self::Plain(b)
+        }
+    }
+}
+
+/// [`gemm`] with a shared right operand.
+pub fn gemm_rhs(
+    dst: &mut [f32],
+    shape: (usize, usize, usize),
+    accumulate: bool,
+    a: (&[f32], usize, usize),
+    b: &Rhs,
+    how: Matmuls,
+) {
+    match b {
+        Rhs::Plain(b) => gemm(dst, shape, accumulate, a, *b, how),
+        Rhs::Packed(b) => cpu_gemm::gemm_bf16_packed(dst, shape.0, accumulate, a, b),
+    }
+}
 
 /// `dst` (rows, cols, row-major) = [dst +] a · b, with a (rows, inner) and b (inner, cols)
 /// given as (data, row stride, column stride). Panics if a slice is too short for its
@@ -65,12 +140,18 @@ pub fn gemm_f32(
 }
 
 /// `out (R, N) = x (R, K) · w (K, N) + b (N)`: Hugging Face's Conv1D.
-pub fn matmul_forward(out: &mut [f32], x: &[f32], w: &[f32], b: &[f32], r: usize, k: usize) {
+pub fn matmul_forward(
+    out: &mut [f32],
+    (x, w, b): (&[f32], &[f32], &[f32]),
+    r: usize,
+    k: usize,
+    how: Matmuls,
+) {
     let n = b.len();
     for row in out[..r * n].chunks_exact_mut(n) {
         row.copy_from_slice(b);
     }
-    gemm_f32(out, (r, n, k), true, (x, k, 1), (w, n, 1));
+    gemm(out, (r, n, k), true, (x, k, 1), (w, n, 1), how);
 }
 
 /// Backward of [`matmul_forward`]: `dx (R, K) [+]= dout · wᵀ`, `dw (K, N) += xᵀ · dout`,
@@ -85,11 +166,12 @@ pub fn matmul_backward(
     x: &[f32],
     w: &[f32],
     (r, k, n): (usize, usize, usize),
+    how: Matmuls,
 ) {
     // wᵀ (N, K): element (j, i) is w[i·N + j].
-    gemm_f32(dx, (r, k, n), accumulate_dx, (dout, n, 1), (w, 1, n));
+    gemm(dx, (r, k, n), accumulate_dx, (dout, n, 1), (w, 1, n), how);
     // xᵀ (K, R): element (i, t) is x[t·K + i].
-    gemm_f32(dw, (k, n, r), true, (x, 1, k), (dout, n, 1));
+    gemm(dw, (k, n, r), true, (x, 1, k), (dout, n, 1), how);
     column_sums(db, dout, n);
 }
 

@@ -11,7 +11,7 @@ use super::config::RESUMABLE;
 use super::{ConfigError, Run, TrainArgs, TrainError, TrainSummary};
 use crate::checkpoint::{self, Loaded};
 use crate::optim::AdamW;
-use crate::policy::{Precision, Trainable};
+use crate::policy::Trainable;
 use crate::prompts::{self, Generator, Source};
 use crate::queue::{Queue, QueueHandle};
 use crate::run_dir;
@@ -73,12 +73,15 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
             };
             let version = resumed_version(&args.run_dir, saved, &mut queue)?;
             tracing::info!(step = state.step, version, dir = %dir.display(), "resumed");
+            let mut policy = policy;
+            args.precision.apply(&mut policy.model);
             (policy, opt, state.step, version)
         }
         None => {
             let loaded = args.model_args().load()?;
             tracing::info!(source = %loaded.source, device = ?loaded.device, "starting weights");
-            let policy = Trainable::from_model(&loaded.model)?;
+            let mut policy = Trainable::from_model(&loaded.model)?;
+            args.precision.apply(&mut policy.model);
             check_context(s, &source, policy.model.config().n_positions)?;
             if s.sft_steps > 0 {
                 tracing::info!(steps = s.sft_steps, "supervised warm-up");
@@ -113,7 +116,7 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
     let reference = if s.objective.beta > 0.0 {
         let mut reference =
             model_checkpoint::load(&reference_dir, DType::F32, policy.model.device())?;
-        Precision::Auto.apply(&mut reference);
+        args.precision.apply(&mut reference);
         Some(reference)
     } else {
         None

@@ -15,8 +15,12 @@
 //! the unsigned input possible: with eight, the input's sign had to be moved onto the weight
 //! by a `vpsignb` per row and column block, half again the kernel's instructions.
 //!
+//! With AVX512-VNNI a group of four k for all 16 columns is one `vpdpbusd` per row (the
+//! four products summed straight into i32), to the same sums.
+//!
 //! Layout: a panel is ⌈K/4⌉ groups of 64 bytes, columns 0..8 then 8..16, each column's
-//! four k adjacent ([`position`]); K is padded with zero weights.
+//! four k adjacent ([`position`]): 16 lanes of four bytes, column c in lane c; K is padded
+//! with zero weights.
 
 use rayon::prelude::*;
 
@@ -179,6 +183,13 @@ fn quantize_block(a: &mut [u8], scales: &mut [f32], rows: &[f32], k: usize) {
 pub(super) fn kernel(a: &[u8], q: &[i8], sums: &mut [i32; MR * NR], kq: usize) {
     assert!(a.len() == kq * MR * 4 && q.len() == kq * 4 * NR);
     #[cfg(target_arch = "x86_64")]
+    if super::avx512().vnni {
+        // SAFETY: AVX512F and AVX512-VNNI are present (checked above); the slices hold
+        // exactly the bytes the kernel reads, `sums` the values it writes (asserted above).
+        unsafe { kernel_vnni(a.as_ptr(), q.as_ptr(), sums.as_mut_ptr(), kq) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if super::supported_cached() {
         // SAFETY: AVX2 is present (checked above); the slices hold exactly the bytes the
         // kernel reads, `sums` the values it writes (asserted above).
@@ -254,6 +265,34 @@ unsafe fn kernel_avx2(a: *const u8, q: *const i8, sums: *mut i32, kq: usize) {
     }
 }
 
+/// [`kernel`] with AVX512-VNNI: per group and row, the row's four bytes broadcast and
+/// dotted with every column's four weights into the column's i32 sum (`vpdpbusd`).
+///
+/// # Safety
+/// The CPU has AVX512F and AVX512-VNNI; `a` points to `kq * MR * 4` readable bytes, `q` to
+/// `kq * 4 * NR`, and `sums` to `MR * NR` writable values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vnni")]
+unsafe fn kernel_vnni(a: *const u8, q: *const i8, sums: *mut i32, kq: usize) {
+    use std::arch::x86_64::*;
+    // SAFETY: (the whole body) the caller guarantees the extents above; every offset
+    // below stays inside them.
+    unsafe {
+        let mut acc = [_mm512_setzero_si512(); MR];
+        for g in 0..kq {
+            let w = _mm512_loadu_si512(q.add(g * 4 * NR).cast());
+            let ag = a.add(g * MR * 4);
+            for (r, row) in acc.iter_mut().enumerate() {
+                let x = _mm512_set1_epi32(ag.add(r * 4).cast::<i32>().read_unaligned());
+                *row = _mm512_dpbusd_epi32(*row, x, w);
+            }
+        }
+        for (r, row) in acc.iter().enumerate() {
+            _mm512_storeu_si512(sums.add(r * NR).cast(), *row);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -270,6 +309,14 @@ mod tests {
         kernel(&a, &q, &mut fast, kq);
         kernel_scalar(&a, &q, &mut reference, kq);
         assert_eq!(fast, reference);
+        // The AVX2 kernel too where VNNI took the dispatch above.
+        #[cfg(target_arch = "x86_64")]
+        if super::super::supported() {
+            let mut avx2 = [0i32; MR * NR];
+            // SAFETY: AVX2 is present; the extents are those `kernel` asserts.
+            unsafe { kernel_avx2(a.as_ptr(), q.as_ptr(), avx2.as_mut_ptr(), kq) };
+            assert_eq!(avx2, reference);
+        }
         // Every extreme at once: 255 · ±63 in every product, no pair saturating.
         for w in [63i8, -63] {
             let (a, q) = (vec![255u8; kq * MR * 4], vec![w; kq * 4 * NR]);
