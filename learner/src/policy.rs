@@ -18,8 +18,8 @@ use crate::optim::Gradients;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
-    /// BF16 matmul inputs on CUDA (TF32 for the f32 matmuls left), f32 on the CPU (where
-    /// the fused pass's BF16 products are not yet faster than its f32 ones).
+    /// BF16 matmul inputs on CUDA (TF32 for the f32 matmuls left) and on a CPU with
+    /// AVX512-BF16 (the fused pass's `vdpbf16ps` products); f32 on other CPUs.
     Auto,
     /// f32 matmuls everywhere (TF32 still allowed on CUDA).
     F32,
@@ -32,7 +32,9 @@ impl Precision {
     /// The matmuls' input dtype on `device` (`None`: the weights' f32).
     pub fn matmul_dtype(self, device: &Device) -> Option<DType> {
         match self {
-            Self::Auto => device.is_cuda().then_some(DType::BF16),
+            Self::Auto => (device.is_cuda()
+                || (device.is_cpu() && rookworld_lm::cpu_gemm::avx512().bf16))
+                .then_some(DType::BF16),
             Self::F32 => None,
             Self::Bf16 => Some(DType::BF16),
         }
@@ -79,7 +81,14 @@ impl Trainable {
         let root = VarBuilder::from_varmap(&varmap, DType::F32, model.device());
         let cfg = model.config().clone();
         let mut model = Gpt2::load(root.pp("transformer"), root, &cfg)?;
-        Precision::Auto.apply(&mut model);
+        // f32 on the CPU until a command applies its --precision (library users and the
+        // parity tests get the exact pass); BF16 matmul inputs on CUDA.
+        let default = if model.device().is_cuda() {
+            Precision::Auto
+        } else {
+            Precision::F32
+        };
+        default.apply(&mut model);
         // Where the step runs candle's autograd (CUDA; the CPU off the fused pass): its
         // layer norms, softmaxes, bias + GELU and head log-probs as single ops with their
         // own backwards.

@@ -36,7 +36,13 @@ fn bench_prints_one_json_line_with_the_step_split() {
     assert_eq!(line.lines().count(), 1, "{line}");
     let v: serde_json::Value = serde_json::from_str(line).unwrap();
     assert_eq!(v["path"], "fused");
-    assert_eq!(v["matmul_dtype"], "f32");
+    // auto: BF16 products where this CPU has AVX512-BF16, f32 elsewhere.
+    let auto = if rookworld_lm::cpu_gemm::avx512().bf16 {
+        "bf16"
+    } else {
+        "f32"
+    };
+    assert_eq!(v["matmul_dtype"], auto);
     let step = v["step_seconds"].as_f64().unwrap();
     let phases: f64 = ["reference", "forward", "backward", "clip", "optimizer"]
         .iter()

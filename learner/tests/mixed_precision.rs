@@ -18,7 +18,11 @@ fn bf16_matmuls_give_the_f32_step_to_bf16_rounding() {
     let reference = checkpoint::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
     let exact = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
     let mut mixed = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
-    assert_eq!(mixed.model.matmul_dtype(), None, "auto is f32 on the CPU");
+    assert_eq!(
+        mixed.model.matmul_dtype(),
+        None,
+        "a loaded policy is f32 on the CPU"
+    );
     Precision::Bf16.apply(&mut mixed.model);
     assert_eq!(mixed.model.matmul_dtype(), Some(DType::BF16));
     assert!(

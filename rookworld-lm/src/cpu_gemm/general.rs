@@ -15,7 +15,7 @@
 
 use rayon::prelude::*;
 
-use super::{MR, NR, SharedOut, kernel_bf16_pairs};
+use super::{MR, NR, SharedOut, kernel_bf16_pairs, kernel_bf16_pairs_x2};
 
 /// Row blocks per work item: 96 rows, whose packed pairs (K ≤ 3,072: ≤ 576 KiB) fit a
 /// core's L2 beside the panels in use.
@@ -69,7 +69,7 @@ impl PackedRhs {
             b.0.len() > (k - 1) * b.1 + (n - 1) * b.2,
             "gemm rhs too short"
         );
-        let mut panels = vec![0u16; n.div_ceil(NR) * k.div_ceil(2) * 2 * NR];
+        let mut panels = spare_panels(n.div_ceil(NR) * k.div_ceil(2) * 2 * NR);
         fill_pair_panels(&mut panels, b, k, n);
         Self { panels, k, n }
     }
@@ -98,7 +98,8 @@ pub fn gemm_bf16_packed(dst: &mut [f32], m: usize, accumulate: bool, a: Strided,
     );
     let kp = k.div_ceil(2);
     let panels = &b.panels;
-    let rows = pack_rows(a, m, k); // (⌈M/MR⌉, kp, MR)
+    let mut rows = SPARE_ROWS.take(); // (⌈M/MR⌉, kp, MR)
+    pack_rows_into(&mut rows, a, m, k);
     let (blocks, panel_count) = (m.div_ceil(MR), n.div_ceil(NR));
     let (chunks, groups) = (
         blocks.div_ceil(CHUNK_BLOCKS),
@@ -109,37 +110,81 @@ pub fn gemm_bf16_packed(dst: &mut [f32], m: usize, accumulate: bool, a: Strided,
         let (chunk, group) = (item / groups, item % groups);
         let block_range = chunk * CHUNK_BLOCKS..blocks.min((chunk + 1) * CHUNK_BLOCKS);
         let panel_range = group * PANEL_GROUP..panel_count.min((group + 1) * PANEL_GROUP);
-        let mut tile = [0f32; MR * NR];
-        for p in panel_range {
-            let panel = &panels[p * kp * 2 * NR..(p + 1) * kp * 2 * NR];
-            let cols = NR.min(n - p * NR);
+        let mut tiles = [[0f32; MR * NR]; 2];
+        // Panels two at a time: twelve sums in flight per row block instead of six.
+        for p in panel_range.step_by(2) {
+            let pair = if p + 1 < panel_count.min((group + 1) * PANEL_GROUP) {
+                2
+            } else {
+                1
+            };
+            let panel = |q: usize| &panels[q * kp * 2 * NR..(q + 1) * kp * 2 * NR];
             for blk in block_range.clone() {
-                kernel_bf16_pairs(
-                    &rows[blk * kp * MR..(blk + 1) * kp * MR],
-                    panel,
-                    &mut tile,
-                    kp,
-                );
-                for (r, src) in tile.chunks_exact(NR).take(MR.min(m - blk * MR)).enumerate() {
-                    let offset = (blk * MR + r) * n + p * NR;
-                    // SAFETY: item (chunk, group) alone owns rows of its blocks × columns
-                    // of its panels, and offset + cols ≤ m·n.
-                    unsafe { target.put(offset, &src[..cols], accumulate) };
+                let a = &rows[blk * kp * MR..(blk + 1) * kp * MR];
+                if pair == 2 {
+                    kernel_bf16_pairs_x2(a, [panel(p), panel(p + 1)], &mut tiles, kp);
+                } else {
+                    kernel_bf16_pairs(a, panel(p), &mut tiles[0], kp);
+                }
+                for (q, tile) in (p..p + pair).zip(&tiles) {
+                    let cols = NR.min(n - q * NR);
+                    for (r, src) in tile.chunks_exact(NR).take(MR.min(m - blk * MR)).enumerate() {
+                        let offset = (blk * MR + r) * n + q * NR;
+                        // SAFETY: item (chunk, group) alone owns rows of its blocks ×
+                        // columns of its panels, and offset + cols ≤ m·n.
+                        unsafe { target.put(offset, &src[..cols], accumulate) };
+                    }
                 }
             }
         }
     });
+    SPARE_ROWS.set(rows);
 }
 
-/// `v` rounded to the nearest BF16 (ties to even), as the low 16 bits.
-fn bf16(v: f32) -> u32 {
-    u32::from(half::bf16::from_f32(v).to_bits())
+/// `src` rounded to the nearest BF16 (ties to even) into `dst`, as bits: 32 values per
+/// `vcvtne2ps2bf16` where the CPU has AVX512-BF16 (which reads subnormal inputs as zero, as
+/// `vdpbf16ps` does anyway), the rest value by value.
+fn round_into(src: &[f32], dst: &mut [u16]) {
+    assert_eq!(src.len(), dst.len());
+    #[allow(unused_mut)]
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if super::avx512().bf16 {
+        done = src.len() / 32 * 32;
+        // SAFETY: AVX512F and AVX512-BF16 are present (checked above); both slices hold
+        // `done` values.
+        unsafe { round32(src.as_ptr(), dst.as_mut_ptr(), done / 32) };
+    }
+    for (d, &v) in dst[done..].iter_mut().zip(&src[done..]) {
+        *d = half::bf16::from_f32(v).to_bits();
+    }
+}
+
+/// [`round_into`] for `groups` groups of 32 values.
+///
+/// # Safety
+/// The CPU has AVX512F and AVX512-BF16; `src` and `dst` hold `groups * 32` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn round32(src: *const f32, dst: *mut u16, groups: usize) {
+    use std::arch::x86_64::*;
+    // SAFETY: (the whole body) the caller guarantees the extents; a __m512bh and a
+    // __m512i are the same 64 bytes.
+    unsafe {
+        for g in 0..groups {
+            let low = _mm512_loadu_ps(src.add(g * 32));
+            let high = _mm512_loadu_ps(src.add(g * 32 + 16));
+            let both: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(high, low));
+            _mm512_storeu_si512(dst.add(g * 32).cast(), both);
+        }
+    }
 }
 
 /// `b` (K, N) rounded to BF16 into `panels`, pair panels (⌈N/NR⌉, ⌈K/2⌉, NR, 2): panel p
-/// holds columns p·NR.., `[pair][c][2]`, each column's k = 2·pair, 2·pair + 1 adjacent. What
-/// lies past K and past N is left as it is (zero in new panels). Read along whichever of
-/// b's dimensions is contiguous (a transposed weight down its columns).
+/// holds columns p·NR.., `[pair][c][2]`, each column's k = 2·pair, 2·pair + 1 adjacent;
+/// columns past N are written zero, an odd K's last high halves are left as they are (zero
+/// in new panels). Each panel is gathered into f32 (K × NR, along whichever of b's
+/// dimensions is contiguous), rounded in one pass and placed.
 pub(super) fn fill_pair_panels(panels: &mut [u16], (b, rs, cs): Strided, k: usize, n: usize) {
     let kp = k.div_ceil(2);
     assert_eq!(
@@ -150,47 +195,115 @@ pub(super) fn fill_pair_panels(panels: &mut [u16], (b, rs, cs): Strided, k: usiz
     panels
         .par_chunks_mut(kp * 2 * NR)
         .enumerate()
-        .for_each(|(p, panel)| {
-            let cols = NR.min(n - p * NR);
-            let at = |kk: usize, c: usize| (kk / 2 * NR + c) * 2 + kk % 2;
-            if rs < cs {
-                // Columns contiguous down k (a transposed operand).
-                for c in 0..cols {
-                    let col = &b[(p * NR + c) * cs..];
-                    for kk in 0..k {
-                        panel[at(kk, c)] = bf16(col[kk * rs]) as u16;
-                    }
-                }
-            } else {
-                for kk in 0..k {
-                    let row = &b[kk * rs + p * NR * cs..];
+        .for_each_init(
+            || (Vec::new(), Vec::new()),
+            |(wide, narrow): &mut (Vec<f32>, Vec<u16>), (p, panel)| {
+                let cols = NR.min(n - p * NR);
+                wide.clear();
+                wide.resize(k * NR, 0.0); // (K, NR), zero past N
+                if rs < cs {
+                    // Down each column (a transposed operand: contiguous there).
                     for c in 0..cols {
-                        panel[at(kk, c)] = bf16(row[c * cs]) as u16;
+                        let col = &b[(p * NR + c) * cs..];
+                        for kk in 0..k {
+                            wide[kk * NR + c] = col[kk * rs];
+                        }
+                    }
+                } else {
+                    for kk in 0..k {
+                        let row = &b[kk * rs + p * NR * cs..];
+                        for c in 0..cols {
+                            wide[kk * NR + c] = row[c * cs];
+                        }
                     }
                 }
-            }
-        });
+                narrow.resize(k * NR, 0);
+                round_into(wide, narrow);
+                for (kk, values) in narrow.chunks_exact(NR).enumerate() {
+                    let (pair, half) = (kk / 2, kk % 2);
+                    for (c, &v) in values.iter().enumerate() {
+                        panel[(pair * NR + c) * 2 + half] = v;
+                    }
+                }
+            },
+        );
 }
 
 /// `a` (M, K) into row blocks of BF16 pairs: `[block][pair][r]`, k = 2·pair in the low
 /// half, 2·pair + 1 in the high half, zero past K and past M.
-pub(super) fn pack_rows((a, rs, cs): Strided, m: usize, k: usize) -> Vec<u32> {
+pub(super) fn pack_rows(a: Strided, m: usize, k: usize) -> Vec<u32> {
+    let mut rows = Vec::new();
+    pack_rows_into(&mut rows, a, m, k);
+    rows
+}
+
+/// [`pack_rows`] into `rows` (resized; its memory reused).
+fn pack_rows_into(rows: &mut Vec<u32>, (a, rs, cs): Strided, m: usize, k: usize) {
     let kp = k.div_ceil(2);
-    let mut rows = vec![0u32; m.div_ceil(MR) * kp * MR];
-    rows.par_chunks_mut(kp * MR)
-        .enumerate()
-        .for_each(|(blk, block)| {
-            let valid = MR.min(m - blk * MR);
-            let value = |r: usize, kk: usize| a[(blk * MR + r) * rs + kk * cs];
-            for pair in 0..kp {
-                let (lo, hi) = (2 * pair, 2 * pair + 1);
-                for r in 0..valid {
-                    let high = if hi < k { bf16(value(r, hi)) } else { 0 };
-                    block[pair * MR + r] = bf16(value(r, lo)) | high << 16;
+    rows.clear();
+    rows.resize(m.div_ceil(MR) * kp * MR, 0);
+    rows.par_chunks_mut(kp * MR).enumerate().for_each_init(
+        || (Vec::new(), Vec::new()),
+        |(wide, narrow): &mut (Vec<f32>, Vec<u16>), (blk, block)| {
+            narrow.clear();
+            narrow.resize(2 * kp, 0); // an odd K's last high half stays zero
+            for r in 0..MR.min(m - blk * MR) {
+                let start = (blk * MR + r) * rs;
+                let row: &[f32] = if cs == 1 {
+                    &a[start..start + k]
+                } else {
+                    wide.clear();
+                    wide.extend((0..k).map(|kk| a[start + kk * cs]));
+                    wide
+                };
+                round_into(row, &mut narrow[..k]);
+                for (pair, two) in narrow.chunks_exact(2).enumerate() {
+                    block[pair * MR + r] = u32::from(two[0]) | u32::from(two[1]) << 16;
                 }
             }
-        });
-    rows
+        },
+    );
+}
+
+thread_local! {
+    /// Buffers of finished products, kept for the next on this thread (their pages mapped
+    /// already: a fresh allocation of this size is mostly the kernel zeroing pages).
+    static SPARE_PANELS: std::cell::RefCell<Vec<Vec<u16>>> = const { std::cell::RefCell::new(Vec::new()) };
+    static SPARE_ROWS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A zeroed buffer of `len` values: a spare one of this thread's when one is big enough
+/// (the smallest such), else a new one.
+fn spare_panels(len: usize) -> Vec<u16> {
+    let found = SPARE_PANELS.with_borrow_mut(|spare| {
+        let best = (0..spare.len())
+            .filter(|&i| spare[i].capacity() >= len)
+            .min_by_key(|&i| spare[i].capacity())?;
+        Some(spare.swap_remove(best))
+    });
+    let mut v = found.unwrap_or_default();
+    v.clear();
+    v.resize(len, 0);
+    v
+}
+
+/// How many spare panel buffers a thread keeps.
+const SPARE_KEPT: usize = 4;
+
+impl Drop for PackedRhs {
+    fn drop(&mut self) {
+        let panels = std::mem::take(&mut self.panels);
+        if panels.capacity() > 0 {
+            SPARE_PANELS.with_borrow_mut(|spare| {
+                spare.push(panels);
+                if spare.len() > SPARE_KEPT {
+                    // Keep the largest.
+                    let smallest = (0..spare.len()).min_by_key(|&i| spare[i].capacity());
+                    spare.swap_remove(smallest.expect("not empty"));
+                }
+            });
+        }
+    }
 }
 
 #[cfg(test)]
