@@ -43,7 +43,7 @@ pub struct TrainArgs {
     /// The learner's matmuls: auto (BF16 inputs on CUDA and on a CPU with AVX512-BF16, else
     /// f32), f32 or bf16 (on the CPU the fused pass's BF16 products); weights, moments and
     /// statistics stay f32.
-    #[arg(long, env = "LEARNER_PRECISION", value_enum, default_value = "auto")]
+    #[arg(long, env = "ROOKWORLD_PRECISION", value_enum, default_value = "auto")]
     pub precision: crate::policy::Precision,
     /// With --local: the local rollout worker's --precision (auto, f32, bf16, f16, or int8
     /// on the CPU: see `rollout-worker serve --precision`).
