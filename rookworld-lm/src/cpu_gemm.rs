@@ -109,7 +109,7 @@ impl Panels {
         match dtype {
             PanelDtype::F32 => Self::F32(vec![0f32; len]),
             PanelDtype::Bf16 if isa.bf16 => {
-                Self::Bf16Pairs(vec![0u16; n.div_ceil(NR) * k.div_ceil(2) * 2 * NR])
+                Self::Bf16Pairs(vec![0u16; general::pair_panels_len(k, n)])
             }
             PanelDtype::Bf16 => Self::Bf16(vec![0u16; len]),
             PanelDtype::Int8 => Self::Int8(Int8Panels::new(k, n)),

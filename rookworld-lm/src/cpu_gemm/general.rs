@@ -69,7 +69,7 @@ impl PackedRhs {
             b.0.len() > (k - 1) * b.1 + (n - 1) * b.2,
             "gemm rhs too short"
         );
-        let mut panels = spare_panels(n.div_ceil(NR) * k.div_ceil(2) * 2 * NR);
+        let mut panels = spare_panels(pair_panels_len(k, n));
         fill_pair_panels(&mut panels, b, k, n);
         Self { panels, k, n }
     }
@@ -180,6 +180,11 @@ unsafe fn round32(src: *const f32, dst: *mut u16, groups: usize) {
     }
 }
 
+/// Values in the pair panels of a (K, N) matrix: (⌈N/NR⌉, ⌈K/2⌉, NR, 2).
+pub(super) fn pair_panels_len(k: usize, n: usize) -> usize {
+    n.div_ceil(NR) * k.div_ceil(2) * 2 * NR
+}
+
 /// `b` (K, N) rounded to BF16 into `panels`, pair panels (⌈N/NR⌉, ⌈K/2⌉, NR, 2): panel p
 /// holds columns p·NR.., `[pair][c][2]`, each column's k = 2·pair, 2·pair + 1 adjacent;
 /// columns past N are written zero, an odd K's last high halves are left as they are (zero
@@ -187,11 +192,7 @@ unsafe fn round32(src: *const f32, dst: *mut u16, groups: usize) {
 /// dimensions is contiguous), rounded in one pass and placed.
 pub(super) fn fill_pair_panels(panels: &mut [u16], (b, rs, cs): Strided, k: usize, n: usize) {
     let kp = k.div_ceil(2);
-    assert_eq!(
-        panels.len(),
-        n.div_ceil(NR) * kp * 2 * NR,
-        "panels of {k}×{n}"
-    );
+    assert_eq!(panels.len(), pair_panels_len(k, n), "panels of {k}×{n}");
     panels
         .par_chunks_mut(kp * 2 * NR)
         .enumerate()
