@@ -311,24 +311,57 @@ pub fn build(tensors: &[(String, Tensor)], metadata: &[(&str, &str)]) -> Result<
     Ok(Some(out))
 }
 
-/// The tensors of safetensors `bytes` on the CPU; bfloat16 ones become f32 when
-/// `to_f32`, converted in parallel pieces (exact: every bfloat16 is an f32). Other dtypes
-/// load as stored.
+/// The tensors of safetensors `bytes` on the CPU, as [`host_tensors`] reads them.
 pub fn load(bytes: &[u8], to_f32: bool) -> Result<std::collections::HashMap<String, Tensor>> {
     let st = safetensors::SafeTensors::deserialize(bytes)?;
+    host_tensors(st.tensors(), to_f32)
+}
+
+/// Tensors on the CPU from safetensors `views` (a payload in memory, or files mapped
+/// into it): f32 ones copied, and bfloat16 ones widened to f32 when `to_f32` (exact:
+/// every bfloat16 is an f32), each in parallel pieces, so that a checkpoint's first
+/// touch of its fresh pages (most of a worker's start) runs on every core. Other
+/// dtypes load as stored.
+pub fn host_tensors<'a>(
+    views: impl IntoIterator<Item = (String, safetensors::tensor::TensorView<'a>)>,
+    to_f32: bool,
+) -> Result<std::collections::HashMap<String, Tensor>> {
     let mut out = std::collections::HashMap::new();
-    for (name, view) in st.tensors() {
-        let tensor = if to_f32 && view.dtype() == safetensors::Dtype::BF16 {
-            let src = view.data();
-            let mut values = vec![0f32; src.len() / 2];
-            read_bf16_parallel(src, &mut values);
-            Tensor::from_vec(values, view.shape(), &Device::Cpu)?
-        } else {
-            candle_core::safetensors::Load::load(&view, &Device::Cpu)?
+    for (name, view) in views {
+        let src = view.data();
+        let tensor = match view.dtype() {
+            safetensors::Dtype::BF16 if to_f32 => {
+                let mut values = vec![0f32; src.len() / 2];
+                read_bf16_parallel(src, &mut values);
+                Tensor::from_vec(values, view.shape(), &Device::Cpu)?
+            }
+            safetensors::Dtype::F32 if cfg!(target_endian = "little") => {
+                let mut values = vec![0f32; src.len() / 4];
+                read_f32_parallel(src, &mut values);
+                Tensor::from_vec(values, view.shape(), &Device::Cpu)?
+            }
+            _ => candle_core::safetensors::Load::load(&view, &Device::Cpu)?,
         };
         out.insert(name, tensor);
     }
     Ok(out)
+}
+
+/// Little-endian f32 bytes `src` (at any alignment) into `dst`, in parallel pieces.
+pub fn read_f32_parallel(src: &[u8], dst: &mut [f32]) {
+    assert_eq!(
+        src.len(),
+        dst.len() * 4,
+        "f32 bytes for {} values",
+        dst.len()
+    );
+    dst.par_chunks_mut(PIECE)
+        .zip(src.par_chunks(PIECE * 4))
+        .for_each(|(d, s)| {
+            for (v, b) in d.iter_mut().zip(s.chunks_exact(4)) {
+                *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        });
 }
 
 #[cfg(test)]

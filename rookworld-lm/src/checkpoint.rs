@@ -130,11 +130,13 @@ pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Gpt2> {
             .into_iter()
             .map(|(n, v)| (n, v.shape().to_vec())),
     )?;
-    build(
-        VarBuilder::from_backend(Box::new(st), dtype, device.clone()),
-        prefixed,
-        &cfg,
-    )
+    let vb = if device.is_cpu() && dtype == DType::F32 {
+        let tensors = crate::bf16_payload::host_tensors(st.tensors(), true)?;
+        VarBuilder::from_tensors(tensors, dtype, device)
+    } else {
+        VarBuilder::from_backend(Box::new(st), dtype, device.clone())
+    };
+    build(vb, prefixed, &cfg)
 }
 
 /// Checks a checkpoint's (name, shape) list against `cfg`, naming the first missing or
@@ -472,6 +474,26 @@ mod tests {
         assert!(!taken(&safetensors::serialize(tensors, None).unwrap()));
         // Every such payload still loads, by the per-tensor path.
         assert!(from_bytes(&shifted[1..], &cfg, DType::F32, &Device::Cpu).is_ok());
+    }
+
+    #[test]
+    fn a_saved_directory_loads_back_in_every_stored_dtype() {
+        let cfg = Config::tiny();
+        let model = init_random(&cfg, 5, DType::F32, &Device::Cpu).unwrap();
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let dir = tempfile::tempdir().unwrap();
+            save(&model, dir.path(), dtype).unwrap();
+            let loaded = load(dir.path(), DType::F32, &Device::Cpu).unwrap();
+            assert_eq!(loaded.dtype(), DType::F32);
+            // Each tensor as the stored values widened by candle, to the bit.
+            let want: HashMap<String, Tensor> = model
+                .named_tensors()
+                .into_iter()
+                .map(|(n, t)| (n, t.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap()))
+                .collect();
+            let got: HashMap<String, Tensor> = loaded.named_tensors().into_iter().collect();
+            assert_same_tensors(&got, &want);
+        }
     }
 
     #[test]

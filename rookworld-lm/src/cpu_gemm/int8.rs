@@ -86,19 +86,31 @@ impl Int8Panels {
     }
 
     /// Quantizes `w` — (K, N) row-major, or (N, K) when `transposed` — into the panels.
+    /// The whole panels of a (K, N) matrix are read in place, [`BLOCK`] panels at a time
+    /// (each row's part of a block one contiguous read); the others are gathered first
+    /// into a (K, NR) buffer of the thread's own.
     pub(super) fn fill(&mut self, w: &[f32], k: usize, n: usize, transposed: bool) {
         let bytes = groups(k) * 4 * NR;
-        self.q
+        let in_place = if transposed { 0 } else { n / NR };
+        let (q, q_rest) = self.q.split_at_mut(in_place * bytes);
+        let (scales, scales_rest) = self.scales.split_at_mut(in_place * NR);
+        let (corrections, corrections_rest) = self.corrections.split_at_mut(in_place * NR);
+        q.par_chunks_mut(BLOCK * bytes)
+            .zip(scales.par_chunks_mut(BLOCK * NR))
+            .zip(corrections.par_chunks_mut(BLOCK * NR))
+            .enumerate()
+            .for_each(|(b, ((q, s), c))| quantize_panels(w, n, k, b * BLOCK * NR, q, s, c));
+        q_rest
             .par_chunks_mut(bytes)
-            .zip(self.scales.par_chunks_mut(NR))
-            .zip(self.corrections.par_chunks_mut(NR))
+            .zip(scales_rest.par_chunks_mut(NR))
+            .zip(corrections_rest.par_chunks_mut(NR))
             .enumerate()
             .for_each_init(
                 || vec![0f32; k * NR],
-                |wide, (p, ((q, scales), corrections))| {
+                |wide, (i, ((q, s), c))| {
                     wide.fill(0.0); // the last panel's padding columns
-                    fill_panel(wide, w, k, n, p, transposed);
-                    quantize_panel(wide, q, scales, corrections);
+                    fill_panel(wide, w, k, n, in_place + i, transposed);
+                    quantize_panels(wide, NR, k, 0, q, s, c);
                 },
             );
     }
@@ -113,25 +125,101 @@ impl Int8Panels {
     }
 }
 
-/// One panel (K, NR) of f32 weights `wide` quantized into `q` ([`position`] order), with
-/// each column's scale and correction. Row by row, so that each step is 16 lanes wide.
-fn quantize_panel(wide: &[f32], q: &mut [i8], scales: &mut [f32], corrections: &mut [i32]) {
-    let mut max = [0f32; NR];
-    for row in wide.chunks_exact(NR) {
-        for (m, v) in max.iter_mut().zip(row) {
+/// Panels quantized per parallel piece of [`Int8Panels::fill`].
+const BLOCK: usize = 8;
+
+/// The panels of columns `first..first + scales.len()` (at most [`BLOCK`] panels) of `w`
+/// (K, N) row-major, quantized into `q` ([`position`] order), with each column's scale and
+/// correction. Through AVX2 where the CPU has it (the same values: the steps are exact or
+/// rounded alike), else the baseline target's vectors.
+fn quantize_panels(
+    w: &[f32],
+    n: usize,
+    k: usize,
+    first: usize,
+    q: &mut [i8],
+    scales: &mut [f32],
+    corrections: &mut [i32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present.
+        unsafe { quantize_panels_avx2(w, n, k, first, q, scales, corrections) };
+        return;
+    }
+    quantize_panels_body(w, n, k, first, q, scales, corrections)
+}
+
+/// [`quantize_panels_body`] compiled for AVX2.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_panels_avx2(
+    w: &[f32],
+    n: usize,
+    k: usize,
+    first: usize,
+    q: &mut [i8],
+    scales: &mut [f32],
+    corrections: &mut [i32],
+) {
+    quantize_panels_body(w, n, k, first, q, scales, corrections)
+}
+
+/// See [`quantize_panels`]: each column's largest magnitude over K, then a group of four
+/// rows at a time, its levels computed across the block's columns and laid out panel by
+/// panel (byte 4c + r of a group is row r of column c).
+#[inline(always)]
+fn quantize_panels_body(
+    w: &[f32],
+    n: usize,
+    k: usize,
+    first: usize,
+    q: &mut [i8],
+    scales: &mut [f32],
+    corrections: &mut [i32],
+) {
+    const COLS: usize = BLOCK * NR;
+    let cols = scales.len();
+    assert!(cols <= COLS && cols.is_multiple_of(NR) && first + cols <= n);
+    assert!(
+        w.len() >= (k.max(1) - 1) * n + first + cols,
+        "weight of {k}×{n}"
+    );
+    let row = |kk: usize| &w[kk * n + first..][..cols];
+    let mut max = [0f32; COLS];
+    for kk in 0..k {
+        for (m, v) in max.iter_mut().zip(row(kk)) {
             *m = m.max(v.abs());
         }
     }
-    let mut inv = [0f32; NR];
+    let mut inv = [0f32; COLS];
     for ((s, i), &m) in scales.iter_mut().zip(&mut inv).zip(&max) {
         (*s, *i) = scale_and_inverse(m, WEIGHT_LEVELS);
     }
-    let mut sums = [0i32; NR];
-    for (kk, row) in wide.chunks_exact(NR).enumerate() {
-        for (c, ((&v, &i), sum)) in row.iter().zip(&inv).zip(&mut sums).enumerate() {
-            let l = level(v, i);
-            q[position(kk, c)] = l as i8;
-            *sum += l;
+    let bytes = groups(k) * 4 * NR;
+    let mut sums = [0i32; COLS];
+    let mut levels = [[0i32; COLS]; 4];
+    for g in 0..groups(k) {
+        for (r, lv) in levels.iter_mut().enumerate() {
+            if 4 * g + r >= k {
+                lv.fill(0); // rows past K: zero weights
+                continue;
+            }
+            for (((l, &v), &i), sum) in lv.iter_mut().zip(row(4 * g + r)).zip(&inv).zip(&mut sums) {
+                *l = level(v, i);
+                *sum += *l;
+            }
+        }
+        for (j, panel) in q.chunks_exact_mut(bytes).enumerate() {
+            let out = &mut panel[g * 4 * NR..][..4 * NR];
+            for (c, lane) in out.chunks_exact_mut(4).enumerate() {
+                for (byte, lv) in lane.iter_mut().zip(&levels) {
+                    *byte = lv[j * NR + c] as i8;
+                }
+            }
         }
     }
     for (correction, sum) in corrections.iter_mut().zip(sums) {
@@ -370,6 +458,35 @@ mod tests {
         // Padding (k past K, columns past N) holds zeros.
         assert!(panels.scales[n..].iter().all(|&s| s == 0.0));
         assert!(panels.corrections[n..].iter().all(|&c| c == 0));
+    }
+
+    #[test]
+    fn a_matrix_read_in_place_and_its_transpose_gathered_quantize_alike() {
+        // Several blocks of whole panels, a last partial one, K not a multiple of 4.
+        for (k, n) in [(10, 19), (37, 16 * BLOCK * 2 + 16 * 3 + 5), (5, 16 * BLOCK)] {
+            let w: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+            let wt: Vec<f32> = (0..n * k).map(|i| w[(i % k) * n + i / k]).collect();
+            let (mut direct, mut gathered) = (Int8Panels::new(k, n), Int8Panels::new(k, n));
+            direct.fill(&w, k, n, false);
+            gathered.fill(&wt, k, n, true);
+            assert_eq!(direct.q, gathered.q, "{k}×{n}");
+            assert_eq!(direct.scales, gathered.scales, "{k}×{n}");
+            assert_eq!(direct.corrections, gathered.corrections, "{k}×{n}");
+            // Every weight where `position` says, within half a level.
+            for col in 0..n {
+                let (p, c) = (col / NR, col % NR);
+                let s = direct.scales[p * NR + c];
+                for kk in 0..k {
+                    let q = direct.q[p * groups(k) * 4 * NR + position(kk, c)];
+                    assert!((f32::from(q) * s - w[kk * n + col]).abs() <= s * 0.5 + 1e-6);
+                }
+            }
+            // A refill over other values gives what a fresh fill does.
+            let mut again = Int8Panels::new(k, n);
+            again.fill(&wt.iter().map(|v| -v).collect::<Vec<_>>(), k, n, true);
+            again.fill(&w, k, n, false);
+            assert_eq!(again.q, direct.q);
+        }
     }
 
     #[test]
