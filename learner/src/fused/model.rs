@@ -16,20 +16,20 @@ use crate::head::{self, HeadGrads};
 /// (elements); past it the backward recomputes the logits.
 const KEEP_HEAD_PROBS: usize = 128 << 20;
 
-/// What block l keeps for its backward (rows R of the micro-batch).
+/// What block l keeps for its backward (rows R of the micro-batch). The layer norms'
+/// outputs and GELU's are not kept: the backward recomputes them from the inputs (and
+/// the same code gives the same values), a sixth of a layer's work once more for 6E of
+/// its 16E floats per row.
 #[derive(Debug, Default)]
 struct LayerActs {
-    x: Vec<f32>,   // (R, E) block input
-    ln1: Vec<f32>, // (R, E)
+    x: Vec<f32>, // (R, E) block input
     ln1_stats: (Vec<f32>, Vec<f32>),
     qkv: Vec<f32>,   // (R, 3E)
     atty: Vec<f32>,  // (R, E)
     probs: Vec<f32>, // per (group, head) attention probabilities
     x2: Vec<f32>,    // (R, E)
-    ln2: Vec<f32>,   // (R, E)
     ln2_stats: (Vec<f32>, Vec<f32>),
     fch: Vec<f32>, // (R, I) before GELU
-    fcg: Vec<f32>, // (R, I) after GELU
 }
 
 impl LayerActs {
@@ -37,18 +37,15 @@ impl LayerActs {
     fn fit(&mut self, r: usize, e: usize, i: usize, probs: usize) {
         for (v, n) in [
             (&mut self.x, r * e),
-            (&mut self.ln1, r * e),
             (&mut self.ln1_stats.0, r),
             (&mut self.ln1_stats.1, r),
             (&mut self.qkv, r * 3 * e),
             (&mut self.atty, r * e),
             (&mut self.probs, probs),
             (&mut self.x2, r * e),
-            (&mut self.ln2, r * e),
             (&mut self.ln2_stats.0, r),
             (&mut self.ln2_stats.1, r),
             (&mut self.fch, r * i),
-            (&mut self.fcg, r * i),
         ] {
             fit(v, n);
         }
@@ -68,6 +65,8 @@ fn fit(v: &mut Vec<f32>, n: usize) {
 pub struct Activations {
     layers: Vec<LayerActs>,
     scratch: Vec<f32>, // (R, E)
+    ln: Vec<f32>,      // (R, E) a layer norm's output, block after block
+    gelu: Vec<f32>,    // (R, I) GELU's output, block after block
     out: Vec<f32>,     // (R, E) last block's output
     lnf: Vec<f32>,     // (R, E)
     lnf_stats: (Vec<f32>, Vec<f32>),
@@ -98,15 +97,16 @@ impl Workspace {
     }
 }
 
-/// The backward's activation gradients.
+/// The backward's activation gradients (and the statistics of a recomputed layer norm).
 #[derive(Debug, Default)]
 struct GradScratch {
-    hidden: Vec<f32>, // (N, E)
-    res: Vec<f32>,    // (R, E)
-    tmp: Vec<f32>,    // (R, E)
-    atty: Vec<f32>,   // (R, E)
-    qkv: Vec<f32>,    // (R, 3E)
-    fc: Vec<f32>,     // (R, I)
+    stats: (Vec<f32>, Vec<f32>), // (R)
+    hidden: Vec<f32>,            // (N, E)
+    res: Vec<f32>,               // (R, E)
+    tmp: Vec<f32>,               // (R, E)
+    atty: Vec<f32>,              // (R, E)
+    qkv: Vec<f32>,               // (R, 3E)
+    fc: Vec<f32>,                // (R, I)
 }
 
 impl Activations {
@@ -122,6 +122,8 @@ impl Activations {
         }
         for (v, n) in [
             (&mut self.scratch, r * e),
+            (&mut self.ln, r * e),
+            (&mut self.gelu, r * i),
             (&mut self.out, r * e),
             (&mut self.lnf, r * e),
             (&mut self.lnf_stats.0, r),
@@ -139,22 +141,25 @@ impl Activations {
             .iter()
             .map(|a| {
                 a.x.len()
-                    + a.ln1.len()
                     + 2 * a.ln1_stats.0.len()
                     + a.qkv.len()
                     + a.atty.len()
                     + a.probs.len()
                     + a.x2.len()
-                    + a.ln2.len()
                     + 2 * a.ln2_stats.0.len()
                     + a.fch.len()
-                    + a.fcg.len()
             })
             .sum();
         let g = &self.grad;
-        let grads =
-            g.hidden.len() + g.res.len() + g.tmp.len() + g.atty.len() + g.qkv.len() + g.fc.len();
-        4 * (l + self.scratch.len() * 3 + self.hidden.len() + self.head_probs.len() + grads)
+        let grads = 2 * g.stats.0.len()
+            + g.hidden.len()
+            + g.res.len()
+            + g.tmp.len()
+            + g.atty.len()
+            + g.qkv.len()
+            + g.fc.len();
+        let shared = self.scratch.len() * 4 + self.gelu.len();
+        4 * (l + shared + self.hidden.len() + self.head_probs.len() + grads)
     }
 }
 
@@ -185,16 +190,22 @@ pub fn forward(
     for l in 0..cfg.n_layer {
         let a = &mut acts.layers[l % blocks];
         let (m1, s1) = &mut a.ln1_stats;
-        ops::layernorm_forward(&mut a.ln1, m1, s1, &a.x, w(l, 0), w(l, 1), eps);
-        ops::matmul_forward(&mut a.qkv, (&a.ln1, w(l, 2), w(l, 3)), r, e, how);
+        ops::layernorm_forward(&mut acts.ln, m1, s1, &a.x, w(l, 0), w(l, 1), eps);
+        ops::matmul_forward(&mut a.qkv, (&acts.ln, w(l, 2), w(l, 3)), r, e, how);
         attention::attention_forward(&mut a.atty, &mut a.probs, &a.qkv, &packed.groups, heads);
         ops::matmul_forward(&mut acts.scratch, (&a.atty, w(l, 4), w(l, 5)), r, e, how);
         ops::add(&mut a.x2, &a.x, &acts.scratch);
         let (m2, s2) = &mut a.ln2_stats;
-        ops::layernorm_forward(&mut a.ln2, m2, s2, &a.x2, w(l, 6), w(l, 7), eps);
-        ops::matmul_forward(&mut a.fch, (&a.ln2, w(l, 8), w(l, 9)), r, e, how);
-        ops::gelu_forward(&mut a.fcg, &a.fch);
-        ops::matmul_forward(&mut acts.scratch, (&a.fcg, w(l, 10), w(l, 11)), r, i, how);
+        ops::layernorm_forward(&mut acts.ln, m2, s2, &a.x2, w(l, 6), w(l, 7), eps);
+        ops::matmul_forward(&mut a.fch, (&acts.ln, w(l, 8), w(l, 9)), r, e, how);
+        ops::gelu_forward(&mut acts.gelu, &a.fch);
+        ops::matmul_forward(
+            &mut acts.scratch,
+            (&acts.gelu, w(l, 10), w(l, 11)),
+            r,
+            i,
+            how,
+        );
         let a = &acts.layers[l % blocks];
         ops::add(&mut acts.out, &a.x2, &acts.scratch);
         if l + 1 < cfg.n_layer {
@@ -246,10 +257,13 @@ pub fn backward(
     );
     let cfg = params.cfg;
     let (r, e, i) = (packed.rows(), cfg.n_embd, cfg.inner_dim());
+    let eps = cfg.layer_norm_epsilon as f32;
     let heads = Heads { e, h: cfg.n_head };
     let n = packed.targets.len();
     let g = &mut acts.grad;
     for (v, len) in [
+        (&mut g.stats.0, r),
+        (&mut g.stats.1, r),
         (&mut g.hidden, n * e),
         (&mut g.res, r * e),
         (&mut g.tmp, r * e),
@@ -304,6 +318,7 @@ pub fn backward(
         let a = &acts.layers[l];
         let p = |j: usize| Params::layer(l, j);
         // x' = x₂ + fc_proj(gelu(fc(ln_2 x₂)))
+        ops::gelu_forward(&mut acts.gelu, &a.fch);
         let (gw, gb) = pair(grads, p(10));
         ops::matmul_backward(
             &mut g.fc,
@@ -311,12 +326,14 @@ pub fn backward(
             gw,
             gb,
             &g.res,
-            &a.fcg,
+            &acts.gelu,
             w(l, 10),
             (r, i, e),
             how,
         );
         ops::gelu_backward(&mut g.fc, None, &a.fch);
+        let (m, s) = &mut g.stats;
+        ops::layernorm_forward(&mut acts.ln, m, s, &a.x2, w(l, 6), w(l, 7), eps);
         let (gw, gb) = pair(grads, p(8));
         ops::matmul_backward(
             &mut g.tmp,
@@ -324,7 +341,7 @@ pub fn backward(
             gw,
             gb,
             &g.fc,
-            &a.ln2,
+            &acts.ln,
             w(l, 8),
             (r, e, i),
             how,
@@ -346,6 +363,8 @@ pub fn backward(
             how,
         );
         attention::attention_backward(&mut g.qkv, &g.atty, &a.qkv, &a.probs, &packed.groups, heads);
+        let (m, s) = &mut g.stats;
+        ops::layernorm_forward(&mut acts.ln, m, s, &a.x, w(l, 0), w(l, 1), eps);
         let (gw, gb) = pair(grads, p(2));
         ops::matmul_backward(
             &mut g.tmp,
@@ -353,7 +372,7 @@ pub fn backward(
             gw,
             gb,
             &g.qkv,
-            &a.ln1,
+            &acts.ln,
             w(l, 2),
             (r, e, 3 * e),
             how,
