@@ -9,16 +9,12 @@
 //! model's size.
 
 use candle_core::{CpuStorage, DType, InplaceOp1, Layout};
-use rayon::prelude::*;
 use safetensors::{Dtype, SafeTensors};
 
 use rookworld_lm::Gpt2;
 use rookworld_lm::Result;
-use rookworld_lm::bf16_payload::read_bf16_parallel;
+use rookworld_lm::bf16_payload::{read_bf16_parallel, read_f32_parallel};
 use rookworld_lm::checkpoint;
-
-/// Elements converted by one parallel piece.
-const PIECE: usize = 1 << 16;
 
 /// Overwrites `model`'s weights with those of safetensors `bytes` (bfloat16 or f32
 /// values, names with or without the `transformer.` prefix) and repacks them for the
@@ -98,13 +94,7 @@ impl InplaceOp1 for Overwrite<'_> {
             read_bf16_parallel(self.src, dst);
             return Ok(());
         }
-        dst.par_chunks_mut(PIECE)
-            .zip(self.src.par_chunks(PIECE * width))
-            .for_each(|(dst, src)| {
-                for (v, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
-                    *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                }
-            });
+        read_f32_parallel(self.src, dst);
         Ok(())
     }
 }
