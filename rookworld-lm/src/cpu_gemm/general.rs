@@ -248,10 +248,27 @@ fn pack_rows_into(rows: &mut Vec<u32>, (a, rs, cs): Strided, m: usize, k: usize)
         |(wide, narrow): &mut (Vec<f32>, Vec<u16>), (blk, block)| {
             narrow.clear();
             narrow.resize(2 * kp, 0); // an odd K's last high half stays zero
-            for r in 0..MR.min(m - blk * MR) {
+            let height = MR.min(m - blk * MR);
+            let along_k = cs != 1 && rs == 1;
+            if along_k {
+                // A transposed operand (Xᵀ of a weight gradient): the block's rows are
+                // adjacent at each k, so read k after k (one short run per k) rather than
+                // each row down its stride.
+                wide.clear();
+                wide.resize(height * k, 0.0); // (height, K)
+                for kk in 0..k {
+                    let run = &a[blk * MR + kk * cs..][..height];
+                    for (r, &v) in run.iter().enumerate() {
+                        wide[r * k + kk] = v;
+                    }
+                }
+            }
+            for r in 0..height {
                 let start = (blk * MR + r) * rs;
                 let row: &[f32] = if cs == 1 {
                     &a[start..start + k]
+                } else if along_k {
+                    &wide[r * k..(r + 1) * k]
                 } else {
                     wide.clear();
                     wide.extend((0..k).map(|kk| a[start + kk * cs]));
@@ -369,6 +386,20 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn a_transposed_left_operand_packs_as_its_row_major_copy() {
+        // Read k after k (rows adjacent), the same pairs as rows read one by one.
+        for (m, k) in [(1, 1), (7, 5), (13, 64), (100, 33)] {
+            let stored = values(k * m, 4); // (K, M): the operand is its transpose
+            let copy: Vec<f32> = (0..m * k).map(|i| stored[(i % k) * m + i / k]).collect();
+            assert_eq!(
+                pack_rows((&stored, 1, m), m, k),
+                pack_rows((&copy, k, 1), m, k),
+                "{m}×{k}"
+            );
         }
     }
 
