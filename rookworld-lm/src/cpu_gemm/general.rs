@@ -187,12 +187,46 @@ pub(super) fn pair_panels_len(k: usize, n: usize) -> usize {
 
 /// `b` (K, N) rounded to BF16 into `panels`, pair panels (⌈N/NR⌉, ⌈K/2⌉, NR, 2): panel p
 /// holds columns p·NR.., `[pair][c][2]`, each column's k = 2·pair, 2·pair + 1 adjacent;
-/// columns past N are written zero, an odd K's last high halves are left as they are (zero
-/// in new panels). Each panel is gathered into f32 (K × NR, along whichever of b's
-/// dimensions is contiguous), rounded in one pass and placed.
+/// columns past N and an odd K's last high halves are written zero. Where the CPU has
+/// AVX512-BF16 and one of b's dimensions is contiguous, a panel is rounded and placed 32
+/// values at a time ([`fill_panel_from_rows`], [`fill_panel_from_columns`]); otherwise it
+/// is gathered into f32 (K × NR), rounded in one pass and placed value by value.
 pub(super) fn fill_pair_panels(panels: &mut [u16], (b, rs, cs): Strided, k: usize, n: usize) {
     let kp = k.div_ceil(2);
     assert_eq!(panels.len(), pair_panels_len(k, n), "panels of {k}×{n}");
+    if k == 0 || n == 0 {
+        return;
+    }
+    assert!(b.len() > (k - 1) * rs + (n - 1) * cs, "gemm rhs too short");
+    #[cfg(target_arch = "x86_64")]
+    if (cs == 1 || rs == 1)
+        && super::avx512().bf16
+        && std::arch::is_x86_feature_detected!("avx512bw")
+    {
+        panels
+            .par_chunks_mut(kp * 2 * NR)
+            .enumerate()
+            .for_each(|(p, panel)| {
+                let cols = NR.min(n - p * NR);
+                // SAFETY: AVX512F, BW and BF16 are present (checked above); with b's
+                // extent asserted above, every (kk, c) < (K, cols) of panel p lies in b
+                // from p·NR·cs on, and `panel` holds kp·2·NR values.
+                unsafe {
+                    if cs == 1 {
+                        fill_panel_from_rows(panel, b[p * NR..].as_ptr(), rs, k, cols)
+                    } else {
+                        fill_panel_from_columns(panel, b[p * NR * cs..].as_ptr(), cs, k, cols)
+                    }
+                }
+            });
+        return;
+    }
+    fill_pair_panels_gathered(panels, (b, rs, cs), k, n)
+}
+
+/// [`fill_pair_panels`] through an f32 gather of each panel: any strides, any CPU.
+fn fill_pair_panels_gathered(panels: &mut [u16], (b, rs, cs): Strided, k: usize, n: usize) {
+    let kp = k.div_ceil(2);
     panels
         .par_chunks_mut(kp * 2 * NR)
         .enumerate()
@@ -226,8 +260,111 @@ pub(super) fn fill_pair_panels(panels: &mut [u16], (b, rs, cs): Strided, k: usiz
                         panel[(pair * NR + c) * 2 + half] = v;
                     }
                 }
+                if k % 2 == 1 {
+                    for c in 0..NR {
+                        panel[((kp - 1) * NR + c) * 2 + 1] = 0;
+                    }
+                }
             },
         );
+}
+
+/// One pair panel from a (K, cols) operand whose rows are contiguous (row kk at
+/// `b + kk·rs`): rows 2·pair and 2·pair + 1 rounded together (`vcvtne2ps2bf16`) and
+/// interleaved column by column (`vpermw`), 64 bytes per pair; columns past `cols` and a
+/// missing odd row zero.
+///
+/// # Safety
+/// The CPU has AVX512F, AVX512BW and AVX512-BF16; `b + kk·rs + c` is readable for every
+/// kk < k, c < cols ≤ NR; `panel` holds ⌈k/2⌉·2·NR values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn fill_panel_from_rows(panel: &mut [u16], b: *const f32, rs: usize, k: usize, cols: usize) {
+    use std::arch::x86_64::*;
+    const INTERLEAVE: [u16; 32] = {
+        let mut idx = [0u16; 32];
+        let mut c = 0;
+        while c < 16 {
+            idx[2 * c] = c as u16; // row 2·pair, column c: the low half
+            idx[2 * c + 1] = 16 + c as u16; // row 2·pair + 1
+            c += 1;
+        }
+        idx
+    };
+    assert!(panel.len() >= k.div_ceil(2) * 2 * NR);
+    // SAFETY: (the whole body) the caller guarantees the features and extents; loads are
+    // masked to `cols` columns, stores stay within the panel (asserted above).
+    unsafe {
+        let mask: __mmask16 = if cols >= 16 { !0 } else { (1u16 << cols) - 1 };
+        let idx = _mm512_loadu_si512(INTERLEAVE.as_ptr().cast());
+        for pair in 0..k.div_ceil(2) {
+            let even = _mm512_maskz_loadu_ps(mask, b.add(2 * pair * rs));
+            let odd = if 2 * pair + 1 < k {
+                _mm512_maskz_loadu_ps(mask, b.add((2 * pair + 1) * rs))
+            } else {
+                _mm512_setzero_ps()
+            };
+            let both: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(odd, even));
+            let placed = _mm512_permutexvar_epi16(idx, both);
+            _mm512_storeu_si512(panel.as_mut_ptr().add(pair * 2 * NR).cast(), placed);
+        }
+    }
+}
+
+/// One pair panel from a (K, cols) operand whose columns are contiguous (column c at
+/// `b + c·cs`, a transposed weight): a column's 32 values rounded at once are 16 of its
+/// pairs already in order, so each pair is one 32-bit move into its place; the last values
+/// of an odd K or a short tail value by value, columns past `cols` zero.
+///
+/// # Safety
+/// The CPU has AVX512F and AVX512-BF16; `b + c·cs + kk` is readable for every kk < k,
+/// c < cols ≤ NR; `panel` holds ⌈k/2⌉·2·NR values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn fill_panel_from_columns(
+    panel: &mut [u16],
+    b: *const f32,
+    cs: usize,
+    k: usize,
+    cols: usize,
+) {
+    use std::arch::x86_64::*;
+    let kp = k.div_ceil(2);
+    assert!(panel.len() >= kp * 2 * NR);
+    // (pair, c) as one u32: the even k in the low half.
+    let out = panel.as_mut_ptr().cast::<u32>();
+    let bits = |v: f32| u32::from(half::bf16::from_f32(v).to_bits());
+    // SAFETY: (the whole body) the caller guarantees the features and extents: reads stay
+    // below k in each of the `cols` columns, writes below kp·NR u32 (2·kp·NR u16).
+    unsafe {
+        for c in 0..NR {
+            if c >= cols {
+                for pair in 0..kp {
+                    *out.add(pair * NR + c) = 0;
+                }
+                continue;
+            }
+            let col = b.add(c * cs);
+            let whole = k / 32;
+            for g in 0..whole {
+                let low = _mm512_loadu_ps(col.add(g * 32));
+                let high = _mm512_loadu_ps(col.add(g * 32 + 16));
+                let both: [u32; 16] = std::mem::transmute(_mm512_cvtne2ps_pbh(high, low));
+                for (i, &two) in both.iter().enumerate() {
+                    *out.add((g * 16 + i) * NR + c) = two;
+                }
+            }
+            for pair in whole * 16..kp {
+                let even = bits(*col.add(2 * pair));
+                let odd = if 2 * pair + 1 < k {
+                    bits(*col.add(2 * pair + 1))
+                } else {
+                    0
+                };
+                *out.add(pair * NR + c) = even | odd << 16;
+            }
+        }
+    }
 }
 
 /// `a` (M, K) into row blocks of BF16 pairs: `[block][pair][r]`, k = 2·pair in the low
@@ -385,6 +522,35 @@ mod tests {
                         "{m}×{n}×{k} {a_t}/{b_t}/{accumulate}: max |Δ| {d}"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn panels_placed_32_values_at_a_time_are_the_gathered_panels() {
+        // Both contiguous orientations, odd K, part-filled panels, a K past 32 with a tail,
+        // and panels refilled over other values.
+        for (k, n) in [(1, 1), (5, 7), (33, 17), (70, 40), (64, 16)] {
+            let w = values(k * n, 5);
+            for transposed in [false, true] {
+                let stored: Vec<f32> = if transposed {
+                    (0..k * n).map(|i| w[(i % k) * n + i / k]).collect() // (N, K)
+                } else {
+                    w.clone()
+                };
+                let b: Strided = if transposed {
+                    (&stored, 1, k)
+                } else {
+                    (&stored, n, 1)
+                };
+                let mut want = vec![0u16; pair_panels_len(k, n)];
+                fill_pair_panels_gathered(&mut want, b, k, n);
+                let mut got = vec![0x7fc0u16; pair_panels_len(k, n)];
+                fill_pair_panels(&mut got, b, k, n);
+                assert_eq!(got, want, "{k}×{n} transposed: {transposed}");
+                let mut again = vec![0x3f80u16; pair_panels_len(k, n)];
+                fill_pair_panels_gathered(&mut again, b, k, n);
+                assert_eq!(again, want, "{k}×{n} gathered over old values");
             }
         }
     }
