@@ -69,6 +69,7 @@ enum ConfigCommand {
 
 /// Parses the command line and runs the command; the process exits with what it returns.
 pub fn main() -> std::process::ExitCode {
+    rookworld_lm::alloc::keep_freed_memory();
     rookworld_proto::env::unset_empty();
     let matches = run_file::parse(Cli::command(), &[("config show", "train")]);
     let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());

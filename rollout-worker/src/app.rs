@@ -46,6 +46,7 @@ enum Command {
 
 /// Parses the command line and runs the command; the process exits with what it returns.
 pub fn main() -> std::process::ExitCode {
+    rookworld_lm::alloc::keep_freed_memory();
     rookworld_proto::env::unset_empty();
     let matches = run_file::parse(Cli::command(), &[]);
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());

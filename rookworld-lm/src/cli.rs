@@ -87,11 +87,17 @@ impl ModelArgs {
                 } else {
                     format!("{} (checkpoint {})", model.display(), dir.display())
                 };
-                (
-                    checkpoint::load(&dir, dtype, &device)?,
-                    Tokenizer::from_dir_or_gpt2(&dir)?,
-                    source,
-                )
+                // The tokenizer (GPT-2's is 3.5 MB of JSON: ~60 ms to parse) is read on a
+                // thread of its own while the checkpoint loads.
+                let (model, tokenizer) = std::thread::scope(|scope| {
+                    let tokenizer = scope.spawn(|| Tokenizer::from_dir_or_gpt2(&dir));
+                    let model = checkpoint::load(&dir, dtype, &device);
+                    let tokenizer = tokenizer
+                        .join()
+                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+                    (model, tokenizer)
+                });
+                (model?, tokenizer?, source)
             }
             (None, Some(name)) => {
                 let cfg = Config::preset(name)?;

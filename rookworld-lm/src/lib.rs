@@ -8,7 +8,8 @@
 //! - [`mask`]: position ids and attention bias for left-padded batches ([`LeftPadding`]).
 //! - [`checkpoint`]: loading and saving Hugging Face checkpoints, seeded random init.
 //! - [`bf16_payload`]: the bfloat16 safetensors payload of a weight push, built in place.
-//! - [`cpu_gemm`]: packed-weight f32 matmul for CPU inference (AVX2/FMA).
+//! - [`cpu_gemm`]: packed-weight matmuls for the CPU (f32, BF16, INT8; AVX2/FMA, AVX-512) and the
+//!   training pass's BF16 products.
 //! - [`simd`]: vectorised exp and GELU for the CPU hot paths.
 //! - [`tokenizer`]: GPT-2 byte-level BPE, built in.
 //! - [`sampling`]: greedy / temperature / top-k / top-p with per-row seeded streams.
@@ -20,8 +21,10 @@
 //! - [`train_ops`]: the training forward's layer norm, bias + GELU, masked softmax and target
 //!   log-probs as custom ops with hand-written backwards (CPU, and CUDA kernels with `cuda`).
 //! - [`cli`]: the model options every binary shares (`--model`/`--preset`, `--device`, `--dtype`).
+//! - [`alloc`]: glibc malloc set to keep freed buffers for the next request (each binary's `main`).
 //! - [`error`]: the crate's [`Error`].
 
+pub mod alloc;
 pub mod bf16_payload;
 pub mod cache;
 pub mod checkpoint;
