@@ -61,8 +61,8 @@ mod tests {
     #[test]
     fn memory_freed_after_the_settings_is_served_again() {
         keep_freed_memory();
-        // Two rounds of a buffer above glibc's default threshold: both work, the second
-        // from the heap.
+        // With the settings taken, a buffer above glibc's default threshold is allocated,
+        // written, read and freed twice, intact each time.
         for _ in 0..2 {
             let v = vec![1u8; 8 << 20];
             assert_eq!(v.iter().map(|&b| usize::from(b)).sum::<usize>(), 8 << 20);

@@ -65,12 +65,8 @@ impl PackedRhs {
             let panels = Vec::new(); // nothing to multiply by
             return Self { panels, k, n };
         }
-        assert!(
-            b.0.len() > (k - 1) * b.1 + (n - 1) * b.2,
-            "gemm rhs too short"
-        );
         let mut panels = spare_panels(pair_panels_len(k, n));
-        fill_pair_panels(&mut panels, b, k, n);
+        fill_pair_panels(&mut panels, b, k, n); // checks b's extent
         Self { panels, k, n }
     }
 }
@@ -526,6 +522,13 @@ mod tests {
         }
     }
 
+    /// `w` (rows, cols), row-major, as its transpose (cols, rows), row-major.
+    fn transpose(w: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+        (0..rows * cols)
+            .map(|i| w[(i % rows) * cols + i / rows])
+            .collect()
+    }
+
     #[test]
     fn panels_placed_32_values_at_a_time_are_the_gathered_panels() {
         // Both contiguous orientations, odd K, part-filled panels, a K past 32 with a tail,
@@ -533,8 +536,8 @@ mod tests {
         for (k, n) in [(1, 1), (5, 7), (33, 17), (70, 40), (64, 16)] {
             let w = values(k * n, 5);
             for transposed in [false, true] {
-                let stored: Vec<f32> = if transposed {
-                    (0..k * n).map(|i| w[(i % k) * n + i / k]).collect() // (N, K)
+                let stored = if transposed {
+                    transpose(&w, k, n)
                 } else {
                     w.clone()
                 };
@@ -560,7 +563,7 @@ mod tests {
         // Read k after k (rows adjacent), the same pairs as rows read one by one.
         for (m, k) in [(1, 1), (7, 5), (13, 64), (100, 33)] {
             let stored = values(k * m, 4); // (K, M): the operand is its transpose
-            let copy: Vec<f32> = (0..m * k).map(|i| stored[(i % k) * m + i / k]).collect();
+            let copy = transpose(&stored, k, m);
             assert_eq!(
                 pack_rows((&stored, 1, m), m, k),
                 pack_rows((&copy, k, 1), m, k),
