@@ -27,6 +27,11 @@
 # weight push to a worker on the GPU; a short `learner train --local` on the GPU, the
 # in-process worker's NVML gauges scraped while it runs.
 #
+# ONLY="NAME ..." runs only the named sections (device, parity, copy_bandwidth,
+# worker_PxG_T, hf_PxG_T, learner_step, push, train, learner_composed) and keeps the other
+# sections' JSON already in OUT: a second run redoes what a first one left failed, and the
+# table covers both.
+#
 # DEVICE=cpu QUICK=1 runs the same flow on the CPU with the tiny preset (a dry run of the
 # script itself; tests/tests/gpu_check.rs does it).
 set -u
@@ -48,7 +53,8 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(dirname "$HERE")
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-rm -f "$OUT"/*.json "$OUT"/*.log "$OUT"/table.txt
+ONLY=${ONLY:-}
+[ -n "$ONLY" ] || rm -f "$OUT"/*.json "$OUT"/*.log "$OUT"/table.txt
 FAILED=0
 
 if [ "${QUICK:-0}" = 1 ]; then
@@ -68,6 +74,11 @@ if [ "$DEVICE" != cpu ]; then
   LIB=$("$PY" -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "lib"))' 2>/dev/null)
   [ -n "$LIB" ] && [ -d "$LIB" ] && export LD_LIBRARY_PATH="$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
+# chosen NAME: whether this run runs section NAME.
+chosen() {
+  [ -z "$ONLY" ] || [[ " $ONLY " == *" $1 "* ]]
+}
+
 echo "{\"preset\": \"$PRESET\", \"device\": \"$DEVICE\", \"dtype\": \"$DTYPE\", \"bin\": \"$BIN\"}" > "$OUT/config.json"
 
 # Seconds a section may run: its limit, cut to what is left before the deadline; 0 when
@@ -112,6 +123,7 @@ skipped() {
 section() {
   local name=$1 started=$SECONDS rc limit
   shift
+  chosen "$name" || return 0
   limit=$(budget "$LIMIT")
   echo "== $name" >&2
   if [ "$limit" -eq 0 ]; then
@@ -134,6 +146,7 @@ section() {
 # A short local run on the device (learner and its in-process worker share it); the
 # worker's NVML gauges scraped from the learner's metrics endpoint while it runs.
 train_section() {
+  chosen train || return 0
   METRICS_PORT=$(( 20000 + RANDOM % 20000 ))
   echo "== train" >&2
   local limit

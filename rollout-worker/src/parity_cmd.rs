@@ -92,9 +92,10 @@ pub fn run(args: &ParityArgs, out: &mut impl Write) -> Result<()> {
     let mut results = Vec::new();
     for dtype in ["f32", "bf16"] {
         let mut loaded = on(&args.model.device, dtype).load()?;
-        if loaded.model.panel_dtype() == PanelDtype::Bf16 {
-            // On the CPU, BF16 lives in the packed panels (`--precision`): check those.
-            loaded.model.pack_for_cpu()?;
+        if loaded.model.panel_dtype() == PanelDtype::Bf16 || loaded.model.device().is_cuda() {
+            // On the CPU, BF16 lives in the packed panels (`--precision`); on CUDA the
+            // engine's model has a padded head: check those.
+            loaded.model.prepare_for_inference()?;
         }
         let got = logits(&loaded.model, &prompts)?;
         let (rel, max_abs) = errors(&got, &want_logits);

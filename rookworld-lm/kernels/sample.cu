@@ -12,13 +12,20 @@
 //   its log-probability is z_c - log sum(kept w).
 // Sums are in f64, each thread over a contiguous chunk, combined in a fixed order, so a
 // row's result depends only on its logits and its draw.
+//
+// The logits are f32 or BF16 (the head's output as it is: a BF16 value widens to f32
+// exactly, so both give the same draw on the same values), rows `ld` elements apart
+// (ld >= V: a view of the first V columns of a padded head's output).
 
+#include <cuda_bf16.h>
 #include <stdint.h>
 
 #define THREADS 1024
 #define WARPS (THREADS / 32)
 
 __device__ __forceinline__ float sanitize(float x) { return isnan(x) ? -INFINITY : x; }
+__device__ __forceinline__ float widen(float x) { return x; }
+__device__ __forceinline__ float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 // Order-preserving map of a float to an unsigned key (-inf lowest among non-NaN).
 __device__ __forceinline__ uint32_t key_of(float x) {
@@ -82,12 +89,12 @@ __device__ double block_inclusive_scan(double x, double *scratch) {
     return before + x;
 }
 
-// logits: (B, V); draws: (B, 4) temperature, top-k, top-p, uniform; out: (3, B) token,
-// log-probability's bits, status (0, or 1 for a row with no finite logit): one upload and
-// one download per step.
-extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(const float *__restrict__ logits, int V,
-                                       const double *__restrict__ draws,
-                                       uint32_t *__restrict__ out) {
+// logits: (B, V), row r at r * ld; draws: (B, 4) temperature, top-k, top-p, uniform;
+// out: (3, B) token, log-probability's bits, status (0, or 1 for a row with no finite
+// logit): one upload and one download per step.
+template <typename T>
+__device__ void sample_row(const T *__restrict__ logits, int V, long long ld,
+                           const double *__restrict__ draws, uint32_t *__restrict__ out) {
     __shared__ double s_d[WARPS];
     __shared__ uint32_t s_u[WARPS];
     __shared__ float s_f[WARPS];
@@ -97,7 +104,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(const float *_
     uint32_t *tokens = out, *status = out + 2 * B;
     float *logprobs = reinterpret_cast<float *>(out + B);
     const double *draw = draws + 4 * (size_t)row;
-    const float *x = logits + (size_t)row * V;
+    const T *xs = logits + (size_t)row * (size_t)ld;
+    auto x = [&](int i) { return widen(xs[i]); };
     const int chunk = (V + THREADS - 1) / THREADS;
     const int lo_i = min(V, t * chunk), hi_i = min(V, lo_i + chunk);
 
@@ -105,7 +113,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(const float *_
     float best = -INFINITY;
     uint32_t best_i = 0xffffffffu;
     for (int i = lo_i; i < hi_i; ++i) {
-        const float v = sanitize(x[i]);
+        const float v = sanitize(x(i));
         if (v > best || best_i == 0xffffffffu) { best = v; best_i = i; }
     }
     if (best == -INFINITY) best_i = 0xffffffffu;  // an all -inf chunk offers no candidate
@@ -122,7 +130,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(const float *_
     // log-softmax of the argmax.
     if (!isfinite(inv_t)) {
         double part = 0.0;
-        for (int i = lo_i; i < hi_i; ++i) part += exp((double)sanitize(x[i]) - (double)m);
+        for (int i = lo_i; i < hi_i; ++i) part += exp((double)sanitize(x(i)) - (double)m);
         const double lse = (double)m + log(block_total(part, s_d));
         if (t == 0) {
             tokens[row] = best_i;
@@ -133,7 +141,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(const float *_
     }
 
     // w of token i (0 for NaN logits).
-    auto weight = [&](int i) { return __expf((sanitize(x[i]) - m) * inv_t); };
+    auto weight = [&](int i) { return __expf((sanitize(x(i)) - m) * inv_t); };
 
     // Top-k: the k-th largest key.
     uint32_t tau = 0;
@@ -143,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(const float *_
         for (int bit = 31; bit >= 0; --bit) {
             const uint32_t cand = lo | (1u << bit);
             uint32_t n = 0;
-            for (int i = lo_i; i < hi_i; ++i) n += key_of(sanitize(x[i])) >= cand;
+            for (int i = lo_i; i < hi_i; ++i) n += key_of(sanitize(x(i))) >= cand;
             if (block_total(n, s_u) >= k) lo = cand;
         }
         tau = lo;
@@ -153,7 +161,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(const float *_
     if (p < 1.f) {
         double part = 0.0;
         for (int i = lo_i; i < hi_i; ++i)
-            if (key_of(sanitize(x[i])) >= tau) part += (double)weight(i);
+            if (key_of(sanitize(x(i))) >= tau) part += (double)weight(i);
         const double target = (double)p * block_total(part, s_d);
         uint32_t lo = 0;
         for (int bit = 31; bit >= 0; --bit) {
@@ -161,7 +169,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(const float *_
             const uint32_t floor = cand > tau ? cand : tau;
             double mass = 0.0;
             for (int i = lo_i; i < hi_i; ++i)
-                if (key_of(sanitize(x[i])) >= floor) mass += (double)weight(i);
+                if (key_of(sanitize(x(i))) >= floor) mass += (double)weight(i);
             if (block_total(mass, s_d) >= target) lo = cand;
         }
         tau = lo > tau ? lo : tau;
@@ -172,7 +180,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(const float *_
     uint32_t last_kept = 0;
     bool any = false;
     for (int i = lo_i; i < hi_i; ++i) {
-        if (key_of(sanitize(x[i])) < tau) continue;
+        if (key_of(sanitize(x(i))) < tau) continue;
         const float w = weight(i);
         part += (double)w;
         if (w > 0.f) { last_kept = i; any = true; }
@@ -190,7 +198,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(const float *_
         double cum = excl;
         uint32_t chosen = last_kept;
         for (int i = lo_i; i < hi_i; ++i) {
-            if (key_of(sanitize(x[i])) < tau) continue;
+            if (key_of(sanitize(x(i))) < tau) continue;
             cum += (double)weight(i);
             if (target < cum) { chosen = i; break; }
         }
@@ -207,7 +215,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_rows(const float *_
     if (t == 0) {
         const uint32_t c = s_chosen;
         tokens[row] = c;
-        logprobs[row] = (float)((double)((sanitize(x[c]) - m) * inv_t) - log(total));
+        logprobs[row] = (float)((double)((sanitize(x(c)) - m) * inv_t) - log(total));
         status[row] = 0;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    sample_rows_f32(const float *__restrict__ logits, int V, long long ld,
+                    const double *__restrict__ draws, uint32_t *__restrict__ out) {
+    sample_row(logits, V, ld, draws, out);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    sample_rows_bf16(const __nv_bfloat16 *__restrict__ logits, int V, long long ld,
+                     const double *__restrict__ draws, uint32_t *__restrict__ out) {
+    sample_row(logits, V, ld, draws, out);
 }

@@ -378,7 +378,9 @@ pub fn build_model(
     }
     let mut model = checkpoint::from_bytes(bytes, cfg, dtype, device)?;
     model.set_panel_dtype(panels);
-    model.pack_for_cpu().map_err(rookworld_lm::Error::from)?;
+    model
+        .prepare_for_inference()
+        .map_err(rookworld_lm::Error::from)?;
     Ok(model)
 }
 

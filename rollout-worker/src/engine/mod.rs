@@ -16,12 +16,12 @@ use rookworld_lm::Gpt2;
 use rookworld_lm::generate::{Completion, validate_prompt};
 use rookworld_lm::sampling::SamplingParams;
 
-/// Readies a model for the engine: on the CPU in f32, its weights are packed for the
-/// AVX2/FMA kernel in the model's panel dtype ([`Gpt2::pack_for_cpu`],
-/// [`Gpt2::set_panel_dtype`]); elsewhere it is unchanged.
+/// Readies a model for the engine ([`Gpt2::prepare_for_inference`]): on the CPU in f32,
+/// its weights are packed for the CPU kernel in the model's panel dtype
+/// ([`Gpt2::set_panel_dtype`]); on CUDA, its LM head is padded to aligned rows.
 pub fn prepare_model(mut model: Gpt2) -> Result<Gpt2, EngineError> {
-    if model.pack_for_cpu()? {
-        tracing::debug!("weights packed for the CPU kernel");
+    if model.prepare_for_inference()? {
+        tracing::debug!("weights readied for inference on {:?}", model.device());
     }
     Ok(model)
 }

@@ -243,7 +243,7 @@ fn check_attention(device: &Device, rng: &mut ChaCha8Rng) -> Result<(f64, f64)> 
 }
 
 /// Rows of a GPT-2-sized vocabulary under greedy, temperature, top-k and top-p draws,
-/// one row with NaN logits.
+/// one row with NaN logits, in each layout the sampler takes.
 fn check_sampling(device: &Device, rng: &mut ChaCha8Rng) -> Result<(usize, usize, f64)> {
     let v = 50_257;
     let settings = [
@@ -273,15 +273,40 @@ fn check_sampling(device: &Device, rng: &mut ChaCha8Rng) -> Result<(usize, usize
     for x in logits[5 * v..6 * v].iter_mut().step_by(7) {
         *x = f32::NAN;
     }
-    let on_device = Tensor::from_slice(&logits, (draws.len(), v), device)?;
-    let got = sample_rows(&on_device, &draws)?;
+    // Three layouts of the same rows: contiguous f32; the first V columns of rows padded
+    // to a multiple of 64, as a padded head gives them, in f32 and in BF16 (checked
+    // against the reference on the BF16 values). The padding holds 100, above every
+    // logit: a read past column V would win the argmax.
+    let n = draws.len();
+    let ld = v.next_multiple_of(64);
+    let wide: Vec<f32> = logits
+        .chunks(v)
+        .flat_map(|row| {
+            row.iter()
+                .copied()
+                .chain(std::iter::repeat_n(100.0, ld - v))
+        })
+        .collect();
+    let wide = Tensor::from_vec(wide, (n, ld), device)?;
+    let rounded: Vec<f32> = logits
+        .iter()
+        .map(|&x| half::bf16::from_f32(x).to_f32())
+        .collect();
+    let cases = [
+        (Tensor::from_slice(&logits, (n, v), device)?, &logits),
+        (wide.narrow(1, 0, v)?, &logits),
+        (wide.to_dtype(DType::BF16)?.narrow(1, 0, v)?, &rounded),
+    ];
     let (mut equal, mut logprob_error) = (0, 0f64);
-    for ((row, draw), got) in logits.chunks(v).zip(&draws).zip(&got) {
-        let want = sample_reference(row, draw)?;
-        equal += usize::from(want.token == got.token);
-        logprob_error = logprob_error.max(f64::from((want.logprob - got.logprob).abs()));
+    for (on_device, values) in &cases {
+        let got = sample_rows(on_device, &draws)?;
+        for ((row, draw), got) in values.chunks(v).zip(&draws).zip(&got) {
+            let want = sample_reference(row, draw)?;
+            equal += usize::from(want.token == got.token);
+            logprob_error = logprob_error.max(f64::from((want.logprob - got.logprob).abs()));
+        }
     }
-    Ok((draws.len(), equal, logprob_error))
+    Ok((cases.len() * n, equal, logprob_error))
 }
 
 /// Each fused op on `device` and on the CPU from the same `dtype` values: the largest

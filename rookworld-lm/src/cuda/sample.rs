@@ -3,9 +3,9 @@
 
 use candle_core::cuda::WrapErr;
 use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Layout, Storage, Tensor};
 
-use super::{SAMPLE_PTX, cuda_device, view};
+use super::{SAMPLE_PTX, cuda_device, kernel};
 use crate::device_sampling::RowDraw;
 use crate::error::Result;
 use crate::sampling::{Sampled, not_finite};
@@ -14,7 +14,10 @@ use crate::sampling::{Sampled, not_finite};
 const THREADS: u32 = 1024;
 
 /// Draws row r's token from `logits[r]` (B, V) on their CUDA device with `draws[r]`.
-/// An all-NaN or all −∞ row is an error, as on the CPU.
+/// The logits are f32 or BF16, contiguous or a view of the first V columns of wider rows
+/// (a padded head's output: [`Gpt2::prepare_for_inference`](crate::Gpt2)); other layouts
+/// and dtypes are copied to contiguous f32 first. An all-NaN or all −∞ row is an error,
+/// as on the CPU.
 pub fn sample_rows(logits: &Tensor, draws: &[RowDraw]) -> Result<Vec<Sampled>> {
     let (b, v) = logits.dims2()?;
     if draws.len() != b {
@@ -23,9 +26,17 @@ pub fn sample_rows(logits: &Tensor, draws: &[RowDraw]) -> Result<Vec<Sampled>> {
             draws.len()
         )));
     }
-    let logits = logits.to_dtype(DType::F32)?.contiguous()?;
+    if b == 0 {
+        return Ok(Vec::new());
+    }
+    let logits = match (logits.dtype(), row_stride(logits.layout(), v)) {
+        (DType::F32 | DType::BF16, Some(_)) => logits.clone(),
+        _ => logits.to_dtype(DType::F32)?.contiguous()?,
+    };
+    let ld = row_stride(logits.layout(), v).expect("contiguous rows have a row stride");
     let device = cuda_device(&logits)?;
-    let func = device.get_or_load_custom_func("sample_rows", "rookworld_sample", SAMPLE_PTX)?;
+    let name = kernel("sample_rows", logits.dtype())?;
+    let func = device.get_or_load_custom_func(&name, "rookworld_sample", SAMPLE_PTX)?;
     let stream = device.cuda_stream();
     let packed: Vec<f64> = draws
         .iter()
@@ -38,19 +49,41 @@ pub fn sample_rows(logits: &Tensor, draws: &[RowDraw]) -> Result<Vec<Sampled>> {
     let mut out = device.alloc_zeros::<u32>(3 * b)?; // tokens, log-prob bits, status
     {
         let (storage, layout) = logits.storage_and_layout();
-        let x = view::<f32>(&storage, layout)?;
-        let v_arg = v as i32;
-        let mut builder = func.builder();
-        builder.arg(&x).arg(&v_arg).arg(&packed).arg(&mut out);
+        let Storage::Cuda(cuda) = &*storage else {
+            return Err(crate::Error::InvalidArgument(
+                "the sampling kernel was given logits off the GPU".into(),
+            ));
+        };
+        // Rows r·ld .. r·ld + V of the storage from the layout's start: (B − 1)·ld + V
+        // elements.
+        let (start, len) = (layout.start_offset(), (b - 1) * ld + v);
+        let (v_arg, ld_arg) = (v as i32, ld as i64);
         let cfg = LaunchConfig {
             grid_dim: (b as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the arguments match the kernel's signature; each block reads row
-        // blockIdx.x of the (B, V) logits and of the (B, 4) draws and writes element
-        // blockIdx.x of each third of `out` (3·B).
-        unsafe { builder.launch(cfg) }.w()?;
+        macro_rules! launch {
+            ($t:ty) => {{
+                let x = cuda.as_cuda_slice::<$t>()?.slice(start..start + len);
+                let mut builder = func.builder();
+                builder
+                    .arg(&x)
+                    .arg(&v_arg)
+                    .arg(&ld_arg)
+                    .arg(&packed)
+                    .arg(&mut out);
+                // SAFETY: the arguments match the kernel's signature; each block reads
+                // elements row·ld .. row·ld + V of `x` (inside its (B − 1)·ld + V) and
+                // row blockIdx.x of the (B, 4) draws, and writes element blockIdx.x of
+                // each third of `out` (3·B).
+                unsafe { builder.launch(cfg) }.w()?;
+            }};
+        }
+        match logits.dtype() {
+            DType::BF16 => launch!(half::bf16),
+            _ => launch!(f32),
+        }
     }
     let out = stream.clone_dtoh(&out).w()?;
     let (tokens, rest) = out.split_at(b);
@@ -66,4 +99,14 @@ pub fn sample_rows(logits: &Tensor, draws: &[RowDraw]) -> Result<Vec<Sampled>> {
             logprob: f32::from_bits(bits),
         })
         .collect())
+}
+
+/// The distance between consecutive rows of a (B, V) layout whose rows are each
+/// contiguous (column stride 1, row stride at least V); `None` for other layouts.
+fn row_stride(layout: &Layout, v: usize) -> Option<usize> {
+    match layout.stride() {
+        [ld, 1] if *ld >= v => Some(*ld),
+        [_, _] if v <= 1 && layout.is_contiguous() => Some(v),
+        _ => None,
+    }
 }

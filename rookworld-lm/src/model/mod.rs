@@ -31,6 +31,10 @@ pub(crate) fn tracked(t: &Tensor) -> bool {
     t.track_op()
 }
 
+/// Rows of the padded LM head on CUDA are a multiple of this
+/// ([`Gpt2::prepare_for_inference`]): 64 BF16 values are 128 bytes, one cache line.
+pub const HEAD_ROWS_ALIGN: usize = 64;
+
 /// GPT-2 with a language-model head (Hugging Face `GPT2LMHeadModel`).
 #[derive(Debug, Clone)]
 pub struct Gpt2 {
@@ -42,6 +46,9 @@ pub struct Gpt2 {
     lm_head: Option<Tensor>, // (V, E)
     /// The LM head packed for the CPU kernel ([`Gpt2::pack_for_cpu`]).
     head_packed: Option<Arc<PackedMatrix>>,
+    /// On CUDA, the LM head with zero rows up to a multiple of [`HEAD_ROWS_ALIGN`]
+    /// ([`Gpt2::prepare_for_inference`]).
+    head_padded: Option<Tensor>, // (V', E)
     /// What [`Gpt2::pack_for_cpu`]'s panels hold.
     panel_dtype: PanelDtype,
     /// The matmuls' input dtype when it differs from the weights' (mixed precision).
@@ -71,6 +78,7 @@ impl Gpt2 {
             ln_f: LayerNorm::load(vb.pp("ln_f"), e, cfg.layer_norm_epsilon)?,
             lm_head,
             head_packed: None,
+            head_padded: None,
             panel_dtype: PanelDtype::F32,
             matmul_dtype: None,
             train_ops: false,
@@ -169,6 +177,34 @@ impl Gpt2 {
         self.ln_f.forward(&x)
     }
 
+    /// Readies untracked weights for inference on their device; returns whether
+    /// anything changed. On the CPU, [`Self::pack_for_cpu`]. On CUDA, a copy of the LM
+    /// head padded with zero rows to V' = V rounded up to [`HEAD_ROWS_ALIGN`], so the
+    /// head's product writes rows of V' values: a row of GPT-2's 50,257 BF16 logits is
+    /// not 16-byte aligned, and cuBLAS then takes an older, slower kernel (266 µs for the
+    /// (256, 768) × (768, 50,257) decode product on an H100, whose FLOPs take about 30).
+    /// The logits are the first V columns; the padding costs V' − V rows of the head.
+    pub fn prepare_for_inference(&mut self) -> candle_core::Result<bool> {
+        if !self.device().is_cuda() {
+            return self.pack_for_cpu();
+        }
+        if tracked(&self.wte) {
+            return Ok(false);
+        }
+        self.pad_head()?;
+        Ok(true)
+    }
+
+    /// Keeps a copy of the LM head with zero rows up to a multiple of
+    /// [`HEAD_ROWS_ALIGN`] for [`Self::head_product`].
+    fn pad_head(&mut self) -> candle_core::Result<()> {
+        let head = self.head_weight(); // (V, E)
+        let v = head.dim(0)?;
+        let padded = head.pad_with_zeros(0, 0, v.next_multiple_of(HEAD_ROWS_ALIGN) - v)?;
+        self.head_padded = Some(padded); // (V', E)
+        Ok(())
+    }
+
     /// For inference on the CPU in f32: packs every weight matrix and the LM head for
     /// the [`cpu_gemm`](crate::cpu_gemm) kernel (a second copy of the weights; outputs
     /// agree with candle's matmul to float rounding). Returns false, changing nothing,
@@ -222,15 +258,28 @@ impl Gpt2 {
     /// Logits (B, T, V) in f32 for hidden states (B, T, E).
     pub fn logits(&self, hidden: &Tensor) -> candle_core::Result<Tensor> {
         let (b, t, e) = hidden.dims3()?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.wte); // (V, E)
+        let v = self.head_weight().dim(0)?;
         if let Some(packed) = &self.head_packed
             && let Some(y) = packed_matmul(packed, &hidden.reshape((b * t, e))?)?
         {
             return y.reshape((b, t, packed.n())); // (B, T, V)
         }
-        layers::matmul_in(&hidden.reshape((b * t, e))?, &head.t()?, self.matmul_dtype)? // (B*T, V)
+        self.head_product(&hidden.reshape((b * t, e))?)? // (B*T, V)
             .to_dtype(DType::F32)?
-            .reshape((b, t, head.dim(0)?)) // (B, T, V)
+            .contiguous()?
+            .reshape((b, t, v)) // (B, T, V)
+    }
+
+    /// The LM head's product for hidden states (N, E): (N, V) in the matmul's output
+    /// dtype; with a padded head ([`Self::prepare_for_inference`]) a view of the first V
+    /// columns of (N, V') rows.
+    fn head_product(&self, hidden: &Tensor) -> candle_core::Result<Tensor> {
+        let head = self.head_weight(); // (V, E)
+        match &self.head_padded {
+            Some(padded) => layers::matmul_in(hidden, &padded.t()?, self.matmul_dtype)? // (N, V')
+                .narrow(1, 0, head.dim(0)?), // (N, V)
+            None => layers::matmul_in(hidden, &head.t()?, self.matmul_dtype), // (N, V)
+        }
     }
 
     /// Forward + logits for every fed token: (B, T, V) f32.
@@ -257,7 +306,10 @@ impl Gpt2 {
     }
 
     /// One decode step for the live rows of `cache`: `ids[r]` is the token row r feeds
-    /// (its last sampled one). Returns the next-token logits (B, V) in f32.
+    /// (its last sampled one). Returns the next-token logits (B, V): f32, except on CUDA
+    /// after [`Self::prepare_for_inference`] with the sampling kernel on, where they are
+    /// the head's output as [`crate::device_sampling::sample_rows`] takes it (the weights'
+    /// dtype, rows V' apart).
     pub fn decode_grouped(
         &self,
         ids: &[u32],
@@ -282,8 +334,13 @@ impl Gpt2 {
             self.ln_f.forward(&x)?
         };
         // The head (the step's largest allocation) before the step counts: an error there
-        // leaves the cache as it was.
-        let logits = self.logits(&hidden)?.squeeze(1)?; // (B, V)
+        // leaves the cache as it was. A padded head's output goes to the device sampler
+        // as it is (no f32 copy of the (B, V) logits).
+        let logits = if self.head_padded.is_some() && crate::device_sampling::supported(device) {
+            self.head_product(&hidden.squeeze(1)?)? // (B, V) of (B, V')
+        } else {
+            self.logits(&hidden)?.squeeze(1)? // (B, V)
+        };
         cache.finish_step();
         Ok(logits)
     }
@@ -436,3 +493,6 @@ impl EmbeddingRows for Tensor {
             .reshape((b, t, e))
     }
 }
+
+#[cfg(test)]
+mod tests;
