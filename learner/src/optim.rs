@@ -88,7 +88,7 @@ impl Gradients {
                 Grad::Host(v, _) => total += sum_squares(v),
                 Grad::Tensor(g) => match HostF32::new(g) {
                     Some(values) => total += sum_squares(values.as_slice()),
-                    None => on_device.push(g.to_dtype(DType::F64)?.sqr()?.sum_all()?),
+                    None => on_device.push(square_sum(g)?),
                 },
             }
         }
@@ -147,6 +147,32 @@ impl Default for AdamWConfig {
     }
 }
 
+/// `Σ g²` in f64 where `g` lives, as a scalar tensor: rows of [`SQUARE_SUM_ROW`]
+/// elements summed side by side, then the rows' sums and the tail. (Candle's `sum_all`
+/// reduces a whole tensor in one block of threads: on an H200 the squares of 124M
+/// parameters' gradients took 81 ms that way, a fifth of a learner step.)
+fn square_sum(g: &Tensor) -> CandleResult<Tensor> {
+    let g = g.flatten_all()?.to_dtype(DType::F64)?; // (n)
+    let n = g.elem_count();
+    let rows = n / SQUARE_SUM_ROW;
+    let body = rows * SQUARE_SUM_ROW;
+    let mut total = Tensor::zeros((), DType::F64, g.device())?;
+    if rows > 0 {
+        let squares = g
+            .narrow(0, 0, body)?
+            .reshape((rows, SQUARE_SUM_ROW))?
+            .sqr()?;
+        total = (total + squares.sum(1)?.sum_all()?)?; // (rows, ROW) -> (rows) -> ()
+    }
+    if n > body {
+        total = (total + g.narrow(0, body, n - body)?.sqr()?.sum_all()?)?;
+    }
+    Ok(total)
+}
+
+/// Elements per row of [`square_sum`]'s first reduction.
+const SQUARE_SUM_ROW: usize = 4096;
+
 /// `Σ x²` in f64, in parallel chunks.
 fn sum_squares(x: &[f32]) -> f64 {
     use rayon::prelude::*;
@@ -187,6 +213,23 @@ mod tests {
     use candle_core::Device;
 
     use super::*;
+
+    #[test]
+    fn the_device_square_sum_is_the_host_one() {
+        // Whole rows and a tail, a tail alone, nothing.
+        for n in [3 * SQUARE_SUM_ROW + 5, 17, 2 * SQUARE_SUM_ROW, 0] {
+            let x: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+                .collect();
+            let t = Tensor::from_slice(&x, n, &Device::Cpu).unwrap();
+            let got = square_sum(&t).unwrap().to_scalar::<f64>().unwrap();
+            let want = sum_squares(&x);
+            assert!(
+                (got - want).abs() <= 1e-12 * want.max(1.0),
+                "n {n}: {got} vs {want}"
+            );
+        }
+    }
 
     #[test]
     fn accumulated_gradients_and_moments_hold_no_graph() {
