@@ -25,9 +25,11 @@ use rayon::prelude::*;
 
 use crate::simd;
 
+mod bf16;
 mod general;
 mod int8;
 mod pack;
+use bf16::kernel_bf16_pairs;
 pub use general::{PackedRhs, Strided, gemm_bf16, gemm_bf16_packed};
 use int8::Int8Panels;
 use pack::{fill_panels, fill_panels_bf16};
@@ -447,123 +449,6 @@ fn kernel_bf16_scalar(a: &[f32], b: &[u16], tile: &mut [f32; MR * NR], k: usize)
     }
 }
 
-/// `tile (MR, NR) = a · b` over BF16 pairs: `a` a row block of `general::pack_rows` (kp pairs),
-/// `b` a [`Panels::Bf16Pairs`] panel; f32 sums.
-fn kernel_bf16_pairs(a: &[u32], b: &[u16], tile: &mut [f32; MR * NR], kp: usize) {
-    assert!(a.len() == kp * MR && b.len() == kp * 2 * NR);
-    #[cfg(target_arch = "x86_64")]
-    if avx512().bf16 {
-        // SAFETY: AVX512F and AVX512-BF16 are present (checked above); the slices hold
-        // exactly the elements the kernel reads and writes (asserted above).
-        unsafe { kernel_dpbf16(a.as_ptr(), b.as_ptr(), tile.as_mut_ptr(), kp) };
-        return;
-    }
-    kernel_bf16_pairs_scalar(a, b, tile, kp)
-}
-
-/// [`kernel_bf16_pairs`] over two panels at once (`tiles[i]` from `b[i]`): twelve sums in
-/// flight, each row's inputs broadcast once for both.
-fn kernel_bf16_pairs_x2(a: &[u32], b: [&[u16]; 2], tiles: &mut [[f32; MR * NR]; 2], kp: usize) {
-    assert!(a.len() == kp * MR && b.iter().all(|b| b.len() == kp * 2 * NR));
-    #[cfg(target_arch = "x86_64")]
-    if avx512().bf16 {
-        // SAFETY: AVX512F and AVX512-BF16 are present (checked above); the slices hold
-        // exactly the elements the kernel reads and writes (asserted above).
-        unsafe {
-            kernel_dpbf16_x2(
-                a.as_ptr(),
-                [b[0].as_ptr(), b[1].as_ptr()],
-                tiles.as_mut_ptr().cast(),
-                kp,
-            )
-        };
-        return;
-    }
-    let [t0, t1] = tiles;
-    kernel_bf16_pairs_scalar(a, b[0], t0, kp);
-    kernel_bf16_pairs_scalar(a, b[1], t1, kp);
-}
-
-/// [`kernel_bf16_pairs`] value by value, as `vdpbf16ps` sums (the odd k's product added
-/// first, each addition rounded; products of two BF16 values are exact in f32): the
-/// reference, which the instruction meets but for results it flushes below f32's normals.
-fn kernel_bf16_pairs_scalar(a: &[u32], b: &[u16], tile: &mut [f32; MR * NR], kp: usize) {
-    let widen = |bits: u32| f32::from_bits(bits << 16);
-    for r in 0..MR {
-        for c in 0..NR {
-            let mut s = 0f32;
-            for pair in 0..kp {
-                let x = a[pair * MR + r];
-                let w = &b[(pair * NR + c) * 2..][..2];
-                s += widen(x >> 16) * widen(u32::from(w[1]));
-                s += widen(x & 0xffff) * widen(u32::from(w[0]));
-            }
-            tile[r * NR + c] = s;
-        }
-    }
-}
-
-/// One 6×16 tile over BF16 pairs with `vdpbf16ps`: per pair and row, the row's two inputs
-/// broadcast and dotted with each column's two weights into that column's f32 sum.
-///
-/// # Safety
-/// The CPU has AVX512F and AVX512-BF16; `a` points to `kp * MR` readable values, `b` to
-/// `kp * 2 * NR`, and `tile` to `MR * NR` writable ones.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn kernel_dpbf16(a: *const u32, b: *const u16, tile: *mut f32, kp: usize) {
-    use std::arch::x86_64::*;
-    // SAFETY: (the whole body) the caller guarantees the extents above; every offset
-    // below stays inside them. A __m512i and a __m512bh are the same 64 bytes.
-    unsafe {
-        let mut acc = [_mm512_setzero_ps(); MR];
-        for pair in 0..kp {
-            let w: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(pair * 2 * NR).cast()));
-            let ap = a.add(pair * MR);
-            for (r, sums) in acc.iter_mut().enumerate() {
-                let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(*ap.add(r) as i32));
-                *sums = _mm512_dpbf16_ps(*sums, x, w);
-            }
-        }
-        for (r, sums) in acc.iter().enumerate() {
-            _mm512_storeu_ps(tile.add(r * NR), *sums);
-        }
-    }
-}
-
-/// [`kernel_dpbf16`] over two panels: per pair and row, the row's two inputs broadcast
-/// once and dotted with both panels' columns.
-///
-/// # Safety
-/// The CPU has AVX512F and AVX512-BF16; `a` points to `kp * MR` readable values, each of
-/// `b` to `kp * 2 * NR`, and `tiles` to `2 * MR * NR` writable ones (tile 0, then tile 1).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn kernel_dpbf16_x2(a: *const u32, b: [*const u16; 2], tiles: *mut f32, kp: usize) {
-    use std::arch::x86_64::*;
-    // SAFETY: (the whole body) the caller guarantees the extents above; every offset
-    // below stays inside them. A __m512i and a __m512bh are the same 64 bytes.
-    unsafe {
-        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
-        for pair in 0..kp {
-            let w0: __m512bh =
-                std::mem::transmute(_mm512_loadu_si512(b[0].add(pair * 2 * NR).cast()));
-            let w1: __m512bh =
-                std::mem::transmute(_mm512_loadu_si512(b[1].add(pair * 2 * NR).cast()));
-            let ap = a.add(pair * MR);
-            for (r, sums) in acc.iter_mut().enumerate() {
-                let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(*ap.add(r) as i32));
-                sums[0] = _mm512_dpbf16_ps(sums[0], x, w0);
-                sums[1] = _mm512_dpbf16_ps(sums[1], x, w1);
-            }
-        }
-        for (r, sums) in acc.iter().enumerate() {
-            _mm512_storeu_ps(tiles.add(r * NR), sums[0]);
-            _mm512_storeu_ps(tiles.add(MR * NR + r * NR), sums[1]);
-        }
-    }
-}
-
 #[cfg(target_arch = "x86_64")]
 fn supported_cached() -> bool {
     static SUPPORTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -650,6 +535,14 @@ unsafe fn fma_tile(
     }
 }
 
+/// Deterministic test inputs in [−1, 1): `len` values from `seed`.
+#[cfg(test)]
+fn values(len: usize, seed: u32) -> Vec<f32> {
+    (0..len as u32)
+        .map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed) % 1000) as f32 / 500.0 - 1.0)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -666,12 +559,6 @@ mod tests {
             }
         }
         out
-    }
-
-    fn values(len: usize, seed: u32) -> Vec<f32> {
-        (0..len as u32)
-            .map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed) % 1000) as f32 / 500.0 - 1.0)
-            .collect()
     }
 
     #[test]
@@ -815,38 +702,6 @@ mod tests {
                 assert_eq!(first.get_or_insert_with(|| got.clone()), &got);
             }
         }
-    }
-
-    #[test]
-    fn the_dpbf16_kernel_equals_its_scalar_reference() {
-        let kp = 37; // 74 k
-        let bits = |v: f32| u32::from(half::bf16::from_f32(v).to_bits());
-        let x = values(kp * MR * 2, 13);
-        let a: Vec<u32> = x
-            .chunks_exact(2)
-            .map(|p| bits(p[0]) | bits(p[1]) << 16)
-            .collect();
-        let b: Vec<u16> = values(kp * 2 * NR, 14)
-            .iter()
-            .map(|&v| bits(v) as u16)
-            .collect();
-        let (mut fast, mut reference) = ([0f32; MR * NR], [0f32; MR * NR]);
-        kernel_bf16_pairs(&a, &b, &mut fast, kp);
-        kernel_bf16_pairs_scalar(&a, &b, &mut reference, kp);
-        let close = |fast: &[f32], reference: &[f32]| {
-            for (f, r) in fast.iter().zip(reference) {
-                assert!((f - r).abs() <= 1e-6 * r.abs().max(1.0), "{f} vs {r}");
-            }
-        };
-        close(&fast, &reference);
-        // Two panels at once: each tile its own panel's.
-        let b2: Vec<u16> = b.iter().rev().copied().collect();
-        let mut tiles = [[0f32; MR * NR]; 2];
-        kernel_bf16_pairs_x2(&a, [&b, &b2], &mut tiles, kp);
-        let mut reference2 = [0f32; MR * NR];
-        kernel_bf16_pairs_scalar(&a, &b2, &mut reference2, kp);
-        close(&tiles[0], &reference);
-        close(&tiles[1], &reference2);
     }
 
     #[test]

@@ -15,7 +15,8 @@
 
 use rayon::prelude::*;
 
-use super::{MR, NR, SharedOut, kernel_bf16_pairs, kernel_bf16_pairs_x2};
+use super::bf16::{kernel_bf16_pairs, kernel_bf16_pairs_x2};
+use super::{MR, NR, SharedOut};
 
 /// Row blocks per work item: 96 rows, whose packed pairs (K ≤ 3,072: ≤ 576 KiB) fit a
 /// core's L2 beside the panels in use.
@@ -459,13 +460,8 @@ impl Drop for PackedRhs {
 
 #[cfg(test)]
 mod tests {
+    use super::super::values;
     use super::*;
-
-    fn values(len: usize, seed: u32) -> Vec<f32> {
-        (0..len as u32)
-            .map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed) % 1000) as f32 / 500.0 - 1.0)
-            .collect()
-    }
 
     fn round(v: f32) -> f64 {
         f64::from(half::bf16::from_f32(v).to_f32())
