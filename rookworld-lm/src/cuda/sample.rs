@@ -29,11 +29,10 @@ pub fn sample_rows(logits: &Tensor, draws: &[RowDraw]) -> Result<Vec<Sampled>> {
     if b == 0 {
         return Ok(Vec::new());
     }
-    let logits = match (logits.dtype(), row_stride(logits.layout(), v)) {
-        (DType::F32 | DType::BF16, Some(_)) => logits.clone(),
-        _ => logits.to_dtype(DType::F32)?.contiguous()?,
+    let (logits, ld) = match (logits.dtype(), row_stride(logits.layout(), v)) {
+        (DType::F32 | DType::BF16, Some(ld)) => (logits.clone(), ld),
+        _ => (logits.to_dtype(DType::F32)?.contiguous()?, v),
     };
-    let ld = row_stride(logits.layout(), v).expect("contiguous rows have a row stride");
     let device = cuda_device(&logits)?;
     let name = kernel("sample_rows", logits.dtype())?;
     let func = device.get_or_load_custom_func(&name, "rookworld_sample", SAMPLE_PTX)?;
