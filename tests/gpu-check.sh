@@ -71,8 +71,7 @@ else
 fi
 [ "$DEVICE" = cpu ] && DTYPE=f32
 if [ "$DEVICE" != cpu ]; then
-  LIB=$("$PY" -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "lib"))' 2>/dev/null)
-  [ -n "$LIB" ] && [ -d "$LIB" ] && export LD_LIBRARY_PATH="$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  . "$HERE/gpu/cuda-libs.sh"
 fi
 # chosen NAME: whether this run runs section NAME.
 chosen() {

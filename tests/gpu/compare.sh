@@ -22,8 +22,7 @@ SHAPES=("$@")
 ROUNDS=${ROUNDS:-3}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
-LIB=$("$PY" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))' 2>/dev/null)
-[ -n "$LIB" ] && [ -d "$LIB" ] && export LD_LIBRARY_PATH="$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+. "$(dirname "$0")/cuda-libs.sh"
 : > "$OUT/compare.jsonl"
 for shape in "${SHAPES[@]}"; do
   p=${shape%%x*} rest=${shape#*x}
