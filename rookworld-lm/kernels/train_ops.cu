@@ -1,6 +1,6 @@
-// The training forward's custom ops and their backwards, f32 (rookworld-lm/src/train_ops/
-// cpu.rs holds each one's CPU implementation, the reference they are checked against on a
-// GPU; the formulas are in its doc comments):
+// The training forward's custom ops and their backwards, f32 (each op's module under
+// rookworld-lm/src/train_ops/ holds its CPU implementation, the reference these are checked
+// against on a GPU, and the formulas in its doc comments):
 // - layer_norm_fwd / layer_norm_dx: a warp per row, statistics in f32 over the row;
 // - layer_norm_params: the weight's and bias's gradients as partial sums over 32-row
 //   chunks (one block each), summed on the host side in a fixed order: deterministic,
@@ -12,7 +12,9 @@
 // - target_logprobs_bwd: g/T * (1[v = y] - p), element-wise over (N, V) blocks, p
 //   recovered from the forward's result (nothing (N, V) kept between them);
 // - adamw_moments / adamw_param: one AdamW step of a parameter on the device, its moments
-//   in place (rookworld-lm/src/train_ops/adamw.rs).
+//   in place (rookworld-lm/src/train_ops/adamw.rs);
+// - bias_rows: every row of an (M, N) output set to the bias, which the mixed-precision
+//   linear's product is then added onto (rookworld-lm/src/train_ops/linear.rs).
 
 #include <math.h>
 #include <stdint.h>
@@ -253,5 +255,15 @@ extern "C" __global__ void adamw_param(float *__restrict__ p, const float *__res
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         p[i] = p[i] * shrink - lr * (mv[i] * s1) / (sqrtf(mv[n + i] * s2) + eps);
+    }
+}
+
+// out[r, j] = b[j] for an (M, N) output, M * N elements (grid-stride): the rows a
+// product with beta = 1 adds onto.
+extern "C" __global__ void bias_rows(float *__restrict__ out, const float *__restrict__ b,
+                                     size_t n, int N) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        out[i] = b[i % N];
     }
 }

@@ -102,6 +102,74 @@ fn bias_gelu_values_and_gradients_equal_the_composed_ops() {
     );
 }
 
+/// What the mixed products do to an operand: round it to BF16.
+fn bf16_rounded(t: &Tensor) -> Tensor {
+    t.to_dtype(DType::BF16)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+}
+
+#[test]
+fn mixed_products_round_their_operands_to_bf16_and_sum_in_f32() {
+    let r = bf16_rounded;
+    let mm = |a: &Tensor, b: &Tensor| a.matmul(b).unwrap();
+    let (x, w, b) = (
+        random(&[37, 48], 11),
+        random(&[48, 80], 12),
+        random(&[80], 13),
+    );
+    let (y, g) = value_and_grads(&[x.clone(), w.clone(), b.clone()], |a| {
+        train_ops::mixed_linear(&a[0], &a[1], &a[2])
+    });
+    let dy = random(&[37, 80], 99); // value_and_grads's weights: ∂L/∂y
+    // The oracle: candle's f32 matmul of the rounded operands (their products are exact
+    // in f32, so only the order of the f32 sums differs).
+    let want = mm(&r(&x), &r(&w)).broadcast_add(&b).unwrap();
+    assert!(rel(&y, &want) < 1e-5, "values differ by {}", rel(&y, &want));
+    let unrounded = mm(&x, &w).broadcast_add(&b).unwrap();
+    assert!(rel(&y, &unrounded) > 1e-4, "the operands were not rounded");
+    let wt = r(&w).t().unwrap();
+    let grads = [
+        mm(&r(&dy), &wt),                 // ∂L/∂x = r(g) · r(W)ᵀ
+        mm(&r(&x).t().unwrap(), &r(&dy)), // ∂L/∂W = r(x)ᵀ · r(g)
+        dy.sum(0).unwrap(),               // ∂L/∂b = Σ_rows g
+    ];
+    for (i, (got, want)) in g.iter().zip(&grads).enumerate() {
+        assert_eq!(got.dims(), want.dims(), "gradient {i}");
+        assert!(
+            rel(got, want) < 1e-5,
+            "gradient {i} differs by {}",
+            rel(got, want)
+        );
+    }
+
+    // The tied head's product: W = wteᵀ, a transposed view; wte's gradient is r(g)ᵀ · r(x).
+    let wte = random(&[80, 48], 14);
+    let (y, g) = value_and_grads(&[x.clone(), wte.clone()], |a| {
+        train_ops::mixed_matmul(&a[0], &a[1].t()?)
+    });
+    let want = mm(&r(&x), &r(&wte).t().unwrap());
+    assert!(
+        rel(&y, &want) < 1e-5,
+        "head values differ by {}",
+        rel(&y, &want)
+    );
+    let dwte = mm(&r(&dy).t().unwrap(), &r(&x));
+    assert_eq!(g[1].dims(), &[80, 48]);
+    assert!(
+        rel(&g[1], &dwte) < 1e-5,
+        "wte's gradient differs by {}",
+        rel(&g[1], &dwte)
+    );
+    assert!(rel(&g[0], &mm(&r(&dy), &r(&wte))) < 1e-5);
+
+    // Shapes that do not chain are errors, not panics.
+    assert!(train_ops::mixed_linear(&x, &w.t().unwrap(), &b).is_err());
+    assert!(train_ops::mixed_linear(&x, &w, &random(&[79], 15)).is_err());
+    assert!(train_ops::mixed_matmul(&random(&[2, 3, 48], 16), &w).is_err());
+}
+
 /// Causal, with left padding in the second batch row (a key-padding mask per row).
 fn causal_bias(t: usize, pads: &[usize]) -> Tensor {
     LeftPadding::new(pads.to_vec())

@@ -433,6 +433,23 @@ fn check_train_ops(device: &Device, rng: &mut ChaCha8Rng) -> Result<f64> {
             )],
             |a, y| train_ops::target_logprobs(&a[0], y, 0.9),
         ),
+        // The mixed products: a linear (cuBLAS's operands as stored), and the tied head's
+        // product with wteᵀ, a transposed view (handed to cuBLAS transposed).
+        (
+            vec![
+                (random(rng, m * e), vec![m, e], true),
+                (random(rng, e * 200), vec![e, 200], true),
+                (random(rng, 200), vec![200], true),
+            ],
+            |a, _| train_ops::mixed_linear(&a[0], &a[1], &a[2]),
+        ),
+        (
+            vec![
+                (random(rng, m * 96), vec![m, 96], true),
+                (random(rng, 300 * 96), vec![300, 96], true),
+            ],
+            |a, _| train_ops::mixed_matmul(&a[0], &a[1].t()?),
+        ),
     ];
     let mut worst = 0f64;
     for (inputs, op) in cases {

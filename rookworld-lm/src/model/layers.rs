@@ -32,6 +32,30 @@ pub(crate) fn matmul_in(
     }
 }
 
+/// `x · W (+ b)` for a matrix x (N, in): with the training ops on under BF16 mixed
+/// precision, one mixed product where that applies ([`train_ops::mixed_linear`]: BF16
+/// operands, the f32 result written with its bias by the GEMM); else [`matmul_in`] and a
+/// broadcast bias add.
+pub(crate) fn linear_in(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    compute: Option<DType>,
+    train_ops: bool,
+) -> candle_core::Result<Tensor> {
+    if train_ops && compute == Some(DType::BF16) && train_ops::mixed_applies(x, w) {
+        return match b {
+            Some(b) => train_ops::mixed_linear(x, w, b),
+            None => train_ops::mixed_matmul(x, w),
+        };
+    }
+    let y = matmul_in(x, w, compute)?;
+    match b {
+        Some(b) => y.broadcast_add(b),
+        None => Ok(y),
+    }
+}
+
 /// Hugging Face's `Conv1D`: `y = x W + b` with `W` stored `[in, out]`.
 #[derive(Debug, Clone)]
 pub(crate) struct Conv1D {
@@ -41,6 +65,8 @@ pub(crate) struct Conv1D {
     pub(crate) packed: Option<Arc<PackedMatrix>>,
     /// The matmul's input dtype when it differs from the weights' ([`matmul_in`]).
     pub(crate) compute: Option<DType>,
+    /// Mixed products through [`train_ops::mixed_linear`] ([`Gpt2::set_train_ops`]).
+    pub(crate) train_ops: bool,
 }
 
 impl Conv1D {
@@ -50,6 +76,7 @@ impl Conv1D {
             bias: vb.get(d_out, "bias")?,
             packed: None,
             compute: None,
+            train_ops: false,
         })
     }
 
@@ -100,9 +127,15 @@ impl Conv1D {
         {
             return y.reshape((b, t, d_out)); // (B, T, out)
         }
-        matmul_in(&x.reshape((b * t, d_in))?, &self.weight, self.compute)? // (B*T, out)
-            .broadcast_add(&self.bias)?
-            .reshape((b, t, d_out)) // (B, T, out)
+        let x = x.reshape((b * t, d_in))?; // (B*T, in)
+        let y = linear_in(
+            &x,
+            &self.weight,
+            Some(&self.bias),
+            self.compute,
+            self.train_ops,
+        )?;
+        y.reshape((b, t, d_out)) // (B, T, out)
     }
 }
 
@@ -358,7 +391,7 @@ impl Mlp {
         if self.train_ops && self.act == Activation::GeluNew && train_ops::supported(x) {
             let (b, t, e) = x.dims3()?;
             let fc = &self.c_fc;
-            let h = matmul_in(&x.reshape((b * t, e))?, &fc.weight, fc.compute)?; // (B·T, I)
+            let h = linear_in(&x.reshape((b * t, e))?, &fc.weight, None, fc.compute, true)?; // (B·T, I)
             let h = train_ops::bias_gelu(&h, &fc.bias)?.reshape((b, t, ()))?; // (B, T, I)
             return self.c_proj.forward(&h); // (B, T, E)
         }
@@ -404,6 +437,10 @@ impl Block {
     pub(crate) fn set_train_ops(&mut self, on: bool) {
         self.ln_1.train_ops = on;
         self.attn.train_ops = on;
+        self.attn.c_attn.train_ops = on;
+        self.attn.c_proj.train_ops = on;
+        self.mlp.c_fc.train_ops = on;
+        self.mlp.c_proj.train_ops = on;
         self.ln_2.train_ops = on;
         self.mlp.train_ops = on;
     }

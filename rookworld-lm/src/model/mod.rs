@@ -278,7 +278,8 @@ impl Gpt2 {
         match &self.head_padded {
             Some(padded) => layers::matmul_in(hidden, &padded.t()?, self.matmul_dtype)? // (N, V')
                 .narrow(1, 0, head.dim(0)?), // (N, V)
-            None => layers::matmul_in(hidden, &head.t()?, self.matmul_dtype), // (N, V)
+            // Training under mixed precision: one mixed product, f32 logits.
+            None => layers::linear_in(hidden, &head.t()?, None, self.matmul_dtype, self.train_ops), // (N, V)
         }
     }
 

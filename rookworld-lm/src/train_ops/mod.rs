@@ -10,9 +10,12 @@
 //! - [`target_logprobs`]: `log softmax(logits / τ)[y]` per row, whose backward needs only
 //!   the logits (the (N, V) softmax is never kept);
 //! - [`adamw::adamw_step`]: the optimizer's step on the parameter's device, moments kept
-//!   there.
+//!   there;
+//! - [`mixed_linear`] and [`mixed_matmul`]: `x · W (+ b)` under BF16 mixed precision in one
+//!   GEMM with BF16 operands and an f32 result (CUDA; the CPU keeps the composed path).
 //!
-//! One module per op ([`mod@layer_norm`], [`gelu`], [`softmax`], [`logprobs`], [`adamw`]),
+//! One module per op ([`mod@layer_norm`], [`gelu`], [`softmax`], [`logprobs`], [`adamw`],
+//! [`linear`]),
 //! each with the candle op, its CPU implementation (the reference; layer norm's and GELU's
 //! are also what the learner's fused pass runs) and, with the `cuda` feature, its launches
 //! of `kernels/train_ops.cu`. f32 only: mixed precision keeps these in f32 by design. The
@@ -22,6 +25,7 @@
 pub mod adamw;
 pub mod gelu;
 pub mod layer_norm;
+pub mod linear;
 pub mod logprobs;
 pub mod softmax;
 
@@ -30,6 +34,8 @@ use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor};
 pub(crate) use gelu::bias_gelu_grads;
 pub use gelu::{BiasGeluBwd, bias_gelu};
 pub use layer_norm::{LayerNorm, LayerNormDx, LayerNormParams, layer_norm};
+pub(crate) use linear::applies as mixed_applies;
+pub use linear::{MixedLinear, MixedMatmul, mixed_linear, mixed_matmul};
 pub use logprobs::{TargetLogprobs, TargetLogprobsBwd, target_dims, target_logprobs};
 pub use softmax::{MaskedSoftmax, SoftmaxBwd, SoftmaxGeometry, masked_softmax};
 
@@ -142,8 +148,13 @@ pub fn check_empty_rows(device: &candle_core::Device) -> Result<()> {
     let l = var((0, v))?;
     let targets = Tensor::zeros(0, DType::U32, device)?;
     let lp = train_ops::target_logprobs(l.as_tensor(), &targets, 1.0)?;
-    let loss = (y.sum_all()? + g.sum_all()? + lp.sum_all()?)?;
+    let w = Var::zeros((e, 4 * e), DType::F32, device)?;
+    let p = train_ops::mixed_linear(x.as_tensor(), w.as_tensor(), &ones(4 * e)?)?;
+    let loss = (y.sum_all()? + g.sum_all()? + lp.sum_all()? + p.sum_all()?)?;
     let grads = loss.backward()?;
+    if grads.get(w.as_tensor()).map(|g| g.dims().to_vec()) != Some(vec![e, 4 * e]) {
+        candle_core::bail!("a mixed product over zero rows has no (zero) weight gradient");
+    }
     for t in [&x, &h, &l] {
         let grad = grads.get(t.as_tensor());
         if grad.is_some_and(|g| g.elem_count() != 0) {
