@@ -257,9 +257,9 @@ mod cuda {
         let (alpha, beta) = (1f32, if b.is_some() { 1f32 } else { 0f32 });
         let stream = device.cuda_stream();
         let blas = device.cublas_handle();
-        let (wp, _w_guard) = w16.as_cuda_slice::<bf16>()?.device_ptr(&stream);
-        let (xp, _x_guard) = x16.as_cuda_slice::<bf16>()?.device_ptr(&stream);
-        let (yp, _y_guard) = y.device_ptr_mut(&stream);
+        let (wp, w_guard) = w16.as_cuda_slice::<bf16>()?.device_ptr(&stream);
+        let (xp, x_guard) = x16.as_cuda_slice::<bf16>()?.device_ptr(&stream);
+        let (yp, y_guard) = y.device_ptr_mut(&stream);
         // SAFETY: W (K·N) and x (M·K) BF16 and y (M·N) f32 are device buffers of those
         // sizes on the handle's stream, the leading dimensions are their row lengths, and
         // alpha/beta are host f32 as CUBLAS_COMPUTE_32F takes them.
@@ -287,7 +287,7 @@ mod cuda {
             )
         }
         .w()?;
-        drop((_w_guard, _x_guard, _y_guard));
+        drop((w_guard, x_guard, y_guard));
         done(y, device, (m, n))
     }
 }
