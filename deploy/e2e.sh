@@ -39,6 +39,8 @@ cleanup() {
   rm -rf "$tmp"
 }
 trap cleanup EXIT
+# Stopped from outside (CI's `timeout`): say so, and tear the stack down on the way out.
+trap 'echo "deploy e2e: FAILED: stopped by SIGTERM after $(( $(date +%s) - started ))s" >&2; dcp ps >&2 || true; exit 124' TERM
 
 # The stack's settings: a short warm-up, small steps, frequent checkpoints.
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$tmp/token"
@@ -98,7 +100,7 @@ wait_for() { # SECONDS WHAT COMMAND...
   local deadline=$(( $(date +%s) + $1 )) what="$2"; shift 2
   until "$@"; do
     [ "$(date +%s)" -lt "$deadline" ] || fail "timed out waiting for $what"
-    if [ -z "${FAULT:-}" ] && dcp ps | grep -qi 'exit'; then
+    if [ -z "${FAULT:-}" ] && timeout 60 "${dc[@]}" -p "$project" "${files[@]}" ps | grep -qi 'exit'; then
       fail "a container exited while waiting for $what"
     fi
     sleep 3
@@ -119,7 +121,7 @@ wait_for 600 "every service healthy" all_healthy
 say "healthy: $(docker ps --filter "label=com.docker.compose.project=$project" --format '{{.Names}}' | sort | tr '\n' ' ')"
 
 query() { # PROMQL -> the first sample's value, or nothing
-  curl -fsS --get "$prom/api/v1/query" --data-urlencode "query=$1" 2>/dev/null \
+  curl -fsS -m 20 --get "$prom/api/v1/query" --data-urlencode "query=$1" 2>/dev/null \
     | python3 -c 'import json,sys; r=json.load(sys.stdin)["data"]["result"]; print(r[0]["value"][1] if r else "")' 2>/dev/null || true
 }
 three_steps() { local v; v="$(query learner_steps_total)"; [ -n "$v" ] && python3 -c "import sys; sys.exit(float('$v') < 3)"; }
@@ -128,7 +130,7 @@ say "learner steps: $(query learner_steps_total); reward mean $(query learner_re
 
 say "Prometheus targets"
 targets_up() { # every job's targets scraped and up (a new target is 'unknown' until then)
-  curl -fsS "$prom/api/v1/targets" > "$tmp/targets.json" 2>/dev/null || return 1
+  curl -fsS -m 20 "$prom/api/v1/targets" > "$tmp/targets.json" 2>/dev/null || return 1
   python3 - "$tmp/targets.json" <<'PY'
 import json, sys
 targets = json.load(open(sys.argv[1]))["data"]["activeTargets"]
@@ -158,7 +160,7 @@ wait_for 300 "a held-out evaluation (learner_eval in Prometheus)" evaluated
 say "evaluation of step $(query learner_eval_step): checkmate-in-one mate $(query 'learner_eval{suite="checkmate-in-one",metric="mate"}'), environment exact FEN $(query 'learner_eval{suite="environment",metric="exact_fen"}')"
 
 say "dashboard metrics exist"
-curl -fsS "$prom/api/v1/label/__name__/values" > "$tmp/names.json"
+curl -fsS -m 20 "$prom/api/v1/label/__name__/values" > "$tmp/names.json"
 python3 - grafana/dashboards/rookworld.json "$tmp/names.json" <<'PY' || fail "dashboard metrics"
 import json, re, sys
 dash = json.load(open(sys.argv[1]))
@@ -177,7 +179,7 @@ assert not missing, missing
 PY
 
 say "alert rules loaded"
-curl -fsS "$prom/api/v1/rules" | grep -q '"name":"LearnerStalled"' || fail "Prometheus has not loaded the LearnerStalled rule"
+curl -fsS -m 20 "$prom/api/v1/rules" | grep -q '"name":"LearnerStalled"' || fail "Prometheus has not loaded the LearnerStalled rule"
 [ -n "$(query learner_step_idle_seconds)" ] || fail "no learner_step_idle_seconds in Prometheus"
 
 say "rollout queue through server reflection (Python grpcio-reflection)"
@@ -193,7 +195,9 @@ if [ "$tls" = 1 ]; then
     "127.0.0.1:$LEARNER_PORT" list >/dev/null 2>&1 || fail "the learner's queue answered a client without a certificate"
   say "TLS: plaintext and a client without a certificate are refused; the operator's certificate is taken"
 fi
-reflect() { "$tmp/venv/bin/python" grpc_reflect.py "127.0.0.1:$LEARNER_PORT" "$@"; }
+# Bounded: the reflection stream has no deadline of its own, and a learner that is being
+# restarted must make a probe fail, not hang the run.
+reflect() { timeout 30 "$tmp/venv/bin/python" grpc_reflect.py "127.0.0.1:$LEARNER_PORT" "$@"; }
 reflect list > "$tmp/services"
 grep -qx rookworld.queue.v1.RolloutQueue "$tmp/services" || fail "reflection does not list the queue: $(cat "$tmp/services")"
 grep -qx grpc.health.v1.Health "$tmp/services" || fail "reflection does not list health"
@@ -300,7 +304,7 @@ wait_for 180 "training to go on after the restart" advanced $((at + 3))
 say "fault: kill -9 the learner's process; its restart policy resumes it from its checkpoint"
 # The learner's log as a file: `grep -q` on a pipe would end `dcp logs` early (SIGPIPE,
 # a failure under pipefail).
-learner_log() { dcp logs --no-color learner > "$tmp/learner.log" 2>&1 || true; cat "$tmp/learner.log"; }
+learner_log() { timeout 60 "${dc[@]}" -p "$project" "${files[@]}" logs --no-color learner > "$tmp/learner.log" 2>&1 || true; cat "$tmp/learner.log"; }
 resumes="$(learner_log | grep -c 'prepare: resumed ' || true)"
 at="$(depth learner_version)"
 crash "$(container learner 1)"

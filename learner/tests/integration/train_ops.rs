@@ -4,7 +4,7 @@
 //! backwards) gives the composed graph's loss and gradients — in f32, and under mixed
 //! precision within BF16 rounding of the f32 step.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device};
 use learner::loss::LossConfig;

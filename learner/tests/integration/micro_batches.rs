@@ -1,7 +1,7 @@
 //! Micro-batches: the accumulated gradient and loss equal the full batch's, under every
 //! aggregation and advantage scale (the batch's std is the whole batch's, not a part's).
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device};
 use learner::grpo::{AdvantageNorm, Aggregation};

@@ -5,7 +5,7 @@
 //! std over micro-batches, three temperatures, with a completion of one token (fed
 //! nowhere, predicted from the prompt's last row).
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device};
 use learner::grpo::{AdvantageNorm, Aggregation, PolicyLoss};

@@ -3,7 +3,7 @@
 //! sampler's throughout; equal to the same steps taken one by one with those log-probs
 //! given, and different from re-taking them at every update.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use learner::batch::GrpoBatch;

@@ -4,7 +4,7 @@
 //! checked on the CPU: a GRPO step's loss and every parameter's gradient agree with the
 //! f32 step's to BF16 rounding, and the gradients reach the f32 weights in f32.
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device};
 use learner::loss::LossConfig;
