@@ -37,6 +37,17 @@ pub fn keep_freed_memory() {
     }
 }
 
+/// Hands the heap's free memory back to the kernel now (glibc's `malloc_trim`): after a
+/// one-time release far larger than what later requests reuse, such as a model's dense
+/// weights once its packed panels hold them. A no-op elsewhere than glibc.
+pub fn return_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only walks malloc's own free lists (under its lock).
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Whether the user set glibc malloc's parameters themselves.
 fn user_tuned(tunables: Option<&str>, legacy_variables: bool) -> bool {
     legacy_variables || tunables.is_some_and(|t| t.contains("glibc.malloc."))

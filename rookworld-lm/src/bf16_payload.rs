@@ -364,6 +364,99 @@ pub fn read_f32_parallel(src: &[u8], dst: &mut [f32]) {
         });
 }
 
+/// A tensor's values as a payload stores them: little-endian bfloat16 or f32 bytes (a
+/// safetensors view's data).
+#[derive(Debug, Clone, Copy)]
+pub enum StoredValues<'a> {
+    Bf16(&'a [u8]),
+    F32(&'a [u8]),
+}
+
+impl StoredValues<'_> {
+    /// The values as f32 into `dst` of as many elements (exact), in parallel pieces.
+    pub fn read_into(self, dst: &mut [f32]) -> candle_core::Result<()> {
+        match self {
+            Self::Bf16(src) if src.len() == dst.len() * 2 => read_bf16_parallel(src, dst),
+            Self::F32(src) if src.len() == dst.len() * 4 => read_f32_parallel(src, dst),
+            _ => candle_core::bail!("{} stored bytes for {} values", self.len(), dst.len()),
+        }
+        Ok(())
+    }
+
+    /// Values `range` (elements, not bytes) of these.
+    pub fn slice(self, range: std::ops::Range<usize>) -> Self {
+        match self {
+            Self::Bf16(b) => Self::Bf16(&b[range.start * 2..range.end * 2]),
+            Self::F32(b) => Self::F32(&b[range.start * 4..range.end * 4]),
+        }
+    }
+
+    fn len(self) -> usize {
+        match self {
+            Self::Bf16(b) | Self::F32(b) => b.len(),
+        }
+    }
+}
+
+/// Writes `src` over the values of `tensor`, a contiguous f32 or bfloat16 CPU tensor of as
+/// many elements, in place (bfloat16 into bfloat16 is a copy, bfloat16 into f32 exact, f32
+/// into bfloat16 rounded as [`bf16_bits`]). A tensor cloned from `tensor` sees the values.
+pub fn overwrite(tensor: &Tensor, src: StoredValues<'_>) -> candle_core::Result<()> {
+    tensor.inplace_op1(&Overwrite { src })
+}
+
+struct Overwrite<'a> {
+    src: StoredValues<'a>,
+}
+
+impl candle_core::InplaceOp1 for Overwrite<'_> {
+    fn name(&self) -> &'static str {
+        "overwrite"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &mut candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        let Some((a, b)) = layout.contiguous_offsets() else {
+            candle_core::bail!("overwrite: the tensor is not contiguous");
+        };
+        match storage {
+            candle_core::CpuStorage::F32(all) => self.src.read_into(&mut all[a..b]),
+            candle_core::CpuStorage::BF16(all) => {
+                let dst = &mut all[a..b];
+                match self.src {
+                    StoredValues::Bf16(src) if src.len() == dst.len() * 2 => dst
+                        .par_chunks_mut(PIECE)
+                        .zip(src.par_chunks(PIECE * 2))
+                        .for_each(|(d, s)| {
+                            for (v, b) in d.iter_mut().zip(s.chunks_exact(2)) {
+                                *v = half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]]));
+                            }
+                        }),
+                    StoredValues::F32(src) if src.len() == dst.len() * 4 => dst
+                        .par_chunks_mut(PIECE)
+                        .zip(src.par_chunks(PIECE * 4))
+                        .for_each(|(d, s)| {
+                            for (v, b) in d.iter_mut().zip(s.chunks_exact(4)) {
+                                let x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                                *v = half::bf16::from_bits(bf16_bits(x));
+                            }
+                        }),
+                    src => candle_core::bail!(
+                        "overwrite: {} bytes for {} values",
+                        src.len(),
+                        dst.len()
+                    ),
+                }
+                Ok(())
+            }
+            _ => candle_core::bail!("overwrite: the tensor is neither f32 nor bfloat16"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use half::bf16;

@@ -137,6 +137,27 @@ impl Panels {
             Self::Int8(panels) => panels.fill(w, k, n, transposed),
         }
     }
+
+    /// Panels `first..` of a transposed (N, K) weight from `rows`, its rows `first · NR..`
+    /// ((rows, K) row-major; a multiple of NR rows unless they end the matrix): what
+    /// [`Self::fill`] writes there, since each panel is NR whole rows.
+    fn fill_transposed_rows(&mut self, rows: &[f32], k: usize, first: usize) {
+        let n = rows.len() / k;
+        let (at, end) = (first, first + n.div_ceil(NR));
+        match self {
+            Self::F32(panels) => {
+                fill_panels(&mut panels[at * k * NR..end * k * NR], rows, k, n, true)
+            }
+            Self::Bf16(panels) => {
+                fill_panels_bf16(&mut panels[at * k * NR..end * k * NR], rows, k, n, true)
+            }
+            Self::Bf16Pairs(panels) => {
+                let len = general::pair_panels_len(k, NR); // one panel
+                general::fill_pair_panels(&mut panels[at * len..end * len], (rows, 1, k), k, n)
+            }
+            Self::Int8(panels) => panels.fill_transposed_rows(rows, k, first),
+        }
+    }
 }
 
 /// A weight matrix (K, N) packed into ⌈N / NR⌉ panels of (K, NR), zero-padded.
@@ -221,6 +242,28 @@ impl PackedMatrix {
         true
     }
 
+    /// [`repack`](Self::repack) of a transposed (N, K) weight — the tied LM head — a block
+    /// of `block_rows` rows (rounded up to a multiple of [`NR`]) at a time: `rows(range,
+    /// buf)` writes the weight's rows `range` into `buf`, row-major. The panels end as a
+    /// repack of the whole matrix leaves them, through a buffer of one block instead of a
+    /// copy of the matrix. Bias and epilogue are kept.
+    pub fn repack_transposed_by_rows<E>(
+        &mut self,
+        block_rows: usize,
+        buf: &mut Vec<f32>,
+        mut rows: impl FnMut(std::ops::Range<usize>, &mut [f32]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let (k, n) = (self.k, self.n);
+        let block = block_rows.max(1).next_multiple_of(NR);
+        for start in (0..n).step_by(block) {
+            let end = (start + block).min(n);
+            buf.resize((end - start) * k, 0.0);
+            rows(start..end, buf)?;
+            self.panels.fill_transposed_rows(buf, k, start / NR);
+        }
+        Ok(())
+    }
+
     /// Applies `epilogue` to every output from now on.
     pub fn with_epilogue(mut self, epilogue: Epilogue) -> Self {
         self.epilogue = epilogue;
@@ -238,6 +281,11 @@ impl PackedMatrix {
 
     pub fn n(&self) -> usize {
         self.n
+    }
+
+    /// Inputs (rows of the weight).
+    pub fn k(&self) -> usize {
+        self.k
     }
 
     /// What the panels hold.
@@ -577,6 +625,32 @@ mod tests {
             let wt = transpose(&w, k, n);
             let got_t = PackedMatrix::pack(&wt, k, n, true, Some(bias)).matmul(&x, m);
             assert_eq!(got, got_t);
+        }
+    }
+
+    #[test]
+    fn a_transposed_weight_repacked_by_blocks_of_rows_is_the_whole_repack() {
+        let (m, k, n) = (5, 37, 100); // odd K, a padded last panel, a short last block
+        let x = values(m * k, 9);
+        let wt = values(n * k, 6); // (N, K)
+        for dtype in [PanelDtype::F32, PanelDtype::Bf16, PanelDtype::Int8] {
+            let whole = PackedMatrix::pack_as(dtype, &wt, k, n, true, None);
+            let mut blocks = PackedMatrix::pack_as(dtype, &values(n * k, 4), k, n, true, None);
+            let mut buf = Vec::new();
+            let mut seen = Vec::new();
+            blocks
+                .repack_transposed_by_rows(40, &mut buf, |r, out| {
+                    seen.push(r.clone());
+                    out.copy_from_slice(&wt[r.start * k..r.end * k]);
+                    Ok::<(), ()>(())
+                })
+                .unwrap();
+            assert_eq!(
+                seen,
+                [0..48, 48..96, 96..100],
+                "{dtype:?}: blocks of 48 rows"
+            );
+            assert_eq!(blocks.matmul(&x, m), whole.matmul(&x, m), "{dtype:?}");
         }
     }
 

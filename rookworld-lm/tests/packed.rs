@@ -49,6 +49,50 @@ fn packed_weights_give_the_logits_of_the_plain_model() {
     }
 }
 
+/// A worker's model (`prepare_for_inference` on the CPU) keeps its projections only as
+/// panels, and `wte` in BF16 under BF16 or INT8 panels; on weights that are BF16 values
+/// (a learner's push) its log-probs are those of the same panels beside the dense
+/// weights, to the bit, in every panel dtype. It refuses to repack from the dense weights
+/// it no longer has.
+#[test]
+fn a_packed_only_model_computes_what_the_packed_model_computes() {
+    let cfg = Config {
+        n_embd: 96,
+        n_head: 3,
+        ..Config::tiny()
+    };
+    let random = init_random(&cfg, 9, DType::F32, &Device::Cpu).unwrap();
+    let payload = checkpoint::to_bf16_payload(&random).unwrap();
+    let model = checkpoint::from_bytes(&payload, &cfg, DType::F32, &Device::Cpu).unwrap();
+    for dtype in [PanelDtype::F32, PanelDtype::Bf16, PanelDtype::Int8] {
+        let Some(packed) = packed_in(&model, dtype) else {
+            return skipped();
+        };
+        let mut only = model.clone();
+        only.set_panel_dtype(dtype);
+        assert!(only.prepare_for_inference().unwrap());
+        assert!(only.packed_only() && only.dtype() == DType::F32);
+        let tensors = only.named_tensors();
+        let dense: usize = tensors
+            .iter()
+            .filter(|(n, _)| n.contains(".c_") && n.ends_with(".weight"))
+            .map(|(_, t)| t.elem_count())
+            .sum();
+        assert_eq!(
+            dense, 0,
+            "{dtype:?}: the projections' dense weights are released"
+        );
+        let wte = match dtype {
+            PanelDtype::F32 => DType::F32,
+            PanelDtype::Bf16 | PanelDtype::Int8 => DType::BF16,
+        };
+        assert_eq!(tensors[0].1.dtype(), wte, "{dtype:?}: wte");
+        assert_eq!(logprobs_of(&only), logprobs_of(&packed), "{dtype:?}");
+        assert!(only.pack_for_cpu().is_err());
+        assert!(!only.prepare_for_inference().unwrap(), "prepared once");
+    }
+}
+
 /// Reports a test that cannot run here: this CPU lacks AVX2/FMA, nothing is packed. CI
 /// sets ROOKWORLD_REQUIRE_AVX2 on its AVX2 machines: there a skip is a failure.
 fn skipped() {

@@ -8,18 +8,20 @@
 //! [`checkpoint::from_bytes`](rookworld_lm::checkpoint::from_bytes), no allocation of the
 //! model's size.
 
-use candle_core::{CpuStorage, DType, InplaceOp1, Layout};
+use candle_core::DType;
 use safetensors::{Dtype, SafeTensors};
 
 use rookworld_lm::Gpt2;
 use rookworld_lm::Result;
-use rookworld_lm::bf16_payload::{read_bf16_parallel, read_f32_parallel};
+use rookworld_lm::bf16_payload::{StoredValues, overwrite};
 use rookworld_lm::checkpoint;
 
 /// Overwrites `model`'s weights with those of safetensors `bytes` (bfloat16 or f32
 /// values, names with or without the `transformer.` prefix) and repacks them for the
 /// CPU kernel, in place. Every name and shape is checked first, as `from_bytes` checks
-/// them, and an error leaves the model's values as they were.
+/// them, and an error leaves the model's values as they were. A packed-only model
+/// ([`Gpt2::packed_only`], a worker's) is packed straight from `bytes`
+/// ([`Gpt2::refill_packed`]): no dense copy of its projections is written.
 ///
 /// Returns false, changing nothing, when the model is not f32 on the CPU or a tensor is
 /// stored in another dtype: build the model afresh then.
@@ -37,23 +39,33 @@ pub fn refill(model: &mut Gpt2, bytes: &[u8]) -> Result<bool> {
             .into_iter()
             .map(|(n, v)| (n, v.shape().to_vec())),
     )?;
-    let mut writes = Vec::new();
-    for (name, tensor) in model.named_tensors() {
-        let key = match name.strip_prefix(checkpoint::PREFIX) {
-            Some(bare) if !prefixed => bare,
-            _ => &name,
-        };
-        let view = st.tensor(key)?;
-        if !matches!(view.dtype(), Dtype::BF16 | Dtype::F32) {
-            return Ok(false);
+    let key = |name: &str| -> String {
+        match name.strip_prefix(checkpoint::PREFIX) {
+            Some(bare) if !prefixed => bare.to_owned(),
+            _ => name.to_owned(),
         }
-        writes.push((tensor, view));
+    };
+    let mut stored = std::collections::HashMap::new();
+    for (name, _) in model.named_tensors() {
+        let view = st.tensor(&key(&name))?;
+        let values = match view.dtype() {
+            Dtype::BF16 => StoredValues::Bf16(view.data()),
+            Dtype::F32 => StoredValues::F32(view.data()),
+            _ => return Ok(false),
+        };
+        stored.insert(name, values);
     }
-    for (tensor, view) in writes {
-        tensor.inplace_op1(&Overwrite {
-            src: view.data(),
-            bf16: view.dtype() == Dtype::BF16,
+    if model.packed_only() {
+        model.refill_packed(|name| {
+            stored
+                .get(name)
+                .copied()
+                .ok_or_else(|| candle_core::Error::Msg(format!("refill: no tensor {name}")))
         })?;
+        return Ok(true);
+    }
+    for (name, tensor) in model.named_tensors() {
+        overwrite(&tensor, stored[&name])?;
     }
     model.pack_for_cpu()?;
     Ok(true)
@@ -62,41 +74,6 @@ pub fn refill(model: &mut Gpt2, bytes: &[u8]) -> Result<bool> {
 /// Whether [`refill`] can write into `model`: f32 weights on the CPU.
 pub fn refillable(model: &Gpt2) -> bool {
     model.device().is_cpu() && model.dtype() == DType::F32
-}
-
-/// Writes little-endian bfloat16 or f32 `src` over a contiguous f32 tensor of as many
-/// elements, in parallel pieces (bfloat16 to f32 is exact; stored non-temporally:
-/// [`read_bf16`](rookworld_lm::bf16_payload::read_bf16)).
-struct Overwrite<'a> {
-    src: &'a [u8],
-    bf16: bool,
-}
-
-impl InplaceOp1 for Overwrite<'_> {
-    fn name(&self) -> &'static str {
-        "overwrite"
-    }
-
-    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let width = if self.bf16 { 2 } else { 4 };
-        let (CpuStorage::F32(all), Some((a, b))) = (storage, layout.contiguous_offsets()) else {
-            candle_core::bail!("overwrite: the tensor is not contiguous f32");
-        };
-        let dst = &mut all[a..b];
-        if dst.len() * width != self.src.len() {
-            candle_core::bail!(
-                "overwrite: {} bytes for {} elements",
-                self.src.len(),
-                dst.len()
-            );
-        }
-        if self.bf16 {
-            read_bf16_parallel(self.src, dst);
-            return Ok(());
-        }
-        read_f32_parallel(self.src, dst);
-        Ok(())
-    }
 }
 
 #[cfg(test)]
@@ -126,6 +103,54 @@ mod tests {
             .unwrap()
             .to_vec1::<f32>()
             .unwrap()
+    }
+
+    /// A worker's model keeps its projections only as panels: refilled from a payload,
+    /// it computes what a model freshly built and prepared from the payload computes, to
+    /// the bit, in every panel dtype and from bfloat16 or f32 payloads; the small
+    /// tensors and the embeddings are the fresh model's.
+    #[test]
+    fn a_packed_only_model_is_refilled_from_the_payload() {
+        use rookworld_lm::cpu_gemm::PanelDtype;
+        let cfg = Config::tiny();
+        let source = init_random(&cfg, 11, DType::F32, &Device::Cpu).unwrap();
+        let kept = |m: &Gpt2| -> Vec<Vec<f32>> {
+            m.named_tensors()
+                .into_iter()
+                .filter(|(_, t)| t.elem_count() > 0)
+                .map(|(_, t)| {
+                    let t = t.to_dtype(DType::F32).unwrap();
+                    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+                })
+                .collect()
+        };
+        for panels in [PanelDtype::F32, PanelDtype::Bf16, PanelDtype::Int8] {
+            for bytes in [
+                to_bf16_payload(&source).unwrap(),
+                to_bytes(&source, DType::F32).unwrap(),
+            ] {
+                let mut fresh = from_bytes(&bytes, &cfg, DType::F32, &Device::Cpu).unwrap();
+                fresh.set_panel_dtype(panels);
+                if !fresh.prepare_for_inference().unwrap() {
+                    return; // no AVX2/FMA: nothing is packed (tests/packed.rs reports it)
+                }
+                let mut old = init_random(&cfg, 12, DType::F32, &Device::Cpu).unwrap();
+                old.set_panel_dtype(panels);
+                assert!(old.prepare_for_inference().unwrap() && old.packed_only());
+                assert!(refill(&mut old, &bytes).unwrap());
+                assert!(old.packed_only());
+                assert_eq!(
+                    kept(&old),
+                    kept(&fresh),
+                    "{panels:?}: small tensors and wte"
+                );
+                assert_eq!(
+                    logits(&old),
+                    logits(&fresh),
+                    "{panels:?}: the panels follow"
+                );
+            }
+        }
     }
 
     #[test]

@@ -381,6 +381,9 @@ pub fn build_model(
     model
         .prepare_for_inference()
         .map_err(rookworld_lm::Error::from)?;
+    if model.packed_only() {
+        rookworld_lm::alloc::return_freed_memory(); // the dense copies, once packed
+    }
     Ok(model)
 }
 

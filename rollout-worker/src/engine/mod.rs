@@ -18,10 +18,18 @@ use rookworld_lm::sampling::SamplingParams;
 
 /// Readies a model for the engine ([`Gpt2::prepare_for_inference`]): on the CPU in f32,
 /// its weights are packed for the CPU kernel in the model's panel dtype
-/// ([`Gpt2::set_panel_dtype`]); on CUDA, its LM head is padded to aligned rows.
+/// ([`Gpt2::set_panel_dtype`]) and the panels become their only copy (the dense copies'
+/// memory is handed back to the kernel); on CUDA, its LM head is padded to aligned rows.
 pub fn prepare_model(mut model: Gpt2) -> Result<Gpt2, EngineError> {
     if model.prepare_for_inference()? {
-        tracing::debug!("weights readied for inference on {:?}", model.device());
+        if model.packed_only() {
+            rookworld_lm::alloc::return_freed_memory();
+        }
+        tracing::debug!(
+            packed_only = model.packed_only(),
+            "weights readied for inference on {:?}",
+            model.device()
+        );
     }
     Ok(model)
 }

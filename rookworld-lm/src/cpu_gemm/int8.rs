@@ -115,6 +115,27 @@ impl Int8Panels {
             );
     }
 
+    /// Panels `first..` of a transposed (N, K) weight from its rows `first · NR..`
+    /// (`rows`, row-major): what [`Self::fill`] writes there.
+    pub(super) fn fill_transposed_rows(&mut self, rows: &[f32], k: usize, first: usize) {
+        let n = rows.len() / k;
+        let (at, end) = (first, first + n.div_ceil(NR));
+        let bytes = groups(k) * 4 * NR;
+        self.q[at * bytes..end * bytes]
+            .par_chunks_mut(bytes)
+            .zip(self.scales[at * NR..end * NR].par_chunks_mut(NR))
+            .zip(self.corrections[at * NR..end * NR].par_chunks_mut(NR))
+            .enumerate()
+            .for_each_init(
+                || vec![0f32; k * NR],
+                |wide, (i, ((q, s), c))| {
+                    wide.fill(0.0); // the last panel's padding columns
+                    fill_panel(wide, rows, k, n, i, true);
+                    quantize_panels(wide, NR, k, 0, q, s, c);
+                },
+            );
+    }
+
     /// Every panel's bytes, scales and corrections.
     pub(super) fn panels(&self, k: usize) -> impl IndexedParallelIterator<Item = Panel<'_>> {
         self.q

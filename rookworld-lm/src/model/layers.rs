@@ -6,7 +6,7 @@ use std::sync::Arc;
 use candle_core::{D, DType, Tensor};
 use candle_nn::VarBuilder;
 
-use super::{packed_matmul, repack_or_pack, tracked};
+use super::{packed_matmul, repack_or_pack, tracked, with_values};
 use crate::cache::LayerCache;
 use crate::config::{Activation, Config};
 use crate::cpu_gemm::{Epilogue, PackedMatrix, PanelDtype};
@@ -61,7 +61,8 @@ pub(crate) fn linear_in(
 pub(crate) struct Conv1D {
     pub(crate) weight: Tensor, // (in, out)
     pub(crate) bias: Tensor,   // (out)
-    /// `weight` and `bias` packed for the CPU kernel ([`Gpt2::pack_for_cpu`]).
+    /// `weight` and `bias` packed for the CPU kernel ([`Gpt2::pack_for_cpu`]); the only
+    /// copy of the weight once [`Self::release_dense`] has emptied `weight`.
     pub(crate) packed: Option<Arc<PackedMatrix>>,
     /// The matmul's input dtype when it differs from the weights' ([`matmul_in`]).
     pub(crate) compute: Option<DType>,
@@ -87,18 +88,48 @@ impl Conv1D {
         dtype: PanelDtype,
         epilogue: Epilogue,
     ) -> candle_core::Result<()> {
-        let (d_in, d_out) = self.weight.dims2()?;
+        if self.dense_released() {
+            candle_core::bail!("the dense weight was released: repack from stored values");
+        }
+        let weight = self.weight.clone(); // (in, out)
+        with_values(&weight, |w| self.pack_values(w, dtype, epilogue))?
+    }
+
+    /// Packs `w`, the weight's (in, out) values in row order, with the bias.
+    pub(crate) fn pack_values(
+        &mut self,
+        w: &[f32],
+        dtype: PanelDtype,
+        epilogue: Epilogue,
+    ) -> candle_core::Result<()> {
+        let d_out = self.bias.dim(0)?;
         let bias = self.bias.to_vec1::<f32>()?;
         let packed = repack_or_pack(
             &mut self.packed,
             dtype,
-            &self.weight,
-            (d_in, d_out),
+            w,
+            (w.len() / d_out, d_out),
             false,
             Some(bias),
         )?;
         packed.set_epilogue(epilogue);
         Ok(())
+    }
+
+    /// Drops the dense weight once the panels hold it (inference on the CPU): `weight`
+    /// becomes an empty (0, out) tensor and only the packed kernel runs this layer.
+    pub(crate) fn release_dense(&mut self) -> candle_core::Result<()> {
+        if self.packed.is_none() {
+            candle_core::bail!("release_dense: the layer is not packed");
+        }
+        let d_out = self.bias.dim(0)?;
+        self.weight = Tensor::zeros((0, d_out), self.weight.dtype(), self.weight.device())?;
+        Ok(())
+    }
+
+    /// Whether [`Self::release_dense`] emptied the weight.
+    pub(crate) fn dense_released(&self) -> bool {
+        self.weight.elem_count() == 0
     }
 
     /// `act(x W + b)` in one pass when the packed kernel fuses `act` and applies to `x`.
@@ -126,6 +157,12 @@ impl Conv1D {
             && let Some(y) = packed_matmul(packed, &x.reshape((b * t, d_in))?)?
         {
             return y.reshape((b, t, d_out)); // (B, T, out)
+        }
+        if self.dense_released() {
+            candle_core::bail!(
+                "this layer keeps its weight only as packed panels, which take untracked f32 \
+                 inputs on the CPU"
+            );
         }
         let x = x.reshape((b * t, d_in))?; // (B*T, in)
         let y = linear_in(
@@ -424,6 +461,16 @@ pub(crate) struct Block {
 }
 
 impl Block {
+    /// The block's four projections under their Hugging Face names.
+    pub(crate) fn convs_mut(&mut self) -> [(&'static str, &mut Conv1D); 4] {
+        [
+            ("attn.c_attn", &mut self.attn.c_attn),
+            ("attn.c_proj", &mut self.attn.c_proj),
+            ("mlp.c_fc", &mut self.mlp.c_fc),
+            ("mlp.c_proj", &mut self.mlp.c_proj),
+        ]
+    }
+
     /// Sets the input dtype of every matmul of the block ([`matmul_in`]).
     pub(crate) fn set_matmul_dtype(&mut self, dtype: Option<DType>) {
         self.attn.compute = dtype;

@@ -18,7 +18,9 @@ mod layers;
 
 use layers::{Block, Conv1D, LayerNorm};
 
+use crate::bf16_payload::{StoredValues, overwrite};
 use crate::cache::KvCache;
+use crate::checkpoint;
 use crate::config::{Activation, Config};
 use crate::cpu_gemm::{Epilogue, PackedMatrix, PanelDtype};
 use crate::grouped::{GroupedCache, StepPlan};
@@ -34,6 +36,11 @@ pub(crate) fn tracked(t: &Tensor) -> bool {
 /// Rows of the padded LM head on CUDA are a multiple of this
 /// ([`Gpt2::prepare_for_inference`]): 64 BF16 values are 128 bytes, one cache line.
 pub const HEAD_ROWS_ALIGN: usize = 64;
+
+/// Rows of the tied LM head widened at a time when a packed-only model is refilled
+/// ([`Gpt2::refill_packed`]): 3 MB of f32 for GPT-2's 768 columns, not the 154 MB of the
+/// whole head, whose fresh pages alone cost more than its packing.
+const HEAD_BLOCK_ROWS: usize = 1024;
 
 /// GPT-2 with a language-model head (Hugging Face `GPT2LMHeadModel`).
 #[derive(Debug, Clone)]
@@ -54,6 +61,11 @@ pub struct Gpt2 {
     /// The matmuls' input dtype when it differs from the weights' (mixed precision).
     matmul_dtype: Option<DType>,
     train_ops: bool,
+    /// The weights' dtype (`wte` may be kept in BF16 once the model is packed only).
+    dtype: DType,
+    /// The projections' weights live only in their packed panels
+    /// ([`Self::prepare_for_inference`] on the CPU).
+    packed_only: bool,
     cfg: Config,
 }
 
@@ -71,8 +83,11 @@ impl Gpt2 {
         } else {
             Some(head_vb.get((v, e), "lm_head.weight")?)
         };
+        let wte = vb.get((v, e), "wte.weight")?;
         Ok(Self {
-            wte: vb.get((v, e), "wte.weight")?,
+            dtype: wte.dtype(),
+            packed_only: false,
+            wte,
             wpe: vb.get((cfg.n_positions, e), "wpe.weight")?,
             blocks,
             ln_f: LayerNorm::load(vb.pp("ln_f"), e, cfg.layer_norm_epsilon)?,
@@ -95,7 +110,13 @@ impl Gpt2 {
     }
 
     pub fn dtype(&self) -> DType {
-        self.wte.dtype()
+        self.dtype
+    }
+
+    /// Whether the projections' weights live only in their packed panels (see
+    /// [`Self::prepare_for_inference`]); new weights then go in by [`Self::refill_packed`].
+    pub fn packed_only(&self) -> bool {
+        self.packed_only
     }
 
     /// Mixed precision: every matmul of the layers (and of [`Self::logits`]) takes its
@@ -167,7 +188,7 @@ impl Gpt2 {
         let positions = padding.positions(past, t, device)?; // (B, T)
         let bias = padding.attention_bias(past, t, device)?; // (B, 1, T, S) or None
 
-        let tok = self.wte.embedding_rows(ids)?; // (B, T, E)
+        let tok = self.token_rows(ids)?; // (B, T, E)
         let pos = self.wpe.embedding_rows(&positions)?; // (B, T, E)
         let mut x = (tok + pos)?;
         for (block, layer_cache) in self.blocks.iter().zip(cache.layers_mut()) {
@@ -177,8 +198,17 @@ impl Gpt2 {
         self.ln_f.forward(&x)
     }
 
+    /// Token embeddings of `ids` (B, T) in the weights' dtype: (B, T, E).
+    fn token_rows(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        self.wte.embedding_rows(ids)?.to_dtype(self.dtype)
+    }
+
     /// Readies untracked weights for inference on their device; returns whether
-    /// anything changed. On the CPU, [`Self::pack_for_cpu`]. On CUDA, a copy of the LM
+    /// anything changed. On the CPU, [`Self::pack_for_cpu`], after which the panels are
+    /// the only copy of the projections' weights (their dense tensors are emptied, and
+    /// `wte`, which embeds tokens, is kept in BF16 when the panels are BF16 or INT8):
+    /// the model is then for inference only — [`Self::named_tensors`] no longer gives its
+    /// weights — and takes new ones through [`Self::refill_packed`]. On CUDA, a copy of the LM
     /// head padded with zero rows to V' = V rounded up to [`HEAD_ROWS_ALIGN`], so the
     /// head's product writes rows of V' values: a row of GPT-2's 50,257 BF16 logits is
     /// not 16-byte aligned, and cuBLAS then takes an older, slower kernel (266 µs for the
@@ -186,7 +216,11 @@ impl Gpt2 {
     /// The logits are the first V columns; the padding costs V' − V rows of the head.
     pub fn prepare_for_inference(&mut self) -> candle_core::Result<bool> {
         if !self.device().is_cuda() {
-            return self.pack_for_cpu();
+            if self.packed_only || !self.packs_for_cpu() {
+                return Ok(false);
+            }
+            self.pack_and_release()?;
+            return Ok(true);
         }
         if tracked(&self.wte) {
             return Ok(false);
@@ -212,35 +246,135 @@ impl Gpt2 {
     /// packed copy would not follow optimizer steps).
     /// The panels are f32 unless [`set_panel_dtype`](Self::set_panel_dtype) chose BF16.
     pub fn pack_for_cpu(&mut self) -> candle_core::Result<bool> {
-        if !self.device().is_cpu()
-            || self.dtype() != DType::F32
-            || !crate::cpu_gemm::supported()
-            || tracked(&self.wte)
-        {
+        if self.packed_only {
+            candle_core::bail!("the model is packed only: new weights go in by refill_packed");
+        }
+        if !self.packs_for_cpu() {
             return Ok(false);
         }
+        self.pack_layers(false)?;
+        let head = self.head_weight().clone(); // (V, E)
+        with_values(&head, |w| self.pack_head(w))??;
+        Ok(true)
+    }
+
+    /// Whether [`Self::pack_for_cpu`] applies: untracked f32 weights on a CPU with the
+    /// packed kernel.
+    fn packs_for_cpu(&self) -> bool {
+        self.device().is_cpu()
+            && self.dtype() == DType::F32
+            && crate::cpu_gemm::supported()
+            && !tracked(&self.wte)
+    }
+
+    /// Packs every projection, emptying each one's dense weight right after when
+    /// `release` ([`Conv1D::release_dense`]).
+    fn pack_layers(&mut self, release: bool) -> candle_core::Result<()> {
+        let dtype = self.panel_dtype;
         for block in &mut self.blocks {
-            let dtype = self.panel_dtype;
-            block.attn.c_attn.pack(dtype, Epilogue::None)?;
-            block.attn.c_proj.pack(dtype, Epilogue::None)?;
             let fc_epilogue = match block.mlp.act {
                 Activation::GeluNew => Epilogue::GeluNew,
                 Activation::Gelu | Activation::Relu => Epilogue::None,
             };
-            block.mlp.c_fc.pack(dtype, fc_epilogue)?;
-            block.mlp.c_proj.pack(dtype, Epilogue::None)?;
+            for (name, conv) in block.convs_mut() {
+                let epilogue = if name == "mlp.c_fc" {
+                    fc_epilogue
+                } else {
+                    Epilogue::None
+                };
+                conv.pack(dtype, epilogue)?;
+                if release {
+                    conv.release_dense()?;
+                }
+            }
         }
-        let head = self.lm_head.as_ref().unwrap_or(&self.wte); // (V, E)
-        let (v, e) = head.dims2()?;
+        Ok(())
+    }
+
+    /// Packs the LM head from its (V, E) values in row order.
+    fn pack_head(&mut self, w: &[f32]) -> candle_core::Result<()> {
+        let e = self.cfg.n_embd;
+        let v = w.len() / e;
         repack_or_pack(
             &mut self.head_packed,
             self.panel_dtype,
-            head,
+            w,
             (e, v),
             true,
             None,
         )?;
-        Ok(true)
+        Ok(())
+    }
+
+    /// [`Self::pack_for_cpu`] that leaves the panels the only copy of the projections'
+    /// weights and keeps `wte` in BF16 under BF16 or INT8 panels
+    /// ([`Self::prepare_for_inference`]). The head is packed first and `wte` narrowed,
+    /// then each projection packed and emptied in turn, so the load's peak holds about
+    /// one dense copy of the weights, not a dense copy beside all the panels. An untied
+    /// LM head keeps its dense copy.
+    fn pack_and_release(&mut self) -> candle_core::Result<()> {
+        let head = self.head_weight().clone(); // (V, E)
+        with_values(&head, |w| self.pack_head(w))??;
+        drop(head);
+        if self.panel_dtype != PanelDtype::F32 {
+            self.wte = self.wte.to_dtype(DType::BF16)?;
+        }
+        self.pack_layers(true)?;
+        self.packed_only = true;
+        Ok(())
+    }
+
+    /// Writes new weights into a packed-only model ([`Self::packed_only`]) in place:
+    /// `values(name)` gives each tensor of [`Self::named_tensors`]' names as stored. Small
+    /// tensors and `wte` are overwritten; each projection and the LM head are packed from
+    /// their values, widened one matrix at a time into one scratch buffer (the panels
+    /// are reused when nothing else holds them). The caller checks names and shapes
+    /// first ([`crate::checkpoint::check_tensors`]).
+    pub fn refill_packed<'a>(
+        &mut self,
+        values: impl Fn(&str) -> candle_core::Result<StoredValues<'a>>,
+    ) -> candle_core::Result<()> {
+        if !self.packed_only {
+            candle_core::bail!("refill_packed: the model keeps its dense weights");
+        }
+        for (name, t) in self.named_tensors() {
+            if t.elem_count() > 0 {
+                overwrite(&t, values(&name)?)?;
+            }
+        }
+        let mut scratch = Vec::new();
+        let dtype = self.panel_dtype;
+        for (i, block) in self.blocks.iter_mut().enumerate() {
+            for (name, conv) in block.convs_mut() {
+                let Some(packed) = conv.packed.as_ref() else {
+                    candle_core::bail!("refill_packed: h.{i}.{name} is not packed");
+                };
+                let (len, epilogue) = (packed.k() * packed.n(), packed.epilogue());
+                scratch.resize(len, 0f32);
+                values(&format!("{}h.{i}.{name}.weight", checkpoint::PREFIX))?
+                    .read_into(&mut scratch)?;
+                conv.pack_values(&scratch, dtype, epilogue)?;
+            }
+        }
+        let head = match &self.lm_head {
+            Some(head) => head.clone(), // overwritten above
+            None => {
+                // The tied head from wte's stored values, a block of rows at a time.
+                let (v, e) = self.wte.dims2()?;
+                let wte = values(&format!("{}wte.weight", checkpoint::PREFIX))?;
+                if let Some(packed) = self.head_packed.as_mut().and_then(Arc::get_mut) {
+                    return packed.repack_transposed_by_rows(
+                        HEAD_BLOCK_ROWS,
+                        &mut scratch,
+                        |r, out| wte.slice(r.start * e..r.end * e).read_into(out),
+                    );
+                }
+                scratch.resize(v * e, 0f32);
+                wte.read_into(&mut scratch)?;
+                return self.pack_head(&scratch);
+            }
+        };
+        with_values(&head, |w| self.pack_head(w))?
     }
 
     /// What the CPU kernel's panels hold from the next [`pack_for_cpu`](Self::pack_for_cpu)
@@ -322,7 +456,7 @@ impl Gpt2 {
             candle_core::bail!("{} ids for {} live rows", ids.len(), plan.rows);
         }
         let ids = Tensor::new(ids, device)?.unsqueeze(1)?; // (B, 1)
-        let tok = self.wte.embedding_rows(&ids)?; // (B, 1, E)
+        let tok = self.token_rows(&ids)?; // (B, 1, E)
         let pos = self.wpe.embedding_rows(&plan.positions)?; // (B, 1, E)
         let mut x = (tok + pos)?;
         let hidden = if plan.fused_ops && self.fused_decode_applies() {
@@ -356,6 +490,7 @@ impl Gpt2 {
             && d <= 128
             && !self.blocks.is_empty()
             && !tracked(&self.wte)
+            && !self.packed_only
     }
 
     /// The layers of a decode step with the fused ops ([`crate::fused_ops`]): `x` (B, E)
@@ -442,21 +577,17 @@ pub(crate) fn packed_matmul(
 pub(crate) fn repack_or_pack<'a>(
     slot: &'a mut Option<Arc<PackedMatrix>>,
     dtype: PanelDtype,
-    w: &Tensor,
+    w: &[f32],
     (k, n): (usize, usize),
     transposed: bool,
     bias: Option<Vec<f32>>,
 ) -> candle_core::Result<&'a mut PackedMatrix> {
     let reused = match slot.as_mut().and_then(Arc::get_mut) {
-        Some(packed) if packed.dtype() == dtype => {
-            with_values(w, |w| packed.repack(w, transposed, bias.as_deref()))?
-        }
+        Some(packed) if packed.dtype() == dtype => packed.repack(w, transposed, bias.as_deref()),
         _ => false,
     };
     if !reused {
-        let packed = with_values(w, |w| {
-            PackedMatrix::pack_as(dtype, w, k, n, transposed, bias)
-        })?;
+        let packed = PackedMatrix::pack_as(dtype, w, k, n, transposed, bias);
         *slot = Some(Arc::new(packed));
     }
     Ok(Arc::get_mut(slot.as_mut().expect("packed above")).expect("held alone"))
@@ -464,7 +595,7 @@ pub(crate) fn repack_or_pack<'a>(
 
 /// `f` of `t`'s f32 values in element order: borrowed from its CPU storage when it is
 /// contiguous f32 (no copy of a weight matrix to pack it), else copied.
-fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
+pub(super) fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
     {
         let (storage, layout) = t.storage_and_layout();
         if let (candle_core::Storage::Cpu(cpu), Some((a, b))) =
