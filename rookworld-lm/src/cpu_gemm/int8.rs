@@ -75,6 +75,31 @@ pub(super) struct Int8Panels {
 /// One panel's part of [`Int8Panels`]: its bytes, its columns' scales and corrections.
 pub(super) type Panel<'a> = (&'a [i8], &'a [f32], &'a [i32]);
 
+/// Panels `first..` of `w` — (K, N) row-major, or (N, K) when `transposed` — into
+/// `(q, scales, corrections)`, the parts of those panels: each panel gathered into a
+/// (K, NR) buffer of the thread's own, then quantized.
+fn gather_and_quantize(
+    (q, scales, corrections): (&mut [i8], &mut [f32], &mut [i32]),
+    w: &[f32],
+    k: usize,
+    n: usize,
+    first: usize,
+    transposed: bool,
+) {
+    q.par_chunks_mut(groups(k) * 4 * NR)
+        .zip(scales.par_chunks_mut(NR))
+        .zip(corrections.par_chunks_mut(NR))
+        .enumerate()
+        .for_each_init(
+            || vec![0f32; k * NR],
+            |wide, (i, ((q, s), c))| {
+                wide.fill(0.0); // the last panel's padding columns
+                fill_panel(wide, w, k, n, first + i, transposed);
+                quantize_panels(wide, NR, k, 0, q, s, c);
+            },
+        );
+}
+
 impl Int8Panels {
     pub(super) fn new(k: usize, n: usize) -> Self {
         let panels = n.div_ceil(NR);
@@ -100,19 +125,8 @@ impl Int8Panels {
             .zip(corrections.par_chunks_mut(BLOCK * NR))
             .enumerate()
             .for_each(|(b, ((q, s), c))| quantize_panels(w, n, k, b * BLOCK * NR, q, s, c));
-        q_rest
-            .par_chunks_mut(bytes)
-            .zip(scales_rest.par_chunks_mut(NR))
-            .zip(corrections_rest.par_chunks_mut(NR))
-            .enumerate()
-            .for_each_init(
-                || vec![0f32; k * NR],
-                |wide, (i, ((q, s), c))| {
-                    wide.fill(0.0); // the last panel's padding columns
-                    fill_panel(wide, w, k, n, in_place + i, transposed);
-                    quantize_panels(wide, NR, k, 0, q, s, c);
-                },
-            );
+        let rest = (q_rest, scales_rest, corrections_rest);
+        gather_and_quantize(rest, w, k, n, in_place, transposed);
     }
 
     /// Panels `first..` of a transposed (N, K) weight from its rows `first · NR..`
@@ -121,19 +135,12 @@ impl Int8Panels {
         let n = rows.len() / k;
         let (at, end) = (first, first + n.div_ceil(NR));
         let bytes = groups(k) * 4 * NR;
-        self.q[at * bytes..end * bytes]
-            .par_chunks_mut(bytes)
-            .zip(self.scales[at * NR..end * NR].par_chunks_mut(NR))
-            .zip(self.corrections[at * NR..end * NR].par_chunks_mut(NR))
-            .enumerate()
-            .for_each_init(
-                || vec![0f32; k * NR],
-                |wide, (i, ((q, s), c))| {
-                    wide.fill(0.0); // the last panel's padding columns
-                    fill_panel(wide, rows, k, n, i, true);
-                    quantize_panels(wide, NR, k, 0, q, s, c);
-                },
-            );
+        let panels = (
+            &mut self.q[at * bytes..end * bytes],
+            &mut self.scales[at * NR..end * NR],
+            &mut self.corrections[at * NR..end * NR],
+        );
+        gather_and_quantize(panels, rows, k, n, 0, true);
     }
 
     /// Every panel's bytes, scales and corrections.
