@@ -66,8 +66,9 @@ pub struct BenchArgs {
     /// Training device: cpu, cuda, cuda:N (weights, moments and statistics in f32).
     #[arg(long, env = "ROOKWORLD_DEVICE", default_value = "cpu")]
     pub device: String,
-    /// Matmul precision: auto (BF16 inputs on CUDA and on a CPU with AVX512-BF16, else f32),
-    /// f32 or bf16 (on the CPU the fused pass's BF16 products).
+    /// Matmul precision: auto (BF16 inputs on CUDA and on a CPU whose AVX512-BF16 dot
+    /// products outrun its f32 FMAs, else f32), f32 or bf16 (on the CPU the fused pass's
+    /// BF16 products).
     #[arg(long, value_enum, env = "ROOKWORLD_PRECISION", default_value = "auto")]
     pub precision: Precision,
     /// The autograd path's layer norms, softmaxes, bias + GELU and head log-probs as

@@ -16,7 +16,7 @@ use candle_core::{DType, Device};
 use rollout_worker::engine::{Engine, EngineConfig, prepare_model};
 use rollout_worker::service::{RolloutServer, ServiceConfig};
 use rookworld_lm::config::Config;
-use rookworld_lm::device::{DeviceChoice, default_dtype};
+use rookworld_lm::device::{DeviceChoice, Precision};
 use rookworld_lm::{Tokenizer, checkpoint};
 use rookworld_proto::logging::Progress;
 use rookworld_proto::rollout::v1 as pb;
@@ -51,6 +51,11 @@ pub struct BenchPushArgs {
     /// "convert + pack" is the upload to the device.
     #[arg(long, default_value = "cpu")]
     pub worker_device: String,
+    /// The worker's --precision, as `rollout-worker serve` takes it (auto: BF16 panels on
+    /// a CPU the packed kernel runs on, BF16 weights on CUDA; f32, bf16, f16 or int8): on
+    /// the CPU, what its panels hold and so what a push is packed into.
+    #[arg(long, default_value = "auto")]
+    pub rollout_precision: Precision,
 }
 
 /// One measurement: the median push and where the worker spent it.
@@ -73,6 +78,8 @@ struct Pushes {
 struct Report {
     preset: String,
     worker_device: String,
+    /// What the worker's CPU panels hold (f32 on CUDA, where nothing is packed).
+    worker_panels: String,
     bytes: usize,
     /// Learner: the model to the BF16 safetensors payload, and its BLAKE3 hash.
     export_seconds: f64,
@@ -185,8 +192,10 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, BenchPushError> {
         .parse::<DeviceChoice>()
         .and_then(DeviceChoice::open)
         .map_err(|e| ConfigError(format!("--worker-device: {e}")))?;
-    let dtype = default_dtype(&device);
-    let worker_model = prepare_model(checkpoint::init_random(&cfg, 2, dtype, &device)?)?;
+    let (dtype, panels) = args.rollout_precision.resolve(&device)?;
+    let mut worker_model = checkpoint::init_random(&cfg, 2, dtype, &device)?;
+    worker_model.set_panel_dtype(panels);
+    let worker_model = prepare_model(worker_model)?;
     let engine = Arc::new(Engine::start(worker_model, 0, EngineConfig::default()));
     let server = RolloutServer::new(
         engine,
@@ -199,7 +208,8 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, BenchPushError> {
             shared_dir: Some(shared_dir.clone()),
             ..ServiceConfig::default()
         },
-    );
+    )
+    .with_panels(panels);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -289,6 +299,7 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, BenchPushError> {
     Ok(Report {
         preset: args.preset.clone(),
         worker_device: args.worker_device.clone(),
+        worker_panels: format!("{panels:?}").to_lowercase(),
         bytes,
         export_seconds,
         export_generic_seconds,

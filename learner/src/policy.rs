@@ -18,8 +18,10 @@ use crate::optim::Gradients;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
-    /// BF16 matmul inputs on CUDA (TF32 for the f32 matmuls left) and on a CPU with
-    /// AVX512-BF16 (the fused pass's `vdpbf16ps` products); f32 on other CPUs.
+    /// BF16 matmul inputs on CUDA (TF32 for the f32 matmuls left) and on a CPU whose
+    /// AVX512-BF16 dot products outrun its f32 FMAs (the fused pass's `vdpbf16ps`
+    /// products: AMD Zen 4 and 5; [`rookworld_lm::cpu_gemm::bf16_products_pay`]); f32 on
+    /// other CPUs, Intel Xeons without AMX among them.
     Auto,
     /// f32 matmuls everywhere (TF32 still allowed on CUDA).
     F32,
@@ -33,8 +35,8 @@ impl Precision {
     pub fn matmul_dtype(self, device: &Device) -> Option<DType> {
         match self {
             Self::Auto => (device.is_cuda()
-                || (device.is_cpu() && rookworld_lm::cpu_gemm::avx512().bf16))
-                .then_some(DType::BF16),
+                || (device.is_cpu() && rookworld_lm::cpu_gemm::bf16_products_pay()))
+            .then_some(DType::BF16),
             Self::F32 => None,
             Self::Bf16 => Some(DType::BF16),
         }

@@ -396,6 +396,14 @@ impl StoredValues<'_> {
             Self::Bf16(b) | Self::F32(b) => b.len(),
         }
     }
+
+    /// How many values these bytes store.
+    pub fn elem_count(self) -> usize {
+        match self {
+            Self::Bf16(b) => b.len() / 2,
+            Self::F32(b) => b.len() / 4,
+        }
+    }
 }
 
 /// Writes `src` over the values of `tensor`, a contiguous f32 or bfloat16 CPU tensor of as

@@ -40,9 +40,9 @@ pub struct TrainArgs {
     /// gRPC), so that one command trains.
     #[arg(long)]
     pub local: bool,
-    /// The learner's matmuls: auto (BF16 inputs on CUDA and on a CPU with AVX512-BF16, else
-    /// f32), f32 or bf16 (on the CPU the fused pass's BF16 products); weights, moments and
-    /// statistics stay f32.
+    /// The learner's matmuls: auto (BF16 inputs on CUDA and on a CPU whose AVX512-BF16 dot
+    /// products outrun its f32 FMAs, else f32), f32 or bf16 (on the CPU the fused pass's
+    /// BF16 products); weights, moments and statistics stay f32.
     #[arg(long, env = "ROOKWORLD_PRECISION", value_enum, default_value = "auto")]
     pub precision: crate::policy::Precision,
     /// With --local: the local rollout worker's --precision (auto, f32, bf16, f16, or int8

@@ -111,6 +111,11 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
             (policy, AdamW::new(s.adamw()), 0, 1)
         }
     };
+    tracing::info!(
+        precision = ?args.precision,
+        matmuls = ?policy.model.matmul_dtype().unwrap_or(DType::F32),
+        "learner precision"
+    );
     // Version 0 is whatever weights a worker started with, never the learner's.
     queue.retire(0, 0);
     let reference = if s.objective.beta > 0.0 {

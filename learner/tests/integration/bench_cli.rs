@@ -36,8 +36,9 @@ fn bench_prints_one_json_line_with_the_step_split() {
     assert_eq!(line.lines().count(), 1, "{line}");
     let v: serde_json::Value = serde_json::from_str(line).unwrap();
     assert_eq!(v["path"], "fused");
-    // auto: BF16 products where this CPU has AVX512-BF16, f32 elsewhere.
-    let auto = if rookworld_lm::cpu_gemm::avx512().bf16 {
+    // auto: BF16 products where this CPU's AVX512-BF16 dot products outrun its f32 FMAs
+    // (measured the same way in this process), f32 elsewhere.
+    let auto = if rookworld_lm::cpu_gemm::bf16_products_pay() {
         "bf16"
     } else {
         "f32"

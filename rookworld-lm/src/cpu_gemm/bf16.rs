@@ -6,6 +6,67 @@
 
 use super::{MR, NR};
 
+/// The FLOP rate of `vdpbf16ps` over that of `vfmadd231ps`, both 512-bit on register
+/// operands with twelve independent sums (enough to hide either's latency), best of three
+/// alternating timings of about a tenth of a millisecond each; 0 without AVX512-BF16.
+/// Each `vdpbf16ps` sums two products per f32 lane (64 FLOP), each FMA one (32 FLOP).
+pub(super) fn dot_to_fma_rate() -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if super::avx512().bf16 {
+        const ITERS: usize = 20_000;
+        let (mut dot, mut fma) = (f64::MAX, f64::MAX);
+        for _ in 0..3 {
+            let start = std::time::Instant::now();
+            // SAFETY: AVX512F and AVX512-BF16 are present (checked above).
+            std::hint::black_box(unsafe { dot_sums(ITERS) });
+            dot = dot.min(start.elapsed().as_secs_f64());
+            let start = std::time::Instant::now();
+            // SAFETY: as above.
+            std::hint::black_box(unsafe { fma_sums(ITERS) });
+            fma = fma.min(start.elapsed().as_secs_f64());
+        }
+        return (64.0 / dot.max(1e-9)) / (32.0 / fma.max(1e-9));
+    }
+    0.0
+}
+
+/// `iters` rounds of twelve independent `vdpbf16ps`, summed at the end.
+///
+/// # Safety
+/// The CPU has AVX512F and AVX512-BF16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn dot_sums(iters: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let half = std::hint::black_box(0.5f32);
+    let x = _mm512_cvtne2ps_pbh(_mm512_set1_ps(half), _mm512_set1_ps(-half));
+    let mut sums = [_mm512_setzero_ps(); 12];
+    for _ in 0..iters {
+        for s in &mut sums {
+            *s = _mm512_dpbf16_ps(*s, x, x);
+        }
+    }
+    sums.iter().map(|&s| _mm512_reduce_add_ps(s)).sum()
+}
+
+/// `iters` rounds of twelve independent `vfmadd231ps`, summed at the end.
+///
+/// # Safety
+/// The CPU has AVX512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn fma_sums(iters: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let x = _mm512_set1_ps(std::hint::black_box(0.5f32));
+    let mut sums = [_mm512_setzero_ps(); 12];
+    for _ in 0..iters {
+        for s in &mut sums {
+            *s = _mm512_fmadd_ps(x, x, *s);
+        }
+    }
+    sums.iter().map(|&s| _mm512_reduce_add_ps(s)).sum()
+}
+
 /// `tile (MR, NR) = a · b` over BF16 pairs: `a` a row block of `general::pack_rows` (kp pairs),
 /// `b` a [`Panels::Bf16Pairs`] panel; f32 sums.
 pub(super) fn kernel_bf16_pairs(a: &[u32], b: &[u16], tile: &mut [f32; MR * NR], kp: usize) {

@@ -57,6 +57,110 @@ pub(super) fn fill_panels_bf16(
     );
 }
 
+/// BF16 values `w` — little-endian bit patterns as a payload stores them, (K, N)
+/// row-major or (N, K) when `transposed` — placed into BF16 panels of `panel_len` values
+/// each: value (kk, c) of panel p at `panel[at(kk, c)]`, the rest of each panel zero. A
+/// BF16 value rounds to itself, so this writes what packing the values' f32 widening
+/// writes, without the f32 copy (a push's BF16 payload into BF16 panels).
+pub(super) fn place_bf16(
+    panels: &mut [u16],
+    panel_len: usize,
+    w: &[u8],
+    (k, n): (usize, usize),
+    transposed: bool,
+    at: impl Fn(usize, usize) -> usize + Sync,
+) {
+    assert_eq!(w.len(), 2 * k * n, "BF16 weight of {k}×{n}");
+    assert_eq!(
+        panels.len(),
+        n.div_ceil(NR) * panel_len,
+        "panels of {k}×{n}"
+    );
+    panels
+        .par_chunks_mut(panel_len)
+        .enumerate()
+        .for_each(|(p, panel)| place_panel(panel, w, (k, n), p, transposed, &at));
+}
+
+/// [`place_bf16`] into `vdpbf16ps` pair panels ((⌈K/2⌉, NR, 2) each: column c's values k
+/// = 2·pair, 2·pair + 1 adjacent). With AVX2 and an even K, a whole panel goes through
+/// registers: two rows interleaved 16 columns at a time, or — for a transposed weight,
+/// whose pairs are adjacent already — the (N, K/2) matrix of pairs transposed 8 × 8 like
+/// f32 values ([`fill_panels`]' transposed path).
+pub(super) fn place_bf16_pairs(
+    panels: &mut [u16],
+    w: &[u8],
+    (k, n): (usize, usize),
+    transposed: bool,
+) {
+    let panel_len = k.div_ceil(2) * NR * 2;
+    assert_eq!(w.len(), 2 * k * n, "BF16 weight of {k}×{n}");
+    assert_eq!(
+        panels.len(),
+        n.div_ceil(NR) * panel_len,
+        "panels of {k}×{n}"
+    );
+    let at = |kk: usize, c: usize| ((kk / 2) * NR + c) * 2 + kk % 2;
+    panels
+        .par_chunks_mut(panel_len)
+        .enumerate()
+        .for_each(|(p, panel)| {
+            #[cfg(target_arch = "x86_64")]
+            if NR.min(n - p * NR) == NR
+                && k.is_multiple_of(2)
+                && std::arch::is_x86_feature_detected!("avx2")
+            {
+                let src = w.as_ptr();
+                if !transposed {
+                    // SAFETY: AVX2 is present; `w` holds the K × N values (asserted
+                    // above), K is even, panel p has NR columns and `panel` K·NR values.
+                    unsafe { avx2::interleave_rows(panel, src.cast(), k, n, p) };
+                    return;
+                }
+                let out = panel.as_mut_ptr();
+                if (k / 2).is_multiple_of(8) && (out as usize).is_multiple_of(16) {
+                    // SAFETY: AVX2 is present; rows p·NR.. of the (N, K/2) pairs lie in
+                    // `w` (asserted above, the panel has NR columns), K/2 is a multiple of
+                    // 8 and `out` — (K/2) · NR pairs — is 16-byte aligned.
+                    unsafe {
+                        avx2::transpose_rows(out.cast(), src.add(p * NR * k * 2).cast(), k / 2)
+                    };
+                    return;
+                }
+            }
+            place_panel(panel, w, (k, n), p, transposed, &at)
+        });
+}
+
+/// Panel `p` of [`place_bf16`], value by value: zeroed, then each value placed at `at`.
+fn place_panel(
+    panel: &mut [u16],
+    w: &[u8],
+    (k, n): (usize, usize),
+    p: usize,
+    transposed: bool,
+    at: &impl Fn(usize, usize) -> usize,
+) {
+    let bits = |b: &[u8]| u16::from_le_bytes([b[0], b[1]]);
+    panel.fill(0);
+    let cols = NR.min(n - p * NR);
+    if transposed {
+        for c in 0..cols {
+            let column = &w[(p * NR + c) * k * 2..][..k * 2];
+            for (kk, v) in column.chunks_exact(2).enumerate() {
+                panel[at(kk, c)] = bits(v);
+            }
+        }
+    } else {
+        for kk in 0..k {
+            let row = &w[(kk * n + p * NR) * 2..][..cols * 2];
+            for (c, v) in row.chunks_exact(2).enumerate() {
+                panel[at(kk, c)] = bits(v);
+            }
+        }
+    }
+}
+
 /// Panel `p` (K, NR) of `w`: through registers where the CPU has AVX2, else value by value.
 pub(super) fn fill_panel(
     panel: &mut [f32],
@@ -121,14 +225,24 @@ mod avx2 {
             fill_panel_scalar(panel, w, k, n, p, transposed);
             return;
         }
-        let out = panel.as_mut_ptr();
-        // SAFETY: (the whole body) `panel` holds K·NR floats and `w` N·K; panel p's rows
-        // first..first + NR of w lie within N (cols == NR), and K is a multiple of 8; `out`
-        // is 16-byte aligned, as every 64-byte panel row after it.
+        // SAFETY: `panel` holds K·NR floats and `w` N·K; panel p's rows first..first + NR
+        // of w lie within N (cols == NR), K is a multiple of 8 and the panel 16-byte
+        // aligned.
+        unsafe { transpose_rows(panel.as_mut_ptr(), w.as_ptr().add(first * k), k) }
+    }
+
+    /// The 16 rows of K 32-bit values from `base` (row j at `base + j·K`, any alignment)
+    /// written transposed as K panel rows of 16 at `out`, non-temporally: two 8 × 8 blocks
+    /// through registers at a time.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `base` is valid for 16·K reads, `out` for K·16 writes and 16-byte
+    /// aligned; K is a multiple of 8.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn transpose_rows(out: *mut f32, base: *const f32, k: usize) {
+        // SAFETY: (the whole body) within the bounds the caller guarantees; every
+        // 64-byte panel row after `out` is 16-byte aligned as it is.
         unsafe {
-            // Rows first..first + 16 of w, 8 columns at a time: two 8 × 8 blocks
-            // transposed into 8 panel rows.
-            let base = w.as_ptr().add(first * k);
             for kk in (0..k).step_by(8) {
                 let lo = transpose8(std::array::from_fn(|j| {
                     _mm256_loadu_ps(base.add(j * k + kk))
@@ -141,6 +255,42 @@ mod avx2 {
                 }
             }
             _mm_sfence();
+        }
+    }
+
+    /// Pair panel `p` of a (K, N) BF16 weight at `w` (row-major, any alignment): rows
+    /// 2·pair and 2·pair + 1, 16 columns each, interleaved in registers into the panel's
+    /// 32 values of that pair.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `w` is valid for K·N reads, K is even, panel p's NR columns lie
+    /// within N, and `panel` holds K·NR values.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn interleave_rows(
+        panel: &mut [u16],
+        w: *const u16,
+        k: usize,
+        n: usize,
+        p: usize,
+    ) {
+        assert!(panel.len() >= k * NR, "pair panel of {k} rows");
+        let out = panel.as_mut_ptr();
+        // SAFETY: (the whole body) rows kk < K, columns p·NR..p·NR + 16 ≤ N of `w`; panel
+        // values pair·32..pair·32 + 32 < K·NR.
+        unsafe {
+            for pair in 0..k / 2 {
+                let even = _mm256_loadu_si256(w.add(2 * pair * n + p * NR).cast());
+                let odd = _mm256_loadu_si256(w.add((2 * pair + 1) * n + p * NR).cast());
+                // Within each 128-bit lane: columns 0–3 | 8–11 (lo), 4–7 | 12–15 (hi).
+                let lo = _mm256_unpacklo_epi16(even, odd);
+                let hi = _mm256_unpackhi_epi16(even, odd);
+                let dst = out.add(pair * NR * 2);
+                _mm256_storeu_si256(dst.cast(), _mm256_permute2x128_si256::<0x20>(lo, hi));
+                _mm256_storeu_si256(
+                    dst.add(16).cast(),
+                    _mm256_permute2x128_si256::<0x31>(lo, hi),
+                );
+            }
         }
     }
 

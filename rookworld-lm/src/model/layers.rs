@@ -7,6 +7,7 @@ use candle_core::{D, DType, Tensor};
 use candle_nn::VarBuilder;
 
 use super::{packed_matmul, repack_or_pack, tracked, with_values};
+use crate::bf16_payload::StoredValues;
 use crate::cache::LayerCache;
 use crate::config::{Activation, Config};
 use crate::cpu_gemm::{Epilogue, PackedMatrix, PanelDtype};
@@ -114,6 +115,36 @@ impl Conv1D {
         )?;
         packed.set_epilogue(epilogue);
         Ok(())
+    }
+
+    /// [`Self::pack_values`] from the weight's stored values (a push's payload): BF16
+    /// values straight into the BF16 panels this layer holds alone, anything else widened
+    /// into `scratch` first.
+    pub(crate) fn pack_stored(
+        &mut self,
+        stored: StoredValues,
+        scratch: &mut Vec<f32>,
+        dtype: PanelDtype,
+        epilogue: Epilogue,
+    ) -> candle_core::Result<()> {
+        if let (StoredValues::Bf16(bits), Some(packed)) =
+            (stored, self.packed.as_mut().and_then(Arc::get_mut))
+            && packed.dtype() == dtype
+            && packed.repack_bf16(bits, false, Some(&self.bias.to_vec1::<f32>()?))
+        {
+            packed.set_epilogue(epilogue);
+            return Ok(());
+        }
+        let d_out = self.bias.dim(0)?;
+        scratch.resize(stored.elem_count(), 0f32);
+        if !scratch.len().is_multiple_of(d_out) {
+            candle_core::bail!(
+                "{} stored values for a weight of {d_out} outputs",
+                scratch.len()
+            );
+        }
+        stored.read_into(scratch)?;
+        self.pack_values(scratch, dtype, epilogue)
     }
 
     /// Drops the dense weight once the panels hold it (inference on the CPU): `weight`

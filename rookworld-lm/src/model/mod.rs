@@ -350,10 +350,14 @@ impl Gpt2 {
                     candle_core::bail!("refill_packed: h.{i}.{name} is not packed");
                 };
                 let (len, epilogue) = (packed.k() * packed.n(), packed.epilogue());
-                scratch.resize(len, 0f32);
-                values(&format!("{}h.{i}.{name}.weight", checkpoint::PREFIX))?
-                    .read_into(&mut scratch)?;
-                conv.pack_values(&scratch, dtype, epilogue)?;
+                let stored = values(&format!("{}h.{i}.{name}.weight", checkpoint::PREFIX))?;
+                if stored.elem_count() != len {
+                    candle_core::bail!(
+                        "h.{i}.{name}: {} stored values for {len}",
+                        stored.elem_count()
+                    );
+                }
+                conv.pack_stored(stored, &mut scratch, dtype, epilogue)?;
             }
         }
         let head = match &self.lm_head {
@@ -363,6 +367,11 @@ impl Gpt2 {
                 let (v, e) = self.wte.dims2()?;
                 let wte = values(&format!("{}wte.weight", checkpoint::PREFIX))?;
                 if let Some(packed) = self.head_packed.as_mut().and_then(Arc::get_mut) {
+                    if let StoredValues::Bf16(bits) = wte
+                        && packed.repack_bf16(bits, true, None)
+                    {
+                        return Ok(()); // BF16 panels straight from the BF16 payload
+                    }
                     return packed.repack_transposed_by_rows(
                         HEAD_BLOCK_ROWS,
                         &mut scratch,
