@@ -4,12 +4,14 @@
 //!
 //! candle would run this as hundreds of tiny matmuls per layer (one per row and head);
 //! here each (row, head) is a few thousand multiply-adds done in place, which at decode
-//! batch sizes costs less than the dispatch of those matmuls.
+//! batch sizes costs less than the dispatch of those matmuls: each run of keys (the
+//! prompt's, the row's own) scored four keys per load of the query and each run of values
+//! summed with the output in registers ([`crate::simd::dots`], [`weighted_sum`]).
 
 use candle_core::{CpuStorage, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
-use crate::simd::{axpy, dot};
+use crate::simd::{dots, exp_inplace, weighted_sum};
 
 /// Where one decode step's rows find their keys (letters as in `grouped.rs`).
 #[derive(Debug, Clone, Copy)]
@@ -57,28 +59,28 @@ pub(crate) fn decode_attention(
             let qv = &q[bh * d..(bh + 1) * d];
             let prefix_base = (group * h + head) * g.pool_len * d;
             let suffix_base = (row * h + head) * g.suffix_cols * d;
-            let prefix_cols = g.group_pad[group]..g.pool_len;
-            let suffix_cols = g.row_start[row]..g.cursor + 1;
+            let (first, np) = (g.group_pad[group], g.pool_len - g.group_pad[group]);
+            let (start, ns) = (
+                g.row_start[row],
+                (g.cursor + 1).saturating_sub(g.row_start[row]),
+            );
+            let prefix_at = prefix_base + first * d;
+            let suffix_at = suffix_base + start * d;
             scores.clear();
-            for j in prefix_cols.clone() {
-                scores.push(dot(qv, &prefix.0[prefix_base + j * d..][..d]) * g.scale);
-            }
-            for c in suffix_cols.clone() {
-                scores.push(dot(qv, &suffix.0[suffix_base + c * d..][..d]) * g.scale);
-            }
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut total = 0f32;
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                total += *s;
-            }
-            let inv = 1.0 / total;
-            let values = prefix_cols
-                .map(|j| &prefix.1[prefix_base + j * d..][..d])
-                .chain(suffix_cols.map(|c| &suffix.1[suffix_base + c * d..][..d]));
-            for (p, v) in scores.iter().zip(values) {
-                axpy(p * inv, v, y);
-            }
+            scores.resize(np + ns, 0.0);
+            let (sp, ss) = scores.split_at_mut(np);
+            dots(qv, &prefix.0[prefix_at..], d, sp);
+            dots(qv, &suffix.0[suffix_at..], d, ss);
+            let max = scores
+                .iter()
+                .fold(f32::NEG_INFINITY, |m, &s| m.max(s * g.scale));
+            scores.iter_mut().for_each(|s| *s = *s * g.scale - max);
+            exp_inplace(scores);
+            let inv = 1.0 / scores.iter().sum::<f32>();
+            scores.iter_mut().for_each(|s| *s *= inv);
+            let (sp, ss) = scores.split_at(np);
+            weighted_sum(sp, &prefix.1[prefix_at..], d, y);
+            weighted_sum(ss, &suffix.1[suffix_at..], d, y);
         },
     );
     out

@@ -1,6 +1,7 @@
 //! Vectorised `exp` and GELU (tanh approximation) over f32 slices, for the CPU hot paths
-//! (sampling over the vocabulary, the MLP's activation). AVX2/FMA when the CPU has it,
-//! plain Rust otherwise; both within a few ulp of libm.
+//! (sampling over the vocabulary, the MLP's activation), and the dot products and weighted
+//! sums of attention over a run of keys or values. AVX2/FMA when the CPU has it, plain Rust
+//! otherwise; `exp` and GELU within a few ulp of libm.
 
 /// `exp` of Cephes' single-precision polynomial: e^x = 2^n · e^r, |r| ≤ ln2/2, degree-6
 /// polynomial for e^r (relative error ≈ 1e-7 over the clamped range).
@@ -87,6 +88,63 @@ pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     for (y, x) in y.iter_mut().zip(x) {
         *y += a * x;
     }
+}
+
+/// `out[j] = q · keys[j·stride ..][..q.len()]` for every j < `out.len()`: one query
+/// against a run of keys `stride` floats apart (a KV cache's rows of one head, or one
+/// head's columns of `[q | k | v]` rows). Four keys at a time share each load of `q`
+/// (AVX2/FMA), where one [`dot`] per key reloads it and sums its lanes alone.
+///
+/// Panics if `keys` ends before the last key does.
+pub fn dots(q: &[f32], keys: &[f32], stride: usize, out: &mut [f32]) {
+    let (d, n) = (q.len(), out.len());
+    if !check_run("dots", n, d, stride, keys.len()) {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu_gemm::supported() {
+        // SAFETY: AVX2 and FMA are present; every key lies in `keys` (asserted).
+        unsafe { avx2::dots(q, keys, stride, out) };
+        return;
+    }
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = dot(q, &keys[j * stride..][..d]);
+    }
+}
+
+/// `y += Σ_j p[j] · values[j·stride ..][..y.len()]`: the weights `p` of a run of values
+/// `stride` floats apart, summed into `y` (attention's weighted sum of values, or a
+/// query's gradient from its keys). AVX2/FMA keeps up to 64 columns of `y` in registers
+/// across the run, where one [`axpy`] per value loads and stores them all.
+///
+/// Panics if `values` ends before the last value does.
+pub fn weighted_sum(p: &[f32], values: &[f32], stride: usize, y: &mut [f32]) {
+    let (d, n) = (y.len(), p.len());
+    if !check_run("weighted_sum", n, d, stride, values.len()) {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu_gemm::supported() {
+        // SAFETY: AVX2 and FMA are present; every value lies in `values` (asserted).
+        unsafe { avx2::weighted_sum(p, values, stride, y) };
+        return;
+    }
+    for (j, &pj) in p.iter().enumerate() {
+        axpy(pj, &values[j * stride..][..d], y);
+    }
+}
+
+/// Whether a run of `n` vectors of `d` floats, `stride` apart, is non-empty; panics (naming
+/// `op`) if a buffer of `len` floats ends before its last vector does.
+fn check_run(op: &str, n: usize, d: usize, stride: usize, len: usize) -> bool {
+    if n == 0 {
+        return false;
+    }
+    assert!(
+        len >= (n - 1) * stride + d,
+        "{op}: {n} vectors of {d} floats, {stride} apart, need more than {len} floats"
+    );
+    true
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -185,6 +243,133 @@ mod avx2 {
         }
     }
 
+    /// [`super::dots`].
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA, and `keys` holds `(out.len() − 1) · stride + q.len()`
+    /// floats.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dots(q: &[f32], keys: &[f32], stride: usize, out: &mut [f32]) {
+        let (d, n) = (q.len(), out.len());
+        let vec = d / 8 * 8;
+        let base = keys.as_ptr();
+        let mut j = 0;
+        while j + 4 <= n {
+            // SAFETY: keys j..j + 4 lie in `keys` (the caller's contract), each read at
+            // columns below d; `q` holds d floats.
+            unsafe {
+                let k = [0, 1, 2, 3].map(|r| base.add((j + r) * stride));
+                // Two sums per key (even and odd blocks of 8): eight chains of FMAs.
+                let (mut acc, mut odd) = ([_mm256_setzero_ps(); 4], [_mm256_setzero_ps(); 4]);
+                let mut i = 0;
+                while i + 16 <= vec {
+                    let (q0, q1) = (
+                        _mm256_loadu_ps(q.as_ptr().add(i)),
+                        _mm256_loadu_ps(q.as_ptr().add(i + 8)),
+                    );
+                    for r in 0..4 {
+                        acc[r] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k[r].add(i)), acc[r]);
+                        odd[r] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k[r].add(i + 8)), odd[r]);
+                    }
+                    i += 16;
+                }
+                if i < vec {
+                    let qv = _mm256_loadu_ps(q.as_ptr().add(i));
+                    for r in 0..4 {
+                        acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[r].add(i)), acc[r]);
+                    }
+                }
+                for r in 0..4 {
+                    acc[r] = _mm256_add_ps(acc[r], odd[r]);
+                }
+                // Lanes summed four keys at once: [k0, k1, k2, k3] in one register.
+                let s = _mm256_hadd_ps(
+                    _mm256_hadd_ps(acc[0], acc[1]),
+                    _mm256_hadd_ps(acc[2], acc[3]),
+                );
+                let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
+                _mm_storeu_ps(out.as_mut_ptr().add(j), s);
+                for (r, kr) in k.iter().enumerate() {
+                    for (c, qc) in q.iter().enumerate().skip(vec) {
+                        out[j + r] += qc * *kr.add(c);
+                    }
+                }
+            }
+            j += 4;
+        }
+        for (jj, o) in out.iter_mut().enumerate().skip(j) {
+            // SAFETY: key jj lies in `keys`, d floats from its start.
+            *o = unsafe { dot(q, std::slice::from_raw_parts(base.add(jj * stride), d)) };
+        }
+    }
+
+    /// [`super::weighted_sum`]: `y` in blocks of 64, 32 and 8 columns, each block in
+    /// registers across every value; the last d mod 8 columns value by value.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA, and `values` holds `(p.len() − 1) · stride + y.len()`
+    /// floats.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn weighted_sum(p: &[f32], values: &[f32], stride: usize, y: &mut [f32]) {
+        let d = y.len();
+        let mut c = 0;
+        while c + 64 <= d {
+            // SAFETY: columns c..c + 64 ≤ d of every value lie in `values` and in `y` (the
+            // caller's contract); likewise for the blocks below.
+            unsafe { block::<8>(p, values, stride, &mut y[c..], c) };
+            c += 64;
+        }
+        while c + 32 <= d {
+            // SAFETY: as above, c + 32 ≤ d.
+            unsafe { block::<4>(p, values, stride, &mut y[c..], c) };
+            c += 32;
+        }
+        while c + 8 <= d {
+            // SAFETY: as above, c + 8 ≤ d.
+            unsafe { block::<1>(p, values, stride, &mut y[c..], c) };
+            c += 8;
+        }
+        for (j, &pj) in p.iter().enumerate() {
+            for (i, yi) in y.iter_mut().enumerate().skip(c) {
+                *yi += pj * values[j * stride + i];
+            }
+        }
+    }
+
+    /// `y[..R·8] += Σ_j p[j] · values[j·stride + col ..][..R·8]`, `y`'s columns in R
+    /// registers.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; `y` holds R·8 floats and every value's columns col..col + R·8 lie in
+    /// `values`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn block<const R: usize>(
+        p: &[f32],
+        values: &[f32],
+        stride: usize,
+        y: &mut [f32],
+        col: usize,
+    ) {
+        // SAFETY: guaranteed by the caller.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); R];
+            for (r, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_loadu_ps(y.as_ptr().add(r * 8));
+            }
+            for (j, &pj) in p.iter().enumerate() {
+                let w = _mm256_set1_ps(pj);
+                let v = values.as_ptr().add(j * stride + col);
+                for (r, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(v.add(r * 8)), *a);
+                }
+            }
+            for (r, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(y.as_mut_ptr().add(r * 8), *a);
+            }
+        }
+    }
+
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     pub(super) fn exp(x: __m256) -> __m256 {
@@ -244,6 +429,49 @@ mod tests {
                 assert!((y[i] - (b[i] + 0.5 * a[i])).abs() < 1e-6, "axpy, n = {n}");
             }
         }
+    }
+
+    /// Runs of keys and values at every head width the kernels split differently (blocks
+    /// of 64, 32 and 8 columns, a scalar tail; four keys at a time and the rest), laid
+    /// out `stride` apart, against f64 sums.
+    #[test]
+    fn dots_and_weighted_sums_match_plain_sums_for_every_width_and_run() {
+        for d in [1, 5, 8, 12, 24, 40, 64, 72, 100, 131] {
+            for n in [0, 1, 3, 4, 5, 9, 46] {
+                let stride = 3 * d + 7;
+                let len = if n == 0 { 0 } else { (n - 1) * stride + d };
+                let keys: Vec<f32> = (0..len).map(|i| (i as f32 * 0.173).sin()).collect();
+                let q: Vec<f32> = (0..d).map(|i| (i as f32 * 0.61).cos()).collect();
+                let p: Vec<f32> = (0..n).map(|j| 0.3 + (j as f32 * 0.7).sin()).collect();
+                let mut got = vec![f32::NAN; n];
+                dots(&q, &keys, stride, &mut got);
+                let mut y: Vec<f32> = (0..d).map(|i| i as f32 * 0.01).collect();
+                let y0 = y.clone();
+                weighted_sum(&p, &keys, stride, &mut y);
+                for j in 0..n {
+                    let want: f64 = (0..d)
+                        .map(|i| q[i] as f64 * keys[j * stride + i] as f64)
+                        .sum();
+                    assert!(
+                        (got[j] as f64 - want).abs() < 1e-5,
+                        "dots d={d} n={n} j={j}"
+                    );
+                }
+                for i in 0..d {
+                    let want: f64 = y0[i] as f64
+                        + (0..n)
+                            .map(|j| p[j] as f64 * keys[j * stride + i] as f64)
+                            .sum::<f64>();
+                    assert!((y[i] as f64 - want).abs() < 1e-5, "sum d={d} n={n} i={i}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "dots")]
+    fn a_run_of_keys_past_the_buffer_is_refused() {
+        dots(&[1.0; 8], &[0.0; 20], 10, &mut [0.0; 3]);
     }
 
     #[test]

@@ -20,7 +20,7 @@
 use std::ops::Range;
 
 use rayon::prelude::*;
-use rookworld_lm::simd::{axpy, dot, exp_inplace};
+use rookworld_lm::simd::{axpy, dots, exp_inplace, weighted_sum};
 
 /// The rows of one group in the packed batch.
 #[derive(Debug, Clone)]
@@ -125,31 +125,23 @@ pub fn attention_forward(
                 for i in 0..n {
                     let q = &qkv[col(own.start + i, 0)..][..d];
                     let p = &mut probs[offset + i * (lp + n)..][..lp + i + 1];
-                    let key = |j: usize| {
-                        if j < lp {
-                            prefix.start + j
-                        } else {
-                            own.start + j - lp
-                        }
-                    };
-                    let mut max = f32::NEG_INFINITY;
-                    for (j, s) in p.iter_mut().enumerate() {
-                        *s = dot(q, &qkv[col(key(j), 1)..][..d]) * scale;
-                        max = max.max(*s);
-                    }
-                    p.iter_mut().for_each(|s| *s -= max);
+                    let (pp, po) = p.split_at_mut(lp);
+                    dots(q, &qkv[col(prefix.start, 1)..], 3 * e, pp);
+                    dots(q, &qkv[col(own.start, 1)..], 3 * e, po);
+                    let max = p.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s * scale));
+                    p.iter_mut().for_each(|s| *s = *s * scale - max);
                     exp_inplace(p);
                     let inv = 1.0 / p.iter().sum::<f32>();
+                    p.iter_mut().for_each(|s| *s *= inv);
                     let row = own.start + i;
                     assert!(row * e + h * d + d <= out_len);
                     // SAFETY: this task alone writes head h's columns of its group's rows,
                     // and the range lies in `atty` (asserted).
                     let y = unsafe { out.slice(row * e + h * d, d) };
                     y.fill(0.0);
-                    for (j, s) in p.iter_mut().enumerate() {
-                        *s *= inv;
-                        axpy(*s, &qkv[col(key(j), 2)..][..d], y);
-                    }
+                    let (pp, po) = p.split_at(lp);
+                    weighted_sum(pp, &qkv[col(prefix.start, 2)..], 3 * e, y);
+                    weighted_sum(po, &qkv[col(own.start, 2)..], 3 * e, y);
                 }
             }
         });
@@ -197,18 +189,25 @@ pub fn attention_backward(
                     }
                 };
                 dp.clear();
-                dp.extend((0..p.len()).map(|j| dot(dy, &qkv[col(key(j), 2)..][..d])));
+                dp.resize(p.len(), 0.0);
+                let (dpp, dpo) = dp.split_at_mut(lp);
+                dots(dy, &qkv[col(prefix.start, 2)..], 3 * e, dpp);
+                dots(dy, &qkv[col(own.start, 2)..], 3 * e, dpo);
                 let mean: f32 = p.iter().zip(&dp).map(|(p, g)| p * g).sum();
+                // dp becomes ds: ds_j = p_j (dp_j − mean) / √D.
+                dp.iter_mut()
+                    .zip(p)
+                    .for_each(|(g, &pj)| *g = pj * (*g - mean) * scale);
                 assert!(col(qrow, 2) + d <= grad_len);
                 // SAFETY: this task alone touches head h's columns of its group's rows
                 // (queries, keys and values), all inside `dqkv` (asserted for the largest
                 // row of the group's rows it reads, and every key row precedes it).
                 let dq = unsafe { grad.slice(col(qrow, 0), d) };
-                for (j, (&pj, &dpj)) in p.iter().zip(&dp).enumerate() {
-                    let ds = pj * (dpj - mean) * scale;
+                let (dsp, dso) = dp.split_at(lp);
+                weighted_sum(dsp, &qkv[col(prefix.start, 1)..], 3 * e, dq);
+                weighted_sum(dso, &qkv[col(own.start, 1)..], 3 * e, dq);
+                for (j, (&pj, &ds)) in p.iter().zip(&dp).enumerate() {
                     let kr = key(j);
-                    let k = &qkv[col(kr, 1)..][..d];
-                    axpy(ds, k, dq);
                     // SAFETY: as above.
                     axpy(ds, q, unsafe { grad.slice(col(kr, 1), d) });
                     // SAFETY: as above.
@@ -222,6 +221,7 @@ pub fn attention_backward(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rookworld_lm::simd::dot;
 
     /// Attention of one plain causal sequence, the textbook way.
     fn reference(qkv: &[f32], rows: &[usize], e: usize, h: usize) -> Vec<Vec<f32>> {
