@@ -11,7 +11,7 @@
 use candle_core::{CpuStorage, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
-use crate::simd::{dots, exp_inplace, weighted_sum};
+use crate::simd::{dots, scaled_softmax_inplace, weighted_sum};
 
 /// Where one decode step's rows find their keys (letters as in `grouped.rs`).
 #[derive(Debug, Clone, Copy)]
@@ -71,13 +71,7 @@ pub(crate) fn decode_attention(
             let (sp, ss) = scores.split_at_mut(np);
             dots(qv, &prefix.0[prefix_at..], d, sp);
             dots(qv, &suffix.0[suffix_at..], d, ss);
-            let max = scores
-                .iter()
-                .fold(f32::NEG_INFINITY, |m, &s| m.max(s * g.scale));
-            scores.iter_mut().for_each(|s| *s = *s * g.scale - max);
-            exp_inplace(scores);
-            let inv = 1.0 / scores.iter().sum::<f32>();
-            scores.iter_mut().for_each(|s| *s *= inv);
+            scaled_softmax_inplace(scores, g.scale);
             let (sp, ss) = scores.split_at(np);
             weighted_sum(sp, &prefix.1[prefix_at..], d, y);
             weighted_sum(ss, &suffix.1[suffix_at..], d, y);

@@ -35,6 +35,16 @@ pub fn exp_inplace(xs: &mut [f32]) {
     }
 }
 
+/// Replaces `xs` with softmax(scale · xs): `p_j = e^(scale·x_j − m) / Σ_i e^(scale·x_i − m)`,
+/// `m = max_j scale·x_j` (attention's probabilities from its raw scores, [`exp_inplace`]).
+pub fn scaled_softmax_inplace(xs: &mut [f32], scale: f32) {
+    let max = xs.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s * scale));
+    xs.iter_mut().for_each(|s| *s = *s * scale - max);
+    exp_inplace(xs);
+    let inv = 1.0 / xs.iter().sum::<f32>();
+    xs.iter_mut().for_each(|s| *s *= inv);
+}
+
 /// Replaces every `x` with GELU(x) = x · σ(2√(2/π)(x + 0.044715x³)), which equals
 /// 0.5x(1 + tanh(√(2/π)(x + 0.044715x³))) (`gelu_new`, GPT-2's activation).
 pub fn gelu_new_inplace(xs: &mut [f32]) {
@@ -465,6 +475,22 @@ mod tests {
                     assert!((y[i] as f64 - want).abs() < 1e-5, "sum d={d} n={n} i={i}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn the_scaled_softmax_equals_its_f64_formula() {
+        let xs: Vec<f32> = (0..37).map(|i| (i as f32 * 0.9).sin() * 20.0).collect();
+        let mut p = xs.clone();
+        scaled_softmax_inplace(&mut p, 0.125);
+        let m = xs
+            .iter()
+            .map(|&x| x as f64 * 0.125)
+            .fold(f64::MIN, f64::max);
+        let z: f64 = xs.iter().map(|&x| (x as f64 * 0.125 - m).exp()).sum();
+        for (&x, &got) in xs.iter().zip(&p) {
+            let want = (x as f64 * 0.125 - m).exp() / z;
+            assert!((got as f64 - want).abs() < 1e-6, "{got} vs {want}");
         }
     }
 

@@ -20,7 +20,7 @@
 use std::ops::Range;
 
 use rayon::prelude::*;
-use rookworld_lm::simd::{axpy, dots, exp_inplace, weighted_sum};
+use rookworld_lm::simd::{axpy, dots, scaled_softmax_inplace, weighted_sum};
 
 /// The rows of one group in the packed batch.
 #[derive(Debug, Clone)]
@@ -128,11 +128,7 @@ pub fn attention_forward(
                     let (pp, po) = p.split_at_mut(lp);
                     dots(q, &qkv[col(prefix.start, 1)..], 3 * e, pp);
                     dots(q, &qkv[col(own.start, 1)..], 3 * e, po);
-                    let max = p.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s * scale));
-                    p.iter_mut().for_each(|s| *s = *s * scale - max);
-                    exp_inplace(p);
-                    let inv = 1.0 / p.iter().sum::<f32>();
-                    p.iter_mut().for_each(|s| *s *= inv);
+                    scaled_softmax_inplace(p, scale);
                     let row = own.start + i;
                     assert!(row * e + h * d + d <= out_len);
                     // SAFETY: this task alone writes head h's columns of its group's rows,
