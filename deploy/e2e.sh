@@ -10,7 +10,7 @@
 #                             does with target/debug after `cargo test --workspace`)
 # Exits 0 with "SKIPPED" when no Docker engine answers, 1 when ROOKWORLD_REQUIRE_DOCKER is
 # set (CI sets it: there a missing engine is a failure, not a skip). Grafana is not started (its image
-# cannot be pulled here); its files are checked by tests/tests/deploy/.
+# cannot be pulled here); its files are checked by tests/tests/integration/deploy/.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -224,7 +224,7 @@ three_workers() {
 wait_for 180 "a third worker registered and scraped" three_workers
 say "   workers: 3 registered, 3 rollout-worker targets up"
 
-# Faults on the engine (the loopback fault tests in tests/tests/faults cover the same with
+# Faults on the engine (the loopback fault tests in tests/tests/integration/faults cover the same with
 # assertions on every lease; here the real images, restart policies and network).
 container() { # SERVICE NUMBER -> container id
   docker ps -aq --filter "label=com.docker.compose.project=$project" \

@@ -33,7 +33,7 @@
 # table covers both.
 #
 # DEVICE=cpu QUICK=1 runs the same flow on the CPU with the tiny preset (a dry run of the
-# script itself; tests/tests/gpu_check.rs does it).
+# script itself; tests/tests/integration/gpu_check.rs does it).
 set -u
 if [ $# -ne 1 ]; then
   echo "usage: BIN=DIR $0 OUT (the directory the figures go to)" >&2
@@ -179,7 +179,7 @@ rollout() {
   for shape in "$@"; do
     p=${shape%%x*} t=${shape##*_}
     section "worker_${p}x${GROUP}_$t" "$WORKER" bench --preset "$PRESET" --device "$DEVICE" \
-      --precision "$DTYPE" --prompts "$p" -n "$GROUP" --max-new-tokens "$t" --repeat 2 --batch-only
+      --weight-dtype "$DTYPE" --prompts "$p" -n "$GROUP" --max-new-tokens "$t" --repeat 2 --batch-only
     section "hf_${p}x${GROUP}_$t" "$PY" "$HERE/gpu/check.py" hf-generate - --device "$DEVICE" \
       --dtype "$DTYPE" --preset "$PRESET" --prompts "$p" -n "$GROUP" --max-new-tokens "$t"
   done

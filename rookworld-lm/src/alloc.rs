@@ -69,14 +69,63 @@ mod tests {
         assert!(user_tuned(None, true));
     }
 
-    #[test]
-    fn memory_freed_after_the_settings_is_served_again() {
-        keep_freed_memory();
-        // With the settings taken, a buffer above glibc's default threshold is allocated,
-        // written, read and freed twice, intact each time.
-        for _ in 0..2 {
-            let v = vec![1u8; 8 << 20];
-            assert_eq!(v.iter().map(|&b| usize::from(b)).sum::<usize>(), 8 << 20);
+    /// The probe's verdict: whether an 8 MiB buffer came from its own mapping (glibc's
+    /// `mallinfo2().hblkhd`: bytes in mapped blocks), in a fresh process, with or
+    /// without the settings.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    fn mapped_in_a_fresh_process(settings: bool) -> bool {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "alloc::tests::probe", "--ignored", "--nocapture"])
+            .args(["--test-threads", "1"])
+            .env(
+                "ROOKWORLD_ALLOC_PROBE",
+                if settings { "settings" } else { "defaults" },
+            )
+            .env_remove("GLIBC_TUNABLES")
+            .env_remove("MALLOC_MMAP_THRESHOLD_")
+            .env_remove("MALLOC_TRIM_THRESHOLD_")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "the probe failed: {text}");
+        match (text.contains("probe: mapped"), text.contains("probe: heap")) {
+            (true, false) => true,
+            (false, true) => false,
+            _ => panic!("the probe said neither: {text}"),
         }
+    }
+
+    /// Run by [`mapped_in_a_fresh_process`] only.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    #[ignore = "a probe the settings' test runs in a fresh process"]
+    fn probe() {
+        let Ok(mode) = std::env::var("ROOKWORLD_ALLOC_PROBE") else {
+            return;
+        };
+        if mode == "settings" {
+            keep_freed_memory();
+        }
+        // SAFETY: mallinfo2 only reads malloc's counters (under its lock).
+        let mapped = || unsafe { libc::mallinfo2() }.hblkhd;
+        let before = mapped();
+        let v = std::hint::black_box(vec![1u8; 8 << 20]);
+        let during = mapped();
+        assert_eq!(v.iter().map(|&b| usize::from(b)).sum::<usize>(), 8 << 20);
+        let verdict = if during >= before + (8 << 20) {
+            "mapped"
+        } else {
+            "heap"
+        };
+        println!("probe: {verdict}");
+    }
+
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    fn with_the_settings_a_large_buffer_comes_from_the_heap() {
+        // glibc's defaults map an 8 MiB buffer of its own (the probe can tell), the
+        // settings serve it from the heap.
+        assert!(mapped_in_a_fresh_process(false), "glibc's defaults");
+        assert!(!mapped_in_a_fresh_process(true), "with keep_freed_memory");
     }
 }

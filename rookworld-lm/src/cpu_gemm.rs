@@ -203,6 +203,55 @@ pub struct PackedMatrix {
     epilogue: Epilogue,
 }
 
+/// A CPU feature a kernel's test needs, with the environment variable that makes its
+/// absence a failure: CI sets the variable for each feature its CPU has (`.ci/run` reads
+/// them from `/proc/cpuinfo`), so a test cannot pass there without running its kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TestFeature {
+    /// AVX2 and FMA: every packed kernel.
+    Avx2,
+    /// AVX512-BF16 (`vdpbf16ps`): the BF16 pair kernels.
+    Avx512Bf16,
+    /// AVX512-VNNI (`vpdpbusd`): the INT8 kernel's VNNI form.
+    Avx512Vnni,
+}
+
+impl TestFeature {
+    /// Whether the packed kernels use this feature here.
+    pub fn present(self) -> bool {
+        match self {
+            Self::Avx2 => supported(),
+            Self::Avx512Bf16 => avx512().bf16,
+            Self::Avx512Vnni => avx512().vnni,
+        }
+    }
+
+    /// The variable under which a skip fails.
+    pub fn require_var(self) -> &'static str {
+        match self {
+            Self::Avx2 => "ROOKWORLD_REQUIRE_AVX2",
+            Self::Avx512Bf16 => "ROOKWORLD_REQUIRE_AVX512_BF16",
+            Self::Avx512Vnni => "ROOKWORLD_REQUIRE_AVX512_VNNI",
+        }
+    }
+
+    /// Whether a test of `what` can run here. Where it cannot, it says `SKIPPED:` with the
+    /// reason on stderr (the test then returns without asserting anything of `what`) —
+    /// unless [`require_var`](Self::require_var) is set, where it panics instead.
+    pub fn test_runs(self, what: &str) -> bool {
+        if self.present() {
+            return true;
+        }
+        let var = self.require_var();
+        assert!(
+            std::env::var_os(var).is_none(),
+            "{what}: {var} is set and this CPU lacks {self:?} (or ROOKWORLD_CPU_KERNELS=avx2 turned it off)"
+        );
+        eprintln!("SKIPPED: {what}: this CPU lacks {self:?}");
+        false
+    }
+}
+
 /// Whether this CPU runs the packed kernel.
 pub fn supported() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -861,6 +910,9 @@ mod tests {
 
     #[test]
     fn the_bf16_kernel_equals_its_scalar_reference() {
+        if !TestFeature::Avx2.test_runs("the BF16 widening kernel") {
+            return; // without AVX2 the kernel is its scalar reference
+        }
         let k = 37;
         let a = values(k * MR, 11);
         let b: Vec<u16> = values(k * NR, 12)

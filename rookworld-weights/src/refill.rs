@@ -132,7 +132,7 @@ mod tests {
                 let mut fresh = from_bytes(&bytes, &cfg, DType::F32, &Device::Cpu).unwrap();
                 fresh.set_panel_dtype(panels);
                 if !fresh.prepare_for_inference().unwrap() {
-                    return; // no AVX2/FMA: nothing is packed (tests/packed.rs reports it)
+                    return; // no AVX2/FMA: nothing is packed (rookworld-lm/tests/integration/packed.rs reports it)
                 }
                 let mut old = init_random(&cfg, 12, DType::F32, &Device::Cpu).unwrap();
                 old.set_panel_dtype(panels);

@@ -38,7 +38,7 @@ for shape in "${SHAPES[@]}"; do
       else
         p=${shape%%x*} rest=${shape#*x}
         g=${rest%%_*} t=${shape##*_}
-        cmd=("$dir/rollout-worker" bench --preset gpt2-124m --device cuda --precision bf16
+        cmd=("$dir/rollout-worker" bench --preset gpt2-124m --device cuda --weight-dtype bf16
           --prompts "$p" -n "$g" --max-new-tokens "$t" --repeat 2 --batch-only)
       fi
       line=$(timeout -k 5 120 "${cmd[@]}" 2> "$OUT/${side}_${shape}_$round.log" | tail -n 1)

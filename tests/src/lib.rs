@@ -72,8 +72,9 @@ pub fn is_metric_name(name: &str) -> bool {
 }
 
 /// The crates that record metrics, by source folder.
-const METRIC_SOURCES: [&str; 5] = [
+const METRIC_SOURCES: [&str; 6] = [
     "learner/src",
+    "rookworld-generation/src",
     "rollout-worker/src",
     "reward-server/src",
     "rookworld-chess/src",

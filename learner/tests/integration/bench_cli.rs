@@ -69,7 +69,7 @@ fn bf16_precision_runs_the_fused_step_with_bf16_matmuls() {
         "8",
         "--completion-tokens",
         "8",
-        "--precision",
+        "--matmul-precision",
         "bf16",
     ]);
     assert!(

@@ -421,13 +421,18 @@ mod tests {
         let q: Vec<i8> = (0..kq * 4 * NR)
             .map(|i| (hash(i, 2) % 127) as i8 - 63) // the weights' range, −63..=63
             .collect();
+        use super::super::TestFeature;
+        if !TestFeature::Avx2.test_runs("the INT8 kernels") {
+            return; // without AVX2 the dispatch is the scalar reference itself
+        }
         let (mut fast, mut reference) = ([0i32; MR * NR], [0i32; MR * NR]);
         kernel(&a, &q, &mut fast, kq);
         kernel_scalar(&a, &q, &mut reference, kq);
         assert_eq!(fast, reference);
-        // The AVX2 kernel too where VNNI took the dispatch above.
+        // The dispatch took VNNI where the CPU has it: the AVX2 kernel too, then.
+        let _ = TestFeature::Avx512Vnni.test_runs("the INT8 kernel's VNNI form");
         #[cfg(target_arch = "x86_64")]
-        if super::super::supported() {
+        {
             let mut avx2 = [0i32; MR * NR];
             // SAFETY: AVX2 is present; the extents are those `kernel` asserts.
             unsafe { kernel_avx2(a.as_ptr(), q.as_ptr(), avx2.as_mut_ptr(), kq) };

@@ -20,7 +20,7 @@
 //! are also what the learner's fused pass runs) and, with the `cuda` feature, its launches
 //! of `kernels/train_ops.cu`. f32 only: mixed precision keeps these in f32 by design. The
 //! model uses them when [`crate::Gpt2::set_train_ops`] is on (the learner's trainable
-//! policy: CUDA, and the CPU where the fused pass does not apply); tested against the composed ops' values and gradients in `tests/train_ops.rs`.
+//! policy: CUDA, and the CPU where the fused pass does not apply); tested against the composed ops' values and gradients in `tests/integration/train_ops.rs`.
 
 pub mod adamw;
 pub mod gelu;

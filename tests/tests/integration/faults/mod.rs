@@ -8,17 +8,17 @@
 //! - `cluster`: the processes, their addresses and probes; `proxy`: the network between
 //!   them (partitions, cut transfers); `ledger`: the books.
 
-mod cluster;
 mod ledger;
 mod proxy;
 
+use crate::cluster;
+
 use std::time::Duration;
 
-use cluster::{Cluster, LEASE_SECONDS, Proc, WorkerAddrs, metric, worker_version, worker_weights};
+use cluster::{
+    Cluster, LEASE_SECONDS, Proc, SERIAL, WorkerAddrs, metric, worker_version, worker_weights,
+};
 use proxy::{Mode, Proxy};
-
-/// One cluster at a time: the machine has few cores.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const START: Duration = Duration::from_secs(180);
 const PROGRESS: Duration = Duration::from_secs(180);

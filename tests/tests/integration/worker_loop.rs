@@ -10,12 +10,11 @@ use candle_core::{DType, Device};
 use learner::prompts::{Generator, TaskKind};
 use learner::queue::{Queue, QueueConfig, QueueHandle};
 use learner::queue_service::{self, GroupCheck, GroupSpec, QueueServer};
-use rollout_worker::engine::{Engine, EngineConfig};
-use rollout_worker::worker_loop::{self, LoopConfig};
+use rollout_worker::{LoopConfig, Worker, WorkerConfig};
 use rookworld_chess::score::RewardConfig;
 use rookworld_chess::scorer::Scorer;
+use rookworld_lm::Config;
 use rookworld_lm::checkpoint::init_random;
-use rookworld_lm::{Config, Tokenizer};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_worker_scores_and_submits_every_leased_prompt() {
@@ -72,29 +71,29 @@ async fn the_worker_scores_and_submits_every_leased_prompt() {
     });
 
     let model = init_random(&Config::tiny(), 2, DType::F32, &Device::Cpu).unwrap();
-    let bos = model.config().bos_token_id;
-    let engine = Arc::new(Engine::start(model, 0, EngineConfig::default()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let push_address = format!("http://{}", listener.local_addr().unwrap());
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let cfg = LoopConfig {
         learner: format!("http://{queue_addr}"),
         reward: format!("http://{reward_addr}"),
         token: "t".into(),
         worker_id: "worker-a".into(),
-        push_address: "http://127.0.0.1:1".into(),
+        push_address: push_address.clone(),
         max_in_flight: 3,
         call_timeout: Duration::from_millis(500),
         max_backoff: Duration::from_millis(400),
         tls: Default::default(),
     };
-    let worker = tokio::spawn(worker_loop::run(
-        engine,
-        Tokenizer::gpt2(),
-        bos,
-        cfg,
-        async {
-            let _ = stopped.await;
-        },
-    ));
+    let config = WorkerConfig {
+        pull: Some(cfg),
+        ..WorkerConfig::new(model)
+    };
+    let worker = Worker::start(config, listener, async {
+        let _ = stopped.await;
+    })
+    .await
+    .unwrap();
 
     let started = Instant::now();
     loop {
@@ -106,7 +105,7 @@ async fn the_worker_scores_and_submits_every_leased_prompt() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     stop.send(()).unwrap();
-    worker.await.unwrap().unwrap();
+    worker.wait().await.unwrap();
 
     let groups = queue.run(|q| q.take(10, 0)).await;
     assert_eq!(groups.len(), 4);
@@ -129,7 +128,7 @@ async fn the_worker_scores_and_submits_every_leased_prompt() {
         queue
             .run(|q| q.workers()["worker-a"].push_address.clone())
             .await,
-        "http://127.0.0.1:1"
+        push_address
     );
     let d = queue.run(|q| q.depths()).await;
     assert_eq!(

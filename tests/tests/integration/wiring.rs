@@ -2,16 +2,11 @@
 //! launchers in `tests/src/bin` run the services' own command line). Each mistake must end
 //! in a line that names its cause, and a stop must not wait on a peer.
 
-#[path = "faults/cluster.rs"]
-#[allow(dead_code)]
-mod cluster;
+use crate::cluster;
 
 use std::time::{Duration, Instant};
 
-use cluster::Cluster;
-
-/// One cluster at a time: the machine has few cores.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+use cluster::{Cluster, SERIAL};
 
 const START: Duration = Duration::from_secs(180);
 

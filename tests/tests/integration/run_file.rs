@@ -97,6 +97,8 @@ fn a_shared_setting_has_one_default_and_one_rule_wherever_it_is_taken() {
         "init-seed",
         "device",
         "precision",
+        "weight-dtype",
+        "matmul-precision",
     ];
     for key in shared {
         let mut seen = Vec::new();

@@ -10,9 +10,7 @@
 //! what its call is for (checked per method below). Without grpcurl the test says SKIPPED,
 //! unless `ROOKWORLD_REQUIRE_GRPCURL` is set (CI sets it).
 
-#[allow(dead_code)]
-#[path = "faults/cluster.rs"]
-mod cluster;
+use crate::cluster;
 
 use std::path::PathBuf;
 use std::process::Command;

@@ -6,7 +6,7 @@ use rookworld_lm::checkpoint::{self, init_random};
 use rookworld_lm::cpu_gemm::PanelDtype;
 use rookworld_lm::{Config, Gpt2, GroupedCache, LeftPadding};
 
-mod common;
+use crate::common;
 use common::max_diff;
 
 #[test]
@@ -93,18 +93,11 @@ fn a_packed_only_model_computes_what_the_packed_model_computes() {
     }
 }
 
-/// Reports a test that cannot run here: this CPU lacks AVX2/FMA, nothing is packed. CI
-/// sets ROOKWORLD_REQUIRE_AVX2 on its AVX2 machines: there a skip is a failure.
+/// Reports a test that cannot run here: this CPU lacks AVX2/FMA, nothing is packed
+/// (`SKIPPED:`, or a failure where ROOKWORLD_REQUIRE_AVX2 is set).
 fn skipped() {
-    assert!(
-        std::env::var_os("ROOKWORLD_REQUIRE_AVX2").is_none(),
-        "AVX2/FMA is required (ROOKWORLD_REQUIRE_AVX2 is set) and this CPU lacks it"
-    );
-    std::fs::write(
-        "/dev/stderr",
-        "SKIPPED: this CPU lacks AVX2/FMA, nothing is packed\n",
-    )
-    .ok();
+    let runs = rookworld_lm::cpu_gemm::TestFeature::Avx2.test_runs("the packed model");
+    assert!(!runs, "nothing was packed although this CPU has AVX2/FMA");
 }
 
 /// Log-softmax of a prefill and 12 grouped decode steps of `model` (f32 activations):
@@ -140,7 +133,7 @@ fn packed_in(model: &Gpt2, dtype: PanelDtype) -> Option<Gpt2> {
     m.pack_for_cpu().unwrap().then_some(m)
 }
 
-/// `--precision bf16` on the CPU (BF16 panels, f32 activations and statistics): log-probs
+/// `--weight-dtype bf16` on the CPU (BF16 panels, f32 activations and statistics): log-probs
 /// within 2e-2 of the f32 panels' on f32 weights (each weight rounded to BF16 once). On
 /// weights that are BF16 values, as a learner's push is: the f32 panels' to the bit where
 /// the weights are widened (AVX2), within 2e-2 where each product also rounds its inputs
@@ -192,7 +185,7 @@ fn bf16_panels_give_the_log_probs_of_f32_panels() {
     }
 }
 
-/// `--precision int8` on the CPU (INT8 panels, inputs quantized per row): an approximation
+/// `--weight-dtype int8` on the CPU (INT8 panels, inputs quantized per row): an approximation
 /// whose log-probs stay within 0.05 of the f32 panels' (mean |Δ| under 0.01; 1.7e-2 and
 /// 2.3e-3 measured) on this model's random weights; what a trained model's gap is, the sampler's log-probs carry
 /// and the learner's off-policy correction weighs.

@@ -93,6 +93,54 @@ fn every_refused_value_is_one_line_and_exit_1() {
             train(&["--clip-eps", "5"]),
             "--clip-eps must lie in [0, 1]",
         ),
+        // The weights' dtype and the products' precision: each refuses the other's values
+        // with the key that takes them, and the old shared name is refused everywhere.
+        (
+            LEARNER,
+            train(&["--precision", "bf16"]),
+            "--precision bf16: `precision` was split in two — use --weight-dtype",
+        ),
+        (
+            LEARNER,
+            train(&["--rollout-precision", "int8"]),
+            "--rollout-precision int8: `precision` was split in two",
+        ),
+        (
+            LEARNER,
+            train(&["--rollout-weight-dtype", "int4"]),
+            "--rollout-weight-dtype: unknown weight dtype `int4` (use auto, f32, bf16, f16 or int8)",
+        ),
+        (
+            WORKER,
+            strings(&[
+                "generate",
+                "--preset",
+                "tiny",
+                "--prompt",
+                "A: ",
+                "--precision",
+                "int8",
+            ]),
+            "--precision int8: `precision` was split in two",
+        ),
+        (
+            WORKER,
+            strings(&[
+                "generate",
+                "--preset",
+                "tiny",
+                "--prompt",
+                "A: ",
+                "--weight-dtype",
+                "int4",
+            ]),
+            "--weight-dtype: unknown weight dtype `int4` (use auto, f32, bf16, f16 or int8)",
+        ),
+        (
+            LEARNER,
+            strings(&["bench", "--preset", "tiny", "--precision", "f32"]),
+            "--precision f32: `precision` was split in two",
+        ),
         (
             LEARNER,
             train(&["--push-every", "0"]),
@@ -311,4 +359,16 @@ fn every_refused_value_is_one_line_and_exit_1() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("invalid value 'five' for '--steps"), "{err}");
+    // So is a weight dtype given as the learner's products' precision, naming the key that
+    // takes it.
+    let out = Command::new(LEARNER)
+        .args(train(&["--matmul-precision", "int8"]))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("int8 is a weight dtype, not a precision of the learner's products (auto, f32, bf16): a rollout worker's or an evaluation's weights take it (--weight-dtype int8; with train --local, --rollout-weight-dtype int8)"),
+        "{err}"
+    );
 }

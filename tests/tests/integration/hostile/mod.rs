@@ -1,15 +1,13 @@
 //! The hostile-input campaign against the learner's rollout queue (`Lease`, `Submit` and
 //! the inspection calls) and the rollout worker (`Generate`, `UpdateWeights`, `Status`), as
-//! `reward-server/tests/hostile.rs` runs it against the reward server: random bytes as
+//! `reward-server/tests/integration/hostile.rs` runs it against the reward server: random bytes as
 //! messages, wrong wire types, lengths past the end, huge declared sizes, invalid UTF-8,
 //! oversized, deeply nested and massively repeated fields, bytes that are not gRPC at all.
 //! Each goes to the real binaries, with the token (so the messages, not the guard, are
 //! what is tested). Every call gets an answer that decodes or a typed error; no process
 //! panics or dies; each stays healthy with bounded memory; the worker keeps its weights.
 
-#[allow(dead_code)]
-#[path = "../faults/cluster.rs"]
-mod cluster;
+use crate::cluster;
 mod raw;
 
 use std::io::{Read, Write};

@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use yaml_rust2::Yaml;
 
-use crate::{deploy, known_env, read, s, yaml};
+use super::{deploy, known_env, read, s, yaml};
 
 /// `NAME` of `NAME=value` and `NAME: value` entries.
 pub fn env_of_compose(service: &Yaml) -> BTreeMap<String, String> {

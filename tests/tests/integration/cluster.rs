@@ -16,6 +16,9 @@ pub const LEARNER: &str = env!("CARGO_BIN_EXE_rw-learner");
 pub const WORKER: &str = env!("CARGO_BIN_EXE_rw-rollout-worker");
 pub const REWARD: &str = env!("CARGO_BIN_EXE_rw-reward-server");
 
+/// One training cluster at a time (the fault and wiring tests): the machine has few cores.
+pub static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Completions per prompt in every scenario.
 pub const GROUP: u32 = 4;
 /// Seconds a worker has to submit a leased prompt.
@@ -112,7 +115,6 @@ impl Proc {
     }
 
     /// The process id while it runs.
-    #[allow(dead_code)] // tests/tests/tls.rs
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)
     }
@@ -175,7 +177,6 @@ impl Cluster {
 
     /// A cluster whose every gRPC connection is mutual TLS: a CA and a certificate per
     /// service (and `operator`, the tests' client) from `deploy/tls/make-certs.sh`.
-    #[allow(dead_code)] // tests/tests/tls.rs
     pub fn with_tls() -> Self {
         let mut c = Self::new();
         let dir = c.path("tls");
@@ -432,7 +433,6 @@ impl Cluster {
     }
 
     /// The weight version the worker on `listen` reports, over the cluster's TLS.
-    #[allow(dead_code)] // tests/tests/tls.rs
     pub async fn worker_version_tls(&self, listen: SocketAddr) -> Option<u64> {
         let url = format!("{}://{listen}", self.scheme());
         let status = worker_status(&url, &self.client_tls()).await?;

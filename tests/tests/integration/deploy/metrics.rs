@@ -3,7 +3,7 @@
 
 use std::collections::BTreeSet;
 
-use crate::{deploy, read};
+use super::{deploy, read};
 
 fn page() -> String {
     read(&deploy().join("../docs/operations/metrics.md"))
@@ -22,7 +22,7 @@ fn readme_table() -> BTreeSet<String> {
 #[test]
 fn the_book_lists_every_metric_the_services_export_and_no_other() {
     let table = readme_table();
-    let exported = crate::grafana::exported_metrics();
+    let exported = super::grafana::exported_metrics();
     let missing: Vec<_> = exported.difference(&table).collect();
     let extra: Vec<_> = table.difference(&exported).collect();
     assert!(

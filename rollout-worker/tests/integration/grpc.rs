@@ -7,10 +7,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use candle_core::{DType, Device};
-use rollout_worker::engine::{
-    Engine, EngineConfig, Request as EngineRequest, Scheduler, SwapPolicy,
+use rollout_worker::{ServiceConfig, Worker, WorkerConfig};
+use rookworld_generation::{
+    EngineConfig, Request as EngineRequest, Scheduler, SwapPolicy, prepare_model,
 };
-use rollout_worker::service::{self, RolloutServer, ServiceConfig};
 use rookworld_lm::checkpoint::{self, init_random};
 use rookworld_lm::sampling::SamplingParams;
 use rookworld_lm::{Config, Gpt2, Tokenizer};
@@ -37,7 +37,7 @@ fn model(seed: u64) -> Gpt2 {
 struct Server {
     addr: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
-    handle: tokio::task::JoinHandle<()>,
+    worker: Worker,
 }
 
 impl Server {
@@ -45,37 +45,30 @@ impl Server {
         Self::start_with(engine_cfg, None).await
     }
 
-    /// The service behind [`TOKEN`], and `inspect` for Status when given.
+    /// The worker behind [`TOKEN`], and `inspect` for Status when given.
     async fn start_with(engine_cfg: EngineConfig, inspect: Option<&str>) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let engine = Arc::new(Engine::start(model(1), 0, engine_cfg));
-        let server = RolloutServer::new(
-            engine,
-            Tokenizer::gpt2(),
-            Config::tiny(),
-            DType::F32,
-            Device::Cpu,
-            ServiceConfig {
+        let (tx, rx) = oneshot::channel::<()>();
+        let config = WorkerConfig {
+            engine: engine_cfg,
+            service: ServiceConfig {
                 guard: rookworld_proto::auth::Guard::new(
                     Some(TOKEN.into()),
                     inspect.map(str::to_owned),
                 ),
                 ..ServiceConfig::default()
             },
-        );
-        let (tx, rx) = oneshot::channel::<()>();
-        let handle = tokio::spawn(async move {
-            service::run(server, listener, async {
-                let _ = rx.await;
-            })
-            .await
-            .unwrap();
-        });
+            ..WorkerConfig::new(model(1))
+        };
+        let worker = Worker::start(config, listener, async {
+            let _ = rx.await;
+        })
+        .await
+        .unwrap();
         Self {
-            addr,
+            addr: worker.local_addr(),
             stop: Some(tx),
-            handle,
+            worker,
         }
     }
 
@@ -93,7 +86,7 @@ impl Server {
 
     async fn stop(mut self) {
         let _ = self.stop.take().unwrap().send(());
-        self.handle.await.unwrap();
+        self.worker.wait().await.unwrap();
     }
 }
 
@@ -142,8 +135,10 @@ async fn generate(
     out
 }
 
-/// What the engine alone makes of the same request with `m`.
+/// What the engine alone makes of the same request with `m`, readied for generation as
+/// the worker readies its models.
 fn expected(m: Gpt2, n: usize, max_new_tokens: usize, seed: u64) -> Vec<Vec<u32>> {
+    let m = prepare_model(m).unwrap();
     let tok = Tokenizer::gpt2();
     let prompts = PROMPTS
         .iter()

@@ -3,7 +3,7 @@
 //! and fail here when stale; every relative link of the README and the book resolves.
 //!
 //! After a change of a flag, a metric or a `.proto` comment, write the pages again with
-//! `ROOKWORLD_BLESS=1 cargo test -p rookworld-tests --test docs`.
+//! `ROOKWORLD_BLESS=1 cargo test -p rookworld-tests --test integration docs::`.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -34,7 +34,7 @@ fn check_page(rel: &str, text: &str) {
             .unwrap_or(old.lines().count().min(text.lines().count()));
         panic!(
             "{rel} is stale (first difference at line {}): write it again with \
-             `ROOKWORLD_BLESS=1 cargo test -p rookworld-tests --test docs`",
+             `ROOKWORLD_BLESS=1 cargo test -p rookworld-tests --test integration docs::`",
             line + 1
         );
     }
@@ -121,7 +121,7 @@ fn command_section(cmd: &clap::Command, path: &str, out: &mut String) {
 
 fn cli_page() -> String {
     let mut out = String::from(
-        "<!-- Generated from the code by tests/tests/docs.rs: do not edit. -->\n\n\
+        "<!-- Generated from the code by tests/tests/integration/docs.rs: do not edit. -->\n\n\
          # Command line\n\n\
          Every option can also be given in a run file (`--config FILE`, the long name with \
          underscores) or, where a variable is named, in the environment. Precedence: \
@@ -189,7 +189,7 @@ fn described(describe: fn()) -> Described {
 
 fn metrics_page() -> String {
     let mut out = String::from(
-        "<!-- Generated from the code by tests/tests/docs.rs: do not edit. -->\n\n\
+        "<!-- Generated from the code by tests/tests/integration/docs.rs: do not edit. -->\n\n\
          # Metrics\n\n\
          Every service serves Prometheus text on its `--metrics` address (`/metrics`). \
          The names, types and descriptions below are the services' own describe calls; \
@@ -389,7 +389,7 @@ fn grpc_page() -> String {
     let set = prost_types::FileDescriptorSet::decode(rookworld_proto::FILE_DESCRIPTOR_SET)
         .expect("the descriptor set decodes");
     let mut out = String::from(
-        "<!-- Generated from the .proto comments by tests/tests/docs.rs: do not edit. -->\n\n\
+        "<!-- Generated from the .proto comments by tests/tests/integration/docs.rs: do not edit. -->\n\n\
          # gRPC API\n\n\
          Every call needs the shared token (`authorization: Bearer TOKEN`) unless it says \
          otherwise; every server also answers gRPC health checks and, for grpcurl, server \

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeSet;
 
-use crate::{deploy, read, s, yaml};
+use super::{deploy, read, s, yaml};
 
 /// Metric names in the services' sources.
 pub fn exported_metrics() -> BTreeSet<String> {

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use yaml_rust2::Yaml;
 
-use crate::{deploy, known_env, read, s, yaml};
+use super::{deploy, known_env, read, s, yaml};
 
 /// Every Kubernetes object of the manifests, by `kind/name`.
 fn k8s_objects() -> BTreeMap<String, Yaml> {

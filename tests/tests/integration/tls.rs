@@ -7,9 +7,7 @@
 //! ever written to a log. Without Python grpcio the tests say SKIPPED, unless
 //! `ROOKWORLD_REQUIRE_GRPCIO` is set (CI sets it and installs grpcio).
 
-#[allow(dead_code)]
-#[path = "faults/cluster.rs"]
-mod cluster;
+use crate::cluster;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

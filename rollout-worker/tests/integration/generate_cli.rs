@@ -172,7 +172,7 @@ fn bad_input_gives_one_error_line_and_exit_code_1() {
             "generate",
             "--preset",
             "tiny",
-            "--precision",
+            "--weight-dtype",
             "f8",
             "--prompt",
             "x",

@@ -149,14 +149,12 @@ async fn wait_open(modes: &watch::Receiver<Mode>) {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
     use std::time::Duration;
 
     use candle_core::{DType, Device};
-    use rollout_worker::engine::{Engine, EngineConfig};
-    use rollout_worker::service::{self, RolloutServer, ServiceConfig};
+    use rollout_worker::{ServiceConfig, Worker, WorkerConfig};
+    use rookworld_lm::Config;
     use rookworld_lm::checkpoint::init_random;
-    use rookworld_lm::{Config, Tokenizer};
     use rookworld_weights::set::WeightSet;
 
     use super::*;
@@ -166,18 +164,16 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let target = listener.local_addr().unwrap();
         let model = init_random(&Config::tiny(), 1, DType::F32, &Device::Cpu).unwrap();
-        let server = RolloutServer::new(
-            Arc::new(Engine::start(model, 0, EngineConfig::default())),
-            Tokenizer::gpt2(),
-            Config::tiny(),
-            DType::F32,
-            Device::Cpu,
-            ServiceConfig {
+        let config = WorkerConfig {
+            service: ServiceConfig {
                 guard: rookworld_proto::auth::Guard::shared("t"),
                 ..ServiceConfig::default()
             },
-        );
-        tokio::spawn(service::run(server, listener, std::future::pending()));
+            ..WorkerConfig::new(model)
+        };
+        let _worker = Worker::start(config, listener, std::future::pending())
+            .await
+            .unwrap();
         let proxy = Proxy::start(target).await;
         let model = init_random(&Config::tiny(), 2, DType::F32, &Device::Cpu).unwrap();
         let push = |v: u64| {

@@ -6,7 +6,7 @@ use candle_nn::{VarBuilder, VarMap};
 use rookworld_lm::checkpoint::init_random;
 use rookworld_lm::{Config, Gpt2, LeftPadding};
 
-mod common;
+use crate::common;
 use common::max_diff;
 
 fn ids(n: usize) -> Vec<u32> {

@@ -1,0 +1,34 @@
+//! Cross-crate tests, in one binary: the services together, as separate processes (the
+//! launchers in `tests/src/bin` run their own command lines) or in-process on loopback.
+//!
+//! - `cluster`: a training cluster of real processes that a test can kill, stop and probe.
+//! - `faults`: faults survived with nothing lost; `wiring`: wiring mistakes named;
+//!   `hostile`: hostile input to the learner's queue and the worker; `tls`: TLS and
+//!   mutual TLS; `grpcurl`: the book's grpcurl commands; `logs`: what the logs say.
+//! - `parity`, `hf_roundtrip`, `checkpoints`, `hub`, `tokenizer_data`: the model against
+//!   Hugging Face's stored numbers, checkpoints and the tokenizer's data.
+//! - `run_file`, `validation`, `worker_loop`: run files, the command lines' checks, the
+//!   worker's loop against a real learner and reward server.
+//! - `deploy`: the compose file, the Kubernetes manifests and Grafana against the services;
+//!   `docs`: the book's generated pages and links; `cargo_features`, `gpu_check`: the
+//!   `cuda` feature's declarations and the GPU check's script.
+
+mod cargo_features;
+mod checkpoints;
+mod cluster;
+mod deploy;
+mod docs;
+mod faults;
+mod gpu_check;
+mod grpcurl;
+mod hf_roundtrip;
+mod hostile;
+mod hub;
+mod logs;
+mod parity;
+mod run_file;
+mod tls;
+mod tokenizer_data;
+mod validation;
+mod wiring;
+mod worker_loop;
