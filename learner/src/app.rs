@@ -120,9 +120,6 @@ fn train_cmd(args: &TrainArgs) -> Result<(), TrainError> {
         if let Some(addr) = args.metrics_addr()? {
             let bound = crate::metrics::install_exporter(addr)
                 .map_err(|source| TrainError::Metrics { addr, source })?;
-            if args.local {
-                crate::metrics::describe_local();
-            }
             tracing::info!(metrics = %bound, "Prometheus metrics at http://{bound}/metrics");
         }
         let summary = train::run(

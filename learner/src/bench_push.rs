@@ -13,11 +13,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use candle_core::{DType, Device};
-use rollout_worker::engine::{Engine, EngineConfig, prepare_model};
-use rollout_worker::service::{RolloutServer, ServiceConfig};
+use rollout_worker::{ServiceConfig, Worker, WorkerConfig};
+use rookworld_lm::checkpoint;
 use rookworld_lm::config::Config;
-use rookworld_lm::device::{DeviceChoice, Precision};
-use rookworld_lm::{Tokenizer, checkpoint};
+use rookworld_lm::device::{DeviceChoice, WeightDtype};
 use rookworld_proto::logging::Progress;
 use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
@@ -51,11 +50,11 @@ pub struct BenchPushArgs {
     /// "convert + pack" is the upload to the device.
     #[arg(long, default_value = "cpu")]
     pub worker_device: String,
-    /// The worker's --precision, as `rollout-worker serve` takes it (auto: BF16 panels on
+    /// The worker's --weight-dtype, as `rollout-worker serve` takes it (auto: BF16 panels on
     /// a CPU the packed kernel runs on, BF16 weights on CUDA; f32, bf16, f16 or int8): on
     /// the CPU, what its panels hold and so what a push is packed into.
     #[arg(long, default_value = "auto")]
-    pub rollout_precision: Precision,
+    pub rollout_weight_dtype: WeightDtype,
 }
 
 /// One measurement: the median push and where the worker spent it.
@@ -115,7 +114,7 @@ pub enum BenchPushError {
     #[error(transparent)]
     Model(#[from] rookworld_lm::Error),
     #[error(transparent)]
-    Worker(#[from] rollout_worker::engine::EngineError),
+    Worker(#[from] rollout_worker::StartError),
     #[error(transparent)]
     Export(#[from] ExportError),
     #[error(transparent)]
@@ -145,9 +144,9 @@ fn refused(what: &'static str) -> impl Fn(tonic::Status) -> BenchPushError {
 
 /// Runs the benchmark and prints its JSON line.
 pub fn run(args: &BenchPushArgs) -> Result<(), BenchPushError> {
-    rookworld_proto::check::at_least("--pushes", args.pushes as u64, 1).map_err(ConfigError)?;
+    rookworld_proto::check::at_least("--pushes", args.pushes as u64, 1)?;
     if args.chunk_kib.contains(&0) {
-        return Err(ConfigError::from("--chunk-kib: every size must be ≥ 1").into());
+        return Err(ConfigError::Value("--chunk-kib: every size must be ≥ 1".into()).into());
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -191,31 +190,28 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, BenchPushError> {
         .worker_device
         .parse::<DeviceChoice>()
         .and_then(DeviceChoice::open)
-        .map_err(|e| ConfigError(format!("--worker-device: {e}")))?;
-    let (dtype, panels) = args.rollout_precision.resolve(&device)?;
+        .map_err(|e| ConfigError::Value(format!("--worker-device: {e}")))?;
+    let (dtype, panels) = args.rollout_weight_dtype.resolve(&device)?;
     let mut worker_model = checkpoint::init_random(&cfg, 2, dtype, &device)?;
     worker_model.set_panel_dtype(panels);
-    let worker_model = prepare_model(worker_model)?;
-    let engine = Arc::new(Engine::start(worker_model, 0, EngineConfig::default()));
-    let server = RolloutServer::new(
-        engine,
-        Tokenizer::gpt2(),
-        cfg.clone(),
-        dtype,
-        device.clone(),
-        ServiceConfig {
-            guard: rookworld_proto::auth::Guard::shared(TOKEN),
-            shared_dir: Some(shared_dir.clone()),
-            ..ServiceConfig::default()
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let worker = Worker::start(
+        WorkerConfig {
+            service: ServiceConfig {
+                guard: rookworld_proto::auth::Guard::shared(TOKEN),
+                shared_dir: Some(shared_dir.clone()),
+                ..ServiceConfig::default()
+            },
+            ..WorkerConfig::new(worker_model)
+        },
+        listener,
+        async {
+            let _ = stopped.await;
         },
     )
-    .with_panels(panels);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let url = format!("http://{}", listener.local_addr()?);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(rollout_worker::service::run(server, listener, async {
-        let _ = stopped.await;
-    }));
+    .await?;
+    let url = format!("http://{}", worker.local_addr());
     let channel = rookworld_proto::serve::endpoint(&url)?.connect().await?;
     let mut client = RolloutServiceClient::new(channel);
 
@@ -295,7 +291,7 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, BenchPushError> {
         ));
     }
     let _ = stop.send(());
-    let _ = serving.await;
+    let _ = worker.wait().await;
     Ok(Report {
         preset: args.preset.clone(),
         worker_device: args.worker_device.clone(),
@@ -479,7 +475,7 @@ async fn generate_until(
         let request = pb::GenerateRequest {
             prompts: vec![
                 pb::Prompt {
-                    text: rollout_worker::bench_cmd::BENCH_PROMPT.into(),
+                    text: rookworld_generation::BENCH_PROMPT.into(),
                     ..Default::default()
                 };
                 4

@@ -94,7 +94,7 @@ pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
         // with their own buckets (not summaries).
         .set_buckets_for_metric(
             Matcher::Prefix("rollout_".into()),
-            rollout_worker::metrics::SECONDS_BUCKETS,
+            rookworld_generation::metrics::SECONDS_BUCKETS,
         )?
         .set_buckets_for_metric(
             Matcher::Full(reward_server::metrics::names::REQUEST_DURATION_SECONDS.into()),
@@ -103,13 +103,6 @@ pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
     let bound = rookworld_proto::metrics_http::install(builder, addr)?;
     describe();
     Ok(bound)
-}
-
-/// Descriptions of the metrics of `--local`'s worker and reward server, which record into
-/// the learner's endpoint.
-pub fn describe_local() {
-    rollout_worker::metrics::describe();
-    reward_server::metrics::describe();
 }
 
 /// The CUDA kernels the start-up check turned off so far (once a device is open).

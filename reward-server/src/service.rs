@@ -144,6 +144,7 @@ fn to_proto(score: Score) -> pb::ScoreResult {
 
 #[tonic::async_trait]
 impl RewardService for RewardServer {
+    #[tracing::instrument(name = "score", skip_all, fields(items = request.get_ref().items.len()))]
     async fn score(
         &self,
         request: Request<pb::ScoreRequest>,
@@ -204,6 +205,9 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    // Into whatever recorder the process has (the binary's exporter, or the learner's
+    // under `--local`).
+    crate::metrics::describe();
     let (max, tls) = (cfg.max_message_bytes, cfg.tls.clone());
     let service = RewardServiceServer::new(RewardServer::new(scorer, cfg))
         .max_decoding_message_size(max)

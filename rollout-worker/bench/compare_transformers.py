@@ -79,7 +79,7 @@ def ct2_rate(generator, tokens, prompts, n, new_tokens, repeat):
 def ours_bench(args, model_dir, config):
     precision = config.split("@")[0]
     out = subprocess.run(
-        [args.binary, "bench", "--model", model_dir, "--precision", precision, "--prompts", str(args.prompts),
+        [args.binary, "bench", "--model", model_dir, "--weight-dtype", precision, "--prompts", str(args.prompts),
          "-n", str(args.n), "--max-new-tokens", str(args.max_new_tokens), "--repeat", str(args.repeat)],
         check=True, capture_output=True, text=True, env=ours_env(args, config),
     )
@@ -89,7 +89,7 @@ def ours_bench(args, model_dir, config):
 def ours_generate(args, model_dir, config):
     """New tokens/s of `rollout-worker generate` as a whole process, best of `--repeat`."""
     precision = config.split("@")[0]
-    cmd = [args.binary, "generate", "--model", model_dir, "--precision", precision, "-n", str(args.n),
+    cmd = [args.binary, "generate", "--model", model_dir, "--weight-dtype", precision, "-n", str(args.n),
            "--max-new-tokens", str(args.max_new_tokens), "--temperature", "1"]
     for _ in range(args.prompts):
         cmd += ["--prompt", PROMPT]
@@ -128,7 +128,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--precisions", default="f32,bf16",
-                    help="rollout-worker --precision values to run; PRECISION@avx2 runs one with "
+                    help="rollout-worker --weight-dtype values to run; PRECISION@avx2 runs one with "
                          "ROOKWORLD_CPU_KERNELS=avx2 (no AVX-512 dot products), to compare in the same run")
     ap.add_argument("--skip-single", action="store_true", help="only the P x G batch")
     args = ap.parse_args()

@@ -16,8 +16,7 @@ use rookworld_proto::logging::Progress;
 
 use crate::engine::{EngineConfig, EngineError, Request, Scheduler, prepare_model};
 
-/// The start-position policy prompt: 46 tokens.
-pub const BENCH_PROMPT: &str = "P: rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1    M:";
+pub use crate::engine::BENCH_PROMPT;
 
 /// Options of `rollout-worker bench`.
 #[derive(Debug, Clone, clap::Args)]
@@ -140,17 +139,19 @@ pub fn run(args: &BenchArgs, out: &mut impl Write) -> Result<(), EngineError> {
         at_least("--prompts", args.prompts as u64, 1),
         at_least("--num-completions", args.n as u64, 1),
         at_least("--repeat", args.repeat as u64, 1),
-        args.sampling.validate(),
     ]
     .into_iter()
     .collect::<Result<(), _>>()
-    .map_err(EngineError::InvalidRequest)?;
+    .map_err(|e| EngineError::InvalidRequest(e.to_string()))?;
+    args.sampling
+        .validate()
+        .map_err(EngineError::InvalidRequest)?;
     let max_new_tokens = args.sampling.max_new_tokens as usize;
     let loaded = args.model.load()?;
     let prompt = loaded.tokenizer.encode(BENCH_PROMPT)?;
     let context = loaded.model.config().n_positions;
     rookworld_proto::check::fits_context(max_new_tokens, prompt.len(), "the bench prompt", context)
-        .map_err(EngineError::InvalidRequest)?;
+        .map_err(|e| EngineError::InvalidRequest(e.to_string()))?;
     let reference = Arc::new(loaded.model.clone());
     let model = Arc::new(prepare_model(loaded.model)?);
     // Warm-up: allocator and thread pool.

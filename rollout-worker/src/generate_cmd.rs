@@ -102,10 +102,9 @@ fn io_error(path: &std::path::Path, e: std::io::Error) -> Error {
 /// all generate together under continuous batching), writing one JSON line per prompt to
 /// `out`. Every prompt is checked before anything is generated.
 pub fn run(args: &GenerateArgs, out: &mut impl Write) -> std::result::Result<(), EngineError> {
-    args.sampling
-        .validate()
-        .and_then(|()| rookworld_proto::check::at_least("--num-completions", args.n as u64, 1))
-        .map_err(Error::InvalidArgument)?;
+    args.sampling.validate().map_err(Error::InvalidArgument)?;
+    rookworld_proto::check::at_least("--num-completions", args.n as u64, 1)
+        .map_err(|e| Error::InvalidArgument(e.to_string()))?;
     let sampling = args.sampling.params();
     let max_new_tokens = args.sampling.max_new_tokens as usize;
     let prompts = args.collect_prompts()?;

@@ -1,7 +1,10 @@
 //! The rollout worker: holds the current policy and samples G completions per prompt.
 //!
 //! - [`app`]: the command line; `main.rs` only calls [`app::main`].
-//! - [`engine`]: continuous-batching generation with shared prompt caches.
+//! - generation (continuous batching with shared prompt caches) is the
+//!   `rookworld-generation` crate, named `engine` here.
+//! - [`worker`]: [`Worker::start`], the one way to run a worker: its service, its loop
+//!   and its GPU monitor over one model.
 //! - [`service`]: the gRPC service (`rookworld.rollout.v1.RolloutService`); [`error`]
 //!   maps its errors to gRPC status codes.
 //! - [`worker_loop`]: lease → generate → score → submit against a learner and a reward
@@ -17,7 +20,6 @@
 
 pub mod app;
 pub mod bench_cmd;
-pub mod engine;
 pub mod error;
 pub mod generate_cmd;
 pub mod gpu;
@@ -25,4 +27,11 @@ pub mod metrics;
 pub mod parity_cmd;
 pub mod serve_cmd;
 pub mod service;
+pub mod worker;
 pub mod worker_loop;
+
+pub use service::ServiceConfig;
+pub use worker::{StartError, Worker, WorkerConfig};
+pub use worker_loop::LoopConfig;
+
+use rookworld_generation as engine;

@@ -33,7 +33,7 @@ pub const PROMPTS: [&str; 3] = [
 #[derive(Debug, Clone, clap::Args)]
 pub struct ParityArgs {
     /// The model (`--preset` with `--init-seed`, or `--model DIR`) and the device checked
-    /// (`--device`); `--precision` is ignored: f32 and bf16 are both checked.
+    /// (`--device`); `--weight-dtype` is ignored: f32 and bf16 are both checked.
     #[command(flatten)]
     pub model: ModelArgs,
     /// Greedy tokens generated per prompt.
@@ -76,9 +76,11 @@ struct Report {
 
 /// Runs the comparison and prints its JSON line.
 pub fn run(args: &ParityArgs, out: &mut impl Write) -> Result<()> {
+    args.model.weight_dtype()?; // the old --precision is refused, not ignored
     let on = |device: &str, dtype: &str| ModelArgs {
         device: device.into(),
-        precision: dtype.into(),
+        weight_dtype: dtype.into(),
+        legacy_precision: None,
         ..args.model.clone()
     };
     let reference = on("cpu", "f32").load()?;
@@ -93,7 +95,7 @@ pub fn run(args: &ParityArgs, out: &mut impl Write) -> Result<()> {
     for dtype in ["f32", "bf16"] {
         let mut loaded = on(&args.model.device, dtype).load()?;
         if loaded.model.panel_dtype() == PanelDtype::Bf16 || loaded.model.device().is_cuda() {
-            // On the CPU, BF16 lives in the packed panels (`--precision`); on CUDA the
+            // On the CPU, BF16 lives in the packed panels (`--weight-dtype`); on CUDA the
             // engine's model has a padded head: check those.
             loaded.model.prepare_for_inference()?;
         }
@@ -266,7 +268,8 @@ mod tests {
                 preset: Some("tiny".into()),
                 init_seed: 3,
                 device: "cpu".into(),
-                precision: "auto".into(),
+                weight_dtype: "auto".into(),
+                legacy_precision: None,
             },
             new_tokens: 4,
         };

@@ -1,15 +1,14 @@
 //! `rollout-worker serve`: the gRPC service on a port, metrics on another.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::time::Duration;
 
 use rookworld_lm::cli::ModelArgs;
 
-use std::time::Duration;
-
-use crate::engine::{Engine, EngineArgs};
-use crate::service::{self, RolloutServer, ServiceConfig};
-use crate::worker_loop::{self, LoopConfig};
+use crate::engine::EngineArgs;
+use crate::service::ServiceConfig;
+use crate::worker::{Worker, WorkerConfig};
+use crate::worker_loop::LoopConfig;
 
 /// Options of `rollout-worker serve`.
 #[derive(Debug, Clone, clap::Args)]
@@ -62,9 +61,7 @@ pub struct ServeArgs {
 }
 
 /// A configuration problem, reported as one line.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct ConfigError(String);
+pub use rookworld_proto::check::ConfigError;
 
 impl ServeArgs {
     /// URLs with their scheme, counts in range: one line at start, not retries forever.
@@ -83,24 +80,23 @@ impl ServeArgs {
                 checks.push(url(flag, v));
             }
         }
-        checks
-            .into_iter()
-            .collect::<Result<(), _>>()
-            .map_err(ConfigError)
+        checks.into_iter().collect::<Result<(), _>>()
     }
 
     fn token(&self) -> Result<Option<String>, ConfigError> {
-        self.token.resolve().map_err(ConfigError)
+        self.token.resolve().map_err(ConfigError::Unusable)
     }
 
     /// The advertised push URL must match how the port serves.
     fn check_advertise(&self) -> Result<(), ConfigError> {
         match &self.advertise {
-            Some(a) if self.tls.enabled() && !a.starts_with("https://") => Err(ConfigError(
-                format!("--advertise {a}: the port serves TLS (--tls-cert), so use https://"),
-            )),
+            Some(a) if self.tls.enabled() && !a.starts_with("https://") => {
+                Err(ConfigError::Conflict(format!(
+                    "--advertise {a}: the port serves TLS (--tls-cert), so use https://"
+                )))
+            }
             Some(a) if !self.tls.enabled() && a.starts_with("https://") => {
-                Err(ConfigError(format!(
+                Err(ConfigError::Conflict(format!(
                     "--advertise {a}: the port serves plaintext; set --tls-cert or use http://"
                 )))
             }
@@ -114,116 +110,72 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
     args.validate()?;
     args.check_advertise()?;
     let token = args.token()?;
-    let inspect_token = args.token.resolve_inspect().map_err(ConfigError)?;
+    let inspect_token = args
+        .token
+        .resolve_inspect()
+        .map_err(ConfigError::Unusable)?;
     if token.is_none() {
         tracing::warn!("no --token / ROOKWORLD_TOKEN: Generate and weight updates will be refused");
     }
-    let tls = args.tls.load().map_err(ConfigError)?;
-    args.client_tls.check().map_err(ConfigError)?;
+    let tls = args.tls.load().map_err(ConfigError::Unusable)?;
+    args.client_tls.check().map_err(ConfigError::Unusable)?;
     let model_args = args.model.clone();
     let loaded = tokio::task::spawn_blocking(move || model_args.load()).await??;
-    let (cfg, dtype, panels, device) = (
-        loaded.model.config().clone(),
-        loaded.model.dtype(),
-        loaded.model.panel_dtype(),
-        loaded.device.clone(),
-    );
     let metrics = crate::metrics::install_exporter(args.metrics)
-        .map_err(|e| ConfigError(format!("metrics on {}: {e}", args.metrics)))?;
+        .map_err(|e| ConfigError::Unusable(format!("metrics on {}: {e}", args.metrics)))?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
-        .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", args.listen)))?;
-    let model = crate::engine::prepare_model(loaded.model)?;
-    let engine = Arc::new(Engine::start(
-        model,
-        args.initial_version,
-        args.engine.config(),
-    ));
+        .map_err(|e| ConfigError::Unusable(format!("cannot listen on {}: {e}", args.listen)))?;
+    let local = listener.local_addr()?;
+    let pull = match (&args.learner, &args.reward) {
+        (Some(learner), Some(reward)) => Some(LoopConfig {
+            learner: learner.clone(),
+            reward: reward.clone(),
+            token: token.clone().ok_or_else(|| {
+                ConfigError::Conflict(
+                    "--learner needs the shared token (--token or --token-file)".into(),
+                )
+            })?,
+            worker_id: args
+                .worker_id
+                .clone()
+                .unwrap_or_else(|| default_worker_id(local)),
+            push_address: args
+                .advertise
+                .clone()
+                .unwrap_or_else(|| default_advertise(local, tls.is_some())),
+            max_in_flight: args.max_in_flight,
+            call_timeout: Duration::from_secs(30),
+            max_backoff: Duration::from_secs(10),
+            tls: args.client_tls.clone(),
+        }),
+        _ => None,
+    };
     tracing::info!(
-        listen = %listener.local_addr()?,
+        listen = %local,
         %metrics,
         source = %loaded.source,
-        device = ?device,
-        dtype = ?dtype,
-        panels = ?panels,
+        device = ?loaded.device,
+        dtype = ?loaded.model.dtype(),
+        panels = ?loaded.model.panel_dtype(),
         "rollout worker ready"
     );
-    let local = listener.local_addr()?;
-    let tokenizer = loaded.tokenizer.clone();
-    let model_cfg = cfg.clone();
-    let device_for_monitor = device.clone();
-    let token_for_loop = token.clone();
-    let server = RolloutServer::new(
-        engine.clone(),
-        loaded.tokenizer,
-        cfg,
-        dtype,
-        device,
-        ServiceConfig {
+    let config = WorkerConfig {
+        tokenizer: loaded.tokenizer,
+        weights: (None, args.initial_version),
+        engine: args.engine.config(),
+        service: ServiceConfig {
             guard: rookworld_proto::auth::Guard::new(token, inspect_token),
-            tls: tls.clone(),
+            tls,
             max_queued_samples: args.max_queued_samples,
             shared_dir: args.shared_dir.clone(),
             ..ServiceConfig::default()
         },
-    )
-    .with_panels(panels);
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    tokio::spawn(async move {
-        rookworld_proto::serve::shutdown_signal().await;
-        let _ = stop.send(true);
-    });
-    let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|&s| s).await;
+        pull,
+        ..WorkerConfig::new(loaded.model)
     };
-    tokio::spawn(crate::gpu::monitor(
-        device_for_monitor,
-        Duration::from_secs(5),
-        until_stopped(stopped.clone()),
-    ));
-    let worker = match (&args.learner, &args.reward) {
-        (Some(learner), Some(reward)) => {
-            let cfg = LoopConfig {
-                learner: learner.clone(),
-                reward: reward.clone(),
-                token: token_for_loop.ok_or_else(|| {
-                    ConfigError("--learner needs the shared token (--token or --token-file)".into())
-                })?,
-                worker_id: args
-                    .worker_id
-                    .clone()
-                    .unwrap_or_else(|| default_worker_id(local)),
-                push_address: args
-                    .advertise
-                    .clone()
-                    .unwrap_or_else(|| default_advertise(local, tls.is_some())),
-                max_in_flight: args.max_in_flight,
-                call_timeout: Duration::from_secs(30),
-                max_backoff: Duration::from_secs(10),
-                tls: args.client_tls.clone(),
-            };
-            tracing::info!(learner = %cfg.learner, reward = %cfg.reward, worker = %cfg.worker_id, push_address = %cfg.push_address, "pulling work");
-            let bos = model_cfg.bos_token_id;
-            Some(tokio::spawn(worker_loop::run(
-                engine.clone(),
-                tokenizer,
-                bos,
-                cfg,
-                until_stopped(stopped.clone()),
-            )))
-        }
-        _ => None,
-    };
-    let result = service::run(server, listener, until_stopped(stopped)).await;
-    if let Some(worker) = worker {
-        match worker.await {
-            Ok(Err(e)) => tracing::error!(error = %e, "worker loop"),
-            Err(e) => tracing::error!(error = %e, "worker loop panicked"),
-            Ok(Ok(())) => {}
-        }
-    }
-    engine.shutdown();
-    result
+    let worker = Worker::start(config, listener, rookworld_proto::serve::shutdown_signal()).await?;
+    worker.wait().await
 }
 
 /// `HOST:PORT`, HOST the OS host name.

@@ -55,14 +55,57 @@ impl Default for ServiceConfig {
     }
 }
 
+/// `n` completions of each of `prompts` as the wire's sampling parameters ask (`top_p` 0
+/// means off; the seed is theirs).
+pub(crate) fn request_from_wire(
+    prompts: Vec<Vec<u32>>,
+    n: usize,
+    p: &common::SamplingParams,
+) -> EngineRequest {
+    EngineRequest {
+        prompts,
+        n,
+        max_new_tokens: p.max_new_tokens as usize,
+        sampling: rookworld_lm::sampling::SamplingParams {
+            temperature: p.temperature,
+            top_k: p.top_k as usize,
+            top_p: if p.top_p == 0.0 { 1.0 } else { p.top_p },
+        },
+        seed: p.seed,
+        ignore_eos: false,
+    }
+}
+
+/// What the service knows of the model it serves, read from the model itself
+/// ([`ServedModel::of`]): each pushed version is built the same way.
+#[derive(Debug, Clone)]
+pub(crate) struct ServedModel {
+    pub config: Config,
+    pub dtype: candle_core::DType,
+    /// What a new model's CPU panels hold.
+    pub panels: rookworld_lm::cpu_gemm::PanelDtype,
+    pub device: candle_core::Device,
+}
+
+impl ServedModel {
+    pub fn of(model: &rookworld_lm::Gpt2) -> Self {
+        Self {
+            config: model.config().clone(),
+            dtype: model.dtype(),
+            panels: model.panel_dtype(),
+            device: model.device().clone(),
+        }
+    }
+}
+
 /// The `RolloutService` implementation.
 #[derive(Debug)]
-pub struct RolloutServer {
+pub(crate) struct RolloutServer {
     engine: Arc<Engine>,
     tokenizer: Tokenizer,
     model_config: Config,
     dtype: candle_core::DType,
-    /// What a new model's CPU panels hold ([`RolloutServer::with_panels`]).
+    /// What a new model's CPU panels hold (the served model's own).
     panels: rookworld_lm::cpu_gemm::PanelDtype,
     device: candle_core::Device,
     cfg: ServiceConfig,
@@ -82,17 +125,15 @@ impl RolloutServer {
     pub fn new(
         engine: Arc<Engine>,
         tokenizer: Tokenizer,
-        model_config: Config,
-        dtype: candle_core::DType,
-        device: candle_core::Device,
+        model: ServedModel,
         cfg: ServiceConfig,
     ) -> Self {
         Self {
             tokenizer,
-            model_config,
-            dtype,
-            panels: Default::default(),
-            device,
+            model_config: model.config,
+            dtype: model.dtype,
+            panels: model.panels,
+            device: model.device,
             guard: cfg.guard.clone(),
             cfg,
             updating: Mutex::new(()),
@@ -104,13 +145,6 @@ impl RolloutServer {
             },
             engine,
         }
-    }
-
-    /// Builds each pushed model with CPU panels of `panels` (the engine's model's own,
-    /// `--precision`); f32 unless set.
-    pub fn with_panels(mut self, panels: rookworld_lm::cpu_gemm::PanelDtype) -> Self {
-        self.panels = panels;
-        self
     }
 
     /// The request's prompts as token ids.
@@ -142,11 +176,7 @@ impl RolloutServer {
                 self.cfg.max_queued_samples
             )));
         }
-        Ok(EngineRequest::from_proto(
-            self.prompt_ids(r.prompts)?,
-            n,
-            &sampling,
-        ))
+        Ok(request_from_wire(self.prompt_ids(r.prompts)?, n, &sampling))
     }
 
     /// Refuses a work or control call whose `authorization` is not `Bearer <token>`.
@@ -288,7 +318,7 @@ fn decode_text(tokenizer: &Tokenizer, ids: &[u32]) -> String {
 
 /// Serves the rollout service, health and reflection on `listener` until `shutdown`
 /// completes; calls in flight finish first.
-pub async fn run(
+pub(crate) async fn run(
     server: RolloutServer,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,

@@ -220,8 +220,14 @@ async fn stop_groups(mut groups: tokio::task::JoinSet<()>, grace: Duration) {
     }
 }
 
-/// One leased prompt: generate, score, submit.
+/// One leased prompt: generate, score, submit. Its log lines carry the prompt, the lease
+/// and the attempt.
 #[allow(clippy::too_many_arguments)]
+#[tracing::instrument(
+    name = "group",
+    skip_all,
+    fields(prompt = prompt.prompt_id, lease = prompt.lease_id, attempt = prompt.attempt)
+)]
 async fn group(
     engine: Arc<Engine>,
     tokenizer: Tokenizer,
@@ -240,7 +246,7 @@ async fn group(
         .map_err(|e| GroupError::Generate(e.to_string()))?;
     let request = Request {
         seed: prompt.seed,
-        ..Request::from_proto(vec![ids.clone()], n as usize, &sampling)
+        ..crate::service::request_from_wire(vec![ids.clone()], n as usize, &sampling)
     };
     let run = engine.status().weight_run;
     let mut stream = engine

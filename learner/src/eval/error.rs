@@ -28,7 +28,7 @@ pub enum EvalError {
     #[error(transparent)]
     Model(#[from] rookworld_lm::Error),
     #[error(transparent)]
-    Generation(#[from] rollout_worker::engine::EngineError),
+    Generation(#[from] rookworld_generation::EngineError),
     /// The weights a periodic evaluation was asked for.
     #[error("evaluation model: {0}")]
     Weights(#[from] rookworld_weights::WeightError),

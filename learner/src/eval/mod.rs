@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use rollout_worker::engine::{EngineArgs, EngineConfig, Request, Scheduler, prepare_model};
+use rookworld_generation::{EngineArgs, EngineConfig, Request, Scheduler, prepare_model};
 use rookworld_lm::cli::{ModelArgs, SamplingArgs};
 use rookworld_lm::sampling::SamplingParams;
 use rookworld_lm::{Gpt2, Tokenizer};
@@ -81,9 +81,9 @@ impl EvalArgs {
     /// The sampling, checked: several samples of an item need a temperature above 0
     /// (greedy samples would all be the same).
     fn sampling(&self) -> Result<SamplingParams, ConfigError> {
-        self.sampling.validate()?;
+        self.sampling.validate().map_err(ConfigError::Value)?;
         if self.samples > 1 && self.sampling.temperature == 0.0 {
-            return Err(ConfigError(format!(
+            return Err(ConfigError::Conflict(format!(
                 "--samples {} at --temperature 0 (greedy) would give {} equal samples: give --temperature above 0 (e.g. 1)",
                 self.samples, self.samples
             )));
@@ -243,8 +243,7 @@ impl Evaluation<'_> {
                     ids.len(),
                     &what,
                     context,
-                )
-                .map_err(ConfigError)?;
+                )?;
                 Ok(ids)
             })
             .collect::<Result<Vec<_>, EvalError>>()?;

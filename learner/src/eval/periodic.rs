@@ -16,7 +16,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
-use rollout_worker::engine::EngineConfig;
+use rookworld_generation::EngineConfig;
 use rookworld_lm::sampling::SamplingParams;
 use rookworld_lm::{Config, Gpt2, Tokenizer};
 use rookworld_weights::set::{WeightSet, build_model};
@@ -72,8 +72,8 @@ impl PeriodicArgs {
         self.eval_suites
             .iter()
             .map(|name| {
-                let suite =
-                    Suite::parse(name).map_err(|e| ConfigError(format!("--eval-suites: {e}")))?;
+                let suite = Suite::parse(name)
+                    .map_err(|e| ConfigError::Value(format!("--eval-suites: {e}")))?;
                 let mut items = suite.items(self.eval_data_dir.as_deref())?;
                 items.truncate(usize::try_from(self.eval_limit).unwrap_or(usize::MAX));
                 Ok((suite, items))

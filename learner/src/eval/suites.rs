@@ -42,7 +42,7 @@ impl Suite {
             .find(|s| s.name() == name.trim())
             .ok_or_else(|| {
                 let known: Vec<&str> = Self::ALL.iter().map(|s| s.name()).collect();
-                ConfigError(format!(
+                ConfigError::Value(format!(
                     "unknown suite `{name}` (known: {})",
                     known.join(", ")
                 ))
@@ -309,7 +309,7 @@ fn policy_items(text: &str) -> Result<Vec<Item>, Malformed> {
                 .completion
                 .as_deref()
                 .ok_or_else(|| bad("a `P:` line without its answer".into()))?;
-            let listed = policy_task::parse_answer(answer).map_err(|(_, d)| bad(d))?;
+            let listed = policy_task::parse_answer(answer).map_err(|e| bad(e.to_string()))?;
             let ranking = ranking(&listed.moves, &listed.evals).map_err(|e| bad(e.0))?;
             let prompt = PolicyPrompt::parse(&split.prompt).map_err(|e| bad(e.to_string()))?;
             Ok(Item {

@@ -7,13 +7,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::Device;
-use rollout_worker::engine::{Engine, EngineConfig, prepare_model};
-use rollout_worker::service::{RolloutServer, ServiceConfig};
-use rollout_worker::worker_loop::{self, LoopConfig};
+use rollout_worker::{LoopConfig, ServiceConfig, Worker, WorkerConfig};
 use rookworld_chess::score::RewardConfig;
 use rookworld_chess::scorer::Scorer;
-use rookworld_lm::device::Precision;
-use rookworld_lm::{Gpt2, Tokenizer, checkpoint};
+use rookworld_lm::device::WeightDtype;
+use rookworld_lm::{Gpt2, checkpoint};
 use rookworld_proto::tls::{ClientTlsArgs, ServerTls};
 use rookworld_weights::set::WeightSet;
 use tokio::net::TcpListener;
@@ -28,20 +26,19 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub struct LocalServices {
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
-    engine: Arc<Engine>,
 }
 
 impl LocalServices {
     /// Starts the reward server and a worker that runs `weights` (the BF16 set the
     /// learner would push, so worker and learner agree from the first step) on `device`
-    /// (the learner's: f32 on the CPU, bfloat16 on a GPU they share) at `precision`
-    /// (`--rollout-precision`) and pulls from the queue at `queue`. With `tls` (the learner's: its certificate must name
+    /// (the learner's: f32 on the CPU, bfloat16 on a GPU they share) in `weight_dtype`
+    /// (`--rollout-weight-dtype`) and pulls from the queue at `queue`. With `tls` (the learner's: its certificate must name
     /// 127.0.0.1), every local port serves TLS and the worker calls out with `client`.
     pub async fn start(
         queue: SocketAddr,
         weights: &WeightSet,
         config: &rookworld_lm::Config,
-        (device, precision): (&Device, Precision),
+        (device, weight_dtype): (&Device, WeightDtype),
         token: &str,
         shared_dir: Option<std::path::PathBuf>,
         (tls, client): (Option<Arc<ServerTls>>, ClientTlsArgs),
@@ -69,37 +66,12 @@ impl LocalServices {
 
         // `auto`: BF16 on CUDA, BF16 panels on the CPU (the pushes are BF16 values: the
         // same products as f32 panels, half the bytes).
-        let (dtype, panels) = precision.resolve(device)?;
+        let (dtype, panels) = weight_dtype.resolve(device)?;
         let mut model: Gpt2 = checkpoint::from_bytes(&weights.bytes, config, dtype, device)?;
         model.set_panel_dtype(panels);
-        let model = prepare_model(model)?;
-        let engine = Arc::new(
-            Engine::start(model, weights.version, EngineConfig::default())
-                .with_run(&weights.run_id),
-        );
         let worker_listener = TcpListener::bind("127.0.0.1:0").await?;
         let worker = format!("{scheme}://{}", worker_listener.local_addr()?);
-        let server = RolloutServer::new(
-            engine.clone(),
-            Tokenizer::gpt2(),
-            config.clone(),
-            dtype,
-            device.clone(),
-            ServiceConfig {
-                guard: rookworld_proto::auth::Guard::shared(token),
-                tls,
-                shared_dir,
-                ..ServiceConfig::default()
-            },
-        )
-        .with_panels(panels);
-        let rx = stopped.clone();
-        tasks.push(tokio::spawn(async move {
-            if let Err(e) = rollout_worker::service::run(server, worker_listener, until(rx)).await {
-                tracing::error!(error = %e, "local rollout service");
-            }
-        }));
-        let cfg = LoopConfig {
+        let pull = LoopConfig {
             learner: format!("{scheme}://{queue}"),
             reward: reward.clone(),
             token: token.to_owned(),
@@ -110,29 +82,29 @@ impl LocalServices {
             max_backoff: Duration::from_secs(2),
             tls: client,
         };
-        let rx = stopped.clone();
-        let bos = config.bos_token_id;
-        let loop_engine = engine.clone();
+        let started = Worker::start(
+            WorkerConfig {
+                weights: (Some(weights.run_id.clone()), weights.version),
+                service: ServiceConfig {
+                    guard: rookworld_proto::auth::Guard::shared(token),
+                    tls,
+                    shared_dir,
+                    ..ServiceConfig::default()
+                },
+                pull: Some(pull),
+                ..WorkerConfig::new(model)
+            },
+            worker_listener,
+            until(stopped.clone()),
+        )
+        .await?;
         tasks.push(tokio::spawn(async move {
-            if let Err(e) =
-                worker_loop::run(loop_engine, Tokenizer::gpt2(), bos, cfg, until(rx)).await
-            {
-                tracing::error!(error = %e, "local worker loop");
+            if let Err(e) = started.wait().await {
+                tracing::error!(error = %e, "local rollout worker");
             }
         }));
-        // The worker's GPU gauges, as a separate worker publishes them (none on the CPU).
-        let rx = stopped.clone();
-        tasks.push(tokio::spawn(rollout_worker::gpu::monitor(
-            device.clone(),
-            Duration::from_secs(5),
-            until(rx),
-        )));
         tracing::info!(%reward, %worker, "local reward server and rollout worker started");
-        Ok(Self {
-            stop,
-            tasks,
-            engine,
-        })
+        Ok(Self { stop, tasks })
     }
 
     /// Stops the worker loop and both servers and waits for them.
@@ -141,6 +113,5 @@ impl LocalServices {
         for t in self.tasks {
             let _ = t.await;
         }
-        self.engine.shutdown();
     }
 }

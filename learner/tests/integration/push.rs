@@ -1,33 +1,29 @@
 //! Weight push to real rollout workers on loopback: all in parallel with a deadline; a worker
 //! that is not serving fails alone, is marked stale, and is re-synced when it comes back.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
 use learner::push::{Fleet, SyncState};
-use rollout_worker::engine::{Engine, EngineConfig};
-use rollout_worker::service::{self, RolloutServer, ServiceConfig};
+use rollout_worker::{ServiceConfig, Worker, WorkerConfig};
+use rookworld_lm::Config;
 use rookworld_lm::checkpoint::init_random;
-use rookworld_lm::{Config, Tokenizer};
 use rookworld_weights::set::WeightSet;
 
 const TOKEN: &str = "push-token";
 
-fn serve(listener: tokio::net::TcpListener) {
+/// A worker on `listener`, served until the test ends.
+async fn serve(listener: tokio::net::TcpListener) {
     let model = init_random(&Config::tiny(), 1, DType::F32, &Device::Cpu).unwrap();
-    let server = RolloutServer::new(
-        Arc::new(Engine::start(model, 0, EngineConfig::default())),
-        Tokenizer::gpt2(),
-        Config::tiny(),
-        DType::F32,
-        Device::Cpu,
-        ServiceConfig {
+    let config = WorkerConfig {
+        service: ServiceConfig {
             guard: rookworld_proto::auth::Guard::shared(TOKEN),
             ..ServiceConfig::default()
         },
-    );
-    tokio::spawn(service::run(server, listener, std::future::pending()));
+        ..WorkerConfig::new(model)
+    };
+    let worker = Worker::start(config, listener, std::future::pending());
+    drop(worker.await.unwrap());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -38,7 +34,7 @@ async fn a_dead_worker_never_blocks_the_others_and_is_resynced() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         fleet.register(&format!("http://{}", listener.local_addr().unwrap()));
         if i < 2 {
-            serve(listener);
+            serve(listener).await;
         } else {
             late = Some(listener); // bound, not served: connections hang
         }
@@ -74,7 +70,7 @@ async fn a_dead_worker_never_blocks_the_others_and_is_resynced() {
     );
 
     // It comes back: after the back-off the next round reaches only it.
-    serve(late.take().unwrap());
+    serve(late.take().unwrap()).await;
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let outcomes = fleet.push(&set, TOKEN, Duration::from_secs(10)).await;
     assert_eq!(outcomes.len(), 1);

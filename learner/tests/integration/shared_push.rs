@@ -10,10 +10,9 @@ use std::time::Duration;
 use candle_core::{DType, Device};
 use learner::policy::Trainable;
 use learner::push::{Fleet, push_to};
-use rollout_worker::engine::{Engine, EngineConfig};
-use rollout_worker::service::{self, RolloutServer, ServiceConfig};
+use rollout_worker::{ServiceConfig, Worker, WorkerConfig};
 use rookworld_lm::checkpoint::init_random;
-use rookworld_lm::{Config, Gpt2, Tokenizer, checkpoint};
+use rookworld_lm::{Config, Gpt2, checkpoint};
 use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
 use rookworld_weights::export::{Exporter, POOL};
@@ -32,20 +31,17 @@ async fn worker(shared_dir: Option<PathBuf>) -> String {
 async fn worker_of(model: Gpt2, shared_dir: Option<PathBuf>) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let model = rollout_worker::engine::prepare_model(model).unwrap();
-    let server = RolloutServer::new(
-        Arc::new(Engine::start(model, 0, EngineConfig::default())),
-        Tokenizer::gpt2(),
-        Config::tiny(),
-        DType::F32,
-        Device::Cpu,
-        ServiceConfig {
+    let config = WorkerConfig {
+        service: ServiceConfig {
             guard: rookworld_proto::auth::Guard::shared(TOKEN),
             shared_dir,
             ..ServiceConfig::default()
         },
-    );
-    tokio::spawn(service::run(server, listener, std::future::pending()));
+        ..WorkerConfig::new(model)
+    };
+    // Served until the test ends.
+    let worker = Worker::start(config, listener, std::future::pending());
+    drop(worker.await.unwrap());
     url
 }
 

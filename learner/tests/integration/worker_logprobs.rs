@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 use learner::fused::{GroupInput, Packed, Params, model};
-use rollout_worker::engine::{EngineConfig, Request, Scheduler, prepare_model};
+use rookworld_generation::{EngineConfig, Request, Scheduler, prepare_model};
 use rookworld_lm::Config;
 use rookworld_lm::checkpoint::init_random;
 use rookworld_lm::sampling::SamplingParams;

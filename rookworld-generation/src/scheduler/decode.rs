@@ -10,7 +10,7 @@ use rookworld_lm::device_sampling;
 use rookworld_lm::sampling::Sampled;
 
 use super::Scheduler;
-use crate::engine::{EngineError, Event, StepStats};
+use crate::{EngineError, Event, StepStats};
 
 impl Scheduler {
     /// One decode step for every live row; rows that finish leave.

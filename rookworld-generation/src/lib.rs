@@ -1,12 +1,16 @@
-//! The generation engine: continuous batching of G samples per prompt over one model,
+//! The generation library: continuous batching of G samples per prompt over one model,
 //! with the prompt's cache shared by its samples, bounded memory, and model swaps that
-//! never mix weight versions inside a completion.
+//! never mix weight versions inside a completion. It needs only the model crate: the
+//! rollout worker serves it over gRPC, the learner's evaluation runs it in-process.
 //!
 //! - [`scheduler`]: the synchronous core ([`Scheduler`]): admission, prefill, decode.
-//! - [`handle`]: the engine thread behind an async handle ([`Engine`]), weight swaps and
-//!   metrics; what the gRPC service uses.
+//! - [`handle`]: the engine thread behind an async handle ([`Engine`]) and weight swaps;
+//!   what the rollout worker's service uses.
+//! - [`metrics`]: the engine's Prometheus metrics (names, descriptions, recording).
+//! - this file: requests, limits ([`EngineConfig`], [`EngineArgs`]), events and errors.
 
 pub mod handle;
+pub mod metrics;
 pub mod scheduler;
 
 pub use handle::{Engine, EngineStatus, Retired};
@@ -33,6 +37,10 @@ pub fn prepare_model(mut model: Gpt2) -> Result<Gpt2, EngineError> {
     }
     Ok(model)
 }
+
+/// The benchmarks' prompt (`rollout-worker bench`, `learner bench-push`): the start
+/// position's policy prompt, 46 tokens.
+pub const BENCH_PROMPT: &str = "P: rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1    M:";
 
 /// Identifies a request inside one engine.
 pub type RequestId = u64;
@@ -118,27 +126,6 @@ pub struct Request {
 }
 
 impl Request {
-    /// `n` completions of each of `prompts` as the wire's sampling parameters ask
-    /// (`top_p` 0 means off; the seed is theirs).
-    pub fn from_proto(
-        prompts: Vec<Vec<u32>>,
-        n: usize,
-        p: &rookworld_proto::v1::SamplingParams,
-    ) -> Self {
-        Self {
-            prompts,
-            n,
-            max_new_tokens: p.max_new_tokens as usize,
-            sampling: SamplingParams {
-                temperature: p.temperature,
-                top_k: p.top_k as usize,
-                top_p: if p.top_p == 0.0 { 1.0 } else { p.top_p },
-            },
-            seed: p.seed,
-            ignore_eos: false,
-        }
-    }
-
     /// Everything that would make the request fail later is refused here.
     pub fn validate(&self, model: &Gpt2, cfg: &EngineConfig) -> Result<(), EngineError> {
         let bad = |m: String| Err(EngineError::InvalidRequest(m));
