@@ -16,7 +16,7 @@ each one's peak RSS is its own), one after the other in this run:
   compile-bf16  `torch.compile` + BF16 autocast: what GPU tuning guides for GRPO recommend
 The default on the CPU is `f32,bf16,compile-bf16`; on CUDA `bf16` (`f32` with
 `--no-autocast`). The compile time is the warm-up step, reported apart and not timed.
-`learner bench` runs with `--precision` (default auto). Both run on `--threads` threads
+`learner bench` runs with `--matmul-precision` (default auto). Both run on `--threads` threads
 (default 2). With `--device cuda` both run on the GPU; times are taken after
 `torch.cuda.synchronize()`, memory is `torch.cuda.max_memory_allocated`.
 
@@ -220,7 +220,7 @@ def main():
                     help="comma-separated PyTorch configurations: f32, bf16, compile-f32, compile-bf16 "
                          "(default: f32,bf16,compile-bf16 on the CPU; bf16 on CUDA, f32 with --no-autocast)")
     ap.add_argument("--precision",
-                    help="learner bench's --precision: auto, f32 or bf16, or several comma-separated, each "
+                    help="learner bench's --matmul-precision: auto, f32 or bf16, or several comma-separated, each "
                          "its own row (the fastest is the one compared); default: auto on the CPU, on CUDA "
                          "PyTorch's")
     ap.add_argument("--torch-only", help=argparse.SUPPRESS)
@@ -258,7 +258,7 @@ def main():
             if args.peak_tflops:
                 cmd += ["--peak-tflops", str(args.peak_tflops)]
             if precision:
-                cmd += ["--precision", precision]
+                cmd += ["--matmul-precision", precision]
             env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
             out = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if out.returncode != 0:

@@ -17,7 +17,7 @@ use serde::Serialize;
 use crate::batch::GrpoBatch;
 use crate::loss::LossConfig;
 use crate::optim::{AdamW, AdamWConfig};
-use crate::policy::{Precision, Trainable};
+use crate::policy::{MatmulPrecision, Trainable};
 use crate::settings::{BatchArgs, ConfigError, ObjectiveArgs};
 use crate::step::{StepConfig, StepReport, accumulate, accumulate_autograd, step_flops};
 
@@ -66,11 +66,19 @@ pub struct BenchArgs {
     /// Training device: cpu, cuda, cuda:N (weights, moments and statistics in f32).
     #[arg(long, env = "ROOKWORLD_DEVICE", default_value = "cpu")]
     pub device: String,
-    /// Matmul precision: auto (BF16 inputs on CUDA and on a CPU whose AVX512-BF16 dot
+    /// The precision of the step's products: auto (BF16 inputs on CUDA and on a CPU whose AVX512-BF16 dot
     /// products outrun its f32 FMAs, else f32), f32 or bf16 (on the CPU the fused pass's
     /// BF16 products).
-    #[arg(long, value_enum, env = "ROOKWORLD_PRECISION", default_value = "auto")]
-    pub precision: Precision,
+    #[arg(long, env = "ROOKWORLD_MATMUL_PRECISION", default_value = "auto")]
+    pub matmul_precision: MatmulPrecision,
+    /// The old name of --matmul-precision, refused with a line naming it.
+    #[arg(
+        long = "precision",
+        alias = "dtype",
+        env = "ROOKWORLD_PRECISION",
+        hide = true
+    )]
+    pub legacy_precision: Option<String>,
     /// The autograd path's layer norms, softmaxes, bias + GELU and head log-probs as
     /// single ops with their own backwards (on, the learner's default), or composed (off).
     #[arg(long, value_enum, default_value = "on")]
@@ -206,6 +214,10 @@ impl BenchArgs {
     /// The ranges of the batch shape and the objective (the same rules as `train`).
     fn validate(&self) -> Result<(), ConfigError> {
         use rookworld_proto::check::{at_least, positive};
+        if let Some(old) = &self.legacy_precision {
+            let refused = rookworld_lm::cli::legacy_precision("--precision", old);
+            return Err(ConfigError::Value(refused.to_string()));
+        }
         self.batch.validate()?;
         at_least("--prompt-tokens", self.prompt_tokens as u64, 1)?;
         at_least("--completion-tokens", self.completion_tokens as u64, 1)?;
@@ -229,7 +241,7 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     args.validate()?;
     let cfg = Config::preset(&args.preset)?;
     if args.prompt_tokens + args.completion_tokens > cfg.n_positions {
-        return Err(ConfigError(format!(
+        return Err(ConfigError::Conflict(format!(
             "{} + {} tokens exceed the context of {}",
             args.prompt_tokens, args.completion_tokens, cfg.n_positions
         ))
@@ -241,11 +253,11 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, BenchError> {
         .and_then(DeviceChoice::open)?;
     let init = |seed| -> Result<Gpt2, BenchError> {
         let mut model = checkpoint::init_random(&cfg, seed, DType::F32, &device)?;
-        args.precision.apply(&mut model);
+        args.matmul_precision.apply(&mut model);
         Ok(model)
     };
     let mut policy = Trainable::from_model(&init(args.seed)?)?;
-    args.precision.apply(&mut policy.model);
+    args.matmul_precision.apply(&mut policy.model);
     policy.model.set_train_ops(args.train_ops == TrainOps::On);
     let reference: Option<Gpt2> = if args.objective.beta > 0.0 {
         Some(init(args.seed)?)

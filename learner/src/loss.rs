@@ -52,6 +52,7 @@ impl LossConfig {
     /// The objective's ranges, one rule per flag for `train`, `loss` and `bench`: β ≥ 0,
     /// both clip ε in [0, 1], temperature > 0.
     pub fn validate(&self) -> Result<(), crate::settings::ConfigError> {
+        use crate::settings::ConfigError;
         use rookworld_proto::check::{fraction, non_negative};
         non_negative("--beta", self.beta)?;
         fraction("--clip-eps", self.eps_low)?;
@@ -59,16 +60,21 @@ impl LossConfig {
         fraction("--gspo-eps", self.gspo_eps_low)?;
         fraction("--gspo-eps-high", self.gspo_eps_high)?;
         if self.is_cap.is_nan() || self.is_cap < 1.0 {
-            return Err(format!("--is-cap must be at least 1, not {}", self.is_cap).into());
+            return Err(ConfigError::OutOfRange {
+                flag: "--is-cap".into(),
+                rule: "be ≥ 1".into(),
+                value: self.is_cap.to_string(),
+            });
         }
         if self.aggregation == Aggregation::Constant && self.max_new_tokens == 0 {
-            return Err(
+            return Err(ConfigError::Conflict(
                 "--aggregation constant divides by --max-new-tokens: give one above 0".into(),
-            );
+            ));
         }
-        rookworld_lm::sampling::check_temperature("--temperature", self.temperature)?;
+        rookworld_lm::sampling::check_temperature("--temperature", self.temperature)
+            .map_err(ConfigError::Value)?;
         if self.temperature == 0.0 {
-            return Err("--temperature 0 is greedy: every completion of a group would be the same, with no advantage to learn from; GRPO needs a temperature > 0".into());
+            return Err(ConfigError::Conflict("--temperature 0 is greedy: every completion of a group would be the same, with no advantage to learn from; GRPO needs a temperature > 0".into()));
         }
         Ok(())
     }

@@ -13,11 +13,12 @@ use crate::fused::model::Workspace;
 use crate::head::{head_logprobs, plain_head_logprobs};
 use crate::optim::Gradients;
 
-/// How the learner's matmuls run. The weights, the optimizer's moments, layer-norm and
-/// softmax statistics and the log-probs stay f32 whatever is chosen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+/// How the learner's products run (`--matmul-precision`). The weights, the optimizer's
+/// moments, layer-norm and softmax statistics and the log-probs stay f32 whatever is
+/// chosen. Not the weights' dtype of a worker or an evaluation (`--weight-dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Precision {
+pub enum MatmulPrecision {
     /// BF16 matmul inputs on CUDA (TF32 for the f32 matmuls left) and on a CPU whose
     /// AVX512-BF16 dot products outrun its f32 FMAs (the fused pass's `vdpbf16ps`
     /// products: AMD Zen 4 and 5; [`rookworld_lm::cpu_gemm::bf16_products_pay`]); f32 on
@@ -30,7 +31,29 @@ pub enum Precision {
     Bf16,
 }
 
-impl Precision {
+impl std::str::FromStr for MatmulPrecision {
+    type Err = String;
+
+    /// `auto`, `f32` or `bf16`; a weight dtype (`f16`, `int8`) is refused with the key
+    /// that takes it.
+    fn from_str(name: &str) -> Result<Self, String> {
+        match name {
+            "auto" => Ok(Self::Auto),
+            "f32" | "float32" => Ok(Self::F32),
+            "bf16" | "bfloat16" => Ok(Self::Bf16),
+            "f16" | "float16" | "half" | "int8" => Err(format!(
+                "{name} is a weight dtype, not a precision of the learner's products (auto, \
+                 f32, bf16): a rollout worker's or an evaluation's weights take it \
+                 (--weight-dtype {name}; with train --local, --rollout-weight-dtype {name})"
+            )),
+            other => Err(format!(
+                "unknown matmul precision `{other}` (use auto, f32 or bf16)"
+            )),
+        }
+    }
+}
+
+impl MatmulPrecision {
     /// The matmuls' input dtype on `device` (`None`: the weights' f32).
     pub fn matmul_dtype(self, device: &Device) -> Option<DType> {
         match self {
@@ -83,12 +106,12 @@ impl Trainable {
         let root = VarBuilder::from_varmap(&varmap, DType::F32, model.device());
         let cfg = model.config().clone();
         let mut model = Gpt2::load(root.pp("transformer"), root, &cfg)?;
-        // f32 on the CPU until a command applies its --precision (library users and the
+        // f32 on the CPU until a command applies its --matmul-precision (library users and the
         // parity tests get the exact pass); BF16 matmul inputs on CUDA.
         let default = if model.device().is_cuda() {
-            Precision::Auto
+            MatmulPrecision::Auto
         } else {
-            Precision::F32
+            MatmulPrecision::F32
         };
         default.apply(&mut model);
         // Where the step runs candle's autograd (CUDA; the CPU off the fused pass): its
@@ -109,7 +132,7 @@ impl Trainable {
             && crate::fused::applies(self.model.config(), self.model.head_weight())
     }
 
-    /// How the fused pass multiplies for this policy's `--precision`.
+    /// How the fused pass multiplies for this policy's `--matmul-precision`.
     pub fn fused_matmuls(&self) -> crate::fused::ops::Matmuls {
         match self.model.matmul_dtype() {
             Some(DType::BF16) => crate::fused::ops::Matmuls::Bf16,

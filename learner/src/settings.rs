@@ -122,21 +122,7 @@ impl Default for ObjectiveArgs {
 
 /// A setting out of its range, or settings that contradict each other: one line naming
 /// the flag (the rule lives beside the setting, [`rookworld_proto::check`]).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct ConfigError(pub String);
-
-impl From<String> for ConfigError {
-    fn from(message: String) -> Self {
-        Self(message)
-    }
-}
-
-impl From<&str> for ConfigError {
-    fn from(message: &str) -> Self {
-        Self(message.to_owned())
-    }
-}
+pub use rookworld_proto::check::ConfigError;
 
 impl ObjectiveArgs {
     /// The loss configuration of completions sampled at `temperature` with a budget of
@@ -209,10 +195,6 @@ impl BatchArgs {
         use rookworld_proto::check::at_least;
         at_least("--prompts-per-step", self.prompts_per_step as u64, 1)?;
         at_least("--group-size", self.group_size.into(), 2)?;
-        Ok(at_least(
-            "--micro-batch-groups",
-            self.micro_batch_groups as u64,
-            1,
-        )?)
+        at_least("--micro-batch-groups", self.micro_batch_groups as u64, 1)
     }
 }

@@ -106,8 +106,7 @@ impl SftSettings {
             fraction("--policy-fraction", self.policy_fraction),
         ]
         .into_iter()
-        .collect::<Result<(), String>>()
-        .map_err(crate::settings::ConfigError)
+        .collect::<Result<(), _>>()
     }
 
     /// A fresh AdamW and the schedule these settings ask for.
@@ -213,8 +212,9 @@ impl Documents {
             }
             return Ok(Document { ids, first });
         }
-        Err(crate::settings::ConfigError::from(
-            "no trainable documents: policy prompts need an engine (--engine), or use --policy-fraction 0",
+        Err(crate::settings::ConfigError::Conflict(
+            "no trainable documents: policy prompts need an engine (--engine), or use --policy-fraction 0"
+                .into(),
         )
         .into())
     }
@@ -354,8 +354,7 @@ pub fn warm_up(
 pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
     let s = &args.settings;
     s.validate()?;
-    rookworld_proto::check::at_least("--checkpoint-every", args.checkpoint_every, 1)
-        .map_err(crate::settings::ConfigError)?;
+    rookworld_proto::check::at_least("--checkpoint-every", args.checkpoint_every, 1)?;
     let device = Device::Cpu;
     let settings = serde_json::to_value(s).expect("settings serialise");
     let mut source = match &args.prompts {
@@ -377,12 +376,14 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
         }) => {
             crate::run_dir::check_settings(&state.settings, &settings, SFT_RESUMABLE)?;
             if s.steps < state.step {
-                return Err(SftError::Config(crate::settings::ConfigError(format!(
-                    "--steps {} is below the {} steps {} has done",
-                    s.steps,
-                    state.step,
-                    dir.display()
-                ))));
+                return Err(SftError::Config(crate::settings::ConfigError::Conflict(
+                    format!(
+                        "--steps {} is below the {} steps {} has done",
+                        s.steps,
+                        state.step,
+                        dir.display()
+                    ),
+                )));
             }
             source.restore(&state.cursor)?;
             tracing::info!(step = state.step, dir = %dir.display(), "resumed");

@@ -540,7 +540,7 @@ pub fn resolved(cmd: &Command, m: &ArgMatches) -> toml::Table {
 }
 
 /// Every key some command of the three binaries takes (long options with underscores).
-/// `tests/tests/run_file.rs` checks it against the binaries' commands.
+/// `tests/tests/integration/run_file.rs` checks it against the binaries' commands.
 pub fn known_keys() -> Vec<&'static str> {
     KNOWN_KEYS.to_vec()
 }
@@ -599,6 +599,7 @@ pub const KNOWN_KEYS: &[&str] = &[
     "log_jsonl",
     "lr",
     "mask_truncated",
+    "matmul_precision",
     "max_grad_norm",
     "max_in_flight",
     "max_items_in_flight",
@@ -644,6 +645,7 @@ pub const KNOWN_KEYS: &[&str] = &[
     "reward_wait",
     "rollout_dump",
     "rollout_precision",
+    "rollout_weight_dtype",
     "run_dir",
     "samples",
     "save_dtype",
@@ -673,6 +675,7 @@ pub const KNOWN_KEYS: &[&str] = &[
     "updates_per_batch",
     "warmup_steps",
     "weight_decay",
+    "weight_dtype",
     "weights",
     "worker_device",
     "worker_id",

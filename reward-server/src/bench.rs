@@ -116,7 +116,7 @@ fn rate(
 /// Runs the benchmark and prints one JSON object.
 pub fn run(args: &BenchArgs, out: &mut impl Write) -> std::io::Result<()> {
     rookworld_proto::check::at_least("--items", args.items as u64, 1)
-        .map_err(std::io::Error::other)?;
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
     let (env, pol) = generate_items(args.items, args.seed);
     if let Some(path) = &args.write_items {
         let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);

@@ -82,9 +82,7 @@ pub struct ScoringArgs {
 }
 
 /// A configuration problem: one clear line, non-zero exit.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct ConfigError(pub String);
+pub use rookworld_proto::check::ConfigError;
 
 impl ScoringArgs {
     /// Reads the weights and starts the engine pool, if any.
@@ -93,12 +91,12 @@ impl ScoringArgs {
             None => RewardConfig::default(),
             Some(path) => {
                 let text = std::fs::read_to_string(path)
-                    .map_err(|e| ConfigError(format!("{}: {e}", path.display())))?;
+                    .map_err(|e| ConfigError::Unusable(format!("{}: {e}", path.display())))?;
                 serde_json::from_str(&text)
-                    .map_err(|e| ConfigError(format!("{}: {e}", path.display())))?
+                    .map_err(|e| ConfigError::Unusable(format!("{}: {e}", path.display())))?
             }
         };
-        config.validate().map_err(ConfigError)?;
+        config.validate().map_err(ConfigError::Value)?;
         let engine = match &self.engine {
             None => None,
             Some(path) => {
@@ -114,7 +112,7 @@ impl ScoringArgs {
                 cfg.start_timeout = Duration::from_millis(self.engine_start_timeout_ms);
                 cfg.cache_capacity = self.engine_cache;
                 let pool = EnginePool::start(cfg).await.map_err(|e| {
-                    ConfigError(format!("cannot start engine {}: {e}", path.display()))
+                    ConfigError::Unusable(format!("cannot start engine {}: {e}", path.display()))
                 })?;
                 Some(Arc::new(pool))
             }
@@ -163,7 +161,6 @@ impl ServeArgs {
         ]
         .into_iter()
         .collect::<Result<(), _>>()
-        .map_err(ConfigError)
     }
 }
 
@@ -171,19 +168,21 @@ impl ServeArgs {
 pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     args.validate()?;
     let (token, inspect_token) = (
-        args.token.resolve().map_err(ConfigError)?,
-        args.token.resolve_inspect().map_err(ConfigError)?,
+        args.token.resolve().map_err(ConfigError::Unusable)?,
+        args.token
+            .resolve_inspect()
+            .map_err(ConfigError::Unusable)?,
     );
     if token.is_none() {
         tracing::warn!("no --token / ROOKWORLD_TOKEN: Score calls will be refused");
     }
-    let tls = args.tls.load().map_err(ConfigError)?;
+    let tls = args.tls.load().map_err(ConfigError::Unusable)?;
     let scorer = args.scoring.scorer().await?;
     let metrics = crate::metrics::install_exporter(args.metrics)
-        .map_err(|e| ConfigError(format!("metrics on {}: {e}", args.metrics)))?;
+        .map_err(|e| ConfigError::Unusable(format!("metrics on {}: {e}", args.metrics)))?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
-        .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", args.listen)))?;
+        .map_err(|e| ConfigError::Unusable(format!("cannot listen on {}: {e}", args.listen)))?;
     tracing::info!(listen = %listener.local_addr()?, %metrics, engine = scorer.engine().is_some(), "reward server ready");
     let cfg = ServiceConfig {
         guard: rookworld_proto::auth::Guard::new(token, inspect_token),

@@ -23,28 +23,53 @@ pub struct PolicyAnswer {
     pub best: String,
 }
 
-/// Finds `M:`, `E:`, `B:` in order in `text`; `Err((kind, detail))` when the answer is
-/// malformed.
-pub fn parse_answer(text: &str) -> Result<PolicyAnswer, (&'static str, String)> {
-    let missing = |m: &str| ("missing_marker", format!("no `{m}` section"));
-    let m = text.find("M:").ok_or_else(|| missing("M:"))?;
-    let e = m + 2 + text[m + 2..].find("E:").ok_or_else(|| missing("E:"))?;
-    let b = e + 2 + text[e + 2..].find("B:").ok_or_else(|| missing("B:"))?;
+/// Why a policy answer is malformed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AnswerError {
+    /// A section marker (`M:`, `E:`, `B:`, in that order) is missing.
+    #[error("no `{0}` section")]
+    MissingMarker(&'static str),
+    /// The `M:` section lists no move.
+    #[error("the `M:` section lists no move")]
+    EmptyMoves,
+    /// The `B:` section does not hold exactly one move.
+    #[error("the `B:` section must hold exactly one move, found {0}")]
+    BestMoveCount(usize),
+}
+
+impl AnswerError {
+    /// Short stable label (the malformed score's kind, a metric label).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::MissingMarker(_) => "missing_marker",
+            Self::EmptyMoves => "empty_moves",
+            Self::BestMoveCount(_) => "best_move_count",
+        }
+    }
+}
+
+/// Finds `M:`, `E:`, `B:` in order in `text`.
+pub fn parse_answer(text: &str) -> Result<PolicyAnswer, AnswerError> {
+    let m = text.find("M:").ok_or(AnswerError::MissingMarker("M:"))?;
+    let e = m
+        + 2
+        + text[m + 2..]
+            .find("E:")
+            .ok_or(AnswerError::MissingMarker("E:"))?;
+    let b = e
+        + 2
+        + text[e + 2..]
+            .find("B:")
+            .ok_or(AnswerError::MissingMarker("B:"))?;
     let tokens = |s: &str| s.split_whitespace().map(str::to_owned).collect::<Vec<_>>();
     let moves = tokens(&text[m + 2..e]);
     let evals = tokens(&text[e + 2..b]);
     let best = tokens(&text[b + 2..]);
     if moves.is_empty() {
-        return Err(("empty_moves", "the `M:` section lists no move".into()));
+        return Err(AnswerError::EmptyMoves);
     }
     let [best] = &best[..] else {
-        return Err((
-            "best_move_count",
-            format!(
-                "the `B:` section must hold exactly one move, found {}",
-                best.len()
-            ),
-        ));
+        return Err(AnswerError::BestMoveCount(best.len()));
     };
     Ok(PolicyAnswer {
         moves,
@@ -118,7 +143,7 @@ impl Checked {
 /// Parses and checks `completion` for `prompt`; a malformed answer is already its score.
 pub fn check(prompt: &PolicyPrompt, completion: &str) -> Result<Checked, Score> {
     let text = format!("{}{}", prompt.tail, completion);
-    let answer = parse_answer(&text).map_err(|(kind, detail)| Score::malformed(kind, detail))?;
+    let answer = parse_answer(&text).map_err(|e| Score::malformed(e.kind(), e.to_string()))?;
     Ok(Checked::new(&prompt.position, answer))
 }
 
@@ -199,7 +224,7 @@ mod tests {
             ("M: e2e4 E: 1 B: e2e4 d2d4", "best_move_count"),
             ("", "missing_marker"),
         ] {
-            assert_eq!(parse_answer(text).unwrap_err().0, kind, "{text:?}");
+            assert_eq!(parse_answer(text).unwrap_err().kind(), kind, "{text:?}");
         }
     }
 }

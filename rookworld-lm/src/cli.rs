@@ -6,7 +6,7 @@ use candle_core::Device;
 
 use crate::checkpoint;
 use crate::config::Config;
-use crate::device::{DeviceChoice, Precision};
+use crate::device::{DeviceChoice, WeightDtype};
 use crate::error::{Error, Result};
 use crate::model::Gpt2;
 use crate::tokenizer::Tokenizer;
@@ -33,16 +33,32 @@ pub struct ModelArgs {
     /// cpu, cuda, cuda:N, or auto (CUDA when usable, else CPU).
     #[arg(long, env = "ROOKWORLD_DEVICE", default_value = "cpu")]
     pub device: String,
-    /// auto, f32, bf16, f16 or int8: the weights' dtype on CUDA (auto: bf16); on the CPU, f32
-    /// activations with BF16 (auto, bf16), f32 or INT8 (int8: quantized, CPU only) matmul
-    /// weights. `--dtype` is an older name.
+    /// The weights' dtype: auto, f32, bf16, f16 or int8. On CUDA the weights' dtype (auto:
+    /// bf16); on the CPU, f32 activations with BF16 (auto, bf16), f32 or INT8 (int8:
+    /// quantized, CPU only) matmul weights.
+    #[arg(long, env = "ROOKWORLD_WEIGHT_DTYPE", default_value = "auto")]
+    pub weight_dtype: String,
+    /// The old name of --weight-dtype (and of the learner's --matmul-precision), refused
+    /// with a line naming both.
     #[arg(
-        long,
-        visible_alias = "dtype",
+        long = "precision",
+        alias = "dtype",
         env = "ROOKWORLD_PRECISION",
-        default_value = "auto"
+        hide = true
     )]
-    pub precision: String,
+    pub legacy_precision: Option<String>,
+}
+
+/// The line that refuses the old `precision` setting, which meant two things: the weights'
+/// dtype of a worker or an evaluation, and the products' precision of the learner's step.
+/// `key` is how it was given (`--precision`, `--rollout-precision`).
+pub fn legacy_precision(key: &str, value: &str) -> Error {
+    Error::InvalidArgument(format!(
+        "{key} {value}: `precision` was split in two — use --weight-dtype (run file: \
+         weight_dtype; auto, f32, bf16, f16, int8) for the weights of a rollout worker or an \
+         evaluation (learner train --local: --rollout-weight-dtype), or --matmul-precision \
+         (matmul_precision; auto, f32, bf16) for the products of the learner's step"
+    ))
 }
 
 /// The CUDA kernels' start-up check (every binary that opens a device; see
@@ -73,12 +89,22 @@ pub struct LoadedModel {
 }
 
 impl ModelArgs {
+    /// `--weight-dtype`, parsed; the old `--precision` refused.
+    pub fn weight_dtype(&self) -> Result<WeightDtype> {
+        if let Some(old) = &self.legacy_precision {
+            return Err(legacy_precision("--precision", old));
+        }
+        self.weight_dtype
+            .parse()
+            .map_err(|e: Error| Error::InvalidArgument(format!("--weight-dtype: {e}")))
+    }
+
     /// Opens the device, then loads the checkpoint or builds the preset.
     pub fn load(&self) -> Result<LoadedModel> {
+        self.weight_dtype()?;
         let choice: DeviceChoice = self.device.parse()?;
         let device = choice.open()?;
-        let precision: Precision = self.precision.parse()?;
-        let (dtype, panels) = precision.resolve(&device)?;
+        let (dtype, panels) = self.weight_dtype()?.resolve(&device)?;
         let (model, tokenizer, source) = match (&self.model, &self.preset) {
             (Some(model), _) => {
                 let dir = crate::hub::resolve(model)?;

@@ -192,10 +192,12 @@ pub fn parse_dtype(name: &str) -> Result<DType> {
     }
 }
 
-/// How an inference model holds its weights and runs its matmuls: `--precision
-/// auto|f32|bf16|f16` of the commands that load a model.
+/// How an inference model holds its weights and so runs its matmuls: `--weight-dtype
+/// auto|f32|bf16|f16|int8` of the commands that load a model for generation (the rollout
+/// worker, `learner eval`). Not the learner's step, whose products have a setting of their
+/// own (`--matmul-precision`).
 ///
-/// | precision | CUDA | CPU with AVX2/FMA |
+/// | weight dtype | CUDA | CPU with AVX2/FMA |
 /// | --- | --- | --- |
 /// | `auto` | BF16 weights | as `bf16` |
 /// | `f32` | f32 weights (TF32 allowed) | f32 weights, f32 panels |
@@ -211,7 +213,7 @@ pub fn parse_dtype(name: &str) -> Result<DType> {
 /// an approximation the sampler's log-probs carry (the learner's off-policy correction
 /// weighs it): opt-in, CPU only.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Precision {
+pub enum WeightDtype {
     Auto,
     F32,
     Bf16,
@@ -219,7 +221,7 @@ pub enum Precision {
     Int8,
 }
 
-impl std::str::FromStr for Precision {
+impl std::str::FromStr for WeightDtype {
     type Err = Error;
 
     /// `auto`, `f32`, `bf16`, `f16` or `int8` (also `float32`, `bfloat16`, `float16`).
@@ -232,14 +234,14 @@ impl std::str::FromStr for Precision {
             "int8" => Self::Int8,
             other => {
                 return Err(Error::InvalidArgument(format!(
-                    "unknown precision `{other}` (use auto, f32, bf16, f16 or int8)"
+                    "unknown weight dtype `{other}` (use auto, f32, bf16, f16 or int8)"
                 )));
             }
         })
     }
 }
 
-impl Precision {
+impl WeightDtype {
     /// The weights' dtype and the CPU kernel's panels on `device`; `int8` where the packed
     /// kernel does not run is an error that says so.
     pub fn resolve(self, device: &Device) -> Result<(DType, PanelDtype)> {
@@ -253,7 +255,7 @@ impl Precision {
             Self::F16 => (DType::F16, PanelDtype::F32),
             Self::Int8 => {
                 return Err(Error::InvalidArgument(format!(
-                    "--precision int8 runs on the CPU with AVX2/FMA only, not on {device:?}"
+                    "--weight-dtype int8 runs on the CPU with AVX2/FMA only, not on {device:?}"
                 )));
             }
         })

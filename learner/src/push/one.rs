@@ -14,6 +14,7 @@ use crate::queue::{Queue, QueueHandle};
 /// One push of `set` to the worker at `address`, bounded by `deadline`, logged and
 /// counted; through the shared file first when `shared` and the set has one. Plaintext
 /// unless `address` is `https://` (then with the system's roots); see [`push_over`].
+#[tracing::instrument(name = "push", skip_all, fields(worker = %address, version = set.version))]
 pub async fn push_to(
     address: String,
     set: WeightSet,

@@ -188,12 +188,14 @@ impl QueueServer {
 
 #[tonic::async_trait]
 impl RolloutQueue for QueueServer {
+    #[tracing::instrument(name = "lease", skip_all, fields(worker = tracing::field::Empty))]
     async fn lease(
         &self,
         request: Request<pb::LeaseRequest>,
     ) -> Result<Response<pb::LeaseResponse>, Status> {
         self.authorize("Lease", &request).await?;
         let r = request.into_inner();
+        tracing::Span::current().record("worker", r.worker_id.as_str());
         check::worker_id(&r.worker_id)?;
         check::push_address(&r.push_address)?;
         let now = Instant::now();
@@ -261,12 +263,20 @@ impl RolloutQueue for QueueServer {
         Ok(Response::new(response))
     }
 
+    #[tracing::instrument(
+        name = "submit",
+        skip_all,
+        fields(worker = tracing::field::Empty, lease = tracing::field::Empty)
+    )]
     async fn submit(
         &self,
         request: Request<pb::SubmitRequest>,
     ) -> Result<Response<pb::SubmitResponse>, Status> {
         self.authorize("Submit", &request).await?;
         let r = request.into_inner();
+        let span = tracing::Span::current();
+        span.record("worker", r.worker_id.as_str());
+        span.record("lease", r.lease_id);
         self.check_submission(&r).await.inspect_err(|e| {
             metrics::counter!(names::QUEUE_SUBMISSIONS_INVALID_TOTAL).increment(1);
             tracing::warn!(worker = %r.worker_id.escape_debug(), lease = r.lease_id, error = %e.message(), "submission refused as invalid; its lease stays");

@@ -40,15 +40,30 @@ pub struct TrainArgs {
     /// gRPC), so that one command trains.
     #[arg(long)]
     pub local: bool,
-    /// The learner's matmuls: auto (BF16 inputs on CUDA and on a CPU whose AVX512-BF16 dot
-    /// products outrun its f32 FMAs, else f32), f32 or bf16 (on the CPU the fused pass's
-    /// BF16 products); weights, moments and statistics stay f32.
-    #[arg(long, env = "ROOKWORLD_PRECISION", value_enum, default_value = "auto")]
-    pub precision: crate::policy::Precision,
-    /// With --local: the local rollout worker's --precision (auto, f32, bf16, f16, or int8
-    /// on the CPU: see `rollout-worker serve --precision`).
-    #[arg(long, env = "LEARNER_ROLLOUT_PRECISION", default_value = "auto")]
-    pub rollout_precision: String,
+    /// The precision of the learner's products: auto (BF16 inputs on CUDA and on a CPU
+    /// whose AVX512-BF16 dot products outrun its f32 FMAs, else f32), f32 or bf16 (on the
+    /// CPU the fused pass's BF16 products); weights, moments and statistics stay f32.
+    #[arg(long, env = "ROOKWORLD_MATMUL_PRECISION", default_value = "auto")]
+    pub matmul_precision: crate::policy::MatmulPrecision,
+    /// With --local: the local rollout worker's --weight-dtype (auto, f32, bf16, f16, or
+    /// int8 on the CPU: see `rollout-worker serve --weight-dtype`).
+    #[arg(long, env = "LEARNER_ROLLOUT_WEIGHT_DTYPE", default_value = "auto")]
+    pub rollout_weight_dtype: String,
+    /// The old names of --matmul-precision and --rollout-weight-dtype, refused with a line
+    /// naming the new ones.
+    #[arg(
+        long = "precision",
+        alias = "dtype",
+        env = "ROOKWORLD_PRECISION",
+        hide = true
+    )]
+    pub legacy_precision: Option<String>,
+    #[arg(
+        long = "rollout-precision",
+        env = "LEARNER_ROLLOUT_PRECISION",
+        hide = true
+    )]
+    pub legacy_rollout_precision: Option<String>,
     /// Reward server the workers use; when given, the learner waits for it to answer at
     /// start (up to --reward-wait seconds) and fails with one line otherwise.
     #[arg(long, env = "LEARNER_REWARD")]
@@ -168,22 +183,35 @@ impl TrainArgs {
             preset: self.model.is_none().then(|| self.preset.clone()),
             init_seed: self.init_seed,
             device: self.device.clone(),
-            precision: "f32".into(),
+            weight_dtype: "f32".into(),
+            legacy_precision: None,
         }
     }
 
-    /// `--rollout-precision`, parsed.
-    pub fn rollout_precision(&self) -> Result<rookworld_lm::device::Precision, ConfigError> {
-        self.rollout_precision
+    /// `--rollout-weight-dtype`, parsed; the old `--precision` and `--rollout-precision`
+    /// refused with the keys that replace them.
+    pub fn rollout_weight_dtype(&self) -> Result<rookworld_lm::device::WeightDtype, ConfigError> {
+        let legacy = [
+            ("--precision", &self.legacy_precision),
+            ("--rollout-precision", &self.legacy_rollout_precision),
+        ];
+        if let Some((key, Some(value))) = legacy.into_iter().find(|(_, v)| v.is_some()) {
+            return Err(ConfigError::Value(
+                rookworld_lm::cli::legacy_precision(key, value).to_string(),
+            ));
+        }
+        self.rollout_weight_dtype
             .parse()
-            .map_err(|e: rookworld_lm::Error| ConfigError(format!("--rollout-precision: {e}")))
+            .map_err(|e: rookworld_lm::Error| {
+                ConfigError::Value(format!("--rollout-weight-dtype: {e}"))
+            })
     }
 
     /// The settings' ranges and the process's own options (intervals, timeouts, URLs).
     pub fn validate(&self) -> Result<(), ConfigError> {
         use rookworld_proto::check::{at_least, non_negative, positive, url};
         self.settings.validate()?;
-        self.rollout_precision()?;
+        self.rollout_weight_dtype()?;
         let mut checks = vec![
             at_least("--push-every", self.push_every, 1),
             at_least("--checkpoint-every", self.checkpoint_every, 1),
@@ -198,14 +226,11 @@ impl TrainArgs {
         if let Some(peak) = self.peak_tflops {
             checks.push(positive("--peak-tflops", peak));
         }
-        checks
-            .into_iter()
-            .collect::<Result<(), _>>()
-            .map_err(ConfigError)
+        checks.into_iter().collect::<Result<(), _>>()
     }
 
     pub fn token(&self) -> Result<Option<String>, ConfigError> {
-        self.token.resolve().map_err(ConfigError)
+        self.token.resolve().map_err(ConfigError::Unusable)
     }
 
     /// The queue's address: `--listen`, else the fixed default, or with `--local` a free
@@ -232,7 +257,7 @@ impl TrainArgs {
             a => a
                 .parse()
                 .map(Some)
-                .map_err(|e| ConfigError(format!("--metrics {a}: {e}"))),
+                .map_err(|e| ConfigError::Value(format!("--metrics {a}: {e}"))),
         }
     }
 

@@ -53,7 +53,7 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
             run_dir::check_settings(&state.settings, &settings_json, RESUMABLE)?;
             check_context(s, &source, policy.model.config().n_positions)?;
             if s.steps < state.step {
-                return Err(ConfigError(format!(
+                return Err(ConfigError::Conflict(format!(
                     "--steps {} is below the {} steps {} has done",
                     s.steps,
                     state.step,
@@ -74,14 +74,14 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
             let version = resumed_version(&args.run_dir, saved, &mut queue)?;
             tracing::info!(step = state.step, version, dir = %dir.display(), "resumed");
             let mut policy = policy;
-            args.precision.apply(&mut policy.model);
+            args.matmul_precision.apply(&mut policy.model);
             (policy, opt, state.step, version)
         }
         None => {
             let loaded = args.model_args().load()?;
             tracing::info!(source = %loaded.source, device = ?loaded.device, "starting weights");
             let mut policy = Trainable::from_model(&loaded.model)?;
-            args.precision.apply(&mut policy.model);
+            args.matmul_precision.apply(&mut policy.model);
             check_context(s, &source, policy.model.config().n_positions)?;
             if s.sft_steps > 0 {
                 tracing::info!(steps = s.sft_steps, "supervised warm-up");
@@ -112,7 +112,7 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
         }
     };
     tracing::info!(
-        precision = ?args.precision,
+        matmul_precision = ?args.matmul_precision,
         matmuls = ?policy.model.matmul_dtype().unwrap_or(DType::F32),
         "learner precision"
     );
@@ -121,7 +121,7 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
     let reference = if s.objective.beta > 0.0 {
         let mut reference =
             model_checkpoint::load(&reference_dir, DType::F32, policy.model.device())?;
-        args.precision.apply(&mut reference);
+        args.matmul_precision.apply(&mut reference);
         Some(reference)
     } else {
         None
@@ -183,7 +183,7 @@ fn check_context(
         tokenizer
             .encode(&p.prompt)
             .map(|ids| ids.len() + 1) // BOS
-            .map_err(|e| ConfigError(format!("tokenising a prompt: {e}")))
+            .map_err(|e| ConfigError::Value(format!("tokenising a prompt: {e}")))
     };
     let mut longest = 0;
     match source {
@@ -205,5 +205,4 @@ fn check_context(
         "the longest prompt",
         context,
     )
-    .map_err(ConfigError)
 }

@@ -46,15 +46,19 @@ pub(super) async fn check(args: &TrainArgs) -> Result<Checked, TrainError> {
         // One process on loopback: a fresh random token guards it.
         (None, true) => format!("local-{:016x}", rand::random::<u64>()),
         (None, false) => {
-            return Err(ConfigError::from(
-                "the learner needs the shared token (--token, --token-file or ROOKWORLD_TOKEN)",
+            return Err(ConfigError::Conflict(
+                "the learner needs the shared token (--token, --token-file or ROOKWORLD_TOKEN)"
+                    .into(),
             )
             .into());
         }
     };
-    let inspect_token = args.token.resolve_inspect().map_err(ConfigError)?;
-    let tls = args.tls.load().map_err(ConfigError)?;
-    args.client_tls.check().map_err(ConfigError)?;
+    let inspect_token = args
+        .token
+        .resolve_inspect()
+        .map_err(ConfigError::Unusable)?;
+    let tls = args.tls.load().map_err(ConfigError::Unusable)?;
+    args.client_tls.check().map_err(ConfigError::Unusable)?;
     if let Some(reward) = args.reward.as_ref().filter(|_| !args.local) {
         let wait = Duration::from_secs_f64(args.reward_wait.max(0.0));
         check_reward(reward, &token, &args.client_tls, wait).await?;
@@ -124,7 +128,7 @@ impl Services {
                     queue_addr,
                     &weights,
                     run.policy.model.config(),
-                    (run.policy.model.device(), args.rollout_precision()?),
+                    (run.policy.model.device(), args.rollout_weight_dtype()?),
                     &token,
                     shared_dir.clone(),
                     (tls, args.client_tls.clone()),

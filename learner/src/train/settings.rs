@@ -166,7 +166,7 @@ impl TrainSettings {
     /// Checks ranges so that a bad value is one clear line, not a failure mid-run.
     pub fn validate(&self) -> Result<(), ConfigError> {
         use rookworld_proto::check::{at_least, fraction, non_negative, positive};
-        self.sampling.validate()?;
+        self.sampling.validate().map_err(ConfigError::Value)?;
         self.batch.validate()?;
         self.loss_config()?;
         let checks = [
@@ -180,10 +180,7 @@ impl TrainSettings {
             non_negative("--max-grad-norm", self.max_grad_norm),
             fraction("--policy-fraction", self.policy_fraction),
         ];
-        checks
-            .into_iter()
-            .collect::<Result<(), _>>()
-            .map_err(ConfigError)
+        checks.into_iter().collect::<Result<(), _>>()
     }
 
     /// The objective at the workers' temperature and token budget, checked.

@@ -36,7 +36,7 @@ pub(super) fn shared_dir(args: &TrainArgs) -> Result<Option<std::path::PathBuf>,
         (None, false) => return Ok(None),
     };
     std::fs::create_dir_all(&dir)
-        .map_err(|e| ConfigError(format!("--shared-dir {}: {e}", dir.display())))?;
+        .map_err(|e| ConfigError::Unusable(format!("--shared-dir {}: {e}", dir.display())))?;
     Ok(Some(dir))
 }
 
@@ -122,7 +122,7 @@ pub(super) async fn check_reward(
 ) -> Result<(), TrainError> {
     let endpoint = tls
         .endpoint(url)
-        .map_err(|e| ConfigError(format!("--reward {url}: {e}")))?
+        .map_err(|e| ConfigError::Unusable(format!("--reward {url}: {e}")))?
         .connect_timeout(Duration::from_secs(2))
         .timeout(Duration::from_secs(10));
     let started = Instant::now();
@@ -131,7 +131,7 @@ pub(super) async fn check_reward(
             Ok(channel) => break channel,
             Err(e) if started.elapsed() >= wait => {
                 let why = std::error::Error::source(&e).map_or(e.to_string(), |s| s.to_string());
-                return Err(ConfigError(format!(
+                return Err(ConfigError::Unusable(format!(
                     "reward server {url} unreachable for {:.0} s: {why}",
                     wait.as_secs_f64()
                 ))
@@ -145,7 +145,7 @@ pub(super) async fn check_reward(
             tracing::info!(reward = url, %what, "reward server answers and takes the token");
             Ok(())
         }
-        Err(problem) => Err(ConfigError(format!("reward server {url} {problem}")).into()),
+        Err(problem) => Err(ConfigError::Unusable(format!("reward server {url} {problem}")).into()),
     }
 }
 

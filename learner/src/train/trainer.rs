@@ -48,6 +48,7 @@ pub(super) struct Trainer<'a> {
 impl Trainer<'_> {
     /// Runs the next step: waits for its groups, trains on them, publishes the new version
     /// when it is due (every `--push-every` steps, the last, and before an evaluation).
+    #[tracing::instrument(name = "step", skip_all, fields(step = self.run.step + 1))]
     pub async fn step(&mut self) -> Result<Stepped, TrainError> {
         let (args, s) = (self.args, self.s);
         let started = Instant::now();

@@ -1,4 +1,4 @@
-//! Mixed precision (`Precision::Bf16`: BF16 matmul inputs, f32 weights, moments,
+//! Mixed precision (`MatmulPrecision::Bf16`: BF16 matmul inputs, f32 weights, moments,
 //! layer-norm and softmax statistics), both as CUDA runs it (candle's autograd) and as the
 //! CPU's fused pass runs it (BF16 products: `vdpbf16ps` where the CPU has AVX512-BF16),
 //! checked on the CPU: a GRPO step's loss and every parameter's gradient agree with the
@@ -8,7 +8,7 @@ use crate::common;
 
 use candle_core::{DType, Device};
 use learner::loss::LossConfig;
-use learner::policy::{Precision, Trainable};
+use learner::policy::{MatmulPrecision, Trainable};
 use learner::step::{StepConfig, accumulate, accumulate_autograd};
 use rookworld_lm::checkpoint;
 
@@ -23,7 +23,7 @@ fn bf16_matmuls_give_the_f32_step_to_bf16_rounding() {
         None,
         "a loaded policy is f32 on the CPU"
     );
-    Precision::Bf16.apply(&mut mixed.model);
+    MatmulPrecision::Bf16.apply(&mut mixed.model);
     assert_eq!(mixed.model.matmul_dtype(), Some(DType::BF16));
     assert!(
         mixed.fused_pass_applies(),

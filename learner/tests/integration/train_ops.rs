@@ -8,7 +8,7 @@ use crate::common;
 
 use candle_core::{DType, Device};
 use learner::loss::LossConfig;
-use learner::policy::{Precision, Trainable};
+use learner::policy::{MatmulPrecision, Trainable};
 use learner::step::{StepConfig, accumulate_autograd};
 use rookworld_lm::checkpoint;
 
@@ -21,7 +21,7 @@ fn a_grpo_step_through_the_training_ops_equals_the_composed_graph() {
     let fused = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
     assert!(fused.model.train_ops(), "the learner's default");
     let mut mixed = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
-    Precision::Bf16.apply(&mut mixed.model);
+    MatmulPrecision::Bf16.apply(&mut mixed.model);
 
     let batch = common::batch_of_four();
     let cfg = StepConfig {

@@ -1,11 +1,11 @@
-//! Every parser the reward server runs on untrusted text: prompts of both tasks, and
+//! Every parser the reward server runs on untrusted text (the chess rules'): prompts of both tasks, and
 //! completions of both tasks against a fixed valid prompt. None may panic.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use reward_server::score::RewardConfig;
-use reward_server::scorer::{Item, Scorer};
-use reward_server::task::Task;
+use rookworld_chess::score::RewardConfig;
+use rookworld_chess::scorer::{Item, Scorer};
+use rookworld_chess::task::Task;
 
 const START_A: &str = "A: rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1+e2e4+e2e4+";
 const START_P: &str = "P: rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1";
