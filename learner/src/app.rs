@@ -9,9 +9,9 @@ use crate::settings::ConfigError;
 use crate::sft::{self, SftArgs};
 use crate::train::{self, TrainArgs, TrainError};
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
-use rookworld_proto::logging::LogArgs;
-use rookworld_proto::probe::HealthArgs;
-use rookworld_proto::run_file::{self, RunFileArgs};
+use rookworld_service::logging::LogArgs;
+use rookworld_service::probe::HealthArgs;
+use rookworld_service::run_file::{self, RunFileArgs};
 
 /// GRPO learner of the RookWorld trainer.
 #[derive(Debug, Parser)]
@@ -70,13 +70,13 @@ enum ConfigCommand {
 /// Parses the command line and runs the command; the process exits with what it returns.
 pub fn main() -> std::process::ExitCode {
     rookworld_lm::alloc::keep_freed_memory();
-    rookworld_proto::env::unset_empty();
+    rookworld_service::env::unset_empty();
     let matches = run_file::parse(Cli::command(), &[("config show", "train")]);
     let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     if let Command::Train(args) = &mut cli.command {
         args.record = Some(run_file::resolved(&Cli::command(), &matches));
     }
-    rookworld_proto::logging::init(cli.log.log_format);
+    rookworld_service::logging::init(cli.log.log_format);
     cli.kernels.apply();
     let result = match &cli.command {
         Command::Init(args) => init_cmd::run(args).map_err(|e| e.to_string()),
@@ -125,7 +125,7 @@ fn train_cmd(args: &TrainArgs) -> Result<(), TrainError> {
         let summary = train::run(
             args.clone(),
             listener,
-            rookworld_proto::serve::shutdown_signal(),
+            rookworld_service::serve::shutdown_signal(),
         )
         .await?;
         train::print_summary(&summary);

@@ -11,7 +11,7 @@ use rand_chacha::ChaCha8Rng;
 use rookworld_lm::config::Config;
 use rookworld_lm::device::DeviceChoice;
 use rookworld_lm::{Gpt2, checkpoint};
-use rookworld_proto::logging::Progress;
+use rookworld_service::logging::Progress;
 use serde::Serialize;
 
 use crate::batch::GrpoBatch;
@@ -213,7 +213,7 @@ pub fn synthetic_batch(args: &BenchArgs, vocab: usize) -> GrpoBatch {
 impl BenchArgs {
     /// The ranges of the batch shape and the objective (the same rules as `train`).
     fn validate(&self) -> Result<(), ConfigError> {
-        use rookworld_proto::check::{at_least, positive};
+        use rookworld_service::check::{at_least, positive};
         if let Some(old) = &self.legacy_precision {
             let refused = rookworld_lm::cli::legacy_precision("--precision", old);
             return Err(ConfigError::Value(refused.to_string()));

@@ -17,9 +17,9 @@ use rollout_worker::{ServiceConfig, Worker, WorkerConfig};
 use rookworld_lm::checkpoint;
 use rookworld_lm::config::Config;
 use rookworld_lm::device::{DeviceChoice, WeightDtype};
-use rookworld_proto::logging::Progress;
 use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
+use rookworld_service::logging::Progress;
 use rookworld_weights::export::{ExportError, Exporter, POOL};
 use rookworld_weights::set::{self as weights, CHUNK_BYTES, WeightSet};
 use serde::Serialize;
@@ -144,7 +144,7 @@ fn refused(what: &'static str) -> impl Fn(tonic::Status) -> BenchPushError {
 
 /// Runs the benchmark and prints its JSON line.
 pub fn run(args: &BenchPushArgs) -> Result<(), BenchPushError> {
-    rookworld_proto::check::at_least("--pushes", args.pushes as u64, 1)?;
+    rookworld_service::check::at_least("--pushes", args.pushes as u64, 1)?;
     if args.chunk_kib.contains(&0) {
         return Err(ConfigError::Value("--chunk-kib: every size must be ≥ 1".into()).into());
     }
@@ -199,7 +199,7 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, BenchPushError> {
     let worker = Worker::start(
         WorkerConfig {
             service: ServiceConfig {
-                guard: rookworld_proto::auth::Guard::shared(TOKEN),
+                guard: rookworld_service::auth::Guard::shared(TOKEN),
                 shared_dir: Some(shared_dir.clone()),
                 ..ServiceConfig::default()
             },
@@ -212,7 +212,7 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, BenchPushError> {
     )
     .await?;
     let url = format!("http://{}", worker.local_addr());
-    let channel = rookworld_proto::serve::endpoint(&url)?.connect().await?;
+    let channel = rookworld_service::serve::endpoint(&url)?.connect().await?;
     let mut client = RolloutServiceClient::new(channel);
 
     let generating_runs = usize::from(!args.idle_only);
@@ -488,7 +488,7 @@ async fn generate_until(
             }),
         };
         let mut request = tonic::Request::new(request);
-        if rookworld_proto::auth::set_token(request.metadata_mut(), TOKEN).is_err() {
+        if rookworld_service::auth::set_token(request.metadata_mut(), TOKEN).is_err() {
             return;
         }
         let answer = match client.generate(request).await {

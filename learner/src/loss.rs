@@ -53,7 +53,7 @@ impl LossConfig {
     /// both clip ε in [0, 1], temperature > 0.
     pub fn validate(&self) -> Result<(), crate::settings::ConfigError> {
         use crate::settings::ConfigError;
-        use rookworld_proto::check::{fraction, non_negative};
+        use rookworld_service::check::{fraction, non_negative};
         non_negative("--beta", self.beta)?;
         fraction("--clip-eps", self.eps_low)?;
         fraction("--clip-eps-high", self.eps_high)?;

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 
 use metrics::{Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
-use rookworld_proto::metrics_http::MetricsError;
+use rookworld_service::metrics_http::MetricsError;
 
 use crate::queue::Queue;
 
@@ -100,7 +100,7 @@ pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
             Matcher::Full(reward_server::metrics::names::REQUEST_DURATION_SECONDS.into()),
             reward_server::metrics::LATENCY_BUCKETS,
         )?;
-    let bound = rookworld_proto::metrics_http::install(builder, addr)?;
+    let bound = rookworld_service::metrics_http::install(builder, addr)?;
     describe();
     Ok(bound)
 }
@@ -114,7 +114,7 @@ pub fn record_kernel_fallbacks() {
 
 /// Descriptions of every metric (labels come from bounded sets: workers, results, lags).
 pub fn describe() {
-    rookworld_proto::tls::describe_metrics();
+    rookworld_service::tls::describe_metrics();
     describe_gauge!(
         names::CUDA_KERNEL_FALLBACK,
         Unit::Count,
@@ -122,7 +122,7 @@ pub fn describe() {
     );
     record_kernel_fallbacks();
     let features = if cfg!(feature = "cuda") { "cuda" } else { "" };
-    rookworld_proto::metrics_http::build_info(
+    rookworld_service::metrics_http::build_info(
         names::BUILD_INFO,
         env!("CARGO_PKG_VERSION"),
         features,

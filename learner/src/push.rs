@@ -325,7 +325,7 @@ pub struct SyncConfig {
     /// How often the loop looks at the queue's workers.
     pub tick: Duration,
     /// TLS towards `https://` workers.
-    pub tls: rookworld_proto::tls::ClientTlsArgs,
+    pub tls: rookworld_service::tls::ClientTlsArgs,
 }
 
 /// How long a stopping sync waits for pushes under way (a push cut off leaves the worker

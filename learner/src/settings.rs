@@ -121,8 +121,8 @@ impl Default for ObjectiveArgs {
 }
 
 /// A setting out of its range, or settings that contradict each other: one line naming
-/// the flag (the rule lives beside the setting, [`rookworld_proto::check`]).
-pub use rookworld_proto::check::ConfigError;
+/// the flag (the rule lives beside the setting, [`rookworld_service::check`]).
+pub use rookworld_service::check::ConfigError;
 
 impl ObjectiveArgs {
     /// The loss configuration of completions sampled at `temperature` with a budget of
@@ -192,7 +192,7 @@ pub struct BatchArgs {
 impl BatchArgs {
     /// Every count at least 1, groups at least 2.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        use rookworld_proto::check::at_least;
+        use rookworld_service::check::at_least;
         at_least("--prompts-per-step", self.prompts_per_step as u64, 1)?;
         at_least("--group-size", self.group_size.into(), 2)?;
         at_least("--micro-batch-groups", self.micro_batch_groups as u64, 1)

@@ -11,11 +11,11 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use candle_core::Device;
-use rookworld_chess::engine::{EngineConfig, EnginePool};
 use rookworld_chess::rules::standard;
+use rookworld_chess::stockfish::{StockfishConfig, StockfishPool};
 use rookworld_lm::Tokenizer;
 use rookworld_lm::cli::ModelArgs;
-use rookworld_proto::logging::Progress;
+use rookworld_service::logging::Progress;
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{self, Loaded, TrainerState};
@@ -94,7 +94,7 @@ pub struct SftSettings {
 impl SftSettings {
     /// Checks ranges (the same rules as `learner train`'s).
     pub fn validate(&self) -> Result<(), crate::settings::ConfigError> {
-        use rookworld_proto::check::{at_least, fraction, non_negative, positive};
+        use rookworld_service::check::{at_least, fraction, non_negative, positive};
         [
             at_least("--steps", self.steps, 1),
             at_least("--batch-size", self.batch_size as u64, 1),
@@ -178,7 +178,7 @@ impl From<candle_core::Error> for SftError {
 /// Turns prompts into training documents, asking the engine for policy lines.
 struct Documents {
     source: Source,
-    engine: Option<(tokio::runtime::Runtime, EnginePool)>,
+    engine: Option<(tokio::runtime::Runtime, StockfishPool)>,
     tokenizer: Tokenizer,
     bos: u32,
     context: usize,
@@ -271,11 +271,11 @@ fn python_float(x: f64) -> String {
 fn start_engine(
     path: Option<PathBuf>,
     wanted: bool,
-) -> Result<Option<(tokio::runtime::Runtime, EnginePool)>, SftError> {
+) -> Result<Option<(tokio::runtime::Runtime, StockfishPool)>, SftError> {
     if !wanted {
         return Ok(None);
     }
-    let Some(path) = path.or_else(rookworld_chess::engine::find_stockfish) else {
+    let Some(path) = path.or_else(rookworld_chess::stockfish::find_stockfish) else {
         tracing::warn!("no Stockfish found: supervised data is environment-task only");
         return Ok(None);
     };
@@ -284,7 +284,7 @@ fn start_engine(
         .build()
         .map_err(SftError::Runtime)?;
     let pool = rt
-        .block_on(EnginePool::start(EngineConfig::new(&path)))
+        .block_on(StockfishPool::start(StockfishConfig::new(&path)))
         .map_err(|e| SftError::Engine {
             path: Some(path.clone()),
             source: Box::new(e),
@@ -354,7 +354,7 @@ pub fn warm_up(
 pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
     let s = &args.settings;
     s.validate()?;
-    rookworld_proto::check::at_least("--checkpoint-every", args.checkpoint_every, 1)?;
+    rookworld_service::check::at_least("--checkpoint-every", args.checkpoint_every, 1)?;
     let device = Device::Cpu;
     let settings = serde_json::to_value(s).expect("settings serialise");
     let mut source = match &args.prompts {

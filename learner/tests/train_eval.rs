@@ -136,10 +136,11 @@ async fn evaluations_run_beside_training_and_land_in_log_metrics_and_checkpoint(
     );
 
     // Prometheus: learner_eval{suite,metric} and the evaluated step.
-    let text = tokio::task::spawn_blocking(move || rookworld_proto::probe::scrape_metrics(metrics))
-        .await
-        .unwrap()
-        .unwrap();
+    let text =
+        tokio::task::spawn_blocking(move || rookworld_service::probe::scrape_metrics(metrics))
+            .await
+            .unwrap()
+            .unwrap();
     let mate = text
         .lines()
         .find(|l| {

@@ -170,10 +170,11 @@ async fn shutdown_keeps_every_prompt_and_resume_continues() {
     );
 
     // The endpoint shows the steps and the pushes.
-    let text = tokio::task::spawn_blocking(move || rookworld_proto::probe::scrape_metrics(metrics))
-        .await
-        .unwrap()
-        .unwrap();
+    let text =
+        tokio::task::spawn_blocking(move || rookworld_service::probe::scrape_metrics(metrics))
+            .await
+            .unwrap()
+            .unwrap();
     let value = |name: &str| {
         text.lines()
             .find(|l| l.starts_with(name))

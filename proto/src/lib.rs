@@ -1,29 +1,12 @@
-//! Generated protocol buffer types for the RookWorld GRPO services.
+//! The protocol of the RookWorld GRPO services: the types, clients and servers generated
+//! from the `.proto` files under `rookworld/`, and nothing else (what the services share
+//! around it, from tokens to run files, is the `rookworld-service` crate).
 //!
 //! - [`v1`]: messages shared by every service (`rookworld.v1`).
 //! - [`reward::v1`]: the reward server (`rookworld.reward.v1`).
 //! - [`rollout::v1`]: the rollout worker (`rookworld.rollout.v1`).
 //! - [`queue::v1`]: the learner's rollout queue (`rookworld.queue.v1`).
-//! - [`auth`]: the shared-token check of guarded calls, and setting it on a client.
-//! - [`env`]: empty settings variables count as unset.
-//! - [`logging`]: the log every service binary writes.
-//! - [`metrics_http`]: the read-only Prometheus endpoint every service serves.
-//! - [`status`]: gRPC statuses with a bounded message.
-//! - [`run_file`]: `--config FILE` (TOML) under the environment and the flags.
-//! - [`probe`]: reflection listing and metrics scrapes of a running service.
-//! - [`serve`]: reflection services and the shutdown signal every server uses.
 //! - [`FILE_DESCRIPTOR_SET`]: the encoded descriptors that gRPC server reflection serves.
-
-pub mod auth;
-pub mod check;
-pub mod env;
-pub mod logging;
-pub mod metrics_http;
-pub mod probe;
-pub mod run_file;
-pub mod serve;
-pub mod status;
-pub mod tls;
 
 /// `rookworld.v1`: sampling parameters and completions.
 pub mod v1 {

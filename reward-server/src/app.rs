@@ -4,9 +4,9 @@
 use crate::bench::{self, BenchArgs};
 use crate::cli::{self, ScoreArgs, ServeArgs};
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
-use rookworld_proto::logging::LogArgs;
-use rookworld_proto::probe::HealthArgs;
-use rookworld_proto::run_file::{self, RunFileArgs};
+use rookworld_service::logging::LogArgs;
+use rookworld_service::probe::HealthArgs;
+use rookworld_service::run_file::{self, RunFileArgs};
 
 /// Reward server of the RookWorld GRPO trainer: verified chess rewards.
 #[derive(Debug, Parser)]
@@ -39,10 +39,10 @@ enum Command {
 
 /// Parses the command line and runs the command; the process exits with what it returns.
 pub fn main() -> std::process::ExitCode {
-    rookworld_proto::env::unset_empty();
+    rookworld_service::env::unset_empty();
     let matches = run_file::parse(Cli::command(), &[]);
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    rookworld_proto::logging::init(cli.log.log_format);
+    rookworld_service::logging::init(cli.log.log_format);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => return fail(e),

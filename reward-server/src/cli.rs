@@ -9,9 +9,9 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::service::{self, ServiceConfig};
-use rookworld_chess::engine::{EngineConfig, EnginePool, SearchLimit};
 use rookworld_chess::score::{RewardConfig, Score};
 use rookworld_chess::scorer::{Item, Scorer};
+use rookworld_chess::stockfish::{SearchLimit, StockfishConfig, StockfishPool};
 
 /// Engine and weight options shared by `serve`, `score` and `bench`.
 #[derive(Debug, Clone, clap::Args)]
@@ -82,7 +82,7 @@ pub struct ScoringArgs {
 }
 
 /// A configuration problem: one clear line, non-zero exit.
-pub use rookworld_proto::check::ConfigError;
+pub use rookworld_service::check::ConfigError;
 
 impl ScoringArgs {
     /// Reads the weights and starts the engine pool, if any.
@@ -100,7 +100,7 @@ impl ScoringArgs {
         let engine = match &self.engine {
             None => None,
             Some(path) => {
-                let mut cfg = EngineConfig::new(path);
+                let mut cfg = StockfishConfig::new(path);
                 cfg.processes = self.engine_processes.max(1);
                 cfg.limit = match self.engine_movetime_ms {
                     Some(ms) => SearchLimit::MoveTime(Duration::from_millis(ms)),
@@ -111,7 +111,7 @@ impl ScoringArgs {
                 cfg.timeout = Duration::from_millis(self.engine_timeout_ms);
                 cfg.start_timeout = Duration::from_millis(self.engine_start_timeout_ms);
                 cfg.cache_capacity = self.engine_cache;
-                let pool = EnginePool::start(cfg).await.map_err(|e| {
+                let pool = StockfishPool::start(cfg).await.map_err(|e| {
                     ConfigError::Unusable(format!("cannot start engine {}: {e}", path.display()))
                 })?;
                 Some(Arc::new(pool))
@@ -146,15 +146,15 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub scoring: ScoringArgs,
     #[command(flatten)]
-    pub token: rookworld_proto::auth::TokenArgs,
+    pub token: rookworld_service::auth::TokenArgs,
     #[command(flatten)]
-    pub tls: rookworld_proto::tls::ServerTlsArgs,
+    pub tls: rookworld_service::tls::ServerTlsArgs,
 }
 
 impl ServeArgs {
     /// Counts in range: one line at start, not a server that refuses every call.
     fn validate(&self) -> Result<(), ConfigError> {
-        use rookworld_proto::check::at_least;
+        use rookworld_service::check::at_least;
         [
             at_least("--max-items-per-call", self.max_items_per_call as u64, 1),
             at_least("--max-items-in-flight", self.max_items_in_flight as u64, 1),
@@ -185,7 +185,7 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
         .map_err(|e| ConfigError::Unusable(format!("cannot listen on {}: {e}", args.listen)))?;
     tracing::info!(listen = %listener.local_addr()?, %metrics, engine = scorer.engine().is_some(), "reward server ready");
     let cfg = ServiceConfig {
-        guard: rookworld_proto::auth::Guard::new(token, inspect_token),
+        guard: rookworld_service::auth::Guard::new(token, inspect_token),
         tls,
         max_items_in_flight: args.max_items_in_flight,
         max_items_per_call: args.max_items_per_call,
@@ -195,7 +195,7 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
         scorer,
         cfg,
         listener,
-        rookworld_proto::serve::shutdown_signal(),
+        rookworld_service::serve::shutdown_signal(),
     )
     .await
 }

@@ -29,7 +29,7 @@ pub enum ServiceError {
     TooLarge { requested: usize, limit: usize },
     /// The call lacks the token it needs.
     #[error(transparent)]
-    Token(#[from] rookworld_proto::auth::TokenError),
+    Token(#[from] rookworld_service::auth::TokenError),
 }
 
 impl ServiceError {
@@ -37,7 +37,7 @@ impl ServiceError {
     pub fn label(&self) -> &'static str {
         match self {
             Self::Overloaded { .. } => "resource_exhausted",
-            Self::Token(rookworld_proto::auth::TokenError::Missing) => "unauthenticated",
+            Self::Token(rookworld_service::auth::TokenError::Missing) => "unauthenticated",
             Self::Token(_) => "permission_denied",
             Self::BadItem { .. } | Self::TooLarge { .. } => "invalid_argument",
         }
@@ -54,6 +54,6 @@ impl From<ServiceError> for tonic::Status {
             ServiceError::Overloaded { .. } => tonic::Code::ResourceExhausted,
         };
         // The message may quote the request (a FEN): bounded.
-        rookworld_proto::status::status(code, e.to_string())
+        rookworld_service::status::status(code, e.to_string())
     }
 }

@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
-use rookworld_proto::metrics_http::MetricsError;
+use rookworld_service::metrics_http::MetricsError;
 
 /// Every metric name of this crate, once: the describe calls and the recording sites use
 /// these.
@@ -26,16 +26,16 @@ pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
         Matcher::Full(names::REQUEST_DURATION_SECONDS.into()),
         LATENCY_BUCKETS,
     )?;
-    let bound = rookworld_proto::metrics_http::install(builder, addr)?;
+    let bound = rookworld_service::metrics_http::install(builder, addr)?;
     describe();
     Ok(bound)
 }
 
 /// Descriptions of every metric (labels come from bounded sets).
 pub fn describe() {
-    rookworld_proto::tls::describe_metrics();
+    rookworld_service::tls::describe_metrics();
     use metrics::{Unit, describe_counter, describe_histogram};
-    rookworld_proto::metrics_http::build_info(names::BUILD_INFO, env!("CARGO_PKG_VERSION"), "");
+    rookworld_service::metrics_http::build_info(names::BUILD_INFO, env!("CARGO_PKG_VERSION"), "");
     describe_counter!(
         names::REQUESTS_TOTAL,
         "Score calls, by gRPC status code (`status`)."

@@ -4,9 +4,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
 
-use rookworld_proto::auth::Guard;
 use rookworld_proto::reward::v1 as pb;
 use rookworld_proto::reward::v1::reward_service_server::{RewardService, RewardServiceServer};
+use rookworld_service::auth::Guard;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status};
@@ -25,7 +25,7 @@ pub struct ServiceConfig {
     /// inspection token Info must carry (none: it is open).
     pub guard: Guard,
     /// TLS of the port; `None` serves plaintext.
-    pub tls: Option<Arc<rookworld_proto::tls::ServerTls>>,
+    pub tls: Option<Arc<rookworld_service::tls::ServerTls>>,
     /// Items being scored at once across all calls; more is `RESOURCE_EXHAUSTED`.
     pub max_items_in_flight: usize,
     /// Items in one call; more is `INVALID_ARGUMENT`.
@@ -212,5 +212,5 @@ pub async fn run(
     let service = RewardServiceServer::new(RewardServer::new(scorer, cfg))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
-    rookworld_proto::serve::serve(service, listener, tls, shutdown).await
+    rookworld_service::serve::serve(service, listener, tls, shutdown).await
 }

@@ -6,9 +6,9 @@ use crate::generate_cmd::{self, GenerateArgs};
 use crate::parity_cmd::{self, ParityArgs};
 use crate::serve_cmd::{self, ServeArgs};
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
-use rookworld_proto::logging::LogArgs;
-use rookworld_proto::probe::HealthArgs;
-use rookworld_proto::run_file::{self, RunFileArgs};
+use rookworld_service::logging::LogArgs;
+use rookworld_service::probe::HealthArgs;
+use rookworld_service::run_file::{self, RunFileArgs};
 
 /// Rollout worker of the RookWorld GRPO trainer: samples completions from the policy.
 #[derive(Debug, Parser)]
@@ -47,10 +47,10 @@ enum Command {
 /// Parses the command line and runs the command; the process exits with what it returns.
 pub fn main() -> std::process::ExitCode {
     rookworld_lm::alloc::keep_freed_memory();
-    rookworld_proto::env::unset_empty();
+    rookworld_service::env::unset_empty();
     let matches = run_file::parse(Cli::command(), &[]);
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    rookworld_proto::logging::init(cli.log.log_format);
+    rookworld_service::logging::init(cli.log.log_format);
     cli.kernels.apply();
     let result: Result<(), Box<dyn std::error::Error + Send + Sync>> = match &cli.command {
         Command::Generate(args) => {

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use rookworld_lm::Gpt2;
 use rookworld_lm::cli::{ModelArgs, SamplingArgs};
 use rookworld_lm::generate::{GenerationConfig, generate_batch};
-use rookworld_proto::logging::Progress;
+use rookworld_service::logging::Progress;
 
 use crate::engine::{EngineConfig, EngineError, Request, Scheduler, prepare_model};
 
@@ -134,7 +134,7 @@ fn measure(
 /// Runs the benchmark and prints one JSON object: the engine on the batch and on one
 /// stream, and the reference static-batch path on the batch as an in-run baseline.
 pub fn run(args: &BenchArgs, out: &mut impl Write) -> Result<(), EngineError> {
-    use rookworld_proto::check::at_least;
+    use rookworld_service::check::at_least;
     [
         at_least("--prompts", args.prompts as u64, 1),
         at_least("--num-completions", args.n as u64, 1),
@@ -150,8 +150,13 @@ pub fn run(args: &BenchArgs, out: &mut impl Write) -> Result<(), EngineError> {
     let loaded = args.model.load()?;
     let prompt = loaded.tokenizer.encode(BENCH_PROMPT)?;
     let context = loaded.model.config().n_positions;
-    rookworld_proto::check::fits_context(max_new_tokens, prompt.len(), "the bench prompt", context)
-        .map_err(|e| EngineError::InvalidRequest(e.to_string()))?;
+    rookworld_service::check::fits_context(
+        max_new_tokens,
+        prompt.len(),
+        "the bench prompt",
+        context,
+    )
+    .map_err(|e| EngineError::InvalidRequest(e.to_string()))?;
     let reference = Arc::new(loaded.model.clone());
     let model = Arc::new(prepare_model(loaded.model)?);
     // Warm-up: allocator and thread pool.

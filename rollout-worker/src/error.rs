@@ -1,6 +1,6 @@
 //! Errors of the gRPC service, and their one mapping to gRPC status codes.
 
-use rookworld_proto::auth::TokenError;
+use rookworld_service::auth::TokenError;
 use tonic::Status;
 
 use crate::engine::EngineError;
@@ -53,7 +53,7 @@ impl ServiceError {
 impl From<ServiceError> for Status {
     fn from(e: ServiceError) -> Self {
         // The message may quote the request: bounded.
-        let message = rookworld_proto::status::bounded(e.to_string());
+        let message = rookworld_service::status::bounded(e.to_string());
         match e {
             ServiceError::InvalidArgument(_) => Status::invalid_argument(message),
             ServiceError::Overloaded(_) => Status::resource_exhausted(message),

@@ -6,7 +6,7 @@ use metrics::{
     Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
 };
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
-use rookworld_proto::metrics_http::MetricsError;
+use rookworld_service::metrics_http::MetricsError;
 
 pub use rookworld_generation::metrics::gpu_memory;
 
@@ -35,7 +35,7 @@ pub use rookworld_generation::metrics::SECONDS_BUCKETS;
 pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
     let builder = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)?;
-    let bound = rookworld_proto::metrics_http::install(builder, addr)?;
+    let bound = rookworld_service::metrics_http::install(builder, addr)?;
     describe();
     Ok(bound)
 }
@@ -50,7 +50,7 @@ pub fn record_kernel_fallbacks() {
 /// Descriptions of every metric (labels come from bounded sets).
 pub fn describe() {
     rookworld_generation::metrics::describe();
-    rookworld_proto::tls::describe_metrics();
+    rookworld_service::tls::describe_metrics();
     describe_gauge!(
         names::CUDA_KERNEL_FALLBACK,
         Unit::Count,
@@ -58,7 +58,7 @@ pub fn describe() {
     );
     record_kernel_fallbacks();
     let features = if cfg!(feature = "cuda") { "cuda" } else { "" };
-    rookworld_proto::metrics_http::build_info(
+    rookworld_service::metrics_http::build_info(
         names::BUILD_INFO,
         env!("CARGO_PKG_VERSION"),
         features,

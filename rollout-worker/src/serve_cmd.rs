@@ -24,12 +24,12 @@ pub struct ServeArgs {
     #[arg(long, env = "ROLLOUT_METRICS", default_value = "127.0.0.1:9093")]
     pub metrics: SocketAddr,
     #[command(flatten)]
-    pub token: rookworld_proto::auth::TokenArgs,
+    pub token: rookworld_service::auth::TokenArgs,
     #[command(flatten)]
-    pub tls: rookworld_proto::tls::ServerTlsArgs,
+    pub tls: rookworld_service::tls::ServerTlsArgs,
     /// TLS towards the learner and the reward server (their `https://` URLs).
     #[command(flatten)]
-    pub client_tls: rookworld_proto::tls::ClientTlsArgs,
+    pub client_tls: rookworld_service::tls::ClientTlsArgs,
     /// Version number of the weights loaded at start.
     #[arg(long, default_value_t = 0)]
     pub initial_version: u64,
@@ -61,12 +61,12 @@ pub struct ServeArgs {
 }
 
 /// A configuration problem, reported as one line.
-pub use rookworld_proto::check::ConfigError;
+pub use rookworld_service::check::ConfigError;
 
 impl ServeArgs {
     /// URLs with their scheme, counts in range: one line at start, not retries forever.
     fn validate(&self) -> Result<(), ConfigError> {
-        use rookworld_proto::check::{at_least, url};
+        use rookworld_service::check::{at_least, url};
         let mut checks = vec![
             at_least("--max-in-flight", self.max_in_flight as u64, 1),
             at_least("--max-queued-samples", self.max_queued_samples as u64, 1),
@@ -165,7 +165,7 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
         weights: (None, args.initial_version),
         engine: args.engine.config(),
         service: ServiceConfig {
-            guard: rookworld_proto::auth::Guard::new(token, inspect_token),
+            guard: rookworld_service::auth::Guard::new(token, inspect_token),
             tls,
             max_queued_samples: args.max_queued_samples,
             shared_dir: args.shared_dir.clone(),
@@ -174,7 +174,12 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
         pull,
         ..WorkerConfig::new(loaded.model)
     };
-    let worker = Worker::start(config, listener, rookworld_proto::serve::shutdown_signal()).await?;
+    let worker = Worker::start(
+        config,
+        listener,
+        rookworld_service::serve::shutdown_signal(),
+    )
+    .await?;
     worker.wait().await
 }
 

@@ -8,11 +8,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rookworld_lm::{Config, Tokenizer};
-use rookworld_proto::auth::Guard;
 use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_server::{RolloutService, RolloutServiceServer};
-use rookworld_proto::tls::ServerTls;
 use rookworld_proto::v1 as common;
+use rookworld_service::auth::Guard;
+use rookworld_service::tls::ServerTls;
 use tokio::net::TcpListener;
 use tokio::sync::{Mutex, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
@@ -327,5 +327,5 @@ pub(crate) async fn run(
     let service = RolloutServiceServer::new(server)
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
-    rookworld_proto::serve::serve(service, listener, tls, shutdown).await
+    rookworld_service::serve::serve(service, listener, tls, shutdown).await
 }

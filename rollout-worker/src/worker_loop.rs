@@ -44,7 +44,7 @@ pub struct LoopConfig {
     /// Longest wait between retries.
     pub max_backoff: Duration,
     /// TLS towards `https://` peers.
-    pub tls: rookworld_proto::tls::ClientTlsArgs,
+    pub tls: rookworld_service::tls::ClientTlsArgs,
 }
 
 impl std::fmt::Debug for LoopConfig {

@@ -10,12 +10,12 @@
 //! - [`env_task`]: the environment task's true next state (shakmaty) and its scoring.
 //! - [`policy_task`]: the policy task's parsing, legality and engine grading.
 //! - [`score`]: [`score::Score`], verdicts, the reward range and the weights.
-//! - [`engine`]: a pool of UCI engines (Stockfish) with a cache, timeouts and restarts.
+//! - [`stockfish`]: a pool of UCI engines (Stockfish) with a cache, timeouts and restarts
+//!   ([`stockfish::StockfishPool`]; not the generation engine of `rookworld-generation`).
 //! - [`scorer`]: the one scoring path shared by the service, `score` and `bench`.
 //! - [`error`]: why an item cannot be scored.
 //! - [`playout`]: random legal games, for generated prompts and tests.
 
-pub mod engine;
 pub mod env_task;
 pub mod error;
 pub mod metrics;
@@ -24,4 +24,5 @@ pub mod policy_task;
 pub mod rules;
 pub mod score;
 pub mod scorer;
+pub mod stockfish;
 pub mod task;

@@ -8,8 +8,8 @@
 use shakmaty::uci::UciMove;
 use shakmaty::{Chess, Move};
 
-use crate::engine::Analysis;
 use crate::score::{PolicyWeights, Score};
+use crate::stockfish::Analysis;
 use crate::task::PolicyPrompt;
 
 /// Candidates the data lists at most (Stockfish multipv 5).

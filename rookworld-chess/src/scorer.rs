@@ -9,12 +9,12 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::engine::EnginePool;
 use crate::env_task;
 use crate::error::RequestError;
 use crate::metrics::names;
 use crate::policy_task::{self, Checked};
 use crate::score::{RewardConfig, Score};
+use crate::stockfish::StockfishPool;
 use crate::task::{EnvPrompt, PolicyPrompt, Task};
 
 /// One completion to score.
@@ -44,11 +44,11 @@ struct PendingPolicy {
 #[derive(Debug, Clone)]
 pub struct Scorer {
     config: RewardConfig,
-    engine: Option<Arc<EnginePool>>,
+    engine: Option<Arc<StockfishPool>>,
 }
 
 impl Scorer {
-    pub fn new(config: RewardConfig, engine: Option<Arc<EnginePool>>) -> Self {
+    pub fn new(config: RewardConfig, engine: Option<Arc<StockfishPool>>) -> Self {
         Self { config, engine }
     }
 
@@ -56,7 +56,7 @@ impl Scorer {
         &self.config
     }
 
-    pub fn engine(&self) -> Option<&Arc<EnginePool>> {
+    pub fn engine(&self) -> Option<&Arc<StockfishPool>> {
         self.engine.as_ref()
     }
 

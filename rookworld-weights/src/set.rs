@@ -10,7 +10,7 @@ use rookworld_proto::rollout::v1 as pb;
 pub const FORMAT: &str = "safetensors-bf16";
 
 /// Default chunk size, chosen with `learner bench-push` (see the README): with the
-/// HTTP/2 windows of `rookworld_proto::serve`, chunks from 256 KiB up move the payload at
+/// HTTP/2 windows of `rookworld_service::serve`, chunks from 256 KiB up move the payload at
 /// the same speed; smaller ones cost more frames and polls.
 pub const CHUNK_BYTES: usize = 1 << 20;
 
@@ -416,7 +416,7 @@ pub async fn push_shared(
         .shared_chunk()
         .ok_or_else(|| tonic::Status::internal("no shared file was written for this set"))?;
     let mut request = tonic::Request::new(tokio_stream::iter([chunk]));
-    rookworld_proto::auth::set_token(request.metadata_mut(), token)?;
+    rookworld_service::auth::set_token(request.metadata_mut(), token)?;
     Ok(client.update_weights(request).await?.into_inner())
 }
 
@@ -429,7 +429,7 @@ pub async fn push(
     chunk_bytes: usize,
 ) -> Result<pb::UpdateWeightsResponse, tonic::Status> {
     let mut request = tonic::Request::new(tokio_stream::iter(set.chunks(chunk_bytes)));
-    rookworld_proto::auth::set_token(request.metadata_mut(), token)?;
+    rookworld_service::auth::set_token(request.metadata_mut(), token)?;
     Ok(client.update_weights(request).await?.into_inner())
 }
 

@@ -78,7 +78,7 @@ const METRIC_SOURCES: [&str; 6] = [
     "rollout-worker/src",
     "reward-server/src",
     "rookworld-chess/src",
-    "proto/src",
+    "rookworld-service/src",
 ];
 
 /// Where a metric name is written in the sources: each string literal that is a metric

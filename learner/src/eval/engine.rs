@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rookworld_chess::engine::{EngineConfig, EnginePool, SearchLimit};
+use rookworld_chess::stockfish::{SearchLimit, StockfishConfig, StockfishPool};
 
 use super::Item;
 use super::error::EvalError;
@@ -42,15 +42,15 @@ impl Reanalysis {
             .enable_all()
             .build()
             .map_err(reanalysis)?;
-        let cfg = EngineConfig {
+        let cfg = StockfishConfig {
             processes: self.processes.max(1),
             limit: SearchLimit::Depth(self.depth),
             multipv: 5,
             timeout: Duration::from_secs(120),
-            ..EngineConfig::new(path)
+            ..StockfishConfig::new(path)
         };
         runtime.block_on(async {
-            let pool = Arc::new(EnginePool::start(cfg).await.map_err(reanalysis)?);
+            let pool = Arc::new(StockfishPool::start(cfg).await.map_err(reanalysis)?);
             let mut searches = tokio::task::JoinSet::new();
             for (i, position) in positions {
                 let pool = pool.clone();
@@ -84,7 +84,7 @@ mod tests {
     use crate::eval::Suite;
 
     fn stockfish() -> Option<PathBuf> {
-        rookworld_chess::engine::stockfish_for_tests()
+        rookworld_chess::stockfish::stockfish_for_tests()
     }
 
     #[test]

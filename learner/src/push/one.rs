@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
-use rookworld_proto::tls::ClientTlsArgs;
+use rookworld_service::tls::ClientTlsArgs;
 use rookworld_weights::set::{self as weights, CHUNK_BYTES, WeightSet};
 
 use super::PushOutcome;

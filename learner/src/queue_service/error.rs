@@ -1,7 +1,7 @@
 //! Why the queue refused a call, and the one place that says which gRPC status each cause
 //! is (as the reward server's and the worker's errors do).
 
-use rookworld_proto::auth::TokenError;
+use rookworld_service::auth::TokenError;
 use tonic::Status;
 
 use crate::queue::{Backpressure, SubmitError};

@@ -10,12 +10,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use rookworld_proto::auth::{Guard, TokenError};
 use rookworld_proto::queue::v1 as pb;
 use rookworld_proto::queue::v1::rollout_queue_server::{RolloutQueue, RolloutQueueServer};
 use rookworld_proto::reward::v1::Task;
-use rookworld_proto::tls::ServerTls;
 use rookworld_proto::v1::SamplingParams;
+use rookworld_service::auth::{Guard, TokenError};
+use rookworld_service::tls::ServerTls;
 use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
 
@@ -466,5 +466,5 @@ pub async fn run(
     let service = RolloutQueueServer::new(server)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    rookworld_proto::serve::serve(service, listener, tls, shutdown).await
+    rookworld_service::serve::serve(service, listener, tls, shutdown).await
 }

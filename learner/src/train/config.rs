@@ -85,13 +85,13 @@ pub struct TrainArgs {
     #[arg(long, env = "LEARNER_METRICS")]
     pub metrics: Option<String>,
     #[command(flatten)]
-    pub token: rookworld_proto::auth::TokenArgs,
+    pub token: rookworld_service::auth::TokenArgs,
     /// TLS of the queue port (with --local, of the local services' ports too).
     #[command(flatten)]
-    pub tls: rookworld_proto::tls::ServerTlsArgs,
+    pub tls: rookworld_service::tls::ServerTlsArgs,
     /// TLS towards `https://` workers (pushes) and the reward server.
     #[command(flatten)]
-    pub client_tls: rookworld_proto::tls::ClientTlsArgs,
+    pub client_tls: rookworld_service::tls::ClientTlsArgs,
     /// Check every worker's certificate against this name instead of the host of its push
     /// address: for workers that advertise IP addresses or container names and share one
     /// certificate (compose replicas, Kubernetes pods).
@@ -209,7 +209,7 @@ impl TrainArgs {
 
     /// The settings' ranges and the process's own options (intervals, timeouts, URLs).
     pub fn validate(&self) -> Result<(), ConfigError> {
-        use rookworld_proto::check::{at_least, non_negative, positive, url};
+        use rookworld_service::check::{at_least, non_negative, positive, url};
         self.settings.validate()?;
         self.rollout_weight_dtype()?;
         let mut checks = vec![

@@ -12,7 +12,7 @@ use rookworld_chess::score::RewardConfig;
 use rookworld_chess::scorer::Scorer;
 use rookworld_lm::device::WeightDtype;
 use rookworld_lm::{Gpt2, checkpoint};
-use rookworld_proto::tls::{ClientTlsArgs, ServerTls};
+use rookworld_service::tls::{ClientTlsArgs, ServerTls};
 use rookworld_weights::set::WeightSet;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -51,7 +51,7 @@ impl LocalServices {
         let reward = format!("{scheme}://{}", reward_listener.local_addr()?);
         let scorer = Scorer::new(RewardConfig::default(), None);
         let reward_cfg = reward_server::service::ServiceConfig {
-            guard: rookworld_proto::auth::Guard::shared(token),
+            guard: rookworld_service::auth::Guard::shared(token),
             tls: tls.clone(),
             ..Default::default()
         };
@@ -86,7 +86,7 @@ impl LocalServices {
             WorkerConfig {
                 weights: (Some(weights.run_id.clone()), weights.version),
                 service: ServiceConfig {
-                    guard: rookworld_proto::auth::Guard::shared(token),
+                    guard: rookworld_service::auth::Guard::shared(token),
                     tls,
                     shared_dir,
                     ..ServiceConfig::default()

@@ -86,7 +86,7 @@ pub enum TrainError {
     Metrics {
         addr: std::net::SocketAddr,
         #[source]
-        source: rookworld_proto::metrics_http::MetricsError,
+        source: rookworld_service::metrics_http::MetricsError,
     },
     #[error("local services: {0}")]
     LocalServices(#[source] Box<dyn std::error::Error + Send + Sync>),

@@ -199,7 +199,7 @@ fn check_context(
             }
         }
     }
-    rookworld_proto::check::fits_context(
+    rookworld_service::check::fits_context(
         s.sampling.max_new_tokens as usize,
         longest,
         "the longest prompt",

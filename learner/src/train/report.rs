@@ -7,7 +7,7 @@ use std::io::{BufWriter, Write};
 use std::path::Path;
 
 use metrics::{counter, gauge, histogram};
-use rookworld_proto::logging::Progress;
+use rookworld_service::logging::Progress;
 use serde::{Deserialize, Serialize};
 
 use super::TrainSummary;

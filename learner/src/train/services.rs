@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use rookworld_proto::tls::ServerTls;
+use rookworld_service::tls::ServerTls;
 use rookworld_weights::export::{Exporter, Latest};
 use rookworld_weights::set::WeightSet;
 use tokio::net::TcpListener;
@@ -153,7 +153,7 @@ impl Services {
                 deadline: args.push_timeout(),
                 forget_after: Duration::from_secs_f64((2.0 * s.lease_timeout).max(60.0)),
                 tick: Duration::from_millis(250),
-                tls: rookworld_proto::tls::ClientTlsArgs {
+                tls: rookworld_service::tls::ClientTlsArgs {
                     server_name: args.push_tls_name.clone(),
                     ..args.client_tls.clone()
                 },

@@ -117,7 +117,7 @@ pub(super) async fn drain(queue: &QueueHandle, timeout: Duration) {
 pub(super) async fn check_reward(
     url: &str,
     token: &str,
-    tls: &rookworld_proto::tls::ClientTlsArgs,
+    tls: &rookworld_service::tls::ClientTlsArgs,
     wait: Duration,
 ) -> Result<(), TrainError> {
     let endpoint = tls
@@ -140,7 +140,7 @@ pub(super) async fn check_reward(
             Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
         }
     };
-    match rookworld_proto::probe::reward_server(channel, token).await {
+    match rookworld_service::probe::reward_server(channel, token).await {
         Ok(what) => {
             tracing::info!(reward = url, %what, "reward server answers and takes the token");
             Ok(())

@@ -17,7 +17,7 @@ async fn serve(listener: tokio::net::TcpListener) {
     let model = init_random(&Config::tiny(), 1, DType::F32, &Device::Cpu).unwrap();
     let config = WorkerConfig {
         service: ServiceConfig {
-            guard: rookworld_proto::auth::Guard::shared(TOKEN),
+            guard: rookworld_service::auth::Guard::shared(TOKEN),
             ..ServiceConfig::default()
         },
         ..WorkerConfig::new(model)

@@ -262,7 +262,7 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
 
     // A real Prometheus scrape shows the same depths.
     let body =
-        tokio::task::spawn_blocking(move || rookworld_proto::probe::scrape_metrics(metrics_addr))
+        tokio::task::spawn_blocking(move || rookworld_service::probe::scrape_metrics(metrics_addr))
             .await
             .unwrap()
             .unwrap();
@@ -326,7 +326,7 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
     assert_eq!(reported, ("run-old".to_owned(), Some(0)));
 
     for alpha in [false, true] {
-        let mut services = rookworld_proto::probe::list_services(channel.clone(), alpha)
+        let mut services = rookworld_service::probe::list_services(channel.clone(), alpha)
             .await
             .unwrap();
         services.sort();

@@ -24,7 +24,7 @@ const BURST: Duration = Duration::from_secs(8);
 
 fn authed<T>(msg: T) -> tonic::Request<T> {
     let mut r = tonic::Request::new(msg);
-    rookworld_proto::auth::set_token(r.metadata_mut(), TOKEN).unwrap();
+    rookworld_service::auth::set_token(r.metadata_mut(), TOKEN).unwrap();
     r
 }
 

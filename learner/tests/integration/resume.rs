@@ -131,7 +131,7 @@ fn copy_dir(from: &Path, to: &Path) {
 /// With Stockfish installed, policy-task documents come from its multipv lines.
 #[test]
 fn policy_documents_come_from_the_engine_when_installed() {
-    let Some(engine) = rookworld_chess::engine::stockfish_for_tests() else {
+    let Some(engine) = rookworld_chess::stockfish::stockfish_for_tests() else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();

@@ -33,7 +33,7 @@ async fn worker_of(model: Gpt2, shared_dir: Option<PathBuf>) -> String {
     let url = format!("http://{}", listener.local_addr().unwrap());
     let config = WorkerConfig {
         service: ServiceConfig {
-            guard: rookworld_proto::auth::Guard::shared(TOKEN),
+            guard: rookworld_service::auth::Guard::shared(TOKEN),
             shared_dir,
             ..ServiceConfig::default()
         },
@@ -70,7 +70,7 @@ async fn greedy(c: &mut RolloutServiceClient<Channel>) -> (Vec<u32>, Vec<f32>, u
         }),
     };
     let mut request = tonic::Request::new(request);
-    rookworld_proto::auth::set_token(request.metadata_mut(), TOKEN).unwrap();
+    rookworld_service::auth::set_token(request.metadata_mut(), TOKEN).unwrap();
     let mut stream = c.generate(request).await.unwrap().into_inner();
     let answer = stream.message().await.unwrap().expect("one completion");
     let done = answer.completion.unwrap();

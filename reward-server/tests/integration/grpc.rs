@@ -5,9 +5,9 @@ use std::net::SocketAddr;
 use reward_server::service::{self, ServiceConfig};
 use rookworld_chess::score::RewardConfig;
 use rookworld_chess::scorer::Scorer;
-use rookworld_proto::auth::Bearer;
 use rookworld_proto::reward::v1::reward_service_client::RewardServiceClient;
 use rookworld_proto::reward::v1::{InfoRequest, ScoreItem, ScoreRequest, Task, Verdict};
+use rookworld_service::auth::Bearer;
 use tokio::sync::oneshot;
 use tokio_stream::StreamExt;
 use tonic::Code;
@@ -27,7 +27,7 @@ impl Server {
     /// The service with `cfg`, guarded by [`TOKEN`] unless `cfg` has a token.
     async fn start(mut cfg: ServiceConfig) -> Self {
         if cfg.guard.token().is_none() {
-            cfg.guard = rookworld_proto::auth::Guard::shared(TOKEN);
+            cfg.guard = rookworld_service::auth::Guard::shared(TOKEN);
         }
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -301,7 +301,7 @@ async fn reflection_v1_and_v1alpha_list_and_describe_the_services() {
         }
     }
     for alpha in [false, true] {
-        let mut services = rookworld_proto::probe::list_services(server.channel().await, alpha)
+        let mut services = rookworld_service::probe::list_services(server.channel().await, alpha)
             .await
             .unwrap();
         services.sort();
@@ -328,7 +328,7 @@ async fn score_needs_the_token_and_info_the_inspection_token_when_one_is_set() {
         items: vec![env_item("e2e4", "x")],
     };
     let server = Server::start(ServiceConfig {
-        guard: rookworld_proto::auth::Guard::new(Some(TOKEN.into()), Some("look".into())),
+        guard: rookworld_service::auth::Guard::new(Some(TOKEN.into()), Some("look".into())),
         ..ServiceConfig::default()
     })
     .await;

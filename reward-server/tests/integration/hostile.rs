@@ -15,9 +15,9 @@ use rand_chacha::ChaCha8Rng;
 use reward_server::bench::generate_items;
 use rookworld_chess::scorer::Item;
 use rookworld_chess::task::Task;
-use rookworld_proto::probe::RawCodec as Raw;
 use rookworld_proto::reward::v1 as pb;
 use rookworld_proto::reward::v1::reward_service_client::RewardServiceClient;
+use rookworld_service::probe::RawCodec as Raw;
 use tonic::transport::Channel;
 
 const BIN: &str = env!("CARGO_BIN_EXE_reward-server");
@@ -76,7 +76,7 @@ impl Server {
 
     /// Resident memory now and at its peak, bytes.
     fn memory(&self) -> (u64, u64) {
-        rookworld_proto::probe::memory(self.child.id()).unwrap()
+        rookworld_service::probe::memory(self.child.id()).unwrap()
     }
 
     /// Alive, serving, and nothing panicked so far.
@@ -86,7 +86,7 @@ impl Server {
             "the server died after {after}: {}",
             std::fs::read_to_string(&self.log).unwrap()
         );
-        let health = rookworld_proto::probe::check_health(
+        let health = rookworld_service::probe::check_health(
             &self.url(),
             &Default::default(),
             Duration::from_secs(5),
@@ -200,7 +200,7 @@ async fn raw_score(channel: &Channel, body: Vec<u8>) -> Result<Vec<u8>, tonic::S
         .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
     let path = tonic::codegen::http::uri::PathAndQuery::from_static(SCORE_PATH);
     let mut request = tonic::Request::new(body);
-    rookworld_proto::auth::set_token(request.metadata_mut(), TOKEN)?;
+    rookworld_service::auth::set_token(request.metadata_mut(), TOKEN)?;
     grpc.unary(request, path, Raw)
         .await
         .map(tonic::Response::into_inner)
@@ -225,7 +225,7 @@ fn len_field(field: u32, bytes: &[u8]) -> Vec<u8> {
 async fn a_million_fuzzed_completions_and_malformed_requests() {
     let mut server = Server::start();
     let channel = connect(&server.url()).await;
-    let bearer = rookworld_proto::auth::Bearer::new(TOKEN).unwrap();
+    let bearer = rookworld_service::auth::Bearer::new(TOKEN).unwrap();
     let mut client = RewardServiceClient::with_interceptor(channel.clone(), bearer)
         .max_decoding_message_size(64 << 20)
         .max_encoding_message_size(64 << 20);

@@ -7,7 +7,7 @@ use rookworld_proto::reward::v1::reward_service_client::RewardServiceClient;
 use rookworld_proto::reward::v1::{ScoreItem, ScoreRequest, Task};
 
 fn scrape(addr: std::net::SocketAddr) -> String {
-    rookworld_proto::probe::scrape_metrics(addr).unwrap()
+    rookworld_service::probe::scrape_metrics(addr).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -25,7 +25,7 @@ async fn metrics_count_requests_items_verdicts_and_latency() {
     let server = tokio::spawn(service::run(
         scorer,
         ServiceConfig {
-            guard: rookworld_proto::auth::Guard::shared("t"),
+            guard: rookworld_service::auth::Guard::shared("t"),
             ..ServiceConfig::default()
         },
         listener,
@@ -40,7 +40,7 @@ async fn metrics_count_requests_items_verdicts_and_latency() {
         .unwrap();
     let mut client = RewardServiceClient::with_interceptor(
         channel,
-        rookworld_proto::auth::Bearer::new("t").unwrap(),
+        rookworld_service::auth::Bearer::new("t").unwrap(),
     );
     let start = "rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1";
     let item = |c: &str| ScoreItem {

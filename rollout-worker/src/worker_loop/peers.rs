@@ -18,7 +18,7 @@ use crate::metrics::names;
 /// At start: whether the learner takes this worker's token and the reward server scores
 /// with it, each logged with its URL (a peer that is not up yet is retried by the loop).
 pub(super) async fn check_peers(cfg: Arc<LoopConfig>) {
-    use rookworld_proto::probe::{learner_queue, reward_server};
+    use rookworld_service::probe::{learner_queue, reward_server};
     let (Ok(learner), Ok(reward)) = (
         channel(&cfg.learner, cfg.call_timeout, &cfg.tls),
         channel(&cfg.reward, cfg.call_timeout, &cfg.tls),
@@ -184,7 +184,7 @@ impl Reporter {
 pub(super) fn channel(
     url: &str,
     timeout: Duration,
-    tls: &rookworld_proto::tls::ClientTlsArgs,
+    tls: &rookworld_service::tls::ClientTlsArgs,
 ) -> Result<Channel, String> {
     Ok(tls
         .endpoint(url)?
@@ -202,7 +202,7 @@ pub(super) fn channel(
 /// the learner refuses the call as unauthenticated).
 pub(super) fn authed<T>(msg: T, token: &str) -> tonic::Request<T> {
     let mut r = tonic::Request::new(msg);
-    let _ = rookworld_proto::auth::set_token(r.metadata_mut(), token);
+    let _ = rookworld_service::auth::set_token(r.metadata_mut(), token);
     r
 }
 
@@ -235,7 +235,7 @@ where
     loop {
         match call().await {
             Err(s) if unreachable(&s) => {
-                peer.unreachable(what, &rookworld_proto::probe::cause_chain(&s));
+                peer.unreachable(what, &rookworld_service::probe::cause_chain(&s));
                 tracing::debug!(call = what, error = %s.message(), retry_in = ?wait, "retrying");
                 tokio::time::sleep(wait).await;
                 wait = (wait * 2).min(max);

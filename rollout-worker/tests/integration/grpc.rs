@@ -14,10 +14,10 @@ use rookworld_generation::{
 use rookworld_lm::checkpoint::{self, init_random};
 use rookworld_lm::sampling::SamplingParams;
 use rookworld_lm::{Config, Gpt2, Tokenizer};
-use rookworld_proto::probe::{list_services, scrape_metrics};
 use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
 use rookworld_proto::v1::SamplingParams as PbSampling;
+use rookworld_service::probe::{list_services, scrape_metrics};
 use rookworld_weights::set::{self as weights, WeightSet};
 use tokio::sync::oneshot;
 use tokio_stream::StreamExt;
@@ -52,7 +52,7 @@ impl Server {
         let config = WorkerConfig {
             engine: engine_cfg,
             service: ServiceConfig {
-                guard: rookworld_proto::auth::Guard::new(
+                guard: rookworld_service::auth::Guard::new(
                     Some(TOKEN.into()),
                     inspect.map(str::to_owned),
                 ),
@@ -114,7 +114,7 @@ fn generate_request(n: u32, max_new_tokens: u32, seed: u64) -> pb::GenerateReque
 /// `msg` carrying [`TOKEN`].
 fn authed<T>(msg: T) -> tonic::Request<T> {
     let mut r = tonic::Request::new(msg);
-    rookworld_proto::auth::set_token(r.metadata_mut(), TOKEN).unwrap();
+    rookworld_service::auth::set_token(r.metadata_mut(), TOKEN).unwrap();
     r
 }
 
@@ -294,7 +294,7 @@ async fn weight_updates_need_the_token_and_a_valid_payload_and_keep_old_weights_
     let first = set.chunks(64 * 1024).next().unwrap();
     let mut request =
         tonic::Request::new(tokio_stream::iter([first]).chain(tokio_stream::pending()));
-    rookworld_proto::auth::set_token(request.metadata_mut(), TOKEN).unwrap();
+    rookworld_service::auth::set_token(request.metadata_mut(), TOKEN).unwrap();
     let err = tokio::time::timeout(
         std::time::Duration::from_secs(60),
         client.update_weights(request),
@@ -474,13 +474,13 @@ async fn generate_needs_the_token_and_status_the_inspection_token_when_one_is_se
         .expect_err("refused");
     assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
     let mut wrong = tonic::Request::new(generate_request(1, 4, 1));
-    rookworld_proto::auth::set_token(wrong.metadata_mut(), "look").unwrap();
+    rookworld_service::auth::set_token(wrong.metadata_mut(), "look").unwrap();
     let err = client.generate(wrong).await.expect_err("refused");
     assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
     let err = client.status(pb::StatusRequest {}).await.unwrap_err();
     assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
     let mut look = tonic::Request::new(pb::StatusRequest {});
-    rookworld_proto::auth::set_token(look.metadata_mut(), "look").unwrap();
+    rookworld_service::auth::set_token(look.metadata_mut(), "look").unwrap();
     client.status(look).await.unwrap();
     client.status(authed(pb::StatusRequest {})).await.unwrap();
     assert_eq!(

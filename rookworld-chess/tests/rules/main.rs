@@ -3,9 +3,9 @@
 //! - `data`: the real RookWorld lines (`tests/fixtures/rookworld`) score as their targets;
 //! - `python_chess_golden`: case by case, what python-chess printed for the same moves;
 //! - `properties`: property tests over random legal positions;
-//! - `engine`: the Stockfish pool against a real Stockfish.
+//! - `stockfish`: the Stockfish pool against a real Stockfish.
 
 mod data;
-mod engine;
 mod properties;
 mod python_chess_golden;
+mod stockfish;

@@ -228,10 +228,10 @@ impl Cluster {
     }
 
     /// The tests' own client TLS (the `operator` certificate).
-    pub fn client_tls(&self) -> rookworld_proto::tls::ClientTlsArgs {
+    pub fn client_tls(&self) -> rookworld_service::tls::ClientTlsArgs {
         match &self.tls {
             None => Default::default(),
-            Some(dir) => rookworld_proto::tls::ClientTlsArgs {
+            Some(dir) => rookworld_service::tls::ClientTlsArgs {
                 tls_ca: Some(dir.join("ca.crt")),
                 tls_client_cert: Some(dir.join("operator.crt")),
                 tls_client_key: Some(dir.join("operator.key")),
@@ -454,7 +454,7 @@ pub async fn worker_weights(listen: SocketAddr) -> Option<(String, u64)> {
 /// A worker's `Status` at `url`, `None` while it does not answer.
 async fn worker_status(
     url: &str,
-    tls: &rookworld_proto::tls::ClientTlsArgs,
+    tls: &rookworld_service::tls::ClientTlsArgs,
 ) -> Option<rollout::StatusResponse> {
     let channel = tls
         .endpoint(url)
@@ -472,7 +472,7 @@ async fn worker_status(
 
 /// The value of the first sample of `metric` whose line contains every one of `labels`.
 pub fn metric(addr: SocketAddr, metric: &str, labels: &[&str]) -> Option<f64> {
-    let text = rookworld_proto::probe::scrape_metrics(addr).ok()?;
+    let text = rookworld_service::probe::scrape_metrics(addr).ok()?;
     text.lines()
         .filter(|l| l.starts_with(metric) && !l.starts_with('#'))
         .filter(|l| labels.iter().all(|x| l.contains(x)))

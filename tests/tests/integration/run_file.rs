@@ -31,16 +31,17 @@ fn the_known_keys_are_every_option_of_the_three_binaries() {
     for own in ["help", "version"] {
         all.remove(own);
     }
-    let listed: BTreeSet<String> = rookworld_proto::run_file::KNOWN_KEYS
-        .iter()
-        .map(|k| k.to_string())
-        .collect();
-    let wanted: Vec<String> = all.iter().map(|k| format!("    \"{k}\",")).collect();
-    assert_eq!(
-        listed,
-        all,
-        "rookworld_proto::run_file::KNOWN_KEYS must be:\n{}",
-        wanted.join("\n")
+    let generated: String = all.iter().map(|k| format!("{k}\n")).collect();
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../rookworld-service/src/run_file/known_keys.txt");
+    if std::env::var_os("ROOKWORLD_BLESS").is_some() {
+        std::fs::write(&path, &generated).unwrap();
+    }
+    assert!(
+        rookworld_service::run_file::KNOWN_KEYS == generated,
+        "{} is stale (an option was added or removed): write it again with \
+         `ROOKWORLD_BLESS=1 cargo test -p rookworld-tests --test integration run_file::`",
+        path.display()
     );
 }
 
@@ -413,7 +414,7 @@ fn the_deploy_run_file_is_read_by_every_service() {
             .chain(&["--config", path])
             .map(OsString::from)
             .collect();
-        let out = rookworld_proto::run_file::with_run_file(&cmd, &argv, &[])
+        let out = rookworld_service::run_file::with_run_file(&cmd, &argv, &[])
             .unwrap_or_else(|e| panic!("{}: {e}", start[0]));
         let added: Vec<String> = out[argv.len()..]
             .iter()

@@ -222,7 +222,7 @@ async fn a_local_run_describes_every_metric_and_stops_within_10_s() {
     let mut learner = cluster::Proc::spawn("learner", cluster::LEARNER, &args, c.dir.path());
     c.wait_until(START, "two steps", || async { c.steps() >= 2 })
         .await;
-    let text = rookworld_proto::probe::scrape_metrics(metrics).unwrap();
+    let text = rookworld_service::probe::scrape_metrics(metrics).unwrap();
     let family = |line: &str| {
         line.split_whitespace()
             .nth(2)

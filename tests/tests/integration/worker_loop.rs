@@ -61,7 +61,7 @@ async fn the_worker_scores_and_submits_every_leased_prompt() {
         reward_server::service::run(
             scorer,
             reward_server::service::ServiceConfig {
-                guard: rookworld_proto::auth::Guard::shared("t"),
+                guard: rookworld_service::auth::Guard::shared("t"),
                 ..Default::default()
             },
             reward_listener,

@@ -58,14 +58,14 @@ pub fn env_names(cmd: Command) -> BTreeSet<String> {
 /// client TLS files).
 pub fn known_env() -> BTreeMap<&'static str, BTreeSet<String>> {
     let with_common = |mut set: BTreeSet<String>| {
-        set.extend(env_names(rookworld_proto::logging::LogArgs::augment_args(
-            Command::new("logging"),
-        )));
-        set.extend(env_names(rookworld_proto::probe::HealthArgs::augment_args(
-            Command::new("health"),
-        )));
         set.extend(env_names(
-            rookworld_proto::run_file::RunFileArgs::augment_args(Command::new("run-file")),
+            rookworld_service::logging::LogArgs::augment_args(Command::new("logging")),
+        ));
+        set.extend(env_names(
+            rookworld_service::probe::HealthArgs::augment_args(Command::new("health")),
+        ));
+        set.extend(env_names(
+            rookworld_service::run_file::RunFileArgs::augment_args(Command::new("run-file")),
         ));
         set.insert("RUST_LOG".into());
         set

@@ -166,7 +166,7 @@ mod tests {
         let model = init_random(&Config::tiny(), 1, DType::F32, &Device::Cpu).unwrap();
         let config = WorkerConfig {
             service: ServiceConfig {
-                guard: rookworld_proto::auth::Guard::shared("t"),
+                guard: rookworld_service::auth::Guard::shared("t"),
                 ..ServiceConfig::default()
             },
             ..WorkerConfig::new(model)

@@ -70,7 +70,7 @@ impl Target {
     async fn channel(&self) -> Channel {
         let started = Instant::now();
         loop {
-            if rookworld_proto::probe::check_health(
+            if rookworld_service::probe::check_health(
                 &self.url(),
                 &Default::default(),
                 Duration::from_secs(2),
@@ -96,12 +96,12 @@ impl Target {
 
     /// Resident memory now and at its peak, bytes.
     fn memory(&self) -> (u64, u64) {
-        rookworld_proto::probe::memory(self.proc.pid().expect("running")).unwrap()
+        rookworld_service::probe::memory(self.proc.pid().expect("running")).unwrap()
     }
 
     /// Alive, serving, nothing panicked, memory bounded.
     async fn assert_healthy(&self, after: &str) {
-        let health = rookworld_proto::probe::check_health(
+        let health = rookworld_service::probe::check_health(
             &self.url(),
             &Default::default(),
             Duration::from_secs(10),

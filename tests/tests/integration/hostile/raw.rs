@@ -1,7 +1,7 @@
 //! gRPC calls whose messages are raw bytes, and protobuf pieces written by hand: what a
 //! hostile client sends, past every check of a generated client.
 
-use rookworld_proto::probe::RawCodec as Raw;
+use rookworld_service::probe::RawCodec as Raw;
 use tokio_stream::StreamExt;
 use tonic::codegen::http::uri::PathAndQuery;
 use tonic::transport::Channel;
@@ -14,7 +14,7 @@ fn grpc(channel: &Channel) -> tonic::client::Grpc<Channel> {
 
 fn request<T>(body: T, token: &str) -> tonic::Request<T> {
     let mut r = tonic::Request::new(body);
-    rookworld_proto::auth::set_token(r.metadata_mut(), token).unwrap();
+    rookworld_service::auth::set_token(r.metadata_mut(), token).unwrap();
     r
 }
 

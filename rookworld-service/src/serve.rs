@@ -33,7 +33,7 @@ pub const COMMON_SERVICES: [&str; 3] = [
 fn builder(served: &str) -> tonic_reflection::server::Builder<'static> {
     let mut b = tonic_reflection::server::Builder::configure()
         .include_reflection_service(false)
-        .register_encoded_file_descriptor_set(crate::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(rookworld_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET)

@@ -61,7 +61,7 @@ pub enum SearchLimit {
 
 /// Engine pool settings.
 #[derive(Debug, Clone)]
-pub struct EngineConfig {
+pub struct StockfishConfig {
     pub path: PathBuf,
     pub processes: usize,
     pub limit: SearchLimit,
@@ -80,7 +80,7 @@ pub struct EngineConfig {
     pub cache_capacity: usize,
 }
 
-impl EngineConfig {
+impl StockfishConfig {
     pub fn new(path: impl Into<PathBuf>) -> Self {
         Self {
             path: path.into(),
@@ -100,7 +100,7 @@ impl EngineConfig {
 /// One engine line: a move and its evaluation from the side to move, in pawns
 /// (mate in n is ±(1000 − n/10), like the data's ±999.9).
 #[derive(Debug, Clone, PartialEq)]
-pub struct EngineLine {
+pub struct AnalysisLine {
     pub mv: Move,
     pub uci: String,
     pub eval_pawns: f64,
@@ -109,12 +109,12 @@ pub struct EngineLine {
 /// The engine's multipv lines, best first.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Analysis {
-    pub lines: Vec<EngineLine>,
+    pub lines: Vec<AnalysisLine>,
 }
 
 /// Why an analysis failed after every attempt.
 #[derive(Debug, thiserror::Error)]
-pub enum EngineError {
+pub enum StockfishError {
     #[error("engine {path}: {source}")]
     Io {
         path: String,
@@ -134,8 +134,8 @@ struct Process {
 }
 
 impl Process {
-    async fn start(cfg: &EngineConfig) -> Result<Self, EngineError> {
-        let io = |source| EngineError::Io {
+    async fn start(cfg: &StockfishConfig) -> Result<Self, StockfishError> {
+        let io = |source| StockfishError::Io {
             path: cfg.path.display().to_string(),
             source,
         };
@@ -165,32 +165,32 @@ impl Process {
         Ok(p)
     }
 
-    async fn send(&mut self, line: &str) -> Result<(), EngineError> {
+    async fn send(&mut self, line: &str) -> Result<(), StockfishError> {
         let write = async {
             self.stdin.write_all(line.as_bytes()).await?;
             self.stdin.write_all(b"\n").await?;
             self.stdin.flush().await
         };
-        write.await.map_err(|source| EngineError::Io {
+        write.await.map_err(|source| StockfishError::Io {
             path: "stdin".into(),
             source,
         })
     }
 
-    async fn next_line(&mut self) -> Result<String, EngineError> {
+    async fn next_line(&mut self) -> Result<String, StockfishError> {
         match self.stdout.next_line().await {
             Ok(Some(line)) => Ok(line),
-            Ok(None) => Err(EngineError::Protocol(
+            Ok(None) => Err(StockfishError::Protocol(
                 "engine closed its output (crashed?)".into(),
             )),
-            Err(source) => Err(EngineError::Io {
+            Err(source) => Err(StockfishError::Io {
                 path: "stdout".into(),
                 source,
             }),
         }
     }
 
-    async fn wait_for(&mut self, token: &str) -> Result<(), EngineError> {
+    async fn wait_for(&mut self, token: &str) -> Result<(), StockfishError> {
         while self.next_line().await?.trim() != token {}
         Ok(())
     }
@@ -200,13 +200,13 @@ impl Process {
         pos: &Chess,
         fen: &str,
         limit: &SearchLimit,
-    ) -> Result<Analysis, EngineError> {
+    ) -> Result<Analysis, StockfishError> {
         let go = match limit {
             SearchLimit::Depth(d) => format!("go depth {d}"),
             SearchLimit::MoveTime(t) => format!("go movetime {}", t.as_millis().max(1)),
         };
         self.send(&format!("position fen {fen}\n{go}")).await?;
-        let mut lines: Vec<Option<EngineLine>> = Vec::new();
+        let mut lines: Vec<Option<AnalysisLine>> = Vec::new();
         loop {
             let line = self.next_line().await?;
             if line.starts_with("bestmove") {
@@ -225,7 +225,7 @@ impl Process {
 }
 
 /// Parses `info … multipv k … score cp x|mate n … pv m …` (bounds skipped).
-fn parse_info(pos: &Chess, line: &str) -> Option<(usize, EngineLine)> {
+fn parse_info(pos: &Chess, line: &str) -> Option<(usize, AnalysisLine)> {
     let tokens: Vec<&str> = line.split_whitespace().collect();
     if tokens.first() != Some(&"info")
         || tokens.contains(&"lowerbound")
@@ -255,7 +255,7 @@ fn parse_info(pos: &Chess, line: &str) -> Option<(usize, EngineLine)> {
     (k >= 1).then(|| {
         (
             k,
-            EngineLine {
+            AnalysisLine {
                 mv,
                 uci: uci.to_owned(),
                 eval_pawns,
@@ -294,29 +294,29 @@ impl Cache {
 }
 
 /// N engine processes behind a semaphore, plus the cache.
-pub struct EnginePool {
-    cfg: EngineConfig,
+pub struct StockfishPool {
+    cfg: StockfishConfig,
     idle: Mutex<Vec<Process>>,
     slots: Semaphore,
     cache: StdMutex<Cache>,
 }
 
-impl std::fmt::Debug for EnginePool {
+impl std::fmt::Debug for StockfishPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EnginePool")
+        f.debug_struct("StockfishPool")
             .field("cfg", &self.cfg)
             .finish()
     }
 }
 
-impl EnginePool {
+impl StockfishPool {
     /// Starts every engine; fails if the first cannot be started (bad path, not UCI).
-    pub async fn start(cfg: EngineConfig) -> Result<Self, EngineError> {
+    pub async fn start(cfg: StockfishConfig) -> Result<Self, StockfishError> {
         let mut procs = Vec::with_capacity(cfg.processes);
         for _ in 0..cfg.processes.max(1) {
             let p = tokio::time::timeout(cfg.start_timeout, Process::start(&cfg))
                 .await
-                .map_err(|_| EngineError::Timeout(cfg.start_timeout))??;
+                .map_err(|_| StockfishError::Timeout(cfg.start_timeout))??;
             procs.push(p);
         }
         Ok(Self {
@@ -331,7 +331,7 @@ impl EnginePool {
         })
     }
 
-    pub fn config(&self) -> &EngineConfig {
+    pub fn config(&self) -> &StockfishConfig {
         &self.cfg
     }
 
@@ -346,7 +346,7 @@ impl EnginePool {
     }
 
     /// The multipv analysis of `pos`, from the cache or an engine.
-    pub async fn analyse(&self, pos: &Chess) -> Result<Arc<Analysis>, EngineError> {
+    pub async fn analyse(&self, pos: &Chess) -> Result<Arc<Analysis>, StockfishError> {
         let fen = crate::rules::fen(pos);
         let key = format!(
             "{}|{:?}",
@@ -375,7 +375,7 @@ impl EnginePool {
                             continue;
                         }
                         Err(_) => {
-                            last_error = Some(EngineError::Timeout(self.cfg.start_timeout));
+                            last_error = Some(StockfishError::Timeout(self.cfg.start_timeout));
                             continue;
                         }
                     }
@@ -394,7 +394,7 @@ impl EnginePool {
                     return Ok(analysis);
                 }
                 Ok(Err(e)) => last_error = Some(e),
-                Err(_) => last_error = Some(EngineError::Timeout(self.cfg.timeout)),
+                Err(_) => last_error = Some(StockfishError::Timeout(self.cfg.timeout)),
             }
             // The engine failed or hung: kill it; the next attempt starts a fresh one.
             let _ = p.child.start_kill();
@@ -406,6 +406,6 @@ impl EnginePool {
         if let Ok(Ok(p)) = start.await {
             self.idle.lock().await.push(p);
         }
-        Err(last_error.unwrap_or_else(|| EngineError::Protocol("no attempt made".into())))
+        Err(last_error.unwrap_or_else(|| StockfishError::Protocol("no attempt made".into())))
     }
 }

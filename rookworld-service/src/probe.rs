@@ -265,8 +265,8 @@ fn with_token<T>(msg: T, token: &str) -> tonic::Request<T> {
 /// a trial `Score` of one malformed policy completion (no engine work). Returns a short
 /// description of the server.
 pub async fn reward_server(channel: Channel, token: &str) -> Result<String, PeerProblem> {
-    use crate::reward::v1 as pb;
-    use crate::reward::v1::reward_service_client::RewardServiceClient;
+    use rookworld_proto::reward::v1 as pb;
+    use rookworld_proto::reward::v1::reward_service_client::RewardServiceClient;
     const SERVICE: (&str, &str) = ("reward server", "rookworld.reward.v1.RewardService");
     let mut client = RewardServiceClient::new(channel);
     let info = client
@@ -302,8 +302,8 @@ pub async fn learner_queue(
     token: &str,
     worker_id: &str,
 ) -> Result<(), PeerProblem> {
-    use crate::queue::v1 as pb;
-    use crate::queue::v1::rollout_queue_client::RolloutQueueClient;
+    use rookworld_proto::queue::v1 as pb;
+    use rookworld_proto::queue::v1::rollout_queue_client::RolloutQueueClient;
     const SERVICE: (&str, &str) = ("learner queue", "rookworld.queue.v1.RolloutQueue");
     let report = pb::ReportRequest {
         worker_id: worker_id.to_owned(),

@@ -5,9 +5,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rookworld_chess::engine::{EngineConfig, EnginePool, SearchLimit};
 use rookworld_chess::score::{RewardConfig, Verdict};
 use rookworld_chess::scorer::{Item, Scorer};
+use rookworld_chess::stockfish::{SearchLimit, StockfishConfig, StockfishPool};
 use rookworld_chess::task::Task;
 
 fn position(fen: &str) -> Option<shakmaty::Chess> {
@@ -15,14 +15,14 @@ fn position(fen: &str) -> Option<shakmaty::Chess> {
 }
 
 fn stockfish() -> Option<PathBuf> {
-    rookworld_chess::engine::stockfish_for_tests()
+    rookworld_chess::stockfish::stockfish_for_tests()
 }
 
-fn config(path: PathBuf) -> EngineConfig {
-    EngineConfig {
+fn config(path: PathBuf) -> StockfishConfig {
+    StockfishConfig {
         limit: SearchLimit::Depth(8),
         timeout: Duration::from_secs(5),
-        ..EngineConfig::new(path)
+        ..StockfishConfig::new(path)
     }
 }
 
@@ -39,7 +39,7 @@ fn signal(pid: u32, sig: &str) {
 #[tokio::test]
 async fn multipv_analysis_and_the_cache() {
     let Some(sf) = stockfish() else { return };
-    let pool = EnginePool::start(config(sf)).await.unwrap();
+    let pool = StockfishPool::start(config(sf)).await.unwrap();
     let start = position("rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1").unwrap();
     let a = pool.analyse(&start).await.unwrap();
     assert_eq!(a.lines.len(), 5);
@@ -62,7 +62,7 @@ async fn multipv_analysis_and_the_cache() {
 #[tokio::test]
 async fn a_killed_engine_is_replaced_and_the_query_answered() {
     let Some(sf) = stockfish() else { return };
-    let pool = EnginePool::start(config(sf)).await.unwrap();
+    let pool = StockfishPool::start(config(sf)).await.unwrap();
     let before = pool.idle_pids().await;
     signal(before[0], "-9");
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -81,7 +81,7 @@ async fn a_hung_engine_times_out_and_is_replaced() {
     // The search deadline only: starts keep their own (longer) one, so a loaded CI
     // machine's slow start is not mistaken for the hang under test.
     cfg.timeout = Duration::from_millis(3000);
-    let pool = EnginePool::start(cfg).await.unwrap();
+    let pool = StockfishPool::start(cfg).await.unwrap();
     let before = pool.idle_pids().await;
     signal(before[0], "-STOP");
     let pos = position("rnbqkb1r/pppppppp/5n2/8/3P4/8/PPP1PPPP/RNBQKBNR w KQkq - 1 2").unwrap();
@@ -92,7 +92,7 @@ async fn a_hung_engine_times_out_and_is_replaced() {
 
 #[tokio::test]
 async fn a_missing_engine_binary_is_a_start_error() {
-    let err = EnginePool::start(EngineConfig::new("/nonexistent/stockfish"))
+    let err = StockfishPool::start(StockfishConfig::new("/nonexistent/stockfish"))
         .await
         .unwrap_err();
     assert!(err.to_string().contains("/nonexistent/stockfish"), "{err}");
@@ -101,7 +101,7 @@ async fn a_missing_engine_binary_is_a_start_error() {
 #[tokio::test]
 async fn policy_answers_are_graded_against_the_engine() {
     let Some(sf) = stockfish() else { return };
-    let pool = Arc::new(EnginePool::start(config(sf)).await.unwrap());
+    let pool = Arc::new(StockfishPool::start(config(sf)).await.unwrap());
     let scorer = Scorer::new(RewardConfig::default(), Some(pool.clone()));
     let prompt =
         "P: r1bqkbnr/pppp1ppp/2n5/4p3/4P3/5N2/PPPP1PPP/RNBQKB1R w KQkq - 2 3    ".to_string();

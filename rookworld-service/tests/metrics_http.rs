@@ -8,7 +8,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use metrics_exporter_prometheus::PrometheusBuilder;
-use rookworld_proto::metrics_http::{self, MAX_CONNECTIONS};
+use rookworld_service::metrics_http::{self, MAX_CONNECTIONS};
 
 /// Sends `request` on a new connection and returns the whole answer.
 fn http(addr: SocketAddr, request: &str) -> String {
