@@ -72,13 +72,8 @@ pub struct BenchArgs {
     #[arg(long, env = "ROOKWORLD_MATMUL_PRECISION", default_value = "auto")]
     pub matmul_precision: MatmulPrecision,
     /// The old name of --matmul-precision, refused with a line naming it.
-    #[arg(
-        long = "precision",
-        alias = "dtype",
-        env = "ROOKWORLD_PRECISION",
-        hide = true
-    )]
-    pub legacy_precision: Option<String>,
+    #[command(flatten)]
+    pub legacy_precision: rookworld_lm::cli::LegacyPrecision,
     /// The autograd path's layer norms, softmaxes, bias + GELU and head log-probs as
     /// single ops with their own backwards (on, the learner's default), or composed (off).
     #[arg(long, value_enum, default_value = "on")]
@@ -214,10 +209,9 @@ impl BenchArgs {
     /// The ranges of the batch shape and the objective (the same rules as `train`).
     fn validate(&self) -> Result<(), ConfigError> {
         use rookworld_service::check::{at_least, positive};
-        if let Some(old) = &self.legacy_precision {
-            let refused = rookworld_lm::cli::legacy_precision("--precision", old);
-            return Err(ConfigError::Value(refused.to_string()));
-        }
+        self.legacy_precision
+            .refuse()
+            .map_err(|e| ConfigError::Value(e.to_string()))?;
         self.batch.validate()?;
         at_least("--prompt-tokens", self.prompt_tokens as u64, 1)?;
         at_least("--completion-tokens", self.completion_tokens as u64, 1)?;

@@ -80,7 +80,7 @@ pub fn run(args: &ParityArgs, out: &mut impl Write) -> Result<()> {
     let on = |device: &str, dtype: &str| ModelArgs {
         device: device.into(),
         weight_dtype: dtype.into(),
-        legacy_precision: None,
+        legacy_precision: Default::default(),
         ..args.model.clone()
     };
     let reference = on("cpu", "f32").load()?;
@@ -269,7 +269,7 @@ mod tests {
                 init_seed: 3,
                 device: "cpu".into(),
                 weight_dtype: "auto".into(),
-                legacy_precision: None,
+                legacy_precision: Default::default(),
             },
             new_tokens: 4,
         };

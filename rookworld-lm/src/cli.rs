@@ -38,15 +38,33 @@ pub struct ModelArgs {
     /// quantized, CPU only) matmul weights.
     #[arg(long, env = "ROOKWORLD_WEIGHT_DTYPE", default_value = "auto")]
     pub weight_dtype: String,
-    /// The old name of --weight-dtype (and of the learner's --matmul-precision), refused
-    /// with a line naming both.
+    #[command(flatten)]
+    pub legacy_precision: LegacyPrecision,
+}
+
+/// The old `--precision` (`--dtype`, `ROOKWORLD_PRECISION`), hidden: it meant the weights'
+/// dtype in some commands and the products' precision in others, so it is refused with a
+/// line naming both new keys ([`legacy_precision`]). Flattened into every command that
+/// took it.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct LegacyPrecision {
     #[arg(
         long = "precision",
         alias = "dtype",
         env = "ROOKWORLD_PRECISION",
         hide = true
     )]
-    pub legacy_precision: Option<String>,
+    pub precision: Option<String>,
+}
+
+impl LegacyPrecision {
+    /// Refuses the old key when it was given.
+    pub fn refuse(&self) -> Result<()> {
+        match &self.precision {
+            Some(old) => Err(legacy_precision("--precision", old)),
+            None => Ok(()),
+        }
+    }
 }
 
 /// The line that refuses the old `precision` setting, which meant two things: the weights'
@@ -91,9 +109,7 @@ pub struct LoadedModel {
 impl ModelArgs {
     /// `--weight-dtype`, parsed; the old `--precision` refused.
     pub fn weight_dtype(&self) -> Result<WeightDtype> {
-        if let Some(old) = &self.legacy_precision {
-            return Err(legacy_precision("--precision", old));
-        }
+        self.legacy_precision.refuse()?;
         self.weight_dtype
             .parse()
             .map_err(|e: Error| Error::InvalidArgument(format!("--weight-dtype: {e}")))

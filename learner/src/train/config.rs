@@ -51,13 +51,8 @@ pub struct TrainArgs {
     pub rollout_weight_dtype: String,
     /// The old names of --matmul-precision and --rollout-weight-dtype, refused with a line
     /// naming the new ones.
-    #[arg(
-        long = "precision",
-        alias = "dtype",
-        env = "ROOKWORLD_PRECISION",
-        hide = true
-    )]
-    pub legacy_precision: Option<String>,
+    #[command(flatten)]
+    pub legacy_precision: rookworld_lm::cli::LegacyPrecision,
     #[arg(
         long = "rollout-precision",
         env = "LEARNER_ROLLOUT_PRECISION",
@@ -184,21 +179,18 @@ impl TrainArgs {
             init_seed: self.init_seed,
             device: self.device.clone(),
             weight_dtype: "f32".into(),
-            legacy_precision: None,
+            legacy_precision: Default::default(),
         }
     }
 
     /// `--rollout-weight-dtype`, parsed; the old `--precision` and `--rollout-precision`
     /// refused with the keys that replace them.
     pub fn rollout_weight_dtype(&self) -> Result<rookworld_lm::device::WeightDtype, ConfigError> {
-        let legacy = [
-            ("--precision", &self.legacy_precision),
-            ("--rollout-precision", &self.legacy_rollout_precision),
-        ];
-        if let Some((key, Some(value))) = legacy.into_iter().find(|(_, v)| v.is_some()) {
-            return Err(ConfigError::Value(
-                rookworld_lm::cli::legacy_precision(key, value).to_string(),
-            ));
+        let refused = |e: rookworld_lm::Error| ConfigError::Value(e.to_string());
+        self.legacy_precision.refuse().map_err(refused)?;
+        if let Some(old) = &self.legacy_rollout_precision {
+            let e = rookworld_lm::cli::legacy_precision("--rollout-precision", old);
+            return Err(refused(e));
         }
         self.rollout_weight_dtype
             .parse()
