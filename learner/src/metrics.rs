@@ -95,11 +95,9 @@ pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
         .set_buckets_for_metric(
             Matcher::Prefix("rollout_".into()),
             rookworld_generation::metrics::SECONDS_BUCKETS,
-        )?
-        .set_buckets_for_metric(
-            Matcher::Full(reward_server::metrics::names::REQUEST_DURATION_SECONDS.into()),
-            reward_server::metrics::LATENCY_BUCKETS,
         )?;
+    // … and the reward server's request latencies, with every service's latency buckets.
+    let builder = rookworld_service::metrics_http::request_latency_buckets(builder)?;
     let bound = rookworld_service::metrics_http::install(builder, addr)?;
     describe();
     Ok(bound)

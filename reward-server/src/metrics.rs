@@ -2,7 +2,7 @@
 
 use std::net::SocketAddr;
 
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+use metrics_exporter_prometheus::PrometheusBuilder;
 use rookworld_service::metrics_http::MetricsError;
 
 /// Every metric name of this crate, once: the describe calls and the recording sites use
@@ -15,17 +15,12 @@ pub mod names {
     pub const VERDICTS_TOTAL: &str = "reward_verdicts_total";
 }
 
-/// Latency buckets (seconds) for scoring calls.
-pub const LATENCY_BUCKETS: &[f64] = &[
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-];
-
-/// Serves `/metrics` on `addr` and describes every metric.
+/// Serves `/metrics` on `addr` and describes every metric. The scoring calls' latency
+/// histogram ([`names::REQUEST_DURATION_SECONDS`]) has the request-latency buckets every
+/// service shares ([`rookworld_service::metrics_http::REQUEST_LATENCY_BUCKETS`]).
 pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
-    let builder = PrometheusBuilder::new().set_buckets_for_metric(
-        Matcher::Full(names::REQUEST_DURATION_SECONDS.into()),
-        LATENCY_BUCKETS,
-    )?;
+    let builder =
+        rookworld_service::metrics_http::request_latency_buckets(PrometheusBuilder::new())?;
     let bound = rookworld_service::metrics_http::install(builder, addr)?;
     describe();
     Ok(bound)

@@ -16,6 +16,26 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use metrics_exporter_prometheus::{BuildError, PrometheusBuilder, PrometheusHandle};
 use tokio::sync::Semaphore;
 
+/// Buckets (seconds) of every service's request-latency histogram (a name ending in
+/// [`REQUEST_DURATION_SUFFIX`]): one table, so that a process that records another
+/// service's requests (the learner's `--local`) buckets them as that service does.
+pub const REQUEST_LATENCY_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// How every request-latency histogram's name ends.
+pub const REQUEST_DURATION_SUFFIX: &str = "_request_duration_seconds";
+
+/// `builder` with [`REQUEST_LATENCY_BUCKETS`] for every request-latency histogram.
+pub fn request_latency_buckets(
+    builder: PrometheusBuilder,
+) -> Result<PrometheusBuilder, BuildError> {
+    builder.set_buckets_for_metric(
+        metrics_exporter_prometheus::Matcher::Suffix(REQUEST_DURATION_SUFFIX.into()),
+        REQUEST_LATENCY_BUCKETS,
+    )
+}
+
 /// Time a client has to send a request's head.
 pub const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest life of one connection (keep-alive included).
