@@ -15,15 +15,14 @@ pub mod names {
     pub const VERDICTS_TOTAL: &str = "reward_verdicts_total";
 }
 
-/// Serves `/metrics` on `addr` and describes every metric. The scoring calls' latency
+/// Serves `/metrics` on `addr`; the metrics are described where the service starts
+/// ([`crate::service::run`]), into whatever recorder the process has. The scoring calls' latency
 /// histogram ([`names::REQUEST_DURATION_SECONDS`]) has the request-latency buckets every
 /// service shares ([`rookworld_service::metrics_http::REQUEST_LATENCY_BUCKETS`]).
 pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
     let builder =
         rookworld_service::metrics_http::request_latency_buckets(PrometheusBuilder::new())?;
-    let bound = rookworld_service::metrics_http::install(builder, addr)?;
-    describe();
-    Ok(bound)
+    rookworld_service::metrics_http::install(builder, addr)
 }
 
 /// Descriptions of every metric (labels come from bounded sets).

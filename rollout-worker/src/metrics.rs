@@ -31,13 +31,12 @@ pub mod names {
 /// Buckets (seconds) for decode steps, prefills and weight updates.
 pub use rookworld_generation::metrics::SECONDS_BUCKETS;
 
-/// Serves `/metrics` on `addr` (read-only) and describes every metric.
+/// Serves `/metrics` on `addr` (read-only). The metrics are described where a worker
+/// starts ([`crate::Worker::start`]), into whatever recorder the process has.
 pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
     let builder = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)?;
-    let bound = rookworld_service::metrics_http::install(builder, addr)?;
-    describe();
-    Ok(bound)
+    rookworld_service::metrics_http::install(builder, addr)
 }
 
 /// The CUDA kernels the start-up check turned off so far (once a device is open).
