@@ -77,7 +77,8 @@ pub(crate) fn request_from_wire(
 }
 
 /// What the service knows of the model it serves, read from the model itself
-/// ([`ServedModel::of`]): each pushed version is built the same way.
+/// ([`ServedModel::of`]): each pushed version is built into the same
+/// ([`update`](self::update)).
 #[derive(Debug, Clone)]
 pub(crate) struct ServedModel {
     pub config: Config,
@@ -103,11 +104,9 @@ impl ServedModel {
 pub(crate) struct RolloutServer {
     engine: Arc<Engine>,
     tokenizer: Tokenizer,
-    model_config: Config,
-    dtype: candle_core::DType,
-    /// What a new model's CPU panels hold (the served model's own).
-    panels: rookworld_lm::cpu_gemm::PanelDtype,
-    device: candle_core::Device,
+    /// The served model's shape, dtype, CPU panels and device: what each push is built
+    /// into.
+    model: ServedModel,
     cfg: ServiceConfig,
     guard: Guard,
     /// One weight update at a time.
@@ -130,10 +129,7 @@ impl RolloutServer {
     ) -> Self {
         Self {
             tokenizer,
-            model_config: model.config,
-            dtype: model.dtype,
-            panels: model.panels,
-            device: model.device,
+            model,
             guard: cfg.guard.clone(),
             cfg,
             updating: Mutex::new(()),
@@ -155,7 +151,7 @@ impl RolloutServer {
             .map(|(i, p)| match (p.text.is_empty(), p.ids.is_empty()) {
                 (false, true) => self
                     .tokenizer
-                    .encode_prompt(self.model_config.bos_token_id, &p.text)
+                    .encode_prompt(self.model.config.bos_token_id, &p.text)
                     .map_err(|e| ServiceError::InvalidArgument(format!("prompt {i}: {e}"))),
                 (true, false) => Ok(p.ids),
                 _ => Err(ServiceError::InvalidArgument(format!(
@@ -283,9 +279,9 @@ impl RolloutService for RolloutServer {
             .inspect(request.metadata())
             .map_err(ServiceError::Token)?;
         let s = self.engine.status();
-        let c = &self.model_config;
-        let (used, total) =
-            metrics::gpu_memory(&self.device).map_or((0, 0), |(free, total)| (total - free, total));
+        let c = &self.model.config;
+        let (used, total) = metrics::gpu_memory(&self.model.device)
+            .map_or((0, 0), |(free, total)| (total - free, total));
         Ok(Response::new(pb::StatusResponse {
             weight_version: s.weight_version,
             device: s.device,

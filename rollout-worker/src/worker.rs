@@ -15,11 +15,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rookworld_lm::{Gpt2, Tokenizer};
+use rookworld_service::serve::{fan_out, stopped as until};
 use tokio::net::TcpListener;
-use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::engine::{Engine, EngineConfig, EngineError, EngineStatus, prepare_model};
+use crate::engine::{Engine, EngineConfig, EngineError, prepare_model};
 use crate::service::{self, RolloutServer, ServiceConfig};
 use crate::worker_loop::{self, LoopConfig};
 
@@ -100,14 +100,7 @@ impl Worker {
         }
         let engine = Arc::new(engine);
 
-        let (stop, stopped) = watch::channel(false);
-        tokio::spawn(async move {
-            shutdown.await;
-            let _ = stop.send(true);
-        });
-        let until = |mut rx: watch::Receiver<bool>| async move {
-            let _ = rx.wait_for(|&s| s).await;
-        };
+        let stopped = fan_out(shutdown);
 
         let bos = server_model.config.bos_token_id;
         let server = RolloutServer::new(
@@ -144,11 +137,6 @@ impl Worker {
     /// The address the service listens on.
     pub fn local_addr(&self) -> SocketAddr {
         self.local
-    }
-
-    /// The engine's load and weights.
-    pub fn status(&self) -> EngineStatus {
-        self.engine.status()
     }
 
     /// Waits for the service, the loop and the monitor to end (after the shutdown future

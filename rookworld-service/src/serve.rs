@@ -110,6 +110,24 @@ pub fn endpoint(url: &str) -> Result<tonic::transport::Endpoint, tonic::transpor
         .tcp_nodelay(true))
 }
 
+/// One shutdown future for several tasks: a receiver that turns true when `shutdown`
+/// completes, for each task to clone and await with [`stopped`].
+pub fn fan_out(
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> tokio::sync::watch::Receiver<bool> {
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop.send(true);
+    });
+    stopped
+}
+
+/// Resolves once `rx` says stop (or its sender is gone).
+pub async fn stopped(mut rx: tokio::sync::watch::Receiver<bool>) {
+    let _ = rx.wait_for(|&s| s).await;
+}
+
 /// Serves `service` with health (marked serving) and reflection v1 and v1alpha on
 /// `listener` until `shutdown` completes; calls in flight get [`SHUTDOWN_GRACE`] to finish.
 /// With `tls`, every connection is TLS (mutual when it has a client CA) and the
@@ -133,14 +151,8 @@ where
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<S>().await;
     let (reflection_v1, reflection_v1alpha) = reflection_services(S::NAME)?;
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    tokio::spawn(async move {
-        shutdown.await;
-        let _ = stop.send(true);
-    });
-    let when_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|&s| s).await;
-    };
+    let stopped = fan_out(shutdown);
+    let when_stopped = self::stopped;
     let addr = listener.local_addr()?;
     match &tls {
         Some(t) => tracing::info!(%addr, service = S::NAME, mutual = t.mutual(), "serving TLS"),

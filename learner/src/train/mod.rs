@@ -33,6 +33,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
 use rookworld_lm::Gpt2;
+use rookworld_service::serve::stopped as until;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -258,9 +259,4 @@ pub async fn run(
         Some(why) => Err(TrainError::Stalled(why)),
         None => Ok(summary),
     }
-}
-
-/// Resolves once `rx` says stop.
-async fn until(mut rx: watch::Receiver<bool>) {
-    let _ = rx.wait_for(|&s| s).await;
 }

@@ -18,7 +18,7 @@ use rookworld_proto::rollout::v1 as pb;
 use tokio_stream::StreamExt;
 use tonic::Streaming;
 
-use super::RolloutServer;
+use super::{RolloutServer, ServedModel};
 use crate::engine::Retired;
 use crate::error::ServiceError;
 use rookworld_weights::set::{self as weights, Assembler, WeightError, WeightSet};
@@ -50,7 +50,7 @@ impl RolloutServer {
         let status = self.engine.status();
         let (current, current_run) = (status.weight_version, status.weight_run);
         // A payload may be somewhat larger than bf16 weights (header, an untied head).
-        let expected = self.model_config.num_parameters() * 2;
+        let expected = self.model.config.num_parameters() * 2;
         let buffer = self.received.lock().expect("buffer lock").take();
         let mut assembler =
             Assembler::with_buffer(expected * 2 + (1 << 20), buffer.unwrap_or_default());
@@ -117,12 +117,7 @@ impl RolloutServer {
         body: Body,
         started: Instant,
     ) -> Result<(Built, usize, Duration), ServiceError> {
-        let target = Target {
-            cfg: self.model_config.clone(),
-            dtype: self.dtype,
-            panels: self.panels,
-            device: self.device.clone(),
-        };
+        let target = self.model.clone();
         let spare = self.spare.lock().expect("spare lock").take();
         let (built, bytes, received) = match body {
             Body::Streamed(assembler) => {
@@ -176,22 +171,14 @@ impl RolloutServer {
     }
 }
 
-/// What a payload is built into: the worker's model shape, dtype and device.
-#[derive(Clone)]
-struct Target {
-    cfg: rookworld_lm::Config,
-    dtype: candle_core::DType,
-    panels: rookworld_lm::cpu_gemm::PanelDtype,
-    device: candle_core::Device,
-}
-
-impl Target {
+/// A payload is built into the served model's shape, dtype, panels and device.
+impl ServedModel {
     /// The model of verified `bytes`, into `spare`'s memory when it can take it.
     fn build(&self, bytes: &[u8], spare: Option<Gpt2>) -> (Result<Gpt2, WeightError>, Duration) {
         let clock = Instant::now();
         let model = weights::build_model(
             bytes,
-            &self.cfg,
+            &self.config,
             (self.dtype, self.panels),
             &self.device,
             spare,
@@ -204,7 +191,7 @@ impl Target {
 /// Returns the model when the hash is the header's; else the error, and the model built
 /// (its values not to be used, only its memory).
 fn verify_while_building(
-    target: &Target,
+    target: &ServedModel,
     h: pb::WeightSetHeader,
     payload: Bytes,
     spare: Option<Gpt2>,
