@@ -3,6 +3,7 @@
 
 use crate::bench_cmd::{self, BenchArgs};
 use crate::bench_push::{self, BenchPushArgs};
+use crate::export_cmd::{self, ExportArgs};
 use crate::init_cmd::{self, InitArgs};
 use crate::loss_cmd::{self, LossArgs};
 use crate::settings::ConfigError;
@@ -36,6 +37,16 @@ pub fn command() -> clap::Command {
 enum Command {
     /// Write a starting checkpoint (preset random weights, or a converted checkpoint).
     Init(InitArgs),
+    /// Write a model as a directory Hugging Face transformers loads
+    /// (AutoModelForCausalLM, AutoTokenizer): config, weights, tokenizer, generation config.
+    // `--dtype` names the export's dtype here, not the refused old `--precision`; the
+    // weights are read on the CPU in f32 whatever `--device` and `--weight-dtype` say.
+    #[command(
+        mut_arg("precision", |a| a.alias(None)),
+        mut_arg("device", |a| a.hide(true)),
+        mut_arg("weight_dtype", |a| a.hide(true))
+    )]
+    Export(ExportArgs),
     /// Print the GRPO loss, its parts and the gradient norm of one batch (JSON).
     Loss(LossArgs),
     /// Supervised warm-up on RookWorld task text (checkpoints, --resume).
@@ -80,6 +91,7 @@ pub fn main() -> std::process::ExitCode {
     cli.kernels.apply();
     let result = match &cli.command {
         Command::Init(args) => init_cmd::run(args).map_err(|e| e.to_string()),
+        Command::Export(args) => export_cmd::run(args).map_err(|e| e.to_string()),
         Command::Loss(args) => loss_cmd::run(args).map_err(|e| e.to_string()),
         Command::Sft(args) => sft::run(args).map(|_| ()).map_err(|e| e.to_string()),
         Command::Train(args) => train_cmd(args).map_err(|e| e.to_string()),
@@ -95,16 +107,64 @@ pub fn main() -> std::process::ExitCode {
     rookworld_lm::cli::exit_with(result.map_err(|e| run_file::annotate(&e)))
 }
 
-/// Prints the resolved settings of `learner train` (checked as `train` checks them).
+/// Prints the resolved settings of `learner train` (checked as `train` checks them); with
+/// `--run-dir RUN` on the command line, the settings that run recorded.
 fn show_config(args: &TrainArgs, matches: &clap::ArgMatches) -> Result<(), ConfigError> {
+    let show = matches
+        .subcommand_matches("config")
+        .and_then(|m| m.subcommand_matches("show"))
+        .expect("config show matched");
+    let given = |id: &str, flag: &str| {
+        show.value_source(id) == Some(clap::parser::ValueSource::CommandLine)
+            && !run_file::set_by_file(flag)
+    };
+    if given("run_dir", "--run-dir") {
+        return show_recorded(&args.run_dir, given);
+    }
     args.validate()?;
     let table = run_file::resolved(&Cli::command(), matches);
     print!("{}", crate::run_record::render(&table, None));
     Ok(())
 }
 
+/// Prints `RUN/config.toml`, what `learner train` recorded of the run in `run`; other
+/// options of `train` on the command line are refused (they would not change it).
+fn show_recorded(
+    run: &std::path::Path,
+    given: impl Fn(&str, &str) -> bool,
+) -> Result<(), ConfigError> {
+    let train = Cli::command();
+    let train = train.find_subcommand("train").expect("train is a command");
+    let others: Vec<String> = train
+        .get_arguments()
+        .filter(|a| a.get_id() != "run_dir" && !a.is_global_set())
+        .filter_map(|a| {
+            let flag = format!("--{}", a.get_long()?);
+            given(a.get_id().as_str(), &flag).then_some(flag)
+        })
+        .collect();
+    if !others.is_empty() {
+        return Err(ConfigError::Conflict(format!(
+            "config show --run-dir prints the settings {} recorded; {} would not change them (without --run-dir, config show resolves new settings)",
+            run.display(),
+            others.join(", ")
+        )));
+    }
+    let path = run.join(crate::run_record::FILE);
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        ConfigError::Unusable(format!(
+            "{}: {e} (no run of learner train recorded its settings there)",
+            path.display()
+        ))
+    })?;
+    print!("{text}");
+    Ok(())
+}
+
 /// Runs `learner train` on a multi-threaded runtime until its last step or a signal.
 fn train_cmd(args: &TrainArgs) -> Result<(), TrainError> {
+    // Before anything starts or logs: a bad setting is the only line.
+    args.validate()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

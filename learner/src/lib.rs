@@ -2,7 +2,8 @@
 //!
 //! - [`app`]: the command line; `main.rs` only calls [`app::main`].
 //! - [`init_cmd`]: `learner init`, writes a starting checkpoint (random preset or a
-//!   converted checkpoint) in Hugging Face layout.
+//!   converted checkpoint) in Hugging Face layout; [`export_cmd`]: `learner export`, a
+//!   model as a directory `transformers` loads (model, tokenizer, generation config only).
 //!
 //! - [`grpo`]: the GRPO objective as small pure functions (advantages, ratio, clipped
 //!   surrogate, k3 KL, aggregation); [`batch`] lays a batch out as tensors; [`policy`] holds
@@ -28,6 +29,7 @@
 //!   environment prompts (rollout engine to generate, the reward server's code to grade).
 //! - [`optim`]: gradient accumulation, norm and clipping, AdamW, the LR schedule;
 //!   [`step`]: one optimizer step in micro-batches.
+//! - [`tensorboard`]: TensorBoard event files, the run's curves (`learner train --tensorboard`).
 
 pub mod app;
 pub mod batch;
@@ -35,6 +37,7 @@ pub mod bench_cmd;
 pub mod bench_push;
 pub mod checkpoint;
 pub mod eval;
+pub mod export_cmd;
 pub mod fused;
 pub mod grpo;
 pub mod head;
@@ -56,4 +59,5 @@ pub mod settings;
 pub mod sft;
 pub mod sft_loss;
 pub mod step;
+pub mod tensorboard;
 pub mod train;

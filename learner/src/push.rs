@@ -28,7 +28,7 @@ use crate::queue::QueueHandle;
 mod one;
 use crate::metrics::names;
 use one::note_reachability;
-pub use one::{push_over, push_to};
+pub use one::{push_over, push_to, worker_answers};
 
 /// What happened to one worker in one push.
 #[derive(Debug, Clone, PartialEq)]
@@ -39,12 +39,34 @@ pub struct PushOutcome {
     pub bytes: u64,
     /// `None` when the worker now runs `version`.
     pub error: Option<String>,
-    /// No connection could be made to the address (nothing answered there).
-    pub unreachable: bool,
+    /// What blocks every push to this worker until something changes there or here.
+    pub blocked: Option<Blocked>,
     /// How the payload went: "shared" (the worker read the shared file) or "stream".
     pub path: &'static str,
     /// The worker could not read the shared file: stream to it from now on.
     pub shared_refused: bool,
+}
+
+/// Why no push reaches or fits a worker until something changes, at the worker or here:
+/// the queue answers its leases with the line [`Blocked::describe`] makes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Blocked {
+    /// Nothing answers at the address (the connection's error).
+    Unreachable(String),
+    /// TLS on one side only, or a worker certificate not trusted here (the line naming
+    /// it, [`rookworld_service::tls::TlsProblem`]).
+    Tls(String),
+    /// The worker serves another model: its shape, and where it came from if it says.
+    OtherModel(String),
+}
+
+/// This learner's model, as an error about a worker of another model names it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LearnerModel {
+    /// [`rookworld_lm::Config::shape`].
+    pub shape: String,
+    /// The flag that gives a worker the same model: `--preset tiny`, `--model DIR`.
+    pub flag: String,
 }
 
 /// A worker's weight sync, as the metrics and the log show it.
@@ -326,6 +348,8 @@ pub struct SyncConfig {
     pub tick: Duration,
     /// TLS towards `https://` workers.
     pub tls: rookworld_service::tls::ClientTlsArgs,
+    /// This learner's model (named when a worker serves another).
+    pub model: LearnerModel,
 }
 
 /// How long a stopping sync waits for pushes under way (a push cut off leaves the worker
@@ -361,7 +385,7 @@ pub async fn run(
             Some(outcome) = done_rx.recv() => {
                 in_flight -= 1;
                 lock_fleet().finish(&outcome, Instant::now());
-                note_reachability(&queue, outcome).await;
+                note_reachability(&queue, outcome, &cfg.model).await;
             }
         }
         let Some(set) = latest.borrow().clone() else {
@@ -399,7 +423,7 @@ pub async fn run(
                 Some(outcome) => {
                     in_flight -= 1;
                     lock_fleet().finish(&outcome, Instant::now());
-                    note_reachability(&queue, outcome).await;
+                    note_reachability(&queue, outcome, &cfg.model).await;
                 }
                 None => break,
             }

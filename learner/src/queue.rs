@@ -385,7 +385,7 @@ pub use types::{
     Backpressure, Counters, Depths, Grant, LeaseId, PromptId, QueueConfig, QueuedPrompt,
     ScoredCompletion, ScoredGroup, SubmitError,
 };
-pub use workers::WorkerStats;
+pub use workers::{DuplicateWorker, WorkerStats};
 
 #[cfg(test)]
 mod tests;

@@ -326,10 +326,14 @@ fn sft_step(
 /// Supervised warm-up in-process, as `learner train` runs it before GRPO: `s.steps` steps
 /// on generated documents (policy-task lines need Stockfish; without it, environment
 /// lines only), with an optimizer and schedule of its own. Calls `on_step` after each.
+///
+/// `stopped` is asked before each step: once it says yes, the warm-up ends there and
+/// returns the steps done (fewer than `s.steps`).
 pub fn warm_up(
     policy: &Trainable,
     s: &SftSettings,
     engine: Option<PathBuf>,
+    stopped: impl Fn() -> bool,
     mut on_step: impl FnMut(&SftStep),
 ) -> Result<Vec<SftStep>, SftError> {
     let cfg = policy.model.config();
@@ -343,6 +347,9 @@ pub fn warm_up(
     let (mut opt, schedule) = s.optimizer();
     let mut out = Vec::new();
     for step in 0..s.steps {
+        if stopped() {
+            break;
+        }
         let record = sft_step(policy, &mut opt, &schedule, &mut docs, s, step)?;
         on_step(&record);
         out.push(record);

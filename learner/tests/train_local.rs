@@ -1,10 +1,13 @@
 //! `learner train --local` end to end: a reward server and a rollout worker in-process on
 //! loopback, real gRPC between them and the learner's queue.
 //!
-//! - the default run, shortened to 60 GRPO steps, raises the mean reward;
+//! - the default run, shortened to 60 GRPO steps, raises the mean reward, and leaves
+//!   TensorBoard curves in RUN/tensorboard (one `train/reward` per step, read back by the
+//!   decoder below);
 //! - a shutdown mid-run drains, checkpoints the queue's unfinished prompts (none lost),
-//!   and `--resume` continues from that step with those prompts first; the learner's
-//!   Prometheus endpoint shows the steps.
+//!   and `--resume` continues from that step with those prompts first (and a second event
+//!   file that restarts the curves there); the learner's Prometheus endpoint shows the
+//!   steps.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -12,7 +15,9 @@ use std::time::Duration;
 
 use clap::Parser;
 use learner::checkpoint::TrainerState;
+use learner::tensorboard::{Event, SessionLog, masked_crc32c};
 use learner::train::{self, StepRecord, TrainArgs};
+use prost::Message;
 
 #[derive(Parser)]
 struct Cli {
@@ -45,6 +50,54 @@ fn jsonl(path: &Path) -> Vec<StepRecord> {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect()
+}
+
+/// The events of a TensorBoard event file: its TFRecords (both CRCs checked), decoded.
+fn events(path: &Path) -> Vec<Event> {
+    let bytes = std::fs::read(path).unwrap();
+    let mut rest = bytes.as_slice();
+    let mut out = Vec::new();
+    while !rest.is_empty() {
+        let (len, tail) = rest.split_at(8);
+        let (len_crc, tail) = tail.split_at(4);
+        assert_eq!(len_crc, masked_crc32c(len).to_le_bytes(), "length CRC");
+        let n = usize::try_from(u64::from_le_bytes(len.try_into().unwrap())).unwrap();
+        let (data, tail) = tail.split_at(n);
+        let (data_crc, tail) = tail.split_at(4);
+        assert_eq!(data_crc, masked_crc32c(data).to_le_bytes(), "data CRC");
+        out.push(Event::decode(data).unwrap());
+        rest = tail;
+    }
+    out
+}
+
+/// The event files in `dir`, in name order (the order TensorBoard reads them).
+fn event_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_str().unwrap().contains("events.out.tfevents."))
+        .collect();
+    files.sort();
+    files
+}
+
+/// A file's session start step and its `tag` scalars as (step, value).
+fn curve(events: &[Event], tag: &str) -> (i64, Vec<(i64, f32)>) {
+    assert_eq!(events[0].file_version.as_deref(), Some("brain.Event:2"));
+    let start = events[1].session_log.as_ref().unwrap();
+    assert_eq!(start.status, SessionLog::START);
+    let points = events[2..]
+        .iter()
+        .flat_map(|e| {
+            let values = &e.summary.as_ref().unwrap().value;
+            values
+                .iter()
+                .filter(|v| v.tag == tag)
+                .map(|v| (e.step, v.simple_value.unwrap()))
+        })
+        .collect();
+    (events[1].step, points)
 }
 
 /// Resolves once `path` holds `n` step records.
@@ -114,6 +167,27 @@ async fn a_short_local_run_raises_the_reward() {
     assert_eq!(dumped.lines().count(), 60 * 6);
     assert_eq!(ids.len(), 60 * 6);
     assert!(summary.checkpoint.unwrap().ends_with("step-00000060"));
+
+    // `--local` writes the curves under the run directory: one file, one `train/reward`
+    // per step, the step's mean reward.
+    let files = event_files(&dir.path().join("tensorboard"));
+    assert_eq!(files.len(), 1, "{files:?}");
+    let events = events(&files[0]);
+    let (start, rewards) = curve(&events, "train/reward");
+    assert_eq!(start, 1);
+    let expected: Vec<(i64, f32)> = steps
+        .iter()
+        .map(|r| (r.step as i64, r.reward_mean as f32))
+        .collect();
+    assert_eq!(rewards, expected);
+    for tag in [
+        "train/loss",
+        "train/kl",
+        "train/lr",
+        "train/tokens_per_second",
+    ] {
+        assert_eq!(curve(&events, tag).1.len(), 60, "{tag}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -200,6 +274,13 @@ async fn shutdown_keeps_every_prompt_and_resume_continues() {
     .await
     .unwrap();
     assert_eq!(summary.steps[0].step, k + 1);
+    // The resumed run's curves: a second event file, restarted at step k + 1.
+    let files = event_files(&dir.path().join("tensorboard"));
+    assert_eq!(files.len(), 2, "{files:?}");
+    assert_eq!(curve(&events(&files[0]), "train/reward").1.len() as u64, k);
+    let (start, rewards) = curve(&events(&files[1]), "train/reward");
+    assert_eq!(start, (k + 1) as i64);
+    assert_eq!(rewards[0].0, (k + 1) as i64);
     let dumped = std::fs::read_to_string(&dump).unwrap();
     let first: Vec<u64> = dumped
         .lines()

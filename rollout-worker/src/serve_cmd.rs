@@ -43,7 +43,8 @@ pub struct ServeArgs {
     /// Reward server that scores the completions (e.g. http://reward:50052).
     #[arg(long, env = "ROLLOUT_REWARD", requires = "learner")]
     pub reward: Option<String>,
-    /// This worker's id at the learner (default: host name and listen port).
+    /// This worker's id at the learner (default: host name and listen port); with
+    /// --learner.
     #[arg(long, env = "ROLLOUT_WORKER_ID")]
     pub worker_id: Option<String>,
     /// URL at which the learner reaches this worker's service for weight pushes (default:
@@ -51,9 +52,12 @@ pub struct ServeArgs {
     /// 0.0.0.0, the OS host name: http://HOST:PORT, https:// with --tls-cert).
     #[arg(long, env = "ROLLOUT_ADVERTISE")]
     pub advertise: Option<String>,
-    /// Groups in flight in the loop.
-    #[arg(long, default_value_t = 4)]
-    pub max_in_flight: usize,
+    /// Groups in flight in the loop (default with --learner: 4).
+    #[arg(
+        long,
+        default_value_if("learner", clap::builder::ArgPredicate::IsPresent, "4")
+    )]
+    pub max_in_flight: Option<usize>,
     /// Directory a learner on this host shares payloads through (the same-host weight
     /// path: the learner's `--shared-dir`, seen from here); without it, pushes stream.
     #[arg(long, env = "ROLLOUT_SHARED_DIR")]
@@ -67,10 +71,27 @@ impl ServeArgs {
     /// URLs with their scheme, counts in range: one line at start, not retries forever.
     fn validate(&self) -> Result<(), ConfigError> {
         use rookworld_service::check::{at_least, url};
-        let mut checks = vec![
-            at_least("--max-in-flight", self.max_in_flight as u64, 1),
-            at_least("--max-queued-samples", self.max_queued_samples as u64, 1),
-        ];
+        // The worker loop's options, refused without it (each has a default only with it).
+        if self.learner.is_none() {
+            let given = [
+                ("--worker-id", self.worker_id.is_some()),
+                ("--advertise", self.advertise.is_some()),
+                ("--max-in-flight", self.max_in_flight.is_some()),
+            ];
+            if let Some((flag, _)) = given.iter().find(|(_, set)| *set) {
+                return Err(ConfigError::Conflict(format!(
+                    "{flag} is an option of the worker loop, which runs with --learner and --reward; without them this worker only serves Generate"
+                )));
+            }
+        }
+        let mut checks = vec![at_least(
+            "--max-queued-samples",
+            self.max_queued_samples as u64,
+            1,
+        )];
+        if let Some(n) = self.max_in_flight {
+            checks.push(at_least("--max-in-flight", n as u64, 1));
+        }
         for (flag, value) in [
             ("--learner", &self.learner),
             ("--reward", &self.reward),
@@ -144,7 +165,7 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
                 .advertise
                 .clone()
                 .unwrap_or_else(|| default_advertise(local, tls.is_some())),
-            max_in_flight: args.max_in_flight,
+            max_in_flight: args.max_in_flight.unwrap_or(4),
             call_timeout: Duration::from_secs(30),
             max_backoff: Duration::from_secs(10),
             tls: args.client_tls.clone(),
@@ -172,6 +193,7 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
             ..ServiceConfig::default()
         },
         pull,
+        model_source: loaded.source,
         ..WorkerConfig::new(loaded.model)
     };
     let worker = Worker::start(

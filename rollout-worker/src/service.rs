@@ -86,15 +86,19 @@ pub(crate) struct ServedModel {
     /// What a new model's CPU panels hold.
     pub panels: rookworld_lm::cpu_gemm::PanelDtype,
     pub device: candle_core::Device,
+    /// Where the model the worker started with came from (`Status`; empty: not known).
+    pub source: String,
 }
 
 impl ServedModel {
-    pub fn of(model: &rookworld_lm::Gpt2) -> Self {
+    /// `model`'s, loaded from `source`.
+    pub fn of(model: &rookworld_lm::Gpt2, source: &str) -> Self {
         Self {
             config: model.config().clone(),
             dtype: model.dtype(),
             panels: model.panel_dtype(),
             device: model.device().clone(),
+            source: source.to_owned(),
         }
     }
 }
@@ -296,10 +300,8 @@ impl RolloutService for RolloutServer {
             tokens_generated: s.tokens_generated,
             tokens_per_second: s.tokens_per_second,
             swap_pending: s.swap_pending,
-            model: format!(
-                "gpt2 n_layer={} n_embd={} n_head={} vocab={} ctx={}",
-                c.n_layer, c.n_embd, c.n_head, c.vocab_size, c.n_positions
-            ),
+            model: c.shape(),
+            model_source: self.model.source.clone(),
             gpu_memory_used_bytes: used as u64,
             gpu_memory_total_bytes: total as u64,
             weight_run_id: s.weight_run,

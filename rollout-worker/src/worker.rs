@@ -39,6 +39,9 @@ pub struct WorkerConfig {
     pub pull: Option<LoopConfig>,
     /// Period of the GPU monitor's readings (NVML; nothing on the CPU).
     pub gpu_period: Duration,
+    /// Where the model came from, as `Status` names it (e.g. `preset tiny (random
+    /// weights, seed 0)`; empty: not known).
+    pub model_source: String,
 }
 
 impl WorkerConfig {
@@ -53,6 +56,7 @@ impl WorkerConfig {
             service: ServiceConfig::default(),
             pull: None,
             gpu_period: Duration::from_secs(5),
+            model_source: String::new(),
         }
     }
 }
@@ -68,8 +72,8 @@ pub enum StartError {
     Listener(#[from] std::io::Error),
 }
 
-/// A running worker; [`Worker::wait`] returns once its shutdown future has fired and
-/// every part has stopped.
+/// A running worker; [`Worker::wait`] returns once its shutdown future has fired (or its
+/// loop failed) and every part has stopped.
 #[derive(Debug)]
 pub struct Worker {
     engine: Arc<Engine>,
@@ -92,7 +96,7 @@ impl Worker {
         crate::metrics::describe();
         let model = prepare_model(config.model)?;
         let device = model.device().clone();
-        let server_model = service::ServedModel::of(&model);
+        let server_model = service::ServedModel::of(&model, &config.model_source);
         let (run, version) = config.weights;
         let mut engine = Engine::start(model, version, config.engine);
         if let Some(run) = run {
@@ -100,7 +104,18 @@ impl Worker {
         }
         let engine = Arc::new(engine);
 
-        let stopped = fan_out(shutdown);
+        // The worker stops on `shutdown`, or when its loop ends with an error (the learner
+        // refused it for good).
+        let loop_failed = Arc::new(tokio::sync::Notify::new());
+        let stopped = fan_out({
+            let failed = loop_failed.clone();
+            async move {
+                tokio::select! {
+                    () = shutdown => {}
+                    () = failed.notified() => {}
+                }
+            }
+        });
 
         let bos = server_model.config.bos_token_id;
         let server = RolloutServer::new(
@@ -112,13 +127,21 @@ impl Worker {
         let serving = tokio::spawn(service::run(server, listener, until(stopped.clone())));
         let pulling = config.pull.map(|cfg| {
             tracing::info!(learner = %cfg.learner, reward = %cfg.reward, worker = %cfg.worker_id, push_address = %cfg.push_address, "pulling work");
-            tokio::spawn(worker_loop::run(
+            let pulled = worker_loop::run(
                 engine.clone(),
                 config.tokenizer,
                 bos,
                 cfg,
                 until(stopped.clone()),
-            ))
+            );
+            let failed = loop_failed.clone();
+            tokio::spawn(async move {
+                let result = pulled.await;
+                if result.is_err() {
+                    failed.notify_one();
+                }
+                result
+            })
         });
         let monitor = tokio::spawn(crate::gpu::monitor(
             device,
@@ -140,22 +163,23 @@ impl Worker {
     }
 
     /// Waits for the service, the loop and the monitor to end (after the shutdown future
-    /// fired), then stops the engine thread. The service's error, if it failed; the
-    /// loop's is logged.
+    /// fired, or the loop failed), then stops the engine thread. The service's error, if
+    /// it failed, else the loop's.
     pub async fn wait(self) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         let served = match self.serving.await {
             Ok(result) => result,
             Err(e) => Err(format!("the rollout service panicked: {e}").into()),
         };
-        if let Some(pulling) = self.pulling {
-            match pulling.await {
-                Ok(Err(e)) => tracing::error!(error = %e, "worker loop"),
-                Err(e) => tracing::error!(error = %e, "worker loop panicked"),
-                Ok(Ok(())) => {}
-            }
-        }
+        let pulled = match self.pulling {
+            Some(pulling) => match pulling.await {
+                Ok(result) => result,
+                Err(e) => Err(format!("the worker loop panicked: {e}")),
+            },
+            None => Ok(()),
+        };
         let _ = self.monitor.await;
         self.engine.shutdown();
-        served
+        served?;
+        Ok(pulled?)
     }
 }

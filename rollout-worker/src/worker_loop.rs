@@ -104,7 +104,8 @@ impl GroupError {
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(3);
 
 /// Runs until `shutdown` resolves; groups in flight then have [`SHUTDOWN_GRACE`] to finish
-/// and are abandoned after it.
+/// and are abandoned after it. Returns an error, ending the loop, when the learner refuses
+/// this worker for good (ALREADY_EXISTS: another worker holds its id).
 pub async fn run(
     engine: Arc<Engine>,
     tokenizer: Tokenizer,
@@ -121,7 +122,7 @@ pub async fn run(
         reward: Peer::new("reward", &cfg.reward, Some(reporter.clone())),
         reporter,
     });
-    tokio::spawn(check_peers(cfg.clone()));
+    tokio::spawn(check_peers(cfg.clone(), peers.clone()));
     let mut groups = tokio::task::JoinSet::new();
     tokio::pin!(shutdown);
     'lease: loop {
@@ -153,6 +154,17 @@ pub async fn run(
         };
         let leased = match leased {
             Ok(r) => r.into_inner(),
+            Err(s) if s.code() == tonic::Code::AlreadyExists => {
+                // Another worker holds this id: waiting does not cure it.
+                stop_groups(groups, SHUTDOWN_GRACE).await;
+                return Err(format!(
+                    "the learner {} refuses this worker (id `{}`, push address {}): {}",
+                    cfg.learner,
+                    cfg.worker_id,
+                    cfg.push_address,
+                    s.message()
+                ));
+            }
             Err(s) => {
                 tracing::error!(learner = %cfg.learner, error = %s.message(), code = ?s.code(), "lease refused");
                 tokio::select! {

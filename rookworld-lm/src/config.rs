@@ -113,6 +113,15 @@ impl Config {
         }
     }
 
+    /// The shape in one line, as a worker's `Status` and a learner's errors name it:
+    /// `gpt2 n_layer=12 n_embd=768 n_head=12 vocab=50257 ctx=1024`.
+    pub fn shape(&self) -> String {
+        format!(
+            "gpt2 n_layer={} n_embd={} n_head={} vocab={} ctx={}",
+            self.n_layer, self.n_embd, self.n_head, self.vocab_size, self.n_positions
+        )
+    }
+
     /// Width of the MLP's hidden layer.
     pub fn inner_dim(&self) -> usize {
         self.n_inner.unwrap_or(4 * self.n_embd)

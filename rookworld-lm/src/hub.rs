@@ -1,7 +1,9 @@
-//! Models by name: `--model jrahn/RookWorld-LM-124M` (optionally `@revision`) resolves
-//! through the standard Hugging Face cache (`HF_HOME`, else `~/.cache/huggingface`) to a
-//! checkpoint directory, downloading only the files that are missing and only when allowed
-//! (`HF_HUB_OFFLINE` unset). A path that exists is always a directory, never a name.
+//! Models by any name: a checkpoint directory, a run directory (its newest checkpoint, as
+//! `RUN/checkpoints/latest` names it) or that pointer itself, or a Hugging Face id —
+//! `--model jrahn/RookWorld-LM-124M` (optionally `@revision`) resolves through the standard
+//! Hugging Face cache (`HF_HOME`, else `~/.cache/huggingface`) to a checkpoint directory,
+//! downloading only the files that are missing and only when allowed (`HF_HUB_OFFLINE`
+//! unset). A path that exists is always local, never a name.
 
 use std::path::{Path, PathBuf};
 
@@ -66,14 +68,23 @@ pub fn resolve(model: &Path) -> Result<PathBuf> {
     resolve_in(model, &Cache::from_env(), offline_from_env())
 }
 
+/// The pointer to a run's newest checkpoint: `RUN/checkpoints/latest`, a file naming the
+/// checkpoint directory beside it (`step-00000012`).
+pub const LATEST_POINTER: &str = "latest";
+/// Where a run directory keeps its checkpoints.
+pub const CHECKPOINTS_DIR: &str = "checkpoints";
+
+/// What `--model` accepts, for errors that must say it.
+pub const MODEL_NAMES: &str = "a checkpoint directory (config.json and model.safetensors: a local Hugging Face download, `learner init`/`export` output, RUN/checkpoints/step-N), a run directory of `learner train`/`sft` or its checkpoints/latest (the newest checkpoint), or a Hugging Face id owner/name[@revision]";
+
 /// [`resolve`] with a given cache and offline mode.
 pub fn resolve_in(model: &Path, cache: &Cache, offline: bool) -> Result<PathBuf> {
     if model.exists() {
-        return Ok(model.to_path_buf());
+        return local(model);
     }
     let Some(repo) = model.to_str().and_then(RepoId::parse) else {
         return Err(Error::MissingFile(format!(
-            "model directory {} does not exist (a Hugging Face model is named owner/name[@revision])",
+            "model {} does not exist; --model takes {MODEL_NAMES}",
             model.display()
         )));
     };
@@ -82,7 +93,7 @@ pub fn resolve_in(model: &Path, cache: &Cache, offline: bool) -> Result<PathBuf>
     }
     if offline {
         return Err(Error::MissingFile(format!(
-            "{} (revision {}) is not in the Hugging Face cache {} and HF_HUB_OFFLINE forbids downloading it: download it where there is network (`hf download {}`) or unset HF_HUB_OFFLINE",
+            "{} (revision {}) is not in the Hugging Face cache {} and HF_HUB_OFFLINE forbids downloading it: download it where there is network (`hf download {}`), unset HF_HUB_OFFLINE, or give --model a local checkpoint or run directory",
             repo.id,
             repo.revision,
             cache.path().display(),
@@ -90,6 +101,40 @@ pub fn resolve_in(model: &Path, cache: &Cache, offline: bool) -> Result<PathBuf>
         )));
     }
     download(&repo, cache)
+}
+
+/// The checkpoint directory a local path names: itself when it holds `config.json`; a run
+/// directory's newest checkpoint (`RUN/checkpoints/latest`); the checkpoint a `latest`
+/// pointer file names.
+fn local(model: &Path) -> Result<PathBuf> {
+    if model.is_file() {
+        let named = (model.file_name() == Some(LATEST_POINTER.as_ref()))
+            .then(|| std::fs::read_to_string(model).ok())
+            .flatten();
+        return match named {
+            Some(name) => local(&model.with_file_name(name.trim())),
+            None => Err(Error::MissingFile(format!(
+                "model {} is a file; --model takes {MODEL_NAMES}",
+                model.display()
+            ))),
+        };
+    }
+    if model.join(CONFIG_FILE).is_file() {
+        return Ok(model.to_path_buf());
+    }
+    let pointer = model.join(CHECKPOINTS_DIR).join(LATEST_POINTER);
+    if pointer.exists() {
+        return local(&pointer);
+    }
+    let what = if model.join(CHECKPOINTS_DIR).is_dir() {
+        "a run directory without a finished checkpoint (no checkpoints/latest)"
+    } else {
+        "a directory without config.json"
+    };
+    Err(Error::MissingFile(format!(
+        "model {} is {what}; --model takes {MODEL_NAMES}",
+        model.display()
+    )))
 }
 
 /// The snapshot directory holding the config and every weights file, if the cache has them.
@@ -143,9 +188,21 @@ fn shards_of(index: &Path) -> Result<Vec<String>> {
 /// the cache; returns the snapshot directory.
 fn download(repo: &RepoId, cache: &Cache) -> Result<PathBuf> {
     let hub = |e: hf_hub::api::sync::ApiError| {
+        use hf_hub::api::sync::ApiError;
+        let unreachable = matches!(e, ApiError::RequestError(_) | ApiError::TooManyRetries(_));
         Error::MissingFile(format!(
-            "{} (revision {}) from the Hugging Face Hub: {e}",
-            repo.id, repo.revision
+            "{} (revision {}) from the Hugging Face Hub: {e}{}",
+            repo.id,
+            repo.revision,
+            if unreachable {
+                format!(
+                    "; without network, give --model a local directory ({MODEL_NAMES}), or download it where there is network (`hf download {}`) into the cache {} and set HF_HUB_OFFLINE=1",
+                    repo.id,
+                    cache.path().display()
+                )
+            } else {
+                String::new()
+            }
         ))
     };
     tracing::info!(model = %repo.id, revision = %repo.revision, cache = %cache.path().display(), "downloading from the Hugging Face Hub");

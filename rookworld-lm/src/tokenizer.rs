@@ -116,6 +116,14 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// The `tokenizer.json` text, indented as `transformers`' `save_pretrained` writes it
+    /// (for the built-in GPT-2 tokenizer, the same bytes).
+    pub fn to_json(&self) -> Result<String> {
+        self.inner
+            .to_string(true)
+            .map_err(|e| Error::Tokenizer(e.to_string()))
+    }
+
     /// Writes `tokenizer.json` into `dir` (so a saved checkpoint is self-contained).
     pub fn save(&self, dir: &Path) -> Result<()> {
         let path = dir.join("tokenizer.json");

@@ -217,6 +217,11 @@ impl PeerProblem {
 
     fn of(call: &'static str, service: (&'static str, &'static str), s: tonic::Status) -> Self {
         use tonic::Code;
+        // A status with a cause is the connection's failure, not the peer's answer (an
+        // HTTP/2 GOAWAY reads as PERMISSION_DENIED or INTERNAL).
+        if std::error::Error::source(&s).is_some() {
+            return PeerProblem::Unreachable(cause_chain(&s));
+        }
         let message = s.message().to_owned();
         match s.code() {
             Code::Unimplemented => PeerProblem::NotThatService(service.0, service.1),
@@ -242,15 +247,27 @@ impl PeerProblem {
 /// A failed call's message with its causes (`transport error: … Connection refused`).
 pub fn cause_chain(s: &tonic::Status) -> String {
     let mut out = s.message().to_owned();
-    let mut source = std::error::Error::source(s);
+    append_causes(&mut out, std::error::Error::source(s));
+    out
+}
+
+/// An error's message with its causes, each once (tonic's transport error alone says
+/// only `transport error`).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    append_causes(&mut out, e.source());
+    out
+}
+
+fn append_causes(out: &mut String, mut source: Option<&(dyn std::error::Error + 'static)>) {
     while let Some(e) = source {
         let text = e.to_string();
         if !out.contains(&text) {
-            out = format!("{out}: {text}");
+            out.push_str(": ");
+            out.push_str(&text);
         }
         source = e.source();
     }
-    out
 }
 
 /// `msg` with the shared token (a token that is not a valid header value goes without, and

@@ -89,11 +89,40 @@ pub fn parse_from(
 ) -> Result<ArgMatches, RunFileError> {
     let cmd = negatives_reach_checks(cmd);
     let argv = with_run_file(&cmd, argv, stand_ins)?;
-    cmd.try_get_matches_from(argv)
-        .map_err(|e| match negative_count(&e) {
-            Some(line) => RunFileError(annotate(&line)),
-            None => e.exit(),
-        })
+    cmd.try_get_matches_from(argv).map_err(|e| {
+        use clap::error::ErrorKind;
+        match e.kind() {
+            // Help and version are output, not errors; a binary without its command prints
+            // its help (exit 2), as clap does.
+            ErrorKind::DisplayHelp
+            | ErrorKind::DisplayVersion
+            | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => e.exit(),
+            _ => RunFileError(annotate(
+                &negative_count(&e).unwrap_or_else(|| one_line(&e)),
+            )),
+        }
+    })
+}
+
+/// Clap's usage error as one line: its message, then its tips and valid values
+/// (`unexpected argument '--stps' found; tip: a similar argument exists: '--steps'`).
+fn one_line(e: &clap::Error) -> String {
+    let text = e.to_string();
+    let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
+    let mut out = lines
+        .next()
+        .unwrap_or_default()
+        .trim_start_matches("error: ")
+        .to_owned();
+    for line in lines {
+        if line.starts_with("Usage:") || line.starts_with("For more information") {
+            break;
+        }
+        let line = line.trim_start_matches('[').trim_end_matches(']');
+        out.push_str(if out.ends_with(':') { " " } else { "; " });
+        out.push_str(line);
+    }
+    out
 }
 
 /// Every option that takes a value takes a negative number as its value (not as an
@@ -200,14 +229,9 @@ pub fn with_run_file(
 
     // Every key some command of the three binaries takes.
     let known = known_keys();
-    let mut front = Vec::new();
-    let mut back = Vec::new();
-    let mut from_file = FromFile {
-        file: path.clone(),
-        flags: Vec::new(),
-    };
-    let last = chain.len() - 1;
-    for (key, value) in &flat {
+    // Each key with the option it sets, in the deepest command that takes it.
+    let mut entries = Vec::new();
+    for (key, (value, specificity)) in &flat {
         let target = chain
             .iter()
             .enumerate()
@@ -232,61 +256,58 @@ pub fn with_run_file(
                 }
             )));
         }
-        if explicitly_set(matches, id)
-            || command
-                .get_arg_conflicts_with(arg)
-                .iter()
-                .any(|c| explicitly_set(matches, c.get_id().as_str()))
-        {
+        // A flag or the environment beats the file: for this option, and for every option
+        // that excludes it (`--model` on the command line over the file's `preset`).
+        let others = excluded_by(command, arg);
+        if explicitly_set(matches, id) || others.iter().any(|c| explicitly_set(matches, c)) {
             continue;
         }
-        let values = values_of(value).ok_or_else(|| {
-            RunFileError(format!(
-                "{}: `{key}` takes a value (a string, number, boolean or a list of them)",
-                path.display()
-            ))
-        })?;
-        let flag = format!("--{}", arg.get_long().expect("found by its long name"));
-        let args = if matches!(arg.get_action(), ArgAction::SetTrue | ArgAction::SetFalse) {
-            match value {
-                toml::Value::Boolean(true) => vec![OsString::from(&flag)],
-                toml::Value::Boolean(false) => vec![],
-                other => {
+        entries.push(Entry {
+            key,
+            value,
+            specificity: *specificity,
+            level,
+            arg,
+            others,
+        });
+    }
+    // Two keys of the file that exclude each other: the more specific table's wins; in
+    // tables of the same scope, they contradict each other.
+    let mut dropped = Vec::new();
+    for a in &entries {
+        for b in &entries {
+            if a.others.contains(&b.arg.get_id().as_str()) && a.specificity <= b.specificity {
+                if a.specificity == b.specificity {
                     return Err(RunFileError(format!(
-                        "{}: {key} = {other}: expected true or false",
-                        path.display()
+                        "{}: `{}` and `{}` exclude each other: set one",
+                        path.display(),
+                        a.key.min(b.key),
+                        a.key.max(b.key)
                     )));
                 }
+                dropped.push(a.key.as_str());
             }
-        } else {
-            // The option's own parser on each value, alone (clap's message, the key named).
-            let check = Command::new("run-file").no_binary_name(true).arg(
-                clap::Arg::new("value")
-                    .long("value")
-                    .action(ArgAction::Set)
-                    .allow_negative_numbers(true)
-                    .value_parser(arg.get_value_parser().clone()),
-            );
-            let mut args = Vec::new();
-            for v in &values {
-                check
-                    .clone()
-                    .try_get_matches_from([OsString::from(format!("--value={v}"))])
-                    .map_err(|e| {
-                        let why = match negative_count(&e) {
-                            Some(_) => "must not be negative".to_owned(),
-                            None => clap_reason(&e),
-                        };
-                        RunFileError(format!("{}: {key} = {value}: {why}", path.display()))
-                    })?;
-                args.push(OsString::from(format!("{flag}={v}")));
-            }
-            args
-        };
+        }
+    }
+
+    let mut front = Vec::new();
+    let mut back = Vec::new();
+    let mut from_file = FromFile {
+        file: path.clone(),
+        flags: Vec::new(),
+    };
+    let last = chain.len() - 1;
+    for e in entries
+        .iter()
+        .filter(|e| !dropped.contains(&e.key.as_str()))
+    {
+        let (key, value, arg) = (e.key, e.value, e.arg);
+        let flag = format!("--{}", arg.get_long().expect("found by its long name"));
+        let args = file_args(&path, key, value, arg, &flag)?;
         from_file.flags.push((flag, key.clone()));
         // The binary's own options go before the command's name, the rest at the end (an
         // intermediate command such as `learner config` has only global options).
-        if level == 0 && last > 0 {
+        if e.level == 0 && last > 0 {
             front.extend(args);
         } else {
             back.extend(args);
@@ -310,6 +331,240 @@ pub fn with_run_file(
         }
     }
     Ok(out)
+}
+
+/// A run file's key and the option it sets.
+struct Entry<'a> {
+    key: &'a String,
+    value: &'a toml::Value,
+    /// How specific its table is (0: general, 1: the binary's, 2…: its commands').
+    specificity: usize,
+    /// The command in the chain that takes it (0: the binary).
+    level: usize,
+    arg: &'a clap::Arg,
+    /// The options it excludes or that exclude it.
+    others: Vec<&'a str>,
+}
+
+/// The ids of the options of `command` that `arg` conflicts with or that conflict with
+/// it (clap's `conflicts_with` is declared on one side only), and its mates in a group
+/// that takes one of its options.
+fn excluded_by<'a>(command: &'a Command, arg: &clap::Arg) -> Vec<&'a str> {
+    let id = arg.get_id();
+    let mut out: Vec<&str> = command
+        .get_arg_conflicts_with(arg)
+        .iter()
+        .map(|a| a.get_id().as_str())
+        .collect();
+    for other in command.get_arguments() {
+        if other.get_id() != id
+            && command
+                .get_arg_conflicts_with(other)
+                .iter()
+                .any(|c| c.get_id() == id)
+        {
+            out.push(other.get_id().as_str());
+        }
+    }
+    for group in command.get_groups() {
+        // (`is_multiple` takes `&mut self`.)
+        if !group.clone().is_multiple() && group.get_args().any(|a| a == id) {
+            out.extend(group.get_args().filter(|a| *a != id).map(|a| a.as_str()));
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// The command-line arguments of `key = value` for the option `arg` (`flag`), after
+/// checking the value's type against the option's and the value with the option's own
+/// parser: one line naming the key, the expected type and the value found otherwise.
+fn file_args(
+    path: &Path,
+    key: &str,
+    value: &toml::Value,
+    arg: &clap::Arg,
+    flag: &str,
+) -> Result<Vec<OsString>, RunFileError> {
+    let wrong = |why: String| RunFileError(format!("{}: {key} = {value}: {why}", path.display()));
+    let kind = Kind::of(arg);
+    if kind == Kind::Bool && matches!(arg.get_action(), ArgAction::SetTrue | ArgAction::SetFalse) {
+        return match value {
+            toml::Value::Boolean(true) => Ok(vec![OsString::from(flag)]),
+            toml::Value::Boolean(false) => Ok(vec![]),
+            other => Err(wrong(format!(
+                "expected {}, found {}",
+                kind.name(),
+                found(other)
+            ))),
+        };
+    }
+    let items: Vec<&toml::Value> = match value {
+        toml::Value::Array(items) if takes_many(arg) => items.iter().collect(),
+        toml::Value::Array(_) => {
+            return Err(wrong(format!(
+                "expected one value, {}, found a list",
+                kind.name()
+            )));
+        }
+        toml::Value::Table(_) => {
+            return Err(wrong(format!("expected {}, found a table", kind.name())));
+        }
+        one => vec![one],
+    };
+    // The option's own parser on each value, alone (clap's message, the key named).
+    let check = Command::new("run-file").no_binary_name(true).arg(
+        clap::Arg::new("value")
+            .long("value")
+            .action(ArgAction::Set)
+            .allow_negative_numbers(true)
+            .value_parser(arg.get_value_parser().clone()),
+    );
+    let mut args = Vec::new();
+    for item in items {
+        if !kind.accepts(item) {
+            let quote = match item {
+                toml::Value::Integer(_) | toml::Value::Float(_) | toml::Value::Boolean(_) => {
+                    format!(" (quote it: \"{item}\")")
+                }
+                _ => String::new(),
+            };
+            return Err(wrong(format!(
+                "expected {}, found {}{}",
+                kind.name(),
+                found(item),
+                if kind == Kind::Text {
+                    quote
+                } else {
+                    String::new()
+                }
+            )));
+        }
+        let v = values_of(item)
+            .ok_or_else(|| wrong(format!("expected {}, found {}", kind.name(), found(item))))?;
+        let v = v.into_iter().next().unwrap_or_default();
+        check
+            .clone()
+            .try_get_matches_from([OsString::from(format!("--value={v}"))])
+            .map_err(|e| {
+                let why = match negative_count(&e) {
+                    Some(_) => "must not be negative".to_owned(),
+                    None => clap_reason(&e),
+                };
+                let valid: Vec<String> = arg
+                    .get_possible_values()
+                    .iter()
+                    .filter(|p| !p.is_hide_set())
+                    .map(|p| p.get_name().to_owned())
+                    .collect();
+                if valid.is_empty() {
+                    wrong(why)
+                } else {
+                    wrong(format!("{why}; valid values: {}", valid.join(", ")))
+                }
+            })?;
+        args.push(OsString::from(format!("{flag}={v}")));
+    }
+    Ok(args)
+}
+
+/// Whether `arg` takes several values (a list in a run file).
+fn takes_many(arg: &clap::Arg) -> bool {
+    matches!(arg.get_action(), ArgAction::Append)
+        || arg.get_num_args().is_some_and(|n| n.max_values() > 1)
+}
+
+/// The type a run file's value must have for an option: its parser's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Bool,
+    Integer,
+    /// An integer or a float.
+    Number,
+    /// A string: text, a path, an address, a name among valid values.
+    Text,
+}
+
+impl Kind {
+    fn of(arg: &clap::Arg) -> Kind {
+        use std::any::TypeId;
+        if matches!(arg.get_action(), ArgAction::SetTrue | ArgAction::SetFalse) {
+            return Kind::Bool;
+        }
+        let t = arg.get_value_parser().type_id();
+        let integers = [
+            TypeId::of::<u8>(),
+            TypeId::of::<u16>(),
+            TypeId::of::<u32>(),
+            TypeId::of::<u64>(),
+            TypeId::of::<usize>(),
+            TypeId::of::<i8>(),
+            TypeId::of::<i16>(),
+            TypeId::of::<i32>(),
+            TypeId::of::<i64>(),
+            TypeId::of::<isize>(),
+        ];
+        if integers.into_iter().any(|i| t == i) {
+            Kind::Integer
+        } else if t == TypeId::of::<f64>() || t == TypeId::of::<f32>() {
+            Kind::Number
+        } else if t == TypeId::of::<bool>() {
+            Kind::Bool
+        } else {
+            Kind::Text
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Bool => "true or false",
+            Kind::Integer => "an integer",
+            Kind::Number => "a number",
+            Kind::Text => "a string",
+        }
+    }
+
+    fn accepts(self, v: &toml::Value) -> bool {
+        matches!(
+            (self, v),
+            (Kind::Bool, toml::Value::Boolean(_))
+                | (Kind::Integer, toml::Value::Integer(_))
+                | (
+                    Kind::Number,
+                    toml::Value::Integer(_) | toml::Value::Float(_)
+                )
+                | (Kind::Text, toml::Value::String(_))
+        )
+    }
+
+    /// A resolved value as this kind's TOML value (a string where it does not parse).
+    fn typed(self, s: &str) -> toml::Value {
+        let parsed = match self {
+            Kind::Bool => s.parse().ok().map(toml::Value::Boolean),
+            Kind::Integer => s.parse().ok().map(toml::Value::Integer),
+            Kind::Number => s
+                .parse::<f64>()
+                .ok()
+                .filter(|f| f.is_finite())
+                .map(toml::Value::Float),
+            Kind::Text => None,
+        };
+        parsed.unwrap_or_else(|| toml::Value::String(s.to_owned()))
+    }
+}
+
+/// What a value is, for an error: "a string", "an integer", …
+fn found(v: &toml::Value) -> &'static str {
+    match v {
+        toml::Value::String(_) => "a string",
+        toml::Value::Integer(_) => "an integer",
+        toml::Value::Float(_) => "a float",
+        toml::Value::Boolean(_) => "a boolean",
+        toml::Value::Datetime(_) => "a date",
+        toml::Value::Array(_) => "a list",
+        toml::Value::Table(_) => "a table",
+    }
 }
 
 /// The names of every command under `cmd`, at any depth.
@@ -373,19 +628,19 @@ fn flatten(
     commands: &[String],
     every: &[String],
     path: &Path,
-) -> Result<BTreeMap<String, toml::Value>, RunFileError> {
+) -> Result<BTreeMap<String, (toml::Value, usize)>, RunFileError> {
     let mut out = BTreeMap::new();
     let mut unscoped = BINARIES.to_vec();
     unscoped.push(RECORD_TABLE);
-    general(table, &mut out, path, &unscoped)?;
+    general(table, &mut out, path, &unscoped, 0)?;
     if let Some(toml::Value::Table(own)) = table.get(binary) {
         let mut scope = own;
         let names: Vec<&str> = every.iter().map(String::as_str).collect();
-        general(scope, &mut out, path, &names)?;
-        for name in commands {
+        general(scope, &mut out, path, &names, 1)?;
+        for (depth, name) in commands.iter().enumerate() {
             match scope.get(name.as_str()) {
                 Some(toml::Value::Table(t)) => {
-                    general(t, &mut out, path, &names)?;
+                    general(t, &mut out, path, &names, depth + 2)?;
                     scope = t;
                 }
                 _ => break,
@@ -395,17 +650,18 @@ fn flatten(
     Ok(out)
 }
 
-/// The keys of `t` and of its tables but those named in `scoped` (recursively), into `out`;
-/// a key found twice at one level of specificity is an error.
+/// The keys of `t` and of its tables but those named in `scoped` (recursively), into `out`
+/// at `specificity`; a key found twice at one level of specificity is an error.
 fn general(
     t: &toml::Table,
-    out: &mut BTreeMap<String, toml::Value>,
+    out: &mut BTreeMap<String, (toml::Value, usize)>,
     path: &Path,
     scoped: &[&str],
+    specificity: usize,
 ) -> Result<(), RunFileError> {
     let mut here = BTreeMap::new();
     collect(t, &mut here, path, scoped)?;
-    out.extend(here);
+    out.extend(here.into_iter().map(|(k, v)| (k, (v, specificity))));
     Ok(())
 }
 
@@ -458,11 +714,21 @@ fn clap_reason(e: &clap::Error) -> String {
     let text = e.to_string();
     let first = text.lines().next().unwrap_or_default();
     let reason = first.trim_start_matches("error: ");
-    // "invalid value 'x' for '--value <value>': why" → "why"
-    match reason.split_once("': ") {
-        Some((_, why)) if reason.contains("'--value") => why.to_owned(),
-        _ => reason.to_owned(),
+    // "invalid value 'x' for '--value <value>': why" → "why";
+    // "invalid value 'x' for '--value <value>'" → "invalid value 'x'".
+    match reason.split_once(" for '--value <value>'") {
+        Some((_, why)) if why.starts_with(": ") => why[2..].to_owned(),
+        Some((what, _)) => what.to_owned(),
+        None => reason.to_owned(),
     }
+}
+
+/// Whether the run file (not the command line or the environment) gave `flag`
+/// (`--run-dir`) in this process's [`parse`].
+pub fn set_by_file(flag: &str) -> bool {
+    FROM_FILE
+        .get()
+        .is_some_and(|f| f.flags.iter().any(|(f, _)| f == flag))
 }
 
 /// `msg`, with the key and file named when it is about an option the run file set (a
@@ -507,25 +773,19 @@ pub fn resolved(cmd: &Command, m: &ArgMatches) -> toml::Table {
         let Ok(Some(raw)) = m.try_get_raw(id) else {
             continue;
         };
+        // A default that a given option excludes (`preset` beside `--model`) is not a
+        // setting of this run: left out, so that the record runs again as it is (a flag
+        // that is off excludes nothing).
+        let given =
+            |id: &str| !matches!(m.value_source(id), None | Some(ValueSource::DefaultValue));
+        let off = Kind::of(arg) == Kind::Bool && raw.clone().all(|v| v == "false");
+        if !off && !given(id) && excluded_by(&c, arg).iter().any(|other| given(other)) {
+            continue;
+        }
         let values: Vec<String> = raw.map(|v| v.to_string_lossy().into_owned()).collect();
-        let is_flag = matches!(arg.get_action(), ArgAction::SetTrue | ArgAction::SetFalse);
-        let typed = |s: &str| -> toml::Value {
-            if is_flag {
-                return toml::Value::Boolean(s == "true");
-            }
-            if let Ok(i) = s.parse::<i64>() {
-                return toml::Value::Integer(i);
-            }
-            if let Ok(f) = s.parse::<f64>()
-                && f.is_finite()
-                && s.chars().any(|c| c.is_ascii_digit())
-            {
-                return toml::Value::Float(f);
-            }
-            toml::Value::String(s.to_owned())
-        };
-        let takes_many = matches!(arg.get_action(), ArgAction::Append)
-            || arg.get_num_args().is_some_and(|n| n.max_values() > 1);
+        let kind = Kind::of(arg);
+        let typed = |s: &str| kind.typed(s);
+        let takes_many = takes_many(arg);
         let value = if takes_many {
             toml::Value::Array(values.iter().map(|v| typed(v)).collect())
         } else {

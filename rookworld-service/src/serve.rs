@@ -10,8 +10,6 @@ use std::time::Duration;
 
 use crate::tls::ServerTls;
 use tokio::net::TcpListener;
-use tokio_stream::StreamExt;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::body::Body;
 use tonic::codegen::{Service, http};
 use tonic::server::NamedService;
@@ -132,7 +130,8 @@ pub async fn stopped(mut rx: tokio::sync::watch::Receiver<bool>) {
 /// `listener` until `shutdown` completes; calls in flight get [`SHUTDOWN_GRACE`] to finish.
 /// With `tls`, every connection is TLS (mutual when it has a client CA) and the
 /// certificates are reloaded while it serves ([`crate::tls`]); without it, a listener on
-/// an address other than loopback gets one warning line.
+/// an address other than loopback gets one warning line. A client that calls with TLS on
+/// one side only is named in a warning (at most one a minute), whichever side it is.
 pub async fn serve<S>(
     service: S,
     listener: TcpListener,
@@ -186,12 +185,7 @@ where
             ))
         }
         None => Box::pin(router.serve_with_incoming_shutdown(
-            TcpListenerStream::new(listener).map(|accepted| {
-                if let Ok(stream) = &accepted {
-                    let _ = stream.set_nodelay(true);
-                }
-                accepted
-            }),
+            crate::tls::plaintext_incoming(listener),
             when_stopped(stopped.clone()),
         )),
     };

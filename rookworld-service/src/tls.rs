@@ -29,7 +29,7 @@ pub fn describe_metrics() {
     describe_counter!(
         TLS_HANDSHAKE_FAILURES_TOTAL,
         Unit::Count,
-        "TLS handshakes that failed, by `reason` (refused, timeout, busy)."
+        "TLS handshakes that failed, by `reason` (refused, timeout, busy; plaintext: a client that spoke plaintext to the TLS port)."
     );
     describe_counter!(
         TLS_RELOADS_TOTAL,
@@ -288,8 +288,9 @@ impl ServerTls {
 
 /// TLS connections from `listener`, each handshake on a task of its own (a slow client
 /// never holds the others up) and bounded by [`HANDSHAKE_TIMEOUT`] and [`MAX_HANDSHAKES`].
-/// Failed handshakes are counted and logged at most once a minute. Ends when the receiver
-/// is dropped.
+/// A client that speaks plaintext to the port is named in one warning a minute and
+/// answered in its own protocol ([`refuse_plaintext`]); failed handshakes are counted and
+/// logged at most once a minute. Ends when the receiver is dropped.
 pub(crate) fn incoming(
     listener: TcpListener,
     tls: Arc<ServerTls>,
@@ -298,8 +299,10 @@ pub(crate) fn incoming(
 > {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     tokio::spawn(async move {
+        let local = listener.local_addr().ok();
         let permits = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
-        let said = Arc::new(Mutex::new(None::<std::time::Instant>));
+        let said = Arc::new(Throttle::default());
+        let plaintext_said = Arc::new(Throttle::default());
         loop {
             let accepted = tokio::select! {
                 a = listener.accept() => a,
@@ -316,18 +319,50 @@ pub(crate) fn incoming(
             };
             let _ = tcp.set_nodelay(true);
             let Ok(permit) = permits.clone().try_acquire_owned() else {
-                handshake_failed(&said, peer, "too many handshakes in progress", "busy");
+                handshake_failed(
+                    &said,
+                    peer,
+                    local,
+                    "too many handshakes in progress",
+                    "busy",
+                );
                 continue;
             };
             let (acceptor, tx, said) = (tls.acceptor(), tx.clone(), said.clone());
+            let plaintext_said = plaintext_said.clone();
             tokio::spawn(async move {
                 let _permit = permit;
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                let deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
+                let Some(first) = first_bytes(&tcp, deadline).await else {
+                    handshake_failed(&said, peer, local, "no handshake in time", "timeout");
+                    return;
+                };
+                let opening = Opening::of(&first);
+                if opening == Opening::Http2 || opening == Opening::Other {
+                    metrics::counter!(TLS_HANDSHAKE_FAILURES_TOTAL, "reason" => "plaintext")
+                        .increment(1);
+                    if plaintext_said.due() {
+                        let port = local.map_or_else(|| "?".to_owned(), |a| a.to_string());
+                        tracing::warn!(
+                            %peer,
+                            "a client at {peer} called this TLS port in plaintext (http://{port}): \
+                             call it with https://{port} (and --tls-ca, the CA that signed \
+                             this port's certificate), or serve this port in plaintext (no \
+                             --tls-cert); further ones this minute are only counted in \
+                             grpc_tls_handshake_failures_total{{reason=\"plaintext\"}}"
+                        );
+                    }
+                    refuse_plaintext(tcp, opening == Opening::Http2).await;
+                    return;
+                }
+                match tokio::time::timeout_at(deadline, acceptor.accept(tcp)).await {
                     Ok(Ok(stream)) => {
                         let _ = tx.send(Ok(stream)).await;
                     }
-                    Ok(Err(e)) => handshake_failed(&said, peer, &e.to_string(), "refused"),
-                    Err(_) => handshake_failed(&said, peer, "no handshake in time", "timeout"),
+                    Ok(Err(e)) => handshake_failed(&said, peer, local, &e.to_string(), "refused"),
+                    Err(_) => {
+                        handshake_failed(&said, peer, local, "no handshake in time", "timeout")
+                    }
                 }
             });
         }
@@ -335,20 +370,241 @@ pub(crate) fn incoming(
     tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
-/// Counts a failed handshake; logs it unless one was logged in the last minute.
+/// Plaintext connections from `listener`, as they come. A client that opens with a TLS
+/// handshake (it calls `https://`) is named in one warning a minute, and its connection
+/// goes on to the server, which answers in plaintext (the client then says so). Ends when
+/// the receiver is dropped.
+pub(crate) fn plaintext_incoming(
+    listener: TcpListener,
+) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<TcpStream>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        let local = listener.local_addr().ok();
+        let said = Arc::new(Throttle::default());
+        loop {
+            let accepted = tokio::select! {
+                a = listener.accept() => a,
+                () = tx.closed() => return,
+            };
+            let (tcp, peer) = match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    let _ = tx.send(Err(e)).await;
+                    continue;
+                }
+            };
+            let _ = tcp.set_nodelay(true);
+            let (tx, said) = (tx.clone(), said.clone());
+            tokio::spawn(async move {
+                let deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
+                let first = first_bytes(&tcp, deadline).await.unwrap_or_default();
+                if Opening::of(&first) == Opening::Tls && said.due() {
+                    let port = local.map_or_else(|| "?".to_owned(), |a| a.to_string());
+                    tracing::warn!(
+                        %peer,
+                        "a client at {peer} called this plaintext port with TLS \
+                         (https://{port}): call it with http://{port}, or serve TLS here \
+                         (--tls-cert, --tls-key); further ones this minute are not logged"
+                    );
+                }
+                let _ = tx.send(Ok(tcp)).await;
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// What the first bytes of a connection say its client speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Opening {
+    /// A TLS handshake record (content type 22, then a 3.x version).
+    Tls,
+    /// The HTTP/2 preface of a plaintext client (`PRI * HTTP/2.0`): gRPC over `http://`.
+    Http2,
+    /// Something else: HTTP/1, another protocol.
+    Other,
+    /// Nothing: the client closed without a byte.
+    Nothing,
+}
+
+impl Opening {
+    fn of(first: &[u8]) -> Self {
+        const PREFACE: &[u8] = b"PRI * HTTP/2.0";
+        match first {
+            [] => Opening::Nothing,
+            [0x16] | [0x16, 0x03, ..] => Opening::Tls,
+            b if PREFACE.starts_with(&b[..b.len().min(PREFACE.len())]) => Opening::Http2,
+            _ => Opening::Other,
+        }
+    }
+}
+
+/// The first bytes a client sent on `tcp` (left in the socket for the server): empty when
+/// it closed without one, `None` when none came before `deadline`.
+async fn first_bytes(tcp: &TcpStream, deadline: tokio::time::Instant) -> Option<Vec<u8>> {
+    let mut buf = [0u8; 16];
+    match tokio::time::timeout_at(deadline, tcp.peek(&mut buf)).await {
+        Ok(Ok(n)) => Some(buf[..n].to_vec()),
+        Ok(Err(_)) => Some(Vec::new()),
+        Err(_) => None,
+    }
+}
+
+/// The debug text of the GOAWAY a TLS port answers a plaintext HTTP/2 client with: its
+/// error shows it (and [`TlsProblem::classify`] recognises it).
+pub const PLAINTEXT_AT_TLS_PORT: &str =
+    "this port serves TLS: the call came in plaintext (http://); call it with https://";
+
+/// Answers a plaintext client at a TLS port: an HTTP/2 client in its own protocol (an
+/// empty SETTINGS frame, then GOAWAY with INADEQUATE_SECURITY and
+/// [`PLAINTEXT_AT_TLS_PORT`]), so that its error says what is wrong; then closes.
+async fn refuse_plaintext(mut tcp: TcpStream, http2: bool) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    if http2 {
+        const SETTINGS: [u8; 9] = [0, 0, 0, 0x4, 0, 0, 0, 0, 0];
+        const INADEQUATE_SECURITY: u32 = 12;
+        let debug = PLAINTEXT_AT_TLS_PORT.as_bytes();
+        let mut frames = SETTINGS.to_vec();
+        let length = (8 + debug.len()) as u32;
+        frames.extend_from_slice(&length.to_be_bytes()[1..]);
+        frames.extend_from_slice(&[0x7, 0, 0, 0, 0, 0]); // GOAWAY, no flags, stream 0
+        frames.extend_from_slice(&0u32.to_be_bytes()); // no stream was processed
+        frames.extend_from_slice(&INADEQUATE_SECURITY.to_be_bytes());
+        frames.extend_from_slice(debug);
+        let _ = tcp.write_all(&frames).await;
+    }
+    let _ = tcp.shutdown().await;
+    // What the client sent is read until it closes (briefly): a close with unread bytes
+    // resets the connection, and the client might not read the answer.
+    let mut sink = [0u8; 4096];
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        while matches!(tcp.read(&mut sink).await, Ok(n) if n > 0) {}
+    })
+    .await;
+}
+
+/// At most one log line a minute.
+#[derive(Debug, Default)]
+struct Throttle(Mutex<Option<std::time::Instant>>);
+
+impl Throttle {
+    /// Whether a line may be logged now (then none for a minute).
+    fn due(&self) -> bool {
+        let mut last = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if last.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
+            *last = Some(std::time::Instant::now());
+            return true;
+        }
+        false
+    }
+}
+
+/// Counts a failed handshake at the port `local`; logs it, with what to change where the
+/// error says, unless one was logged in the last minute.
 fn handshake_failed(
-    said: &Mutex<Option<std::time::Instant>>,
+    said: &Throttle,
     peer: std::net::SocketAddr,
+    local: Option<std::net::SocketAddr>,
     why: &str,
     reason: &'static str,
 ) {
     metrics::counter!(TLS_HANDSHAKE_FAILURES_TOTAL, "reason" => reason).increment(1);
-    let mut last = said
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if last.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
-        *last = Some(std::time::Instant::now());
-        tracing::warn!(%peer, error = why, "TLS handshake failed (further failures this minute are only counted in grpc_tls_handshake_failures_total)");
+    if said.due() {
+        let port = local.map_or_else(|| "?".to_owned(), |a| a.to_string());
+        let hint = handshake_hint(why);
+        tracing::warn!(%peer, error = why, "TLS handshake failed at {port}{hint} (further failures this minute are only counted in grpc_tls_handshake_failures_total)");
+    }
+}
+
+/// What a server's handshake error means for the client, where it is clear.
+fn handshake_hint(error: &str) -> &'static str {
+    if ["UnknownCA", "BadCertificate", "CertificateUnknown"]
+        .iter()
+        .any(|a| error.contains(a))
+    {
+        ": the client does not trust this port's certificate; give it --tls-ca with the CA \
+         that signed --tls-cert"
+    } else if error.contains("peer sent no certificates") {
+        ": mutual TLS, and the client sent no certificate; give it --tls-client-cert and \
+         --tls-client-key signed by this port's --tls-client-ca"
+    } else if error.contains("UnknownIssuer") {
+        ": the client's certificate is not signed by this port's --tls-client-ca"
+    } else {
+        ""
+    }
+}
+
+/// TLS on one side of a call only, or a server certificate the client does not trust:
+/// what a client's failed call means ([`TlsProblem::classify`]), named with what to
+/// change ([`TlsProblem::at`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TlsProblem {
+    /// The call was TLS (`https://`) and the port answered in plaintext.
+    PortIsPlaintext,
+    /// The call was plaintext (`http://`) and the port serves TLS.
+    PortIsTls,
+    /// The server's certificate is not trusted here (the handshake's words).
+    Untrusted(String),
+}
+
+impl TlsProblem {
+    /// The TLS problem a call to `url` that failed with `error` (its message with its
+    /// causes, [`crate::probe::cause_chain`]) shows, if any.
+    pub fn classify(url: &str, error: &str) -> Option<Self> {
+        if url.starts_with("https://") {
+            if [
+                "InvalidContentType",
+                "corrupt message",
+                "wrong version number",
+            ]
+            .iter()
+            .any(|m| error.contains(m))
+            {
+                return Some(TlsProblem::PortIsPlaintext);
+            }
+            if let Some(at) = error.find("invalid peer certificate") {
+                let detail = error[at..].split([':', ')']).take(2).collect::<Vec<_>>();
+                return Some(TlsProblem::Untrusted(detail.join(":").trim().to_owned()));
+            }
+        } else if url.starts_with("http://")
+            && [
+                "this port serves TLS",
+                // INADEQUATE_SECURITY, as h2 words it.
+                "security properties do not meet minimum requirements",
+                // A TLS alert record read as an HTTP/2 frame header.
+                "frame with invalid size",
+            ]
+            .iter()
+            .any(|m| error.contains(m))
+        {
+            return Some(TlsProblem::PortIsTls);
+        }
+        None
+    }
+
+    /// One line naming `url`, what is wrong and what to change.
+    pub fn at(&self, url: &str) -> String {
+        let rest = url
+            .trim_start_matches("https://")
+            .trim_start_matches("http://");
+        match self {
+            TlsProblem::PortIsPlaintext => format!(
+                "TLS on one side only: {url} answers in plaintext, but it is called with TLS; \
+                 call it with http://{rest}, or serve TLS there (--tls-cert, --tls-key)"
+            ),
+            TlsProblem::PortIsTls => format!(
+                "TLS on one side only: {url} serves TLS, but it is called in plaintext; call \
+                 it with https://{rest} (and --tls-ca, the CA that signed its certificate), \
+                 or serve plaintext there"
+            ),
+            TlsProblem::Untrusted(detail) => format!(
+                "TLS: the certificate of {url} is not trusted here ({detail}); give --tls-ca \
+                 the CA that signed it"
+            ),
+        }
     }
 }
 
@@ -419,5 +675,55 @@ impl ClientTlsArgs {
             ));
         }
         Ok(endpoint)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_connection_s_first_bytes_say_what_its_client_speaks() {
+        assert_eq!(Opening::of(&[0x16, 0x03, 0x01, 0x02, 0x00]), Opening::Tls);
+        assert_eq!(Opening::of(&[0x16]), Opening::Tls);
+        assert_eq!(Opening::of(b"PRI * HTTP/2.0\r\n\r\nSM"), Opening::Http2);
+        assert_eq!(Opening::of(b"PR"), Opening::Http2);
+        assert_eq!(Opening::of(b"GET / HTTP/1.1\r\n"), Opening::Other);
+        assert_eq!(Opening::of(&[0x16, 0x01]), Opening::Other);
+        assert_eq!(Opening::of(&[]), Opening::Nothing);
+    }
+
+    #[test]
+    fn tls_on_one_side_only_is_told_from_the_client_s_error() {
+        let plain = "transport error: received corrupt message of type InvalidContentType";
+        let (https, http) = ("https://h:1", "http://h:1");
+        assert_eq!(
+            TlsProblem::classify(https, plain),
+            Some(TlsProblem::PortIsPlaintext)
+        );
+        assert_eq!(TlsProblem::classify(http, plain), None);
+        let goaway = format!(
+            "h2 protocol error: connection error received: security properties do not meet \
+             minimum requirements (b\"{PLAINTEXT_AT_TLS_PORT}\")"
+        );
+        assert_eq!(
+            TlsProblem::classify(http, &goaway),
+            Some(TlsProblem::PortIsTls)
+        );
+        let untrusted = "connect: transport error: invalid peer certificate: UnknownIssuer";
+        assert_eq!(
+            TlsProblem::classify(https, untrusted),
+            Some(TlsProblem::Untrusted(
+                "invalid peer certificate: UnknownIssuer".into()
+            ))
+        );
+        assert_eq!(TlsProblem::classify(http, "Connection refused"), None);
+        for (problem, fix) in [
+            (TlsProblem::PortIsTls, "call it with https://h:1"),
+            (TlsProblem::PortIsPlaintext, "call it with http://h:1"),
+        ] {
+            let line = problem.at(if fix.contains("https") { http } else { https });
+            assert!(line.contains("TLS") && line.contains(fix), "{line}");
+        }
     }
 }

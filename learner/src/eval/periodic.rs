@@ -31,7 +31,7 @@ use crate::settings::ConfigError;
 #[derive(Debug, Clone, clap::Args)]
 pub struct PeriodicArgs {
     /// Evaluate the weights every N steps and after the last step (0: never), greedily,
-    /// on a thread of its own beside training; results go to --log-jsonl
+    /// on a thread of its own beside training; results go to --log-jsonl and --tensorboard
     /// (`eval/<suite>/<metric>`), Prometheus (`learner_eval`) and, for the final weights,
     /// the last checkpoint's trainer_state.json.
     #[arg(

@@ -3,11 +3,13 @@
 
 use std::time::{Duration, Instant};
 
+use rookworld_proto::rollout::v1::StatusRequest;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
-use rookworld_service::tls::ClientTlsArgs;
+use rookworld_service::probe::{cause_chain, error_chain};
+use rookworld_service::tls::{ClientTlsArgs, TlsProblem};
 use rookworld_weights::set::{self as weights, CHUNK_BYTES, WeightSet};
 
-use super::PushOutcome;
+use super::{Blocked, LearnerModel, PushOutcome};
 use crate::metrics::names;
 use crate::queue::{Queue, QueueHandle};
 
@@ -50,10 +52,10 @@ pub async fn push_over(
     };
     let push = push_one(&address, &set, &token, (deadline, shared, tls), &mut how);
     let result = tokio::time::timeout(deadline, push).await;
-    let (error, unreachable) = match result {
-        Ok(Ok(())) => (None, false),
-        Ok(Err(PushError { unreachable, why })) => (Some(why), unreachable),
-        Err(_) => (Some(format!("no answer within {deadline:?}")), false),
+    let (error, blocked) = match result {
+        Ok(Ok(())) => (None, None),
+        Ok(Err(PushError { blocked, why })) => (Some(why), blocked),
+        Err(_) => (Some(format!("no answer within {deadline:?}")), None),
     };
     let o = PushOutcome {
         worker: address,
@@ -65,7 +67,7 @@ pub async fn push_over(
             0
         },
         error,
-        unreachable,
+        blocked,
         path: how.path,
         shared_refused: how.shared_refused,
     };
@@ -87,10 +89,24 @@ pub async fn push_over(
     o
 }
 
-/// Why a push failed, and whether anything answered at the address at all.
+/// Why a push failed, and what blocks every push to that worker until something changes.
 struct PushError {
-    unreachable: bool,
+    blocked: Option<Blocked>,
     why: String,
+}
+
+impl PushError {
+    /// Nothing answered at the address, or TLS is on one side only.
+    fn unreachable(address: &str, why: String) -> Self {
+        let blocked = match TlsProblem::classify(address, &why) {
+            Some(tls) => Blocked::Tls(tls.at(address)),
+            None => Blocked::Unreachable(why.clone()),
+        };
+        Self {
+            blocked: Some(blocked),
+            why,
+        }
+    }
 }
 
 /// Which path a push took.
@@ -106,24 +122,33 @@ async fn push_one(
     (deadline, shared, tls): (Duration, bool, &ClientTlsArgs),
     how: &mut How,
 ) -> Result<(), PushError> {
-    let unreachable = |why: String| PushError {
-        unreachable: true,
-        why,
+    let endpoint = match tls.endpoint(address) {
+        Ok(endpoint) => endpoint,
+        Err(e) if tls.enabled() && address.starts_with("http://") => {
+            return Err(PushError {
+                blocked: Some(Blocked::Tls(format!(
+                    "TLS on one side only: this learner calls workers with TLS (--tls-ca, \
+                     --tls-client-cert) but the worker advertises the plaintext {address}; \
+                     serve TLS on the worker (--tls-cert, --tls-key: it then advertises \
+                     https://), or run the learner without client TLS options"
+                ))),
+                why: e,
+            });
+        }
+        Err(e) => {
+            return Err(PushError::unreachable(
+                address,
+                format!("bad address {address}: {e}"),
+            ));
+        }
     };
-    let channel = tls
-        .endpoint(address)
-        .map_err(|e| unreachable(format!("bad address {address}: {e}")))?
+    let channel = endpoint
         .connect_timeout(deadline)
         .timeout(deadline)
         .connect()
         .await
-        .map_err(|e| unreachable(format!("connect: {e}: {}", source_chain(&e))))?;
+        .map_err(|e| PushError::unreachable(address, format!("connect: {}", error_chain(&e))))?;
     let mut client = RolloutServiceClient::new(channel);
-    let refused = |why: String| PushError {
-        unreachable: false,
-        why,
-    };
-    let refusal = |s: tonic::Status| refused(format!("{:?}: {}", s.code(), s.message()));
     if shared && set.shared_file.is_some() {
         match weights::push_shared(&mut client, set, token).await {
             Ok(answer) => {
@@ -143,14 +168,83 @@ async fn push_one(
             {
                 tracing::debug!(worker = %address, why = %s.message(), "the shared payload is busy; this push is streamed");
             }
-            Err(s) => return Err(refusal(s)),
+            Err(s) => return Err(refused(&mut client, address, token, s).await),
         }
     }
-    let answer = weights::push(&mut client, set, token, CHUNK_BYTES)
-        .await
-        .map_err(refusal)?;
-    check_answer(&answer, set)
+    match weights::push(&mut client, set, token, CHUNK_BYTES).await {
+        Ok(answer) => check_answer(&answer, set),
+        Err(s) => Err(refused(&mut client, address, token, s).await),
+    }
 }
+
+/// A push the worker at `address` answered with `s`: TLS on one side only (a plaintext
+/// call at a TLS port gets this far), a worker of another model (its `Status` says
+/// which), or a refusal.
+async fn refused(
+    client: &mut RolloutServiceClient<tonic::transport::Channel>,
+    address: &str,
+    token: &str,
+    s: tonic::Status,
+) -> PushError {
+    let why = format!("{:?}: {}", s.code(), cause_chain(&s));
+    if let Some(tls) = TlsProblem::classify(address, &why) {
+        return PushError {
+            blocked: Some(Blocked::Tls(tls.at(address))),
+            why,
+        };
+    }
+    let other_model = s.code() == tonic::Code::InvalidArgument && s.message().contains(OTHER_MODEL);
+    if !other_model {
+        return PushError { blocked: None, why };
+    }
+    let mut request = tonic::Request::new(StatusRequest {});
+    let _ = rookworld_service::auth::set_token(request.metadata_mut(), token);
+    let model = match client.status(request).await {
+        Ok(answer) => {
+            let a = answer.into_inner();
+            if a.model_source.is_empty() {
+                a.model
+            } else {
+                format!("{} ({})", a.model, a.model_source)
+            }
+        }
+        Err(e) => format!("not known (its Status: {})", e.message()),
+    };
+    PushError {
+        blocked: Some(Blocked::OtherModel(model)),
+        why,
+    }
+}
+
+/// Whether a worker's service answers at `address` within `within` (its `Status`: any
+/// answer counts, a refusal too); `false` when nothing does (it is gone, or never was).
+pub async fn worker_answers(
+    address: &str,
+    token: &str,
+    tls: &ClientTlsArgs,
+    within: Duration,
+) -> bool {
+    let Ok(endpoint) = tls.endpoint(address) else {
+        return false;
+    };
+    let ask = async {
+        let channel = endpoint.connect_timeout(within).connect().await.ok()?;
+        let mut request = tonic::Request::new(StatusRequest {});
+        let _ = rookworld_service::auth::set_token(request.metadata_mut(), token);
+        match RolloutServiceClient::new(channel).status(request).await {
+            Ok(_) => Some(()),
+            // A status with a cause is the connection's failure, not the worker's answer.
+            Err(s) if std::error::Error::source(&s).is_some() => None,
+            Err(s) if s.code() == tonic::Code::Unavailable => None,
+            Err(_) => Some(()),
+        }
+    };
+    matches!(tokio::time::timeout(within, ask).await, Ok(Some(())))
+}
+
+/// How a worker words a payload that is not a model of its shape
+/// ([`rookworld_weights::set::WeightError::Model`]).
+const OTHER_MODEL: &str = "not a model of this worker's shape";
 
 /// A push answered: the worker must now report the pushed version.
 fn check_answer(
@@ -159,42 +253,50 @@ fn check_answer(
 ) -> Result<(), PushError> {
     if answer.version != set.version {
         return Err(PushError {
-            unreachable: false,
+            blocked: None,
             why: format!("worker reports version {} after the push", answer.version),
         });
     }
     Ok(())
 }
 
-/// The causes under an error (tonic's transport error says only "transport error").
-fn source_chain(e: &dyn std::error::Error) -> String {
-    let mut out = Vec::new();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        out.push(c.to_string());
-        cause = c.source();
-    }
-    out.join(": ")
+/// Tells the queue whether pushes reach and fit the worker at `o.worker`: the first time
+/// something blocks them, one ERROR naming the address, the cause and what to change
+/// ([`Blocked`]; `model` is this learner's); the queue then answers that worker's leases
+/// with the same text until a push reaches it.
+pub(super) async fn note_reachability(queue: &QueueHandle, o: PushOutcome, model: &LearnerModel) {
+    let model = model.clone();
+    queue.run(move |q| note(q, &o, &model)).await;
 }
 
-/// Tells the queue whether the worker at `o.worker` can be reached for pushes: the first
-/// time it cannot, one ERROR naming the address and `--advertise`; the queue then answers
-/// that worker's leases with the same text until a push reaches it.
-pub(super) async fn note_reachability(queue: &QueueHandle, o: PushOutcome) {
-    queue.run(move |q| note(q, &o)).await;
-}
-
-fn note(q: &mut Queue, o: &PushOutcome) {
-    if o.unreachable {
-        let problem = format!(
-            "the learner cannot reach {} for weight pushes ({}); start the worker with --advertise URL (ROLLOUT_ADVERTISE) at which the learner reaches its service",
-            o.worker,
-            o.error.as_deref().unwrap_or("no answer")
-        );
-        if q.set_push_problem(&o.worker, Some(problem.clone())) {
-            tracing::error!("{problem}");
+fn note(q: &mut Queue, o: &PushOutcome, model: &LearnerModel) {
+    match &o.blocked {
+        Some(blocked) => {
+            let problem = blocked.describe(&o.worker, model);
+            if q.set_push_problem(&o.worker, Some(problem.clone())) {
+                tracing::error!("{problem}");
+            }
         }
-    } else if o.error.is_none() {
-        q.set_push_problem(&o.worker, None);
+        None if o.error.is_none() => {
+            q.set_push_problem(&o.worker, None);
+        }
+        None => {}
+    }
+}
+
+impl Blocked {
+    /// One line: the worker at `address`, what blocks its pushes and what to change
+    /// (`model` is this learner's).
+    pub fn describe(&self, address: &str, model: &LearnerModel) -> String {
+        match self {
+            Blocked::Unreachable(why) => format!(
+                "the learner cannot reach {address} for weight pushes ({why}); start the worker with --advertise URL (ROLLOUT_ADVERTISE) at which the learner reaches its service"
+            ),
+            Blocked::Tls(line) => format!("weight pushes to the worker at {address} fail: {line}"),
+            Blocked::OtherModel(theirs) => format!(
+                "the worker at {address} serves another model than this learner, so no weight push fits it: the worker's is {theirs}, the learner's {} ({}); start the worker with the learner's model ({}) and the learner pushes its weights to it",
+                model.shape, model.flag, model.flag
+            ),
+        }
     }
 }

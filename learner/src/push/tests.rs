@@ -7,7 +7,7 @@ fn outcome(worker: &str, version: u64, error: Option<&str>) -> PushOutcome {
         seconds: 0.1,
         bytes: 0,
         error: error.map(String::from),
-        unreachable: false,
+        blocked: None,
         path: "stream",
         shared_refused: false,
     }

@@ -133,7 +133,8 @@ impl Queue {
     }
 
     /// The causes seen in the last [`CURRENT`], one phrase each, most common first: workers'
-    /// reports grouped by what they say, then refused calls. Empty when none is known.
+    /// reports grouped by what they say, then refused calls, then what blocks the pushes
+    /// to workers heard from ([`Queue::set_push_problem`]). Empty when none is known.
     pub fn causes(&self, now: Instant) -> Vec<String> {
         let recent =
             |t: Option<Instant>| t.is_some_and(|t| now.saturating_duration_since(t) < CURRENT);
@@ -163,6 +164,13 @@ impl Queue {
                 ));
             }
         }
+        let blocked: std::collections::BTreeSet<&String> = self
+            .workers
+            .values()
+            .filter(|w| recent(w.last_seen))
+            .filter_map(|w| self.push_problems.get(&w.push_address))
+            .collect();
+        out.extend(blocked.into_iter().cloned());
         out
     }
 }

@@ -352,3 +352,35 @@ fn dynamic_sampling_consumes_groups_without_signal_and_keeps_the_others() {
     assert!(kept[0].has_signal() && kept[0].prompt_id == ids[1]);
     assert_eq!(q.depths().scored_bytes, 0);
 }
+
+#[test]
+fn a_second_worker_under_a_held_id_is_refused_until_the_holder_is_silent() {
+    let t0 = Instant::now();
+    let s = Duration::from_secs;
+    let mut q = Queue::new(cfg()); // lease timeout 10 s
+    q.add(prompt(0), 0).unwrap();
+    // The worker at A leases under `w`: it holds the id.
+    q.lease("w", 1, t0).unwrap();
+    q.describe_worker("w", "http://a:1", ("", 0), t0);
+    assert_eq!(q.claim("w", "http://a:1", t0 + s(1)), Ok(()));
+    // Another address under the same id is refused, naming both addresses.
+    let e = q.claim("w", "http://b:1", t0 + s(3)).unwrap_err();
+    assert_eq!(
+        (e.holder.as_str(), e.claimant.as_str()),
+        ("http://a:1", "http://b:1")
+    );
+    assert_eq!(e.silent, s(3));
+    let text = e.to_string();
+    assert!(
+        text.contains("--worker-id") && text.contains("`w`"),
+        "{text}"
+    );
+    // A group under the id counts as the holder heard from.
+    q.seen("w", t0 + s(9));
+    assert!(q.claim("w", "http://b:1", t0 + s(18)).is_err());
+    // Silent for the lease timeout: the id is free (the holder restarted elsewhere).
+    assert_eq!(q.claim("w", "http://b:1", t0 + s(19)), Ok(()));
+    // Workers without a push address are not told apart; unknown ids are free.
+    assert_eq!(q.claim("w", "", t0 + s(10)), Ok(()));
+    assert_eq!(q.claim("other", "http://b:1", t0), Ok(()));
+}

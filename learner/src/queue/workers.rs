@@ -1,6 +1,6 @@
 //! The queue's bounded table of workers: what each leased, submitted and reported.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
@@ -27,11 +27,60 @@ pub struct WorkerStats {
     pub reported_at: Option<Instant>,
     #[serde(skip)]
     pub last_seen: Option<Instant>,
+    /// When the worker at `push_address` last leased under this id, or a group was
+    /// submitted under it: the address holds the id while this is recent
+    /// ([`Queue::claim`]).
+    #[serde(skip)]
+    pub held_at: Option<Instant>,
     /// What it last reported keeps it from delivering ([`super::problems`]).
     pub problem: Option<super::problems::Problem>,
 }
 
+/// A worker that leases under an id another worker holds: two workers started with one
+/// `--worker-id`, which would otherwise take turns as one worker (each lease moving its
+/// push address).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error(
+    "worker id `{id}` is in use by the worker at {holder} (heard from {:.0} s ago, and it \
+     answers there), so the worker at {claimant} is refused: give each worker its own \
+     --worker-id (ROLLOUT_WORKER_ID)",
+    silent.as_secs_f64()
+)]
+pub struct DuplicateWorker {
+    pub id: String,
+    /// The push address of the worker that holds the id.
+    pub holder: String,
+    /// The push address of the one refused.
+    pub claimant: String,
+    /// How long ago the holder was heard from.
+    pub silent: Duration,
+}
+
 impl Queue {
+    /// Whether the worker at push address `address` may lease under the id `worker`: not
+    /// while the worker at another address holds it (leased under it, or a group came
+    /// under it, within the lease timeout: a live worker does one or the other that
+    /// often). The queue's service lets the newcomer in all the same when nothing answers
+    /// at the holder's address (it restarted elsewhere). Workers without a push address
+    /// are not told apart.
+    pub fn claim(&self, worker: &str, address: &str, now: Instant) -> Result<(), DuplicateWorker> {
+        let Some(w) = self.workers.get(worker) else {
+            return Ok(());
+        };
+        if address.is_empty() || w.push_address.is_empty() || w.push_address == address {
+            return Ok(());
+        }
+        match w.held_at.map(|t| now.saturating_duration_since(t)) {
+            Some(silent) if silent < self.cfg.lease_timeout => Err(DuplicateWorker {
+                id: worker.to_owned(),
+                holder: w.push_address.clone(),
+                claimant: address.to_owned(),
+                silent,
+            }),
+            _ => Ok(()),
+        }
+    }
+
     /// Records where a known `worker` takes weight pushes and the version (of run `run`)
     /// it says it runs.
     pub fn describe_worker(
@@ -51,14 +100,20 @@ impl Queue {
             }
             w.reported_version = Some(if ours { version } else { 0 });
             w.reported_at = Some(now);
+            w.held_at = Some(now);
         }
     }
 
-    /// Records that pushes to `address` cannot connect (`Some(why)`) or reached it
-    /// (`None`); returns whether the address just became unreachable.
+    /// Records that no push reaches or fits the worker at `address` (`Some(why)`: no
+    /// answer, TLS on one side only, another model) or that one did (`None`); returns
+    /// whether `why` is new for the address.
     pub fn set_push_problem(&mut self, address: &str, problem: Option<String>) -> bool {
         match problem {
-            Some(why) => self.push_problems.insert(address.to_owned(), why).is_none(),
+            Some(why) => {
+                let new = self.push_problems.get(address) != Some(&why);
+                self.push_problems.insert(address.to_owned(), why);
+                new
+            }
             None => {
                 self.push_problems.remove(address);
                 false
@@ -66,8 +121,8 @@ impl Queue {
         }
     }
 
-    /// Why `worker` should not lease: the learner cannot reach its push address (it
-    /// would generate with weights that never change, and every group would be dropped).
+    /// Why `worker` should not lease: no push reaches or fits it (it would generate with
+    /// weights that never change, and every group would be dropped).
     pub fn push_problem(&self, worker: &str) -> Option<&str> {
         let address = &self.workers.get(worker)?.push_address;
         self.push_problems.get(address).map(String::as_str)
@@ -94,9 +149,11 @@ impl Queue {
         Ok(())
     }
 
+    /// A group came under `worker`'s id (only the holder of an id leases under it).
     pub(super) fn seen(&mut self, worker: &str, now: Instant) {
         if let Some(w) = self.workers.get_mut(worker) {
             w.last_seen = Some(now);
+            w.held_at = Some(now);
         }
     }
 

@@ -4,7 +4,7 @@
 use rookworld_service::auth::TokenError;
 use tonic::Status;
 
-use crate::queue::{Backpressure, SubmitError};
+use crate::queue::{Backpressure, DuplicateWorker, SubmitError};
 
 /// A refused queue call.
 #[derive(Debug, thiserror::Error)]
@@ -15,9 +15,13 @@ pub enum QueueError {
     /// The request is malformed (its lease stays: a corrected call can still come).
     #[error("{0}")]
     Invalid(String),
-    /// The learner cannot reach the worker's push address; the text says what to do.
+    /// No push reaches or fits the worker (its push address does not answer, TLS on one
+    /// side only, another model); the text says what to do.
     #[error("{0}")]
     PushUnreachable(String),
+    /// Another worker holds the caller's worker id: refused for good (the worker stops).
+    #[error(transparent)]
+    Duplicate(#[from] DuplicateWorker),
     /// A submission under a lease the queue does not hold for this worker and prompt.
     #[error(transparent)]
     Submit(#[from] SubmitError),
@@ -35,6 +39,7 @@ impl From<QueueError> for Status {
             QueueError::Token(e) => e.into(),
             QueueError::Invalid(m) => Status::invalid_argument(m),
             QueueError::PushUnreachable(m) => Status::failed_precondition(m),
+            QueueError::Duplicate(e) => Status::already_exists(e.to_string()),
             QueueError::Submit(e) => Status::failed_precondition(e.to_string()),
             QueueError::Full(b) => Status::resource_exhausted(format!("{b:?}")),
             QueueError::Internal(m) => Status::internal(m),

@@ -5,10 +5,11 @@
 pub mod check;
 mod error;
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rookworld_proto::queue::v1 as pb;
 use rookworld_proto::queue::v1::rollout_queue_server::{RolloutQueue, RolloutQueueServer};
@@ -22,10 +23,15 @@ use tonic::{Request, Response, Status};
 use crate::metrics::names;
 use crate::prompts::TaskKind;
 use crate::queue::problems::{Cause, Problem};
-use crate::queue::{Backpressure, QueueHandle, ScoredCompletion, ScoredGroup, WorkerStats};
+use crate::queue::{
+    Backpressure, DuplicateWorker, QueueHandle, ScoredCompletion, ScoredGroup, WorkerStats,
+};
 pub use check::GroupCheck;
 pub use error::QueueError;
 
+/// How long the queue waits for the holder of a worker id to answer when another worker
+/// claims the id ([`QueueServer::claim`]).
+const HOLDER_PROBE: Duration = Duration::from_secs(2);
 /// Most groups one PeekGroups returns.
 const MAX_PEEK: usize = 64;
 /// Most prompts one Lease hands out.
@@ -54,6 +60,10 @@ pub struct QueueServer {
     tls: Option<Arc<ServerTls>>,
     learner_version: Arc<AtomicU64>,
     started: Instant,
+    /// Refused duplicate worker ids (id, refused address), when last named.
+    duplicates_said: Arc<std::sync::Mutex<BTreeMap<(String, String), Instant>>>,
+    /// TLS towards workers' push addresses (to ask whether a worker is still there).
+    push_tls: rookworld_service::tls::ClientTlsArgs,
 }
 
 impl QueueServer {
@@ -70,6 +80,8 @@ impl QueueServer {
             tls: None,
             learner_version,
             started: Instant::now(),
+            duplicates_said: Arc::default(),
+            push_tls: Default::default(),
         }
     }
 
@@ -83,6 +95,31 @@ impl QueueServer {
     pub fn with_tls(mut self, tls: Option<Arc<ServerTls>>) -> Self {
         self.tls = tls;
         self
+    }
+
+    /// Calls workers' push addresses with `tls` (the weight pushes' client TLS).
+    pub fn with_push_tls(mut self, tls: rookworld_service::tls::ClientTlsArgs) -> Self {
+        self.push_tls = tls;
+        self
+    }
+
+    /// Whether the worker at `address` may lease under the id `worker`: not while a worker
+    /// at another address holds the id and still answers there
+    /// ([`crate::queue::Queue::claim`],
+    /// [`crate::push::worker_answers`]); one that is gone (restarted elsewhere) leaves the
+    /// id to the newcomer.
+    async fn claim(&self, worker: &str, address: &str, now: Instant) -> Result<(), QueueError> {
+        let (w, a) = (worker.to_owned(), address.to_owned());
+        let Err(dup) = self.queue.run(move |q| q.claim(&w, &a, now)).await else {
+            return Ok(());
+        };
+        let token = self.guard.token().unwrap_or_default();
+        if crate::push::worker_answers(&dup.holder, token, &self.push_tls, HOLDER_PROBE).await {
+            self.said_duplicate(&dup);
+            return Err(dup.into());
+        }
+        tracing::info!(worker = %worker.escape_debug(), from = %dup.holder, to = %address, "worker id moves to a new address: nothing answers at the old one");
+        Ok(())
     }
 
     /// A worker call (`call`): the shared token. A refused call is counted by cause and
@@ -103,6 +140,35 @@ impl QueueServer {
             .run(move |q| q.refused_call(call, cause, &caller, Instant::now()))
             .await;
         Err(QueueError::from(e).into())
+    }
+
+    /// Names two workers under one id: one ERROR line per refused address a minute (a
+    /// refused worker stops, so a line means one start of it).
+    fn said_duplicate(&self, e: &DuplicateWorker) {
+        let mut said = self
+            .duplicates_said
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let key = (e.id.clone(), e.claimant.clone());
+        if said
+            .get(&key)
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(60))
+        {
+            return;
+        }
+        if said.len() >= 64 {
+            said.clear();
+        }
+        said.insert(key, Instant::now());
+        tracing::error!(
+            worker = %e.id.escape_debug(),
+            holder = %e.holder,
+            refused = %e.claimant,
+            "two workers use the worker id `{}`: the one at {} holds it, the one at {} is refused (ALREADY_EXISTS; it stops); give each worker its own --worker-id (ROLLOUT_WORKER_ID)",
+            e.id.escape_debug(),
+            e.holder,
+            e.claimant
+        );
     }
 
     /// An inspection call: open, or the inspection token.
@@ -202,6 +268,8 @@ impl RolloutQueue for QueueServer {
         let max = (r.max_prompts as usize).clamp(1, MAX_LEASE);
         let (worker, address) = (r.worker_id.clone(), r.push_address.clone());
         let (reported_run, reported_version) = (r.weight_run_id.clone(), r.weight_version);
+        // A second worker under a held id is refused before it counts as that one.
+        self.claim(&worker, &address, now).await?;
         let (result, run_id) = self
             .queue
             .run(move |q| {

@@ -46,9 +46,15 @@ pub struct TrainArgs {
     #[arg(long, env = "ROOKWORLD_MATMUL_PRECISION", default_value = "auto")]
     pub matmul_precision: crate::policy::MatmulPrecision,
     /// With --local: the local rollout worker's --weight-dtype (auto, f32, bf16, f16, or
-    /// int8 on the CPU: see `rollout-worker serve --weight-dtype`).
-    #[arg(long, env = "LEARNER_ROLLOUT_WEIGHT_DTYPE", default_value = "auto")]
-    pub rollout_weight_dtype: String,
+    /// int8 on the CPU: see `rollout-worker serve --weight-dtype`); a separate worker
+    /// takes its own `--weight-dtype`.
+    /// (Default with --local: auto.)
+    #[arg(
+        long,
+        env = "LEARNER_ROLLOUT_WEIGHT_DTYPE",
+        default_value_if("local", "true", "auto")
+    )]
+    pub rollout_weight_dtype: Option<String>,
     /// The old names of --matmul-precision and --rollout-weight-dtype, refused with a line
     /// naming the new ones.
     #[command(flatten)]
@@ -60,17 +66,19 @@ pub struct TrainArgs {
     )]
     pub legacy_rollout_precision: Option<String>,
     /// Reward server the workers use; when given, the learner waits for it to answer at
-    /// start (up to --reward-wait seconds) and fails with one line otherwise.
-    #[arg(long, env = "LEARNER_REWARD")]
+    /// start (up to --reward-wait seconds) and fails with one line otherwise (not with
+    /// --local, which starts its own).
+    #[arg(long, env = "LEARNER_REWARD", conflicts_with = "local")]
     pub reward: Option<String>,
-    /// Seconds to wait for --reward to answer at start.
+    /// Seconds to wait for --reward to answer at start (default with --reward: 30).
     #[arg(
         long,
         allow_negative_numbers = true,
         env = "LEARNER_REWARD_WAIT",
-        default_value_t = 30.0
+        default_value_if("reward", clap::builder::ArgPredicate::IsPresent, "30"),
+        conflicts_with = "local"
     )]
-    pub reward_wait: f64,
+    pub reward_wait: Option<f64>,
     /// Address of the rollout queue (workers lease from it; inspection calls too). Default
     /// 127.0.0.1:50051; with --local a free port (both logged at start).
     #[arg(long, env = "LEARNER_LISTEN")]
@@ -141,6 +149,11 @@ pub struct TrainArgs {
     /// Append one JSON object per step to this file.
     #[arg(long, env = "LEARNER_LOG_JSONL")]
     pub log_jsonl: Option<PathBuf>,
+    /// Write TensorBoard event files (`train/…` per step, `eval/<suite>/<metric>` per
+    /// evaluation) to this directory, for `tensorboard --logdir DIR`; "off" for none.
+    /// Default: RUN/tensorboard with --local, none otherwise.
+    #[arg(long, env = "LEARNER_TENSORBOARD")]
+    pub tensorboard: Option<PathBuf>,
     /// Append every consumed scored group (JSONL) to this file, for replay.
     #[arg(long, env = "LEARNER_ROLLOUT_DUMP")]
     pub rollout_dump: Option<PathBuf>,
@@ -193,6 +206,8 @@ impl TrainArgs {
             return Err(refused(e));
         }
         self.rollout_weight_dtype
+            .as_deref()
+            .unwrap_or("auto")
             .parse()
             .map_err(|e: rookworld_lm::Error| {
                 ConfigError::Value(format!("--rollout-weight-dtype: {e}"))
@@ -204,14 +219,27 @@ impl TrainArgs {
         use rookworld_service::check::{at_least, non_negative, positive, url};
         self.settings.validate()?;
         self.rollout_weight_dtype()?;
+        // Options the mode ignores are refused (each has a default only in its mode).
+        if !self.local && self.rollout_weight_dtype.is_some() {
+            return Err(ConfigError::Conflict(
+                "--rollout-weight-dtype is the weight dtype of --local's worker; a separate worker takes its own (`rollout-worker serve --weight-dtype`)".into(),
+            ));
+        }
+        if self.reward.is_none() && self.reward_wait.is_some() {
+            return Err(ConfigError::Conflict(
+                "--reward-wait is how long to wait for --reward at start; without --reward there is nothing to wait for".into(),
+            ));
+        }
         let mut checks = vec![
             at_least("--push-every", self.push_every, 1),
             at_least("--checkpoint-every", self.checkpoint_every, 1),
             positive("--push-timeout", self.push_timeout),
             non_negative("--drain-timeout", self.drain_timeout),
             non_negative("--stall-timeout", self.stall_timeout),
-            non_negative("--reward-wait", self.reward_wait),
         ];
+        if let Some(wait) = self.reward_wait {
+            checks.push(non_negative("--reward-wait", wait));
+        }
         if let Some(reward) = &self.reward {
             checks.push(url("--reward", reward));
         }
@@ -235,6 +263,17 @@ impl TrainArgs {
         };
         self.listen
             .unwrap_or_else(|| default.parse().expect("a socket address"))
+    }
+
+    /// The directory of the TensorBoard event files: `--tensorboard`, `None` for "off";
+    /// by default `RUN/tensorboard` with `--local` and none otherwise.
+    pub fn tensorboard_dir(&self) -> Option<PathBuf> {
+        match (&self.tensorboard, self.local) {
+            (Some(dir), _) if dir.as_os_str() == "off" || dir.as_os_str().is_empty() => None,
+            (Some(dir), _) => Some(dir.clone()),
+            (None, true) => Some(self.run_dir.join("tensorboard")),
+            (None, false) => None,
+        }
     }
 
     /// The metrics address, or `None` for "off" (default as for [`Self::listen_addr`]).

@@ -37,7 +37,7 @@ use rookworld_service::serve::stopped as until;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-pub use config::{ConfigError, TrainArgs, TrainSettings};
+pub use config::{ConfigError, RESUMABLE, TrainArgs, TrainSettings};
 pub use report::{StepRecord, StepSeconds, print_summary, reward_trend};
 
 use crate::checkpoint;
@@ -156,7 +156,11 @@ pub async fn run(
     });
 
     let mut summary = TrainSummary::default();
-    let mut run = tokio::task::block_in_place(|| prepare(&args, &mut summary))?;
+    let prepared = tokio::task::block_in_place(|| prepare(&args, &mut summary, &stop_rx))?;
+    let Some(mut run) = prepared else {
+        summary.interrupted = true;
+        return Ok(summary);
+    };
     crate::metrics::record_kernel_fallbacks(); // the device is open: its kernels are checked
     run.record = support::write_record(&args, &run)?;
     if run.resumed && run.step >= s.steps {
@@ -174,6 +178,7 @@ pub async fn run(
     let mut reporter = Reporter::new(
         args.log_jsonl.as_deref(),
         args.rollout_dump.as_deref(),
+        args.tensorboard_dir().as_deref(),
         !args.no_progress,
         s.steps,
         run.step,

@@ -6,6 +6,7 @@ use std::sync::atomic::AtomicU64;
 
 use candle_core::DType;
 use rookworld_lm::checkpoint as model_checkpoint;
+use tokio::sync::watch;
 
 use super::config::RESUMABLE;
 use super::{ConfigError, Run, TrainArgs, TrainError, TrainSummary};
@@ -17,8 +18,13 @@ use crate::queue::{Queue, QueueHandle};
 use crate::run_dir;
 
 /// Loads or resumes the policy, the reference and the queue; runs the warm-up on a fresh
-/// start.
-pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Run, TrainError> {
+/// start. `None` when `stop` came during the warm-up: it ends within one of its steps and
+/// leaves no checkpoint (a warm-up is not resumed: the next run starts afresh).
+pub(super) fn prepare(
+    args: &TrainArgs,
+    summary: &mut TrainSummary,
+    stop: &watch::Receiver<bool>,
+) -> Result<Option<Run>, TrainError> {
     let s = &args.settings;
     let settings_json = serde_json::to_value(s).expect("settings serialise");
     let mut source = match &args.prompts {
@@ -90,7 +96,8 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
                 summary.warm_up = std::thread::scope(|scope| {
                     scope
                         .spawn(|| {
-                            crate::sft::warm_up(&policy, &warm, engine, |r| {
+                            let stopped = || *stop.borrow();
+                            crate::sft::warm_up(&policy, &warm, engine, stopped, |r| {
                                 if r.step % 10 == 0 || r.step == warm.steps {
                                     tracing::info!(
                                         step = r.step,
@@ -104,6 +111,15 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
                         .join()
                         .expect("warm-up thread")
                 })?;
+                let done = summary.warm_up.len() as u64;
+                if done < warm.steps {
+                    tracing::info!(
+                        step = done,
+                        steps = warm.steps,
+                        "stopped during the supervised warm-up: no checkpoint (the next run starts afresh)"
+                    );
+                    return Ok(None);
+                }
             }
             // The reference is the policy GRPO starts from (after any warm-up).
             model_checkpoint::save(&policy.model, &reference_dir, DType::F32)?;
@@ -126,7 +142,7 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
     } else {
         None
     };
-    Ok(Run {
+    Ok(Some(Run {
         policy,
         reference,
         opt,
@@ -140,7 +156,7 @@ pub(super) fn prepare(args: &TrainArgs, summary: &mut TrainSummary) -> Result<Ru
         eval: None,
         record: None,
         _lock: run_lock,
-    })
+    }))
 }
 
 /// The weight version a run resumed from weights of version `saved` goes on with. When the

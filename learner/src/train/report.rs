@@ -1,5 +1,6 @@
 //! What a training step reports: the `--log-jsonl` record, the progress bar on a terminal
-//! (plain log lines otherwise), the rollout dump and the Prometheus metrics.
+//! (plain log lines otherwise), the rollout dump, the Prometheus metrics and the
+//! TensorBoard curves (`--tensorboard`).
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -14,6 +15,7 @@ use super::TrainSummary;
 use crate::metrics::names;
 use crate::queue::ScoredGroup;
 use crate::step::StepReport;
+use crate::tensorboard::EventWriter;
 
 /// Where a step's wall time went, in seconds.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -112,6 +114,55 @@ impl StepRecord {
         record
     }
 
+    /// The step's TensorBoard scalars: `train/<name>` (`train/reward`, `train/loss`, …;
+    /// the sampler/learner figures where measured).
+    pub fn scalars(&self) -> Vec<(String, f64)> {
+        let s = self.step_seconds;
+        let mut out: Vec<(String, f64)> = [
+            ("reward", self.reward_mean),
+            ("reward_std", self.reward_std),
+            ("loss", self.loss),
+            ("policy_loss", self.policy_loss),
+            ("kl", self.kl),
+            ("clip_frac", self.clip_frac),
+            ("clip_low", self.clip_low),
+            ("clip_high", self.clip_high),
+            ("grad_norm", self.grad_norm),
+            ("lr", self.lr),
+            ("tokens_per_second", self.tokens_per_second),
+            ("step_seconds", s.total),
+            ("wait_seconds", s.wait),
+            ("forward_backward_seconds", s.forward_backward),
+            ("staleness", self.staleness_mean),
+            ("mfu", self.mfu),
+            (
+                "skipped_groups",
+                (self.skipped_groups + self.dynamic_skipped) as f64,
+            ),
+            ("dropped_stale_total", self.dropped_stale_total as f64),
+        ]
+        .into_iter()
+        .map(|(name, v)| (format!("train/{name}"), v))
+        .collect();
+        if let Some(h) = self.entropy {
+            out.push(("train/entropy".into(), h));
+        }
+        if let Some(m) = &self.mismatch {
+            for (name, v) in [
+                ("sampler_logp_diff_mean", m.logp_diff_mean),
+                ("sampler_logp_diff_max", m.logp_diff_max),
+                ("sampler_kl", m.sampler_kl),
+                ("is_ess", m.ess),
+            ] {
+                out.push((format!("train/{name}"), v));
+            }
+        }
+        for (name, v) in &self.reward_components {
+            out.push((format!("train/reward_component/{name}"), *v));
+        }
+        out
+    }
+
     /// Reward statistics of the step's groups (population std over every completion).
     pub fn rewards_of(&mut self, groups: &[ScoredGroup]) {
         let rewards: Vec<f64> = groups
@@ -141,6 +192,7 @@ pub struct Reporter {
     jsonl: Option<BufWriter<File>>,
     dump: Option<BufWriter<File>>,
     progress: Progress,
+    tensorboard: Option<EventWriter>,
 }
 
 /// A run's log or rollout dump could not be written: which file (with its flag), and why.
@@ -212,10 +264,13 @@ fn roll_back(path: &Path, step: u64) -> Result<usize, ReportError> {
 
 impl Reporter {
     /// Opens the log and the dump for appending; with `roll_back` (a run resumed at
-    /// `first_step`, or one started over at 0) both first lose the steps after it.
+    /// `first_step`, or one started over at 0) both first lose the steps after it. A new
+    /// TensorBoard event file in `tensorboard` starts at the step after `first_step` (one
+    /// that cannot be made is logged, and the run goes on without).
     pub fn new(
         jsonl: Option<&Path>,
         dump: Option<&Path>,
+        tensorboard: Option<&Path>,
         progress: bool,
         total_steps: u64,
         first_step: u64,
@@ -229,10 +284,19 @@ impl Reporter {
                 }
             }
         }
+        let jsonl = jsonl.map(|p| append(p, "--log-jsonl")).transpose()?;
+        let dump = dump.map(|p| append(p, "--rollout-dump")).transpose()?;
+        let tensorboard = tensorboard.and_then(|dir| {
+            EventWriter::create(dir, first_step + 1)
+                .inspect(|w| tracing::info!(file = %w.path().display(), "TensorBoard event file"))
+                .map_err(|e| tracing::warn!(error = %e, "--tensorboard: no TensorBoard events this run (training goes on)"))
+                .ok()
+        });
         Ok(Self {
-            jsonl: jsonl.map(|p| append(p, "--log-jsonl")).transpose()?,
-            dump: dump.map(|p| append(p, "--rollout-dump")).transpose()?,
+            jsonl,
+            dump,
             progress: Progress::new("step", first_step, total_steps, progress),
+            tensorboard,
         })
     }
 
@@ -256,6 +320,9 @@ impl Reporter {
 
     pub fn step(&mut self, r: &StepRecord) -> Result<(), ReportError> {
         record_metrics(r);
+        if let Some(tb) = self.tensorboard.as_mut() {
+            tb.scalars(r.step, r.scalars());
+        }
         if let Some(f) = self.jsonl.as_mut() {
             let line = serde_json::to_string(r).expect("record serialises");
             writeln!(f, "{line}")
@@ -291,6 +358,10 @@ impl Reporter {
     /// Writes an evaluation's line to the log and sets its metrics.
     pub fn eval(&mut self, e: &crate::eval::periodic::Outcome) -> Result<(), ReportError> {
         e.record_metrics();
+        if let Some(tb) = self.tensorboard.as_mut() {
+            let seconds = ("eval/seconds".to_owned(), e.seconds);
+            tb.scalars(e.step, e.flat().into_iter().chain([seconds]));
+        }
         if let Some(f) = self.jsonl.as_mut() {
             writeln!(f, "{}", e.json_line())
                 .and_then(|()| f.flush())
@@ -384,4 +455,53 @@ pub fn reward_trend(steps: &[StepRecord]) -> Option<(f64, f64)> {
     let k = (steps.len() / 5).max(1);
     let mean = |s: &[StepRecord]| s.iter().map(|r| r.reward_mean).sum::<f64>() / s.len() as f64;
     Some((mean(&steps[..k]), mean(&steps[steps.len() - k..])))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: super::super::TrainArgs,
+    }
+
+    #[test]
+    fn a_step_gives_its_curves_and_the_gap_only_where_measured() {
+        let mut r = StepRecord {
+            reward_mean: -0.25,
+            loss: 0.5,
+            reward_components: [("format".to_owned(), 0.75)].into(),
+            ..StepRecord::default()
+        };
+        let tags = |r: &StepRecord| -> BTreeMap<String, f64> { r.scalars().into_iter().collect() };
+        let t = tags(&r);
+        assert_eq!(t["train/reward"], -0.25);
+        assert_eq!(t["train/loss"], 0.5);
+        assert_eq!(t["train/reward_component/format"], 0.75);
+        for tag in ["train/kl", "train/clip_frac", "train/grad_norm", "train/lr"] {
+            assert!(t.contains_key(tag), "{tag}");
+        }
+        assert!(!t.contains_key("train/sampler_logp_diff_mean"));
+        r.mismatch = Some(crate::offpolicy::Mismatch {
+            logp_diff_mean: 0.03,
+            ..Default::default()
+        });
+        assert_eq!(tags(&r)["train/sampler_logp_diff_mean"], 0.03);
+    }
+
+    #[test]
+    fn the_curves_go_under_the_run_with_local_elsewhere_only_when_asked() {
+        let dir = |argv: &[&str]| {
+            let argv = ["train", "--run-dir", "RUN"].iter().chain(argv);
+            Cli::parse_from(argv).args.tensorboard_dir()
+        };
+        assert_eq!(dir(&["--local"]), Some("RUN/tensorboard".into()));
+        assert_eq!(dir(&["--local", "--tensorboard", "off"]), None);
+        assert_eq!(dir(&["--local", "--tensorboard", "tb"]), Some("tb".into()));
+        assert_eq!(dir(&[]), None);
+        assert_eq!(dir(&["--tensorboard", "tb"]), Some("tb".into()));
+    }
 }

@@ -60,7 +60,7 @@ pub(super) async fn check(args: &TrainArgs) -> Result<Checked, TrainError> {
     let tls = args.tls.load().map_err(ConfigError::Unusable)?;
     args.client_tls.check().map_err(ConfigError::Unusable)?;
     if let Some(reward) = args.reward.as_ref().filter(|_| !args.local) {
-        let wait = Duration::from_secs_f64(args.reward_wait.max(0.0));
+        let wait = Duration::from_secs_f64(args.reward_wait.unwrap_or(30.0).max(0.0));
         check_reward(reward, &token, &args.client_tls, wait).await?;
     }
     Ok(Checked {
@@ -114,7 +114,8 @@ impl Services {
             run.version.clone(),
         )
         .with_inspect_token(inspect_token)
-        .with_tls(tls.clone());
+        .with_tls(tls.clone())
+        .with_push_tls(push_tls(args));
         let (server_stop, server_stopped) = watch::channel(false);
         let queue_task = tokio::spawn(queue_service::run(server, listener, until(server_stopped)));
         tracing::info!(queue = %queue_addr, step = run.step, version = run.version.load(Ordering::SeqCst), "learner ready");
@@ -153,9 +154,13 @@ impl Services {
                 deadline: args.push_timeout(),
                 forget_after: Duration::from_secs_f64((2.0 * s.lease_timeout).max(60.0)),
                 tick: Duration::from_millis(250),
-                tls: rookworld_service::tls::ClientTlsArgs {
-                    server_name: args.push_tls_name.clone(),
-                    ..args.client_tls.clone()
+                tls: push_tls(args),
+                model: push::LearnerModel {
+                    shape: run.policy.model.config().shape(),
+                    flag: match &args.model {
+                        Some(dir) => format!("--model {}", dir.display()),
+                        None => format!("--preset {}", args.preset),
+                    },
                 },
             },
             until(sync_stopped),
@@ -211,5 +216,14 @@ impl Services {
         {
             tracing::warn!(error = %e, "queue server");
         }
+    }
+}
+
+/// The client TLS of calls to workers' push addresses: the learner's, with
+/// `--push-tls-name` as the name their certificates are checked against.
+fn push_tls(args: &TrainArgs) -> rookworld_service::tls::ClientTlsArgs {
+    rookworld_service::tls::ClientTlsArgs {
+        server_name: args.push_tls_name.clone(),
+        ..args.client_tls.clone()
     }
 }

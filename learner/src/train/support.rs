@@ -125,19 +125,34 @@ pub(super) async fn check_reward(
         .map_err(|e| ConfigError::Unusable(format!("--reward {url}: {e}")))?
         .connect_timeout(Duration::from_secs(2))
         .timeout(Duration::from_secs(10));
+    use rookworld_service::tls::TlsProblem;
+    // TLS on one side only does not cure itself: named at once.
+    let tls_problem = |why: &str| {
+        TlsProblem::classify(url, why).map(|p| {
+            TrainError::from(ConfigError::Unusable(format!(
+                "reward server: {}",
+                p.at(url)
+            )))
+        })
+    };
     let started = Instant::now();
     let channel = loop {
         match endpoint.connect().await {
             Ok(channel) => break channel,
-            Err(e) if started.elapsed() >= wait => {
+            Err(e) => {
                 let why = std::error::Error::source(&e).map_or(e.to_string(), |s| s.to_string());
-                return Err(ConfigError::Unusable(format!(
-                    "reward server {url} unreachable for {:.0} s: {why}",
-                    wait.as_secs_f64()
-                ))
-                .into());
+                if let Some(e) = tls_problem(&rookworld_service::probe::error_chain(&e)) {
+                    return Err(e);
+                }
+                if started.elapsed() >= wait {
+                    return Err(ConfigError::Unusable(format!(
+                        "reward server {url} unreachable for {:.0} s: {why}",
+                        wait.as_secs_f64()
+                    ))
+                    .into());
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
             }
-            Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
         }
     };
     match rookworld_service::probe::reward_server(channel, token).await {
@@ -145,7 +160,9 @@ pub(super) async fn check_reward(
             tracing::info!(reward = url, %what, "reward server answers and takes the token");
             Ok(())
         }
-        Err(problem) => Err(ConfigError::Unusable(format!("reward server {url} {problem}")).into()),
+        Err(problem) => Err(tls_problem(&problem.to_string()).unwrap_or_else(|| {
+            ConfigError::Unusable(format!("reward server {url} {problem}")).into()
+        })),
     }
 }
 

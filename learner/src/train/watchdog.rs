@@ -135,7 +135,7 @@ pub fn diagnose(queue: &Queue, fleet: &Fleet, version: u64, needed: usize, now: 
     } else if c.submissions_refused > 0 && c.groups_submitted == c.submissions_refused {
         "; every submission was refused: see the workers' log for the reason"
     } else if !failing.is_empty() {
-        "; workers cannot take the new weights: check each worker's --advertise address and token"
+        "; workers refuse the new weights: `pushes failing` says why"
     } else if c.groups_dropped_stale > 0 {
         "; groups arrive too many versions behind (--max-version-lag)"
     } else {

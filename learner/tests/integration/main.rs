@@ -21,6 +21,7 @@ mod queue_load;
 mod resume;
 mod run_dir;
 mod shared_push;
+mod signals;
 mod stall;
 mod train_ops;
 mod updates_per_batch;

@@ -3,6 +3,7 @@
 //! the start-up check of the learner and the reward server, and the reports that tell the
 //! learner's queue why this worker cannot deliver groups.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -10,14 +11,16 @@ use rookworld_proto::queue::v1 as queue;
 use rookworld_proto::queue::v1::ProblemCause as Cause;
 use rookworld_proto::queue::v1::rollout_queue_client::RolloutQueueClient;
 use rookworld_proto::reward::v1::reward_service_client::RewardServiceClient;
+use rookworld_service::tls::TlsProblem;
 use tonic::transport::Channel;
 
 use super::LoopConfig;
 use crate::metrics::names;
 
 /// At start: whether the learner takes this worker's token and the reward server scores
-/// with it, each logged with its URL (a peer that is not up yet is retried by the loop).
-pub(super) async fn check_peers(cfg: Arc<LoopConfig>) {
+/// with it, each logged with its URL (a peer that is not up yet is retried by the loop;
+/// TLS on one side only is named once, by this check or the loop's first call).
+pub(super) async fn check_peers(cfg: Arc<LoopConfig>, peers: Arc<Peers>) {
     use rookworld_service::probe::{learner_queue, reward_server};
     let (Ok(learner), Ok(reward)) = (
         channel(&cfg.learner, cfg.call_timeout, &cfg.tls),
@@ -29,19 +32,25 @@ pub(super) async fn check_peers(cfg: Arc<LoopConfig>) {
         Ok(()) => {
             tracing::info!(learner = %cfg.learner, "learner queue answers and takes the token")
         }
-        Err(p) if p.is_unreachable() => {
-            tracing::warn!(learner = %cfg.learner, problem = %p, "learner queue not reachable yet; the loop retries")
-        }
-        Err(p) => tracing::error!(learner = %cfg.learner, "learner queue {p}"),
+        Err(p) => match peers.learner.tls_problem("start-up check", &p.to_string()) {
+            Some(_) => {}
+            None if p.is_unreachable() => {
+                tracing::warn!(learner = %cfg.learner, problem = %p, "learner queue not reachable yet; the loop retries")
+            }
+            None => tracing::error!(learner = %cfg.learner, "learner queue {p}"),
+        },
     }
     match reward_server(reward, &cfg.token).await {
         Ok(what) => {
             tracing::info!(reward = %cfg.reward, %what, "reward server answers and takes the token")
         }
-        Err(p) if p.is_unreachable() => {
-            tracing::warn!(reward = %cfg.reward, problem = %p, "reward server not reachable yet; the loop retries")
-        }
-        Err(p) => tracing::error!(reward = %cfg.reward, "reward server {p}"),
+        Err(p) => match peers.reward.tls_problem("start-up check", &p.to_string()) {
+            Some(_) => {}
+            None if p.is_unreachable() => {
+                tracing::warn!(reward = %cfg.reward, problem = %p, "reward server not reachable yet; the loop retries")
+            }
+            None => tracing::error!(reward = %cfg.reward, "reward server {p}"),
+        },
     }
 }
 
@@ -51,6 +60,8 @@ pub(super) struct Peer {
     name: &'static str,
     url: String,
     down_since: Mutex<Option<Instant>>,
+    /// Whether TLS on one side only was named since it last answered.
+    tls_said: AtomicBool,
     /// Tells the learner when this peer cannot be reached (the reward server's).
     reporter: Option<Arc<Reporter>>,
 }
@@ -62,6 +73,7 @@ impl Peer {
             name,
             url: url.to_owned(),
             down_since: Mutex::new(None),
+            tls_said: AtomicBool::new(false),
             reporter,
         }
     }
@@ -72,8 +84,19 @@ impl Peer {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// The line naming TLS on one side only, if `error` (of `call`) shows it; logged as
+    /// an error the first time since the peer last answered.
+    pub(super) fn tls_problem(&self, call: &str, error: &str) -> Option<String> {
+        let line = TlsProblem::classify(&self.url, error)?.at(&self.url);
+        if !self.tls_said.swap(true, Ordering::Relaxed) {
+            tracing::error!(peer = self.name, url = %self.url, call, "{line}; retrying with back-off");
+        }
+        Some(line)
+    }
+
     /// It answered: back if it was away.
     pub(super) fn answered(&self) {
+        self.tls_said.store(false, Ordering::Relaxed);
         if let Some(since) = self.down_since().take() {
             metrics::gauge!(names::PEER_REACHABLE, "peer" => self.name).set(1.0);
             tracing::info!(
@@ -85,16 +108,23 @@ impl Peer {
         }
     }
 
-    /// It could not be reached: said once, when it goes away.
+    /// It could not be reached: said once, when it goes away; TLS on one side only
+    /// ([`TlsProblem`]) as an error naming it, once, even when it was away already (it
+    /// was not up yet, say).
     pub(super) fn unreachable(&self, call: &str, error: &str) {
         metrics::counter!(names::CALL_RETRIES_TOTAL, "call" => call.to_owned()).increment(1);
+        let tls = self.tls_problem(call, error);
+        let error = tls.as_deref().unwrap_or(error);
         if let Some(r) = &self.reporter {
             r.problem(Cause::RewardUnreachable, &self.url, "", error);
         }
         let mut since = self.down_since();
-        if since.is_none() {
+        let went = since.is_none();
+        if went {
             *since = Some(Instant::now());
             metrics::gauge!(names::PEER_REACHABLE, "peer" => self.name).set(0.0);
+        }
+        if went && tls.is_none() {
             tracing::warn!(
                 peer = self.name,
                 url = %self.url,
@@ -220,7 +250,8 @@ fn unreachable(s: &tonic::Status) -> bool {
 }
 
 /// Retries `call` with exponential back-off (100 ms doubling to `max`) while `peer` is
-/// unreachable; other errors return at once.
+/// unreachable, or answers in a way that shows TLS on one side only; other errors return
+/// at once.
 pub(super) async fn with_backoff<T, F, Fut>(
     peer: &Peer,
     what: &str,
@@ -233,18 +264,23 @@ where
 {
     let mut wait = Duration::from_millis(100);
     loop {
-        match call().await {
-            Err(s) if unreachable(&s) => {
-                peer.unreachable(what, &rookworld_service::probe::cause_chain(&s));
-                tracing::debug!(call = what, error = %s.message(), retry_in = ?wait, "retrying");
-                tokio::time::sleep(wait).await;
-                wait = (wait * 2).min(max);
+        let result = call().await;
+        let away = match &result {
+            Err(s) => {
+                let chain = rookworld_service::probe::cause_chain(s);
+                (unreachable(s) || TlsProblem::classify(&peer.url, &chain).is_some())
+                    .then_some(chain)
             }
-            other => {
-                peer.answered();
-                return other;
-            }
-        }
+            Ok(_) => None,
+        };
+        let Some(chain) = away else {
+            peer.answered();
+            return result;
+        };
+        peer.unreachable(what, &chain);
+        tracing::debug!(call = what, error = %chain, retry_in = ?wait, "retrying");
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(max);
     }
 }
 

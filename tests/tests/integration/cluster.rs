@@ -61,15 +61,26 @@ impl Proc {
         Self::spawn_logging(name, bin, args, dir, "info")
     }
 
+    /// [`Proc::spawn`] with `dir` as the working directory too (relative paths in `args`
+    /// are in it).
+    pub fn spawn_in(name: &str, bin: &str, args: &[String], dir: &Path) -> Self {
+        Self::start(name, Command::new(bin).current_dir(dir), args, dir, "info")
+    }
+
     /// [`Proc::spawn`] with `RUST_LOG=level`.
     pub fn spawn_logging(name: &str, bin: &str, args: &[String], dir: &Path, level: &str) -> Self {
+        Self::start(name, &mut Command::new(bin), args, dir, level)
+    }
+
+    fn start(name: &str, command: &mut Command, args: &[String], dir: &Path, level: &str) -> Self {
         let log = dir.join(format!("{name}.log"));
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&log)
             .unwrap();
-        let child = Command::new(bin)
+        let bin = command.get_program().to_string_lossy().into_owned();
+        let child = command
             .args(args)
             .env("RUST_LOG", level)
             .env_remove("ROOKWORLD_TOKEN")
@@ -109,6 +120,23 @@ impl Proc {
                 let _ = c.kill();
                 let _ = c.wait();
                 return false;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Waits (at most `within`) for it to exit by itself; its exit code, `None` while it
+    /// runs (or when a signal ended it).
+    pub fn exit_code(&mut self, within: Duration) -> Option<i32> {
+        let started = Instant::now();
+        let c = self.child.as_mut()?;
+        loop {
+            if let Ok(Some(status)) = c.try_wait() {
+                self.child = None; // reaped: nothing left to stop
+                return status.code();
+            }
+            if started.elapsed() > within {
+                return None;
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -179,7 +207,14 @@ impl Cluster {
     /// service (and `operator`, the tests' client) from `deploy/tls/make-certs.sh`.
     pub fn with_tls() -> Self {
         let mut c = Self::new();
-        let dir = c.path("tls");
+        c.tls = Some(c.certs());
+        c
+    }
+
+    /// The cluster's certificates ([`Cluster::with_tls`]'s), made now in `DIR/tls` for a
+    /// test that gives some services TLS itself; their directory.
+    pub fn certs(&self) -> PathBuf {
+        let dir = self.path("tls");
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/tls/make-certs.sh");
         let out = Command::new("bash")
             .arg(&script)
@@ -192,8 +227,18 @@ impl Cluster {
             "make-certs.sh: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        c.tls = Some(dir);
-        c
+        dir
+    }
+
+    /// `--tls-cert` and `--tls-key` of `name`'s certificate in `certs`.
+    pub fn serving_tls(certs: &Path, name: &str) -> Vec<String> {
+        let f = |file: String| certs.join(file).to_str().unwrap().to_owned();
+        vec![
+            "--tls-cert".into(),
+            f(format!("{name}.crt")),
+            "--tls-key".into(),
+            f(format!("{name}.key")),
+        ]
     }
 
     fn scheme(&self) -> &'static str {
@@ -215,16 +260,25 @@ impl Cluster {
             f("ca.crt"),
         ];
         if client {
-            args.extend([
-                "--tls-ca".into(),
-                f("ca.crt"),
-                "--tls-client-cert".into(),
-                f(&format!("{name}.crt")),
-                "--tls-client-key".into(),
-                f(&format!("{name}.key")),
-            ]);
+            args.extend(self.client_tls_args(name));
         }
         args
+    }
+
+    /// `name`'s calling TLS flags (none without TLS).
+    fn client_tls_args(&self, name: &str) -> Vec<String> {
+        let Some(dir) = &self.tls else {
+            return vec![];
+        };
+        let f = |file: &str| dir.join(file).to_str().unwrap().to_owned();
+        vec![
+            "--tls-ca".into(),
+            f("ca.crt"),
+            "--tls-client-cert".into(),
+            f(&format!("{name}.crt")),
+            "--tls-client-key".into(),
+            f(&format!("{name}.key")),
+        ]
     }
 
     /// The tests' own client TLS (the `operator` certificate).
@@ -281,6 +335,36 @@ impl Cluster {
 
     /// [`Cluster::worker`] with its token from `token_file`.
     pub fn worker_with(&self, id: &str, addrs: &WorkerAddrs, token_file: &Path) -> Proc {
+        let mut args = self.worker_base(id, addrs, token_file);
+        args.extend(self.tls_args("worker", true));
+        Proc::spawn(id, WORKER, &args, self.dir.path())
+    }
+
+    /// [`Cluster::worker`] with `extra` flags (a `--preset` replaces `tiny`), calling out
+    /// with the cluster's client TLS, and serving it only when `serve_tls`.
+    pub fn worker_args(
+        &self,
+        id: &str,
+        addrs: &WorkerAddrs,
+        extra: &[String],
+        serve_tls: bool,
+    ) -> Proc {
+        let mut args = self.worker_base(id, addrs, &self.token_file);
+        if extra.iter().any(|a| a == "--preset") {
+            let at = args.iter().position(|a| a == "--preset").unwrap();
+            args.drain(at..at + 2);
+        }
+        args.extend(extra.iter().cloned());
+        args.extend(if serve_tls {
+            self.tls_args("worker", true)
+        } else {
+            self.client_tls_args("worker")
+        });
+        Proc::spawn(id, WORKER, &args, self.dir.path())
+    }
+
+    /// A worker's flags, TLS aside.
+    fn worker_base(&self, id: &str, addrs: &WorkerAddrs, token_file: &Path) -> Vec<String> {
         let args = [
             "serve",
             "--preset",
@@ -306,8 +390,7 @@ impl Cluster {
         if !addrs.advertise.is_empty() {
             args.extend(["--advertise".to_owned(), addrs.advertise.clone()]);
         }
-        args.extend(self.tls_args("worker", true));
-        Proc::spawn(id, WORKER, &args, self.dir.path())
+        args
     }
 
     /// The learner, fresh or resumed; small steps, short leases, frequent checkpoints,

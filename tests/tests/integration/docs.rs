@@ -1,6 +1,7 @@
 //! The book's reference pages are generated from the code — the command lines from clap,
 //! the metrics from the services' describe calls, the gRPC API from the `.proto` comments —
-//! and fail here when stale; every relative link of the README and the book resolves.
+//! and fail here when stale; every relative link of the README and the book resolves, to a
+//! file and, where it names one, a heading of that file.
 //!
 //! After a change of a flag, a metric or a `.proto` comment, write the pages again with
 //! `ROOKWORLD_BLESS=1 cargo test -p rookworld-tests --test integration docs::`.
@@ -446,75 +447,280 @@ fn the_grpc_reference_is_current() {
 
 // ---- links ----
 
-/// The targets of a page's inline links `[text](target)`, outside code.
-fn links(text: &str) -> Vec<String> {
+/// The lines of a page outside fenced code blocks (```` ``` ```` or `~~~`), numbered from 1.
+fn unfenced(text: &str) -> Vec<(usize, &str)> {
     let mut out = Vec::new();
-    let mut fenced = false;
-    for line in text.lines() {
-        if line.trim_start().starts_with("```") {
-            fenced = !fenced;
-            continue;
-        }
-        if fenced {
-            continue;
-        }
-        // Inline code spans hold no links.
-        let prose: String = line
-            .split('`')
-            .enumerate()
-            .filter(|(i, _)| i % 2 == 0)
-            .map(|(_, s)| s)
-            .collect::<Vec<_>>()
-            .join(" ");
-        let mut rest = prose.as_str();
-        while let Some(at) = rest.find("](") {
-            let after = &rest[at + 2..];
-            match after.find(')') {
-                Some(end) => {
-                    out.push(after[..end].trim().to_owned());
-                    rest = &after[end..];
-                }
-                None => break,
-            }
+    let mut fence: Option<&str> = None;
+    for (i, line) in text.lines().enumerate() {
+        let trimmed = line.trim_start();
+        let marker = ["```", "~~~"].into_iter().find(|m| trimmed.starts_with(m));
+        match (fence, marker) {
+            (None, Some(m)) => fence = Some(m),
+            (Some(f), Some(m)) if f == m => fence = None,
+            (None, None) => out.push((i + 1, line)),
+            _ => {}
         }
     }
     out
 }
 
-/// The anchors of a page's headings, as GitHub and mdBook make them.
-fn anchors(text: &str) -> Vec<String> {
-    let mut fenced = false;
-    text.lines()
-        .filter(|l| {
-            if l.trim_start().starts_with("```") {
-                fenced = !fenced;
+/// `line` with its inline code spans blanked: they hold no links.
+fn without_code_spans(line: &str) -> String {
+    line.split('`')
+        .enumerate()
+        .filter(|(i, _)| i % 2 == 0)
+        .map(|(_, s)| s)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The destination at the start of `rest` (just after `](`): `<…>` or up to the `)` that
+/// closes the link (nested pairs allowed), a title after a space left off.
+fn destination(rest: &str) -> Option<(&str, usize)> {
+    if let Some(inner) = rest.strip_prefix('<') {
+        let end = inner.find('>')?;
+        return Some((&inner[..end], end + 2));
+    }
+    let mut depth = 0usize;
+    for (i, c) in rest.char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' if depth == 0 => {
+                let target = rest[..i].trim();
+                let target = target.split_once(' ').map_or(target, |(t, _)| t);
+                return Some((target, i));
             }
-            !fenced && l.starts_with('#')
-        })
-        .map(|l| {
-            l.trim_start_matches('#')
-                .trim()
-                .to_lowercase()
-                .chars()
-                .filter_map(|c| match c {
-                    ' ' => Some('-'),
-                    c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
-                    _ => None,
+            ')' => depth -= 1,
+            _ => {}
+        }
+    }
+    None
+}
+
+/// One link of a page: its line and its target.
+#[derive(Debug, PartialEq)]
+struct Link {
+    line: usize,
+    target: String,
+}
+
+/// A page's links outside code — inline `[text](target)` in prose, lists, tables and
+/// headings, and reference definitions `[label]: target`.
+fn links(text: &str) -> Vec<Link> {
+    let mut out = Vec::new();
+    for (line, raw) in unfenced(text) {
+        let prose = without_code_spans(raw);
+        let definition = prose.trim_start().strip_prefix('[').and_then(|r| {
+            let (label, rest) = r.split_once("]:")?;
+            (!label.is_empty() && !label.contains(']'))
+                .then(|| rest.split_whitespace().next())
+                .flatten()
+        });
+        if let Some(target) = definition {
+            let target = target.trim_start_matches('<').trim_end_matches('>');
+            out.push(Link {
+                line,
+                target: target.to_owned(),
+            });
+            continue;
+        }
+        let mut rest = prose.as_str();
+        while let Some(at) = rest.find("](") {
+            let after = &rest[at + 2..];
+            let Some((target, end)) = destination(after) else {
+                break;
+            };
+            out.push(Link {
+                line,
+                target: target.to_owned(),
+            });
+            rest = &after[end..];
+        }
+    }
+    out
+}
+
+/// The id GitHub and mdBook give a heading of this text: the text as rendered (a code
+/// span's text, a link's text, no tags or entities), lowercased, each space a `-`, and
+/// every other character that is not a letter, a digit, `-` or `_` dropped.
+fn heading_id(heading: &str) -> String {
+    let mut rendered = String::new();
+    let mut rest = heading;
+    while let Some(c) = rest.chars().next() {
+        let skip = match c {
+            // A link's target is not shown: `[text](target)` reads `text`.
+            ']' if rest[1..].starts_with('(') => {
+                destination(&rest[2..]).map_or(1, |(_, end)| end + 3)
+            }
+            '<' => rest.find('>').map_or(1, |end| end + 1),
+            '&' => rest
+                .find(';')
+                .filter(|&end| {
+                    end > 1
+                        && rest[1..end]
+                            .chars()
+                            .all(|c| c.is_alphanumeric() || c == '#')
                 })
-                .collect()
+                .map_or(1, |end| end + 1),
+            _ => {
+                rendered.push(c);
+                c.len_utf8()
+            }
+        };
+        rest = &rest[skip..];
+    }
+    rendered
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            c if c.is_whitespace() => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
         })
         .collect()
 }
 
+/// The text of an ATX heading (`## Text`, closing `#`s left off).
+fn atx_heading(line: &str) -> Option<&str> {
+    let hashes = line.len() - line.trim_start_matches('#').len();
+    if !(1..=6).contains(&hashes) {
+        return None;
+    }
+    let rest = &line[hashes..];
+    if !(rest.is_empty() || rest.starts_with(' ') || rest.starts_with('\t')) {
+        return None;
+    }
+    let rest = rest.trim();
+    let closed = rest.trim_end_matches('#');
+    Some(if closed.is_empty() || closed.ends_with(' ') {
+        closed.trim_end()
+    } else {
+        rest
+    })
+}
+
+/// Whether `line` underlines the paragraph line before it into a heading (`===`, `---`).
+fn setext_underline(line: &str, previous: &str) -> bool {
+    let line = line.trim_end();
+    let paragraph = !previous.trim().is_empty()
+        && atx_heading(previous).is_none()
+        && !previous.trim_start().starts_with(['|', '-', '*', '+', '>'])
+        && !previous.starts_with("    ");
+    paragraph
+        && !line.is_empty()
+        && !line.starts_with("    ")
+        && (line.trim_start().chars().all(|c| c == '=')
+            || line.trim_start().chars().all(|c| c == '-'))
+}
+
+/// The anchors of a page's headings, as GitHub and mdBook make them: a heading's id, and
+/// for the second, third, … heading of the same id `id-1`, `id-2`, ….
+fn anchors(text: &str) -> Vec<String> {
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    let mut out = Vec::new();
+    let mut previous: Option<(usize, &str)> = None;
+    for (number, line) in unfenced(text) {
+        let heading = match previous {
+            Some((n, p)) if n + 1 == number && setext_underline(line, p) => Some(p.trim()),
+            _ => atx_heading(line),
+        };
+        if let Some(heading) = heading {
+            let id = heading_id(heading);
+            let count = seen.entry(id.clone()).or_insert(0);
+            out.push(if *count == 0 {
+                id
+            } else {
+                format!("{id}-{count}")
+            });
+            *count += 1;
+            previous = None;
+        } else {
+            previous = Some((number, line));
+        }
+    }
+    out
+}
+
+#[test]
+fn headings_get_the_anchors_github_and_mdbook_give_them() {
+    let page = "# A page\n\
+                \n\
+                ## `learner train` (`learner/src/train/`)\n\
+                \n\
+                ## Against PyTorch's configurations\n\
+                \n\
+                ```sh\n\
+                # a comment, not a heading\n\
+                ```\n\
+                \n\
+                ## Messages\n\
+                ### Messages\n\
+                ## Messages ##\n\
+                \n\
+                An underlined heading\n\
+                ---\n\
+                \n\
+                ## See [the guide](guide.md#x) &amp; more\n\
+                #hashtag, not a heading\n";
+    assert_eq!(
+        anchors(page),
+        [
+            "a-page",
+            "learner-train-learnersrctrain",
+            "against-pytorchs-configurations",
+            "messages",
+            "messages-1",
+            "messages-2",
+            "an-underlined-heading",
+            "see-the-guide--more",
+        ]
+    );
+}
+
+#[test]
+fn links_are_found_in_prose_and_tables_but_not_in_code() {
+    let page = "See [a](b.md#c) and `[x](y.md)`, [d](<e f.md> \"title\").\n\
+                | [g](h(i).md) | [j](#k) |\n\
+                ```md\n\
+                [no](code.md)\n\
+                ```\n\
+                [label]: ref.md#anchor\n";
+    let targets: Vec<(usize, String)> = links(page)
+        .into_iter()
+        .map(|l| (l.line, l.target))
+        .collect();
+    assert_eq!(
+        targets,
+        [
+            (1, "b.md#c".to_owned()),
+            (1, "e f.md".to_owned()),
+            (2, "h(i).md".to_owned()),
+            (2, "#k".to_owned()),
+            (6, "ref.md#anchor".to_owned()),
+        ]
+    );
+}
+
+/// Every relative link of the README and the book — in prose, lists and tables alike —
+/// names a file that exists and, where it names a heading (`page.md#anchor`, `#anchor`),
+/// a heading of that page.
 #[test]
 fn every_relative_link_of_the_readme_and_the_book_resolves() {
     let mut broken = Vec::new();
+    let (mut checked, mut anchored) = (0, 0);
     for page in rookworld_tests::book_pages() {
         let text = std::fs::read_to_string(&page).unwrap();
-        for link in links(&text) {
+        let shown = page
+            .strip_prefix(root())
+            .unwrap_or(&page)
+            .display()
+            .to_string();
+        for Link { line, target: link } in links(&text) {
             if link.contains("://") || link.starts_with("mailto:") || link.is_empty() {
                 continue;
             }
+            checked += 1;
             let (file, anchor) = match link.split_once('#') {
                 Some((f, a)) => (f, Some(a)),
                 None => (link.as_str(), None),
@@ -524,32 +730,33 @@ fn every_relative_link_of_the_readme_and_the_book_resolves() {
             } else {
                 page.parent().unwrap().join(file)
             };
-            let shown = page
-                .strip_prefix(root())
-                .unwrap_or(&page)
-                .display()
-                .to_string();
             if !target.exists() {
-                broken.push(format!("{shown}: {link} (no such file)"));
+                broken.push(format!("{shown}:{line}: {link} (no such file)"));
                 continue;
             }
             if let Some(anchor) = anchor
                 && target.extension().is_some_and(|e| e == "md")
             {
+                anchored += 1;
                 let text = std::fs::read_to_string(&target).unwrap();
                 if !anchors(&text).iter().any(|a| a == anchor) {
-                    broken.push(format!("{shown}: {link} (no such heading)"));
+                    broken.push(format!("{shown}:{line}: {link} (no such heading)"));
                 }
             }
         }
     }
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+    // The scan sees the pages' links: a parser that found none would pass vacuously.
+    assert!(
+        checked > 100 && anchored > 5,
+        "only {checked} relative links, {anchored} with an anchor"
+    );
 }
 
 #[test]
 fn the_book_lists_every_page_and_only_pages_that_exist() {
     let summary = std::fs::read_to_string(root().join("docs/SUMMARY.md")).unwrap();
-    let listed: Vec<String> = links(&summary);
+    let listed: Vec<String> = links(&summary).into_iter().map(|l| l.target).collect();
     for page in rookworld_tests::book_pages() {
         let Ok(rel) = page.strip_prefix(root().join("docs")) else {
             continue;
@@ -562,4 +769,62 @@ fn the_book_lists_every_page_and_only_pages_that_exist() {
             );
         }
     }
+}
+
+// ---- what a resume may change ----
+
+/// `page` with the text between `<!-- begin NAME -->` and `<!-- end NAME -->` replaced.
+fn with_section(page: &str, name: &str, body: &str) -> String {
+    let (begin, end) = (
+        format!("<!-- begin {name} -->\n"),
+        format!("<!-- end {name} -->"),
+    );
+    let start = page
+        .find(&begin)
+        .unwrap_or_else(|| panic!("no `{begin}` marker"))
+        + begin.len();
+    let stop = page[start..]
+        .find(&end)
+        .unwrap_or_else(|| panic!("no `{end}` marker"))
+        + start;
+    format!("{}{body}{}", &page[..start], &page[stop..])
+}
+
+fn resume_rules_text() -> String {
+    use learner::run_dir::ResumeRules;
+    let list = |keys: &[String]| {
+        keys.iter()
+            .map(|k| format!("`{k}`"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut out = String::from(
+        "| command | a change is refused | may change | not part of the run (taken as given; the weights come from the checkpoint) |\n| --- | --- | --- | --- |\n",
+    );
+    for (name, rules) in [
+        ("`learner train`", ResumeRules::train()),
+        ("`learner sft`", ResumeRules::sft()),
+    ] {
+        writeln!(
+            out,
+            "| {name} | {} | {} | {} |",
+            list(&rules.refused),
+            list(&rules.may_change),
+            list(&rules.free)
+        )
+        .unwrap();
+    }
+    out
+}
+
+/// The run-directories page lists what a resume refuses and takes from
+/// `learner::run_dir::ResumeRules`, the lists the resume check uses.
+#[test]
+fn the_resume_rules_on_the_run_directories_page_are_the_codes() {
+    let rel = "docs/guides/run-directories.md";
+    let page = std::fs::read_to_string(root().join(rel)).unwrap();
+    check_page(
+        rel,
+        &with_section(&page, "resume-rules", &resume_rules_text()),
+    );
 }

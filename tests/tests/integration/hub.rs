@@ -1,6 +1,7 @@
-//! Models by name: `--model owner/name[@revision]` through a Hugging Face cache the test
-//! lays out as the Hub's clients do (`HF_HOME/hub/models--owner--name/{refs,snapshots}`),
-//! offline (`HF_HUB_OFFLINE=1`): no network in tests.
+//! Models by any name: `--model owner/name[@revision]` through a Hugging Face cache the
+//! test lays out as the Hub's clients do (`HF_HOME/hub/models--owner--name/{refs,snapshots}`),
+//! offline (`HF_HUB_OFFLINE=1`: no network in tests); a run directory, its
+//! `checkpoints/latest` and a checkpoint directory.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -50,6 +51,65 @@ fn a_repository_id_resolves_through_the_cache_offline() {
     assert_eq!(resolve(snapshot.to_str().unwrap()).unwrap(), snapshot);
     let e = resolve("./no/such-dir").unwrap_err().to_string();
     assert!(e.contains("does not exist"), "{e}");
+    assert!(e.contains("--model takes a checkpoint directory"), "{e}");
+}
+
+/// A run directory as `learner train` and `sft` leave it: checkpoints in
+/// `checkpoints/step-N`, the newest named by `checkpoints/latest`.
+fn lay_out_run(run: &Path) -> PathBuf {
+    let cfg = Config::preset("tiny").unwrap();
+    for (step, seed) in [(2, 1), (4, 2)] {
+        let dir = run.join(format!("checkpoints/step-{step:08}"));
+        let model = checkpoint::init_random(&cfg, seed, DType::F32, &Device::Cpu).unwrap();
+        checkpoint::save(&model, &dir, DType::F32).unwrap();
+    }
+    std::fs::write(run.join("checkpoints/latest"), "step-00000004").unwrap();
+    run.join("checkpoints/step-00000004")
+}
+
+#[test]
+fn a_run_directory_or_its_latest_pointer_names_its_newest_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let newest = lay_out_run(&dir.path().join("run"));
+    let cache = hf_hub::Cache::new(dir.path().join("hub"));
+    let resolve = |p: &Path| rookworld_lm::hub::resolve_in(p, &cache, true);
+    let run = dir.path().join("run");
+    assert_eq!(resolve(&run).unwrap(), newest);
+    assert_eq!(resolve(&run.join("checkpoints/latest")).unwrap(), newest);
+    let older = run.join("checkpoints/step-00000002");
+    assert_eq!(resolve(&older).unwrap(), older);
+    // A directory that holds no model says what --model takes.
+    let empty = dir.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let e = resolve(&empty).unwrap_err().to_string();
+    assert!(
+        e.contains("a directory without config.json")
+            && e.contains("a run directory of `learner train`/`sft`")
+            && e.contains("a Hugging Face id"),
+        "{e}"
+    );
+    // A run without a finished checkpoint yet.
+    std::fs::create_dir_all(dir.path().join("fresh/checkpoints")).unwrap();
+    let e = resolve(&dir.path().join("fresh")).unwrap_err().to_string();
+    assert!(
+        e.contains("a run directory without a finished checkpoint"),
+        "{e}"
+    );
+
+    // A command takes the run directory as its model.
+    let out = Command::new(WORKER)
+        .args(["generate", "--model"])
+        .arg(&run)
+        .args(["--prompt", "A: ", "--max-new-tokens", "3"])
+        .env_remove("ROOKWORLD_PRESET")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("step-00000004"),
+        "the source names the checkpoint: {err}"
+    );
 }
 
 #[test]

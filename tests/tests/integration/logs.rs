@@ -98,15 +98,17 @@ fn every_service_logs_json_lines_when_asked() {
 }
 
 #[test]
-fn an_unknown_log_format_is_a_usage_error() {
+fn an_unknown_log_format_is_one_line_and_exit_1() {
     let out = Command::new(REWARD)
         .args(["--log-format", "xml", "bench"])
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
         err.contains("invalid value 'xml' for '--log-format"),
         "{err}"
     );
+    assert!(err.contains("possible values: text, json"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
 }

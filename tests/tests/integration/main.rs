@@ -6,11 +6,14 @@
 //!   `hostile`: hostile input to the learner's queue and the worker; `tls`: TLS and
 //!   mutual TLS; `grpcurl`: the book's grpcurl commands; `logs`: what the logs say.
 //! - `parity`, `hf_roundtrip`, `checkpoints`, `hub`, `tokenizer_data`: the model against
-//!   Hugging Face's stored numbers, checkpoints and the tokenizer's data.
+//!   Hugging Face's stored numbers, checkpoints and the tokenizer's data; `export`:
+//!   `learner export` against what transformers writes and loaded.
 //! - `run_file`, `validation`, `worker_loop`: run files, the command lines' checks, the
-//!   worker's loop against a real learner and reward server.
+//!   worker's loop against a real learner and reward server; `tensorboard`: the learner's
+//!   event files read back by TensorBoard.
 //! - `deploy`: the compose file, the Kubernetes manifests and Grafana against the services;
-//!   `docs`: the book's generated pages and links; `cargo_features`, `gpu_check`: the
+//!   `docs`: the book's generated pages and links; `separate_processes`: the guide to the
+//!   services as separate processes, run as written; `cargo_features`, `gpu_check`: the
 //!   `cuda` feature's declarations and the GPU check's script.
 
 mod cargo_features;
@@ -18,6 +21,7 @@ mod checkpoints;
 mod cluster;
 mod deploy;
 mod docs;
+mod export;
 mod faults;
 mod gpu_check;
 mod grpcurl;
@@ -27,6 +31,8 @@ mod hub;
 mod logs;
 mod parity;
 mod run_file;
+mod separate_processes;
+mod tensorboard;
 mod tls;
 mod tokenizer_data;
 mod validation;

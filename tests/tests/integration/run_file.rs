@@ -247,7 +247,49 @@ fn a_bad_key_or_value_is_one_line_naming_the_key_and_exit_1() {
             LEARNER,
             &["config", "show"],
             "top_p = \"x\"\n",
-            "top_p = \"x\": invalid float literal",
+            "top_p = \"x\": expected a number, found a string",
+        ),
+        (
+            LEARNER,
+            &["config", "show"],
+            "max_new_tokens = \"96\"\n",
+            "max_new_tokens = \"96\": expected an integer, found a string",
+        ),
+        (
+            LEARNER,
+            &["config", "show"],
+            "group_size = [8]\n",
+            "group_size = [8]: expected one value, an integer, found a list",
+        ),
+        (
+            LEARNER,
+            &["config", "show"],
+            "seed = true\n",
+            "seed = true: expected an integer, found a boolean",
+        ),
+        (
+            LEARNER,
+            &["config", "show"],
+            "policy_loss = \"ppo\"\n",
+            "policy_loss = \"ppo\": invalid value 'ppo'; valid values: clip, gspo, gspo-token, cispo",
+        ),
+        (
+            LEARNER,
+            &["config", "show"],
+            "run_dir = 7\n",
+            "run_dir = 7: expected a string, found an integer (quote it: \"7\")",
+        ),
+        (
+            LEARNER,
+            &["config", "show"],
+            "[learner.train]\nlocal = true\nreward = \"http://reward:50052\"\n",
+            "`local` and `reward` exclude each other: set one",
+        ),
+        (
+            WORKER,
+            &["serve", "--preset", "tiny"],
+            "worker_id = \"w1\"\n",
+            "--worker-id is an option of the worker loop, which runs with --learner and --reward; without them this worker only serves Generate (`worker_id` in",
         ),
         (
             LEARNER,
@@ -355,6 +397,29 @@ fn a_run_records_its_resolved_settings_and_a_resume_names_what_changed() {
     let kept = run_dir.join("checkpoints/step-00000002/config.toml");
     assert_eq!(std::fs::read_to_string(kept).unwrap(), text);
 
+    // `config show --run-dir` prints that run's record; other options are refused.
+    let (code, out, err) = run(
+        LEARNER,
+        &["config", "show", "--run-dir", run_dir.to_str().unwrap()],
+        &[],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out, text);
+    let (code, _, err) = run(
+        LEARNER,
+        &[
+            "config",
+            "show",
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+            "--lr",
+            "0.1",
+        ],
+        &[],
+    );
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("--lr would not change them"), "{err}");
+
     // The record runs again; a resumed run names what changed, and a finished one says so.
     let record_path = run_dir.join("config.toml");
     let record_path = record_path.to_str().unwrap();
@@ -371,7 +436,7 @@ fn a_run_records_its_resolved_settings_and_a_resume_names_what_changed() {
         &[],
     );
     assert_eq!(code, 0, "{out}\n{err}");
-    assert!(err.contains("push_timeout: 60 → 30"), "{err}");
+    assert!(err.contains("push_timeout: 60.0 → 30.0"), "{err}");
     assert!(
         out.contains("all 2 steps of") && out.contains("--resume --steps 4"),
         "{out}"
@@ -384,6 +449,82 @@ fn a_run_records_its_resolved_settings_and_a_resume_names_what_changed() {
     );
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("lr: 0.001 → 0.5"), "{err}");
+}
+
+/// A flag beats the file for every option, one model source over another too; in the
+/// file, a more specific table's source beats a general one.
+#[test]
+fn a_flag_beats_the_file_even_for_another_option_that_excludes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("some-checkpoint");
+    let model = model.to_str().unwrap();
+    let file = write(dir.path(), "preset.toml", "preset = \"gpt2-124m\"\n");
+    let t = shown(&file, &["--model", model], &[]);
+    assert_eq!(t["model"].as_str(), Some(model));
+    assert!(
+        !t.contains_key("preset"),
+        "the preset's default is no setting beside --model: {t:?}"
+    );
+    let file = write(
+        dir.path(),
+        "both.toml",
+        &format!("preset = \"gpt2-124m\"\n[learner.train]\nmodel = {model:?}\n"),
+    );
+    let t = shown(&file, &[], &[]);
+    assert_eq!(t["model"].as_str(), Some(model));
+    // A flag that excludes a file's mode: the flag's mode runs.
+    let file = write(dir.path(), "local.toml", "[learner.train]\nlocal = true\n");
+    let t = shown(&file, &["--reward", "http://reward:50052"], &[]);
+    assert_eq!(t["local"].as_bool(), Some(false));
+    assert_eq!(t["reward_wait"].as_float(), Some(30.0));
+    let t = shown(&file, &[], &[]);
+    assert!(!t.contains_key("reward_wait"), "{t:?}");
+    assert_eq!(t["rollout_weight_dtype"].as_str(), Some("auto"));
+}
+
+/// Options the chosen mode ignores, and options that exclude each other, are refused
+/// with one line and exit 1, on the command line as in a file.
+#[test]
+fn an_option_the_mode_ignores_is_refused_with_one_line() {
+    let cases: [(&str, &[&str], &str); 6] = [
+        (
+            LEARNER,
+            &["train", "--local", "--reward", "http://reward:50052"],
+            "cannot be used with",
+        ),
+        (
+            LEARNER,
+            &["train", "--resume", "--overwrite"],
+            "cannot be used with",
+        ),
+        (
+            LEARNER,
+            &["train", "--rollout-weight-dtype", "bf16"],
+            "--rollout-weight-dtype is the weight dtype of --local's worker",
+        ),
+        (
+            LEARNER,
+            &["train", "--reward-wait", "5"],
+            "--reward-wait is how long to wait for --reward",
+        ),
+        (
+            WORKER,
+            &["serve", "--preset", "tiny", "--max-in-flight", "2"],
+            "--max-in-flight is an option of the worker loop",
+        ),
+        (
+            LEARNER,
+            &["train", "--stps", "3"],
+            "unexpected argument '--stps' found; tip: a similar argument exists: '--steps'",
+        ),
+    ];
+    for (bin, args, want) in cases {
+        let (code, out, err) = run(bin, args, &[]);
+        assert_eq!(code, 1, "{args:?}: exit {code}\n{err}");
+        assert!(err.contains(want), "{args:?}: wanted {want:?}\n{err}");
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: one line\n{err}");
+        assert!(out.is_empty(), "{out}");
+    }
 }
 
 #[test]

@@ -259,7 +259,17 @@ fn every_refused_value_is_one_line_and_exit_1() {
         ),
         (
             WORKER,
-            strings(&["serve", "--preset", "tiny", "--max-in-flight", "0"]),
+            strings(&[
+                "serve",
+                "--preset",
+                "tiny",
+                "--learner",
+                "http://127.0.0.1:1",
+                "--reward",
+                "http://127.0.0.1:1",
+                "--max-in-flight",
+                "0",
+            ]),
             "--max-in-flight must be ≥ 1",
         ),
         (
@@ -350,15 +360,15 @@ fn every_refused_value_is_one_line_and_exit_1() {
         assert!(err.contains(expect), "{err}");
         assert_eq!(err.trim().lines().count(), 1, "{err}");
     }
-    // A value that is not a number at all is the parser's usage error (exit 2), naming the
-    // flag.
+    // A value that is not a number at all is the parser's error, one line naming the flag.
     let out = Command::new(LEARNER)
         .args(train(&["--steps", "five"]))
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("invalid value 'five' for '--steps"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
     // So is a weight dtype given as the learner's products' precision, naming the key that
     // takes it.
     let out = Command::new(LEARNER)
@@ -366,7 +376,7 @@ fn every_refused_value_is_one_line_and_exit_1() {
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
         err.contains("int8 is a weight dtype, not a precision of the learner's products (auto, f32, bf16): a rollout worker's or an evaluation's weights take it (--weight-dtype int8; with train --local, --rollout-weight-dtype int8)"),
         "{err}"

@@ -259,3 +259,214 @@ async fn a_local_run_describes_every_metric_and_stops_within_10_s() {
         c.log_tails()
     );
 }
+
+/// Within 30 s of the mistake (of the second process's start).
+const AT_ONCE: Duration = Duration::from_secs(30);
+
+/// Waits for the learner's queue to serve (its log says so; plaintext or TLS alike).
+async fn learner_ready(c: &Cluster, learner: &cluster::Proc) {
+    line_naming(c, learner, START, &["learner ready"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_calling_https_at_a_plaintext_learner_is_named_on_both_sides() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::new();
+    let _reward = c.reward_server();
+    let learner = c.learner_args(&[], false);
+    learner_ready(&c, &learner).await;
+    let mut addrs = c.direct();
+    addrs.learner_url = format!("https://{}", c.learner_addr);
+    let worker = c.worker("worker-a", &addrs);
+    let line = line_naming(&c, &worker, AT_ONCE, &["TLS", &addrs.learner_url]).await;
+    assert!(line.contains("ERROR"), "{line}");
+    assert!(
+        line.contains(&format!("http://{}", c.learner_addr)),
+        "{line}"
+    );
+    // The learner names the client that spoke TLS to its plaintext port.
+    let https = format!("https://{}", c.learner_addr);
+    let line = line_naming(&c, &learner, AT_ONCE, &["TLS", "plaintext port", &https]).await;
+    assert!(
+        line.contains(&format!("http://{}", c.learner_addr)),
+        "{line}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_calling_http_at_a_tls_learner_is_named_on_both_sides() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::new();
+    let certs = c.certs();
+    let _reward = c.reward_server();
+    let tls = Cluster::serving_tls(&certs, "learner");
+    let tls: Vec<&str> = tls.iter().map(String::as_str).collect();
+    let learner = c.learner_args(&tls, false);
+    learner_ready(&c, &learner).await;
+    // The worker calls http://, the learner serves TLS.
+    let addrs = c.direct();
+    let worker = c.worker("worker-a", &addrs);
+    let line = line_naming(&c, &worker, AT_ONCE, &["TLS", &c.learner_url()]).await;
+    assert!(line.contains("ERROR"), "{line}");
+    assert!(
+        line.contains(&format!("https://{}", c.learner_addr)),
+        "{line}"
+    );
+    let line = line_naming(
+        &c,
+        &learner,
+        AT_ONCE,
+        &["TLS port in plaintext", &c.learner_url()],
+    )
+    .await;
+    assert!(
+        line.contains(&format!("https://{}", c.learner_addr)),
+        "{line}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plaintext_worker_among_tls_services_is_named_on_both_sides() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::with_tls();
+    let _reward = c.reward_server();
+    let learner = c.learner_args(&[], false);
+    learner_ready(&c, &learner).await;
+    // The worker calls out over mutual TLS but serves (and advertises) plaintext.
+    let addrs = c.direct();
+    let plain = format!("http://{}", addrs.listen);
+    let addrs = cluster::WorkerAddrs {
+        advertise: plain.clone(),
+        ..addrs
+    };
+    let worker = c.worker_args("worker-a", &addrs, &[], false);
+    let line = line_naming(&c, &learner, AT_ONCE, &["TLS on one side only", &plain]).await;
+    assert!(
+        line.contains("ERROR") && line.contains("--tls-cert"),
+        "{line}"
+    );
+    assert!(!line.contains("--advertise URL"), "{line}");
+    // The learner answers the worker's leases with the same words.
+    let line = line_naming(&c, &worker, AT_ONCE, &["lease refused", "TLS", &plain]).await;
+    assert!(line.contains("FailedPrecondition"), "{line}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_worker_among_plaintext_services_is_named_on_both_sides() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::new();
+    let certs = c.certs();
+    let _reward = c.reward_server();
+    let learner = c.learner_args(&[], false);
+    learner_ready(&c, &learner).await;
+    // The worker serves TLS (its certificate of a CA the learner does not know).
+    let addrs = c.direct();
+    let tls_url = format!("https://{}", addrs.listen);
+    let addrs = cluster::WorkerAddrs {
+        advertise: tls_url.clone(),
+        ..addrs
+    };
+    let worker = c.worker_args(
+        "worker-a",
+        &addrs,
+        &Cluster::serving_tls(&certs, "worker"),
+        false,
+    );
+    let line = line_naming(&c, &learner, AT_ONCE, &["TLS", &tls_url, "--tls-ca"]).await;
+    assert!(
+        line.contains("ERROR") && line.contains("not trusted"),
+        "{line}"
+    );
+    assert!(!line.contains("--advertise URL"), "{line}");
+    // The worker's port names the handshake the learner broke off.
+    let port = addrs.listen.to_string();
+    let line = line_naming(&c, &worker, AT_ONCE, &["TLS handshake failed at", &port]).await;
+    assert!(line.contains("does not trust"), "{line}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_worker_with_a_worker_s_id_is_refused_and_named() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::new();
+    let _reward = c.reward_server();
+    let learner = c.learner(false);
+    let first = c.direct();
+    let mut worker_a = c.worker("worker-a", &first);
+    c.wait_until(START, "worker-a leasing", || async {
+        c.workers().await.iter().any(|w| w.worker_id == "worker-a")
+    })
+    .await;
+    let second = c.direct();
+    let mut twin = c.worker("worker-a", &second);
+    // The learner names the id and both addresses.
+    let line = line_naming(
+        &c,
+        &learner,
+        AT_ONCE,
+        &["worker-a", &first.advertise, &second.advertise],
+    )
+    .await;
+    assert!(
+        line.contains("ERROR") && line.contains("--worker-id"),
+        "{line}"
+    );
+    // The second worker says why and exits 1.
+    assert_eq!(twin.exit_code(AT_ONCE), Some(1), "{}", twin.log());
+    let log = twin.log();
+    let line = log
+        .lines()
+        .find(|l| l.starts_with("error:"))
+        .unwrap_or_else(|| panic!("no error line\n{log}"));
+    assert!(
+        line.contains("worker-a") && line.contains(&first.advertise),
+        "{line}"
+    );
+    // The first keeps its id and its push address; nobody was forgotten or registered
+    // again.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let workers = c.workers().await;
+    assert_eq!(workers.len(), 1, "{workers:?}");
+    assert_eq!(workers[0].push_address, first.advertise);
+    let log = learner.log();
+    assert!(!log.contains("worker forgotten"), "{log}");
+    assert_eq!(log.matches("worker registered").count(), 1, "{log}");
+    // The first one gone, its id restarted at another address is let in: nothing answers
+    // at the old one.
+    worker_a.kill9();
+    let third = c.direct();
+    let _restarted = c.worker("worker-a", &third);
+    c.wait_until(AT_ONCE, "worker-a at its new address", || async {
+        c.workers()
+            .await
+            .iter()
+            .any(|w| w.worker_id == "worker-a" && w.push_address == third.advertise)
+    })
+    .await;
+    let log = learner.log();
+    assert!(log.contains("worker id moves to a new address"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_of_another_model_is_named_with_both_models() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::new();
+    let _reward = c.reward_server();
+    let learner = c.learner(false);
+    learner_ready(&c, &learner).await;
+    let addrs = c.direct();
+    let preset = ["--preset", "gpt2-124m"].map(String::from);
+    let worker = c.worker_args("worker-a", &addrs, &preset, false);
+    let line = line_naming(&c, &learner, AT_ONCE, &["another model", &addrs.advertise]).await;
+    for want in [
+        "ERROR",
+        "n_layer=12 n_embd=768",
+        "gpt2-124m",
+        "n_layer=2 n_embd=64",
+        "--preset tiny",
+    ] {
+        assert!(line.contains(want), "{want}: {line}");
+    }
+    assert!(!line.contains("--advertise"), "{line}");
+    let line = line_naming(&c, &worker, AT_ONCE, &["lease refused", "another model"]).await;
+    assert!(line.contains("--preset tiny"), "{line}");
+}
