@@ -17,16 +17,8 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${1:-$ROOT/target-cuda/dist}
-DIR=${CUDA_DIR:-${TMPDIR:-/tmp}/rookworld-cuda13}
-CUDA_HOME=$DIR/nvidia/cu13
-
-if [ ! -x "$CUDA_HOME/bin/nvcc" ]; then
-  # One minor version for every piece: a newer nvcc writes PTX an older driver rejects.
-  python3 -m pip install -q --target "$DIR" \
-    nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85 \
-    nvidia-cublas==13.0.2.14 nvidia-cuda-nvrtc==13.0.88 nvidia-curand==10.4.0.35 \
-    nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88
-fi
+# nvcc and the libraries, from the wheels (CUDA_HOME, PATH, CUDA_COMPUTE_CAP).
+. "$ROOT/deploy/cuda/toolchain.sh" libraries
 # The wheels carry versioned libraries only; the linker looks for the plain names.
 (cd "$CUDA_HOME/lib" &&
   for lib in cudart cublas cublasLt nvrtc; do ln -sf "lib$lib.so.13" "lib$lib.so"; done &&
@@ -44,8 +36,6 @@ if [ ! -f "$CUDA_HOME/lib/stubs/libcuda.so" ]; then
     "$CUDA_HOME/lib/stubs/libcuda.c"
 fi
 
-export CUDA_HOME PATH="$CUDA_HOME/bin:$PATH"
-export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
 export LIBRARY_PATH="$CUDA_HOME/lib:$CUDA_HOME/lib/stubs${LIBRARY_PATH:+:$LIBRARY_PATH}"
 echo "cuda-build: $(nvcc --version | tail -1), compute capability $CUDA_COMPUTE_CAP" >&2
 

@@ -288,8 +288,8 @@ impl ServerTls {
 
 /// TLS connections from `listener`, each handshake on a task of its own (a slow client
 /// never holds the others up) and bounded by [`HANDSHAKE_TIMEOUT`] and [`MAX_HANDSHAKES`].
-/// A client that speaks plaintext to the port is named in one warning a minute and
-/// answered in its own protocol ([`refuse_plaintext`]); failed handshakes are counted and
+/// A client that speaks plaintext to the port is named in one warning a minute (rustls
+/// answers it with a TLS alert); failed handshakes are counted and
 /// logged at most once a minute. Ends when the receiver is dropped.
 pub(crate) fn incoming(
     listener: TcpListener,
@@ -352,7 +352,9 @@ pub(crate) fn incoming(
                              grpc_tls_handshake_failures_total{{reason=\"plaintext\"}}"
                         );
                     }
-                    refuse_plaintext(tcp, opening == Opening::Http2).await;
+                    // rustls answers it with a TLS alert, which an HTTP/2 client reads as a
+                    // frame of invalid size (TlsProblem::classify names it from that).
+                    let _ = tokio::time::timeout_at(deadline, acceptor.accept(tcp)).await;
                     return;
                 }
                 match tokio::time::timeout_at(deadline, acceptor.accept(tcp)).await {
@@ -450,39 +452,6 @@ async fn first_bytes(tcp: &TcpStream, deadline: tokio::time::Instant) -> Option<
     }
 }
 
-/// The debug text of the GOAWAY a TLS port answers a plaintext HTTP/2 client with: its
-/// error shows it (and [`TlsProblem::classify`] recognises it).
-pub const PLAINTEXT_AT_TLS_PORT: &str =
-    "this port serves TLS: the call came in plaintext (http://); call it with https://";
-
-/// Answers a plaintext client at a TLS port: an HTTP/2 client in its own protocol (an
-/// empty SETTINGS frame, then GOAWAY with INADEQUATE_SECURITY and
-/// [`PLAINTEXT_AT_TLS_PORT`]), so that its error says what is wrong; then closes.
-async fn refuse_plaintext(mut tcp: TcpStream, http2: bool) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    if http2 {
-        const SETTINGS: [u8; 9] = [0, 0, 0, 0x4, 0, 0, 0, 0, 0];
-        const INADEQUATE_SECURITY: u32 = 12;
-        let debug = PLAINTEXT_AT_TLS_PORT.as_bytes();
-        let mut frames = SETTINGS.to_vec();
-        let length = (8 + debug.len()) as u32;
-        frames.extend_from_slice(&length.to_be_bytes()[1..]);
-        frames.extend_from_slice(&[0x7, 0, 0, 0, 0, 0]); // GOAWAY, no flags, stream 0
-        frames.extend_from_slice(&0u32.to_be_bytes()); // no stream was processed
-        frames.extend_from_slice(&INADEQUATE_SECURITY.to_be_bytes());
-        frames.extend_from_slice(debug);
-        let _ = tcp.write_all(&frames).await;
-    }
-    let _ = tcp.shutdown().await;
-    // What the client sent is read until it closes (briefly): a close with unread bytes
-    // resets the connection, and the client might not read the answer.
-    let mut sink = [0u8; 4096];
-    let _ = tokio::time::timeout(Duration::from_secs(2), async {
-        while matches!(tcp.read(&mut sink).await, Ok(n) if n > 0) {}
-    })
-    .await;
-}
-
 /// At most one log line a minute.
 #[derive(Debug, Default)]
 struct Throttle(Mutex<Option<std::time::Instant>>);
@@ -571,9 +540,6 @@ impl TlsProblem {
             }
         } else if url.starts_with("http://")
             && [
-                "this port serves TLS",
-                // INADEQUATE_SECURITY, as h2 words it.
-                "security properties do not meet minimum requirements",
                 // A TLS alert record read as an HTTP/2 frame header.
                 "frame with invalid size",
             ]
@@ -702,12 +668,9 @@ mod tests {
             Some(TlsProblem::PortIsPlaintext)
         );
         assert_eq!(TlsProblem::classify(http, plain), None);
-        let goaway = format!(
-            "h2 protocol error: connection error received: security properties do not meet \
-             minimum requirements (b\"{PLAINTEXT_AT_TLS_PORT}\")"
-        );
+        let alert = "h2 protocol error: frame with invalid size";
         assert_eq!(
-            TlsProblem::classify(http, &goaway),
+            TlsProblem::classify(http, alert),
             Some(TlsProblem::PortIsTls)
         );
         let untrusted = "connect: transport error: invalid peer certificate: UnknownIssuer";
