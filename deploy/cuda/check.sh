@@ -5,8 +5,8 @@
 #   deploy/cuda/check.sh          # the kernels: seconds
 #   deploy/cuda/check.sh --rust   # and the Rust behind the `cuda` feature: minutes
 #
-# The kernels: every rookworld-lm/kernels/*.cu is compiled to PTX exactly as
-# rookworld-lm/build.rs compiles it for the binaries, with every nvcc warning an error,
+# The kernels: every rookworld-lm/kernels/*.cu and rookworld-train/kernels/*.cu is compiled
+# to PTX exactly as its crate's build.rs compiles it for the binaries, with every nvcc warning an error,
 # then assembled by ptxas for sm_$CUDA_COMPUTE_CAP (what the driver does at load time:
 # an error there is an error on the GPU); register spills are printed. A kernel file that
 # build.rs does not embed fails too. With --rust: `cargo check --features cuda` of the
@@ -20,14 +20,15 @@ echo "cuda-check: $(nvcc --version | tail -1), compute capability $CUDA_COMPUTE_
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
 failed=0
-for src in "$ROOT"/rookworld-lm/kernels/*.cu; do
+for src in "$ROOT"/rookworld-lm/kernels/*.cu "$ROOT"/rookworld-train/kernels/*.cu; do
   name=$(basename "$src" .cu)
-  if ! grep -q "\"$name\"" "$ROOT/rookworld-lm/build.rs"; then
-    echo "cuda-check: $src is not in rookworld-lm/build.rs's KERNELS: the binaries would not embed it" >&2
+  crate=$(basename "$(dirname "$(dirname "$src")")")
+  if ! grep -q "\"$name\"" "$ROOT/$crate/build.rs"; then
+    echo "cuda-check: $src is not in $crate/build.rs's KERNELS: the binaries would not embed it" >&2
     failed=1
     continue
   fi
-  # The flags of rookworld-lm/build.rs, and warnings as errors.
+  # The flags of the build scripts, and warnings as errors.
   if ! nvcc --ptx -O3 -std=c++17 "-arch=compute_$CUDA_COMPUTE_CAP" -Werror all-warnings \
     -o "$OUT/$name.ptx" "$src"; then
     echo "cuda-check: nvcc failed on $src" >&2
@@ -46,6 +47,7 @@ done
 if [ "${1:-}" = --rust ]; then
   cd "$ROOT"
   CARGO_TARGET_DIR=target-cuda-check cargo check --locked --features cuda \
-    -p rookworld-lm -p rookworld-generation -p rollout-worker -p learner --all-targets
+    -p rookworld-lm -p rookworld-train -p rookworld-generation -p rollout-worker -p learner \
+    --all-targets
   echo "cuda-check: the Rust behind the cuda feature type-checks" >&2
 fi

@@ -3,6 +3,7 @@
 
 use crate::bench_cmd::{self, BenchArgs};
 use crate::bench_push::{self, BenchPushArgs};
+use crate::compare_cmd::{self, CompareArgs};
 use crate::export_cmd::{self, ExportArgs};
 use crate::init_cmd::{self, InitArgs};
 use crate::loss_cmd::{self, LossArgs};
@@ -57,6 +58,10 @@ enum Command {
     /// Time one GRPO step (reference forward, policy forward/backward, clipping, AdamW)
     /// on a synthetic batch; prints one JSON line.
     Bench(BenchArgs),
+    /// Debug the step's backends: a synthetic micro-batch through a backend (cuda, or the
+    /// CPU's) and a CPU reference, every buffer compared in the pass's order; prints one
+    /// JSON line, exit 1 naming the first buffer beyond the tolerance.
+    CompareBackends(CompareArgs),
     /// Time weight pushes to a real worker on loopback, phase by phase, beside the floor
     /// (memcpy, raw TCP); prints one JSON line.
     BenchPush(BenchPushArgs),
@@ -97,6 +102,7 @@ pub fn main() -> std::process::ExitCode {
         Command::Train(args) => train_cmd(args).map_err(|e| e.to_string()),
         Command::Bench(args) => bench_cmd::run(args).map_err(|e| e.to_string()),
         Command::BenchPush(args) => bench_push::run(args).map_err(|e| e.to_string()),
+        Command::CompareBackends(args) => compare_cmd::run(args),
         Command::Eval(args) => crate::eval::run(args).map_err(|e| e.to_string()),
         Command::Health(args) => args.run(),
         Command::Config(ConfigCommand::Show(args)) => {

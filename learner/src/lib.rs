@@ -36,6 +36,7 @@ pub mod batch;
 pub mod bench_cmd;
 pub mod bench_push;
 pub mod checkpoint;
+pub mod compare_cmd;
 pub mod eval;
 pub mod export_cmd;
 pub mod fused;

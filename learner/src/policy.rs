@@ -9,7 +9,7 @@ use candle_nn::{VarBuilder, VarMap};
 use rookworld_lm::{Gpt2, LeftPadding, checkpoint};
 
 use crate::batch::Layout;
-use crate::fused::model::Workspace;
+use crate::fused::Workspace;
 use crate::head::{head_logprobs, plain_head_logprobs};
 use crate::optim::Gradients;
 
@@ -133,10 +133,10 @@ impl Trainable {
     }
 
     /// How the fused pass multiplies for this policy's `--matmul-precision`.
-    pub fn fused_matmuls(&self) -> crate::fused::ops::Matmuls {
+    pub fn fused_matmuls(&self) -> rookworld_train::cpu::ops::Matmuls {
         match self.model.matmul_dtype() {
-            Some(DType::BF16) => crate::fused::ops::Matmuls::Bf16,
-            _ => crate::fused::ops::Matmuls::F32,
+            Some(DType::BF16) => rookworld_train::cpu::ops::Matmuls::Bf16,
+            _ => rookworld_train::cpu::ops::Matmuls::F32,
         }
     }
 

@@ -76,7 +76,7 @@ pub(crate) fn fused_gradients(
             .collect();
         let tokens: usize = split.iter().map(|(_, [c])| c.len()).sum();
         let w = tokens as f64 / total_tokens.max(1) as f64;
-        loss += w * nll_micro(&params, &groups, w, &mut buffers, &mut work);
+        loss += w * nll_micro(&params, &groups, w, &mut buffers, &mut work)?;
     }
     Ok((policy.host_gradients(buffers), loss))
 }

@@ -264,7 +264,7 @@ fn accumulate_fused(
             for start in (0..batch.prompts.len()).step_by(REFERENCE_GROUPS.max(micro)) {
                 let chunk = slice(batch, start, REFERENCE_GROUPS.max(micro));
                 if let Some(m) = MicroBatch::new(&chunk, scale, None) {
-                    all.extend(reference_logprobs(r, &m, &cfg.loss, &mut work));
+                    all.extend(reference_logprobs(r, &m, &cfg.loss, &mut work)?);
                 }
             }
             Some(all)

@@ -1,15 +1,16 @@
 //! The fused training pass of the GPT-2 policy on the CPU, in llm.c's manner: an explicit
 //! layer-by-layer forward that keeps exactly the activations its backward needs
-//! ([`model::Activations`], sized before the pass runs), and a hand-written backward
-//! ([`ops`], [`attention`], the LM head of [`crate::head`]).
+//! ([`Activations`], sized before the pass runs), and a hand-written backward: the pass of
+//! `rookworld_train` on its CPU backend, which this module feeds with the weights of the
+//! candle model in place.
 //!
 //! - **The prompt once per group.** A group's G completions share its prompt: the prompt's
 //!   rows go through the layers once, completion rows attend to its keys and values
-//!   ([`attention`]), and in the backward the prompt's gradients collect all G
+//!   (`rookworld_train::cpu::attention`), and in the backward the prompt's gradients collect all G
 //!   completions' contributions — the sharing the rollout engine does when sampling.
 //!   A completion's last token predicts nothing, so it is never fed.
 //! - **Only predicting rows through the head**, whose probabilities are kept for the
-//!   backward when they fit the budget, recomputed otherwise ([`crate::head`]).
+//!   backward when they fit the budget, recomputed otherwise (`rookworld_train::cpu::head`).
 //! - **Weights read in place** from the candle tensors that hold them ([`Params`]), the
 //!   gradient of each parameter one `Vec<f32>` handed to the optimizer as is.
 //!
@@ -20,19 +21,15 @@
 //! Letters: R rows fed (prompts once, completions without their last token), E width,
 //! H heads, I MLP width, V vocabulary, N predicted tokens.
 
-pub mod attention;
-pub mod model;
-pub mod ops;
 pub mod step;
 
 use candle_core::{CpuStorage, DType, Result as CandleResult, Storage, StorageRef, Tensor};
 use rookworld_lm::config::{Activation, Config};
+use rookworld_train::cpu::Cpu;
+use rookworld_train::cpu::ops::Matmuls;
+use rookworld_train::weights::{self, Weights};
 
-use crate::fused::attention::GroupRows;
-
-/// Tensors per transformer block, in `Gpt2::named_tensors` order: ln_1 (w, b), c_attn
-/// (w, b), attn.c_proj (w, b), ln_2 (w, b), c_fc (w, b), mlp.c_proj (w, b).
-pub const PER_LAYER: usize = 12;
+pub use rookworld_train::{GroupInput, Packed};
 
 /// Whether the fused pass runs a model of `cfg` whose weights are `sample` on this host.
 pub fn applies(cfg: &Config, sample: &Tensor) -> bool {
@@ -76,13 +73,13 @@ pub struct Params<'a> {
     held: Vec<HostF32<'a>>,
     pub cfg: &'a Config,
     /// How the pass multiplies (f32 unless [`with_matmuls`](Self::with_matmuls) says).
-    pub matmuls: ops::Matmuls,
+    pub matmuls: Matmuls,
 }
 
 impl<'a> Params<'a> {
     /// Holds a read lock on every tensor (contiguous f32 on the CPU, else an error).
     pub fn new(tensors: &'a [Tensor], cfg: &'a Config) -> CandleResult<Self> {
-        let want = 4 + PER_LAYER * cfg.n_layer + usize::from(!cfg.tie_word_embeddings);
+        let want = weights::count(cfg);
         if tensors.len() != want {
             candle_core::bail!("fused pass: {} tensors, want {want}", tensors.len());
         }
@@ -96,14 +93,25 @@ impl<'a> Params<'a> {
         Ok(Self {
             held,
             cfg,
-            matmuls: ops::Matmuls::F32,
+            matmuls: Matmuls::F32,
         })
     }
 
     /// The pass multiplies as `matmuls` says.
-    pub fn with_matmuls(mut self, matmuls: ops::Matmuls) -> Self {
+    pub fn with_matmuls(mut self, matmuls: Matmuls) -> Self {
         self.matmuls = matmuls;
         self
+    }
+
+    /// The CPU backend that multiplies as these parameters say.
+    pub fn backend(&self) -> Cpu {
+        Cpu::new(self.matmuls)
+    }
+
+    /// The parameters as the pass reads them.
+    pub fn weights(&self) -> Weights<'_, Cpu> {
+        let bufs = self.held.iter().map(|h| h.as_slice()).collect();
+        Weights::new(self.cfg, bufs).expect("counted in Params::new")
     }
 
     /// Number of parameter tensors.
@@ -118,25 +126,6 @@ impl<'a> Params<'a> {
     /// Parameter `i` as a slice.
     pub fn get(&self, i: usize) -> &[f32] {
         self.held[i].as_slice()
-    }
-
-    /// Index of parameter `j` (0..12) of block `l`.
-    pub fn layer(l: usize, j: usize) -> usize {
-        2 + l * PER_LAYER + j
-    }
-
-    /// Index of the LM head's weight (V, E): `wte` when tied.
-    pub fn head_index(&self) -> usize {
-        if self.cfg.tie_word_embeddings {
-            0
-        } else {
-            self.held.len() - 1
-        }
-    }
-
-    /// Index of ln_f's weight (its bias follows).
-    pub fn ln_f(&self) -> usize {
-        2 + PER_LAYER * self.cfg.n_layer
     }
 
     /// Zeroed gradients, one per parameter: `reuse`'s buffers when they fit (the memory
@@ -161,71 +150,66 @@ impl<'a> Params<'a> {
     }
 }
 
-/// One group: its prompt and its completions.
-#[derive(Debug, Clone, Copy)]
-pub struct GroupInput<'a> {
-    pub prompt: &'a [u32],
-    pub completions: &'a [Vec<u32>],
+/// The fused pass's activations on the CPU.
+pub type Activations = rookworld_train::Activations<Cpu>;
+
+/// The buffers of the fused pass, kept from step to step by the model that trains
+/// ([`crate::policy::Trainable`]): the policy's activations and the reference's.
+#[derive(Debug, Default)]
+pub struct Workspace {
+    pub policy: Activations,
+    pub reference: Activations,
+    /// Gradient buffers of the last step, handed back after its optimizer step
+    /// ([`crate::optim::Gradients::recycle`]).
+    pub grads: Vec<Vec<f32>>,
 }
 
-/// A micro-batch of groups laid out as rows: per group its prompt's rows, then each
-/// completion's rows (all of its tokens but the last).
-#[derive(Debug, Clone)]
-pub struct Packed {
-    /// (R) token fed at each row, and its position.
-    pub ids: Vec<u32>,
-    pub positions: Vec<u32>,
-    pub groups: Vec<GroupRows>,
-    /// (N) the row whose hidden state predicts each completion token, and that token;
-    /// completion after completion, in batch order.
-    pub head_rows: Vec<u32>,
-    pub targets: Vec<u32>,
-    /// Per completion (batch order), its tokens' range in `head_rows`.
-    pub tokens: Vec<std::ops::Range<usize>>,
+impl Workspace {
+    /// Zeroed gradient buffers for `params`: the last step's when they fit.
+    pub fn zeroed_grads(&mut self, params: &Params) -> Vec<Vec<f32>> {
+        params.zero_grads(std::mem::take(&mut self.grads))
+    }
 }
 
-impl Packed {
-    pub fn new(groups: &[GroupInput]) -> Self {
-        let mut p = Packed {
-            ids: Vec::new(),
-            positions: Vec::new(),
-            groups: Vec::new(),
-            head_rows: Vec::new(),
-            targets: Vec::new(),
-            tokens: Vec::new(),
-        };
-        for g in groups {
-            let start = p.ids.len();
-            p.ids.extend_from_slice(g.prompt);
-            p.positions.extend(0..g.prompt.len() as u32);
-            let prompt = start..p.ids.len();
-            let last = (prompt.end - 1) as u32;
-            let mut completions = Vec::new();
-            for c in g.completions {
-                let first = p.ids.len();
-                let fed = &c[..c.len().saturating_sub(1)];
-                p.ids.extend_from_slice(fed);
-                let lp = g.prompt.len() as u32;
-                p.positions.extend(lp..lp + fed.len() as u32);
-                let n0 = p.head_rows.len();
-                for (j, &y) in c.iter().enumerate() {
-                    p.head_rows
-                        .push(if j == 0 { last } else { (first + j - 1) as u32 });
-                    p.targets.push(y);
-                }
-                p.tokens.push(n0..p.head_rows.len());
-                completions.push(first..p.ids.len());
-            }
-            p.groups.push(GroupRows {
-                prompt,
-                completions,
-            });
-        }
-        p
-    }
+/// Forward of `packed` on the CPU: the log-prob of every predicted token (N) under
+/// `softmax(logits / temperature)`; with `keep`, `acts` holds what [`backward`] needs
+/// ([`rookworld_train::forward`]).
+pub fn forward(
+    params: &Params,
+    packed: &Packed,
+    temperature: f64,
+    acts: &mut Activations,
+    keep: bool,
+) -> CandleResult<Vec<f32>> {
+    rookworld_train::forward(
+        &params.backend(),
+        &params.weights(),
+        packed,
+        temperature,
+        acts,
+        keep,
+    )
+    .map_err(candle_core::Error::wrap)
+}
 
-    /// Rows fed.
-    pub fn rows(&self) -> usize {
-        self.ids.len()
-    }
+/// Backward of [`forward`] for upstream gradients `dlogp` (N): adds every parameter's
+/// gradient to `grads` (indexed as [`Params`]).
+pub fn backward(
+    params: &Params,
+    packed: &Packed,
+    acts: &mut Activations,
+    dlogp: &[f32],
+    temperature: f64,
+    grads: &mut [Vec<f32>],
+) -> CandleResult<()> {
+    rookworld_train::backward(
+        &params.backend(),
+        &params.weights(),
+        packed,
+        acts,
+        dlogp,
+        temperature,
+        grads,
+    )
+    .map_err(candle_core::Error::wrap)
 }

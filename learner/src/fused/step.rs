@@ -11,8 +11,7 @@ use candle_core::{DType, Device, Result as CandleResult, Tensor, Var};
 use rookworld_lm::Gpt2;
 
 use crate::batch::GrpoBatch;
-use crate::fused::model::{self, Workspace};
-use crate::fused::{GroupInput, Packed, Params};
+use crate::fused::{self, GroupInput, Packed, Params, Workspace};
 use crate::grpo::{Scale, group_advantages};
 use crate::loss::{LossConfig, TokenTensors, objective};
 
@@ -152,8 +151,8 @@ pub fn reference_logprobs(
     micro: &MicroBatch,
     cfg: &LossConfig,
     work: &mut Workspace,
-) -> Vec<f32> {
-    model::forward(
+) -> CandleResult<Vec<f32>> {
+    fused::forward(
         reference,
         &micro.packed,
         cfg.temperature,
@@ -177,10 +176,10 @@ pub fn micro_step(
     let mut report = MicroReport::default();
     let t = cfg.temperature;
     let started = Instant::now();
-    let logp = model::forward(policy, &micro.packed, t, &mut work.policy, true);
-    report.activation_bytes = work.policy.bytes();
+    let logp = fused::forward(policy, &micro.packed, t, &mut work.policy, true)?;
+    report.activation_bytes = work.policy.bytes(&policy.backend());
     report.entropy_sum = counted_ranges(&micro.packed, &micro.counted)
-        .flat_map(|r| &work.policy.entropy[r])
+        .flat_map(|r| &work.policy.entropy()[r])
         .map(|&h| f64::from(h))
         .sum();
     report.forward_seconds = started.elapsed().as_secs_f64();
@@ -237,7 +236,7 @@ pub fn micro_step(
         }
         dlogp
     };
-    model::backward(policy, &micro.packed, &mut work.policy, &dlogp, t, grads);
+    fused::backward(policy, &micro.packed, &mut work.policy, &dlogp, t, grads)?;
     report.backward_seconds = started.elapsed().as_secs_f64();
     Ok(report)
 }
@@ -252,13 +251,13 @@ pub fn nll_micro(
     weight: f64,
     grads: &mut [Vec<f32>],
     work: &mut Workspace,
-) -> f64 {
+) -> CandleResult<f64> {
     let packed = Packed::new(groups);
-    let logp = model::forward(policy, &packed, 1.0, &mut work.policy, true);
+    let logp = fused::forward(policy, &packed, 1.0, &mut work.policy, true)?;
     let n = logp.len().max(1);
     let dlogp = vec![(-weight / n as f64) as f32; logp.len()];
-    model::backward(policy, &packed, &mut work.policy, &dlogp, 1.0, grads);
-    -logp.iter().map(|&l| f64::from(l)).sum::<f64>() / n as f64
+    fused::backward(policy, &packed, &mut work.policy, &dlogp, 1.0, grads)?;
+    Ok(-logp.iter().map(|&l| f64::from(l)).sum::<f64>() / n as f64)
 }
 
 /// The tensors of `model` in [`Params`] order.

@@ -9,6 +9,7 @@
 mod common;
 
 mod bench_cli;
+mod compare_cli;
 mod eval_cli;
 mod fused_parity;
 mod grpo_parity;

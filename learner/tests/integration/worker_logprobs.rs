@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device};
-use learner::fused::{GroupInput, Packed, Params, model};
+use learner::fused::{self, Activations, GroupInput, Packed, Params};
 use rookworld_generation::{EngineConfig, Request, Scheduler, prepare_model};
 use rookworld_lm::Config;
 use rookworld_lm::checkpoint::init_random;
@@ -62,8 +62,9 @@ fn worker_logprobs_equal_the_learners_at_equal_weights() {
         })
         .collect();
     let packed = Packed::new(&inputs);
-    let mut acts = model::Activations::default();
-    let learner = model::forward(&params, &packed, f64::from(temperature), &mut acts, false);
+    let mut acts = Activations::default();
+    let learner =
+        fused::forward(&params, &packed, f64::from(temperature), &mut acts, false).unwrap();
     assert_eq!(learner.len(), worker.len());
     let worst = learner
         .iter()

@@ -17,57 +17,10 @@
 //!
 //! Rows are (R, 3E) `[q | k | v]` with head h at columns h·D..(h+1)·D of each part.
 
-use std::ops::Range;
-
+use crate::backend::Heads;
+use crate::batch::GroupRows;
 use rayon::prelude::*;
 use rookworld_lm::simd::{axpy, dots, scaled_softmax_inplace, weighted_sum};
-
-/// The rows of one group in the packed batch.
-#[derive(Debug, Clone)]
-pub struct GroupRows {
-    pub prompt: Range<usize>,
-    pub completions: Vec<Range<usize>>,
-}
-
-impl GroupRows {
-    /// Attention probabilities one head keeps for this group: the prompt's (Lp, Lp)
-    /// block and each completion's (n, Lp + n) block.
-    pub fn probs_len(&self) -> usize {
-        let lp = self.prompt.len();
-        lp * lp
-            + self
-                .completions
-                .iter()
-                .map(|c| c.len() * (lp + c.len()))
-                .sum::<usize>()
-    }
-
-    /// The segments of this group: (visible prefix rows, own rows, offset in the head's
-    /// probabilities).
-    fn segments(&self) -> Vec<(Range<usize>, Range<usize>, usize)> {
-        let lp = self.prompt.len();
-        let mut out = vec![(0..0, self.prompt.clone(), 0)];
-        let mut offset = lp * lp;
-        for c in &self.completions {
-            out.push((self.prompt.clone(), c.clone(), offset));
-            offset += c.len() * (lp + c.len());
-        }
-        out
-    }
-}
-
-/// Sizes of the attention: E width, H heads, D = E / H.
-#[derive(Debug, Clone, Copy)]
-pub struct Heads {
-    pub e: usize,
-    pub h: usize,
-}
-
-impl Heads {
-    fn d(&self) -> usize {
-        self.e / self.h
-    }
-}
 
 /// A buffer written by many tasks at disjoint places.
 #[derive(Clone, Copy)]
@@ -217,6 +170,8 @@ pub fn attention_backward(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::Heads;
+    use crate::batch::GroupRows;
     use rookworld_lm::simd::dot;
 
     /// Attention of one plain causal sequence, the textbook way.

@@ -1,7 +1,8 @@
-//! Row-wise kernels of the fused training pass, each `*_forward` beside its `*_backward`
-//! (llm.c's layout): matrix products with bias and embeddings here; layer norm and GELU
-//! from [`rookworld_lm::train_ops`], the implementation the autograd ops share. Everything is f32, row-major; R rows of width E (or I, 3E),
-//! but for the matrix products' operands under [`Matmuls::Bf16`].
+//! Row-wise kernels of the CPU backend, each `*_forward` beside its `*_backward` (llm.c's
+//! layout): matrix products, column sums and embeddings here; layer norm and GELU from
+//! [`rookworld_lm::train_ops`], the implementation the autograd ops share. Everything is
+//! f32, row-major; R rows of width E (or I, 3E), but for the matrix products' operands
+//! under [`Matmuls::Bf16`].
 //!
 //! Gradients of parameters are *accumulated* (`+=`), gradients of activations are written
 //! or accumulated as each function says.
@@ -139,44 +140,8 @@ pub fn gemm_f32(
     }
 }
 
-/// `out (R, N) = x (R, K) · w (K, N) + b (N)`: Hugging Face's Conv1D.
-pub fn matmul_forward(
-    out: &mut [f32],
-    (x, w, b): (&[f32], &[f32], &[f32]),
-    r: usize,
-    k: usize,
-    how: Matmuls,
-) {
-    let n = b.len();
-    for row in out[..r * n].chunks_exact_mut(n) {
-        row.copy_from_slice(b);
-    }
-    gemm(out, (r, n, k), true, (x, k, 1), (w, n, 1), how);
-}
-
-/// Backward of [`matmul_forward`]: `dx (R, K) [+]= dout · wᵀ`, `dw (K, N) += xᵀ · dout`,
-/// `db (N) += Σ_rows dout`.
-#[allow(clippy::too_many_arguments)]
-pub fn matmul_backward(
-    dx: &mut [f32],
-    accumulate_dx: bool,
-    dw: &mut [f32],
-    db: &mut [f32],
-    dout: &[f32],
-    x: &[f32],
-    w: &[f32],
-    (r, k, n): (usize, usize, usize),
-    how: Matmuls,
-) {
-    // wᵀ (N, K): element (j, i) is w[i·N + j].
-    gemm(dx, (r, k, n), accumulate_dx, (dout, n, 1), (w, 1, n), how);
-    // xᵀ (K, R): element (i, t) is x[t·K + i].
-    gemm(dw, (k, n, r), true, (x, 1, k), (dout, n, 1), how);
-    column_sums(db, dout, n);
-}
-
 /// `acc (N) += Σ_rows m (·, N)`.
-fn column_sums(acc: &mut [f32], m: &[f32], n: usize) {
+pub fn column_sums(acc: &mut [f32], m: &[f32], n: usize) {
     sum_rows(acc, m.len() / n, |r, s| add_to(s, &m[r * n..(r + 1) * n]));
 }
 

@@ -1,0 +1,450 @@
+// The kernels of rookworld-train's CUDA backend (rookworld-train/src/cuda/): every
+// operation of the pass but the matrix products (cuBLAS), f32 storage. Each one's CPU
+// reference is the CPU backend's kernel of the same name (rookworld-train/src/cpu/), which
+// the debug mode (rookworld-train/src/compare.rs) compares it with buffer by buffer.
+//
+// Sums over rows are deterministic: partial sums over fixed blocks of rows, then the
+// partials in order (column_partials / column_finish, layer_norm_partials /
+// layer_norm_finish). The scatters of the embedding backward and of the predicting rows
+// add with atomics (a token or a row met twice in one micro-batch).
+//
+// Attention: a group's rows are its prompt, then each completion; query row r sees the
+// prefix rows [meta.p0, meta.p1) (its group's prompt, for a completion row; none for a
+// prompt row) and its own rows [meta.o0, r]; key row r is seen by the query rows
+// [r, meta.q_end) (the rest of its group for a prompt row, of its completion otherwise).
+// qkv rows are [q | k | v], head h at columns h·D..(h+1)·D of each part.
+
+#include <math.h>
+#include <stdint.h>
+
+#define WARP 32
+#define ROWS_PER_BLOCK 8   // warps per block of the warp-per-row kernels
+#define SUM_ROWS 256       // rows per partial sum of column_partials
+#define LN_CHUNK 32        // rows per partial sum of layer_norm_partials
+#define HEAD_THREADS 512   // threads per row of the head's kernels
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+#define GRID_STRIDE(i, n)                                                                  \
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (size_t)(n);         \
+         i += (size_t)blockDim.x * gridDim.x)
+
+// out (R, E) = wte[ids[r]] + wpe[pos[r]].
+extern "C" __global__ void embedding_fwd(float *__restrict__ out, const uint32_t *__restrict__ ids,
+                                         const uint32_t *__restrict__ pos,
+                                         const float *__restrict__ wte,
+                                         const float *__restrict__ wpe, int R, int E) {
+    GRID_STRIDE(i, (size_t)R * E) {
+        const size_t r = i / E, c = i % E;
+        out[i] = wte[(size_t)ids[r] * E + c] + wpe[(size_t)pos[r] * E + c];
+    }
+}
+
+// dwte[ids[r]] += dout[r], dwpe[pos[r]] += dout[r].
+extern "C" __global__ void embedding_bwd(float *__restrict__ dwte, float *__restrict__ dwpe,
+                                         const float *__restrict__ dout,
+                                         const uint32_t *__restrict__ ids,
+                                         const uint32_t *__restrict__ pos, int R, int E) {
+    GRID_STRIDE(i, (size_t)R * E) {
+        const size_t r = i / E, c = i % E;
+        atomicAdd(dwte + (size_t)ids[r] * E + c, dout[i]);
+        atomicAdd(dwpe + (size_t)pos[r] * E + c, dout[i]);
+    }
+}
+
+// Every row of out (R, N) = bias (N).
+extern "C" __global__ void broadcast_rows(float *__restrict__ out, const float *__restrict__ bias,
+                                          int R, int N) {
+    GRID_STRIDE(i, (size_t)R * N) { out[i] = bias[i % N]; }
+}
+
+// partial (ceil(R / SUM_ROWS), N): block row k of m (R, N) summed over its rows, in order.
+// Grid (ceil(N / 256), ceil(R / SUM_ROWS)), block 256.
+extern "C" __global__ void column_partials(const float *__restrict__ m, float *__restrict__ partial,
+                                           int R, int N) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x, k = blockIdx.y;
+    if (c >= N) return;
+    const int end = min(R, (k + 1) * SUM_ROWS);
+    float s = 0.f;
+    for (int r = k * SUM_ROWS; r < end; ++r) s += m[(size_t)r * N + c];
+    partial[(size_t)k * N + c] = s;
+}
+
+// acc (N) += Σ_k partial[k] (K, N), k in order.
+extern "C" __global__ void column_finish(float *__restrict__ acc, const float *__restrict__ partial,
+                                         int K, int N) {
+    GRID_STRIDE(c, N) {
+        float s = 0.f;
+        for (int k = 0; k < K; ++k) s += partial[(size_t)k * N + c];
+        acc[c] += s;
+    }
+}
+
+// out = a + b.
+extern "C" __global__ void add(float *__restrict__ out, const float *__restrict__ a,
+                               const float *__restrict__ b, int n) {
+    GRID_STRIDE(i, n) { out[i] = a[i] + b[i]; }
+}
+
+__device__ __forceinline__ float gelu_tanh(float x) {
+    const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return tanhf(u);
+}
+
+// out = gelu_new(x) = x/2 (1 + tanh(√(2/π) (x + 0.044715 x³))).
+extern "C" __global__ void gelu_fwd(float *__restrict__ out, const float *__restrict__ x, int n) {
+    GRID_STRIDE(i, n) { out[i] = 0.5f * x[i] * (1.f + gelu_tanh(x[i])); }
+}
+
+// d *= gelu_new'(x).
+extern "C" __global__ void gelu_bwd(float *__restrict__ d, const float *__restrict__ x, int n) {
+    GRID_STRIDE(i, n) {
+        const float v = x[i], t = gelu_tanh(v);
+        const float local = 0.5f * (1.f + t) +
+                            0.5f * v * (1.f - t * t) * 0.7978845608028654f *
+                                (1.f + 3.f * 0.044715f * v * v);
+        d[i] *= local;
+    }
+}
+
+// y (M, E) = (x − μ) σ̂ w + b per row, with μ and σ̂ = 1/√(var + eps) saved (M). A warp per
+// row, the statistics in two passes. Grid ceil(M / 8), block 256.
+extern "C" __global__ void __launch_bounds__(ROWS_PER_BLOCK * WARP)
+    layer_norm_fwd(float *__restrict__ y, float *__restrict__ mean, float *__restrict__ rstd,
+                   const float *__restrict__ x, const float *__restrict__ w,
+                   const float *__restrict__ b, int M, int E, float eps) {
+    const int r = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (r >= M) return;
+    const float *row = x + (size_t)r * E;
+    float s = 0.f;
+    for (int i = lane; i < E; i += WARP) s += row[i];
+    const float m = warp_sum(s) / E;
+    float v = 0.f;
+    for (int i = lane; i < E; i += WARP) {
+        const float d = row[i] - m;
+        v += d * d;
+    }
+    const float rs = rsqrtf(warp_sum(v) / E + eps);
+    float *out = y + (size_t)r * E;
+    for (int i = lane; i < E; i += WARP) out[i] = (row[i] - m) * rs * w[i] + b[i];
+    if (lane == 0) {
+        mean[r] = m;
+        rstd[r] = rs;
+    }
+}
+
+// dx += σ̂ (g − mean(g) − x̂ mean(g x̂)) per row, g = dy w. Grid ceil(M / 8), block 256.
+extern "C" __global__ void __launch_bounds__(ROWS_PER_BLOCK * WARP)
+    layer_norm_dx(float *__restrict__ dx, const float *__restrict__ dy,
+                  const float *__restrict__ x, const float *__restrict__ mean,
+                  const float *__restrict__ rstd, const float *__restrict__ w, int M, int E) {
+    const int r = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (r >= M) return;
+    const float *row = x + (size_t)r * E, *g_row = dy + (size_t)r * E;
+    const float m = mean[r], rs = rstd[r];
+    float sg = 0.f, sgx = 0.f;
+    for (int i = lane; i < E; i += WARP) {
+        const float g = g_row[i] * w[i];
+        sg += g;
+        sgx += g * (row[i] - m) * rs;
+    }
+    const float mean_g = warp_sum(sg) / E, mean_gx = warp_sum(sgx) / E;
+    float *out = dx + (size_t)r * E;
+    for (int i = lane; i < E; i += WARP) {
+        const float xhat = (row[i] - m) * rs;
+        out[i] += rs * (g_row[i] * w[i] - mean_g - xhat * mean_gx);
+    }
+}
+
+// partial (ceil(M / LN_CHUNK), 2, E): over block k's rows, Σ dy x̂ and Σ dy, in order.
+// Grid ceil(M / LN_CHUNK), block 256.
+extern "C" __global__ void layer_norm_partials(float *__restrict__ partial,
+                                               const float *__restrict__ dy,
+                                               const float *__restrict__ x,
+                                               const float *__restrict__ mean,
+                                               const float *__restrict__ rstd, int M, int E) {
+    const int first = blockIdx.x * LN_CHUNK, end = min(M, first + LN_CHUNK);
+    float *part = partial + (size_t)blockIdx.x * 2 * E;
+    for (int i = threadIdx.x; i < E; i += blockDim.x) {
+        float dw = 0.f, db = 0.f;
+        for (int r = first; r < end; ++r) {
+            const float g = dy[(size_t)r * E + i];
+            dw += g * (x[(size_t)r * E + i] - mean[r]) * rstd[r];
+            db += g;
+        }
+        part[i] = dw;
+        part[E + i] = db;
+    }
+}
+
+// dw += Σ_k partial[k][0], db += Σ_k partial[k][1], k in order.
+extern "C" __global__ void layer_norm_finish(float *__restrict__ dw, float *__restrict__ db,
+                                             const float *__restrict__ partial, int K, int E) {
+    GRID_STRIDE(i, E) {
+        float sw = 0.f, sb = 0.f;
+        for (int k = 0; k < K; ++k) {
+            sw += partial[(size_t)k * 2 * E + i];
+            sb += partial[(size_t)k * 2 * E + E + i];
+        }
+        dw[i] += sw;
+        db[i] += sb;
+    }
+}
+
+// out (N, E) = rows[n] of x (·, E).
+extern "C" __global__ void gather_rows(float *__restrict__ out, const float *__restrict__ x,
+                                       const uint32_t *__restrict__ rows, int N, int E) {
+    GRID_STRIDE(i, (size_t)N * E) {
+        out[i] = x[(size_t)rows[i / E] * E + i % E];
+    }
+}
+
+// dst (·, E) rows[n] += src[n] (N, E).
+extern "C" __global__ void scatter_add_rows(float *__restrict__ dst, const float *__restrict__ src,
+                                            const uint32_t *__restrict__ rows, int N, int E) {
+    GRID_STRIDE(i, (size_t)N * E) {
+        atomicAdd(dst + (size_t)rows[i / E] * E + i % E, src[i]);
+    }
+}
+
+// One row's attention metadata (see the top of the file).
+struct RowMeta {
+    int p0, p1, o0, q_end;
+};
+
+// The visible key rows of query r, in order: the prefix, then its own rows up to r.
+__device__ __forceinline__ int key_at(const RowMeta &m, int j) {
+    const int prefix = m.p1 - m.p0;
+    return j < prefix ? m.p0 + j : m.o0 + (j - prefix);
+}
+
+__device__ __forceinline__ int keys_of(const RowMeta &m, int r) {
+    return (m.p1 - m.p0) + (r - m.o0 + 1);
+}
+
+// The attention kernels are instantiated per head width D = 32·PER (PER = 1, 2, 4: each
+// lane holds PER of a row's D values in registers): attention_fwd_d64 and so on.
+
+// y (R, E) and lse (R, H): softmax(q·k/√D) over the visible keys, one warp per (row,
+// head), online max and sum. Grid ceil(R·H / 8), block 256.
+template <int per>
+__device__ void attention_fwd(float *__restrict__ y, float *__restrict__ lse,
+                              const float *__restrict__ qkv, const int4 *__restrict__ meta, int R,
+                              int H) {
+    const int task = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (task >= R * H) return;
+    const int D = per * WARP, r = task / H, h = task % H, E = H * D;
+    const int4 mv = meta[r];
+    const RowMeta m = {mv.x, mv.y, mv.z, mv.w};
+    const float scale = rsqrtf((float)D);
+    float q[per], acc[per];
+    for (int t = 0; t < per; ++t) {
+        q[t] = qkv[(size_t)r * 3 * E + h * D + lane + t * WARP] * scale;
+        acc[t] = 0.f;
+    }
+    float mx = -INFINITY, sum = 0.f;
+    const int n = keys_of(m, r);
+    for (int j = 0; j < n; ++j) {
+        const float *k = qkv + (size_t)key_at(m, j) * 3 * E + E + h * D;
+        float s = 0.f;
+        for (int t = 0; t < per; ++t) s += q[t] * k[lane + t * WARP];
+        s = warp_sum(s);
+        const float nm = fmaxf(mx, s), old = __expf(mx - nm), p = __expf(s - nm);
+        const float *v = k + E;
+        for (int t = 0; t < per; ++t) acc[t] = acc[t] * old + p * v[lane + t * WARP];
+        sum = sum * old + p;
+        mx = nm;
+    }
+    const float inv = 1.f / sum;
+    for (int t = 0; t < per; ++t) y[(size_t)r * E + h * D + lane + t * WARP] = acc[t] * inv;
+    if (lane == 0) lse[task] = mx + logf(sum);
+}
+
+// dq part of dqkv (R, 3E): dq = Σ_j p_j (dy·v_j − Δ) k_j / √D, Δ = dy·y, p_j recomputed from
+// lse. A warp per (row, head). Grid ceil(R·H / 8), block 256.
+template <int per>
+__device__ void attention_bwd_dq(float *__restrict__ dqkv, const float *__restrict__ dy,
+                                 const float *__restrict__ y, const float *__restrict__ qkv,
+                                 const float *__restrict__ lse, const int4 *__restrict__ meta,
+                                 int R, int H) {
+    const int task = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (task >= R * H) return;
+    const int D = per * WARP, r = task / H, h = task % H, E = H * D;
+    const int4 mv = meta[r];
+    const RowMeta m = {mv.x, mv.y, mv.z, mv.w};
+    const float scale = rsqrtf((float)D);
+    float q[per], g[per], dq[per];
+    float delta = 0.f;
+    for (int t = 0; t < per; ++t) {
+        const size_t at = (size_t)r * E + h * D + lane + t * WARP;
+        q[t] = qkv[(size_t)r * 3 * E + h * D + lane + t * WARP] * scale;
+        g[t] = dy[at];
+        delta += g[t] * y[at];
+        dq[t] = 0.f;
+    }
+    delta = warp_sum(delta);
+    const float l = lse[task];
+    const int n = keys_of(m, r);
+    for (int j = 0; j < n; ++j) {
+        const float *k = qkv + (size_t)key_at(m, j) * 3 * E + E + h * D, *v = k + E;
+        float s = 0.f, dp = 0.f;
+        for (int t = 0; t < per; ++t) {
+            s += q[t] * k[lane + t * WARP];
+            dp += g[t] * v[lane + t * WARP];
+        }
+        s = warp_sum(s);
+        dp = warp_sum(dp);
+        const float ds = __expf(s - l) * (dp - delta) * scale;
+        for (int t = 0; t < per; ++t) dq[t] += ds * k[lane + t * WARP];
+    }
+    for (int t = 0; t < per; ++t) dqkv[(size_t)r * 3 * E + h * D + lane + t * WARP] = dq[t];
+}
+
+// dk and dv parts of dqkv (R, 3E) for key row j: over the query rows i in [j, q_end) that
+// see it, dk_j = Σ_i ds_ij q_i / √D and dv_j = Σ_i p_ij dy_i, with p, ds as in
+// attention_bwd_dq (Δ_i recomputed). A warp per (key row, head), no atomics.
+// Grid ceil(R·H / 8), block 256.
+template <int per>
+__device__ void attention_bwd_dkv(float *__restrict__ dqkv, const float *__restrict__ dy,
+                                  const float *__restrict__ y, const float *__restrict__ qkv,
+                                  const float *__restrict__ lse, const int4 *__restrict__ meta,
+                                  int R, int H) {
+    const int task = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (task >= R * H) return;
+    const int D = per * WARP, j = task / H, h = task % H, E = H * D;
+    const float scale = rsqrtf((float)D);
+    float k[per], v[per], dk[per], dv[per];
+    for (int t = 0; t < per; ++t) {
+        k[t] = qkv[(size_t)j * 3 * E + E + h * D + lane + t * WARP];
+        v[t] = qkv[(size_t)j * 3 * E + 2 * E + h * D + lane + t * WARP];
+        dk[t] = 0.f;
+        dv[t] = 0.f;
+    }
+    const int q_end = meta[j].w;
+    for (int i = j; i < q_end; ++i) {
+        const float *q = qkv + (size_t)i * 3 * E + h * D;
+        const float *g = dy + (size_t)i * E + h * D, *yi = y + (size_t)i * E + h * D;
+        float s = 0.f, dp = 0.f, delta = 0.f;
+        for (int t = 0; t < per; ++t) {
+            const int c = lane + t * WARP;
+            s += q[c] * k[t];
+            dp += g[c] * v[t];
+            delta += g[c] * yi[c];
+        }
+        s = warp_sum(s) * scale;
+        dp = warp_sum(dp);
+        delta = warp_sum(delta);
+        const float p = __expf(s - lse[(size_t)i * H + h]), ds = p * (dp - delta) * scale;
+        for (int t = 0; t < per; ++t) {
+            const int c = lane + t * WARP;
+            dk[t] += ds * q[c];
+            dv[t] += p * g[c];
+        }
+    }
+    for (int t = 0; t < per; ++t) {
+        dqkv[(size_t)j * 3 * E + E + h * D + lane + t * WARP] = dk[t];
+        dqkv[(size_t)j * 3 * E + 2 * E + h * D + lane + t * WARP] = dv[t];
+    }
+}
+
+#define ATTENTION_KERNELS(PER, SUFFIX)                                                       \
+    extern "C" __global__ void __launch_bounds__(ROWS_PER_BLOCK * WARP)                      \
+        attention_fwd_##SUFFIX(float *y, float *lse, const float *qkv, const int4 *meta, int R, \
+                               int H) {                                                      \
+        attention_fwd<PER>(y, lse, qkv, meta, R, H);                                         \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(ROWS_PER_BLOCK * WARP)                      \
+        attention_bwd_dq_##SUFFIX(float *dqkv, const float *dy, const float *y,               \
+                                  const float *qkv, const float *lse, const int4 *meta, int R, \
+                                  int H) {                                                   \
+        attention_bwd_dq<PER>(dqkv, dy, y, qkv, lse, meta, R, H);                            \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(ROWS_PER_BLOCK * WARP)                      \
+        attention_bwd_dkv_##SUFFIX(float *dqkv, const float *dy, const float *y,              \
+                                   const float *qkv, const float *lse, const int4 *meta,      \
+                                   int R, int H) {                                           \
+        attention_bwd_dkv<PER>(dqkv, dy, y, qkv, lse, meta, R, H);                           \
+    }
+
+ATTENTION_KERNELS(1, d32)
+ATTENTION_KERNELS(2, d64)
+ATTENTION_KERNELS(4, d128)
+
+// A block's sum and max of one value per thread (a multiple of 32 threads, at most
+// HEAD_THREADS); every thread gets the result.
+__device__ float block_sum(float v, float *shared) {
+    v = warp_sum(v);
+    const int w = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    __syncthreads();
+    if (lane == 0) shared[w] = v;
+    __syncthreads();
+    v = lane < (int)(blockDim.x / WARP) ? shared[lane] : 0.f;
+    return warp_sum(v);
+}
+
+__device__ float block_max(float v, float *shared) {
+    v = warp_max(v);
+    const int w = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    __syncthreads();
+    if (lane == 0) shared[w] = v;
+    __syncthreads();
+    v = lane < (int)(blockDim.x / WARP) ? shared[lane] : -INFINITY;
+    return warp_max(v);
+}
+
+// One block of rows of the head: logits (m, V) (h · Wᵀ, before the temperature) → for each
+// row n, logp[n] = z_y − lse and (entropy ≠ null) entropy[n] = lse − Σ p z, z = logits / τ.
+// A block per row. Grid m, block HEAD_THREADS.
+extern "C" __global__ void __launch_bounds__(HEAD_THREADS)
+    head_logprobs(const float *__restrict__ logits, const uint32_t *__restrict__ targets,
+                  float *__restrict__ logp, float *__restrict__ entropy, int V, float inv_t) {
+    __shared__ float shared[HEAD_THREADS / WARP];
+    const int n = blockIdx.x;
+    const float *row = logits + (size_t)n * V;
+    float mx = -INFINITY;
+    for (int v = threadIdx.x; v < V; v += HEAD_THREADS) mx = fmaxf(mx, row[v] * inv_t);
+    mx = block_max(mx, shared);
+    float s = 0.f, sz = 0.f;
+    for (int v = threadIdx.x; v < V; v += HEAD_THREADS) {
+        const float z = row[v] * inv_t, e = __expf(z - mx);
+        s += e;
+        sz += e * z;
+    }
+    s = block_sum(s, shared);
+    sz = block_sum(sz, shared);
+    if (threadIdx.x == 0) {
+        const float lse = mx + logf(s);
+        logp[n] = row[targets[n]] * inv_t - lse;
+        if (entropy) entropy[n] = lse - sz / s;
+    }
+}
+
+// In place, one block of rows: logits (m, V) → d_{n,v} = g_n (1[v = y_n] − p_{n,v}) / τ,
+// p = softmax(logits / τ) recomputed. A block per row. Grid m, block HEAD_THREADS.
+extern "C" __global__ void __launch_bounds__(HEAD_THREADS)
+    head_grad(float *__restrict__ logits, const uint32_t *__restrict__ targets,
+              const float *__restrict__ g, int V, float inv_t) {
+    __shared__ float shared[HEAD_THREADS / WARP];
+    const int n = blockIdx.x;
+    float *row = logits + (size_t)n * V;
+    float mx = -INFINITY;
+    for (int v = threadIdx.x; v < V; v += HEAD_THREADS) mx = fmaxf(mx, row[v] * inv_t);
+    mx = block_max(mx, shared);
+    float s = 0.f;
+    for (int v = threadIdx.x; v < V; v += HEAD_THREADS) s += __expf(row[v] * inv_t - mx);
+    s = block_sum(s, shared);
+    const float inv = 1.f / s, gn = g[n] * inv_t;
+    const uint32_t y = targets[n];
+    for (int v = threadIdx.x; v < V; v += HEAD_THREADS) {
+        const float p = __expf(row[v] * inv_t - mx) * inv;
+        row[v] = gn * ((v == (int)y ? 1.f : 0.f) - p);
+    }
+}

@@ -1,0 +1,189 @@
+//! What the pass needs from a device: buffers it plans, and one kernel per operation.
+//!
+//! The pass ([`crate::pass`]) owns the order of operations, every buffer's size and every
+//! product's operands; a backend owns memory and runs kernels. Kernels write their
+//! outputs, and *add* into parameter gradients (`+=`), as each method says. Buffers of
+//! one call never alias, but for the in-place ones named so.
+
+use std::ops::DerefMut;
+
+use crate::batch::Packed;
+use crate::gemm::Gemm;
+
+/// A kernel or a buffer that failed, named with its backend and operation.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{backend} backend: {op}: {message}")]
+    Kernel {
+        backend: &'static str,
+        op: &'static str,
+        message: String,
+    },
+    #[error("{0}")]
+    Shape(String),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Sizes of the attention: E width, H heads, D = E / H.
+#[derive(Debug, Clone, Copy)]
+pub struct Heads {
+    pub e: usize,
+    pub h: usize,
+}
+
+impl Heads {
+    pub fn d(&self) -> usize {
+        self.e / self.h
+    }
+}
+
+/// The LM head's forward on the predicting rows: `logp[n] = log softmax(hidden_n · Wᵀ /
+/// τ)[y_n]` and, when asked, each row's entropy; with `keep`, the probabilities are left
+/// in `scratch` for [`Backend::head_backward`].
+pub struct HeadForward<'a, B: Backend + ?Sized> {
+    pub logp: &'a mut B::Buf,            // (N)
+    pub entropy: Option<&'a mut B::Buf>, // (N)
+    pub scratch: &'a mut B::Owned,       // sized by the backend
+    pub hidden: &'a B::Buf,              // (N, E)
+    pub head: &'a B::Buf,                // (V, E)
+    pub e: usize,
+    pub temperature: f64,
+    pub keep: bool,
+}
+
+/// The LM head's backward: `dhidden (N, E) += Σ_v d_{n,v} W_v`, `dhead (V, E) += Σ_n
+/// d_{n,v} h_n`, `d_{n,v} = g_n (1[v = y_n] − p_{n,v}) / τ`; `probs` are the forward's
+/// kept probabilities (consumed), else the logits are recomputed.
+pub struct HeadBackward<'a, B: Backend + ?Sized> {
+    pub dhidden: &'a mut B::Buf,
+    pub dhead: &'a mut B::Buf,
+    pub hidden: &'a B::Buf,
+    pub head: &'a B::Buf,
+    pub dlogp: &'a B::Buf, // (N)
+    pub e: usize,
+    pub temperature: f64,
+    pub probs: Option<&'a mut B::Buf>,
+}
+
+/// A device that runs the pass. `Buf` is a buffer of f32 in its memory; `Rows` a
+/// micro-batch's layout there (ids, positions, groups, predicting rows, targets).
+#[allow(clippy::too_many_arguments)]
+pub trait Backend {
+    type Buf: ?Sized;
+    type Owned: Default + DerefMut<Target = Self::Buf>;
+    type Rows<'a>
+    where
+        Self: 'a;
+
+    /// Its name in errors and reports.
+    fn name(&self) -> &'static str;
+
+    /// Makes `buf` hold exactly `len` elements, keeping its memory when it is large
+    /// enough (contents unspecified).
+    fn fit(&self, buf: &mut Self::Owned, len: usize) -> Result<()>;
+    fn len(&self, buf: &Self::Buf) -> usize;
+    /// A copy on the host.
+    fn read(&self, buf: &Self::Buf) -> Result<Vec<f32>>;
+    /// `buf = host` (the same length).
+    fn write(&self, buf: &mut Self::Buf, host: &[f32]) -> Result<()>;
+    fn fill(&self, buf: &mut Self::Buf, value: f32) -> Result<()>;
+    /// Returns when every kernel launched so far has finished (a timing's end).
+    fn synchronize(&self) -> Result<()>;
+    /// The micro-batch's layout on the device.
+    fn rows<'a>(&self, packed: &'a Packed) -> Result<Self::Rows<'a>>;
+    /// Elements of attention state the forward keeps for the backward, per block.
+    fn attention_state_len(&self, packed: &Packed, heads: Heads) -> usize;
+
+    /// The column-major product `g` (cuBLAS's `gemm`): `c = op(a) · op(b) [+ c]`, `a` and
+    /// `b` the buffers of cuBLAS's A and B.
+    fn gemm(&self, c: &mut Self::Buf, g: &Gemm, a: &Self::Buf, b: &Self::Buf) -> Result<()>;
+    /// Every row of `out` (·, len bias) = `bias`.
+    fn broadcast_rows(&self, out: &mut Self::Buf, bias: &Self::Buf) -> Result<()>;
+    /// `acc (C) += Σ_rows m (·, C)`, in an order that does not depend on the thread count.
+    fn column_sums(&self, acc: &mut Self::Buf, m: &Self::Buf) -> Result<()>;
+    /// `out = a + b`.
+    fn add(&self, out: &mut Self::Buf, a: &Self::Buf, b: &Self::Buf) -> Result<()>;
+
+    /// `out[r] = wte[ids[r]] + wpe[pos[r]]`.
+    fn embedding_forward(
+        &self,
+        out: &mut Self::Buf,
+        rows: &Self::Rows<'_>,
+        wte: &Self::Buf,
+        wpe: &Self::Buf,
+    ) -> Result<()>;
+    /// `dwte[ids[r]] += dout[r]`, `dwpe[pos[r]] += dout[r]`.
+    fn embedding_backward(
+        &self,
+        dwte: &mut Self::Buf,
+        dwpe: &mut Self::Buf,
+        dout: &Self::Buf,
+        rows: &Self::Rows<'_>,
+    ) -> Result<()>;
+    /// `out = (x − mean) · rstd · w + b` row by row, with each row's mean and 1/σ.
+    fn layernorm_forward(
+        &self,
+        out: &mut Self::Buf,
+        mean: &mut Self::Buf,
+        rstd: &mut Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        b: &Self::Buf,
+        eps: f32,
+    ) -> Result<()>;
+    /// Backward of [`layernorm_forward`](Self::layernorm_forward): `dx += …`, `dw += …`,
+    /// `db += …`.
+    fn layernorm_backward(
+        &self,
+        dx: &mut Self::Buf,
+        dw: &mut Self::Buf,
+        db: &mut Self::Buf,
+        dout: &Self::Buf,
+        x: &Self::Buf,
+        mean: &Self::Buf,
+        rstd: &Self::Buf,
+        w: &Self::Buf,
+    ) -> Result<()>;
+    /// `out = gelu_new(x)`.
+    fn gelu_forward(&self, out: &mut Self::Buf, x: &Self::Buf) -> Result<()>;
+    /// In place: `d = d · gelu_new'(x)`.
+    fn gelu_backward(&self, d: &mut Self::Buf, x: &Self::Buf) -> Result<()>;
+    /// Causal attention of each group, completions over their prompt (see
+    /// [`crate::batch::GroupRows`]): `out` (R, E) from `qkv` (R, 3E); `state` keeps
+    /// what the backward needs.
+    fn attention_forward(
+        &self,
+        out: &mut Self::Buf,
+        state: &mut Self::Buf,
+        qkv: &Self::Buf,
+        rows: &Self::Rows<'_>,
+        heads: Heads,
+    ) -> Result<()>;
+    /// Backward of [`attention_forward`](Self::attention_forward): writes `dqkv` (R, 3E)
+    /// for `dout`, the gradient of its output `out` (R, E).
+    fn attention_backward(
+        &self,
+        dqkv: &mut Self::Buf,
+        dout: &Self::Buf,
+        out: &Self::Buf,
+        qkv: &Self::Buf,
+        state: &Self::Buf,
+        rows: &Self::Rows<'_>,
+        heads: Heads,
+    ) -> Result<()>;
+    /// `out (N, E)` = the predicting rows of `x (R, E)`.
+    fn gather_rows(&self, out: &mut Self::Buf, x: &Self::Buf, rows: &Self::Rows<'_>) -> Result<()>;
+    /// `dst (R, E)` += `src (N, E)` scattered to the predicting rows (a row may predict
+    /// more than once: a prompt's last row predicts each completion's first token).
+    fn scatter_add_rows(
+        &self,
+        dst: &mut Self::Buf,
+        src: &Self::Buf,
+        rows: &Self::Rows<'_>,
+    ) -> Result<()>;
+    /// See [`HeadForward`]; targets from `rows`.
+    fn head_forward(&self, f: HeadForward<'_, Self>, rows: &Self::Rows<'_>) -> Result<()>;
+    /// See [`HeadBackward`]; targets from `rows`.
+    fn head_backward(&self, b: HeadBackward<'_, Self>, rows: &Self::Rows<'_>) -> Result<()>;
+}

@@ -1,0 +1,217 @@
+//! A micro-batch of groups laid out as rows, the prompt once per group: what every
+//! backend's pass reads (ids, positions, which rows attend to which, which rows predict).
+
+use std::ops::Range;
+
+/// A synthetic batch for tests and benches: `prompts` groups of `group` completions, each
+/// prompt `prompt_tokens` long and each completion at most `completion_tokens` (a quarter
+/// of each group's completions shorter, so that the layout has ragged rows), tokens below
+/// `vocab`. Deterministic in `seed`.
+pub fn synthetic(
+    (prompts, group): (usize, usize),
+    (prompt_tokens, completion_tokens): (usize, usize),
+    vocab: usize,
+    seed: u64,
+) -> (Vec<Vec<u32>>, Vec<Vec<Vec<u32>>>) {
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let mut next = move || {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((state >> 33) % vocab.max(1) as u64) as u32
+    };
+    let p: Vec<Vec<u32>> = (0..prompts)
+        .map(|_| (0..prompt_tokens).map(|_| next()).collect())
+        .collect();
+    let c = (0..prompts)
+        .map(|_| {
+            (0..group)
+                .map(|j| {
+                    let len = if j % 4 == 3 {
+                        (completion_tokens / 2).max(1)
+                    } else {
+                        completion_tokens
+                    };
+                    (0..len).map(|_| next()).collect()
+                })
+                .collect()
+        })
+        .collect();
+    (p, c)
+}
+
+/// One group: its prompt and its completions.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupInput<'a> {
+    pub prompt: &'a [u32],
+    pub completions: &'a [Vec<u32>],
+}
+
+/// A micro-batch of groups laid out as rows: per group its prompt's rows, then each
+/// completion's rows (all of its tokens but the last).
+#[derive(Debug, Clone)]
+pub struct Packed {
+    /// (R) token fed at each row, and its position.
+    pub ids: Vec<u32>,
+    pub positions: Vec<u32>,
+    pub groups: Vec<GroupRows>,
+    /// (N) the row whose hidden state predicts each completion token, and that token;
+    /// completion after completion, in batch order.
+    pub head_rows: Vec<u32>,
+    pub targets: Vec<u32>,
+    /// Per completion (batch order), its tokens' range in `head_rows`.
+    pub tokens: Vec<std::ops::Range<usize>>,
+}
+
+impl Packed {
+    pub fn new(groups: &[GroupInput]) -> Self {
+        let mut p = Packed {
+            ids: Vec::new(),
+            positions: Vec::new(),
+            groups: Vec::new(),
+            head_rows: Vec::new(),
+            targets: Vec::new(),
+            tokens: Vec::new(),
+        };
+        for g in groups {
+            let start = p.ids.len();
+            p.ids.extend_from_slice(g.prompt);
+            p.positions.extend(0..g.prompt.len() as u32);
+            let prompt = start..p.ids.len();
+            let last = (prompt.end - 1) as u32;
+            let mut completions = Vec::new();
+            for c in g.completions {
+                let first = p.ids.len();
+                let fed = &c[..c.len().saturating_sub(1)];
+                p.ids.extend_from_slice(fed);
+                let lp = g.prompt.len() as u32;
+                p.positions.extend(lp..lp + fed.len() as u32);
+                let n0 = p.head_rows.len();
+                for (j, &y) in c.iter().enumerate() {
+                    p.head_rows
+                        .push(if j == 0 { last } else { (first + j - 1) as u32 });
+                    p.targets.push(y);
+                }
+                p.tokens.push(n0..p.head_rows.len());
+                completions.push(first..p.ids.len());
+            }
+            p.groups.push(GroupRows {
+                prompt,
+                completions,
+            });
+        }
+        p
+    }
+
+    /// Rows fed.
+    pub fn rows(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Which rows attend to which, per row `(p0, p1, o0, q_end)`: as a query, row r sees
+    /// the prefix rows `p0..p1` (its group's prompt, for a completion row; none for a
+    /// prompt row) and its own rows `o0..=r`; as a key, row r is seen by the query rows
+    /// `r..q_end` (the rest of its group for a prompt row, of its completion otherwise).
+    /// The layout the attention kernels of a GPU backend read, one fixed-size record a
+    /// row, in place of the groups' ranges.
+    pub fn row_meta(&self) -> Vec<[i32; 4]> {
+        let mut meta = vec![[0i32; 4]; self.rows()];
+        for g in &self.groups {
+            let start = g.prompt.start as i32;
+            let group_end = g.completions.last().map_or(g.prompt.end, |c| c.end) as i32;
+            for row in g.prompt.clone() {
+                meta[row] = [start, start, start, group_end];
+            }
+            for c in &g.completions {
+                for row in c.clone() {
+                    meta[row] = [start, g.prompt.end as i32, c.start as i32, c.end as i32];
+                }
+            }
+        }
+        meta
+    }
+}
+
+/// The rows of one group in the packed batch.
+#[derive(Debug, Clone)]
+pub struct GroupRows {
+    pub prompt: Range<usize>,
+    pub completions: Vec<Range<usize>>,
+}
+
+impl GroupRows {
+    /// Attention probabilities one head keeps for this group: the prompt's (Lp, Lp)
+    /// block and each completion's (n, Lp + n) block.
+    pub fn probs_len(&self) -> usize {
+        let lp = self.prompt.len();
+        lp * lp
+            + self
+                .completions
+                .iter()
+                .map(|c| c.len() * (lp + c.len()))
+                .sum::<usize>()
+    }
+
+    /// The segments of this group: (visible prefix rows, own rows, offset in the head's
+    /// probabilities).
+    pub(crate) fn segments(&self) -> Vec<(Range<usize>, Range<usize>, usize)> {
+        let lp = self.prompt.len();
+        let mut out = vec![(0..0, self.prompt.clone(), 0)];
+        let mut offset = lp * lp;
+        for c in &self.completions {
+            out.push((self.prompt.clone(), c.clone(), offset));
+            offset += c.len() * (lp + c.len());
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The rows query row r sees through [`Packed::row_meta`].
+    fn seen_by(meta: &[[i32; 4]], r: usize) -> Vec<usize> {
+        let [p0, p1, o0, _] = meta[r].map(|v| v as usize);
+        (p0..p1).chain(o0..=r).collect()
+    }
+
+    #[test]
+    fn each_row_sees_its_own_sequence_and_each_key_is_seen_by_its_query_range() {
+        let prompts = [vec![1, 2, 3, 4], vec![5, 6]];
+        let completions = [
+            vec![vec![7, 8, 9], vec![10], vec![11, 12]],
+            vec![vec![13, 14, 15, 16], vec![17, 18]],
+        ];
+        let groups: Vec<GroupInput> = prompts
+            .iter()
+            .zip(&completions)
+            .map(|(prompt, completions)| GroupInput {
+                prompt,
+                completions,
+            })
+            .collect();
+        let packed = Packed::new(&groups);
+        let meta = packed.row_meta();
+        // Each row's positions are 0.. of its own `prompt ++ completion` sequence, so the
+        // rows it sees are exactly those of positions 0..=its own.
+        for r in 0..packed.rows() {
+            let seen = seen_by(&meta, r);
+            let positions: Vec<u32> = seen.iter().map(|&k| packed.positions[k]).collect();
+            assert_eq!(
+                positions,
+                (0..=packed.positions[r]).collect::<Vec<_>>(),
+                "row {r}"
+            );
+        }
+        // As a key, row j is seen by exactly the queries j..q_end.
+        for j in 0..packed.rows() {
+            let by: Vec<usize> = (0..packed.rows())
+                .filter(|&r| seen_by(&meta, r).contains(&j))
+                .collect();
+            assert_eq!(by, (j..meta[j][3] as usize).collect::<Vec<_>>(), "key {j}");
+        }
+    }
+}

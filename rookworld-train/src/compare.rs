@@ -1,0 +1,246 @@
+//! The debug mode: one micro-batch through two backends, every buffer compared in the
+//! order the pass writes it, so that a wrong kernel is named by the first buffer that
+//! differs beyond its tolerance — the forward's activations block by block, the
+//! log-probs, then the backward's parameter gradients from the last block down to the
+//! embedding.
+//!
+//! A buffer of `left` matches `right` when `max_i |l_i − r_i| ≤ atol + rtol · max_i |r_i|`
+//! (normwise: a kernel error shows at the scale of its output, whatever its layout).
+//! Buffers the two backends lay out differently (an attention state of another shape)
+//! are skipped, and said so.
+
+use crate::backend::{Backend, Result};
+use crate::batch::Packed;
+use crate::pass::{self, Activations};
+use crate::weights::{self, Weights};
+
+/// How far two backends' buffers may differ.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Tolerance {
+    pub atol: f32,
+    pub rtol: f32,
+}
+
+impl Tolerance {
+    /// Two f32 paths: the same maths in another order of summation.
+    pub const F32: Tolerance = Tolerance {
+        atol: 1e-5,
+        rtol: 1e-4,
+    };
+    /// Both sides' products with BF16 operands and f32 sums, summed in other orders (and
+    /// the rest of the maths in f32): an operand may round to the other side of a BF16
+    /// step where the sums before it differed.
+    pub const SAME_PRODUCTS: Tolerance = Tolerance {
+        atol: 1e-4,
+        rtol: 2e-2,
+    };
+    /// One side's products with BF16 operands (8 bits of mantissa, f32 sums).
+    pub const BF16: Tolerance = Tolerance {
+        atol: 1e-3,
+        rtol: 5e-2,
+    };
+}
+
+/// One buffer's comparison.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checked {
+    pub name: String,
+    /// `max |l − r|`, and `max |r|`: the scale it is measured against.
+    pub max_diff: f32,
+    pub scale: f32,
+    /// The element where the difference is largest, and both values there.
+    pub at: usize,
+    pub left: f32,
+    pub right: f32,
+    pub within: bool,
+}
+
+/// Every buffer compared, in the pass's order, and those skipped.
+#[derive(Debug, Clone, Default)]
+pub struct Comparison {
+    pub checked: Vec<Checked>,
+    pub skipped: Vec<String>,
+}
+
+impl Comparison {
+    /// The first buffer beyond its tolerance: the kernel that wrote it, or one it read,
+    /// is wrong.
+    pub fn first_divergence(&self) -> Option<&Checked> {
+        self.checked.iter().find(|c| !c.within)
+    }
+
+    /// One line: the first divergence named, or how many buffers matched.
+    pub fn summary(&self) -> String {
+        match self.first_divergence() {
+            Some(c) => format!(
+                "first difference beyond tolerance: {} (max |Δ| {:.3e} against a scale of {:.3e}, \
+                 at element {}: {} vs {})",
+                c.name, c.max_diff, c.scale, c.at, c.left, c.right
+            ),
+            None => format!(
+                "{} buffers match{}",
+                self.checked.len(),
+                if self.skipped.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({} laid out differently, skipped)", self.skipped.len())
+                }
+            ),
+        }
+    }
+}
+
+/// Compares two host copies of buffer `name`; `None` when their lengths differ.
+pub fn check(name: &str, left: &[f32], right: &[f32], tol: Tolerance) -> Option<Checked> {
+    if left.len() != right.len() {
+        return None;
+    }
+    let scale = right.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let (mut at, mut max_diff) = (0, 0f32);
+    let mut finite = true;
+    for (i, (l, r)) in left.iter().zip(right).enumerate() {
+        let d = (l - r).abs();
+        if !d.is_finite() {
+            finite &= l.to_bits() == r.to_bits();
+            if !finite {
+                (at, max_diff) = (i, f32::INFINITY);
+                break;
+            }
+        } else if d > max_diff {
+            (at, max_diff) = (i, d);
+        }
+    }
+    Some(Checked {
+        name: name.to_owned(),
+        max_diff,
+        scale,
+        at,
+        left: left.get(at).copied().unwrap_or(0.0),
+        right: right.get(at).copied().unwrap_or(0.0),
+        within: finite && max_diff <= tol.atol + tol.rtol * scale,
+    })
+}
+
+/// `host`'s buffers on backend `b` (the model's parameters, say).
+pub fn upload<B: Backend>(b: &B, host: &[Vec<f32>]) -> Result<Vec<B::Owned>> {
+    host.iter()
+        .map(|h| {
+            let mut buf = B::Owned::default();
+            b.fit(&mut buf, h.len())?;
+            b.write(&mut buf, h)?;
+            Ok(buf)
+        })
+        .collect()
+}
+
+/// Zeroed buffers of `lengths` elements on backend `b` (gradients, say).
+pub fn zeros<B: Backend>(b: &B, lengths: &[usize]) -> Result<Vec<B::Owned>> {
+    lengths
+        .iter()
+        .map(|&len| {
+            let mut buf = B::Owned::default();
+            b.fit(&mut buf, len)?;
+            b.fill(&mut buf, 0.0)?;
+            Ok(buf)
+        })
+        .collect()
+}
+
+/// One side of a comparison: a backend, the model's weights there, and its buffers.
+pub struct Side<'a, B: Backend> {
+    pub backend: &'a B,
+    pub weights: &'a Weights<'a, B>,
+    pub acts: &'a mut Activations<B>,
+    /// Zeroed gradient buffers, one per parameter (indexed as [`Weights`]).
+    pub grads: &'a mut [B::Owned],
+}
+
+/// Runs the forward with activations kept, then the backward of `dlogp` (N, on the host;
+/// `None`: `−1/N` at every token, the gradient of the mean negative log-likelihood) on
+/// both sides and compares every buffer; `right` is the reference.
+pub fn step<L: Backend, R: Backend>(
+    left: Side<'_, L>,
+    right: Side<'_, R>,
+    packed: &Packed,
+    temperature: f64,
+    dlogp: Option<&[f32]>,
+    tol: Tolerance,
+) -> Result<Comparison> {
+    let cfg = right.weights.cfg;
+    let mut out = Comparison::default();
+    pass::forward(
+        left.backend,
+        left.weights,
+        packed,
+        temperature,
+        left.acts,
+        true,
+    )?;
+    pass::forward(
+        right.backend,
+        right.weights,
+        packed,
+        temperature,
+        right.acts,
+        true,
+    )?;
+    let (l_named, r_named) = (left.acts.named(), right.acts.named());
+    for ((name, l), (_, r)) in l_named.into_iter().zip(r_named) {
+        let (l, r) = (left.backend.read(l)?, right.backend.read(r)?);
+        match check(&name, &l, &r, tol) {
+            Some(c) => out.checked.push(c),
+            None => out.skipped.push(name),
+        }
+    }
+    let n = packed.targets.len();
+    let uniform = vec![-1.0 / n.max(1) as f32; n];
+    let dlogp = dlogp.unwrap_or(&uniform);
+    pass::backward(
+        left.backend,
+        left.weights,
+        packed,
+        left.acts,
+        dlogp,
+        temperature,
+        left.grads,
+    )?;
+    pass::backward(
+        right.backend,
+        right.weights,
+        packed,
+        right.acts,
+        dlogp,
+        temperature,
+        right.grads,
+    )?;
+    // Gradients in the order the backward finishes them: the head and ln_f, the blocks
+    // from the last down, the embedding.
+    // A tied head is wte, last.
+    let head = weights::head_index(cfg);
+    let mut order: Vec<usize> = (head != 0).then_some(head).into_iter().collect();
+    order.extend([weights::ln_f(cfg), weights::ln_f(cfg) + 1]);
+    for l in (0..cfg.n_layer).rev() {
+        order.extend((0..weights::PER_LAYER).rev().map(|j| weights::layer(l, j)));
+    }
+    order.extend([1, 0]);
+    let l_res = left.backend.read(left.acts.embedding_gradient())?;
+    let r_res = right.backend.read(right.acts.embedding_gradient())?;
+    for i in order {
+        if i == 1 {
+            let name = "∂ embedding output";
+            if let Some(c) = check(name, &l_res, &r_res, tol) {
+                out.checked.push(c);
+            }
+        }
+        let name = format!("∂ {}", weights::name(cfg, i));
+        let (l, r) = (
+            left.backend.read(&left.grads[i])?,
+            right.backend.read(&right.grads[i])?,
+        );
+        match check(&name, &l, &r, tol) {
+            Some(c) => out.checked.push(c),
+            None => out.skipped.push(name),
+        }
+    }
+    Ok(out)
+}

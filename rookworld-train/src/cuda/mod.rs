@@ -1,0 +1,847 @@
+//! The CUDA backend: f32 buffers in device memory that the pass plans ([`DeviceVec`]),
+//! every product one cuBLAS `gemm` with BF16 products and f32 sums
+//! (`CUBLAS_COMPUTE_32F_FAST_16BF`: the CPU backend's [`Matmuls::Bf16`](crate::cpu::ops::Matmuls)
+//! maths), and a kernel per other operation (`kernels/pass.cu`, each the GPU form of the
+//! CPU backend's kernel of the same name). It runs on candle's CUDA device: its stream,
+//! its cuBLAS handle and its module cache, so weights held by candle tensors are read in
+//! place ([`DevF32::of`]).
+//!
+//! Every launch is on the device's one stream, in the pass's order; a host read
+//! ([`Backend::read`]) waits for what came before it. The backend's own scratch (the
+//! head's block of logits, the partial sums of the column and layer-norm reductions) is
+//! sized on first use and kept.
+
+use std::cell::RefCell;
+use std::ffi::c_void;
+use std::ops::{Deref, DerefMut};
+
+use candle_core::CudaDevice;
+use candle_core::cuda::cudarc::cublas::{result as blas, sys as blas_sys};
+use candle_core::cuda::cudarc::driver::sys::{self as drv_sys, CUdeviceptr};
+use candle_core::cuda::cudarc::driver::{
+    CudaSlice, DevicePtr, LaunchConfig, PushKernelArg, result as drv,
+};
+
+use crate::backend::{Backend, Error, HeadBackward, HeadForward, Heads, Result};
+use crate::batch::Packed;
+use crate::gemm::{Gemm, RowMajor, row_major};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/pass.ptx"));
+const MODULE: &str = "rookworld_train_pass";
+/// Threads per block of the element-wise kernels.
+const THREADS: u32 = 256;
+/// Warps per block of the warp-per-row kernels (`ROWS_PER_BLOCK` in the kernels).
+const ROWS_PER_BLOCK: u32 = 8;
+/// Rows per partial sum of `column_partials` and of `layer_norm_partials` (`SUM_ROWS`,
+/// `LN_CHUNK`).
+const SUM_ROWS: usize = 256;
+const LN_CHUNK: usize = 32;
+/// Threads per row of the head's kernels (`HEAD_THREADS`).
+const HEAD_THREADS: u32 = 512;
+/// Logit elements of one block of the head's rows (256 MiB of f32).
+const HEAD_BLOCK_ELEMENTS: usize = 64 << 20;
+
+/// `len` f32 in device memory from `ptr`: a view, owning nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DevF32 {
+    ptr: CUdeviceptr,
+    len: usize,
+}
+
+impl DevF32 {
+    /// The view of elements `range` of an f32 CUDA slice (a contiguous candle tensor's
+    /// storage and its layout's offsets, read in place); `None` when the range is not in
+    /// the slice. The slice must outlive every use of the view.
+    pub fn of(
+        slice: &CudaSlice<f32>,
+        range: std::ops::Range<usize>,
+        device: &CudaDevice,
+    ) -> Option<Self> {
+        if range.start > range.end || range.end > slice.len() {
+            return None;
+        }
+        let stream = device.cuda_stream();
+        let (ptr, _record) = slice.device_ptr(&stream);
+        Some(Self {
+            ptr: ptr + (range.start * std::mem::size_of::<f32>()) as CUdeviceptr,
+            len: range.len(),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device address of element `i`.
+    fn at(&self, i: usize) -> CUdeviceptr {
+        self.ptr + (i * std::mem::size_of::<f32>()) as CUdeviceptr
+    }
+}
+
+/// A buffer the pass plans: device memory it owns, of which the first `len` elements are
+/// the buffer ([`Backend::fit`] grows the memory only when it is too small).
+#[derive(Default)]
+pub struct DeviceVec {
+    memory: Option<CudaSlice<f32>>,
+    view: DevF32,
+}
+
+impl Deref for DeviceVec {
+    type Target = DevF32;
+
+    fn deref(&self) -> &DevF32 {
+        &self.view
+    }
+}
+
+impl DerefMut for DeviceVec {
+    fn deref_mut(&mut self) -> &mut DevF32 {
+        &mut self.view
+    }
+}
+
+/// A micro-batch's layout on the device.
+pub struct CudaRows {
+    ids: CudaSlice<u32>,
+    positions: CudaSlice<u32>,
+    head_rows: CudaSlice<u32>,
+    targets: CudaSlice<u32>,
+    /// Per row (p0, p1, o0, q_end): [`Packed::row_meta`].
+    meta: CudaSlice<i32>,
+    rows: usize,
+    predicted: usize,
+}
+
+/// Launches kernel `$name` on grid `$cfg` with the arguments listed, each pushed by
+/// reference (they live until the launch, at the end of the statement).
+macro_rules! launch {
+    ($self:expr, $name:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {{
+        // Kernel `$name` of `kernels/pass.cu`, its module loaded on first use.
+        let func = $self
+            .device
+            .get_or_load_custom_func($name, MODULE, PTX)
+            .map_err(|e| fail($name, e))?;
+        let mut builder = func.builder();
+        $( builder.arg($arg); )+
+        // SAFETY: each call site pushes the arguments of the kernel's signature in
+        // `kernels/pass.cu`, in its order, with buffers at least as long as the sizes it
+        // passes (the pass sizes them from the same shape), on a grid the kernel's bounds
+        // checks cover.
+        unsafe { builder.launch($cfg) }.map(|_| ()).map_err(|e| fail($name, e))
+    }};
+}
+
+/// The CUDA backend on a candle CUDA device.
+pub struct Cuda {
+    device: CudaDevice,
+    scratch: RefCell<DeviceVec>,
+    /// Not `Send`: candle's device issues work on its creating thread's stream, and the
+    /// raw copies, fills and cuBLAS calls here are ordered only on that stream.
+    _one_thread: std::marker::PhantomData<*const ()>,
+}
+
+fn fail(op: &'static str, e: impl std::fmt::Display) -> Error {
+    Error::Kernel {
+        backend: "cuda",
+        op,
+        message: e.to_string(),
+    }
+}
+
+/// Grid-stride launch over `n` elements.
+fn elementwise(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(THREADS).clamp(1, 1 << 16), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// A warp per task, eight tasks per block.
+fn warps(tasks: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((tasks as u32).div_ceil(ROWS_PER_BLOCK), 1, 1),
+        block_dim: (ROWS_PER_BLOCK * 32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn int(op: &'static str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| fail(op, format!("{v} does not fit a kernel's int")))
+}
+
+impl Cuda {
+    pub fn new(device: CudaDevice) -> Self {
+        Self {
+            device,
+            scratch: RefCell::new(DeviceVec::default()),
+            _one_thread: std::marker::PhantomData,
+        }
+    }
+
+    pub fn device(&self) -> &CudaDevice {
+        &self.device
+    }
+
+    /// The scratch, at least `len` elements.
+    fn scratch(&self, len: usize) -> Result<std::cell::RefMut<'_, DeviceVec>> {
+        let mut s = self.scratch.borrow_mut();
+        if s.memory.as_ref().is_none_or(|m| m.len() < len) {
+            self.fit(&mut s, len)?;
+        }
+        s.view.len = len;
+        Ok(s)
+    }
+
+    fn upload<T: candle_core::cuda::cudarc::driver::DeviceRepr>(
+        &self,
+        op: &'static str,
+        host: &[T],
+    ) -> Result<CudaSlice<T>> {
+        let stream = self.device.cuda_stream();
+        // One element at least: CUDA refuses a zero-byte allocation.
+        if host.is_empty() {
+            // SAFETY: the one element is never read (its length says 0 to no kernel).
+            return unsafe { stream.alloc::<T>(1) }.map_err(|e| fail(op, e));
+        }
+        stream.clone_htod(host).map_err(|e| fail(op, e))
+    }
+
+    /// Makes the device's context current on this thread (before a raw driver or cuBLAS
+    /// call: kernel launches and cudarc's own calls do it themselves).
+    fn bind(&self, op: &'static str) -> Result<()> {
+        self.device
+            .cuda_stream()
+            .context()
+            .bind_to_thread()
+            .map_err(|e| fail(op, e))
+    }
+
+    fn ptr<T>(&self, s: &CudaSlice<T>) -> CUdeviceptr {
+        let stream = self.device.cuda_stream();
+        let (ptr, _record) = s.device_ptr(&stream);
+        ptr
+    }
+}
+
+impl Backend for Cuda {
+    type Buf = DevF32;
+    type Owned = DeviceVec;
+    type Rows<'a> = CudaRows;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn fit(&self, buf: &mut DeviceVec, len: usize) -> Result<()> {
+        let have = buf.memory.as_ref().map_or(0, |m| m.len());
+        if have < len {
+            let memory = self
+                .device
+                .cuda_stream()
+                .alloc_zeros::<f32>(len)
+                .map_err(|e| fail("alloc", e))?;
+            buf.view.ptr = self.ptr(&memory);
+            buf.memory = Some(memory);
+        }
+        buf.view.len = len;
+        Ok(())
+    }
+
+    fn len(&self, buf: &DevF32) -> usize {
+        buf.len
+    }
+
+    fn read(&self, buf: &DevF32) -> Result<Vec<f32>> {
+        let mut host = vec![0f32; buf.len];
+        if buf.len == 0 {
+            return Ok(host);
+        }
+        self.bind("read")?;
+        let stream = self.device.cuda_stream();
+        // SAFETY: `buf` views `len` f32 of live device memory; the copy is on the stream
+        // every kernel runs on, and the synchronisation ends it before `host` is read.
+        unsafe { drv::memcpy_dtoh_async(&mut host, buf.ptr, stream.cu_stream()) }
+            .map_err(|e| fail("read", e))?;
+        stream.synchronize().map_err(|e| fail("read", e))?;
+        Ok(host)
+    }
+
+    fn write(&self, buf: &mut DevF32, host: &[f32]) -> Result<()> {
+        if buf.len != host.len() {
+            return Err(fail(
+                "write",
+                format!("{} elements into {}", host.len(), buf.len),
+            ));
+        }
+        if host.is_empty() {
+            return Ok(());
+        }
+        self.bind("write")?;
+        let stream = self.device.cuda_stream();
+        // SAFETY: as in `read`; the synchronisation keeps `host` alive until the copy
+        // from it has ended.
+        unsafe { drv::memcpy_htod_async(buf.ptr, host, stream.cu_stream()) }
+            .map_err(|e| fail("write", e))?;
+        stream.synchronize().map_err(|e| fail("write", e))
+    }
+
+    fn fill(&self, buf: &mut DevF32, value: f32) -> Result<()> {
+        if buf.len == 0 {
+            return Ok(());
+        }
+        self.bind("fill")?;
+        let stream = self.device.cuda_stream();
+        // SAFETY: `buf` views `len` f32 of live device memory, on the kernels' stream.
+        unsafe { drv_sys::cuMemsetD32Async(buf.ptr, value.to_bits(), buf.len, stream.cu_stream()) }
+            .result()
+            .map_err(|e| fail("fill", e))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.device
+            .cuda_stream()
+            .synchronize()
+            .map_err(|e| fail("synchronize", e))
+    }
+
+    fn rows(&self, packed: &Packed) -> Result<CudaRows> {
+        let r = packed.rows();
+        let meta: Vec<i32> = packed.row_meta().into_iter().flatten().collect();
+        int("rows", r)?;
+        Ok(CudaRows {
+            ids: self.upload("rows", &packed.ids)?,
+            positions: self.upload("rows", &packed.positions)?,
+            head_rows: self.upload("rows", &packed.head_rows)?,
+            targets: self.upload("rows", &packed.targets)?,
+            meta: self.upload("rows", &meta)?,
+            rows: r,
+            predicted: packed.targets.len(),
+        })
+    }
+
+    fn attention_state_len(&self, packed: &Packed, heads: Heads) -> usize {
+        // Each (row, head)'s log-sum-exp: the backward recomputes the probabilities.
+        packed.rows() * heads.h
+    }
+
+    fn gemm(&self, c: &mut DevF32, g: &Gemm, a: &DevF32, b: &DevF32) -> Result<()> {
+        g.check(a.len, b.len, c.len)?;
+        if g.m == 0 || g.n == 0 {
+            return Ok(());
+        }
+        let op = |t: bool| {
+            if t {
+                blas_sys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                blas_sys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let (alpha, beta) = (1f32, if g.accumulate { 1f32 } else { 0f32 });
+        let dims = [g.m, g.n, g.k, g.a.ld.max(1), g.b.ld.max(1), g.ldc.max(1)]
+            .map(|v| int("gemm", v))
+            .into_iter()
+            .collect::<Result<Vec<_>>>()?;
+        self.bind("gemm")?;
+        let handle = self.device.cublas_handle();
+        let f32_type = blas_sys::cudaDataType::CUDA_R_32F;
+        // SAFETY: `check` proved every element the call touches lies inside its buffer;
+        // the handle runs on the kernels' stream; α and β outlive the (enqueued) call,
+        // which reads them at once (host pointer mode).
+        unsafe {
+            blas::gemm_ex(
+                *handle.handle(),
+                op(g.a.trans),
+                op(g.b.trans),
+                dims[0],
+                dims[1],
+                dims[2],
+                (&alpha as *const f32).cast::<c_void>(),
+                a.at(g.a.offset) as *const c_void,
+                f32_type,
+                dims[3],
+                b.at(g.b.offset) as *const c_void,
+                f32_type,
+                dims[4],
+                (&beta as *const f32).cast::<c_void>(),
+                c.at(g.c_offset) as *mut c_void,
+                f32_type,
+                dims[5],
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| fail("gemm", e))
+    }
+
+    fn broadcast_rows(&self, out: &mut DevF32, bias: &DevF32) -> Result<()> {
+        if out.len == 0 {
+            return Ok(());
+        }
+        let n = bias.len;
+        if n == 0 || !out.len.is_multiple_of(n) {
+            return Err(fail("broadcast_rows", "not whole rows of the bias"));
+        }
+        let (r, n) = (
+            int("broadcast_rows", out.len / n)?,
+            int("broadcast_rows", n)?,
+        );
+        launch!(
+            self,
+            "broadcast_rows",
+            elementwise(out.len),
+            &out.ptr,
+            &bias.ptr,
+            &r,
+            &n
+        )
+    }
+
+    fn column_sums(&self, acc: &mut DevF32, m: &DevF32) -> Result<()> {
+        let n = acc.len;
+        if n == 0 || m.len == 0 {
+            return Ok(());
+        }
+        if !m.len.is_multiple_of(n) {
+            return Err(fail("column_sums", "not whole rows"));
+        }
+        let rows = m.len / n;
+        let k = rows.div_ceil(SUM_ROWS);
+        let partial = self.scratch(k * n)?;
+        let (ri, ni, ki) = (
+            int("column_sums", rows)?,
+            int("column_sums", n)?,
+            int("column_sums", k)?,
+        );
+        let cfg = LaunchConfig {
+            grid_dim: ((n as u32).div_ceil(THREADS), k as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(self, "column_partials", cfg, &m.ptr, &partial.ptr, &ri, &ni)?;
+        launch!(
+            self,
+            "column_finish",
+            elementwise(n),
+            &acc.ptr,
+            &partial.ptr,
+            &ki,
+            &ni
+        )
+    }
+
+    fn add(&self, out: &mut DevF32, a: &DevF32, b: &DevF32) -> Result<()> {
+        if out.len != a.len || out.len != b.len {
+            return Err(fail("add", "lengths differ"));
+        }
+        if out.len == 0 {
+            return Ok(());
+        }
+        let n = int("add", out.len)?;
+        launch!(
+            self,
+            "add",
+            elementwise(out.len),
+            &out.ptr,
+            &a.ptr,
+            &b.ptr,
+            &n
+        )
+    }
+
+    fn embedding_forward(
+        &self,
+        out: &mut DevF32,
+        rows: &CudaRows,
+        wte: &DevF32,
+        wpe: &DevF32,
+    ) -> Result<()> {
+        if rows.rows == 0 {
+            return Ok(());
+        }
+        let e = out.len / rows.rows;
+        let (r, ei) = (int("embedding", rows.rows)?, int("embedding", e)?);
+        let (ids, pos) = (self.ptr(&rows.ids), self.ptr(&rows.positions));
+        launch!(
+            self,
+            "embedding_fwd",
+            elementwise(out.len),
+            &out.ptr,
+            &ids,
+            &pos,
+            &wte.ptr,
+            &wpe.ptr,
+            &r,
+            &ei
+        )
+    }
+
+    fn embedding_backward(
+        &self,
+        dwte: &mut DevF32,
+        dwpe: &mut DevF32,
+        dout: &DevF32,
+        rows: &CudaRows,
+    ) -> Result<()> {
+        if rows.rows == 0 {
+            return Ok(());
+        }
+        let e = dout.len / rows.rows;
+        let (r, ei) = (int("embedding", rows.rows)?, int("embedding", e)?);
+        let (ids, pos) = (self.ptr(&rows.ids), self.ptr(&rows.positions));
+        launch!(
+            self,
+            "embedding_bwd",
+            elementwise(dout.len),
+            &dwte.ptr,
+            &dwpe.ptr,
+            &dout.ptr,
+            &ids,
+            &pos,
+            &r,
+            &ei
+        )
+    }
+
+    fn layernorm_forward(
+        &self,
+        out: &mut DevF32,
+        mean: &mut DevF32,
+        rstd: &mut DevF32,
+        x: &DevF32,
+        w: &DevF32,
+        b: &DevF32,
+        eps: f32,
+    ) -> Result<()> {
+        let rows = mean.len;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (m, e) = (int("layer_norm", rows)?, int("layer_norm", w.len)?);
+        launch!(
+            self,
+            "layer_norm_fwd",
+            warps(rows),
+            &out.ptr,
+            &mean.ptr,
+            &rstd.ptr,
+            &x.ptr,
+            &w.ptr,
+            &b.ptr,
+            &m,
+            &e,
+            &eps
+        )
+    }
+
+    fn layernorm_backward(
+        &self,
+        dx: &mut DevF32,
+        dw: &mut DevF32,
+        db: &mut DevF32,
+        dout: &DevF32,
+        x: &DevF32,
+        mean: &DevF32,
+        rstd: &DevF32,
+        w: &DevF32,
+    ) -> Result<()> {
+        let rows = mean.len;
+        if rows == 0 {
+            return Ok(());
+        }
+        let e = w.len;
+        let (m, ei) = (int("layer_norm", rows)?, int("layer_norm", e)?);
+        launch!(
+            self,
+            "layer_norm_dx",
+            warps(rows),
+            &dx.ptr,
+            &dout.ptr,
+            &x.ptr,
+            &mean.ptr,
+            &rstd.ptr,
+            &w.ptr,
+            &m,
+            &ei
+        )?;
+        let k = rows.div_ceil(LN_CHUNK);
+        let ki = int("layer_norm", k)?;
+        let partial = self.scratch(k * 2 * e)?;
+        let cfg = LaunchConfig {
+            grid_dim: (k as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(
+            self,
+            "layer_norm_partials",
+            cfg,
+            &partial.ptr,
+            &dout.ptr,
+            &x.ptr,
+            &mean.ptr,
+            &rstd.ptr,
+            &m,
+            &ei
+        )?;
+        launch!(
+            self,
+            "layer_norm_finish",
+            elementwise(e),
+            &dw.ptr,
+            &db.ptr,
+            &partial.ptr,
+            &ki,
+            &ei
+        )
+    }
+
+    fn gelu_forward(&self, out: &mut DevF32, x: &DevF32) -> Result<()> {
+        if x.len == 0 {
+            return Ok(());
+        }
+        let n = int("gelu", x.len)?;
+        launch!(self, "gelu_fwd", elementwise(x.len), &out.ptr, &x.ptr, &n)
+    }
+
+    fn gelu_backward(&self, d: &mut DevF32, x: &DevF32) -> Result<()> {
+        if x.len == 0 {
+            return Ok(());
+        }
+        let n = int("gelu", x.len)?;
+        launch!(self, "gelu_bwd", elementwise(x.len), &d.ptr, &x.ptr, &n)
+    }
+
+    fn attention_forward(
+        &self,
+        out: &mut DevF32,
+        state: &mut DevF32,
+        qkv: &DevF32,
+        rows: &CudaRows,
+        heads: Heads,
+    ) -> Result<()> {
+        if rows.rows == 0 {
+            return Ok(());
+        }
+        let name = attention_kernel(heads, "fwd")?;
+        let (r, h) = (int("attention", rows.rows)?, int("attention", heads.h)?);
+        int("attention", rows.rows * heads.h * 32)?; // the kernels' thread index
+        let meta = self.ptr(&rows.meta);
+        launch!(
+            self,
+            name,
+            warps(rows.rows * heads.h),
+            &out.ptr,
+            &state.ptr,
+            &qkv.ptr,
+            &meta,
+            &r,
+            &h
+        )
+    }
+
+    fn attention_backward(
+        &self,
+        dqkv: &mut DevF32,
+        dout: &DevF32,
+        out: &DevF32,
+        qkv: &DevF32,
+        state: &DevF32,
+        rows: &CudaRows,
+        heads: Heads,
+    ) -> Result<()> {
+        if rows.rows == 0 {
+            return Ok(());
+        }
+        let (r, h) = (int("attention", rows.rows)?, int("attention", heads.h)?);
+        int("attention", rows.rows * heads.h * 32)?; // the kernels' thread index
+        let meta = self.ptr(&rows.meta);
+        // The query part (dq, row by row), then the key and value parts (key row by key
+        // row): each writes its own columns of dqkv.
+        for part in ["dq", "dkv"] {
+            let name = attention_kernel(heads, part)?;
+            launch!(
+                self,
+                name,
+                warps(rows.rows * heads.h),
+                &dqkv.ptr,
+                &dout.ptr,
+                &out.ptr,
+                &qkv.ptr,
+                &state.ptr,
+                &meta,
+                &r,
+                &h
+            )?;
+        }
+        Ok(())
+    }
+
+    fn gather_rows(&self, out: &mut DevF32, x: &DevF32, rows: &CudaRows) -> Result<()> {
+        if rows.predicted == 0 {
+            return Ok(());
+        }
+        let e = out.len / rows.predicted;
+        let (n, ei) = (int("gather", rows.predicted)?, int("gather", e)?);
+        let at = self.ptr(&rows.head_rows);
+        launch!(
+            self,
+            "gather_rows",
+            elementwise(out.len),
+            &out.ptr,
+            &x.ptr,
+            &at,
+            &n,
+            &ei
+        )
+    }
+
+    fn scatter_add_rows(&self, dst: &mut DevF32, src: &DevF32, rows: &CudaRows) -> Result<()> {
+        if rows.predicted == 0 {
+            return Ok(());
+        }
+        let e = src.len / rows.predicted;
+        let (n, ei) = (int("scatter", rows.predicted)?, int("scatter", e)?);
+        let at = self.ptr(&rows.head_rows);
+        launch!(
+            self,
+            "scatter_add_rows",
+            elementwise(src.len),
+            &dst.ptr,
+            &src.ptr,
+            &at,
+            &n,
+            &ei
+        )
+    }
+
+    fn head_forward(&self, f: HeadForward<'_, Self>, rows: &CudaRows) -> Result<()> {
+        let (n, e) = (rows.predicted, f.e);
+        let v = f.head.len / e.max(1);
+        if n == 0 {
+            return Ok(());
+        }
+        let block = (HEAD_BLOCK_ELEMENTS / v.max(1)).clamp(1, n);
+        // The forward keeps nothing for the backward: it recomputes each block's logits.
+        self.fit(f.scratch, block * v)?;
+        let (vi, inv_t) = (int("head", v)?, (1.0 / f.temperature) as f32);
+        let targets = self.ptr(&rows.targets);
+        let entropy = f.entropy.as_ref().map_or(0, |h| h.ptr);
+        for start in (0..n).step_by(block) {
+            let m = block.min(n - start);
+            // logits (m, V) = hidden[start..] (m, E) · Wᵀ, W stored (V, E).
+            let g = row_major(
+                (m, v, e),
+                RowMajor::plain(e).at(start * e),
+                RowMajor::transposed(e),
+                0,
+                false,
+            );
+            self.gemm(f.scratch, &g, f.head, f.hidden)?;
+            let cfg = LaunchConfig {
+                grid_dim: (m as u32, 1, 1),
+                block_dim: (HEAD_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let (logp, t) = (f.logp.at(start), targets + (start * 4) as CUdeviceptr);
+            let h = if entropy == 0 {
+                0
+            } else {
+                entropy + (start * 4) as CUdeviceptr
+            };
+            launch!(
+                self,
+                "head_logprobs",
+                cfg,
+                &f.scratch.ptr,
+                &t,
+                &logp,
+                &h,
+                &vi,
+                &inv_t
+            )?;
+        }
+        Ok(())
+    }
+
+    fn head_backward(&self, b: HeadBackward<'_, Self>, rows: &CudaRows) -> Result<()> {
+        let (n, e) = (rows.predicted, b.e);
+        let v = b.head.len / e.max(1);
+        if n == 0 {
+            return Ok(());
+        }
+        let block = (HEAD_BLOCK_ELEMENTS / v.max(1)).clamp(1, n);
+        let mut logits = self.scratch(block * v)?;
+        let (vi, inv_t) = (int("head", v)?, (1.0 / b.temperature) as f32);
+        let targets = self.ptr(&rows.targets);
+        for start in (0..n).step_by(block) {
+            let m = block.min(n - start);
+            let g = row_major(
+                (m, v, e),
+                RowMajor::plain(e).at(start * e),
+                RowMajor::transposed(e),
+                0,
+                false,
+            );
+            self.gemm(&mut logits, &g, b.head, b.hidden)?;
+            let cfg = LaunchConfig {
+                grid_dim: (m as u32, 1, 1),
+                block_dim: (HEAD_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let (t, up) = (targets + (start * 4) as CUdeviceptr, b.dlogp.at(start));
+            launch!(self, "head_grad", cfg, &logits.ptr, &t, &up, &vi, &inv_t)?;
+            // ∂hidden[start..] (m, E) += d (m, V) · W (V, E).
+            let g = row_major(
+                (m, e, v),
+                RowMajor::plain(v),
+                RowMajor::plain(e),
+                start * e,
+                true,
+            );
+            self.gemm(b.dhidden, &g, b.head, &logits)?;
+            // ∂W (V, E) += dᵀ (V, m) · hidden[start..] (m, E).
+            let g = row_major(
+                (v, e, m),
+                RowMajor::transposed(v),
+                RowMajor::plain(e).at(start * e),
+                0,
+                true,
+            );
+            self.gemm(b.dhead, &g, b.hidden, &logits)?;
+        }
+        Ok(())
+    }
+}
+
+/// The attention kernel `attention_{part}_d{D}` for the heads' width (which must divide
+/// the model's width: the kernels compute E as H·D).
+fn attention_kernel(heads: Heads, part: &str) -> Result<&'static str> {
+    if heads.h == 0 || heads.h * heads.d() != heads.e {
+        return Err(fail(
+            "attention",
+            format!("{} heads do not divide a width of {}", heads.h, heads.e),
+        ));
+    }
+    Ok(match (heads.d(), part) {
+        (32, "fwd") => "attention_fwd_d32",
+        (64, "fwd") => "attention_fwd_d64",
+        (128, "fwd") => "attention_fwd_d128",
+        (32, "dq") => "attention_bwd_dq_d32",
+        (64, "dq") => "attention_bwd_dq_d64",
+        (128, "dq") => "attention_bwd_dq_d128",
+        (32, "dkv") => "attention_bwd_dkv_d32",
+        (64, "dkv") => "attention_bwd_dkv_d64",
+        (128, "dkv") => "attention_bwd_dkv_d128",
+        (d, _) => {
+            return Err(fail(
+                "attention",
+                format!("no kernel for heads of width {d} (32, 64 or 128)"),
+            ));
+        }
+    })
+}
