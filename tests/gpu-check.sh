@@ -13,7 +13,8 @@
 # PyTorch and transformers (PYTHON, default python3) run the side-by-side baselines.
 #
 # Time: the whole run ends by DEADLINE seconds (default 540); each section gets at most
-# SECTION_TIMEOUT seconds (default 60), the local training run TRAIN_TIMEOUT (default 150),
+# SECTION_TIMEOUT seconds (default 60), the learner's step beside PyTorch's STEP_TIMEOUT
+# (default 150), the local training run TRAIN_TIMEOUT (default 150),
 # both cut to what is left; a section with no time left is recorded as skipped for the
 # deadline. Each section's JSON and the table so far are written as it ends, so a run
 # killed from outside still leaves what finished. A section that fails records its error
@@ -22,13 +23,17 @@
 # Sections, the headline shape (256 rows, 192 new tokens) first: device and driver; CUDA
 # vs CPU parity (logits in f32 and bf16, greedy tokens of 3 prompts, the decode kernels
 # against their CPU references); rollout-worker bench beside transformers' generate, with
-# the achieved memory bandwidth against the device's copy bandwidth; the learner's GRPO
-# step beside PyTorch's (BF16 autocast) with MFU, and with the training ops off; a 124M
+# the achieved memory bandwidth against the device's copy bandwidth, and beside a PyTorch
+# static-KV-cache step captured as a CUDA graph; the step's backend compared buffer by
+# buffer with the CPU reference and its pass timed; the learner's GRPO step beside PyTorch's
+# (BF16 autocast, eager and `torch.compile`) with MFU, and with the training ops off; a 124M
 # weight push to a worker on the GPU; a short `learner train --local` on the GPU, the
-# in-process worker's NVML gauges scraped while it runs.
+# in-process worker's NVML gauges scraped while it runs, beside TRL's GRPOTrainer with the
+# same batch.
 #
 # ONLY="NAME ..." runs only the named sections (device, parity, copy_bandwidth,
-# worker_PxG_T, hf_PxG_T, learner_step, push, train, learner_composed) and keeps the other
+# worker_PxG_T, hf_PxG_T, graph_PxG_T, backend_compare, backend_pass, learner_step, push,
+# train, trl, learner_composed) and keeps the other
 # sections' JSON already in OUT: a second run redoes what a first one left failed, and the
 # table covers both.
 #
@@ -48,6 +53,7 @@ PY=${PYTHON:-python3}
 PEAK_TFLOPS=${PEAK_TFLOPS:-989}
 LIMIT=${SECTION_TIMEOUT:-60}
 TRAIN_LIMIT=${TRAIN_TIMEOUT:-150}
+STEP_LIMIT=${STEP_TIMEOUT:-150}
 DEADLINE=${DEADLINE:-540}
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(dirname "$HERE")
@@ -58,11 +64,12 @@ ONLY=${ONLY:-}
 FAILED=0
 
 if [ "${QUICK:-0}" = 1 ]; then
-  PRESET=tiny DTYPE=f32 ROWS="2" NEWS="8" GROUP=2 STEP_PROMPTS=2 TRAIN_STEPS=2 MICRO=1
+  PRESET=tiny DTYPE=f32 ROWS="2" NEWS="8" GROUP=2 STEP_PROMPTS=2 TRAIN_STEPS=2 TRAIN_SKIP=1 MICRO=1
   COMPOSED_MICRO=1
 else
   # The learner's step in one micro-batch (all 32 groups): the batch that fills the GPU.
-  PRESET=gpt2-124m DTYPE=bf16 ROWS="32 64" NEWS="192 64" GROUP=8 STEP_PROMPTS=32 TRAIN_STEPS=5
+  PRESET=gpt2-124m DTYPE=bf16 ROWS="32 64" NEWS="192 64" GROUP=8 STEP_PROMPTS=32 TRAIN_STEPS=8
+  TRAIN_SKIP=2
   MICRO=32
   # Composed ops keep every intermediate of the (rows, vocabulary) head: 32 groups in
   # one micro-batch are out of memory on an 80 GB card; 8 fit (and the step with the ops
@@ -70,8 +77,23 @@ else
   COMPOSED_MICRO=8
 fi
 [ "$DEVICE" = cpu ] && DTYPE=f32
+# The backend of `learner compare-backends`: the CUDA one on a GPU, the CPU one with the
+# same BF16 products in the dry run; the reference is the CPU backend with those products;
+# the comparison at a shape the CPU reference runs in seconds.
+if [ "$DEVICE" = cpu ]; then PASS_BACKEND=cpu-bf16 COMPARE_PROMPTS=2 COMPARE_TOKENS=8
+else PASS_BACKEND=cuda COMPARE_PROMPTS=4 COMPARE_TOKENS=64; fi
+# PyTorch's learner step: eager and `torch.compile`, both under BF16 autocast on a GPU (the
+# compiled one is what a user tuning for speed runs); f32 eager in the CPU dry run.
+if [ "$DEVICE" = cpu ]; then TORCH_CONFIGS=${TORCH_CONFIGS:-f32}; else TORCH_CONFIGS=${TORCH_CONFIGS:-bf16,compile-bf16}; fi
 if [ "$DEVICE" != cpu ]; then
   . "$HERE/gpu/cuda-libs.sh"
+fi
+# PEER_WHEELS=DIR: Python wheels the peers need and the machine lacks (TRL and `datasets`,
+# fetched by tests/gpu/peer-wheels.sh), installed for this run only.
+if [ -n "${PEER_WHEELS:-}" ]; then
+  SITE=$(mktemp -d)
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
+    "$PEER_WHEELS"/*.whl >&2 && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 # chosen NAME: whether this run runs section NAME.
 chosen() {
@@ -119,11 +141,12 @@ skipped() {
 }
 
 # section NAME CMD...: CMD's last stdout line is OUT/NAME.json, its stderr OUT/NAME.log.
+# SECTION_LIMIT=S before it gives that section S seconds instead of SECTION_TIMEOUT.
 section() {
   local name=$1 started=$SECONDS rc limit
   shift
   chosen "$name" || return 0
-  limit=$(budget "$LIMIT")
+  limit=$(budget "${SECTION_LIMIT:-$LIMIT}")
   echo "== $name" >&2
   if [ "$limit" -eq 0 ]; then
     skipped "$name"
@@ -165,7 +188,7 @@ train_section() {
     wait "$TRAIN_PID"
     TRAIN_RC=$?
     if [ $TRAIN_RC -eq 0 ] && [ -s "$OUT/train.jsonl" ]; then
-      "$PY" "$HERE/gpu/check.py" train-summary "$OUT/train.jsonl" "$OUT/train.json" > /dev/null
+      "$PY" "$HERE/gpu/check.py" train-summary "$OUT/train.jsonl" "$OUT/train.json" --skip "$TRAIN_SKIP" > /dev/null
     else
       failed train "$TRAIN_RC" "$limit" "$OUT/train.log"
     fi
@@ -173,7 +196,8 @@ train_section() {
   settle train
 }
 
-# rollout SHAPE...: the worker's bench and transformers' generate, PROMPTSxGROUP_NEW.
+# rollout SHAPE...: the worker's bench, transformers' generate and PyTorch's static-cache
+# step captured as a CUDA graph, PROMPTSxGROUP_NEW.
 rollout() {
   local shape p t
   for shape in "$@"; do
@@ -181,6 +205,8 @@ rollout() {
     section "worker_${p}x${GROUP}_$t" "$WORKER" bench --preset "$PRESET" --device "$DEVICE" \
       --weight-dtype "$DTYPE" --prompts "$p" -n "$GROUP" --max-new-tokens "$t" --repeat 2 --batch-only
     section "hf_${p}x${GROUP}_$t" "$PY" "$HERE/gpu/check.py" hf-generate - --device "$DEVICE" \
+      --dtype "$DTYPE" --preset "$PRESET" --prompts "$p" -n "$GROUP" --max-new-tokens "$t"
+    section "graph_${p}x${GROUP}_$t" "$PY" "$HERE/gpu/check.py" graph-decode - --device "$DEVICE" \
       --dtype "$DTYPE" --preset "$PRESET" --prompts "$p" -n "$GROUP" --max-new-tokens "$t"
   done
 }
@@ -192,12 +218,25 @@ section device "$PY" "$HERE/gpu/check.py" device - --device "$DEVICE"
 section parity "$WORKER" parity --preset "$PRESET" --device "$DEVICE" --new-tokens 16
 section copy_bandwidth "$PY" "$HERE/gpu/check.py" copy-bandwidth - --device "$DEVICE"
 rollout "${SHAPES[0]}"
-section learner_step "$PY" "$ROOT/learner/bench/step_vs_pytorch.py" --learner "$LEARNER" \
+# The step's backend in the debug mode: every buffer of a micro-batch against the CPU
+# backend with the same products (the first one beyond tolerance named), then its forward + backward timed at
+# the learner step's shape.
+section backend_compare "$LEARNER" compare-backends --backend "$PASS_BACKEND" --preset "$PRESET" \
+  --prompts "$COMPARE_PROMPTS" --group-size "$GROUP" --prompt-tokens 46 --completion-tokens "$COMPARE_TOKENS"
+section backend_pass "$LEARNER" compare-backends --backend "$PASS_BACKEND" --preset "$PRESET" \
+  --prompts "$STEP_PROMPTS" --group-size "$GROUP" --prompt-tokens 46 --completion-tokens 64 \
+  --no-compare --time-passes 3
+# `torch.compile` spends most of a minute compiling the step before it is timed.
+SECTION_LIMIT=$STEP_LIMIT section learner_step "$PY" "$ROOT/learner/bench/step_vs_pytorch.py" --learner "$LEARNER" \
   --preset "$PRESET" --device "$DEVICE" --prompts "$STEP_PROMPTS" --group "$GROUP" --steps 3 \
-  --micro-batch-groups "$MICRO" --peak-tflops "$PEAK_TFLOPS"
+  --micro-batch-groups "$MICRO" --peak-tflops "$PEAK_TFLOPS" --torch-configs "$TORCH_CONFIGS"
 section push "$LEARNER" bench-push --preset "$PRESET" --worker-device "$DEVICE" --pushes 3 \
   --chunk-kib 1024 --idle-only
 train_section
+# The whole loop's peer: TRL's GRPOTrainer with the same batch, steps and new tokens.
+SECTION_LIMIT=$TRAIN_LIMIT section trl "$PY" "$HERE/gpu/trl_grpo.py" --device "$DEVICE" \
+  --preset "$PRESET" --prompts 4 -n "$GROUP" --max-new-tokens 32 \
+  --steps "$((TRAIN_STEPS - TRAIN_SKIP))" --warmup "$TRAIN_SKIP"
 rollout "${SHAPES[@]:1}"
 # The same step with the training ops off (candle's composed ops and their backwards),
 # at COMPOSED_MICRO groups per micro-batch: what the ops' kernels buy.

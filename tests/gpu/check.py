@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Helpers of `tests/gpu-check.sh`: the GPU's description, its copy bandwidth, transformers'
-`generate` on the bench shape, a scrape of the worker's NVML gauges, and the final table.
+`generate` and a static-cache decode step captured as a CUDA graph on the bench shape, a scrape of the worker's NVML gauges, and the final table.
 
     python3 tests/gpu/check.py device OUT.json [--device cuda]
     python3 tests/gpu/check.py copy-bandwidth OUT.json [--device cuda]
     python3 tests/gpu/check.py hf-generate OUT.json --prompts 32 -n 8 --max-new-tokens 64
+            [--device cuda] [--dtype bf16] [--preset gpt2-124m]
+    python3 tests/gpu/check.py graph-decode OUT.json --prompts 32 -n 8 --max-new-tokens 64
             [--device cuda] [--dtype bf16] [--preset gpt2-124m]
     python3 tests/gpu/check.py scrape URL OUT.json --while-pid PID
     python3 tests/gpu/check.py train-summary RUN.jsonl OUT.json
@@ -152,6 +154,171 @@ def cmd_hf_generate(args):
                      "new_tokens": tokens, "seconds": best, "tokens_per_second": tokens / best})
 
 
+def cmd_graph_decode(args):
+    """The decode peer a PyTorch user would write for speed: GPT-2 by hand over a static KV
+    cache (rows, heads, prompt + new tokens, head width) that every step writes at its
+    position and attends to under a mask, sampling inside the step (Gumbel-max on uniforms
+    drawn there), the whole step captured once as a CUDA graph and replayed (on the CPU,
+    run eagerly: a dry run). Each row has its own copy of the prompt, prefilled once.
+    Checked before it is timed: its logits at the first two decode steps equal a full
+    forward of the same sequences."""
+    torch = torch_or_none()
+    if torch is None:
+        return write(args.out, {"skipped": "no torch"})
+    import torch.nn.functional as F
+    from tokenizers import Tokenizer
+
+    cfg = PRESETS[args.preset]
+    dtype = {"bf16": torch.bfloat16, "f32": torch.float32, "f16": torch.float16}[args.dtype]
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    L, H, E = cfg["n_layer"], cfg["n_head"], cfg["n_embd"]
+    D = E // H
+    torch.manual_seed(0)
+
+    def param(*shape, std=0.02):
+        return (torch.randn(*shape) * std).to(dev, dtype)
+
+    wte, wpe = param(VOCAB, E), param(cfg["n_positions"], E, std=0.01)
+    blocks = [dict(ln1=(1 + param(E), param(E)), attn=(param(E, 3 * E), param(3 * E)),
+                   proj=(param(E, E), param(E)), ln2=(1 + param(E), param(E)),
+                   fc=(param(E, 4 * E), param(4 * E)), mlp=(param(4 * E, E), param(E)))
+              for _ in range(L)]
+    lnf = (1 + param(E), param(E))
+    tok = Tokenizer.from_file(os.path.join(ROOT, "rookworld-lm", "assets", "gpt2-tokenizer.json"))
+    ids = tok.encode(PROMPT).ids
+    P, T, rows = len(ids), args.max_new_tokens, args.prompts * args.n
+    S = P + T
+    k_cache = torch.zeros(L, rows, H, S, D, device=dev, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+
+    def ln(x, wb):
+        return F.layer_norm(x, (E,), wb[0], wb[1], 1e-5)
+
+    def mlp(x, b):
+        h = F.gelu(torch.addmm(b["fc"][1], x.reshape(-1, E), b["fc"][0]), approximate="tanh")
+        return torch.addmm(b["mlp"][1], h, b["mlp"][0]).reshape(x.shape)
+
+    def full(seq):
+        """(rows, len) tokens → (rows, len, V) logits, no cache: the reference."""
+        n = seq.shape[1]
+        x = wte[seq] + wpe[:n]
+        for b in blocks:
+            q, k, v = (ln(x, b["ln1"]).reshape(-1, E) @ b["attn"][0] + b["attn"][1]).reshape(
+                seq.shape[0], n, 3, H, D).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = y.transpose(1, 2).reshape(-1, E)
+            x = x + torch.addmm(b["proj"][1], y, b["proj"][0]).reshape(x.shape)
+            x = x + mlp(ln(x, b["ln2"]), b)
+        return ln(x, lnf) @ wte.T
+
+    def prefill(prompt):
+        """Every row's prompt into the cache; the last position's logits."""
+        x = wte[prompt] + wpe[:P]
+        for l, b in enumerate(blocks):
+            q, k, v = (ln(x, b["ln1"]).reshape(-1, E) @ b["attn"][0] + b["attn"][1]).reshape(
+                rows, P, 3, H, D).permute(2, 0, 3, 1, 4)
+            k_cache[l, :, :, :P], v_cache[l, :, :, :P] = k, v
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + torch.addmm(b["proj"][1], y.transpose(1, 2).reshape(-1, E),
+                                b["proj"][0]).reshape(x.shape)
+            x = x + mlp(ln(x, b["ln2"]), b)
+        return ln(x[:, -1], lnf) @ wte.T
+
+    # The step's fixed inputs and outputs: the token fed, its position, the sampled token.
+    cur = torch.zeros(rows, dtype=torch.long, device=dev)
+    pos = torch.zeros((), dtype=torch.long, device=dev)
+    logits_out = torch.zeros(rows, VOCAB, device=dev, dtype=dtype)
+    steps = torch.arange(S, device=dev)
+
+    def step():
+        x = wte[cur] + wpe[pos]  # (rows, E)
+        visible = (steps <= pos).view(1, 1, 1, S)
+        for l, b in enumerate(blocks):
+            q, k, v = (ln(x, b["ln1"]) @ b["attn"][0] + b["attn"][1]).view(rows, 3, H, 1, D).unbind(1)
+            k_cache[l].index_copy_(2, pos.view(1), k)
+            v_cache[l].index_copy_(2, pos.view(1), v)
+            y = F.scaled_dot_product_attention(q, k_cache[l], v_cache[l], attn_mask=visible)
+            x = x + torch.addmm(b["proj"][1], y.reshape(rows, E), b["proj"][0])
+            x = x + mlp(ln(x, b["ln2"]), b)
+        logits = ln(x, lnf) @ wte.T
+        logits_out.copy_(logits)
+        # Gumbel-max: argmax(z − log(−log u)) samples softmax(z).
+        u = torch.rand(rows, VOCAB, device=dev, dtype=torch.float32).clamp_(1e-20, 1.0)
+        cur.copy_(torch.argmax(logits.float() - torch.log(-torch.log(u)), dim=-1))
+        pos.add_(1)
+
+    prompt = torch.tensor([ids] * rows, device=dev)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def start():
+        """Prefill and the first token sampled; the step then feeds it at position P."""
+        first = prefill(prompt)
+        u = torch.rand(rows, VOCAB, device=dev).clamp_(1e-20, 1.0)
+        cur.copy_(torch.argmax(first.float() - torch.log(-torch.log(u)), dim=-1))
+        pos.fill_(P)
+        return first
+
+    with torch.no_grad():
+        # The check: the cached steps' logits against a full forward of the same tokens.
+        first = start()
+        fed, got = [cur.clone()], []
+        for _ in range(2):
+            step()
+            got.append(logits_out.clone())
+            fed.append(cur.clone())
+        seq = torch.cat([prompt, torch.stack(fed[:2], 1)], 1)
+        ref = full(seq)
+        scale = ref.float().abs().max().item()
+        err = max((ref[:, P - 1].float() - first.float()).abs().max().item(),
+                  *((ref[:, P + i].float() - g.float()).abs().max().item() for i, g in enumerate(got)))
+        tol = 2e-2 if dtype != torch.float32 else 1e-4
+        if not err <= tol * max(scale, 1.0):
+            return write(args.out, {"error": f"static-cache logits differ from a full forward by "
+                                             f"{err:.3g} (scale {scale:.3g})"})
+
+        graph = None
+        if cuda:
+            # Warm-up on a side stream, then one capture; replays reuse its memory.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                start()
+                for _ in range(3):
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            start()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+
+        def run():
+            sync()
+            t0 = time.perf_counter()
+            start()
+            sync()
+            t1 = time.perf_counter()
+            for _ in range(T - 1):  # the first token came from the prefill
+                graph.replay() if graph is not None else step()
+            sync()
+            t2 = time.perf_counter()
+            return t2 - t0, (t2 - t1) / max(T - 1, 1)
+
+        run()  # warm-up
+        best = min((run() for _ in range(max(1, args.repeat))), key=lambda r: r[0])
+    tokens = rows * T
+    write(args.out, {"side": "pytorch static cache" + (" + CUDA graph" if graph is not None else ""),
+                     "torch": torch.__version__, "device": str(dev), "dtype": args.dtype,
+                     "prompts": args.prompts, "completions_per_prompt": args.n,
+                     "prompt_tokens": P, "new_tokens": tokens, "seconds": best[0],
+                     "decode_step_seconds": best[1], "tokens_per_second": tokens / best[0],
+                     "check_max_abs_error": err, "check_scale": scale,
+                     "cuda_graph": graph is not None})
+
+
 GAUGES = ("rollout_gpu_utilization_ratio", "rollout_gpu_memory_busy_ratio",
           "rollout_gpu_power_watts", "rollout_gpu_memory_used_bytes",
           "rollout_gpu_memory_total_bytes")
@@ -178,7 +345,10 @@ def cmd_scrape(args):
 
 
 def cmd_train_summary(args):
-    steps, finite, last = 0, 0, None
+    """Steps and finite losses of a `learner train` run's JSONL; past its first `--skip`
+    steps (the warm-up of the device's kernels and buffers), the mean seconds a step, the
+    completion tokens a second and each phase's share of the step."""
+    steps, finite, last, timed = 0, 0, None, []
     with open(args.jsonl) as f:
         for line in f:
             rec = json.loads(line)
@@ -188,7 +358,20 @@ def cmd_train_summary(args):
             finite += all(isinstance(rec.get(k), (int, float)) and abs(rec[k]) < float("inf")
                           for k in ("loss", "policy_loss", "kl", "grad_norm"))
             last = rec
-    write(args.out, {"steps": steps, "finite_losses": finite, "last": last})
+            if steps > args.skip and isinstance(rec.get("step_seconds"), dict):
+                timed.append(rec)
+    out = {"steps": steps, "finite_losses": finite, "last": last}
+    if timed:
+        total = sum(r["step_seconds"]["total"] for r in timed)
+        phases = {}
+        for r in timed:
+            for k, v in r["step_seconds"].items():
+                if k != "total":
+                    phases[k] = phases.get(k, 0.0) + v
+        out.update(steps_timed=len(timed), seconds_per_step=total / len(timed),
+                   completion_tokens_per_second=sum(r.get("tokens", 0) for r in timed) / total,
+                   phase_share={k: v / total for k, v in phases.items()})
+    write(args.out, out)
 
 
 def load(out_dir):
@@ -296,13 +479,25 @@ def cmd_table(args):
             add("rollout " + shape, "× transformers generate",
                 fmt(batch["tokens_per_second"] / hf["tokens_per_second"]),
                 f"transformers {fmt(hf['tokens_per_second'], 4)} tok/s")
+        graph = d.get("graph_" + shape, {})
+        if "tokens_per_second" in graph:
+            add("rollout " + shape, "× PyTorch static-cache step" +
+                (" (CUDA graph)" if graph.get("cuda_graph") else ""),
+                fmt(batch["tokens_per_second"] / graph["tokens_per_second"]),
+                f"PyTorch {fmt(graph['tokens_per_second'], 4)} tok/s, step "
+                f"{fmt(graph['decode_step_seconds'] * 1e3)} ms")
+        elif name.replace("worker_", "graph_") in d:
+            add("rollout " + shape, "PyTorch static-cache step", problem(graph) or "missing")
     lb = d.get("learner_step", {})
     if problem(lb):
         add("learner step", "result", problem(lb))
     elif lb:
         add("learner step", "step s", fmt(lb.get("learner_step_seconds")),
             f"PyTorch {fmt(lb.get('pytorch_step_seconds'))} s")
-        add("learner step", "× PyTorch", fmt(lb.get("speedup_vs_pytorch")))
+        add("learner step", "× PyTorch (best)", fmt(lb.get("speedup_vs_pytorch")),
+            lb.get("pytorch_best_config", ""))
+        for config, ratio in sorted((lb.get("speedup_vs_each") or {}).items()):
+            add("learner step", f"× PyTorch {config}", fmt(ratio))
     if lb.get("learner_mfu") is not None:
         add("learner step", "MFU", fmt(lb["learner_mfu"]),
             f"of {fmt(lb.get('learner_peak_tflops'))} TFLOP/s; {lb.get('shape', '')}; "
@@ -311,6 +506,29 @@ def cmd_table(args):
         theirs = lb.get("pytorch_peak_device_memory_bytes")
         add("learner step", "device memory GiB", fmt(lb["learner_device_memory_bytes"] / 2**30),
             f"PyTorch peak {fmt(theirs / 2**30) if theirs else '–'}")
+    bc = d.get("backend_compare", {})
+    if bc:
+        first = bc.get("first_divergence")
+        add("step backend vs CPU", "buffers matched",
+            problem(bc) or (f"{bc['buffers_checked']} of {bc['buffers_checked']}" if bc.get("matched")
+                            else f"FAIL at {first['name'] if first else '?'}"),
+            f"{bc.get('shape', '')}; reference {bc.get('reference')}, tolerance "
+            f"{bc.get('atol')} + {bc.get('rtol')}·scale")
+        close = bc.get("closest_to_tolerance")
+        if close:
+            add("step backend vs CPU", "closest to tolerance", close["name"],
+                f"max |Δ| {fmt(close['max_abs_diff'])} against {fmt(close['scale'])}")
+    bp = d.get("backend_pass", {})
+    if bp.get("pass_seconds"):
+        ph = lb.get("pytorch_phases") or {}
+        theirs = (ph.get("forward") or 0) + (ph.get("backward") or 0)
+        add("step backend", "forward + backward s", fmt(bp["pass_seconds"]),
+            f"{bp.get('shape', '')}; {fmt(bp.get('activation_bytes', 0) / 2**30)} GiB planned")
+        if theirs:
+            add("step backend", "× PyTorch forward + backward", fmt(theirs / bp["pass_seconds"]),
+                f"PyTorch {lb.get('pytorch_best_config', '')} {fmt(theirs)} s")
+    elif bp:
+        add("step backend", "forward + backward", problem(bp) or "missing")
     lc = d.get("learner_composed", {})
     if problem(lc):
         add("learner step", "composed ops", problem(lc))
@@ -336,6 +554,20 @@ def cmd_table(args):
     if tr:
         add("learner train on the device", "steps / finite losses",
             f"{tr.get('steps', 0)} / {tr.get('finite_losses', 0)}", tr.get("error", ""))
+    if tr.get("seconds_per_step"):
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(tr.get("phase_share", {}).items()))
+        add("learner train on the device", "s / step", fmt(tr["seconds_per_step"]),
+            f"{tr['steps_timed']} steps after the first; {shares}")
+        add("learner train on the device", "completion tokens/s",
+            fmt(tr["completion_tokens_per_second"], 4))
+        peer = d.get("trl", {})
+        if peer.get("seconds_per_step"):
+            add("learner train on the device", "× TRL GRPOTrainer (steps/s)",
+                fmt(peer["seconds_per_step"] / tr["seconds_per_step"]),
+                f"TRL {peer.get('trl')}: {fmt(peer['seconds_per_step'])} s/step, "
+                f"{fmt(peer['completion_tokens_per_second'], 4)} tok/s")
+        elif peer:
+            add("learner train on the device", "TRL GRPOTrainer", problem(peer) or "missing")
     width = [max(len(str(r[i])) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, width)).rstrip())
@@ -366,6 +598,15 @@ def main():
     p.add_argument("-n", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=2)
+    p = sub.add_parser("graph-decode")
+    p.add_argument("out")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--preset", default="gpt2-124m", choices=sorted(PRESETS))
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("-n", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=2)
     p = sub.add_parser("scrape")
     p.add_argument("url")
     p.add_argument("out")
@@ -374,10 +615,12 @@ def main():
     p = sub.add_parser("train-summary")
     p.add_argument("jsonl")
     p.add_argument("out")
+    p.add_argument("--skip", type=int, default=1, help="first steps left out of the timing")
     p = sub.add_parser("table")
     p.add_argument("out_dir")
     args = ap.parse_args()
     {"device": cmd_device, "copy-bandwidth": cmd_copy_bandwidth, "hf-generate": cmd_hf_generate,
+     "graph-decode": cmd_graph_decode,
      "scrape": cmd_scrape, "train-summary": cmd_train_summary,
      "table": cmd_table}[args.cmd](args)
 

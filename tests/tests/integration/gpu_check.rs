@@ -63,6 +63,21 @@ fn the_gpu_check_script_runs_every_section_on_the_cpu() {
         at("learner train on the device", "steps / finite losses"),
         "2 / 2"
     );
+    // The step's backend: every buffer matched, and its pass timed.
+    let matched = at("step backend vs CPU", "buffers matched");
+    let (n, of) = matched.split_once(" of ").expect("N of N");
+    assert_eq!(n, of, "{table}");
+    assert!(
+        at("step backend", "forward + backward s")
+            .parse::<f64>()
+            .unwrap()
+            > 0.0
+    );
+    // The timed steps after the first: seconds a step and tokens a second.
+    let per_step: f64 = at("learner train on the device", "s / step")
+        .parse()
+        .unwrap();
+    assert!(per_step > 0.0, "{per_step}");
     // Every section left its JSON file.
     for name in [
         "device",
@@ -70,10 +85,14 @@ fn the_gpu_check_script_runs_every_section_on_the_cpu() {
         "copy_bandwidth",
         "worker_2x2_8",
         "hf_2x2_8",
+        "graph_2x2_8",
+        "backend_compare",
+        "backend_pass",
         "learner_step",
         "learner_composed",
         "push",
         "train",
+        "trl",
         "nvml",
     ] {
         assert!(
@@ -147,12 +166,14 @@ fn the_gpu_check_script_bounds_each_section_and_the_whole_run() {
     assert!(failed.len() >= 6, "{failed:?}");
     assert_eq!(done.status.code(), Some(failed.len() as i32), "{failed:?}");
 
-    // Past the deadline every section is skipped, and counted.
+    // Past the deadline every section is skipped, and counted: device, parity,
+    // copy_bandwidth, worker, hf, graph, backend_compare, backend_pass, learner_step,
+    // push, train, trl, learner_composed.
     let out = tempfile::tempdir().unwrap();
     let (done, _) = run(out.path(), &[("DEADLINE", "0")]);
     let failed = errors(out.path());
-    assert_eq!(failed.len(), 9, "{failed:?}");
-    assert_eq!(done.status.code(), Some(9));
+    assert_eq!(failed.len(), 13, "{failed:?}");
+    assert_eq!(done.status.code(), Some(13));
     let train = std::fs::read_to_string(out.path().join("train.json")).unwrap();
     assert!(train.contains("deadline"), "{train}");
 }
