@@ -3,10 +3,11 @@
 // reference is the CPU backend's kernel of the same name (rookworld-train/src/cpu/), which
 // the debug mode (rookworld-train/src/compare.rs) compares it with buffer by buffer.
 //
-// Sums over rows are deterministic: partial sums over fixed blocks of rows, then the
-// partials in order (column_partials / column_finish, layer_norm_partials /
-// layer_norm_finish). The scatters of the embedding backward and of the predicting rows
-// add with atomics (a token or a row met twice in one micro-batch).
+// Every sum is in a fixed order, so a pass gives the same bits every run: sums over rows
+// as partial sums over fixed blocks of rows, then the partials in order (column_partials /
+// column_finish, layer_norm_partials / layer_norm_finish); the scatters (the embedding's
+// backward, the predicting rows' gradients) grouped by destination on the host first
+// (scatter_add_planned). No atomics.
 //
 // Attention: a group's rows are its prompt, then each completion; query row r sees the
 // prefix rows [meta.p0, meta.p1) (its group's prompt, for a completion row; none for a
@@ -48,15 +49,20 @@ extern "C" __global__ void embedding_fwd(float *__restrict__ out, const uint32_t
     }
 }
 
-// dwte[ids[r]] += dout[r], dwpe[pos[r]] += dout[r].
-extern "C" __global__ void embedding_bwd(float *__restrict__ dwte, float *__restrict__ dwpe,
-                                         const float *__restrict__ dout,
-                                         const uint32_t *__restrict__ ids,
-                                         const uint32_t *__restrict__ pos, int R, int E) {
-    GRID_STRIDE(i, (size_t)R * E) {
-        const size_t r = i / E, c = i % E;
-        atomicAdd(dwte + (size_t)ids[r] * E + c, dout[i]);
-        atomicAdd(dwpe + (size_t)pos[r] * E + c, dout[i]);
+// dst (·, E) rows targets[k] += Σ src rows sources[offsets[k]..offsets[k + 1]], summed in
+// that order (rookworld_train::batch::ScatterPlan): the embedding's backward (by token, by
+// position) and the predicting rows' gradients, the same bits every run.
+extern "C" __global__ void scatter_add_planned(float *__restrict__ dst,
+                                               const float *__restrict__ src,
+                                               const uint32_t *__restrict__ targets,
+                                               const uint32_t *__restrict__ offsets,
+                                               const uint32_t *__restrict__ sources, int K,
+                                               int E) {
+    GRID_STRIDE(i, (size_t)K * E) {
+        const size_t k = i / E, c = i % E;
+        float s = 0.f;
+        for (uint32_t j = offsets[k]; j < offsets[k + 1]; ++j) s += src[(size_t)sources[j] * E + c];
+        dst[(size_t)targets[k] * E + c] += s;
     }
 }
 
@@ -204,14 +210,6 @@ extern "C" __global__ void gather_rows(float *__restrict__ out, const float *__r
                                        const uint32_t *__restrict__ rows, int N, int E) {
     GRID_STRIDE(i, (size_t)N * E) {
         out[i] = x[(size_t)rows[i / E] * E + i % E];
-    }
-}
-
-// dst (·, E) rows[n] += src[n] (N, E).
-extern "C" __global__ void scatter_add_rows(float *__restrict__ dst, const float *__restrict__ src,
-                                            const uint32_t *__restrict__ rows, int N, int E) {
-    GRID_STRIDE(i, (size_t)N * E) {
-        atomicAdd(dst + (size_t)rows[i / E] * E + i % E, src[i]);
     }
 }
 

@@ -42,6 +42,61 @@ pub fn synthetic(
     (p, c)
 }
 
+/// A scatter `dst[index[i]] += src[i]` grouped by destination, so that a device sums each
+/// destination's sources in a fixed order (no atomics, the same bits every run): the
+/// distinct destinations in increasing order (`targets`), and for destination k its
+/// sources `sources[offsets[k]..offsets[k + 1]]`, in increasing order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScatterPlan {
+    pub targets: Vec<u32>,
+    pub offsets: Vec<u32>,
+    pub sources: Vec<u32>,
+}
+
+impl ScatterPlan {
+    pub fn new(index: &[u32]) -> Self {
+        let mut order: Vec<u32> = (0..index.len() as u32).collect();
+        // Stable: equal destinations keep their sources in increasing order.
+        order.sort_by_key(|&i| index[i as usize]);
+        let mut plan = ScatterPlan {
+            targets: Vec::new(),
+            offsets: vec![0],
+            sources: order,
+        };
+        for (n, &i) in plan.sources.iter().enumerate() {
+            let t = index[i as usize];
+            if plan.targets.last() != Some(&t) {
+                if !plan.targets.is_empty() {
+                    plan.offsets.push(n as u32);
+                }
+                plan.targets.push(t);
+            }
+        }
+        plan.offsets.push(plan.sources.len() as u32);
+        if plan.targets.is_empty() {
+            plan.offsets = vec![0];
+        }
+        plan
+    }
+
+    /// `dst` (·, width) += the rows of `src` (index.len(), width) scattered by the plan,
+    /// each destination's sources summed in order first: the reference of a device's
+    /// planned scatter.
+    pub fn apply(&self, dst: &mut [f32], src: &[f32], width: usize) {
+        for (k, &t) in self.targets.iter().enumerate() {
+            let range = self.offsets[k] as usize..self.offsets[k + 1] as usize;
+            let row = &mut dst[t as usize * width..(t as usize + 1) * width];
+            for c in 0..width {
+                let s: f32 = self.sources[range.clone()]
+                    .iter()
+                    .map(|&i| src[i as usize * width + c])
+                    .sum();
+                row[c] += s;
+            }
+        }
+    }
+}
+
 /// One group: its prompt and its completions.
 #[derive(Debug, Clone, Copy)]
 pub struct GroupInput<'a> {
@@ -171,6 +226,32 @@ impl GroupRows {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_planned_scatter_adds_every_source_to_its_destination_once() {
+        let index = [3u32, 0, 3, 7, 0, 3, 5];
+        let plan = ScatterPlan::new(&index);
+        assert_eq!(plan.targets, [0, 3, 5, 7]);
+        assert_eq!(plan.offsets, [0, 2, 5, 6, 7]);
+        assert_eq!(plan.sources, [1, 4, 0, 2, 5, 6, 3]);
+        // Integer values: every order of summation gives the same sums.
+        let width = 3;
+        let src: Vec<f32> = (0..index.len() * width).map(|v| v as f32).collect();
+        let mut want = vec![1f32; 8 * width];
+        for (i, &t) in index.iter().enumerate() {
+            for c in 0..width {
+                want[t as usize * width + c] += src[i * width + c];
+            }
+        }
+        let mut got = vec![1f32; 8 * width];
+        plan.apply(&mut got, &src, width);
+        assert_eq!(got, want);
+        let empty = ScatterPlan::new(&[]);
+        assert_eq!(
+            (empty.targets.len(), empty.offsets.as_slice()),
+            (0, &[0u32][..])
+        );
+    }
 
     /// The rows query row r sees through [`Packed::row_meta`].
     fn seen_by(meta: &[[i32; 4]], r: usize) -> Vec<usize> {

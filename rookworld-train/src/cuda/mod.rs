@@ -23,7 +23,7 @@ use candle_core::cuda::cudarc::driver::{
 };
 
 use crate::backend::{Backend, Error, HeadBackward, HeadForward, Heads, Result};
-use crate::batch::Packed;
+use crate::batch::{Packed, ScatterPlan};
 use crate::gemm::{Gemm, RowMajor, row_major};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/pass.ptx"));
@@ -104,6 +104,14 @@ impl DerefMut for DeviceVec {
     }
 }
 
+/// A [`ScatterPlan`] on the device.
+struct DevicePlan {
+    targets: CudaSlice<u32>,
+    offsets: CudaSlice<u32>,
+    sources: CudaSlice<u32>,
+    destinations: usize,
+}
+
 /// A micro-batch's layout on the device.
 pub struct CudaRows {
     ids: CudaSlice<u32>,
@@ -112,6 +120,11 @@ pub struct CudaRows {
     targets: CudaSlice<u32>,
     /// Per row (p0, p1, o0, q_end): [`Packed::row_meta`].
     meta: CudaSlice<i32>,
+    /// The scatters of the backward: rows into tokens, rows into positions, predicting
+    /// rows into rows.
+    by_token: DevicePlan,
+    by_position: DevicePlan,
+    by_head_row: DevicePlan,
     rows: usize,
     predicted: usize,
 }
@@ -221,6 +234,48 @@ impl Cuda {
             .map_err(|e| fail(op, e))
     }
 
+    fn plan(&self, index: &[u32]) -> Result<DevicePlan> {
+        let plan = ScatterPlan::new(index);
+        Ok(DevicePlan {
+            targets: self.upload("rows", &plan.targets)?,
+            offsets: self.upload("rows", &plan.offsets)?,
+            sources: self.upload("rows", &plan.sources)?,
+            destinations: plan.targets.len(),
+        })
+    }
+
+    /// `dst` (·, E) += `src` (·, E) scattered by `plan` (E = `width`).
+    fn scatter(
+        &self,
+        dst: &mut DevF32,
+        src: &DevF32,
+        plan: &DevicePlan,
+        width: usize,
+    ) -> Result<()> {
+        if plan.destinations == 0 || width == 0 {
+            return Ok(());
+        }
+        let (k, e) = (int("scatter", plan.destinations)?, int("scatter", width)?);
+        int("scatter", plan.destinations * width)?;
+        let (t, o, s) = (
+            self.ptr(&plan.targets),
+            self.ptr(&plan.offsets),
+            self.ptr(&plan.sources),
+        );
+        launch!(
+            self,
+            "scatter_add_planned",
+            elementwise(plan.destinations * width),
+            &dst.ptr,
+            &src.ptr,
+            &t,
+            &o,
+            &s,
+            &k,
+            &e
+        )
+    }
+
     fn ptr<T>(&self, s: &CudaSlice<T>) -> CUdeviceptr {
         let stream = self.device.cuda_stream();
         let (ptr, _record) = s.device_ptr(&stream);
@@ -319,6 +374,9 @@ impl Backend for Cuda {
             head_rows: self.upload("rows", &packed.head_rows)?,
             targets: self.upload("rows", &packed.targets)?,
             meta: self.upload("rows", &meta)?,
+            by_token: self.plan(&packed.ids)?,
+            by_position: self.plan(&packed.positions)?,
+            by_head_row: self.plan(&packed.head_rows)?,
             rows: r,
             predicted: packed.targets.len(),
         })
@@ -491,20 +549,8 @@ impl Backend for Cuda {
             return Ok(());
         }
         let e = dout.len / rows.rows;
-        let (r, ei) = (int("embedding", rows.rows)?, int("embedding", e)?);
-        let (ids, pos) = (self.ptr(&rows.ids), self.ptr(&rows.positions));
-        launch!(
-            self,
-            "embedding_bwd",
-            elementwise(dout.len),
-            &dwte.ptr,
-            &dwpe.ptr,
-            &dout.ptr,
-            &ids,
-            &pos,
-            &r,
-            &ei
-        )
+        self.scatter(dwte, dout, &rows.by_token, e)?;
+        self.scatter(dwpe, dout, &rows.by_position, e)
     }
 
     fn layernorm_forward(
@@ -704,19 +750,7 @@ impl Backend for Cuda {
         if rows.predicted == 0 {
             return Ok(());
         }
-        let e = src.len / rows.predicted;
-        let (n, ei) = (int("scatter", rows.predicted)?, int("scatter", e)?);
-        let at = self.ptr(&rows.head_rows);
-        launch!(
-            self,
-            "scatter_add_rows",
-            elementwise(src.len),
-            &dst.ptr,
-            &src.ptr,
-            &at,
-            &n,
-            &ei
-        )
+        self.scatter(dst, src, &rows.by_head_row, src.len / rows.predicted)
     }
 
     fn head_forward(&self, f: HeadForward<'_, Self>, rows: &CudaRows) -> Result<()> {
