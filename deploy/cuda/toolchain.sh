@@ -12,7 +12,11 @@ if [ "${1:-}" = libraries ]; then
   cuda_wheels+=(nvidia-cublas==13.0.2.14 nvidia-cuda-nvrtc==13.0.88 nvidia-curand==10.4.0.35)
 fi
 if [ ! -x "$CUDA_HOME/bin/nvcc" ] || { [ "${1:-}" = libraries ] && [ ! -e "$CUDA_HOME/lib/libcublas.so.13" ]; }; then
-  python3 -m pip install -q --target "$DIR" "${cuda_wheels[@]}"
+  # --upgrade: every wheel unpacks under one `nvidia/` directory, which a plain --target
+  # install skips when it exists (the compiler's, from an earlier call without
+  # `libraries`), leaving the libraries out; with it the directory is replaced by this
+  # install's, which holds every wheel listed.
+  python3 -m pip install -q --upgrade --target "$DIR" "${cuda_wheels[@]}"
 fi
 export CUDA_HOME PATH="$CUDA_HOME/bin:$PATH"
 export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
