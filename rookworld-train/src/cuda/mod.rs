@@ -276,6 +276,26 @@ impl Cuda {
         )
     }
 
+    /// `out` (m, V) = hidden rows `start..start + m` (·, E) · Wᵀ, W (V, E) the head: one
+    /// block of the head's logits, before the temperature.
+    fn block_logits(
+        &self,
+        out: &mut DevF32,
+        hidden: &DevF32,
+        head: &DevF32,
+        (start, m, v, e): (usize, usize, usize, usize),
+    ) -> Result<()> {
+        let g = row_major(
+            (m, v, e),
+            RowMajor::plain(e).at(start * e),
+            RowMajor::transposed(e),
+            0,
+            false,
+        );
+        // cuBLAS's A is the right operand (W), its B the left (the hidden rows).
+        self.gemm(out, &g, head, hidden)
+    }
+
     fn ptr<T>(&self, s: &CudaSlice<T>) -> CUdeviceptr {
         let stream = self.device.cuda_stream();
         let (ptr, _record) = s.device_ptr(&stream);
@@ -756,32 +776,21 @@ impl Backend for Cuda {
     fn head_forward(&self, f: HeadForward<'_, Self>, rows: &CudaRows) -> Result<()> {
         let (n, e) = (rows.predicted, f.e);
         let v = f.head.len / e.max(1);
+        // Nothing is kept for the backward, which recomputes each block's logits: the
+        // pass's head buffer stays empty, the blocks go through the backend's scratch.
+        self.fit(f.scratch, 0)?;
         if n == 0 {
             return Ok(());
         }
-        let block = (HEAD_BLOCK_ELEMENTS / v.max(1)).clamp(1, n);
-        // The forward keeps nothing for the backward: it recomputes each block's logits.
-        self.fit(f.scratch, block * v)?;
+        let block = head_block(v, n);
+        let mut logits = self.scratch(block * v)?;
         let (vi, inv_t) = (int("head", v)?, (1.0 / f.temperature) as f32);
         let targets = self.ptr(&rows.targets);
         let entropy = f.entropy.as_ref().map_or(0, |h| h.ptr);
         for start in (0..n).step_by(block) {
             let m = block.min(n - start);
-            // logits (m, V) = hidden[start..] (m, E) · Wᵀ, W stored (V, E).
-            let g = row_major(
-                (m, v, e),
-                RowMajor::plain(e).at(start * e),
-                RowMajor::transposed(e),
-                0,
-                false,
-            );
-            self.gemm(f.scratch, &g, f.head, f.hidden)?;
-            let cfg = LaunchConfig {
-                grid_dim: (m as u32, 1, 1),
-                block_dim: (HEAD_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let (logp, t) = (f.logp.at(start), targets + (start * 4) as CUdeviceptr);
+            self.block_logits(&mut logits, f.hidden, f.head, (start, m, v, e))?;
+            let (logp, t) = (f.logp.at(start), u32_at(targets, start));
             let h = if entropy == 0 {
                 0
             } else {
@@ -790,8 +799,8 @@ impl Backend for Cuda {
             launch!(
                 self,
                 "head_logprobs",
-                cfg,
-                &f.scratch.ptr,
+                per_row(m),
+                &logits.ptr,
                 &t,
                 &logp,
                 &h,
@@ -808,27 +817,24 @@ impl Backend for Cuda {
         if n == 0 {
             return Ok(());
         }
-        let block = (HEAD_BLOCK_ELEMENTS / v.max(1)).clamp(1, n);
+        let block = head_block(v, n);
         let mut logits = self.scratch(block * v)?;
         let (vi, inv_t) = (int("head", v)?, (1.0 / b.temperature) as f32);
         let targets = self.ptr(&rows.targets);
         for start in (0..n).step_by(block) {
             let m = block.min(n - start);
-            let g = row_major(
-                (m, v, e),
-                RowMajor::plain(e).at(start * e),
-                RowMajor::transposed(e),
-                0,
-                false,
-            );
-            self.gemm(&mut logits, &g, b.head, b.hidden)?;
-            let cfg = LaunchConfig {
-                grid_dim: (m as u32, 1, 1),
-                block_dim: (HEAD_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let (t, up) = (targets + (start * 4) as CUdeviceptr, b.dlogp.at(start));
-            launch!(self, "head_grad", cfg, &logits.ptr, &t, &up, &vi, &inv_t)?;
+            self.block_logits(&mut logits, b.hidden, b.head, (start, m, v, e))?;
+            let (t, up) = (u32_at(targets, start), b.dlogp.at(start));
+            launch!(
+                self,
+                "head_grad",
+                per_row(m),
+                &logits.ptr,
+                &t,
+                &up,
+                &vi,
+                &inv_t
+            )?;
             // ∂hidden[start..] (m, E) += d (m, V) · W (V, E).
             let g = row_major(
                 (m, e, v),
@@ -850,6 +856,26 @@ impl Backend for Cuda {
         }
         Ok(())
     }
+}
+
+/// Rows of the head per block: at most [`HEAD_BLOCK_ELEMENTS`] logits, at least one row,
+/// at most the `n` rows there are.
+fn head_block(v: usize, n: usize) -> usize {
+    (HEAD_BLOCK_ELEMENTS / v.max(1)).clamp(1, n)
+}
+
+/// A block of [`HEAD_THREADS`] threads per row, `m` rows (the head's kernels).
+fn per_row(m: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (m as u32, 1, 1),
+        block_dim: (HEAD_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The device address of u32 element `i` from `base`.
+fn u32_at(base: CUdeviceptr, i: usize) -> CUdeviceptr {
+    base + (i * std::mem::size_of::<u32>()) as CUdeviceptr
 }
 
 /// The attention kernel `attention_{part}_d{D}` for the heads' width (which must divide
