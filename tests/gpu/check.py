@@ -45,6 +45,18 @@ def write(path, obj):
     print(json.dumps(obj))
 
 
+def prompt_ids():
+    """The bench's prompt (the start position's `P:` task) as GPT-2 token ids."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(ROOT, "rookworld-lm", "assets", "gpt2-tokenizer.json"))
+    return tok.encode(PROMPT).ids
+
+
+def torch_dtype(torch, name):
+    return {"bf16": torch.bfloat16, "f32": torch.float32, "f16": torch.float16}[name]
+
+
 def torch_or_none():
     try:
         import torch
@@ -118,17 +130,15 @@ def cmd_hf_generate(args):
     if torch is None:
         return write(args.out, {"skipped": "no torch"})
     import transformers
-    from tokenizers import Tokenizer
 
     cfg = PRESETS[args.preset]
-    dtype = {"bf16": torch.bfloat16, "f32": torch.float32, "f16": torch.float16}[args.dtype]
+    dtype = torch_dtype(torch, args.dtype)
     dev = torch.device(args.device)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=VOCAB, n_positions=cfg["n_positions"], n_embd=cfg["n_embd"],
         n_layer=cfg["n_layer"], n_head=cfg["n_head"])).to(dev, dtype).eval()
-    tok = Tokenizer.from_file(os.path.join(ROOT, "rookworld-lm", "assets", "gpt2-tokenizer.json"))
-    ids = tok.encode(PROMPT).ids
+    ids = prompt_ids()
     prompt = torch.tensor([ids] * args.prompts, device=dev)
 
     def run():
@@ -166,10 +176,9 @@ def cmd_graph_decode(args):
     if torch is None:
         return write(args.out, {"skipped": "no torch"})
     import torch.nn.functional as F
-    from tokenizers import Tokenizer
 
     cfg = PRESETS[args.preset]
-    dtype = {"bf16": torch.bfloat16, "f32": torch.float32, "f16": torch.float16}[args.dtype]
+    dtype = torch_dtype(torch, args.dtype)
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     L, H, E = cfg["n_layer"], cfg["n_head"], cfg["n_embd"]
@@ -185,8 +194,7 @@ def cmd_graph_decode(args):
                    fc=(param(E, 4 * E), param(4 * E)), mlp=(param(4 * E, E), param(E)))
               for _ in range(L)]
     lnf = (1 + param(E), param(E))
-    tok = Tokenizer.from_file(os.path.join(ROOT, "rookworld-lm", "assets", "gpt2-tokenizer.json"))
-    ids = tok.encode(PROMPT).ids
+    ids = prompt_ids()
     P, T, rows = len(ids), args.max_new_tokens, args.prompts * args.n
     S = P + T
     k_cache = torch.zeros(L, rows, H, S, D, device=dev, dtype=dtype)
@@ -589,24 +597,16 @@ def main():
     p = sub.add_parser("copy-bandwidth")
     p.add_argument("out")
     p.add_argument("--device", default="cuda")
-    p = sub.add_parser("hf-generate")
-    p.add_argument("out")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="bf16")
-    p.add_argument("--preset", default="gpt2-124m", choices=sorted(PRESETS))
-    p.add_argument("--prompts", type=int, default=32)
-    p.add_argument("-n", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--repeat", type=int, default=2)
-    p = sub.add_parser("graph-decode")
-    p.add_argument("out")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="bf16")
-    p.add_argument("--preset", default="gpt2-124m", choices=sorted(PRESETS))
-    p.add_argument("--prompts", type=int, default=32)
-    p.add_argument("-n", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--repeat", type=int, default=2)
+    for name in ("hf-generate", "graph-decode"):  # the two decode peers, one shape
+        p = sub.add_parser(name)
+        p.add_argument("out")
+        p.add_argument("--device", default="cuda")
+        p.add_argument("--dtype", default="bf16")
+        p.add_argument("--preset", default="gpt2-124m", choices=sorted(PRESETS))
+        p.add_argument("--prompts", type=int, default=32)
+        p.add_argument("-n", type=int, default=8)
+        p.add_argument("--max-new-tokens", type=int, default=64)
+        p.add_argument("--repeat", type=int, default=2)
     p = sub.add_parser("scrape")
     p.add_argument("url")
     p.add_argument("out")
