@@ -10,8 +10,8 @@
 # then assembled by ptxas for sm_$CUDA_COMPUTE_CAP (what the driver does at load time:
 # an error there is an error on the GPU); register spills are printed. A kernel file that
 # build.rs does not embed fails too. With --rust: `cargo check --features cuda` of the
-# crates that have the feature (candle's kernels compile to PTX in their build script,
-# most of its time), in target-cuda-check.
+# crates that have the feature, in target-cuda-check (candle's own kernels written empty:
+# deploy/cuda/nvcc-outputs-only).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 . "$ROOT/deploy/cuda/toolchain.sh"
@@ -46,7 +46,12 @@ done
 
 if [ "${1:-}" = --rust ]; then
   cd "$ROOT"
-  CARGO_TARGET_DIR=target-cuda-check cargo check --locked --features cuda \
+  # candle's build script compiles candle's own kernels with the nvcc NVCC names: for a
+  # type-check that writes its outputs empty (nvcc-outputs-only), saving most of the
+  # check's time. target-cuda-check holds those empty kernels: it is for checking only,
+  # never for building binaries (build.sh builds in target-cuda).
+  REAL_NVCC=$(command -v nvcc) NVCC="$ROOT/deploy/cuda/nvcc-outputs-only" \
+    CARGO_TARGET_DIR=target-cuda-check cargo check --locked --features cuda \
     -p rookworld-lm -p rookworld-train -p rookworld-generation -p rollout-worker -p learner \
     --all-targets
   echo "cuda-check: the Rust behind the cuda feature type-checks" >&2
