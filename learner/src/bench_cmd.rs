@@ -19,17 +19,7 @@ use crate::loss::LossConfig;
 use crate::optim::{AdamW, AdamWConfig};
 use crate::policy::{MatmulPrecision, Trainable};
 use crate::settings::{BatchArgs, ConfigError, ObjectiveArgs};
-use crate::step::{StepConfig, StepReport, accumulate, accumulate_autograd, step_flops};
-
-/// Which implementation of the forward/backward runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum BenchPath {
-    /// The fused pass (CPU f32), or autograd where it does not apply.
-    Auto,
-    /// candle's autograd on the plain model.
-    Autograd,
-}
+use crate::step::{StepConfig, StepPath, StepReport, accumulate, step_flops};
 
 /// Whether the autograd path trains through `rookworld_lm::train_ops`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -61,8 +51,10 @@ pub struct BenchArgs {
     /// The objective (β 0 skips the reference forward).
     #[command(flatten)]
     pub objective: ObjectiveArgs,
+    /// Which pass computes the gradients: auto (the fused pass on the CPU, autograd on
+    /// CUDA), fused (on CUDA the CUDA backend) or autograd; as `learner train --step-path`.
     #[arg(long, value_enum, default_value = "auto")]
-    pub path: BenchPath,
+    pub path: StepPath,
     /// Training device: cpu, cuda, cuda:N (weights, moments and statistics in f32).
     #[arg(long, env = "ROOKWORLD_DEVICE", default_value = "cpu")]
     pub device: String,
@@ -253,6 +245,9 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     let mut policy = Trainable::from_model(&init(args.seed)?)?;
     args.matmul_precision.apply(&mut policy.model);
     policy.model.set_train_ops(args.train_ops == TrainOps::On);
+    policy
+        .set_step_path(args.path)
+        .map_err(ConfigError::Conflict)?;
     let reference: Option<Gpt2> = if args.objective.beta > 0.0 {
         Some(init(args.seed)?)
     } else {
@@ -271,12 +266,7 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     let mut progress = Progress::new("bench step", 0, args.steps.max(1) as u64, true);
     for step in 0..=args.steps.max(1) {
         let started = Instant::now();
-        let (mut grads, report) = match args.path {
-            BenchPath::Auto => accumulate(&policy, reference.as_ref(), &batch, &step_cfg),
-            BenchPath::Autograd => {
-                accumulate_autograd(&policy, reference.as_ref(), &batch, &step_cfg)
-            }
-        }?;
+        let (mut grads, report) = accumulate(&policy, reference.as_ref(), &batch, &step_cfg)?;
         let t = Instant::now();
         let norm = grads.clip(step_cfg.max_grad_norm)?;
         let clip = t.elapsed().as_secs_f64();

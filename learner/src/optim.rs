@@ -57,6 +57,11 @@ impl Gradients {
         Ok(())
     }
 
+    /// Sets the gradient of `name` to tensor `g` (replacing any).
+    pub fn insert_tensor(&mut self, name: String, g: Tensor) {
+        self.by_name.insert(name, Grad::Tensor(g));
+    }
+
     /// Sets the gradient of `name` to a host buffer of `shape` (replacing any).
     pub fn insert_host(&mut self, name: String, g: Vec<f32>, shape: Shape) {
         self.by_name.insert(name, Grad::Host(g, shape));

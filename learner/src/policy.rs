@@ -12,6 +12,7 @@ use crate::batch::Layout;
 use crate::fused::Workspace;
 use crate::head::{head_logprobs, plain_head_logprobs};
 use crate::optim::Gradients;
+use crate::step::StepPath;
 
 /// How the learner's products run (`--matmul-precision`). The weights, the optimizer's
 /// moments, layer-norm and softmax statistics and the log-probs stay f32 whatever is
@@ -83,6 +84,19 @@ pub struct Trainable {
     pub vars: Vec<(String, Var)>,
     /// The fused pass's buffers, reused from step to step.
     pub workspace: Mutex<Workspace>,
+    /// Which pass computes the gradients ([`Trainable::set_step_path`]).
+    step_path: StepPath,
+}
+
+/// The pass a step runs ([`Trainable::pass`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pass {
+    /// The fused pass on the CPU backend ([`crate::fused`]).
+    FusedCpu,
+    /// The fused pass on the CUDA backend (`crate::fused::cuda`).
+    FusedCuda,
+    /// candle's autograd on the plain model.
+    Autograd,
 }
 
 impl Trainable {
@@ -122,14 +136,77 @@ impl Trainable {
             model,
             vars,
             workspace: Mutex::default(),
+            step_path: StepPath::Auto,
         })
     }
 
-    /// Whether the fused CPU pass runs this policy's steps (on the CPU with f32 weights,
-    /// f32 or BF16 matmuls); elsewhere candle's autograd does.
+    /// Chooses the pass of this policy's steps (`--step-path`), after its matmul
+    /// precision is set. `fused` where the fused pass does not apply is refused with the
+    /// reason, in one line.
+    pub fn set_step_path(&mut self, path: StepPath) -> Result<(), String> {
+        if path == StepPath::Fused {
+            self.fused_pass()
+                .map_err(|why| format!("--step-path fused: {why}"))?;
+        }
+        self.step_path = path;
+        Ok(())
+    }
+
+    /// The pass of this policy's steps: `auto` runs the fused pass on the CPU and candle's
+    /// autograd on CUDA (the CUDA backend is opted into with `fused`: the default once a
+    /// GPU run has passed its check), `fused` and `autograd` what they say.
+    pub fn pass(&self) -> Pass {
+        match (self.step_path, self.fused_pass()) {
+            (StepPath::Autograd, _) | (_, Err(_)) => Pass::Autograd,
+            (StepPath::Auto, Ok(Pass::FusedCuda)) => Pass::Autograd,
+            (_, Ok(pass)) => pass,
+        }
+    }
+
+    /// The fused pass this policy can run, or why it cannot: on the CPU f32 weights with
+    /// f32 or BF16 products; on CUDA (a learner built with the `cuda` feature) BF16
+    /// products, the CUDA backend's; `gelu_new` on both.
+    fn fused_pass(&self) -> Result<Pass, String> {
+        let cfg = self.model.config();
+        if cfg.activation_function != rookworld_lm::config::Activation::GeluNew {
+            return Err(format!(
+                "the fused pass computes gelu_new; this model's activation is {:?}",
+                cfg.activation_function
+            ));
+        }
+        let matmuls = self.model.matmul_dtype();
+        let head = self.model.head_weight();
+        if head.device().is_cpu() {
+            return match matmuls {
+                None | Some(DType::BF16) if crate::fused::applies(cfg, head) => Ok(Pass::FusedCpu),
+                _ => Err(format!(
+                    "the fused pass on the CPU takes f32 weights with f32 or BF16 products, \
+                     not {:?} products of {:?} weights",
+                    matmuls.unwrap_or(head.dtype()),
+                    head.dtype()
+                )),
+            };
+        }
+        if !head.device().is_cuda() || !cfg!(feature = "cuda") {
+            return Err(format!(
+                "no fused pass on {:?} (this learner's: the CPU{})",
+                head.device().location(),
+                if cfg!(feature = "cuda") { ", CUDA" } else { "" }
+            ));
+        }
+        match matmuls {
+            Some(DType::BF16) => Ok(Pass::FusedCuda),
+            _ => Err(
+                "the fused pass on CUDA multiplies in BF16 with f32 sums: use \
+                 --matmul-precision auto or bf16"
+                    .into(),
+            ),
+        }
+    }
+
+    /// Whether the fused CPU pass runs this policy's steps.
     pub fn fused_pass_applies(&self) -> bool {
-        matches!(self.model.matmul_dtype(), None | Some(DType::BF16))
-            && crate::fused::applies(self.model.config(), self.model.head_weight())
+        self.pass() == Pass::FusedCpu
     }
 
     /// How the fused pass multiplies for this policy's `--matmul-precision`.
@@ -153,6 +230,16 @@ impl Trainable {
         let mut grads = Gradients::default();
         for ((name, var), g) in self.vars.iter().zip(buffers) {
             grads.insert_host(name.clone(), g, var.shape().clone());
+        }
+        grads
+    }
+
+    /// The fused pass's gradient tensors on a device (in `vars` order) as named
+    /// gradients.
+    pub fn device_gradients(&self, tensors: Vec<Tensor>) -> Gradients {
+        let mut grads = Gradients::default();
+        for ((name, _), g) in self.vars.iter().zip(tensors) {
+            grads.insert_tensor(name.clone(), g);
         }
         grads
     }

@@ -1,20 +1,22 @@
 //! One optimizer step on a batch of groups, in micro-batches whose gradients add up to
 //! the full batch's.
 
+use std::ops::DerefMut;
 use std::time::Instant;
 
 use candle_core::Result as CandleResult;
 use rookworld_lm::Gpt2;
+use rookworld_train::{Activations, Backend, Weights};
 use rookworld_weights::export::Payload;
 use serde::Serialize;
 
 use crate::batch::{GrpoBatch, Layout};
 use crate::fused::step::{MicroBatch, micro_step, reference_logprobs};
-use crate::fused::{self, Params};
+use crate::fused::{self, Params, Workspace};
 use crate::grpo::Aggregation;
 use crate::loss::{LossConfig, grpo_loss};
 use crate::optim::{AdamW, Gradients, Schedule};
-use crate::policy::Trainable;
+use crate::policy::{Pass, Trainable};
 
 /// How a step is run.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -68,10 +70,31 @@ pub fn accumulate(
     batch: &GrpoBatch,
     cfg: &StepConfig,
 ) -> CandleResult<(Gradients, StepReport)> {
-    if policy.fused_pass_applies() {
-        return accumulate_fused(policy, reference, batch, cfg);
+    match policy.pass() {
+        Pass::FusedCpu => accumulate_fused(policy, reference, batch, cfg),
+        #[cfg(feature = "cuda")]
+        Pass::FusedCuda => accumulate_fused_cuda(policy, reference, batch, cfg),
+        #[cfg(not(feature = "cuda"))]
+        Pass::FusedCuda => candle_core::bail!("the fused pass on CUDA needs the cuda feature"),
+        Pass::Autograd => accumulate_autograd(policy, reference, batch, cfg),
     }
-    accumulate_autograd(policy, reference, batch, cfg)
+}
+
+/// Which pass computes a step's gradients (`learner train --step-path`, `learner bench
+/// --path`; [`Trainable::set_step_path`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StepPath {
+    /// The fused pass on the CPU; candle's autograd on CUDA, until a GPU run has passed
+    /// the CUDA backend's check (`learner compare-backends`).
+    #[default]
+    Auto,
+    /// The fused pass: on the CPU, or on CUDA the CUDA backend of `rookworld_train` (a
+    /// learner built with the `cuda` feature, BF16 products); refused, with the reason,
+    /// where it does not apply.
+    Fused,
+    /// candle's autograd on the plain model (every device and dtype).
+    Autograd,
 }
 
 /// A micro-batch's part of the step: its completions, those of them masked as cut off,
@@ -232,19 +255,14 @@ fn merge(into: &mut Option<crate::offpolicy::Mismatch>, part: Option<crate::offp
 /// take more rows than a training micro-batch).
 const REFERENCE_GROUPS: usize = 4;
 
-/// [`accumulate`] on the fused pass ([`crate::fused`]): the same micro-batches and
-/// weights, each group's prompt computed once.
+/// [`accumulate`] on the fused pass on the CPU ([`crate::fused`]): the same micro-batches
+/// and weights, each group's prompt computed once.
 fn accumulate_fused(
     policy: &Trainable,
     reference: Option<&Gpt2>,
     batch: &GrpoBatch,
     cfg: &StepConfig,
 ) -> CandleResult<(Gradients, StepReport)> {
-    let micro = cfg.micro_batch_groups.max(1);
-    let scale = cfg.loss.advantage_norm.scale(&batch.rewards);
-    let eot = policy.model.config().eos_token_id;
-    let truncated_without = cfg.loss.mask_truncated.then_some(eot);
-    let started = Instant::now();
     let policy_tensors = policy.tensors();
     let ref_tensors = reference.map(fused::step::model_tensors);
     let model_cfg = policy.model.config();
@@ -254,24 +272,96 @@ fn accumulate_fused(
         Some(t) => Some(Params::new(t, model_cfg)?.with_matmuls(matmuls)),
         None => None,
     };
+    let ref_weights = ref_params.as_ref().map(Params::weights);
     let mut work = policy.workspace.lock().expect("workspace lock");
     let mut grads = work.zeroed_grads(&params);
+    let Workspace {
+        policy: acts,
+        reference: ref_acts,
+        ..
+    } = &mut *work;
+    let (report, ran) = fused_micro_batches(
+        &params.backend(),
+        (&params.weights(), acts),
+        ref_weights.as_ref().map(|w| (w, ref_acts)),
+        &mut grads,
+        policy.model.config().eos_token_id,
+        batch,
+        cfg,
+    )?;
+    drop(work);
+    let out = if ran {
+        policy.host_gradients(grads)
+    } else {
+        Gradients::default()
+    };
+    Ok((out, report))
+}
+
+/// [`accumulate`] on the fused pass on CUDA ([`crate::fused::cuda`]): the CPU's sequence
+/// on the CUDA backend, its gradients f32 tensors on the device for the optimizer.
+#[cfg(feature = "cuda")]
+fn accumulate_fused_cuda(
+    policy: &Trainable,
+    reference: Option<&Gpt2>,
+    batch: &GrpoBatch,
+    cfg: &StepConfig,
+) -> CandleResult<(Gradients, StepReport)> {
+    let policy_tensors = policy.tensors();
+    let ref_tensors = reference.map(fused::step::model_tensors);
+    let model_cfg = policy.model.config();
+    let mut work = policy.workspace.lock().expect("workspace lock");
+    let workspace = work.cuda.get_or_insert_with(Default::default);
+    let eot = model_cfg.eos_token_id;
+    let ((report, ran), grads) = fused::cuda::with_pass(
+        workspace,
+        policy.model.device(),
+        model_cfg,
+        (&policy_tensors, ref_tensors.as_deref()),
+        |b, policy, reference, grads| {
+            fused_micro_batches(b, policy, reference, grads, eot, batch, cfg)
+        },
+    )?;
+    drop(work);
+    let out = if ran {
+        policy.device_gradients(grads)
+    } else {
+        Gradients::default()
+    };
+    Ok((out, report))
+}
+
+/// The fused pass's part of [`accumulate`] on backend `b`: the reference's log-probs over
+/// several micro-batches at once (with β > 0 and a reference), then every micro-batch's
+/// loss and gradients added to `grads`. Also says whether any micro-batch ran.
+fn fused_micro_batches<B: Backend, G: DerefMut<Target = B::Buf>>(
+    b: &B,
+    (params, acts): (&Weights<B>, &mut Activations<B>),
+    reference: Option<(&Weights<B>, &mut Activations<B>)>,
+    grads: &mut [G],
+    eot: u32,
+    batch: &GrpoBatch,
+    cfg: &StepConfig,
+) -> CandleResult<(StepReport, bool)> {
+    let micro = cfg.micro_batch_groups.max(1);
+    let scale = cfg.loss.advantage_norm.scale(&batch.rewards);
+    let truncated_without = cfg.loss.mask_truncated.then_some(eot);
+    let started = Instant::now();
     // The reference over several micro-batches at once, then split by micro-batch.
-    let t = Instant::now();
-    let ref_logp = match (&ref_params, cfg.loss.beta > 0.0) {
-        (Some(r), true) => {
+    let ref_logp = match reference {
+        Some((r, ref_acts)) if cfg.loss.beta > 0.0 => {
             let mut all = Vec::new();
             for start in (0..batch.prompts.len()).step_by(REFERENCE_GROUPS.max(micro)) {
                 let chunk = slice(batch, start, REFERENCE_GROUPS.max(micro));
                 if let Some(m) = MicroBatch::new(&chunk, scale, None) {
-                    all.extend(reference_logprobs(r, &m, &cfg.loss, &mut work)?);
+                    all.extend(reference_logprobs(b, r, &m, &cfg.loss, ref_acts)?);
                 }
             }
             Some(all)
         }
         _ => None,
     };
-    let reference_seconds = t.elapsed().as_secs_f64();
+    let reference_seconds = started.elapsed().as_secs_f64();
     let (mut offset, mut ran) = (0, false);
     let mut report = accumulate_micro_batches(
         batch,
@@ -289,7 +379,7 @@ fn accumulate_fused(
             let r_logp = ref_logp.as_ref().map(|r| &r[offset..offset + m.tokens]);
             offset += m.tokens;
             ran = true;
-            let r = micro_step(&params, r_logp, m, &cfg.loss, w, &mut grads, &mut work)?;
+            let r = micro_step(b, params, r_logp, m, &cfg.loss, w, grads, acts)?;
             Ok(MicroOutcome {
                 policy_loss: r.policy_loss,
                 kl: r.kl,
@@ -303,15 +393,9 @@ fn accumulate_fused(
             })
         },
     )?;
-    drop(work);
-    let out = if ran {
-        policy.host_gradients(grads)
-    } else {
-        Gradients::default()
-    };
     report.reference_seconds = reference_seconds;
     report.forward_backward_seconds = started.elapsed().as_secs_f64();
-    Ok((out, report))
+    Ok((report, ran))
 }
 
 /// What an optimizer step updates, and how: the policy, the frozen reference, AdamW at

@@ -8,6 +8,8 @@
 //! row-major) handed to the backend as its cuBLAS call ([`linear_forward`],
 //! [`linear_backward`]).
 
+use std::ops::DerefMut;
+
 use rookworld_lm::config::Config;
 
 use crate::backend::{Backend, HeadBackward, HeadForward, Heads, Result};
@@ -413,15 +415,16 @@ pub fn forward<B: Backend>(
 }
 
 /// Backward of [`forward`] for upstream gradients `dlogp` (N, on the host): adds every
-/// parameter's gradient to `grads` (indexed as [`Weights`]).
-pub fn backward<B: Backend>(
+/// parameter's gradient to `grads` (indexed as [`Weights`]): buffers the pass planned, or
+/// views of memory the caller holds (the optimizer's own gradient tensors).
+pub fn backward<B: Backend, G: DerefMut<Target = B::Buf>>(
     b: &B,
     params: &Weights<B>,
     packed: &Packed,
     acts: &mut Activations<B>,
     dlogp: &[f32],
     temperature: f64,
-    grads: &mut [B::Owned],
+    grads: &mut [G],
 ) -> Result<()> {
     if !acts.keep {
         return Err(crate::Error::Shape(
@@ -472,7 +475,7 @@ pub fn backward<B: Backend>(
     // ln_f → the residual stream.
     b.fill(&mut g.res, 0.0)?;
     let f = weights::ln_f(cfg);
-    let (gw, gb) = pair::<B>(grads, f);
+    let (gw, gb) = pair::<B, G>(grads, f);
     b.layernorm_backward(
         &mut g.res,
         gw,
@@ -489,7 +492,7 @@ pub fn backward<B: Backend>(
         let p = |j: usize| weights::layer(l, j);
         // x' = x₂ + fc_proj(gelu(fc(ln_2 x₂)))
         b.gelu_forward(&mut acts.gelu, &a.fch)?;
-        let (gw, gb) = pair::<B>(grads, p(10));
+        let (gw, gb) = pair::<B, G>(grads, p(10));
         let dims = (r, i, e);
         linear_backward(
             b,
@@ -511,7 +514,7 @@ pub fn backward<B: Backend>(
             w(l, 7),
             eps,
         )?;
-        let (gw, gb) = pair::<B>(grads, p(8));
+        let (gw, gb) = pair::<B, G>(grads, p(8));
         linear_backward(
             b,
             (&mut g.tmp, false),
@@ -522,7 +525,7 @@ pub fn backward<B: Backend>(
             w(l, 8),
             (r, e, i),
         )?;
-        let (gw, gb) = pair::<B>(grads, p(6));
+        let (gw, gb) = pair::<B, G>(grads, p(6));
         b.layernorm_backward(
             &mut g.res,
             gw,
@@ -534,7 +537,7 @@ pub fn backward<B: Backend>(
             w(l, 6),
         )?;
         // x₂ = x + proj(attn(ln_1 x))
-        let (gw, gb) = pair::<B>(grads, p(4));
+        let (gw, gb) = pair::<B, G>(grads, p(4));
         linear_backward(
             b,
             (&mut g.atty, false),
@@ -563,7 +566,7 @@ pub fn backward<B: Backend>(
             w(l, 1),
             eps,
         )?;
-        let (gw, gb) = pair::<B>(grads, p(2));
+        let (gw, gb) = pair::<B, G>(grads, p(2));
         let dims = (r, e, 3 * e);
         linear_backward(
             b,
@@ -575,7 +578,7 @@ pub fn backward<B: Backend>(
             w(l, 2),
             dims,
         )?;
-        let (gw, gb) = pair::<B>(grads, p(0));
+        let (gw, gb) = pair::<B, G>(grads, p(0));
         b.layernorm_backward(
             &mut g.res,
             gw,
@@ -592,7 +595,10 @@ pub fn backward<B: Backend>(
 }
 
 /// Gradients `i` and `i + 1` (a weight and its bias) at once.
-fn pair<B: Backend>(grads: &mut [B::Owned], i: usize) -> (&mut B::Buf, &mut B::Buf) {
+fn pair<B: Backend, G: DerefMut<Target = B::Buf>>(
+    grads: &mut [G],
+    i: usize,
+) -> (&mut B::Buf, &mut B::Buf) {
     let (a, b) = grads[i..].split_at_mut(1);
     (&mut a[0], &mut b[0])
 }

@@ -16,11 +16,14 @@
 //!
 //! It is a faster path of the same maths as `rookworld_lm::Gpt2::forward` (checked by
 //! `tests/fused_parity.rs` and the GRPO parity against PyTorch), used on the CPU in f32
-//! when the model uses `gelu_new`; elsewhere the candle-autograd path runs.
+//! when the model uses `gelu_new`; elsewhere the candle-autograd path runs, but on CUDA
+//! with `--step-path fused`: the same pass on the CUDA backend ([`cuda`]).
 //!
 //! Letters: R rows fed (prompts once, completions without their last token), E width,
 //! H heads, I MLP width, V vocabulary, N predicted tokens.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod step;
 
 use candle_core::{CpuStorage, DType, Result as CandleResult, Storage, StorageRef, Tensor};
@@ -162,6 +165,9 @@ pub struct Workspace {
     /// Gradient buffers of the last step, handed back after its optimizer step
     /// ([`crate::optim::Gradients::recycle`]).
     pub grads: Vec<Vec<f32>>,
+    /// The fused pass's buffers on CUDA.
+    #[cfg(feature = "cuda")]
+    pub cuda: Option<cuda::CudaWorkspace>,
 }
 
 impl Workspace {

@@ -5,10 +5,13 @@
 //! rounding there alone is ~1e-5 of it), its gradient with respect to each token's
 //! log-prob, then the fused backward.
 
+use std::ops::DerefMut;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Result as CandleResult, Tensor, Var};
 use rookworld_lm::Gpt2;
+
+use rookworld_train::{Activations, Backend, Weights};
 
 use crate::batch::GrpoBatch;
 use crate::fused::{self, GroupInput, Packed, Params, Workspace};
@@ -146,40 +149,40 @@ fn counted_ranges<'a>(
 /// The reference's log-probs of every predicted token of `micro` (N), in one forward
 /// without activations (one pass over several micro-batches is cheaper than one each:
 /// its products are larger and it keeps nothing).
-pub fn reference_logprobs(
-    reference: &Params,
+pub fn reference_logprobs<B: Backend>(
+    b: &B,
+    reference: &Weights<B>,
     micro: &MicroBatch,
     cfg: &LossConfig,
-    work: &mut Workspace,
+    acts: &mut Activations<B>,
 ) -> CandleResult<Vec<f32>> {
-    fused::forward(
-        reference,
-        &micro.packed,
-        cfg.temperature,
-        &mut work.reference,
-        false,
-    )
+    rookworld_train::forward(b, reference, &micro.packed, cfg.temperature, acts, false)
+        .map_err(candle_core::Error::wrap)
 }
 
 /// The micro-batch's loss, scaled by `weight`, and its gradients added to `grads`
-/// (indexed as [`Params`]), given the reference's log-probs of its tokens (`None`: no KL
-/// term). Reports the unscaled loss parts.
-pub fn micro_step(
-    policy: &Params,
+/// (indexed as [`Weights`]), given the reference's log-probs of its tokens (`None`: no KL
+/// term), on backend `b`. Reports the unscaled loss parts.
+#[allow(clippy::too_many_arguments)]
+pub fn micro_step<B: Backend, G: DerefMut<Target = B::Buf>>(
+    b: &B,
+    policy: &Weights<B>,
     ref_logp: Option<&[f32]>,
     micro: &MicroBatch,
     cfg: &LossConfig,
     weight: f64,
-    grads: &mut [Vec<f32>],
-    work: &mut Workspace,
+    grads: &mut [G],
+    acts: &mut Activations<B>,
 ) -> CandleResult<MicroReport> {
+    let wrap = candle_core::Error::wrap;
     let mut report = MicroReport::default();
     let t = cfg.temperature;
     let started = Instant::now();
-    let logp = fused::forward(policy, &micro.packed, t, &mut work.policy, true)?;
-    report.activation_bytes = work.policy.bytes(&policy.backend());
+    let logp = rookworld_train::forward(b, policy, &micro.packed, t, acts, true).map_err(wrap)?;
+    report.activation_bytes = acts.bytes(b);
+    let entropy = b.read(acts.entropy()).map_err(wrap)?;
     report.entropy_sum = counted_ranges(&micro.packed, &micro.counted)
-        .flat_map(|r| &work.policy.entropy()[r])
+        .flat_map(|r| &entropy[r])
         .map(|&h| f64::from(h))
         .sum();
     report.forward_seconds = started.elapsed().as_secs_f64();
@@ -236,7 +239,9 @@ pub fn micro_step(
         }
         dlogp
     };
-    fused::backward(policy, &micro.packed, &mut work.policy, &dlogp, t, grads)?;
+    rookworld_train::backward(b, policy, &micro.packed, acts, &dlogp, t, grads).map_err(wrap)?;
+    // The backward's kernels end before its time is taken (a no-op on the CPU).
+    b.synchronize().map_err(wrap)?;
     report.backward_seconds = started.elapsed().as_secs_f64();
     Ok(report)
 }

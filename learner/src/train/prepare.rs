@@ -127,9 +127,15 @@ pub(super) fn prepare(
             (policy, AdamW::new(s.adamw()), 0, 1)
         }
     };
+    let mut policy = policy;
+    policy
+        .set_step_path(args.step_path)
+        .map_err(ConfigError::Conflict)?;
     tracing::info!(
         matmul_precision = ?args.matmul_precision,
         matmuls = ?policy.model.matmul_dtype().unwrap_or(DType::F32),
+        step_path = ?args.step_path,
+        pass = ?policy.pass(),
         "learner precision"
     );
     // Version 0 is whatever weights a worker started with, never the learner's.

@@ -109,3 +109,31 @@ fn bad_shapes_are_one_line_and_a_failure() {
         assert_eq!(err.trim().lines().count(), 1, "{args:?}: {err}");
     }
 }
+
+#[test]
+fn each_path_runs_and_reports_itself() {
+    for path in ["autograd", "fused"] {
+        let out = bench(&[
+            "--preset",
+            "tiny",
+            "-p",
+            "2",
+            "-n",
+            "2",
+            "--prompt-tokens",
+            "8",
+            "--completion-tokens",
+            "8",
+            "--path",
+            path,
+        ]);
+        assert!(
+            out.status.success(),
+            "{path}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["path"], path);
+        assert!(v["loss"].as_f64().unwrap().is_finite(), "{path}");
+    }
+}

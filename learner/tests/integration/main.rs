@@ -24,6 +24,7 @@ mod run_dir;
 mod shared_push;
 mod signals;
 mod stall;
+mod step_path;
 mod train_ops;
 mod updates_per_batch;
 mod worker_logprobs;

@@ -68,6 +68,33 @@ impl DevF32 {
         })
     }
 
+    /// The view of a contiguous f32 tensor on `device` (a model's weight, an optimizer's
+    /// gradient), read or written in place. The tensor must outlive every use of the view.
+    pub fn of_tensor(t: &candle_core::Tensor, device: &CudaDevice) -> Result<Self> {
+        let on = candle_core::Device::Cuda(device.clone());
+        if !t.device().same_device(&on) || t.dtype() != candle_core::DType::F32 {
+            return Err(fail(
+                "view",
+                format!(
+                    "a {:?} tensor on {:?}, not f32 on the backend's device",
+                    t.dtype(),
+                    t.device().location()
+                ),
+            ));
+        }
+        let (storage, layout) = t.storage_and_layout();
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            return Err(fail("view", "a tensor that is not contiguous"));
+        };
+        let candle_core::Storage::Cuda(storage) = &*storage else {
+            return Err(fail("view", "a tensor off the GPU"));
+        };
+        let slice = storage
+            .as_cuda_slice::<f32>()
+            .map_err(|e| fail("view", e))?;
+        Self::of(slice, start..end, device).ok_or_else(|| fail("view", "a range past its storage"))
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }
@@ -194,6 +221,20 @@ impl Cuda {
             scratch: RefCell::new(DeviceVec::default()),
             _one_thread: std::marker::PhantomData,
         }
+    }
+
+    /// The backend with `scratch` as its own (a step's backend handing it to the next
+    /// one's: [`Cuda::into_scratch`]), so that no step allocates it again.
+    pub fn with_scratch(device: CudaDevice, scratch: DeviceVec) -> Self {
+        Self {
+            scratch: RefCell::new(scratch),
+            ..Self::new(device)
+        }
+    }
+
+    /// The scratch, kept for the next backend on this device.
+    pub fn into_scratch(self) -> DeviceVec {
+        self.scratch.into_inner()
     }
 
     pub fn device(&self) -> &CudaDevice {

@@ -1,0 +1,104 @@
+//! The fused pass on CUDA (`--step-path fused`): `rookworld_train`'s CUDA backend on the
+//! device that holds the policy. It reads the weights of the candle tensors in place and
+//! adds the gradients into f32 tensors of its own on the device, which the optimizer takes
+//! as they are (the global norm and AdamW's in-place kernels already run there). The
+//! objective runs on the host between the forward and the backward, on the N log-probs:
+//! one small read and one small write per micro-batch.
+
+use candle_core::{DType, Device, Result as CandleResult, Tensor};
+use rookworld_lm::config::Config;
+use rookworld_train::Activations;
+use rookworld_train::cuda::{Cuda, DevF32, DeviceVec};
+use rookworld_train::weights::Weights;
+
+/// The CUDA pass's buffers, kept from step to step: every activation the pass planned,
+/// the gradients and the backend's scratch, so that a step of a shape already seen
+/// allocates nothing.
+#[derive(Default)]
+pub struct CudaWorkspace {
+    policy: Activations<Cuda>,
+    reference: Activations<Cuda>,
+    /// One f32 tensor per parameter, in `Params` order, zeroed at each step's start.
+    grads: Vec<Tensor>,
+    scratch: DeviceVec,
+}
+
+impl std::fmt::Debug for CudaWorkspace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaWorkspace")
+            .field("policy", &self.policy)
+            .field("reference", &self.reference)
+            .field("grads", &self.grads.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A pass's weights and the activations it plans into.
+pub type Side<'a, 'w> = (&'a Weights<'w, Cuda>, &'a mut Activations<Cuda>);
+
+/// Runs `run` on the CUDA backend of `device` with the policy's weights (`tensors.0`, in
+/// `Params` order), the reference's when given, and the step's zeroed gradients; returns
+/// its result and the gradient tensors (f32 on the device, in `Params` order), every
+/// kernel of the step ended.
+///
+/// The backend is made here, on the calling thread, and dropped before returning: candle's
+/// device issues work on the calling thread's stream, and the backend's raw calls must be
+/// on that stream too.
+pub fn with_pass<R>(
+    work: &mut CudaWorkspace,
+    device: &Device,
+    cfg: &Config,
+    tensors: (&[Tensor], Option<&[Tensor]>),
+    run: impl FnOnce(&Cuda, Side, Option<Side>, &mut [&mut DevF32]) -> CandleResult<R>,
+) -> CandleResult<(R, Vec<Tensor>)> {
+    let Device::Cuda(cuda) = device else {
+        candle_core::bail!("the fused pass on CUDA: the policy is on {device:?}")
+    };
+    let wrap = candle_core::Error::wrap;
+    let views = |ts: &[Tensor]| -> CandleResult<Vec<DevF32>> {
+        ts.iter()
+            .map(|t| DevF32::of_tensor(t, cuda).map_err(wrap))
+            .collect()
+    };
+    let policy = views(tensors.0)?;
+    let reference = tensors.1.map(views).transpose()?;
+    let fits = work.grads.len() == tensors.0.len()
+        && work
+            .grads
+            .iter()
+            .zip(tensors.0)
+            .all(|(g, t)| g.shape() == t.shape());
+    if !fits {
+        work.grads = tensors
+            .0
+            .iter()
+            .map(|t| Tensor::zeros(t.shape(), DType::F32, device))
+            .collect::<CandleResult<_>>()?;
+    }
+    let mut grads = views(&work.grads)?;
+    let b = Cuda::with_scratch(cuda.clone(), std::mem::take(&mut work.scratch));
+    let out: CandleResult<R> = (|| {
+        use rookworld_train::Backend;
+        if fits {
+            for g in &mut grads {
+                b.fill(g, 0.0).map_err(wrap)?;
+            }
+        }
+        let policy = Weights::new(cfg, policy.iter().collect()).map_err(wrap)?;
+        let reference = match &reference {
+            Some(r) => Some(Weights::new(cfg, r.iter().collect()).map_err(wrap)?),
+            None => None,
+        };
+        let mut grads: Vec<&mut DevF32> = grads.iter_mut().collect();
+        let out = run(
+            &b,
+            (&policy, &mut work.policy),
+            reference.as_ref().map(|r| (r, &mut work.reference)),
+            &mut grads,
+        )?;
+        b.synchronize().map_err(wrap)?;
+        Ok(out)
+    })();
+    work.scratch = b.into_scratch();
+    Ok((out?, work.grads.clone()))
+}
