@@ -25,14 +25,15 @@
 # against their CPU references); rollout-worker bench beside transformers' generate, with
 # the achieved memory bandwidth against the device's copy bandwidth, and beside a PyTorch
 # static-KV-cache step captured as a CUDA graph; the step's backend compared buffer by
-# buffer with the CPU reference and its pass timed; the learner's GRPO step beside PyTorch's
-# (BF16 autocast, eager and `torch.compile`) with MFU, and with the training ops off; a 124M
+# buffer with the CPU reference and its pass timed; the learner's GRPO step (candle's autograd
+# and the fused pass on the CUDA backend) beside PyTorch's (BF16 autocast, eager and
+# `torch.compile`) with MFU, and with the training ops off; a 124M
 # weight push to a worker on the GPU; a short `learner train --local` on the GPU, the
 # in-process worker's NVML gauges scraped while it runs, beside TRL's GRPOTrainer with the
 # same batch.
 #
 # ONLY="NAME ..." runs only the named sections (device, parity, copy_bandwidth,
-# worker_PxG_T, hf_PxG_T, graph_PxG_T, backend_compare, backend_pass, learner_step, push,
+# worker_PxG_T, split_PxG_T, hf_PxG_T, graph_PxG_T, backend_compare, backend_pass, learner_step, push,
 # train, trl, learner_composed) and keeps the other
 # sections' JSON already in OUT: a second run redoes what a first one left failed, and the
 # table covers both.
@@ -85,6 +86,11 @@ else PASS_BACKEND=cuda COMPARE_PROMPTS=4 COMPARE_TOKENS=64; fi
 # PyTorch's learner step: eager and `torch.compile`, both under BF16 autocast on a GPU (the
 # compiled one is what a user tuning for speed runs); f32 eager in the CPU dry run.
 if [ "$DEVICE" = cpu ]; then TORCH_CONFIGS=${TORCH_CONFIGS:-f32}; else TORCH_CONFIGS=${TORCH_CONFIGS:-bf16,compile-bf16}; fi
+# The learner's step on each of STEP_PATHS (`learner bench --path`): on a GPU candle's
+# autograd (auto) and the fused pass on the CUDA backend (fused), each its own row.
+# TRAIN_STEP_PATH: the local training run's `--step-path` (default auto).
+if [ "$DEVICE" = cpu ]; then STEP_PATHS=${STEP_PATHS:-auto}; else STEP_PATHS=${STEP_PATHS:-auto,fused}; fi
+TRAIN_STEP_PATH=${TRAIN_STEP_PATH:-auto}
 if [ "$DEVICE" != cpu ]; then
   . "$HERE/gpu/cuda-libs.sh"
 fi
@@ -179,7 +185,7 @@ train_section() {
   else
     timeout -k 5 "$limit" "$LEARNER" train --local --preset "$PRESET" --device "$DEVICE" \
       --steps "$TRAIN_STEPS" --sft-steps 20 --prompts-per-step 4 --group-size "$GROUP" \
-      --max-new-tokens 32 \
+      --max-new-tokens 32 --step-path "$TRAIN_STEP_PATH" \
       --run-dir "$OUT/run" --overwrite --metrics "127.0.0.1:$METRICS_PORT" --listen 127.0.0.1:0 \
       --log-jsonl "$OUT/train.jsonl" --no-progress > "$OUT/train.log" 2>&1 &
     TRAIN_PID=$!
@@ -196,13 +202,17 @@ train_section() {
   settle train
 }
 
-# rollout SHAPE...: the worker's bench, transformers' generate and PyTorch's static-cache
-# step captured as a CUDA graph, PROMPTSxGROUP_NEW.
+# rollout SHAPE...: the worker's bench (with its default attention kernel, then with the
+# trial split kernel turned on), transformers' generate and PyTorch's static-cache step
+# captured as a CUDA graph, PROMPTSxGROUP_NEW.
 rollout() {
   local shape p t
   for shape in "$@"; do
     p=${shape%%x*} t=${shape##*_}
     section "worker_${p}x${GROUP}_$t" "$WORKER" bench --preset "$PRESET" --device "$DEVICE" \
+      --weight-dtype "$DTYPE" --prompts "$p" -n "$GROUP" --max-new-tokens "$t" --repeat 2 --batch-only
+    section "split_${p}x${GROUP}_$t" env ROOKWORLD_ENABLE_KERNELS=grouped_attention_split \
+      "$WORKER" bench --preset "$PRESET" --device "$DEVICE" \
       --weight-dtype "$DTYPE" --prompts "$p" -n "$GROUP" --max-new-tokens "$t" --repeat 2 --batch-only
     section "hf_${p}x${GROUP}_$t" "$PY" "$HERE/gpu/check.py" hf-generate - --device "$DEVICE" \
       --dtype "$DTYPE" --preset "$PRESET" --prompts "$p" -n "$GROUP" --max-new-tokens "$t"
@@ -229,7 +239,8 @@ section backend_pass "$LEARNER" compare-backends --backend "$PASS_BACKEND" --pre
 # `torch.compile` spends most of a minute compiling the step before it is timed.
 SECTION_LIMIT=$STEP_LIMIT section learner_step "$PY" "$ROOT/learner/bench/step_vs_pytorch.py" --learner "$LEARNER" \
   --preset "$PRESET" --device "$DEVICE" --prompts "$STEP_PROMPTS" --group "$GROUP" --steps 3 \
-  --micro-batch-groups "$MICRO" --peak-tflops "$PEAK_TFLOPS" --torch-configs "$TORCH_CONFIGS"
+  --micro-batch-groups "$MICRO" --peak-tflops "$PEAK_TFLOPS" --torch-configs "$TORCH_CONFIGS" \
+  --paths "$STEP_PATHS"
 section push "$LEARNER" bench-push --preset "$PRESET" --worker-device "$DEVICE" --pushes 3 \
   --chunk-kib 1024 --idle-only
 train_section

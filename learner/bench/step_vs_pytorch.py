@@ -24,7 +24,7 @@ Usage:  python3 learner/bench/step_vs_pytorch.py [--learner target/release/learn
         [--prompts 4] [--group 8] [--prompt-tokens 46] [--completion-tokens 64]
         [--steps 1] [--threads 2] [--head completions|all] [--skip-learner]
         [--device cpu|cuda] [--no-autocast] [--torch-configs f32,bf16,compile-bf16]
-        [--precision auto|f32|bf16[,...]]
+        [--precision auto|f32|bf16[,...]] [--paths auto|fused|autograd[,...]]
 Needs torch (CPU is enough). Prints each side's JSON line, a table, then one JSON line
 with the ratios: against each configuration and against PyTorch's best.
 """
@@ -223,6 +223,9 @@ def main():
                     help="learner bench's --matmul-precision: auto, f32 or bf16, or several comma-separated, each "
                          "its own row (the fastest is the one compared); default: auto on the CPU, on CUDA "
                          "PyTorch's")
+    ap.add_argument("--paths", default="auto",
+                    help="learner bench's --path: auto, fused or autograd, or several comma-separated, each "
+                         "its own row (the fastest is the one compared; one that fails is reported and left out)")
     ap.add_argument("--torch-only", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.torch_only:  # one configuration, in a process of its own
@@ -249,24 +252,35 @@ def main():
         bad = [p for p in precisions if p not in (None, "auto", "f32", "bf16")]
         if bad:
             sys.exit(f"unknown --precision {bad}: use auto, f32, bf16")
+        paths = args.paths.split(",")
+        bad = [p for p in paths if p not in ("auto", "fused", "autograd")]
+        if bad:
+            sys.exit(f"unknown --paths {bad}: use auto, fused, autograd")
         for precision in precisions:
-            cmd = [args.learner, "bench", "--preset", args.preset, "--prompts-per-step", str(args.prompts),
-                   "--group-size", str(args.group), "--prompt-tokens", str(args.prompt_tokens),
-                   "--completion-tokens", str(args.completion_tokens),
-                   "--micro-batch-groups", str(args.micro_batch_groups), "--steps", str(args.steps),
-                   "--device", args.device]
-            if args.peak_tflops:
-                cmd += ["--peak-tflops", str(args.peak_tflops)]
-            if precision:
-                cmd += ["--matmul-precision", precision]
-            env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if out.returncode != 0:
-                sys.exit(f"learner bench failed: {out.stderr.strip()}")
-            run = json.loads(out.stdout.strip().splitlines()[-1])
-            run["precision"] = precision or "auto"
-            ours_all.append(run)
-            print(json.dumps(run))
+            for path in paths:
+                cmd = [args.learner, "bench", "--preset", args.preset, "--prompts-per-step", str(args.prompts),
+                       "--group-size", str(args.group), "--prompt-tokens", str(args.prompt_tokens),
+                       "--completion-tokens", str(args.completion_tokens),
+                       "--micro-batch-groups", str(args.micro_batch_groups), "--steps", str(args.steps),
+                       "--device", args.device, "--path", path]
+                if args.peak_tflops:
+                    cmd += ["--peak-tflops", str(args.peak_tflops)]
+                if precision:
+                    cmd += ["--matmul-precision", precision]
+                env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
+                out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                label = f"{precision or 'auto'} {path}"
+                if out.returncode != 0:
+                    tail = out.stderr.strip().splitlines()[-3:]
+                    print(json.dumps({"side": "learner", "run": label, "failed": " | ".join(tail)}))
+                    continue
+                run = json.loads(out.stdout.strip().splitlines()[-1])
+                run["precision"] = precision or "auto"
+                run["run"] = label
+                ours_all.append(run)
+                print(json.dumps(run))
+        if not ours_all:
+            sys.exit("learner bench failed on every --paths and --precision")
         ours = min(ours_all, key=lambda r: r["step_seconds"])
     if importlib.util.find_spec("torch") is None:
         # The learner's side ran; PyTorch's cannot (the GPU check's CPU dry run in CI).
@@ -288,16 +302,16 @@ def main():
         sys.exit("no PyTorch configuration ran")
     best = min(runs, key=lambda c: runs[c]["step_seconds"])
     theirs = runs[best]
-    print(f"{'':24} {'step (s)':>9} {'reference':>9} {'forward':>8} {'backward':>8} {'clip+AdamW':>10} "
+    print(f"{'':32} {'step (s)':>9} {'reference':>9} {'forward':>8} {'backward':>8} {'clip+AdamW':>10} "
           f"{'peak RSS':>9} {'learner ×':>9}")
     rows = [(f"PyTorch {c}", r) for c, r in runs.items()]
     for run in ours_all:
-        rows.append((f"learner {run['precision']} ({run.get('matmul_dtype') or 'f32'})", run))
+        rows.append((f"learner {run['run']} ({run.get('matmul_dtype') or 'f32'})", run))
     for name, r in rows:
         ph = r["phases"]
         clip = ph.get("clip_optimizer", ph.get("clip", 0) + ph.get("optimizer", 0))
         ratio = f"{r['step_seconds'] / ours['step_seconds']:8.2f}x" if ours and r is not ours else ""
-        print(f"{name:24} {r['step_seconds']:9.2f} {ph['reference']:9.2f} {ph['forward']:8.2f} "
+        print(f"{name:32} {r['step_seconds']:9.2f} {ph['reference']:9.2f} {ph['forward']:8.2f} "
               f"{ph['backward']:8.2f} {clip:10.2f} {r['peak_rss_bytes'] / 2**30:8.1f}G {ratio:>9}")
     if ours:
         print(json.dumps({
@@ -319,7 +333,8 @@ def main():
             "learner_device_memory_bytes": ours.get("device_memory_bytes"),
             "learner_matmul_dtype": ours.get("matmul_dtype"),
             "learner_train_ops": ours.get("train_ops"),
-            "learner_step_seconds_by_precision": {r["precision"]: r["step_seconds"] for r in ours_all},
+            "learner_run": ours["run"],
+            "learner_step_seconds_by_run": {r["run"]: r["step_seconds"] for r in ours_all},
         }))
 
 

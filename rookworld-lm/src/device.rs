@@ -159,6 +159,10 @@ fn startup_check_once(ordinal: usize, device: &Device) -> Result<()> {
     if let Ok(value) = std::env::var(crate::kernels::DISABLE_ENV) {
         crate::kernels::SWITCHES.turn_off(&crate::kernels::parse_disabled(&value)?);
     }
+    if let Ok(value) = std::env::var(crate::kernels::ENABLE_ENV) {
+        let named = crate::kernels::parse_kernels(crate::kernels::ENABLE_ENV, &value)?;
+        crate::kernels::SWITCHES.turn_on(&named);
+    }
     let started = std::time::Instant::now();
     let findings = crate::cuda::startup_check(device);
     crate::kernels::SWITCHES.apply(&format!("cuda:{ordinal}"), &findings)?;

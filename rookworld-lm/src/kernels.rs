@@ -23,15 +23,27 @@ pub enum Kernel {
     /// The training ops and AdamW (`kernels/train_ops.cu`); without them, candle's
     /// composed ops and their autograd backwards, and the composed AdamW.
     TrainOps,
+    /// `grouped_attention_split` (`kernels/grouped_attention.cu`): the decode attention
+    /// with each row's keys split across a block's warps and read in 16-byte loads. A
+    /// trial kernel ([`Kernel::trial`]): off unless [`ENABLE_ENV`] names it; without it,
+    /// `grouped_attention`.
+    SplitAttention,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 4] = [
+    pub const ALL: [Kernel; 5] = [
         Kernel::Attention,
         Kernel::Sampling,
         Kernel::DecodeOps,
         Kernel::TrainOps,
+        Kernel::SplitAttention,
     ];
+
+    /// A family that runs only when [`ENABLE_ENV`] names it, until a GPU run has passed
+    /// its check and timed it; the start-up check still checks it when it is named.
+    pub fn trial(self) -> bool {
+        matches!(self, Kernel::SplitAttention)
+    }
 
     /// The name logs, metrics and errors use.
     pub fn name(self) -> &'static str {
@@ -40,6 +52,7 @@ impl Kernel {
             Kernel::Sampling => "sample_rows",
             Kernel::DecodeOps => "decode_ops",
             Kernel::TrainOps => "train_ops",
+            Kernel::SplitAttention => "grouped_attention_split",
         }
     }
 }
@@ -52,25 +65,49 @@ pub struct Finding {
     pub problem: String,
 }
 
-/// The process's switches: which families are off, how many were turned off, strictness.
+/// The process's switches: which families are off, which trial families are on, how
+/// many were turned off, strictness.
 #[derive(Debug, Default)]
 pub struct Switches {
-    off: [AtomicBool; 4],
+    off: [AtomicBool; 5],
+    trial_on: [AtomicBool; 5],
     fallbacks: AtomicU64,
     strict: AtomicBool,
+}
+
+fn index(kernel: Kernel) -> usize {
+    Kernel::ALL.iter().position(|&k| k == kernel).unwrap_or(0)
 }
 
 impl Switches {
     pub const fn new() -> Self {
         Self {
-            off: [const { AtomicBool::new(false) }; 4],
+            off: [const { AtomicBool::new(false) }; 5],
+            trial_on: [const { AtomicBool::new(false) }; 5],
             fallbacks: AtomicU64::new(0),
             strict: AtomicBool::new(false),
         }
     }
 
     fn slot(&self, kernel: Kernel) -> &AtomicBool {
-        &self.off[Kernel::ALL.iter().position(|&k| k == kernel).unwrap_or(0)]
+        &self.off[index(kernel)]
+    }
+
+    /// Turns trial families on (`ROOKWORLD_ENABLE_KERNELS`), with a line each; naming a
+    /// family that is not a trial changes nothing.
+    pub fn turn_on(&self, kernels: &[Kernel]) {
+        for &k in kernels.iter().filter(|k| k.trial()) {
+            tracing::info!(
+                kernel = k.name(),
+                "trial CUDA kernel turned on by {ENABLE_ENV}"
+            );
+            self.trial_on[index(k)].store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether a trial family is on (every other family counts as on).
+    fn chosen(&self, kernel: Kernel) -> bool {
+        !kernel.trial() || self.trial_on[index(kernel)].load(Ordering::Relaxed)
     }
 
     /// Turns `kernel` off, counting it the first time only.
@@ -81,21 +118,23 @@ impl Switches {
     }
 
     pub fn enabled(&self, kernel: Kernel) -> bool {
-        !self.slot(kernel).load(Ordering::Relaxed)
+        self.chosen(kernel) && !self.slot(kernel).load(Ordering::Relaxed)
     }
 
-    /// The families turned off so far.
+    /// The families turned off so far (a trial family not turned on is not one of them).
     pub fn disabled(&self) -> Vec<Kernel> {
         Kernel::ALL
             .into_iter()
-            .filter(|&k| !self.enabled(k))
+            .filter(|&k| self.slot(k).load(Ordering::Relaxed))
             .collect()
     }
 
     /// Applies a start-up check's findings: each is logged as one ERROR naming the kernel
     /// and device, counted, and its family turned off — or, when strict, the first is
-    /// returned as an error and nothing is turned off.
+    /// returned as an error and nothing is turned off. Findings of a trial family that is
+    /// not on are left out: nothing runs it.
     pub fn apply(&self, device: &str, findings: &[Finding]) -> Result<()> {
+        let findings: Vec<&Finding> = findings.iter().filter(|f| self.chosen(f.kernel)).collect();
         if let Some(f) = findings.first()
             && self.strict.load(Ordering::Relaxed)
         {
@@ -129,6 +168,11 @@ impl Switches {
         }
     }
 
+    #[cfg(test)]
+    fn set_strict_for_test(&self, strict: bool) {
+        self.strict.store(strict, Ordering::Relaxed);
+    }
+
     /// Kernel families turned off since the process started.
     pub fn fallbacks(&self) -> u64 {
         self.fallbacks.load(Ordering::Relaxed)
@@ -140,9 +184,19 @@ impl Switches {
 /// misbehaves in a way its check does not catch, and for measuring what each one buys.
 pub const DISABLE_ENV: &str = "ROOKWORLD_DISABLE_KERNELS";
 
+/// The environment variable that turns trial families on ([`Kernel::trial`]): a
+/// comma-separated list of their names, or `all`.
+pub const ENABLE_ENV: &str = "ROOKWORLD_ENABLE_KERNELS";
+
 /// The families `value` (of [`DISABLE_ENV`]) names; an unknown name is an error naming
 /// the known ones.
 pub fn parse_disabled(value: &str) -> Result<Vec<Kernel>> {
+    parse_kernels(DISABLE_ENV, value)
+}
+
+/// The families `value` of environment variable `var` names ([`DISABLE_ENV`],
+/// [`ENABLE_ENV`]); an unknown name is an error naming the known ones.
+pub fn parse_kernels(var: &str, value: &str) -> Result<Vec<Kernel>> {
     let mut out = Vec::new();
     for name in value.split(',').map(str::trim).filter(|n| !n.is_empty()) {
         if name == "all" {
@@ -153,7 +207,7 @@ pub fn parse_disabled(value: &str) -> Result<Vec<Kernel>> {
             None => {
                 let known: Vec<_> = Kernel::ALL.iter().map(|k| k.name()).collect();
                 return Err(Error::InvalidArgument(format!(
-                    "{DISABLE_ENV}: unknown kernel `{name}` (known: {}, or all)",
+                    "{var}: unknown kernel `{name}` (known: {}, or all)",
                     known.join(", ")
                 )));
             }
@@ -208,7 +262,13 @@ mod tests {
             err.contains("sample_rows") && err.contains("--strict-kernels"),
             "{err}"
         );
-        assert!(Kernel::ALL.iter().all(|&k| switches.enabled(k)));
+        assert!(
+            Kernel::ALL
+                .iter()
+                .filter(|k| !k.trial())
+                .all(|&k| switches.enabled(k)),
+            "nothing turned off"
+        );
 
         switches.strict.store(false, Ordering::Relaxed);
         switches.apply("cuda:0", &forced).unwrap();
@@ -219,6 +279,36 @@ mod tests {
         switches.turn_off(&[Kernel::Attention, Kernel::Sampling]);
         assert_eq!(switches.fallbacks(), 3);
         assert!(!switches.enabled(Kernel::Attention));
+    }
+
+    #[test]
+    fn a_trial_kernel_runs_only_when_turned_on() {
+        let switches = Switches::new();
+        assert!(Kernel::SplitAttention.trial() && !Kernel::Attention.trial());
+        assert!(!switches.enabled(Kernel::SplitAttention));
+        assert!(switches.enabled(Kernel::Attention));
+        assert_eq!(switches.disabled(), [], "not turned on is not a fallback");
+        let bad = [judge(Kernel::SplitAttention, "bf16 max |Δ|", 1.0, 2e-2).unwrap()];
+        switches.set_strict_for_test(true);
+        switches.apply("cuda:0", &bad).unwrap(); // nothing runs it: left out, even strict
+        switches.set_strict_for_test(false);
+        assert_eq!(switches.fallbacks(), 0);
+
+        switches.turn_on(&[Kernel::SplitAttention, Kernel::Sampling]);
+        assert!(switches.enabled(Kernel::SplitAttention));
+        switches.apply("cuda:0", &bad).unwrap();
+        assert!(
+            !switches.enabled(Kernel::SplitAttention),
+            "failed its check: off"
+        );
+        assert_eq!(switches.disabled(), [Kernel::SplitAttention]);
+        assert_eq!(switches.fallbacks(), 1);
+        assert_eq!(
+            parse_kernels(ENABLE_ENV, "grouped_attention_split").unwrap(),
+            [Kernel::SplitAttention]
+        );
+        let err = parse_kernels(ENABLE_ENV, "split").unwrap_err().to_string();
+        assert!(err.starts_with(ENABLE_ENV), "{err}");
     }
 
     #[test]

@@ -445,6 +445,11 @@ def cmd_table(args):
     if kern:
         add("decode kernels vs CPU reference", "attention f32 / bf16 max |Δ|",
             f"{fmt(kern['attention_f32_max_abs_error'])} / {fmt(kern['attention_bf16_max_abs_error'])}")
+        if "attention_split_f32_max_abs_error" in kern:
+            add("decode kernels vs CPU reference", "split attention f32 / bf16 max |Δ|",
+                f"{fmt(kern['attention_split_f32_max_abs_error'])} / "
+                f"{fmt(kern['attention_split_bf16_max_abs_error'])}",
+                "trial kernel grouped_attention_split")
         add("decode kernels vs CPU reference", "sampled tokens equal",
             f"{kern['sampling_tokens_equal']}/{kern['sampling_rows']}",
             f"log-prob max |Δ| {fmt(kern['sampling_max_logprob_error'])}")
@@ -458,6 +463,16 @@ def cmd_table(args):
     mm = d.get("copy_bandwidth", {}).get("bf16_matmul_tflops")
     if mm:
         add("memory", "BF16 matmul TFLOP/s", fmt(mm), "8192³, random data (torch)")
+    for name in sorted(k for k in d if k.startswith("split_")):
+        # The worker with the trial split attention kernel turned on, beside its default.
+        shape = name[len("split_"):]
+        split, base = d[name].get("batch", {}), d.get("worker_" + shape, {}).get("batch", {})
+        if split and base:
+            add("rollout " + shape, "split attention tokens/s", fmt(split["tokens_per_second"], 4),
+                f"{fmt(split['tokens_per_second'] / base['tokens_per_second'])}× the default kernel "
+                "(ROOKWORLD_ENABLE_KERNELS=grouped_attention_split)")
+        else:
+            add("rollout " + shape, "split attention", problem(d[name]) or "missing")
     for name in sorted(k for k in d if k.startswith("worker_")):
         w, shape = d[name], name[len("worker_"):]
         hf = d.get("hf_" + shape, {})
@@ -501,7 +516,11 @@ def cmd_table(args):
         add("learner step", "result", problem(lb))
     elif lb:
         add("learner step", "step s", fmt(lb.get("learner_step_seconds")),
-            f"PyTorch {fmt(lb.get('pytorch_step_seconds'))} s")
+            f"PyTorch {fmt(lb.get('pytorch_step_seconds'))} s; learner {lb.get('learner_run', '')}")
+        runs = lb.get("learner_step_seconds_by_run") or {}
+        if len(runs) > 1:
+            for run, seconds in sorted(runs.items()):
+                add("learner step", f"step s, {run}", fmt(seconds))
         add("learner step", "× PyTorch (best)", fmt(lb.get("speedup_vs_pytorch")),
             lb.get("pytorch_best_config", ""))
         for config, ratio in sorted((lb.get("speedup_vs_each") or {}).items()):

@@ -5,7 +5,7 @@ use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::{DType, Result, Tensor};
 use half::bf16;
 
-use super::{ATTENTION_PTX, cuda_device, kernel, output, view, wrap};
+use super::{ATTENTION_PTX, cuda_device, output, view, wrap};
 
 /// Rows of a group one block serves (one warp each): `ROWS_PER_BLOCK` in the kernel.
 const ROWS_PER_BLOCK: usize = 16;
@@ -27,11 +27,50 @@ pub struct DeviceGeometry {
     pub cursor: usize,
 }
 
+/// Which kernel of `kernels/grouped_attention.cu` runs a step's attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionKernel {
+    /// `grouped_attention`: a warp per row slot, the group's prefix staged in shared
+    /// memory once per block, each row's suffix walked by its warp.
+    Warp,
+    /// `grouped_attention_split`: a block of `SPLIT_WARPS` warps per (row, head), the
+    /// row's keys split across them and read in 16-byte loads (the trial family
+    /// [`Kernel::SplitAttention`](crate::kernels::Kernel::SplitAttention)).
+    Split,
+}
+
+/// Warps of a `grouped_attention_split` block (`SPLIT_WARPS` in the kernel).
+const SPLIT_WARPS: u32 = 4;
+/// Largest head dim `grouped_attention_split` holds (`SPLIT_MAX_D`).
+const SPLIT_MAX_HEAD_DIM: usize = 256;
+
 /// The step's attention output (B, H·D) from `q` (B, H, 1, D), the prefix pool (N, H, L,
 /// D) and the suffix buffers (rows capacity, H, C, D), in one launch; `None` when the
 /// kernel does not apply (dtype other than f32/bf16, head dim not a multiple of 32 or
-/// over 128), so the tensor path runs.
+/// over 128), so the tensor path runs. The split kernel runs where it is turned on and
+/// applies, the warp kernel otherwise.
 pub fn grouped_attention(
+    q: &Tensor,
+    kv_prefix: (&Tensor, &Tensor),
+    kv_suffix: (&Tensor, &Tensor),
+    geometry: &DeviceGeometry,
+) -> Result<Option<Tensor>> {
+    use crate::kernels::{Kernel, enabled};
+    if enabled(Kernel::SplitAttention)
+        && let Some(out) =
+            grouped_attention_with(AttentionKernel::Split, q, kv_prefix, kv_suffix, geometry)?
+    {
+        return Ok(Some(out));
+    }
+    grouped_attention_with(AttentionKernel::Warp, q, kv_prefix, kv_suffix, geometry)
+}
+
+/// [`grouped_attention`] with `kernel`; `None` when that kernel does not apply: for the
+/// warp kernel a dtype other than f32/bf16 or a head dim not a multiple of 32 or over
+/// 128; for the split kernel besides, a head dim whose 16-byte pieces are not a power of
+/// two up to 32, or a buffer not 16-byte aligned.
+pub fn grouped_attention_with(
+    kernel: AttentionKernel,
     q: &Tensor,
     (pk, pv): (&Tensor, &Tensor),
     (sk, sv): (&Tensor, &Tensor),
@@ -40,31 +79,50 @@ pub fn grouped_attention(
     let (b, h, _, d) = q.dims4()?;
     let (n, _, l, _) = pk.dims4()?;
     let c = sk.dim(2)?;
-    if !d.is_multiple_of(32) || d > MAX_HEAD_DIM || !matches!(q.dtype(), DType::F32 | DType::BF16) {
+    if !matches!(q.dtype(), DType::F32 | DType::BF16) {
+        return Ok(None);
+    }
+    let applies = match kernel {
+        AttentionKernel::Warp => d.is_multiple_of(32) && d <= MAX_HEAD_DIM,
+        AttentionKernel::Split => {
+            let vec = 16 / q.dtype().size_in_bytes();
+            d.is_multiple_of(vec)
+                && (d / vec).is_power_of_two()
+                && d / vec <= 32
+                && d <= SPLIT_MAX_HEAD_DIM
+        }
+    };
+    if !applies {
         return Ok(None);
     }
     let q = q.contiguous()?;
+    let dims = (b, h, d, n, l, c);
     match q.dtype() {
-        DType::F32 => launch::<f32>(&q, [pk, pv, sk, sv], geometry, (b, h, d, n, l, c)),
-        _ => launch::<bf16>(&q, [pk, pv, sk, sv], geometry, (b, h, d, n, l, c)),
+        DType::F32 => launch::<f32>(kernel, &q, [pk, pv, sk, sv], geometry, dims),
+        _ => launch::<bf16>(kernel, &q, [pk, pv, sk, sv], geometry, dims),
     }
-    .map(Some)
 }
 
 fn launch<T>(
+    kernel: AttentionKernel,
     q: &Tensor,
     kv: [&Tensor; 4],
     geo: &DeviceGeometry,
     (b, h, d, n, l, c): (usize, usize, usize, usize, usize, usize),
-) -> Result<Tensor>
+) -> Result<Option<Tensor>>
 where
     T: candle_core::cuda::CudaDType + candle_core::cuda::cudarc::driver::DeviceRepr,
 {
+    use candle_core::cuda::cudarc::driver::DevicePtr;
     let device = cuda_device(q)?;
-    let name = kernel("grouped_attention", q.dtype())?;
+    let base = match kernel {
+        AttentionKernel::Warp => "grouped_attention",
+        AttentionKernel::Split => "grouped_attention_split",
+    };
+    let name = super::kernel(base, q.dtype())?;
     let func =
         device.get_or_load_custom_func(&name, "rookworld_grouped_attention", ATTENTION_PTX)?;
-    let mut out = output::<T>(&device, b * h * d)?; // every live row is one slot's warp
+    let mut out = output::<T>(&device, b * h * d)?; // every live row's (head, dims) written
     {
         let (qs, ql) = q.storage_and_layout();
         let [(pks, pkl), (pvs, pvl), (sks, skl), (svs, svl)] = kv.map(|t| t.storage_and_layout());
@@ -77,6 +135,18 @@ where
             view::<T>(&pvs, pvl)?,
         );
         let (skv, svv) = (view::<T>(&sks, skl)?, view::<T>(&svs, svl)?);
+        if kernel == AttentionKernel::Split {
+            // 16-byte loads: every buffer's start 16-byte aligned (rows of D elements
+            // keep it).
+            let stream = device.cuda_stream();
+            let aligned = [&qv, &pkv, &pvv, &skv, &svv]
+                .iter()
+                .all(|v| v.device_ptr(&stream).0 % 16 == 0)
+                && out.device_ptr(&stream).0 % 16 == 0;
+            if !aligned {
+                return Ok(None);
+            }
+        }
         let (scv, rsv, gpv) = (
             view::<u32>(&scs, scl)?,
             view::<u32>(&rss, rsl)?,
@@ -84,11 +154,21 @@ where
         );
         let ints = [b, h, d, l, c, geo.group_rows, geo.cursor].map(|x| x as i32);
         let scale = 1.0 / (d as f32).sqrt();
-        let warps = geo.group_rows.clamp(1, ROWS_PER_BLOCK);
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, h as u32, geo.group_rows.div_ceil(warps) as u32),
-            block_dim: (32, warps as u32, 1),
-            shared_mem_bytes: 0,
+        let cfg = match kernel {
+            AttentionKernel::Warp => {
+                let warps = geo.group_rows.clamp(1, ROWS_PER_BLOCK);
+                LaunchConfig {
+                    grid_dim: (n as u32, h as u32, geo.group_rows.div_ceil(warps) as u32),
+                    block_dim: (32, warps as u32, 1),
+                    shared_mem_bytes: 0,
+                }
+            }
+            // A block per (group, head, row slot); an empty slot's block leaves at once.
+            AttentionKernel::Split => LaunchConfig {
+                grid_dim: (n as u32, h as u32, geo.group_rows.max(1) as u32),
+                block_dim: (32, SPLIT_WARPS, 1),
+                shared_mem_bytes: 0,
+            },
         };
         let mut builder = func.builder();
         builder.arg(&qv).arg(&pkv).arg(&pvv).arg(&skv).arg(&svv);
@@ -97,10 +177,11 @@ where
             builder.arg(x);
         }
         builder.arg(&scale);
-        // SAFETY: the argument list matches the kernel's signature (pointers to buffers of the
-        // shapes above, then B, H, D, L, C, R, cursor, scale), and every index the kernel
-        // forms stays inside those shapes.
+        // SAFETY: the argument list matches both kernels' signature (pointers to buffers of
+        // the shapes above, then B, H, D, L, C, R, cursor, scale), every index the kernels
+        // form stays inside those shapes, and the split kernel's 16-byte loads and stores
+        // are on the alignment checked above.
         unsafe { builder.launch(cfg) }.w()?;
     }
-    Ok(wrap(out, &device, (b, h * d)))
+    Ok(Some(wrap(out, &device, (b, h * d))))
 }

@@ -6,7 +6,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
-use super::{DeviceGeometry, grouped_attention, sample_rows};
+use super::{AttentionKernel, DeviceGeometry, grouped_attention_with, sample_rows};
 use crate::cpu_attention::{Geometry, decode_attention};
 use crate::device_sampling::{RowDraw, sample_reference};
 use crate::error::Result;
@@ -20,6 +20,10 @@ pub struct KernelCheck {
     pub attention_f32_max_abs_error: f64,
     /// Grouped attention, bf16 buffers, against the reference on the same bf16 values.
     pub attention_bf16_max_abs_error: f64,
+    /// The split attention kernel (the trial `grouped_attention_split`), the same
+    /// comparisons.
+    pub attention_split_f32_max_abs_error: f64,
+    pub attention_split_bf16_max_abs_error: f64,
     /// Sampled rows, and how many drew the reference's token.
     pub sampling_rows: usize,
     pub sampling_tokens_equal: usize,
@@ -82,14 +86,16 @@ fn run_checks(device: &Device) -> (KernelCheck, Vec<Finding>) {
             f64::NAN
         })
     };
-    let attention = check_attention(device, &mut rng);
-    let (f32_error, bf16_error) = match attention {
-        Ok(pair) => pair,
-        Err(e) => {
-            let nan = ran(Kernel::Attention, Err(e));
-            (nan, nan)
-        }
-    };
+    let mut attention =
+        |kernel: AttentionKernel, family: Kernel| match check_attention(device, &mut rng, kernel) {
+            Ok(pair) => pair,
+            Err(e) => {
+                let nan = ran(family, Err(e));
+                (nan, nan)
+            }
+        };
+    let (f32_error, bf16_error) = attention(AttentionKernel::Warp, Kernel::Attention);
+    let (split_f32, split_bf16) = attention(AttentionKernel::Split, Kernel::SplitAttention);
     let (rows, equal, logprob_error) = match check_sampling(device, &mut rng) {
         Ok(triple) => triple,
         Err(e) => (1, 0, ran(Kernel::Sampling, Err(e))),
@@ -100,6 +106,8 @@ fn run_checks(device: &Device) -> (KernelCheck, Vec<Finding>) {
     let mut check = KernelCheck {
         attention_f32_max_abs_error: f32_error,
         attention_bf16_max_abs_error: bf16_error,
+        attention_split_f32_max_abs_error: split_f32,
+        attention_split_bf16_max_abs_error: split_bf16,
         sampling_rows: rows,
         sampling_tokens_equal: equal,
         sampling_max_logprob_error: logprob_error,
@@ -139,6 +147,18 @@ impl KernelCheck {
                 self.attention_bf16_max_abs_error,
                 2e-2,
             ),
+            judge(
+                Kernel::SplitAttention,
+                "f32 max |Δ|",
+                self.attention_split_f32_max_abs_error,
+                1e-4,
+            ),
+            judge(
+                Kernel::SplitAttention,
+                "bf16 max |Δ|",
+                self.attention_split_bf16_max_abs_error,
+                2e-2,
+            ),
             sampled,
             judge(
                 Kernel::Sampling,
@@ -175,9 +195,14 @@ fn random(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
 }
 
-/// Three groups (one of 20 rows, so a group spans two blocks), left-padded prefixes,
-/// rows joined at different suffix columns.
-fn check_attention(device: &Device, rng: &mut ChaCha8Rng) -> Result<(f64, f64)> {
+/// Three groups (one of 20 rows, so a group spans two blocks), left-padded prefixes (one
+/// padded to all but its last column), rows joined at different suffix columns (one at
+/// the cursor itself), through `kernel`.
+fn check_attention(
+    device: &Device,
+    rng: &mut ChaCha8Rng,
+    kernel: AttentionKernel,
+) -> Result<(f64, f64)> {
     let (h, d, l, c, cursor) = (4usize, 64usize, 24usize, 48usize, 37usize);
     let group_pad = [0usize, 5, 23];
     let row_group: Vec<usize> = (0..28)
@@ -227,8 +252,12 @@ fn check_attention(device: &Device, rng: &mut ChaCha8Rng) -> Result<(f64, f64)> 
         let (pvt, pvr) = put(&pv, (n, h, l, d))?;
         let (skt, skr) = put(&sk, (b, h, c, d))?;
         let (svt, svr) = put(&sv, (b, h, c, d))?;
-        let got = grouped_attention(&qt, (&pkt, &pvt), (&skt, &svt), &geometry)?
-            .expect("the kernel applies to f32 and bf16 at head dim 64")
+        let got = grouped_attention_with(kernel, &qt, (&pkt, &pvt), (&skt, &svt), &geometry)?
+            .ok_or_else(|| {
+                crate::Error::InvalidArgument(format!(
+                    "{kernel:?} attention does not apply to {dtype:?} at head dim {d}"
+                ))
+            })?
             .to_dtype(DType::F32)?
             .flatten_all()?
             .to_vec1::<f32>()?;

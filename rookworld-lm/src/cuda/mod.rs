@@ -18,7 +18,7 @@ pub(crate) mod ops;
 mod sample;
 pub(crate) mod train;
 
-pub use attention::{DeviceGeometry, grouped_attention};
+pub use attention::{AttentionKernel, DeviceGeometry, grouped_attention, grouped_attention_with};
 pub use check::{KernelCheck, self_check, startup_check};
 pub use sample::sample_rows;
 

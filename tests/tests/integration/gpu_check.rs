@@ -84,6 +84,7 @@ fn the_gpu_check_script_runs_every_section_on_the_cpu() {
         "parity",
         "copy_bandwidth",
         "worker_2x2_8",
+        "split_2x2_8",
         "hf_2x2_8",
         "graph_2x2_8",
         "backend_compare",
@@ -101,6 +102,13 @@ fn the_gpu_check_script_runs_every_section_on_the_cpu() {
         );
     }
     assert!(table.contains("learner train on the device"), "{table}");
+    // The worker with the trial attention kernel named (the CPU has none: the same run).
+    assert!(
+        at("rollout 2x2_8", "split attention tokens/s")
+            .parse::<f64>()
+            .unwrap()
+            > 0.0
+    );
     // The learner's step with the training ops off ran (beside the step with them on).
     let composed: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.path().join("learner_composed.json")).unwrap())
@@ -167,13 +175,13 @@ fn the_gpu_check_script_bounds_each_section_and_the_whole_run() {
     assert_eq!(done.status.code(), Some(failed.len() as i32), "{failed:?}");
 
     // Past the deadline every section is skipped, and counted: device, parity,
-    // copy_bandwidth, worker, hf, graph, backend_compare, backend_pass, learner_step,
-    // push, train, trl, learner_composed.
+    // copy_bandwidth, worker, split, hf, graph, backend_compare, backend_pass,
+    // learner_step, push, train, trl, learner_composed.
     let out = tempfile::tempdir().unwrap();
     let (done, _) = run(out.path(), &[("DEADLINE", "0")]);
     let failed = errors(out.path());
-    assert_eq!(failed.len(), 13, "{failed:?}");
-    assert_eq!(done.status.code(), Some(13));
+    assert_eq!(failed.len(), 14, "{failed:?}");
+    assert_eq!(done.status.code(), Some(14));
     let train = std::fs::read_to_string(out.path().join("train.json")).unwrap();
     assert!(train.contains("deadline"), "{train}");
 }
