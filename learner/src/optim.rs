@@ -88,11 +88,22 @@ impl Gradients {
         // On a device each tensor's sum stays there and one read brings their total back
         // (one synchronisation, not one per parameter).
         let mut on_device = Vec::new();
+        // On CUDA with the training ops' kernels: every gradient's squares in one launch
+        // (f32 sums over fixed chunks, added in f64; `square_sum_many`).
+        let many = rookworld_lm::kernels::enabled(rookworld_lm::kernels::Kernel::TrainOps);
+        let mut on_cuda = Vec::new();
         for g in self.by_name.values() {
             match g {
                 Grad::Host(v, _) => total += sum_squares(v),
                 Grad::Tensor(g) => match HostF32::new(g) {
                     Some(values) => total += sum_squares(values.as_slice()),
+                    None if many
+                        && g.device().is_cuda()
+                        && g.dtype() == DType::F32
+                        && g.is_contiguous() =>
+                    {
+                        on_cuda.push(g)
+                    }
                     None => on_device.push(square_sum(g)?),
                 },
             }
@@ -101,6 +112,9 @@ impl Gradients {
             total += Tensor::stack(&on_device, 0)?
                 .sum_all()?
                 .to_scalar::<f64>()?;
+        }
+        if !on_cuda.is_empty() {
+            total += rookworld_lm::train_ops::adamw::square_sum_many(&on_cuda)?;
         }
         Ok(total.sqrt() * self.scale)
     }

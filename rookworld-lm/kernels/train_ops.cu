@@ -13,9 +13,13 @@
 //   recovered from the forward's result (nothing (N, V) kept between them);
 // - adamw_moments / adamw_param: one AdamW step of a parameter on the device, its moments
 //   in place (rookworld-lm/src/train_ops/adamw.rs);
+// - adamw_many / square_sums_many: every parameter's AdamW step (and its bfloat16 copy)
+//   and every gradient's sum of squares in one launch each, over a table of tensors cut
+//   into chunks (rookworld-lm/src/train_ops/adamw.rs);
 // - bias_rows: every row of an (M, N) output set to the bias, which the mixed-precision
 //   linear's product is then added onto (rookworld-lm/src/train_ops/linear.rs).
 
+#include <cuda_bf16.h>
 #include <math.h>
 #include <stdint.h>
 
@@ -266,4 +270,77 @@ extern "C" __global__ void bias_rows(float *__restrict__ out, const float *__res
          i += (size_t)gridDim.x * blockDim.x) {
         out[i] = b[i % N];
     }
+}
+
+// One tensor of a multi-tensor launch (ManyTensor in adamw.rs, the same layout): its
+// parameter p (n), gradient g (n), moments mv (2, n), where its updated values go as
+// bfloat16 bits (null: nowhere), and its decay factor.
+struct ManyTensor {
+    float *p;
+    const float *g;
+    float *mv;
+    uint16_t *out;
+    unsigned long long n;
+    float shrink;
+    float unused;
+};
+
+#define MANY_CHUNK 65536 // elements of a chunk (MANY_CHUNK in adamw.rs)
+#define MANY_THREADS 256
+
+// Chunk c covers elements chunk[c].y * MANY_CHUNK .. + MANY_CHUNK of tensor chunk[c].x.
+__device__ __forceinline__ void chunk_range(const ManyTensor &t, int2 c, size_t *start,
+                                            size_t *end) {
+    *start = (size_t)c.y * MANY_CHUNK;
+    const size_t stop = *start + MANY_CHUNK;
+    *end = stop < t.n ? stop : (size_t)t.n;
+}
+
+// AdamW of every tensor of the table, as adamw_moments then adamw_param on each (the same
+// f32 expressions, the moments stored and the parameter updated from them), and the
+// updated parameter's bfloat16 bits (round to nearest even) where out is set. Grid: any;
+// block MANY_THREADS; chunks grid-strided.
+extern "C" __global__ void __launch_bounds__(MANY_THREADS)
+    adamw_many(const ManyTensor *__restrict__ tensors, const int2 *__restrict__ chunks,
+               int n_chunks, float b1, float b2, float gs, float lr, float eps, float s1,
+               float s2) {
+    for (int c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+        const int2 ch = chunks[c];
+        const ManyTensor t = tensors[ch.x];
+        size_t start, end;
+        chunk_range(t, ch, &start, &end);
+        for (size_t i = start + threadIdx.x; i < end; i += blockDim.x) {
+            const float gi = t.g[i] * gs;
+            const float m = b1 * t.mv[i] + (1.f - b1) * gi;
+            const float v = b2 * t.mv[t.n + i] + (1.f - b2) * gi * gi;
+            t.mv[i] = m;
+            t.mv[t.n + i] = v;
+            const float p = t.p[i] * t.shrink - lr * (m * s1) / (sqrtf(v * s2) + eps);
+            t.p[i] = p;
+            if (t.out) t.out[i] = __bfloat16_as_ushort(__float2bfloat16_rn(p));
+        }
+    }
+}
+
+// partial[c] = the sum of g^2 over chunk c, in a fixed order (each thread's strided sum,
+// then a tree over the block): the same bits every run. Grid n_chunks, block MANY_THREADS.
+extern "C" __global__ void __launch_bounds__(MANY_THREADS)
+    square_sums_many(const ManyTensor *__restrict__ tensors, const int2 *__restrict__ chunks,
+                     int n_chunks, float *__restrict__ partial) {
+    __shared__ float sums[MANY_THREADS];
+    const int c = blockIdx.x;
+    if (c >= n_chunks) return;
+    const int2 ch = chunks[c];
+    const ManyTensor t = tensors[ch.x];
+    size_t start, end;
+    chunk_range(t, ch, &start, &end);
+    float s = 0.f;
+    for (size_t i = start + threadIdx.x; i < end; i += blockDim.x) s += t.g[i] * t.g[i];
+    sums[threadIdx.x] = s;
+    __syncthreads();
+    for (int half = MANY_THREADS / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half) sums[threadIdx.x] += sums[threadIdx.x + half];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) partial[c] = sums[0];
 }

@@ -189,6 +189,14 @@ impl Payload {
         &mut self.buf.buffer.as_mut_slice()[range]
     }
 
+    /// Every parameter's slot, in order, all marked written: for a writer that fills
+    /// them all at once (the optimizer's multi-tensor step on a GPU).
+    pub fn all_slots(&mut self) -> Vec<&mut [u8]> {
+        self.written.fill(true);
+        let shared = &self.buf.shared;
+        shared.layout.slots_mut(self.buf.buffer.as_mut_slice())
+    }
+
     /// Converts every parameter of `vars` whose slot was not written (no gradient this
     /// step, or no optimizer step at all).
     pub fn fill_rest(&mut self, vars: &[(String, Var)]) -> CandleResult<()> {

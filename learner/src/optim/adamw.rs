@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 
 use candle_core::{DType, Result as CandleResult, Tensor, Var};
-use rookworld_lm::train_ops::adamw::{AdamWStep, adamw_step};
+use rookworld_lm::train_ops::adamw::{AdamWStep, ManyItem, adamw_step, adamw_step_many};
 
 use super::{AdamWConfig, Grad, Gradients, decays};
 use crate::fused::HostF32;
@@ -95,24 +95,21 @@ impl AdamW {
         mut export: Option<&mut Payload>,
     ) -> CandleResult<()> {
         self.steps += 1;
-        let c = self.cfg;
-        let t = self.steps as i32;
+        // Every parameter on the device path with a gradient there: one multi-tensor step.
+        let all_on_device = vars.iter().all(|(name, var)| {
+            matches!(grads.by_name.get(name), Some(Grad::Tensor(_)))
+                && (!var.device().is_cpu() || self.device_path_everywhere)
+        });
+        if all_on_device && !vars.is_empty() {
+            return self.step_many(vars, grads, lr, export);
+        }
         for (i, (name, var)) in vars.iter().enumerate() {
             let Some(g) = grads.by_name.get(name) else {
                 continue;
             };
             let numel = var.elem_count();
             let out = export.as_deref_mut().map(|e| e.slot(i, name));
-            let step = AdamWStep {
-                lr: lr as f32,
-                beta1: c.beta1 as f32,
-                beta2: c.beta2 as f32,
-                eps: c.eps as f32,
-                shrink: (1.0 - lr * if decays(name) { c.weight_decay } else { 0.0 }) as f32,
-                s1: (1.0 / (1.0 - c.beta1.powi(t))) as f32,
-                s2: (1.0 / (1.0 - c.beta2.powi(t))) as f32,
-                grad_scale: grads.scale() as f32,
-            };
+            let step = self.constants(lr, decays(name), grads.scale());
             if let Grad::Tensor(g) = g
                 && (!var.device().is_cpu() || self.device_path_everywhere)
             {
@@ -161,6 +158,84 @@ impl AdamW {
 }
 
 impl AdamW {
+    /// The step's constants for a parameter that decays (`decay`) or not.
+    fn constants(&self, lr: f64, decay: bool, grad_scale: f64) -> AdamWStep {
+        let c = self.cfg;
+        let t = self.steps as i32;
+        AdamWStep {
+            lr: lr as f32,
+            beta1: c.beta1 as f32,
+            beta2: c.beta2 as f32,
+            eps: c.eps as f32,
+            shrink: (1.0 - lr * if decay { c.weight_decay } else { 0.0 }) as f32,
+            s1: (1.0 / (1.0 - c.beta1.powi(t))) as f32,
+            s2: (1.0 / (1.0 - c.beta2.powi(t))) as f32,
+            grad_scale: grad_scale as f32,
+        }
+    }
+
+    /// The moments of parameter `name` (n elements) on `device`, (2, n): moved from the
+    /// host map on first use (a resumed checkpoint's), or zeros.
+    fn device_moments_of(
+        &mut self,
+        name: &str,
+        n: usize,
+        device: &candle_core::Device,
+    ) -> CandleResult<&Tensor> {
+        Ok(match self.device_moments.entry(name.to_owned()) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => {
+                let init = match self.moments.remove(name) {
+                    Some((m, v)) if m.len() == n && v.len() == n => {
+                        Tensor::from_vec([m, v].concat(), (2, n), device)?
+                    }
+                    Some(_) => {
+                        candle_core::bail!("optimizer moments of `{name}` have the wrong size")
+                    }
+                    None => Tensor::zeros((2, n), DType::F32, device)?,
+                };
+                e.insert(init)
+            }
+        })
+    }
+
+    /// Every parameter's step on its device at once (each has a gradient there):
+    /// [`adamw_step_many`] — on a GPU one launch for all of them, and the push payload's
+    /// bfloat16 copy written by the same pass and copied out slot by slot.
+    fn step_many(
+        &mut self,
+        vars: &[(String, Var)],
+        grads: &Gradients,
+        lr: f64,
+        export: Option<&mut Payload>,
+    ) -> CandleResult<()> {
+        let mut held = Vec::with_capacity(vars.len());
+        for (name, var) in vars {
+            let Some(Grad::Tensor(g)) = grads.by_name.get(name) else {
+                candle_core::bail!("adamw: no gradient of `{name}` on the device");
+            };
+            let moments = self
+                .device_moments_of(name, var.elem_count(), var.device())?
+                .clone();
+            let grad = g.to_dtype(DType::F32)?.flatten_all()?.contiguous()?;
+            let shrink = self.constants(lr, decays(name), 1.0).shrink;
+            held.push((var.as_tensor().clone(), grad, moments, shrink));
+        }
+        let mut slots = export.map(|e| e.all_slots()).unwrap_or_default();
+        let mut slots = slots.iter_mut();
+        let mut items: Vec<ManyItem> = held
+            .iter()
+            .map(|(param, grad, moments, shrink)| ManyItem {
+                param,
+                grad,
+                moments,
+                shrink: *shrink,
+                out: slots.next().map(|s| &mut **s),
+            })
+            .collect();
+        adamw_step_many(&mut items, &self.constants(lr, true, grads.scale()))
+    }
+
     /// One parameter's step on its device: its moments there ((2, n), moved from the host
     /// map on first use: a resumed checkpoint's, or zeros), two kernels, and the
     /// parameter's bfloat16 copy downloaded into `out` when a push wants it.
@@ -172,24 +247,11 @@ impl AdamW {
         step: &AdamWStep,
         out: Option<&mut [u8]>,
     ) -> CandleResult<()> {
-        let n = var.elem_count();
-        let moments = match self.device_moments.entry(name.to_owned()) {
-            Entry::Occupied(e) => e.into_mut(),
-            Entry::Vacant(e) => {
-                let init = match self.moments.remove(name) {
-                    Some((m, v)) if m.len() == n && v.len() == n => {
-                        Tensor::from_vec([m, v].concat(), (2, n), var.device())?
-                    }
-                    Some(_) => {
-                        candle_core::bail!("optimizer moments of `{name}` have the wrong size")
-                    }
-                    None => Tensor::zeros((2, n), DType::F32, var.device())?,
-                };
-                e.insert(init)
-            }
-        };
+        let moments = self
+            .device_moments_of(name, var.elem_count(), var.device())?
+            .clone();
         let grad = grad.to_dtype(DType::F32)?.flatten_all()?;
-        adamw_step(var.as_tensor(), &grad, moments, step)?;
+        adamw_step(var.as_tensor(), &grad, &moments, step)?;
         if let Some(out) = out {
             let bits = var
                 .as_tensor()

@@ -35,8 +35,9 @@ pub struct KernelCheck {
     pub ops_bf16_max_abs_error: f64,
     /// The training ops (layer norm, bias + GELU, masked softmax, target log-probs), each
     /// forward and backward through candle's autograd on the device and on the CPU, and
-    /// three AdamW steps: the largest |device − CPU| of an output, gradient, parameter or
-    /// moment over that tensor's largest |CPU|.
+    /// three AdamW steps (the two in-place passes, and the multi-tensor step with its
+    /// bfloat16 copies and the gradients' sum of squares): the largest |device − CPU| of
+    /// an output, gradient, parameter, moment or sum over that tensor's largest |CPU|.
     pub train_ops_max_rel_error: f64,
     /// The training ops on zero rows (forward and backward, and AdamW on nothing): `ok`,
     /// or the error. They return empty results without a launch.
@@ -539,7 +540,76 @@ fn check_train_ops(device: &Device, rng: &mut ChaCha8Rng) -> Result<f64> {
             mv.flatten_all()?.to_vec1::<f32>()?,
         ]);
     }
-    Ok(worst.max(largest_relative(&outputs[0], &outputs[1])))
+    worst = worst.max(largest_relative(&outputs[0], &outputs[1]));
+    Ok(worst.max(check_many(device, rng, &step)?))
+}
+
+/// The multi-tensor AdamW (three tensors, one past a chunk, one without decay), three
+/// steps with each parameter's bfloat16 copy, and the gradients' sum of squares, on
+/// `device` against the CPU: the largest relative difference. A bfloat16 copy that is not
+/// its own parameter's values rounded is an error.
+fn check_many(
+    device: &Device,
+    rng: &mut ChaCha8Rng,
+    step: &crate::train_ops::adamw::AdamWStep,
+) -> Result<f64> {
+    use crate::train_ops::adamw::{ManyItem, adamw_step_many, square_sum_many};
+    let sizes = [70_000usize, 10, 5_000];
+    let p0: Vec<Vec<f32>> = sizes.iter().map(|&n| random(rng, n)).collect();
+    let g0: Vec<Vec<f32>> = sizes.iter().map(|&n| random(rng, n)).collect();
+    let mut outputs: Vec<Vec<Vec<f32>>> = Vec::new();
+    for dev in [device, &Device::Cpu] {
+        let put = |v: &Vec<f32>| Tensor::from_slice(v, v.len(), dev);
+        let params = p0
+            .iter()
+            .map(put)
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let grads = g0
+            .iter()
+            .map(put)
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let moments = sizes
+            .iter()
+            .map(|&n| Tensor::zeros((2, n), DType::F32, dev))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let mut bits: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; 2 * n]).collect();
+        for _ in 0..3 {
+            let mut items: Vec<ManyItem> = params
+                .iter()
+                .zip(&grads)
+                .zip(&moments)
+                .zip(bits.iter_mut())
+                .enumerate()
+                .map(|(k, (((param, grad), moments), out))| ManyItem {
+                    param,
+                    grad,
+                    moments,
+                    shrink: if k == 1 { 1.0 } else { step.shrink },
+                    out: Some(out.as_mut_slice()),
+                })
+                .collect();
+            adamw_step_many(&mut items, step)?;
+        }
+        let squares = square_sum_many(&grads.iter().collect::<Vec<_>>())?;
+        let mut got = vec![vec![squares as f32]];
+        for ((p, mv), b) in params.iter().zip(&moments).zip(&bits) {
+            let own: Vec<u8> = p
+                .to_dtype(DType::BF16)?
+                .to_vec1::<half::bf16>()?
+                .iter()
+                .flat_map(|x| x.to_bits().to_le_bytes())
+                .collect();
+            if &own != b {
+                return Err(crate::Error::InvalidArgument(format!(
+                    "adamw_many's bfloat16 copy on {dev:?} is not its parameters' values rounded"
+                )));
+            }
+            got.push(p.to_vec1::<f32>()?);
+            got.push(mv.flatten_all()?.to_vec1::<f32>()?);
+        }
+        outputs.push(got);
+    }
+    Ok(largest_relative(&outputs[0], &outputs[1]))
 }
 
 /// The largest |a − b| over max |b|, tensor by tensor.

@@ -49,6 +49,94 @@ pub fn adamw_step(param: &Tensor, grad: &Tensor, moments: &Tensor, step: &AdamWS
     param.inplace_op2(moments, &AdamWParam(*step))
 }
 
+/// One parameter of [`adamw_step_many`]: the parameter (n), its gradient (n) and moments
+/// (2, n), contiguous f32 on one device, its decay factor (1 − lr·λ, or 1 where it does
+/// not decay), and where its updated values go as bfloat16 (2n bytes, little-endian; a
+/// weight push's slot), if anywhere.
+pub struct ManyItem<'a> {
+    pub param: &'a Tensor,
+    pub grad: &'a Tensor,
+    pub moments: &'a Tensor,
+    pub shrink: f32,
+    pub out: Option<&'a mut [u8]>,
+}
+
+/// [`adamw_step`] of every item, each with its own `shrink` (`step.shrink` is not used),
+/// and each updated parameter's bfloat16 bits into its `out`. On CUDA with the training
+/// ops on ([`crate::kernels`]), when every item is on one device: one launch for all of
+/// them (`adamw_many`: the moments and the parameter in one pass, the bits written beside
+/// them) and one copy of the bits to each `out`, instead of two launches a parameter and a
+/// conversion and a synchronised download each. Elsewhere item by item, the same values.
+pub fn adamw_step_many(items: &mut [ManyItem], step: &AdamWStep) -> Result<()> {
+    for it in items.iter() {
+        let n = it.param.elem_count();
+        if it.grad.elem_count() != n || it.moments.dims() != [2, n] {
+            candle_core::bail!(
+                "adamw: parameter {:?}, gradient {:?}, moments {:?}",
+                it.param.dims(),
+                it.grad.dims(),
+                it.moments.dims()
+            );
+        }
+        if it.out.as_ref().is_some_and(|o| o.len() != 2 * n) {
+            candle_core::bail!("adamw: a bfloat16 slot of the wrong size for {n} values");
+        }
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(device) = many::one_cuda_device(items.iter().map(|it| it.param))
+        && crate::kernels::enabled(crate::kernels::Kernel::TrainOps)
+    {
+        return many::adamw(&device, items, step);
+    }
+    for it in items.iter_mut() {
+        adamw_step(
+            it.param,
+            it.grad,
+            it.moments,
+            &AdamWStep {
+                shrink: it.shrink,
+                ..*step
+            },
+        )?;
+        if let Some(out) = it.out.as_deref_mut() {
+            let bits = it
+                .param
+                .flatten_all()?
+                .to_dtype(candle_core::DType::BF16)?
+                .to_vec1::<half::bf16>()?;
+            for (d, b) in out.chunks_exact_mut(2).zip(bits) {
+                d.copy_from_slice(&b.to_bits().to_le_bytes());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `Σ_k Σ_i g_k[i]²` over `grads` (contiguous f32), in f64. On CUDA with the training ops
+/// on, when every tensor is on one device: one launch (`square_sums_many`: f32 sums over
+/// fixed chunks, the same bits every run) and one read of the chunks' sums, added in f64
+/// in order; elsewhere tensor by tensor on the host.
+pub fn square_sum_many(grads: &[&Tensor]) -> Result<f64> {
+    #[cfg(feature = "cuda")]
+    if let Some(device) = many::one_cuda_device(grads.iter().copied())
+        && crate::kernels::enabled(crate::kernels::Kernel::TrainOps)
+    {
+        return many::square_sums(&device, grads);
+    }
+    let mut total = 0f64;
+    for g in grads {
+        let values = g
+            .flatten_all()?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1::<f32>()?;
+        total += values
+            .iter()
+            .map(|&x| f64::from(x) * f64::from(x))
+            .sum::<f64>();
+    }
+    Ok(total)
+}
+
 /// The same step in candle's ops, written back in place: where the kernels failed their
 /// start-up check ([`crate::kernels`]). Several passes instead of two; the same values
 /// up to rounding.
@@ -212,6 +300,100 @@ mod tests {
 
     use super::*;
 
+    /// The multi-tensor step is each item's own step (its own decay) with its bfloat16
+    /// copy, a slot of the wrong size is refused, and the sum of squares is the f64 sum.
+    #[test]
+    fn the_multi_tensor_step_is_each_items_step() {
+        let sizes = [70_000usize, 10, 5_000];
+        let values = |n: usize, k: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i * 7919 + k * 104_729) % 997) as f32 / 997.0 - 0.5)
+                .collect()
+        };
+        let step = AdamWStep {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            shrink: 0.5, // not used: each item has its own
+            s1: 10.0,
+            s2: 1000.0,
+            grad_scale: 0.5,
+        };
+        let tensors = |k: usize| -> Vec<Tensor> {
+            sizes
+                .iter()
+                .map(|&n| Tensor::from_vec(values(n, k), n, &Device::Cpu).unwrap())
+                .collect()
+        };
+        let (params, grads) = (tensors(0), tensors(1));
+        let (want_p, want_g) = (tensors(0), tensors(1));
+        let zeros = || -> Vec<Tensor> {
+            sizes
+                .iter()
+                .map(|&n| Tensor::zeros((2, n), DType::F32, &Device::Cpu).unwrap())
+                .collect()
+        };
+        let (moments, want_mv) = (zeros(), zeros());
+        let shrink = [1.0 - 1e-4, 1.0, 1.0 - 2e-4];
+        let mut bits: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; 2 * n]).collect();
+        for _ in 0..2 {
+            let mut items: Vec<ManyItem> = params
+                .iter()
+                .zip(&grads)
+                .zip(&moments)
+                .zip(bits.iter_mut())
+                .zip(shrink)
+                .map(|((((param, grad), moments), out), shrink)| ManyItem {
+                    param,
+                    grad,
+                    moments,
+                    shrink,
+                    out: Some(out.as_mut_slice()),
+                })
+                .collect();
+            adamw_step_many(&mut items, &step).unwrap();
+            for k in 0..3 {
+                let own = AdamWStep {
+                    shrink: shrink[k],
+                    ..step
+                };
+                adamw_step(&want_p[k], &want_g[k], &want_mv[k], &own).unwrap();
+            }
+        }
+        for k in 0..3 {
+            let (got, want) = (
+                params[k].to_vec1::<f32>().unwrap(),
+                want_p[k].to_vec1::<f32>().unwrap(),
+            );
+            assert_eq!(got, want, "parameter {k}");
+            let rounded: Vec<u8> = want
+                .iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_bits().to_le_bytes())
+                .collect();
+            assert_eq!(bits[k], rounded, "bfloat16 copy {k}");
+        }
+        let mut short = vec![0u8; 3];
+        let err = adamw_step_many(
+            &mut [ManyItem {
+                param: &params[1],
+                grad: &grads[1],
+                moments: &moments[1],
+                shrink: 1.0,
+                out: Some(&mut short),
+            }],
+            &step,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("wrong size"), "{err}");
+        let want: f64 = (0..3)
+            .flat_map(|k| values(sizes[k], 1))
+            .map(|x| f64::from(x) * f64::from(x))
+            .sum();
+        let got = square_sum_many(&grads.iter().collect::<Vec<_>>()).unwrap();
+        assert!((got - want).abs() <= 1e-9 * want, "{got} against {want}");
+    }
+
     /// The composed fallback against the two-pass op (the reference), three steps.
     #[test]
     fn the_composed_fallback_takes_the_same_step() {
@@ -250,5 +432,180 @@ mod tests {
         assert!(worst(&want.0, &got.0) < 1e-6, "{}", worst(&want.0, &got.0));
         assert!(worst(&want.1, &got.1) < 1e-6, "{}", worst(&want.1, &got.1));
         assert_ne!(want.0, values(0), "the parameters moved");
+    }
+}
+
+/// The multi-tensor launches (`kernels/train_ops.cu`: `adamw_many`, `square_sums_many`).
+#[cfg(feature = "cuda")]
+mod many {
+    use candle_core::cuda::WrapErr;
+    use candle_core::cuda::cudarc::driver::sys::CUdeviceptr;
+    use candle_core::cuda::cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+    use candle_core::{CudaDevice, Device, Result, Storage, Tensor};
+
+    use super::{AdamWStep, ManyItem};
+    use crate::cuda::TRAIN_OPS_PTX;
+    use crate::cuda::train::MODULE;
+
+    /// Elements of a chunk (`MANY_CHUNK`) and threads of a block (`MANY_THREADS`).
+    const MANY_CHUNK: usize = 65_536;
+    const MANY_THREADS: u32 = 256;
+
+    /// The CUDA device every tensor is on, if they are all on one.
+    pub(super) fn one_cuda_device<'a>(
+        mut tensors: impl Iterator<Item = &'a Tensor>,
+    ) -> Option<CudaDevice> {
+        let first = tensors.next()?;
+        let Device::Cuda(d) = first.device() else {
+            return None;
+        };
+        tensors
+            .all(|t| t.device().same_device(first.device()))
+            .then(|| d.clone())
+    }
+
+    /// The device address of a contiguous f32 tensor's first element.
+    fn address(t: &Tensor, device: &CudaDevice) -> Result<CUdeviceptr> {
+        let (storage, layout) = t.storage_and_layout();
+        let Some((start, _)) = layout.contiguous_offsets() else {
+            candle_core::bail!("adamw: tensors must be contiguous");
+        };
+        let Storage::Cuda(s) = &*storage else {
+            candle_core::bail!("adamw: a tensor off the GPU");
+        };
+        let stream = device.cuda_stream();
+        let (ptr, _record) = s.as_cuda_slice::<f32>()?.device_ptr(&stream);
+        Ok(ptr + (start * std::mem::size_of::<f32>()) as CUdeviceptr)
+    }
+
+    /// The table of `ManyTensor`s (48 bytes each, the kernel's layout) and the chunks
+    /// ((tensor, chunk) pairs) of tensors of `n[k]` elements, on the device.
+    fn tables(
+        device: &CudaDevice,
+        rows: &[[CUdeviceptr; 4]],
+        n: &[usize],
+        shrink: &[f32],
+    ) -> Result<(CudaSlice<u8>, CudaSlice<i32>, i32)> {
+        let mut table = Vec::with_capacity(rows.len() * 48);
+        let mut chunks = Vec::new();
+        for (k, (ptrs, (&len, &sh))) in rows.iter().zip(n.iter().zip(shrink)).enumerate() {
+            for p in ptrs {
+                table.extend_from_slice(&p.to_le_bytes());
+            }
+            table.extend_from_slice(&(len as u64).to_le_bytes());
+            table.extend_from_slice(&sh.to_le_bytes());
+            table.extend_from_slice(&0f32.to_le_bytes());
+            for c in 0..len.div_ceil(MANY_CHUNK) {
+                chunks.extend([k as i32, c as i32]);
+            }
+        }
+        let count = i32::try_from(chunks.len() / 2)
+            .map_err(|_| candle_core::Error::Msg("adamw: too many chunks".into()))?;
+        chunks.extend([0, 0]); // never empty: CUDA refuses a zero-byte allocation
+        table.extend_from_slice(&[0u8; 48]);
+        let stream = device.cuda_stream();
+        Ok((
+            stream.clone_htod(&table).w()?,
+            stream.clone_htod(&chunks).w()?,
+            count,
+        ))
+    }
+
+    pub(super) fn adamw(device: &CudaDevice, items: &mut [ManyItem], c: &AdamWStep) -> Result<()> {
+        let n: Vec<usize> = items.iter().map(|it| it.param.elem_count()).collect();
+        let total: usize = n.iter().sum();
+        let stream = device.cuda_stream();
+        let exports = items.iter().any(|it| it.out.is_some());
+        // The bfloat16 bits of every exported parameter, one after another.
+        let bits: CudaSlice<u16> = stream
+            .alloc_zeros(if exports { total.max(1) } else { 1 })
+            .w()?;
+        let (bits_at, _record) = bits.device_ptr(&stream);
+        let mut rows = Vec::with_capacity(items.len());
+        let mut offsets = Vec::with_capacity(items.len());
+        let mut at = 0usize;
+        for (it, &len) in items.iter().zip(&n) {
+            let out = if it.out.is_some() {
+                bits_at + (at * 2) as CUdeviceptr
+            } else {
+                0
+            };
+            rows.push([
+                address(it.param, device)?,
+                address(it.grad, device)?,
+                address(it.moments, device)?,
+                out,
+            ]);
+            offsets.push(at);
+            at += len;
+        }
+        let shrink: Vec<f32> = items.iter().map(|it| it.shrink).collect();
+        let (table, chunks, count) = tables(device, &rows, &n, &shrink)?;
+        if count > 0 {
+            let func = device.get_or_load_custom_func("adamw_many", MODULE, TRAIN_OPS_PTX)?;
+            let scalars = [c.beta1, c.beta2, c.grad_scale, c.lr, c.eps, c.s1, c.s2];
+            let mut b = func.builder();
+            b.arg(&table).arg(&chunks).arg(&count);
+            for v in &scalars {
+                b.arg(v);
+            }
+            let cfg = LaunchConfig {
+                grid_dim: ((count as u32).min(65_535), 1, 1),
+                block_dim: (MANY_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: adamw_many (tensors, chunks, n_chunks, b1, b2, gs, lr, eps, s1, s2):
+            // the table holds each item's parameter, gradient and (2, n) moments addresses
+            // (sizes checked by `adamw_step_many`) and its slot of `bits`, which outlives
+            // the launch; every chunk lies inside its tensor.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        if exports {
+            stream.context().bind_to_thread().w()?;
+            for (it, &start) in items.iter_mut().zip(&offsets) {
+                if let Some(out) = it.out.as_deref_mut() {
+                    // SAFETY: `out` is 2n bytes (checked), the bits of this item are the
+                    // 2n bytes at `start` of `bits`; the copy is on the kernels' stream,
+                    // after the launch, and ends before `synchronize` returns below.
+                    unsafe {
+                        candle_core::cuda::cudarc::driver::result::memcpy_dtoh_async(
+                            out,
+                            bits_at + (start * 2) as CUdeviceptr,
+                            stream.cu_stream(),
+                        )
+                    }
+                    .w()?;
+                }
+            }
+            stream.synchronize().w()?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn square_sums(device: &CudaDevice, grads: &[&Tensor]) -> Result<f64> {
+        let n: Vec<usize> = grads.iter().map(|g| g.elem_count()).collect();
+        let rows = grads
+            .iter()
+            .map(|g| Ok([0, address(g, device)?, 0, 0]))
+            .collect::<Result<Vec<_>>>()?;
+        let (table, chunks, count) = tables(device, &rows, &n, &vec![1.0; n.len()])?;
+        if count == 0 {
+            return Ok(0.0);
+        }
+        let stream = device.cuda_stream();
+        let mut partial: CudaSlice<f32> = stream.alloc_zeros(count as usize).w()?;
+        let func = device.get_or_load_custom_func("square_sums_many", MODULE, TRAIN_OPS_PTX)?;
+        let mut b = func.builder();
+        b.arg(&table).arg(&chunks).arg(&count).arg(&mut partial);
+        let cfg = LaunchConfig {
+            grid_dim: (count as u32, 1, 1),
+            block_dim: (MANY_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: square_sums_many (tensors, chunks, n_chunks, partial): the table holds
+        // each gradient's address and length, `partial` one float per chunk.
+        unsafe { b.launch(cfg) }.w()?;
+        let sums = stream.clone_dtoh(&partial).w()?;
+        Ok(sums.iter().map(|&s| f64::from(s)).sum())
     }
 }
