@@ -190,8 +190,21 @@ impl Payload {
     }
 
     /// Every parameter's slot, in order, all marked written: for a writer that fills
-    /// them all at once (the optimizer's multi-tensor step on a GPU).
-    pub fn all_slots(&mut self) -> Vec<&mut [u8]> {
+    /// them all at once (the optimizer's multi-tensor step on a GPU). `names` must be the
+    /// parameters' names in that order, as [`Payload::slot`] checks one.
+    pub fn all_slots<'a>(
+        &mut self,
+        names: impl ExactSizeIterator<Item = &'a str>,
+    ) -> Vec<&mut [u8]> {
+        let shared = &self.buf.shared;
+        assert_eq!(
+            names.len(),
+            shared.names.len(),
+            "payload slots: wrong count of names"
+        );
+        for (i, name) in names.enumerate() {
+            assert_eq!(shared.names[i], name, "payload slot {i} is not `{name}`");
+        }
         self.written.fill(true);
         let shared = &self.buf.shared;
         shared.layout.slots_mut(self.buf.buffer.as_mut_slice())

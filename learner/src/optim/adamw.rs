@@ -221,7 +221,8 @@ impl AdamW {
             let shrink = self.constants(lr, decays(name), 1.0).shrink;
             held.push((var.as_tensor().clone(), grad, moments, shrink));
         }
-        let mut slots = export.map(|e| e.all_slots()).unwrap_or_default();
+        let names = vars.iter().map(|(name, _)| name.as_str());
+        let mut slots = export.map(|e| e.all_slots(names)).unwrap_or_default();
         let mut slots = slots.iter_mut();
         let mut items: Vec<ManyItem> = held
             .iter()

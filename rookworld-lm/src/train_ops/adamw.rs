@@ -464,8 +464,11 @@ mod many {
             .then(|| d.clone())
     }
 
-    /// The device address of a contiguous f32 tensor's first element.
+    /// The device address of a contiguous f32 tensor's first element, on `device`.
     fn address(t: &Tensor, device: &CudaDevice) -> Result<CUdeviceptr> {
+        if !t.device().same_device(&Device::Cuda(device.clone())) {
+            candle_core::bail!("adamw: tensors on more than one device");
+        }
         let (storage, layout) = t.storage_and_layout();
         let Some((start, _)) = layout.contiguous_offsets() else {
             candle_core::bail!("adamw: tensors must be contiguous");
