@@ -12,6 +12,7 @@
 //! sized on first use and kept.
 
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::ops::{Deref, DerefMut};
 
@@ -19,7 +20,7 @@ use candle_core::CudaDevice;
 use candle_core::cuda::cudarc::cublas::{result as blas, sys as blas_sys};
 use candle_core::cuda::cudarc::driver::sys::{self as drv_sys, CUdeviceptr};
 use candle_core::cuda::cudarc::driver::{
-    CudaSlice, DevicePtr, LaunchConfig, PushKernelArg, result as drv,
+    CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg, result as drv,
 };
 
 use crate::backend::{Backend, Error, HeadBackward, HeadForward, Heads, Result};
@@ -160,12 +161,10 @@ pub struct CudaRows {
 /// reference (they live until the launch, at the end of the statement).
 macro_rules! launch {
     ($self:expr, $name:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {{
-        // Kernel `$name` of `kernels/pass.cu`, its module loaded on first use.
-        let func = $self
-            .device
-            .get_or_load_custom_func($name, MODULE, PTX)
-            .map_err(|e| fail($name, e))?;
-        let mut builder = func.builder();
+        // Kernel `$name` of `kernels/pass.cu`, looked up once per backend.
+        let func = $self.function($name)?;
+        let stream = $self.device.cuda_stream();
+        let mut builder = stream.launch_builder(&func);
         $( builder.arg($arg); )+
         // SAFETY: each call site pushes the arguments of the kernel's signature in
         // `kernels/pass.cu`, in its order, with buffers at least as long as the sizes it
@@ -179,6 +178,9 @@ macro_rules! launch {
 pub struct Cuda {
     device: CudaDevice,
     scratch: RefCell<DeviceVec>,
+    /// The kernels launched so far, by name: a launch looks its kernel up here instead of
+    /// in candle's module cache (a lock, a map and a driver call each time).
+    functions: RefCell<HashMap<&'static str, CudaFunction>>,
     /// Not `Send`: candle's device issues work on its creating thread's stream, and the
     /// raw copies, fills and cuBLAS calls here are ordered only on that stream.
     _one_thread: std::marker::PhantomData<*const ()>,
@@ -219,6 +221,7 @@ impl Cuda {
         Self {
             device,
             scratch: RefCell::new(DeviceVec::default()),
+            functions: RefCell::default(),
             _one_thread: std::marker::PhantomData,
         }
     }
@@ -239,6 +242,20 @@ impl Cuda {
 
     pub fn device(&self) -> &CudaDevice {
         &self.device
+    }
+
+    /// Kernel `name` of `kernels/pass.cu` (its module loaded on first use).
+    fn function(&self, name: &'static str) -> Result<CudaFunction> {
+        if let Some(f) = self.functions.borrow().get(name) {
+            return Ok(f.clone());
+        }
+        let f = self
+            .device
+            .get_or_load_custom_func(name, MODULE, PTX)
+            .map_err(|e| fail(name, e))?
+            .into_cuda_function();
+        self.functions.borrow_mut().insert(name, f.clone());
+        Ok(f)
     }
 
     /// The scratch, at least `len` elements.
