@@ -145,8 +145,21 @@ impl Trainable {
     /// reason, in one line.
     pub fn set_step_path(&mut self, path: StepPath) -> Result<(), String> {
         if path == StepPath::Fused {
-            self.fused_pass()
+            let pass = self
+                .fused_pass()
                 .map_err(|why| format!("--step-path fused: {why}"))?;
+            // The CUDA backend against the CPU's first: a wrong kernel is named and the
+            // step falls back to candle's autograd (or, with --strict-kernels, refused).
+            #[cfg(feature = "cuda")]
+            if pass == Pass::FusedCuda {
+                let device = self.model.device();
+                let findings = crate::fused::cuda::startup_check(device);
+                rookworld_lm::kernels::SWITCHES
+                    .apply(&format!("{:?}", device.location()), &findings)
+                    .map_err(|e| format!("--step-path fused: {e}"))?;
+            }
+            #[cfg(not(feature = "cuda"))]
+            let _ = pass;
         }
         self.step_path = path;
         Ok(())
@@ -156,9 +169,12 @@ impl Trainable {
     /// autograd on CUDA (the CUDA backend is opted into with `fused`: the default once a
     /// GPU run has passed its check), `fused` and `autograd` what they say.
     pub fn pass(&self) -> Pass {
+        use rookworld_lm::kernels::{Kernel, enabled};
         match (self.step_path, self.fused_pass()) {
             (StepPath::Autograd, _) | (_, Err(_)) => Pass::Autograd,
             (StepPath::Auto, Ok(Pass::FusedCuda)) => Pass::Autograd,
+            // Failed its start-up check, or turned off (ROOKWORLD_DISABLE_KERNELS).
+            (_, Ok(Pass::FusedCuda)) if !enabled(Kernel::StepBackend) => Pass::Autograd,
             (_, Ok(pass)) => pass,
         }
     }

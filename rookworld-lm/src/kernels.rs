@@ -28,15 +28,20 @@ pub enum Kernel {
     /// trial kernel ([`Kernel::trial`]): off unless [`ENABLE_ENV`] names it; without it,
     /// `grouped_attention`.
     SplitAttention,
+    /// The CUDA backend of the learner's fused pass (`rookworld-train/kernels/pass.cu`),
+    /// checked against the CPU backend when `--step-path fused` chooses it; without it,
+    /// candle's autograd.
+    StepBackend,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 5] = [
+    pub const ALL: [Kernel; 6] = [
         Kernel::Attention,
         Kernel::Sampling,
         Kernel::DecodeOps,
         Kernel::TrainOps,
         Kernel::SplitAttention,
+        Kernel::StepBackend,
     ];
 
     /// A family that runs only when [`ENABLE_ENV`] names it, until a GPU run has passed
@@ -53,6 +58,7 @@ impl Kernel {
             Kernel::DecodeOps => "decode_ops",
             Kernel::TrainOps => "train_ops",
             Kernel::SplitAttention => "grouped_attention_split",
+            Kernel::StepBackend => "step_backend",
         }
     }
 }
@@ -69,8 +75,8 @@ pub struct Finding {
 /// many were turned off, strictness.
 #[derive(Debug, Default)]
 pub struct Switches {
-    off: [AtomicBool; 5],
-    trial_on: [AtomicBool; 5],
+    off: [AtomicBool; 6],
+    trial_on: [AtomicBool; 6],
     fallbacks: AtomicU64,
     strict: AtomicBool,
 }
@@ -82,8 +88,8 @@ fn index(kernel: Kernel) -> usize {
 impl Switches {
     pub const fn new() -> Self {
         Self {
-            off: [const { AtomicBool::new(false) }; 5],
-            trial_on: [const { AtomicBool::new(false) }; 5],
+            off: [const { AtomicBool::new(false) }; 6],
+            trial_on: [const { AtomicBool::new(false) }; 6],
             fallbacks: AtomicU64::new(0),
             strict: AtomicBool::new(false),
         }

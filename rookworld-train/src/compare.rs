@@ -244,3 +244,55 @@ pub fn step<L: Backend, R: Backend>(
     }
     Ok(out)
 }
+
+/// The start-up check of a backend: one micro-batch of a small synthetic model (the
+/// `tiny` preset's shape, seeded weights: 2 groups of 4 completions, 9-token prompts,
+/// 8-token completions) through `b` and through the CPU backend with the same BF16
+/// products ([`Tolerance::SAME_PRODUCTS`]), every buffer compared. What a process runs
+/// before it trains on `b`: the first buffer beyond tolerance names the kernel that is
+/// wrong, and the process takes another path instead of wrong numbers.
+pub fn self_check<B: Backend>(b: &B) -> Result<Comparison> {
+    use crate::cpu::Cpu;
+    use crate::cpu::ops::Matmuls;
+    use crate::{GroupInput, batch};
+    let cfg = rookworld_lm::config::Config::preset("tiny")
+        .map_err(|e| crate::Error::Shape(e.to_string()))?;
+    let params = weights::synthetic(&cfg, 0);
+    let (prompts, completions) = batch::synthetic((2, 4), (9, 8), cfg.vocab_size, 0);
+    let groups: Vec<GroupInput> = prompts
+        .iter()
+        .zip(&completions)
+        .map(|(prompt, completions)| GroupInput {
+            prompt,
+            completions,
+        })
+        .collect();
+    let packed = Packed::new(&groups);
+    let lengths = weights::lengths(&cfg);
+    let held = upload(b, &params)?;
+    let w = Weights::<B>::new(&cfg, held.iter().map(|h| &**h).collect())?;
+    let mut acts = Activations::<B>::default();
+    let mut grads = zeros(b, &lengths)?;
+    let reference = Cpu::new(Matmuls::Bf16);
+    let rw = Weights::<Cpu>::new(&cfg, params.iter().map(|p| p.as_slice()).collect())?;
+    let mut r_acts = Activations::<Cpu>::default();
+    let mut r_grads = zeros(&reference, &lengths)?;
+    step(
+        Side {
+            backend: b,
+            weights: &w,
+            acts: &mut acts,
+            grads: &mut grads,
+        },
+        Side {
+            backend: &reference,
+            weights: &rw,
+            acts: &mut r_acts,
+            grads: &mut r_grads,
+        },
+        &packed,
+        1.0,
+        None,
+        Tolerance::SAME_PRODUCTS,
+    )
+}

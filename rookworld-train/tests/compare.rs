@@ -328,3 +328,23 @@ fn a_wrong_kernel_is_named_by_the_first_buffer_it_writes() {
         );
     }
 }
+
+/// The start-up check passes a right backend and names the buffer a wrong one spoils.
+#[test]
+fn the_self_check_passes_a_right_backend_and_names_a_wrong_kernel() {
+    let right = compare::self_check(&Cpu::new(Matmuls::Bf16)).unwrap();
+    assert!(right.first_divergence().is_none(), "{}", right.summary());
+    assert!(right.checked.len() > 20, "{}", right.summary());
+    let faulty = Faulty {
+        cpu: Cpu::new(Matmuls::Bf16),
+        broken: "attention_forward",
+    };
+    let wrong = compare::self_check(&faulty).unwrap();
+    let first = wrong.first_divergence().expect("the wrong kernel is found");
+    assert_eq!(
+        first.name,
+        "block 0: attention output",
+        "{}",
+        wrong.summary()
+    );
+}

@@ -102,3 +102,28 @@ pub fn with_pass<R>(
     work.scratch = b.into_scratch();
     Ok((out?, work.grads.clone()))
 }
+
+/// The CUDA backend of `device` against the CPU's on a small synthetic micro-batch
+/// ([`rookworld_train::compare::self_check`]): a finding for the `step_backend` kernel
+/// family when a buffer differs beyond tolerance (naming it) or the check cannot run.
+pub fn startup_check(device: &Device) -> Vec<rookworld_lm::kernels::Finding> {
+    use rookworld_lm::kernels::{Finding, Kernel};
+    let Device::Cuda(cuda) = device else {
+        return Vec::new();
+    };
+    let kernel = Kernel::StepBackend;
+    match rookworld_train::compare::self_check(&Cuda::new(cuda.clone())) {
+        Ok(c) => c
+            .first_divergence()
+            .map(|_| Finding {
+                kernel,
+                problem: c.summary(),
+            })
+            .into_iter()
+            .collect(),
+        Err(e) => vec![Finding {
+            kernel,
+            problem: format!("did not run: {e}"),
+        }],
+    }
+}
