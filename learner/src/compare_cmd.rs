@@ -17,7 +17,7 @@ use rookworld_lm::config::Config;
 use rookworld_train::compare::{self, Checked, Side, Tolerance};
 use rookworld_train::cpu::Cpu;
 use rookworld_train::cpu::ops::Matmuls;
-use rookworld_train::{Activations, Backend, GroupInput, Packed, Weights, batch, weights};
+use rookworld_train::{Activations, Backend, Packed, Weights, batch, weights};
 use serde::Serialize;
 
 /// A backend of the step.
@@ -209,15 +209,7 @@ fn compare_on<B: Backend>(backend: &B, args: &CompareArgs, cfg: &Config) -> Resu
         cfg.vocab_size,
         0,
     );
-    let groups: Vec<GroupInput> = prompts
-        .iter()
-        .zip(&completions)
-        .map(|(prompt, completions)| GroupInput {
-            prompt,
-            completions,
-        })
-        .collect();
-    let packed = Packed::new(&groups);
+    let packed = Packed::of(&prompts, &completions);
     let lengths = weights::lengths(cfg);
     let held = compare::upload(backend, &params).map_err(err)?;
     let w = Weights::<B>::new(cfg, held.iter().map(|b| &**b).collect()).map_err(err)?;
@@ -250,30 +242,14 @@ fn compare_on<B: Backend>(backend: &B, args: &CompareArgs, cfg: &Config) -> Resu
         activation_bytes: 0,
     };
     if !args.no_compare {
-        let reference = Cpu::new(matmuls);
-        let rw =
-            Weights::<Cpu>::new(cfg, params.iter().map(|p| p.as_slice()).collect()).map_err(err)?;
-        let mut r_acts = Activations::<Cpu>::default();
-        let mut r_grads = compare::zeros(&reference, &lengths).map_err(err)?;
-        let cmp = compare::step(
-            Side {
-                backend,
-                weights: &w,
-                acts: &mut acts,
-                grads: &mut grads,
-            },
-            Side {
-                backend: &reference,
-                weights: &rw,
-                acts: &mut r_acts,
-                grads: &mut r_grads,
-            },
-            &packed,
-            args.temperature,
-            None,
-            tol,
-        )
-        .map_err(err)?;
+        let left = Side {
+            backend,
+            weights: &w,
+            acts: &mut acts,
+            grads: &mut grads,
+        };
+        let cmp = compare::against_cpu(left, &params, matmuls, (&packed, args.temperature), tol)
+            .map_err(err)?;
         report.buffers_checked = cmp.checked.len();
         report.skipped = cmp.skipped.clone();
         report.matched = Some(cmp.first_divergence().is_none());

@@ -121,6 +121,20 @@ pub struct Packed {
 }
 
 impl Packed {
+    /// The groups of prompts `prompts` and their completions `completions` (group g:
+    /// `prompts[g]`, `completions[g]`), packed.
+    pub fn of(prompts: &[Vec<u32>], completions: &[Vec<Vec<u32>>]) -> Self {
+        let groups: Vec<GroupInput> = prompts
+            .iter()
+            .zip(completions)
+            .map(|(prompt, completions)| GroupInput {
+                prompt,
+                completions,
+            })
+            .collect();
+        Self::new(&groups)
+    }
+
     pub fn new(groups: &[GroupInput]) -> Self {
         let mut p = Packed {
             ids: Vec::new(),
@@ -266,15 +280,7 @@ mod tests {
             vec![vec![7, 8, 9], vec![10], vec![11, 12]],
             vec![vec![13, 14, 15, 16], vec![17, 18]],
         ];
-        let groups: Vec<GroupInput> = prompts
-            .iter()
-            .zip(&completions)
-            .map(|(prompt, completions)| GroupInput {
-                prompt,
-                completions,
-            })
-            .collect();
-        let packed = Packed::new(&groups);
+        let packed = Packed::of(&prompts, &completions);
         let meta = packed.row_meta();
         // Each row's positions are 0.. of its own `prompt ++ completion` sequence, so the
         // rows it sees are exactly those of positions 0..=its own.

@@ -245,6 +245,30 @@ pub fn step<L: Backend, R: Backend>(
     Ok(out)
 }
 
+/// `left` (its weights, activations and zeroed gradients) against the CPU backend
+/// multiplying as `matmuls` on the same host weights `params`: [`step`] with a reference
+/// side made here.
+pub fn against_cpu<B: Backend>(
+    left: Side<'_, B>,
+    params: &[Vec<f32>],
+    matmuls: crate::cpu::ops::Matmuls,
+    (packed, temperature): (&Packed, f64),
+    tol: Tolerance,
+) -> Result<Comparison> {
+    let cfg = left.weights.cfg;
+    let reference = crate::cpu::Cpu::new(matmuls);
+    let rw = Weights::<crate::cpu::Cpu>::new(cfg, params.iter().map(|p| p.as_slice()).collect())?;
+    let mut acts = Activations::default();
+    let mut grads = zeros(&reference, &weights::lengths(cfg))?;
+    let right = Side {
+        backend: &reference,
+        weights: &rw,
+        acts: &mut acts,
+        grads: &mut grads,
+    };
+    step(left, right, packed, temperature, None, tol)
+}
+
 /// The start-up check of a backend: one micro-batch of a small synthetic model (the
 /// `tiny` preset's shape, seeded weights: 2 groups of 4 completions, 9-token prompts,
 /// 8-token completions) through `b` and through the CPU backend with the same BF16
@@ -252,47 +276,27 @@ pub fn step<L: Backend, R: Backend>(
 /// before it trains on `b`: the first buffer beyond tolerance names the kernel that is
 /// wrong, and the process takes another path instead of wrong numbers.
 pub fn self_check<B: Backend>(b: &B) -> Result<Comparison> {
-    use crate::cpu::Cpu;
-    use crate::cpu::ops::Matmuls;
-    use crate::{GroupInput, batch};
     let cfg = rookworld_lm::config::Config::preset("tiny")
         .map_err(|e| crate::Error::Shape(e.to_string()))?;
     let params = weights::synthetic(&cfg, 0);
-    let (prompts, completions) = batch::synthetic((2, 4), (9, 8), cfg.vocab_size, 0);
-    let groups: Vec<GroupInput> = prompts
-        .iter()
-        .zip(&completions)
-        .map(|(prompt, completions)| GroupInput {
-            prompt,
-            completions,
-        })
-        .collect();
-    let packed = Packed::new(&groups);
-    let lengths = weights::lengths(&cfg);
+    let (prompts, completions) = crate::batch::synthetic((2, 4), (9, 8), cfg.vocab_size, 0);
+    let packed = Packed::of(&prompts, &completions);
     let held = upload(b, &params)?;
     let w = Weights::<B>::new(&cfg, held.iter().map(|h| &**h).collect())?;
     let mut acts = Activations::<B>::default();
-    let mut grads = zeros(b, &lengths)?;
-    let reference = Cpu::new(Matmuls::Bf16);
-    let rw = Weights::<Cpu>::new(&cfg, params.iter().map(|p| p.as_slice()).collect())?;
-    let mut r_acts = Activations::<Cpu>::default();
-    let mut r_grads = zeros(&reference, &lengths)?;
-    step(
-        Side {
-            backend: b,
-            weights: &w,
-            acts: &mut acts,
-            grads: &mut grads,
-        },
-        Side {
-            backend: &reference,
-            weights: &rw,
-            acts: &mut r_acts,
-            grads: &mut r_grads,
-        },
-        &packed,
-        1.0,
-        None,
+    let mut grads = zeros(b, &weights::lengths(&cfg))?;
+    let left = Side {
+        backend: b,
+        weights: &w,
+        acts: &mut acts,
+        grads: &mut grads,
+    };
+    let matmuls = crate::cpu::ops::Matmuls::Bf16;
+    against_cpu(
+        left,
+        &params,
+        matmuls,
+        (&packed, 1.0),
         Tolerance::SAME_PRODUCTS,
     )
 }

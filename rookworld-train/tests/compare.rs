@@ -9,7 +9,7 @@ use rookworld_train::compare::{self, Side, Tolerance};
 use rookworld_train::cpu::Cpu;
 use rookworld_train::cpu::ops::Matmuls;
 use rookworld_train::gemm::Gemm;
-use rookworld_train::{Activations, GroupInput, Packed, Weights, weights};
+use rookworld_train::{Activations, Packed, Weights, weights};
 
 fn config(tied: bool) -> Config {
     Config {
@@ -45,15 +45,7 @@ fn compare_with<L: Backend<Buf = [f32]>>(
     let cfg = config(tied);
     let params = weights::synthetic(&cfg, 7);
     let (prompts, completions) = batch();
-    let groups: Vec<GroupInput> = prompts
-        .iter()
-        .zip(&completions)
-        .map(|(prompt, completions)| GroupInput {
-            prompt,
-            completions,
-        })
-        .collect();
-    let packed = Packed::new(&groups);
+    let packed = Packed::of(&prompts, &completions);
     let right = Cpu::new(Matmuls::F32);
     let lw = Weights::<L>::new(&cfg, params.iter().map(|p| p.as_slice()).collect()).unwrap();
     let rw = Weights::<Cpu>::new(&cfg, params.iter().map(|p| p.as_slice()).collect()).unwrap();
