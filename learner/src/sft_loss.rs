@@ -2,13 +2,16 @@
 //! each document's predicted tokens — on the fused pass ([`fused_gradients`]) and through
 //! candle's autograd ([`cross_entropy`]), which it is checked against.
 
+use std::ops::DerefMut;
+
 use candle_core::{Device, Tensor};
 use rookworld_lm::Gpt2;
+use rookworld_train::{Activations, Backend, Weights};
 
 use crate::fused::step::nll_micro;
 use crate::fused::{GroupInput, Params};
 use crate::optim::Gradients;
-use crate::policy::{Trainable, slot_logprobs};
+use crate::policy::{Pass, Trainable, slot_logprobs};
 
 /// A training document: `[bos] + tokens(text) + [bos]` and the first position whose token
 /// is predicted (1, or the first completion token when only completions are trained).
@@ -46,8 +49,56 @@ pub(crate) fn cross_entropy(
     Ok((loss, tokens))
 }
 
-/// The supervised gradients of `batch` on the fused pass (each document a one-completion
-/// group: its tokens before the first predicted one, then the rest), and the loss.
+/// A micro-batch as the fused pass takes it: each document a one-completion group (its
+/// tokens before the first predicted one, then the rest), and the micro-batch's weight
+/// (its share of the predicted tokens).
+type FusedMicro = (Vec<(Vec<u32>, [Vec<u32>; 1])>, f64);
+
+/// The micro-batches of `batch`, `micro_size` documents each.
+fn fused_micro_batches(
+    batch: &[Document],
+    micro_size: usize,
+    total_tokens: usize,
+) -> Vec<FusedMicro> {
+    batch
+        .chunks(micro_size.max(1))
+        .map(|micro| {
+            let split: Vec<(Vec<u32>, [Vec<u32>; 1])> = micro
+                .iter()
+                .map(|d| {
+                    let first = d.first.max(1);
+                    (d.ids[..first].to_vec(), [d.ids[first..].to_vec()])
+                })
+                .collect();
+            let tokens: usize = split.iter().map(|(_, [c])| c.len()).sum();
+            (split, tokens as f64 / total_tokens.max(1) as f64)
+        })
+        .collect()
+}
+
+/// The supervised loss of every micro-batch on backend `b`, its gradients added to
+/// `grads`.
+fn fused_loss<B: Backend, G: DerefMut<Target = B::Buf>>(
+    b: &B,
+    (weights, acts): (&Weights<B>, &mut Activations<B>),
+    micros: &[FusedMicro],
+    grads: &mut [G],
+) -> candle_core::Result<f64> {
+    let mut loss = 0.0;
+    for (split, w) in micros {
+        let groups: Vec<GroupInput> = split
+            .iter()
+            .map(|(p, c)| GroupInput {
+                prompt: p,
+                completions: c,
+            })
+            .collect();
+        loss += w * nll_micro(b, weights, &groups, *w, grads, acts)?;
+    }
+    Ok(loss)
+}
+
+/// The supervised gradients of `batch` on the fused pass on the CPU, and the loss.
 pub(crate) fn fused_gradients(
     policy: &Trainable,
     batch: &[Document],
@@ -58,27 +109,39 @@ pub(crate) fn fused_gradients(
     let params = Params::new(&tensors, policy.model.config())?.with_matmuls(policy.fused_matmuls());
     let mut work = policy.workspace.lock().expect("workspace lock");
     let mut buffers = work.zeroed_grads(&params);
-    let mut loss = 0.0;
-    for micro in batch.chunks(micro_size.max(1)) {
-        let split: Vec<(Vec<u32>, [Vec<u32>; 1])> = micro
-            .iter()
-            .map(|d| {
-                let first = d.first.max(1);
-                (d.ids[..first].to_vec(), [d.ids[first..].to_vec()])
-            })
-            .collect();
-        let groups: Vec<GroupInput> = split
-            .iter()
-            .map(|(p, c)| GroupInput {
-                prompt: p,
-                completions: c,
-            })
-            .collect();
-        let tokens: usize = split.iter().map(|(_, [c])| c.len()).sum();
-        let w = tokens as f64 / total_tokens.max(1) as f64;
-        loss += w * nll_micro(&params, &groups, w, &mut buffers, &mut work)?;
-    }
+    let micros = fused_micro_batches(batch, micro_size, total_tokens);
+    let b = params.backend();
+    let loss = fused_loss(
+        &b,
+        (&params.weights(), &mut work.policy),
+        &micros,
+        &mut buffers,
+    )?;
     Ok((policy.host_gradients(buffers), loss))
+}
+
+/// The supervised gradients of `batch` on the fused pass on CUDA (gradients as device
+/// tensors), and the loss.
+#[cfg(feature = "cuda")]
+fn fused_gradients_cuda(
+    policy: &Trainable,
+    batch: &[Document],
+    micro_size: usize,
+    total_tokens: usize,
+) -> candle_core::Result<(Gradients, f64)> {
+    let tensors = policy.tensors();
+    let micros = fused_micro_batches(batch, micro_size, total_tokens);
+    let mut work = policy.workspace.lock().expect("workspace lock");
+    let workspace = work.cuda.get_or_insert_with(Default::default);
+    let (loss, grads) = crate::fused::cuda::with_pass(
+        workspace,
+        policy.model.device(),
+        policy.model.config(),
+        (&tensors, None),
+        |b, side, _, grads| fused_loss(b, side, &micros, grads),
+    )?;
+    drop(work);
+    Ok((policy.device_gradients(grads), loss))
 }
 
 /// The supervised gradients of `batch` through candle's autograd (every device and
@@ -103,17 +166,18 @@ pub(crate) fn autograd_gradients(
 }
 
 /// The supervised gradients and loss of `batch` in micro-batches of `micro_size`
-/// documents: the fused pass where it applies, autograd elsewhere.
+/// documents: on the policy's pass ([`Trainable::pass`]).
 pub(crate) fn gradients(
     policy: &Trainable,
     batch: &[Document],
     micro_size: usize,
 ) -> candle_core::Result<(Gradients, f64)> {
     let total_tokens: usize = batch.iter().map(|d| d.ids.len() - d.first.max(1)).sum();
-    if policy.fused_pass_applies() {
-        fused_gradients(policy, batch, micro_size, total_tokens)
-    } else {
-        autograd_gradients(policy, batch, micro_size, total_tokens)
+    match policy.pass() {
+        Pass::FusedCpu => fused_gradients(policy, batch, micro_size, total_tokens),
+        #[cfg(feature = "cuda")]
+        Pass::FusedCuda => fused_gradients_cuda(policy, batch, micro_size, total_tokens),
+        _ => autograd_gradients(policy, batch, micro_size, total_tokens),
     }
 }
 

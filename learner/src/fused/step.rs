@@ -14,7 +14,7 @@ use rookworld_lm::Gpt2;
 use rookworld_train::{Activations, Backend, Weights};
 
 use crate::batch::GrpoBatch;
-use crate::fused::{self, GroupInput, Packed, Params, Workspace};
+use crate::fused::{GroupInput, Packed};
 use crate::grpo::{Scale, group_advantages};
 use crate::loss::{LossConfig, TokenTensors, objective};
 
@@ -246,26 +246,28 @@ pub fn micro_step<B: Backend, G: DerefMut<Target = B::Buf>>(
     Ok(report)
 }
 
-/// Supervised micro-batch: `groups` each one document split at its first predicted
-/// token (the prompt, then a single completion: the tokens trained on). Adds the
-/// gradient of `−weight · mean(log p)` over the predicted tokens to `grads`; returns
+/// Supervised micro-batch on backend `b`: `groups` each one document split at its first
+/// predicted token (the prompt, then a single completion: the tokens trained on). Adds
+/// the gradient of `−weight · mean(log p)` over the predicted tokens to `grads`; returns
 /// that mean's negative (the cross-entropy).
-pub fn nll_micro(
-    policy: &Params,
+pub fn nll_micro<B: Backend, G: DerefMut<Target = B::Buf>>(
+    b: &B,
+    policy: &Weights<B>,
     groups: &[GroupInput],
     weight: f64,
-    grads: &mut [Vec<f32>],
-    work: &mut Workspace,
+    grads: &mut [G],
+    acts: &mut Activations<B>,
 ) -> CandleResult<f64> {
+    let wrap = candle_core::Error::wrap;
     let packed = Packed::new(groups);
-    let logp = fused::forward(policy, &packed, 1.0, &mut work.policy, true)?;
+    let logp = rookworld_train::forward(b, policy, &packed, 1.0, acts, true).map_err(wrap)?;
     let n = logp.len().max(1);
     let dlogp = vec![(-weight / n as f64) as f32; logp.len()];
-    fused::backward(policy, &packed, &mut work.policy, &dlogp, 1.0, grads)?;
+    rookworld_train::backward(b, policy, &packed, acts, &dlogp, 1.0, grads).map_err(wrap)?;
     Ok(-logp.iter().map(|&l| f64::from(l)).sum::<f64>() / n as f64)
 }
 
-/// The tensors of `model` in [`Params`] order.
+/// The tensors of `model` in [`crate::fused::Params`] order.
 pub fn model_tensors(model: &Gpt2) -> Vec<Tensor> {
     model.named_tensors().into_iter().map(|(_, t)| t).collect()
 }

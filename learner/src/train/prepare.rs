@@ -81,6 +81,9 @@ pub(super) fn prepare(
             tracing::info!(step = state.step, version, dir = %dir.display(), "resumed");
             let mut policy = policy;
             args.matmul_precision.apply(&mut policy.model);
+            policy
+                .set_step_path(args.step_path)
+                .map_err(ConfigError::Conflict)?;
             (policy, opt, state.step, version)
         }
         None => {
@@ -88,6 +91,10 @@ pub(super) fn prepare(
             tracing::info!(source = %loaded.source, device = ?loaded.device, "starting weights");
             let mut policy = Trainable::from_model(&loaded.model)?;
             args.matmul_precision.apply(&mut policy.model);
+            // Before the warm-up, which runs on the same pass.
+            policy
+                .set_step_path(args.step_path)
+                .map_err(ConfigError::Conflict)?;
             check_context(s, &source, policy.model.config().n_positions)?;
             if s.sft_steps > 0 {
                 tracing::info!(steps = s.sft_steps, "supervised warm-up");
@@ -127,10 +134,6 @@ pub(super) fn prepare(
             (policy, AdamW::new(s.adamw()), 0, 1)
         }
     };
-    let mut policy = policy;
-    policy
-        .set_step_path(args.step_path)
-        .map_err(ConfigError::Conflict)?;
     tracing::info!(
         matmul_precision = ?args.matmul_precision,
         matmuls = ?policy.model.matmul_dtype().unwrap_or(DType::F32),
