@@ -150,16 +150,17 @@ impl Trainable {
                 .map_err(|why| format!("--step-path fused: {why}"))?;
             // The CUDA backend against the CPU's first: a wrong kernel is named and the
             // step falls back to candle's autograd (or, with --strict-kernels, refused).
-            #[cfg(feature = "cuda")]
+            // (Without the cuda feature `fused_pass` never gives FusedCuda.)
             if pass == Pass::FusedCuda {
-                let device = self.model.device();
-                let findings = crate::fused::cuda::startup_check(device);
-                rookworld_lm::kernels::SWITCHES
-                    .apply(&format!("{:?}", device.location()), &findings)
-                    .map_err(|e| format!("--step-path fused: {e}"))?;
+                #[cfg(feature = "cuda")]
+                {
+                    let device = self.model.device();
+                    let findings = crate::fused::cuda::startup_check(device);
+                    rookworld_lm::kernels::SWITCHES
+                        .apply(&format!("{:?}", device.location()), &findings)
+                        .map_err(|e| format!("--step-path fused: {e}"))?;
+                }
             }
-            #[cfg(not(feature = "cuda"))]
-            let _ = pass;
         }
         self.step_path = path;
         Ok(())

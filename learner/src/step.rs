@@ -285,7 +285,7 @@ fn accumulate_fused(
         (&params.weights(), acts),
         ref_weights.as_ref().map(|w| (w, ref_acts)),
         &mut grads,
-        policy.model.config().eos_token_id,
+        model_cfg.eos_token_id,
         batch,
         cfg,
     )?;

@@ -75,8 +75,8 @@ pub struct Finding {
 /// many were turned off, strictness.
 #[derive(Debug, Default)]
 pub struct Switches {
-    off: [AtomicBool; 6],
-    trial_on: [AtomicBool; 6],
+    off: [AtomicBool; Kernel::ALL.len()],
+    trial_on: [AtomicBool; Kernel::ALL.len()],
     fallbacks: AtomicU64,
     strict: AtomicBool,
 }
@@ -88,8 +88,8 @@ fn index(kernel: Kernel) -> usize {
 impl Switches {
     pub const fn new() -> Self {
         Self {
-            off: [const { AtomicBool::new(false) }; 6],
-            trial_on: [const { AtomicBool::new(false) }; 6],
+            off: [const { AtomicBool::new(false) }; Kernel::ALL.len()],
+            trial_on: [const { AtomicBool::new(false) }; Kernel::ALL.len()],
             fallbacks: AtomicU64::new(0),
             strict: AtomicBool::new(false),
         }

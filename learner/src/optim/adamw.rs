@@ -6,7 +6,9 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 
 use candle_core::{DType, Result as CandleResult, Tensor, Var};
-use rookworld_lm::train_ops::adamw::{AdamWStep, ManyItem, adamw_step, adamw_step_many};
+use rookworld_lm::train_ops::adamw::{
+    AdamWStep, ManyItem, adamw_step, adamw_step_many, write_bf16_bits,
+};
 
 use super::{AdamWConfig, Grad, Gradients, decays};
 use crate::fused::HostF32;
@@ -253,17 +255,10 @@ impl AdamW {
             .clone();
         let grad = grad.to_dtype(DType::F32)?.flatten_all()?;
         adamw_step(var.as_tensor(), &grad, &moments, step)?;
-        if let Some(out) = out {
-            let bits = var
-                .as_tensor()
-                .flatten_all()?
-                .to_dtype(DType::BF16)?
-                .to_vec1::<half::bf16>()?;
-            for (d, b) in out.chunks_exact_mut(2).zip(bits) {
-                d.copy_from_slice(&b.to_bits().to_le_bytes());
-            }
+        match out {
+            Some(out) => write_bf16_bits(var.as_tensor(), out),
+            None => Ok(()),
         }
-        Ok(())
     }
 }
 

@@ -41,8 +41,6 @@ pub enum AttentionKernel {
 
 /// Warps of a `grouped_attention_split` block (`SPLIT_WARPS` in the kernel).
 const SPLIT_WARPS: u32 = 4;
-/// Largest head dim `grouped_attention_split` holds (`SPLIT_MAX_D`).
-const SPLIT_MAX_HEAD_DIM: usize = 256;
 
 /// The step's attention output (B, H·D) from `q` (B, H, 1, D), the prefix pool (N, H, L,
 /// D) and the suffix buffers (rows capacity, H, C, D), in one launch; `None` when the
@@ -85,11 +83,10 @@ pub fn grouped_attention_with(
     let applies = match kernel {
         AttentionKernel::Warp => d.is_multiple_of(32) && d <= MAX_HEAD_DIM,
         AttentionKernel::Split => {
+            // A key's 16-byte pieces on a power-of-two number of a warp's lanes (so D is
+            // at most 32 · 8 = 256 in BF16, the kernel's SPLIT_MAX_D).
             let vec = 16 / q.dtype().size_in_bytes();
-            d.is_multiple_of(vec)
-                && (d / vec).is_power_of_two()
-                && d / vec <= 32
-                && d <= SPLIT_MAX_HEAD_DIM
+            d.is_multiple_of(vec) && (d / vec).is_power_of_two() && d / vec <= 32
         }
     };
     if !applies {

@@ -30,6 +30,20 @@ pub struct AdamWStep {
 /// Updates `param` (n) in place from `grad` (n) and `moments` (2, n), all contiguous f32
 /// on one device; the moments are updated in place too.
 pub fn adamw_step(param: &Tensor, grad: &Tensor, moments: &Tensor, step: &AdamWStep) -> Result<()> {
+    let n = check_sizes(param, grad, moments)?;
+    if n == 0 {
+        return Ok(()); // nothing to update (candle refuses in-place ops on empty tensors)
+    }
+    if param.device().is_cuda() && !crate::kernels::enabled(crate::kernels::Kernel::TrainOps) {
+        return composed(param, grad, moments, step);
+    }
+    moments.inplace_op2(&grad.contiguous()?, &AdamWMoments(*step))?;
+    param.inplace_op2(moments, &AdamWParam(*step))
+}
+
+/// A parameter's element count n, after checking that its gradient has n elements and
+/// its moments are (2, n).
+fn check_sizes(param: &Tensor, grad: &Tensor, moments: &Tensor) -> Result<usize> {
     let n = param.elem_count();
     if grad.elem_count() != n || moments.dims() != [2, n] {
         candle_core::bail!(
@@ -39,14 +53,7 @@ pub fn adamw_step(param: &Tensor, grad: &Tensor, moments: &Tensor, step: &AdamWS
             moments.dims()
         );
     }
-    if n == 0 {
-        return Ok(()); // nothing to update (candle refuses in-place ops on empty tensors)
-    }
-    if param.device().is_cuda() && !crate::kernels::enabled(crate::kernels::Kernel::TrainOps) {
-        return composed(param, grad, moments, step);
-    }
-    moments.inplace_op2(&grad.contiguous()?, &AdamWMoments(*step))?;
-    param.inplace_op2(moments, &AdamWParam(*step))
+    Ok(n)
 }
 
 /// One parameter of [`adamw_step_many`]: the parameter (n), its gradient (n) and moments
@@ -69,15 +76,7 @@ pub struct ManyItem<'a> {
 /// conversion and a synchronised download each. Elsewhere item by item, the same values.
 pub fn adamw_step_many(items: &mut [ManyItem], step: &AdamWStep) -> Result<()> {
     for it in items.iter() {
-        let n = it.param.elem_count();
-        if it.grad.elem_count() != n || it.moments.dims() != [2, n] {
-            candle_core::bail!(
-                "adamw: parameter {:?}, gradient {:?}, moments {:?}",
-                it.param.dims(),
-                it.grad.dims(),
-                it.moments.dims()
-            );
-        }
+        let n = check_sizes(it.param, it.grad, it.moments)?;
         if it.out.as_ref().is_some_and(|o| o.len() != 2 * n) {
             candle_core::bail!("adamw: a bfloat16 slot of the wrong size for {n} values");
         }
@@ -99,15 +98,21 @@ pub fn adamw_step_many(items: &mut [ManyItem], step: &AdamWStep) -> Result<()> {
             },
         )?;
         if let Some(out) = it.out.as_deref_mut() {
-            let bits = it
-                .param
-                .flatten_all()?
-                .to_dtype(candle_core::DType::BF16)?
-                .to_vec1::<half::bf16>()?;
-            for (d, b) in out.chunks_exact_mut(2).zip(bits) {
-                d.copy_from_slice(&b.to_bits().to_le_bytes());
-            }
+            write_bf16_bits(it.param, out)?;
         }
+    }
+    Ok(())
+}
+
+/// `param`'s values as bfloat16 bits into `out` (2 bytes a value, little-endian),
+/// converted where the tensor lives (on a GPU half the bytes cross to the host).
+pub fn write_bf16_bits(param: &Tensor, out: &mut [u8]) -> Result<()> {
+    let bits = param
+        .flatten_all()?
+        .to_dtype(candle_core::DType::BF16)?
+        .to_vec1::<half::bf16>()?;
+    for (d, b) in out.chunks_exact_mut(2).zip(bits) {
+        d.copy_from_slice(&b.to_bits().to_le_bytes());
     }
     Ok(())
 }
