@@ -51,6 +51,10 @@ pub struct SftArgs {
     /// generating them.
     #[arg(long)]
     pub prompts: Option<PathBuf>,
+    /// Which pass computes the gradients, as `learner train --step-path`: auto (the fused
+    /// pass), fused or autograd.
+    #[arg(long, value_enum, env = "LEARNER_STEP_PATH", default_value = "auto")]
+    pub step_path: crate::step::StepPath,
 }
 
 /// The settings of [`SftSettings`] a resumed run may change: its length (the schedule
@@ -374,7 +378,7 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
     let _lock = crate::run_lock::RunLock::acquire(&args.run_dir)
         .map_err(crate::run_dir::RunDirError::from)?;
     let resumed = crate::run_dir::open(&args.run_dir, &args.start, &device)?;
-    let (policy, mut opt, schedule, start) = match resumed {
+    let (mut policy, mut opt, schedule, start) = match resumed {
         Some(Loaded {
             dir,
             policy,
@@ -404,6 +408,9 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
             (policy, opt, schedule, 0)
         }
     };
+    policy
+        .set_step_path(args.step_path)
+        .map_err(crate::settings::ConfigError::Conflict)?;
     let engine = start_engine(
         args.engine.clone(),
         s.policy_fraction > 0.0 && args.prompts.is_none(),
