@@ -90,6 +90,22 @@ pub enum Aggregation {
     Constant,
 }
 
+impl Aggregation {
+    /// What [`aggregate`] divides a set of completions' sum by (the constant's before its
+    /// `max_new_tokens`), from each completion's counted tokens: the completions with a
+    /// counted token (sequence), the counted tokens (token), all the completions
+    /// (constant). So the aggregate over a union of disjoint sets is theirs weighted by
+    /// `units(set) / units(union)`.
+    pub fn units(self, counted_tokens: impl IntoIterator<Item = usize>) -> f64 {
+        let counted = counted_tokens.into_iter();
+        match self {
+            Self::Sequence => counted.filter(|&t| t > 0).count() as f64,
+            Self::Token => counted.sum::<usize>() as f64,
+            Self::Constant => counted.count() as f64,
+        }
+    }
+}
+
 /// The policy-gradient term of the objective.
 #[derive(
     Debug,

@@ -86,6 +86,9 @@ pub struct Trainable {
     pub workspace: Mutex<Workspace>,
     /// Which pass computes the gradients ([`Trainable::set_step_path`]).
     step_path: StepPath,
+    /// Rows of the LM head per chunk of the fused pass on the CPU
+    /// ([`Trainable::set_head_chunk_rows`]).
+    head_chunk_rows: Option<usize>,
 }
 
 /// The pass a step runs ([`Trainable::pass`]).
@@ -137,6 +140,7 @@ impl Trainable {
             vars,
             workspace: Mutex::default(),
             step_path: StepPath::Auto,
+            head_chunk_rows: None,
         })
     }
 
@@ -231,6 +235,24 @@ impl Trainable {
         match self.model.matmul_dtype() {
             Some(DType::BF16) => rookworld_train::cpu::ops::Matmuls::Bf16,
             _ => rookworld_train::cpu::ops::Matmuls::F32,
+        }
+    }
+
+    /// Sets the rows of the LM head whose probabilities the fused pass on the CPU keeps
+    /// at once, a chunk of whole completions between the head's forward and backward
+    /// (`None`: 128 MiB's worth; see [`rookworld_train::train`]). The gradients are the
+    /// same whatever the chunks; smaller ones hold less memory and pass over the head's
+    /// weight gradient more often.
+    pub fn set_head_chunk_rows(&mut self, rows: Option<usize>) {
+        self.head_chunk_rows = rows;
+    }
+
+    /// The CPU backend of this policy's fused pass.
+    pub fn fused_backend(&self) -> rookworld_train::cpu::Cpu {
+        let cpu = rookworld_train::cpu::Cpu::new(self.fused_matmuls());
+        match self.head_chunk_rows {
+            Some(rows) => cpu.with_head_keep_rows(rows),
+            None => cpu,
         }
     }
 

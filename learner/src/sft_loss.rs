@@ -110,7 +110,7 @@ pub(crate) fn fused_gradients(
     let mut work = policy.workspace.lock().expect("workspace lock");
     let mut buffers = work.zeroed_grads(&params);
     let micros = fused_micro_batches(batch, micro_size, total_tokens);
-    let b = params.backend();
+    let b = policy.fused_backend();
     let loss = fused_loss(
         &b,
         (&params.weights(), &mut work.policy),

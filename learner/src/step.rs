@@ -281,7 +281,7 @@ fn accumulate_fused(
         ..
     } = &mut *work;
     let (report, ran) = fused_micro_batches(
-        &params.backend(),
+        &policy.fused_backend(),
         (&params.weights(), acts),
         ref_weights.as_ref().map(|w| (w, ref_acts)),
         &mut grads,

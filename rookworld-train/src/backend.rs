@@ -5,7 +5,7 @@
 //! outputs, and *add* into parameter gradients (`+=`), as each method says. Buffers of
 //! one call never alias, but for the in-place ones named so.
 
-use std::ops::DerefMut;
+use std::ops::{DerefMut, Range};
 
 use crate::batch::Packed;
 use crate::gemm::Gemm;
@@ -21,6 +21,10 @@ pub enum Error {
     },
     #[error("{0}")]
     Shape(String),
+    /// The caller's objective, asked for a chunk's upstream gradients by
+    /// [`crate::pass::train`], failed.
+    #[error("the objective: {0}")]
+    Objective(Box<dyn std::error::Error + Send + Sync>),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -38,29 +42,33 @@ impl Heads {
     }
 }
 
-/// The LM head's forward on the predicting rows: `logp[n] = log softmax(hidden_n · Wᵀ /
-/// τ)[y_n]` and, when asked, each row's entropy; with `keep`, the probabilities are left
-/// in `scratch` for [`Backend::head_backward`].
+/// The LM head's forward on the predicting rows `span` of the N: `logp[n] = log
+/// softmax(hidden_n · Wᵀ / τ)[y_n]` and, when asked, each row's entropy; with `keep`, what
+/// [`Backend::head_backward`] needs of those rows (the CPU: their probabilities) is left
+/// in `scratch`.
 pub struct HeadForward<'a, B: Backend + ?Sized> {
     pub logp: &'a mut B::Buf,            // (N)
     pub entropy: Option<&'a mut B::Buf>, // (N)
     pub scratch: &'a mut B::Owned,       // sized by the backend
     pub hidden: &'a B::Buf,              // (N, E)
     pub head: &'a B::Buf,                // (V, E)
+    pub span: Range<usize>,
     pub e: usize,
     pub temperature: f64,
     pub keep: bool,
 }
 
-/// The LM head's backward: `dhidden (N, E) += Σ_v d_{n,v} W_v`, `dhead (V, E) += Σ_n
-/// d_{n,v} h_n`, `d_{n,v} = g_n (1[v = y_n] − p_{n,v}) / τ`; `probs` are the forward's
-/// kept probabilities (consumed), else the logits are recomputed.
+/// The LM head's backward on the predicting rows `span`: `dhidden (N, E) += Σ_v d_{n,v}
+/// W_v`, `dhead (V, E) += Σ_n d_{n,v} h_n`, `d_{n,v} = g_n (1[v = y_n] − p_{n,v}) / τ`;
+/// `probs` is what the forward of the same rows kept (consumed), else the logits are
+/// recomputed.
 pub struct HeadBackward<'a, B: Backend + ?Sized> {
     pub dhidden: &'a mut B::Buf,
     pub dhead: &'a mut B::Buf,
     pub hidden: &'a B::Buf,
     pub head: &'a B::Buf,
     pub dlogp: &'a B::Buf, // (N)
+    pub span: Range<usize>,
     pub e: usize,
     pub temperature: f64,
     pub probs: Option<&'a mut B::Buf>,
@@ -94,6 +102,12 @@ pub trait Backend {
     fn rows<'a>(&self, packed: &'a Packed) -> Result<Self::Rows<'a>>;
     /// Elements of attention state the forward keeps for the backward, per block.
     fn attention_state_len(&self, packed: &Packed, heads: Heads) -> usize;
+    /// Rows of the LM head whose state [`crate::pass::train`] keeps from the head's forward
+    /// to its backward, chunk by chunk (at a vocabulary of `vocab`); `None`: the backend
+    /// keeps none, and the head's backward recomputes its logits after one objective over
+    /// every row (a device, where a host round trip per chunk costs more than the
+    /// product).
+    fn head_keep_rows(&self, vocab: usize) -> Option<usize>;
 
     /// The column-major product `g` (cuBLAS's `gemm`): `c = op(a) · op(b) [+ c]`, `a` and
     /// `b` the buffers of cuBLAS's A and B.

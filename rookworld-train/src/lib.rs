@@ -35,5 +35,5 @@ pub mod weights;
 
 pub use backend::{Backend, Error, Heads, Result};
 pub use batch::{GroupInput, GroupRows, Packed};
-pub use pass::{Activations, backward, forward};
+pub use pass::{Activations, Trained, backward, forward, train};
 pub use weights::{PER_LAYER, Weights};

@@ -8,7 +8,8 @@
 //! row-major) handed to the backend as its cuBLAS call ([`linear_forward`],
 //! [`linear_backward`]).
 
-use std::ops::DerefMut;
+use std::ops::{DerefMut, Range};
+use std::time::Instant;
 
 use rookworld_lm::config::Config;
 
@@ -98,7 +99,7 @@ pub struct Activations<B: Backend> {
     lnf_mean: B::Owned,
     lnf_rstd: B::Owned,
     hidden: B::Owned,     // (N, E) ln_f rows that predict
-    head_probs: B::Owned, // (N, V) when kept; else the head's block scratch
+    head_probs: B::Owned, // (rows, V) of the head rows last run, when kept
     head_kept: bool,
     logp: B::Owned,    // (N)
     entropy: B::Owned, // (N) with gradients kept
@@ -334,11 +335,148 @@ pub fn forward<B: Backend>(
     acts: &mut Activations<B>,
     keep: bool,
 ) -> Result<Vec<f32>> {
+    let rows = b.rows(packed)?;
+    forward_blocks(b, params, packed, &rows, acts, keep)?;
+    let n = packed.targets.len();
+    let keep_probs = keep && n * params.cfg.vocab_size <= KEEP_HEAD_PROBS;
+    acts.head_kept = keep_probs;
+    head_forward(b, params, &rows, acts, (0..n, temperature), keep_probs)?;
+    b.read(&acts.logp)
+}
+
+/// Backward of [`forward`] for upstream gradients `dlogp` (N, on the host): adds every
+/// parameter's gradient to `grads` (indexed as [`Weights`]): buffers the pass planned, or
+/// views of memory the caller holds (the optimizer's own gradient tensors).
+pub fn backward<B: Backend, G: DerefMut<Target = B::Buf>>(
+    b: &B,
+    params: &Weights<B>,
+    packed: &Packed,
+    acts: &mut Activations<B>,
+    dlogp: &[f32],
+    temperature: f64,
+    grads: &mut [G],
+) -> Result<()> {
+    if !acts.keep {
+        return Err(crate::Error::Shape(
+            "backward needs the activations of a forward with keep".into(),
+        ));
+    }
+    let rows = b.rows(packed)?;
+    let n = packed.targets.len();
+    plan_gradients(b, params.cfg, packed, acts)?;
+    b.write(&mut acts.grad.dlogp, dlogp)?;
+    let kept = acts.head_kept;
+    head_backward(b, params, &rows, acts, (0..n, temperature), kept, grads)?;
+    backward_blocks(b, params, packed, &rows, acts, grads)
+}
+
+/// The forward, the objective and the backward of `packed` in one pass: adds every
+/// parameter's gradient of the objective to `grads` (as [`backward`]) and returns the
+/// log-probs of the predicted tokens (N) with the forward's time.
+///
+/// The LM head runs chunk by chunk, each chunk a run of whole completions (of
+/// `packed.tokens`): its forward, then `objective(span, logp)` — the upstream gradients
+/// `∂L/∂logp` of the chunk's tokens `span` (a range of the N) from their log-probs — then
+/// its backward, with what the forward kept of those rows. So the objective must be a sum
+/// over completions, each term a function of that completion's tokens only (every GRPO
+/// variant's, aggregated with fixed denominators). A chunk holds at most
+/// [`Backend::head_keep_rows`] rows (or one completion when that is longer): the (N, V)
+/// probabilities of a micro-batch are never held at once. A backend that keeps none
+/// gets one objective over all N rows, and its head backward recomputes the logits.
+/// The micro-batch's layout goes to the backend once, for the forward and the backward.
+pub fn train<B: Backend, G: DerefMut<Target = B::Buf>>(
+    b: &B,
+    params: &Weights<B>,
+    packed: &Packed,
+    temperature: f64,
+    (acts, grads): (&mut Activations<B>, &mut [G]),
+    mut objective: impl FnMut(Range<usize>, &[f32]) -> Result<Vec<f32>>,
+) -> Result<Trained> {
+    let started = Instant::now();
+    let rows = b.rows(packed)?;
+    forward_blocks(b, params, packed, &rows, acts, true)?;
+    plan_gradients(b, params.cfg, packed, acts)?;
+    let mut forward = started.elapsed();
+    let n = packed.targets.len();
+    let keep_rows = b.head_keep_rows(params.cfg.vocab_size);
+    let spans = match keep_rows {
+        Some(limit) => head_chunks(&packed.tokens, n, limit),
+        None => std::iter::once(0..n).collect(),
+    };
+    acts.head_kept = keep_rows.is_some();
+    let (mut logp, mut dlogp) = (vec![0f32; n], vec![0f32; n]);
+    for span in spans {
+        let keep = acts.head_kept;
+        let head_started = Instant::now();
+        head_forward(b, params, &rows, acts, (span.clone(), temperature), keep)?;
+        let all = b.read(&acts.logp)?;
+        forward += head_started.elapsed();
+        logp[span.clone()].copy_from_slice(&all[span.clone()]);
+        let d = objective(span.clone(), &logp[span.clone()])?;
+        if d.len() != span.len() {
+            return Err(crate::Error::Shape(format!(
+                "the objective gave {} gradients for {} tokens",
+                d.len(),
+                span.len()
+            )));
+        }
+        dlogp[span.clone()].copy_from_slice(&d);
+        b.write(&mut acts.grad.dlogp, &dlogp)?;
+        head_backward(b, params, &rows, acts, (span, temperature), keep, grads)?;
+    }
+    backward_blocks(b, params, packed, &rows, acts, grads)?;
+    Ok(Trained {
+        logp,
+        forward_seconds: forward.as_secs_f64(),
+    })
+}
+
+/// What [`train`] gives back.
+#[derive(Debug, Clone, Default)]
+pub struct Trained {
+    /// The predicted tokens' log-probs (N).
+    pub logp: Vec<f32>,
+    /// Time in the forward: the blocks, then the head chunk by chunk up to each chunk's
+    /// log-probs on the host (on a device, the first read waits for the blocks).
+    pub forward_seconds: f64,
+}
+
+/// The spans of [`train`]'s head chunks: consecutive completions (`tokens`, their ranges
+/// of the N predicted tokens) while the chunk stays within `limit` rows; a completion
+/// longer than `limit` is a chunk of its own. Covers 0..N.
+fn head_chunks(tokens: &[Range<usize>], n: usize, limit: usize) -> Vec<Range<usize>> {
+    let mut spans: Vec<Range<usize>> = Vec::new();
+    for t in tokens.iter().filter(|t| !t.is_empty()) {
+        match spans.last_mut() {
+            Some(last) if last.end == t.start && t.end - last.start <= limit => last.end = t.end,
+            _ => spans.push(t.clone()),
+        }
+    }
+    // Completions tile 0..N in order; anything else is one chunk.
+    let tiled = spans.first().is_none_or(|s| s.start == 0)
+        && spans.windows(2).all(|w| w[0].end == w[1].start)
+        && spans.last().map_or(0, |s| s.end) == n;
+    if tiled {
+        spans
+    } else {
+        std::iter::once(0..n).collect()
+    }
+}
+
+/// The blocks and `ln_f` of [`forward`]: `acts.hidden` (N, E) holds the predicting rows of
+/// `ln_f`'s output after it.
+fn forward_blocks<B: Backend>(
+    b: &B,
+    params: &Weights<B>,
+    packed: &Packed,
+    rows: &B::Rows<'_>,
+    acts: &mut Activations<B>,
+    keep: bool,
+) -> Result<()> {
     let cfg = params.cfg;
     let (r, e, i) = (packed.rows(), cfg.n_embd, cfg.inner_dim());
     let eps = cfg.layer_norm_epsilon as f32;
     let heads = Heads { e, h: cfg.n_head };
-    let rows = b.rows(packed)?;
     acts.plan(b, cfg, packed, keep)?;
     let w = |l: usize, j: usize| params.get(weights::layer(l, j));
     let Activations {
@@ -349,7 +487,7 @@ pub fn forward<B: Backend>(
         out,
         ..
     } = acts;
-    b.embedding_forward(&mut layers[0].x, &rows, params.get(0), params.get(1))?;
+    b.embedding_forward(&mut layers[0].x, rows, params.get(0), params.get(1))?;
     let blocks = layers.len();
     for l in 0..cfg.n_layer {
         let a = &mut layers[l % blocks];
@@ -363,7 +501,7 @@ pub fn forward<B: Backend>(
             eps,
         )?;
         linear_forward(b, &mut a.qkv, (ln, w(l, 2), w(l, 3)), (r, e, 3 * e))?;
-        b.attention_forward(&mut a.atty, &mut a.attention, &a.qkv, &rows, heads)?;
+        b.attention_forward(&mut a.atty, &mut a.attention, &a.qkv, rows, heads)?;
         linear_forward(b, scratch, (&a.atty, w(l, 4), w(l, 5)), (r, e, e))?;
         b.add(&mut a.x2, &a.x, scratch)?;
         b.layernorm_forward(
@@ -394,10 +532,21 @@ pub fn forward<B: Backend>(
         params.get(f + 1),
         eps,
     )?;
-    b.gather_rows(&mut acts.hidden, &acts.lnf, &rows)?;
-    let n = packed.targets.len();
-    let keep_probs = keep && n * cfg.vocab_size <= KEEP_HEAD_PROBS;
-    acts.head_kept = keep_probs;
+    b.gather_rows(&mut acts.hidden, &acts.lnf, rows)
+}
+
+/// The LM head's forward on the predicting rows `span` into `acts.logp` (and, with
+/// gradients kept, `acts.entropy`); with `keep_probs`, what its backward needs stays in
+/// `acts.head_probs`.
+fn head_forward<B: Backend>(
+    b: &B,
+    params: &Weights<B>,
+    rows: &B::Rows<'_>,
+    acts: &mut Activations<B>,
+    (span, temperature): (Range<usize>, f64),
+    keep_probs: bool,
+) -> Result<()> {
+    let keep = acts.keep;
     b.head_forward(
         HeadForward {
             logp: &mut acts.logp,
@@ -405,38 +554,25 @@ pub fn forward<B: Backend>(
             scratch: &mut acts.head_probs,
             hidden: &acts.hidden,
             head: params.get(params.head_index()),
-            e,
+            span,
+            e: params.cfg.n_embd,
             temperature,
             keep: keep_probs,
         },
-        &rows,
-    )?;
-    b.read(&acts.logp)
+        rows,
+    )
 }
 
-/// Backward of [`forward`] for upstream gradients `dlogp` (N, on the host): adds every
-/// parameter's gradient to `grads` (indexed as [`Weights`]): buffers the pass planned, or
-/// views of memory the caller holds (the optimizer's own gradient tensors).
-pub fn backward<B: Backend, G: DerefMut<Target = B::Buf>>(
+/// Sizes the backward's scratch for `packed`, and zeroes ∂ of the head's input rows,
+/// which the head's backward adds into span by span.
+fn plan_gradients<B: Backend>(
     b: &B,
-    params: &Weights<B>,
+    cfg: &Config,
     packed: &Packed,
     acts: &mut Activations<B>,
-    dlogp: &[f32],
-    temperature: f64,
-    grads: &mut [G],
 ) -> Result<()> {
-    if !acts.keep {
-        return Err(crate::Error::Shape(
-            "backward needs the activations of a forward with keep".into(),
-        ));
-    }
-    let cfg = params.cfg;
     let (r, e, i) = (packed.rows(), cfg.n_embd, cfg.inner_dim());
-    let eps = cfg.layer_norm_epsilon as f32;
-    let heads = Heads { e, h: cfg.n_head };
     let n = packed.targets.len();
-    let rows = b.rows(packed)?;
     let g = &mut acts.grad;
     for (buf, len) in [
         (&mut g.mean, r),
@@ -451,26 +587,55 @@ pub fn backward<B: Backend, G: DerefMut<Target = B::Buf>>(
     ] {
         b.fit(buf, len)?;
     }
-    b.write(&mut g.dlogp, dlogp)?;
+    b.fill(&mut g.hidden, 0.0)
+}
 
-    // LM head → ln_f's output rows (into tmp).
-    b.fill(&mut g.hidden, 0.0)?;
+/// The LM head's backward on the predicting rows `span` for the upstream gradients in
+/// `acts.grad.dlogp`: ∂ of its input rows into `acts.grad.hidden`, of its weight into
+/// `grads`; with `kept`, from what its forward of the same rows kept.
+fn head_backward<B: Backend, G: DerefMut<Target = B::Buf>>(
+    b: &B,
+    params: &Weights<B>,
+    rows: &B::Rows<'_>,
+    acts: &mut Activations<B>,
+    (span, temperature): (Range<usize>, f64),
+    kept: bool,
+    grads: &mut [G],
+) -> Result<()> {
     let head_index = params.head_index();
     b.head_backward(
         HeadBackward {
-            dhidden: &mut g.hidden,
+            dhidden: &mut acts.grad.hidden,
             dhead: &mut grads[head_index],
             hidden: &acts.hidden,
             head: params.get(head_index),
-            dlogp: &g.dlogp,
-            e,
+            dlogp: &acts.grad.dlogp,
+            span,
+            e: params.cfg.n_embd,
             temperature,
-            probs: acts.head_kept.then_some(&mut *acts.head_probs),
+            probs: kept.then_some(&mut *acts.head_probs),
         },
-        &rows,
-    )?;
+        rows,
+    )
+}
+
+/// The backward from ∂ of the head's input rows (`acts.grad.hidden`) down: `ln_f`, the
+/// blocks from the last, the embedding.
+fn backward_blocks<B: Backend, G: DerefMut<Target = B::Buf>>(
+    b: &B,
+    params: &Weights<B>,
+    packed: &Packed,
+    rows: &B::Rows<'_>,
+    acts: &mut Activations<B>,
+    grads: &mut [G],
+) -> Result<()> {
+    let cfg = params.cfg;
+    let (r, e, i) = (packed.rows(), cfg.n_embd, cfg.inner_dim());
+    let eps = cfg.layer_norm_epsilon as f32;
+    let heads = Heads { e, h: cfg.n_head };
+    let g = &mut acts.grad;
     b.fill(&mut g.tmp, 0.0)?;
-    b.scatter_add_rows(&mut g.tmp, &g.hidden, &rows)?;
+    b.scatter_add_rows(&mut g.tmp, &g.hidden, rows)?;
 
     // ln_f → the residual stream.
     b.fill(&mut g.res, 0.0)?;
@@ -554,7 +719,7 @@ pub fn backward<B: Backend, G: DerefMut<Target = B::Buf>>(
             &a.atty,
             &a.qkv,
             &a.attention,
-            &rows,
+            rows,
             heads,
         )?;
         b.layernorm_forward(
@@ -591,7 +756,7 @@ pub fn backward<B: Backend, G: DerefMut<Target = B::Buf>>(
         )?;
     }
     let (dwte, rest) = grads.split_at_mut(1);
-    b.embedding_backward(&mut dwte[0], &mut rest[0], &g.res, &rows)
+    b.embedding_backward(&mut dwte[0], &mut rest[0], &g.res, rows)
 }
 
 /// Gradients `i` and `i + 1` (a weight and its bias) at once.

@@ -172,6 +172,9 @@ impl Backend for Faulty {
     fn rows<'a>(&self, packed: &'a Packed) -> Result<&'a Packed> {
         Ok(packed)
     }
+    fn head_keep_rows(&self, vocab: usize) -> Option<usize> {
+        self.cpu.head_keep_rows(vocab)
+    }
     fn attention_state_len(&self, packed: &Packed, heads: Heads) -> usize {
         self.cpu.attention_state_len(packed, heads)
     }
@@ -277,6 +280,7 @@ impl Backend for Faulty {
             scratch: f.scratch,
             hidden: f.hidden,
             head: f.head,
+            span: f.span,
             e: f.e,
             temperature: f.temperature,
             keep: f.keep,
@@ -290,6 +294,7 @@ impl Backend for Faulty {
             hidden: b.hidden,
             head: b.head,
             dlogp: b.dlogp,
+            span: b.span,
             e: b.e,
             temperature: b.temperature,
             probs: b.probs,

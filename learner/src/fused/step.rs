@@ -5,7 +5,7 @@
 //! rounding there alone is ~1e-5 of it), its gradient with respect to each token's
 //! log-prob, then the fused backward.
 
-use std::ops::DerefMut;
+use std::ops::{DerefMut, Range};
 use std::time::Instant;
 
 use candle_core::{DType, Device, Result as CandleResult, Tensor, Var};
@@ -16,7 +16,7 @@ use rookworld_train::{Activations, Backend, Weights};
 use crate::batch::GrpoBatch;
 use crate::fused::{GroupInput, Packed};
 use crate::grpo::{Scale, group_advantages};
-use crate::loss::{LossConfig, TokenTensors, objective};
+use crate::loss::{LossConfig, LossOutput, TokenTensors, objective};
 
 /// A micro-batch's groups with signal, laid out for the fused pass.
 #[derive(Debug)]
@@ -94,26 +94,105 @@ impl MicroBatch {
         self.counted.iter().filter(|c| !**c).count()
     }
 
-    /// Per-token values (N) as a (C, L) f64 tensor, L the longest completion, 0 elsewhere.
-    fn per_completion(&self, values: &[f32]) -> CandleResult<Tensor> {
-        let (c, l) = (self.completions(), self.longest());
-        let mut out = vec![0f64; c * l];
-        for (k, range) in self.packed.tokens.iter().enumerate() {
-            let row = &mut out[k * l..k * l + range.len()];
+    /// Per-token values (N) of completions `ks` as a (K, L) f64 tensor, L the longest of
+    /// them, 0 elsewhere.
+    fn per_completion(&self, ks: &Range<usize>, values: &[f32]) -> CandleResult<Tensor> {
+        let l = self.longest(ks);
+        let mut out = vec![0f64; ks.len() * l];
+        for (row, range) in out
+            .chunks_mut(l.max(1))
+            .zip(&self.packed.tokens[ks.clone()])
+        {
             row.iter_mut()
                 .zip(&values[range.clone()])
                 .for_each(|(o, &v)| *o = f64::from(v));
         }
-        Tensor::from_vec(out, (c, l), &Device::Cpu)
+        Tensor::from_vec(out, (ks.len(), l), &Device::Cpu)
     }
 
-    fn longest(&self) -> usize {
-        self.packed
-            .tokens
+    fn longest(&self, ks: &Range<usize>) -> usize {
+        self.packed.tokens[ks.clone()]
             .iter()
             .map(|r| r.len())
             .max()
             .unwrap_or(0)
+    }
+
+    /// The completions whose tokens are `span` (a run of whole completions of the N
+    /// predicted tokens; an empty completion at a boundary goes with the run after it).
+    fn completions_in(&self, span: &Range<usize>) -> Range<usize> {
+        let t = &self.packed.tokens;
+        let first = t.partition_point(|r| r.start < span.start);
+        let end = if span.end == self.tokens {
+            t.len()
+        } else {
+            t.partition_point(|r| r.start < span.end)
+        };
+        first..end.max(first)
+    }
+
+    /// Completion k's tokens counted in the loss.
+    fn counted_tokens(&self, k: usize) -> usize {
+        if self.counted[k] {
+            self.packed.tokens[k].len()
+        } else {
+            0
+        }
+    }
+
+    /// The objective over completions `ks`, from the log-probs `logp` of the micro-batch's
+    /// tokens (N; those of `ks` are read) and the reference's; with `grad`, also its
+    /// gradient scaled by `weight` with respect to the log-probs of `ks`'s tokens, in
+    /// token order.
+    fn loss(
+        &self,
+        ks: Range<usize>,
+        (logp, ref_logp): (&[f32], Option<&[f32]>),
+        cfg: &LossConfig,
+        grad: Option<f64>,
+    ) -> CandleResult<(LossOutput, Vec<f32>)> {
+        let (c, l) = (ks.len(), self.longest(&ks));
+        let logp_var = Var::from_tensor(&self.per_completion(&ks, logp)?)?;
+        let mut mask = vec![0f64; c * l];
+        for (j, k) in ks.clone().enumerate() {
+            mask[j * l..][..self.counted_tokens(k)].fill(1.0);
+        }
+        let mask = Tensor::from_vec(mask, (c, l), &Device::Cpu)?;
+        let of = |v: Option<&[f32]>| v.map(|v| self.per_completion(&ks, v)).transpose();
+        let reference = of(ref_logp)?;
+        let behaviour = of(self.behaviour.as_deref())?;
+        let proximal = of(self.proximal.as_deref())?;
+        let advantages: Vec<f64> = self.advantages[ks.clone()]
+            .iter()
+            .map(|&a| f64::from(a))
+            .collect();
+        let advantages = Tensor::from_vec(advantages, (c, 1), &Device::Cpu)?;
+        let out = objective(
+            &TokenTensors {
+                logp: logp_var.as_tensor(),
+                reference: reference.as_ref(),
+                behaviour: behaviour.as_ref(),
+                proximal: proximal.as_ref(),
+                mask: &mask,
+                advantages: &advantages,
+            },
+            cfg,
+        )?;
+        let Some(weight) = grad else {
+            return Ok((out, Vec::new()));
+        };
+        let store = (&out.loss * weight)?.backward()?;
+        let g = match store.get(logp_var.as_tensor()) {
+            Some(g) => g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?,
+            None => vec![0f32; c * l],
+        };
+        let tokens = &self.packed.tokens[ks];
+        let dlogp = tokens
+            .iter()
+            .enumerate()
+            .flat_map(|(j, r)| g[j * l..j * l + r.len()].iter().copied())
+            .collect();
+        Ok((out, dlogp))
     }
 }
 
@@ -163,6 +242,12 @@ pub fn reference_logprobs<B: Backend>(
 /// The micro-batch's loss, scaled by `weight`, and its gradients added to `grads`
 /// (indexed as [`Weights`]), given the reference's log-probs of its tokens (`None`: no KL
 /// term), on backend `b`. Reports the unscaled loss parts.
+///
+/// The objective runs between the head's forward and backward of each chunk of
+/// completions ([`rookworld_train::train`]): chunk s's gradient is that of its own loss
+/// weighted by `weight · units(s) / units(micro-batch)` ([`crate::grpo::Aggregation::units`]), which
+/// adds up to the micro-batch's. The reported parts are the objective's over the whole
+/// micro-batch once its log-probs are in.
 #[allow(clippy::too_many_arguments)]
 pub fn micro_step<B: Backend, G: DerefMut<Target = B::Buf>>(
     b: &B,
@@ -176,73 +261,49 @@ pub fn micro_step<B: Backend, G: DerefMut<Target = B::Buf>>(
 ) -> CandleResult<MicroReport> {
     let wrap = candle_core::Error::wrap;
     let mut report = MicroReport::default();
-    let t = cfg.temperature;
     let started = Instant::now();
-    let logp = rookworld_train::forward(b, policy, &micro.packed, t, acts, true).map_err(wrap)?;
+    let units = |ks: Range<usize>| cfg.aggregation.units(ks.map(|k| micro.counted_tokens(k)));
+    let whole = units(0..micro.completions());
+    // The chunks' log-probs so far (N): a chunk's objective reads its own.
+    let mut logp = vec![0f32; micro.tokens];
+    let trained = rookworld_train::train(
+        b,
+        policy,
+        &micro.packed,
+        cfg.temperature,
+        (acts, grads),
+        |span, chunk| {
+            logp[span.clone()].copy_from_slice(chunk);
+            let ks = micro.completions_in(&span);
+            let share = units(ks.clone());
+            if whole == 0.0 || share == 0.0 {
+                return Ok(vec![0f32; span.len()]);
+            }
+            let w = weight * share / whole;
+            let (_, dlogp) = micro
+                .loss(ks, (&logp, ref_logp), cfg, Some(w))
+                .map_err(|e| rookworld_train::Error::Objective(Box::new(e)))?;
+            Ok(dlogp)
+        },
+    )
+    .map_err(wrap)?;
+    // The backward's kernels end before its time is taken (a no-op on the CPU).
+    b.synchronize().map_err(wrap)?;
+    report.forward_seconds = trained.forward_seconds;
+    report.backward_seconds = started.elapsed().as_secs_f64() - trained.forward_seconds;
     report.activation_bytes = acts.bytes(b);
     let entropy = b.read(acts.entropy()).map_err(wrap)?;
     report.entropy_sum = counted_ranges(&micro.packed, &micro.counted)
         .flat_map(|r| &entropy[r])
         .map(|&h| f64::from(h))
         .sum();
-    report.forward_seconds = started.elapsed().as_secs_f64();
-
-    let started = Instant::now();
-    let dlogp = {
-        let c = micro.completions();
-        let logp_var = Var::from_tensor(&micro.per_completion(&logp)?)?;
-        let mut mask = vec![0f64; c * micro.longest()];
-        for (k, r) in micro.packed.tokens.iter().enumerate() {
-            if micro.counted[k] {
-                mask[k * micro.longest()..][..r.len()].fill(1.0);
-            }
-        }
-        let mask = Tensor::from_vec(mask, (c, micro.longest()), &Device::Cpu)?;
-        let reference = ref_logp.map(|r| micro.per_completion(r)).transpose()?;
-        let behaviour = micro
-            .behaviour
-            .as_deref()
-            .map(|b| micro.per_completion(b))
-            .transpose()?;
-        let proximal = micro
-            .proximal
-            .as_deref()
-            .map(|b| micro.per_completion(b))
-            .transpose()?;
-        let advantages: Vec<f64> = micro.advantages.iter().map(|&a| f64::from(a)).collect();
-        let advantages = Tensor::from_vec(advantages, (c, 1), &Device::Cpu)?;
-        let out = objective(
-            &TokenTensors {
-                logp: logp_var.as_tensor(),
-                reference: reference.as_ref(),
-                behaviour: behaviour.as_ref(),
-                proximal: proximal.as_ref(),
-                mask: &mask,
-                advantages: &advantages,
-            },
-            cfg,
-        )?;
-        report.policy_loss = out.policy_loss;
-        report.kl = out.kl;
-        report.clip_low = out.clip_low;
-        report.clip_high = out.clip_high;
-        report.mismatch = out.mismatch;
-        let store = (out.loss * weight)?.backward()?;
-        let g = match store.get(logp_var.as_tensor()) {
-            Some(g) => g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?,
-            None => vec![0f32; c * micro.longest()],
-        };
-        let l = micro.longest();
-        let mut dlogp = vec![0f32; micro.tokens];
-        for (k, r) in micro.packed.tokens.iter().enumerate() {
-            dlogp[r.clone()].copy_from_slice(&g[k * l..k * l + r.len()]);
-        }
-        dlogp
-    };
-    rookworld_train::backward(b, policy, &micro.packed, acts, &dlogp, t, grads).map_err(wrap)?;
-    // The backward's kernels end before its time is taken (a no-op on the CPU).
-    b.synchronize().map_err(wrap)?;
-    report.backward_seconds = started.elapsed().as_secs_f64();
+    let all = 0..micro.completions();
+    let (out, _) = micro.loss(all, (&trained.logp, ref_logp), cfg, None)?;
+    report.policy_loss = out.policy_loss;
+    report.kl = out.kl;
+    report.clip_low = out.clip_low;
+    report.clip_high = out.clip_high;
+    report.mismatch = out.mismatch;
     Ok(report)
 }
 
@@ -258,12 +319,14 @@ pub fn nll_micro<B: Backend, G: DerefMut<Target = B::Buf>>(
     grads: &mut [G],
     acts: &mut Activations<B>,
 ) -> CandleResult<f64> {
-    let wrap = candle_core::Error::wrap;
     let packed = Packed::new(groups);
-    let logp = rookworld_train::forward(b, policy, &packed, 1.0, acts, true).map_err(wrap)?;
-    let n = logp.len().max(1);
-    let dlogp = vec![(-weight / n as f64) as f32; logp.len()];
-    rookworld_train::backward(b, policy, &packed, acts, &dlogp, 1.0, grads).map_err(wrap)?;
+    let n = packed.targets.len().max(1);
+    let g = (-weight / n as f64) as f32;
+    let logp = rookworld_train::train(b, policy, &packed, 1.0, (acts, grads), |span, _| {
+        Ok(vec![g; span.len()])
+    })
+    .map_err(candle_core::Error::wrap)?
+    .logp;
     Ok(-logp.iter().map(|&l| f64::from(l)).sum::<f64>() / n as f64)
 }
 

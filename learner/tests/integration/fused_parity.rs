@@ -3,7 +3,8 @@
 //! forward the rollout worker samples with): loss parts and every parameter's gradient,
 //! with and without behaviour log-probs, every aggregation and policy loss, the batch's
 //! std over micro-batches, three temperatures, with a completion of one token (fed
-//! nowhere, predicted from the prompt's last row).
+//! nowhere, predicted from the prompt's last row), the LM head's rows in one chunk and in
+//! several (the objective between each chunk's forward and backward).
 
 use crate::common;
 
@@ -18,7 +19,7 @@ use rookworld_lm::checkpoint;
 #[test]
 fn fused_pass_equals_autograd_on_the_plain_model() {
     let dir = common::grpo_fixture();
-    let policy = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
+    let mut policy = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
     let reference = checkpoint::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
     let mut worst = 0f32;
     for (
@@ -178,6 +179,11 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             micro_batch_groups: micro,
             max_grad_norm: 1.0,
         };
+        // The head's rows in one chunk, and in chunks of at most three rows (a completion
+        // of four its own chunk): the objective between the head's forward and backward
+        // of each chunk adds up to the whole micro-batch's.
+        let chunks = if micro % 2 == 0 { Some(3) } else { None };
+        policy.set_head_chunk_rows(chunks);
         let (fused, a) = accumulate(&policy, Some(&reference), &batch, &cfg).unwrap();
         let (plain, b) = accumulate_autograd(&policy, Some(&reference), &batch, &cfg).unwrap();
         assert!(a.forward_seconds > 0.0, "the fused pass ran");

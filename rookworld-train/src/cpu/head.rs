@@ -15,9 +15,18 @@ use crate::cpu::ops::{Matmuls, Rhs, gemm, gemm_rhs};
 /// Logit elements per block (64 MiB of f32): rows per block = this / V.
 const BLOCK_ELEMENTS: usize = 16 << 20;
 
+/// Probabilities kept from a chunk's forward for its backward (128 MiB of f32): rows per
+/// chunk of [`crate::pass::train`] = this / V.
+const KEEP_ELEMENTS: usize = 32 << 20;
+
 /// Rows of a block so that its logits hold at most [`BLOCK_ELEMENTS`].
 pub fn block_rows(vocab: usize) -> usize {
     (BLOCK_ELEMENTS / vocab.max(1)).max(1)
+}
+
+/// Rows of a chunk whose probabilities are kept: at most [`KEEP_ELEMENTS`].
+pub fn keep_rows(vocab: usize) -> usize {
+    (KEEP_ELEMENTS / vocab.max(1)).max(1)
 }
 
 /// `log softmax(h_n · Wᵀ / τ)[y_n]` of every row n of `hidden` (N, E) for head W

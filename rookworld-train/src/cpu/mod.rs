@@ -15,11 +15,25 @@ use ops::Matmuls;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Cpu {
     pub matmuls: Matmuls,
+    /// Rows of the LM head whose probabilities a chunk of [`crate::pass::train`] keeps;
+    /// `None`: 128 MiB's worth ([`head::keep_rows`]).
+    pub head_keep_rows: Option<usize>,
 }
 
 impl Cpu {
     pub fn new(matmuls: Matmuls) -> Self {
-        Self { matmuls }
+        Self {
+            matmuls,
+            head_keep_rows: None,
+        }
+    }
+
+    /// With chunks of the head of at most `rows` rows (at least one).
+    pub fn with_head_keep_rows(self, rows: usize) -> Self {
+        Self {
+            head_keep_rows: Some(rows.max(1)),
+            ..self
+        }
     }
 }
 
@@ -78,6 +92,13 @@ impl Backend for Cpu {
 
     fn rows<'a>(&self, packed: &'a Packed) -> Result<&'a Packed> {
         Ok(packed)
+    }
+
+    fn head_keep_rows(&self, vocab: usize) -> Option<usize> {
+        Some(
+            self.head_keep_rows
+                .unwrap_or_else(|| head::keep_rows(vocab)),
+        )
     }
 
     fn attention_state_len(&self, packed: &Packed, heads: Heads) -> usize {
@@ -234,35 +255,51 @@ impl Backend for Cpu {
     }
 
     fn head_forward(&self, f: HeadForward<'_, Self>, rows: &&Packed) -> Result<()> {
+        let (span, e) = (f.span, f.e);
+        let n = rows.targets.len();
+        shape(span.start <= span.end && span.end <= n, "head", || {
+            format!("rows {span:?} of {n}")
+        })?;
         let mut entropy = f.entropy.is_some().then(Vec::new);
         let logp = head::logprobs_rows(
-            f.hidden,
+            &f.hidden[span.start * e..span.end * e],
             f.head,
-            &rows.targets,
-            f.e,
+            &rows.targets[span.clone()],
+            e,
             f.temperature,
             f.scratch,
             f.keep,
             entropy.as_mut(),
             self.matmuls,
         );
-        f.logp.copy_from_slice(&logp);
+        f.logp[span.clone()].copy_from_slice(&logp);
         if let (Some(dst), Some(h)) = (f.entropy, entropy) {
-            dst.copy_from_slice(&h);
+            dst[span].copy_from_slice(&h);
         }
         Ok(())
     }
 
     fn head_backward(&self, b: HeadBackward<'_, Self>, rows: &&Packed) -> Result<()> {
+        let (span, e) = (b.span, b.e);
+        let n = rows.targets.len();
+        shape(span.start <= span.end && span.end <= n, "head", || {
+            format!("rows {span:?} of {n}")
+        })?;
+        let v = b.head.len() / e.max(1);
         head::backward_rows(
             head::HeadGrads {
-                hidden: b.dhidden,
+                hidden: &mut b.dhidden[span.start * e..span.end * e],
                 head: b.dhead,
             },
-            (b.hidden, b.head, &rows.targets, b.dlogp),
-            b.e,
+            (
+                &b.hidden[span.start * e..span.end * e],
+                b.head,
+                &rows.targets[span.clone()],
+                &b.dlogp[span.clone()],
+            ),
+            e,
             b.temperature,
-            b.probs,
+            b.probs.map(|p| &mut p[..span.len() * v]),
             self.matmuls,
         );
         Ok(())

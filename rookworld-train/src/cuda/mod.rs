@@ -465,6 +465,10 @@ impl Backend for Cuda {
         packed.rows() * heads.h
     }
 
+    fn head_keep_rows(&self, _vocab: usize) -> Option<usize> {
+        None
+    }
+
     fn gemm(&self, c: &mut DevF32, g: &Gemm, a: &DevF32, b: &DevF32) -> Result<()> {
         g.check(a.len, b.len, c.len)?;
         if g.m == 0 || g.n == 0 {
@@ -832,21 +836,22 @@ impl Backend for Cuda {
     }
 
     fn head_forward(&self, f: HeadForward<'_, Self>, rows: &CudaRows) -> Result<()> {
-        let (n, e) = (rows.predicted, f.e);
+        let (span, e) = (f.span, f.e);
         let v = f.head.len / e.max(1);
         // Nothing is kept for the backward, which recomputes each block's logits: the
         // pass's head buffer stays empty, the blocks go through the backend's scratch.
         self.fit(f.scratch, 0)?;
-        if n == 0 {
+        check_span("head", &span, rows.predicted)?;
+        if span.is_empty() {
             return Ok(());
         }
-        let block = head_block(v, n);
+        let block = head_block(v, span.len());
         let mut logits = self.scratch(block * v)?;
         let (vi, inv_t) = (int("head", v)?, (1.0 / f.temperature) as f32);
         let targets = self.ptr(&rows.targets);
         let entropy = f.entropy.as_ref().map_or(0, |h| h.ptr);
-        for start in (0..n).step_by(block) {
-            let m = block.min(n - start);
+        for start in span.clone().step_by(block) {
+            let m = block.min(span.end - start);
             self.block_logits(&mut logits, f.hidden, f.head, (start, m, v, e))?;
             let (logp, t) = (f.logp.at(start), u32_at(targets, start));
             let h = if entropy == 0 {
@@ -870,17 +875,18 @@ impl Backend for Cuda {
     }
 
     fn head_backward(&self, b: HeadBackward<'_, Self>, rows: &CudaRows) -> Result<()> {
-        let (n, e) = (rows.predicted, b.e);
+        let (span, e) = (b.span, b.e);
         let v = b.head.len / e.max(1);
-        if n == 0 {
+        check_span("head", &span, rows.predicted)?;
+        if span.is_empty() {
             return Ok(());
         }
-        let block = head_block(v, n);
+        let block = head_block(v, span.len());
         let mut logits = self.scratch(block * v)?;
         let (vi, inv_t) = (int("head", v)?, (1.0 / b.temperature) as f32);
         let targets = self.ptr(&rows.targets);
-        for start in (0..n).step_by(block) {
-            let m = block.min(n - start);
+        for start in span.clone().step_by(block) {
+            let m = block.min(span.end - start);
             self.block_logits(&mut logits, b.hidden, b.head, (start, m, v, e))?;
             let (t, up) = (u32_at(targets, start), b.dlogp.at(start));
             launch!(
@@ -913,6 +919,15 @@ impl Backend for Cuda {
             self.gemm(b.dhead, &g, b.hidden, &logits)?;
         }
         Ok(())
+    }
+}
+
+/// `Err` unless `span` lies within the `n` predicting rows.
+fn check_span(op: &'static str, span: &std::ops::Range<usize>, n: usize) -> Result<()> {
+    if span.start <= span.end && span.end <= n {
+        Ok(())
+    } else {
+        Err(fail(op, format!("rows {span:?} of {n}")))
     }
 }
 
