@@ -338,9 +338,8 @@ pub fn forward<B: Backend>(
     let rows = b.rows(packed)?;
     forward_blocks(b, params, packed, &rows, acts, keep)?;
     let n = packed.targets.len();
-    let keep_probs = keep && n * params.cfg.vocab_size <= KEEP_HEAD_PROBS;
-    acts.head_kept = keep_probs;
-    head_forward(b, params, &rows, acts, (0..n, temperature), keep_probs)?;
+    acts.head_kept = keep && n * params.cfg.vocab_size <= KEEP_HEAD_PROBS;
+    head_forward(b, params, &rows, acts, (0..n, temperature))?;
     b.read(&acts.logp)
 }
 
@@ -365,8 +364,7 @@ pub fn backward<B: Backend, G: DerefMut<Target = B::Buf>>(
     let n = packed.targets.len();
     plan_gradients(b, params.cfg, packed, acts)?;
     b.write(&mut acts.grad.dlogp, dlogp)?;
-    let kept = acts.head_kept;
-    head_backward(b, params, &rows, acts, (0..n, temperature), kept, grads)?;
+    head_backward(b, params, &rows, acts, (0..n, temperature), grads)?;
     backward_blocks(b, params, packed, &rows, acts, grads)
 }
 
@@ -406,9 +404,8 @@ pub fn train<B: Backend, G: DerefMut<Target = B::Buf>>(
     acts.head_kept = keep_rows.is_some();
     let (mut logp, mut dlogp) = (vec![0f32; n], vec![0f32; n]);
     for span in spans {
-        let keep = acts.head_kept;
         let head_started = Instant::now();
-        head_forward(b, params, &rows, acts, (span.clone(), temperature), keep)?;
+        head_forward(b, params, &rows, acts, (span.clone(), temperature))?;
         let all = b.read(&acts.logp)?;
         forward += head_started.elapsed();
         logp[span.clone()].copy_from_slice(&all[span.clone()]);
@@ -422,7 +419,7 @@ pub fn train<B: Backend, G: DerefMut<Target = B::Buf>>(
         }
         dlogp[span.clone()].copy_from_slice(&d);
         b.write(&mut acts.grad.dlogp, &dlogp)?;
-        head_backward(b, params, &rows, acts, (span, temperature), keep, grads)?;
+        head_backward(b, params, &rows, acts, (span, temperature), grads)?;
     }
     backward_blocks(b, params, packed, &rows, acts, grads)?;
     Ok(Trained {
@@ -536,15 +533,14 @@ fn forward_blocks<B: Backend>(
 }
 
 /// The LM head's forward on the predicting rows `span` into `acts.logp` (and, with
-/// gradients kept, `acts.entropy`); with `keep_probs`, what its backward needs stays in
-/// `acts.head_probs`.
+/// gradients kept, `acts.entropy`); with `acts.head_kept`, what its backward needs stays
+/// in `acts.head_probs`.
 fn head_forward<B: Backend>(
     b: &B,
     params: &Weights<B>,
     rows: &B::Rows<'_>,
     acts: &mut Activations<B>,
     (span, temperature): (Range<usize>, f64),
-    keep_probs: bool,
 ) -> Result<()> {
     let keep = acts.keep;
     b.head_forward(
@@ -557,7 +553,7 @@ fn head_forward<B: Backend>(
             span,
             e: params.cfg.n_embd,
             temperature,
-            keep: keep_probs,
+            keep: acts.head_kept,
         },
         rows,
     )
@@ -592,14 +588,13 @@ fn plan_gradients<B: Backend>(
 
 /// The LM head's backward on the predicting rows `span` for the upstream gradients in
 /// `acts.grad.dlogp`: ∂ of its input rows into `acts.grad.hidden`, of its weight into
-/// `grads`; with `kept`, from what its forward of the same rows kept.
+/// `grads`; with `acts.head_kept`, from what its forward of the same rows kept.
 fn head_backward<B: Backend, G: DerefMut<Target = B::Buf>>(
     b: &B,
     params: &Weights<B>,
     rows: &B::Rows<'_>,
     acts: &mut Activations<B>,
     (span, temperature): (Range<usize>, f64),
-    kept: bool,
     grads: &mut [G],
 ) -> Result<()> {
     let head_index = params.head_index();
@@ -613,7 +608,7 @@ fn head_backward<B: Backend, G: DerefMut<Target = B::Buf>>(
             span,
             e: params.cfg.n_embd,
             temperature,
-            probs: kept.then_some(&mut *acts.head_probs),
+            probs: acts.head_kept.then_some(&mut *acts.head_probs),
         },
         rows,
     )
