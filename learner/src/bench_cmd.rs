@@ -256,7 +256,7 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     let batch = synthetic_batch(args, cfg.vocab_size);
     let step_cfg = StepConfig {
         loss: args.loss_config()?,
-        micro_batch_groups: args.batch.micro_batch_groups,
+        micro_batch_groups: args.batch.micro_batch_groups.resolve(&device),
         max_grad_norm: 1.0,
     };
     let mut opt = AdamW::new(AdamWConfig::default());

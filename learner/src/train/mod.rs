@@ -185,6 +185,7 @@ pub async fn run(
         // A resumed run redoes the steps after its checkpoint; one started over, all.
         run.resumed || args.start.overwrite,
     )?;
+    let step_cfg = s.step_config(run.policy.model.device());
     let mut trainer = Trainer {
         args: &args,
         s: &s,
@@ -196,7 +197,7 @@ pub async fn run(
         fleet: &services.fleet,
         reporter: &mut reporter,
         schedule: s.schedule(),
-        step_cfg: s.step_config(),
+        step_cfg,
         stop: stop_rx.clone(),
         watchdog: Watchdog::new(args.stall_timeout(), Instant::now()),
     };

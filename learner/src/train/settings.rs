@@ -189,12 +189,14 @@ impl TrainSettings {
             .loss_config(self.sampling.temperature, self.sampling.max_new_tokens)
     }
 
-    pub fn step_config(&self) -> StepConfig {
+    /// The step's configuration for a policy on `device` (which resolves
+    /// `--micro-batch-groups auto`).
+    pub fn step_config(&self, device: &candle_core::Device) -> StepConfig {
         StepConfig {
             loss: self
                 .objective
                 .loss_config_unchecked(self.sampling.temperature, self.sampling.max_new_tokens),
-            micro_batch_groups: self.batch.micro_batch_groups,
+            micro_batch_groups: self.batch.micro_batch_groups.resolve(device),
             max_grad_norm: self.max_grad_norm,
         }
     }
