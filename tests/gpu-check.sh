@@ -28,13 +28,14 @@
 # buffer with the CPU reference and its pass timed; the learner's GRPO step (candle's autograd
 # and the fused pass on the CUDA backend) beside PyTorch's (BF16 autocast, eager and
 # `torch.compile`) with MFU, and with the training ops off; a 124M
-# weight push to a worker on the GPU; a short `learner train --local` on the GPU, the
+# weight push to a worker on the GPU (each version a new model, and written into the
+# worker's own buffers: the trial weights_in_place); a short `learner train --local` on the GPU, the
 # in-process worker's NVML gauges scraped while it runs, beside TRL's GRPOTrainer with the
 # same batch.
 #
 # ONLY="NAME ..." runs only the named sections (device, parity, copy_bandwidth,
 # worker_PxG_T, split_PxG_T, hf_PxG_T, graph_PxG_T, backend_compare, backend_pass, learner_step, push,
-# train, trl, learner_composed) and keeps the other
+# push_in_place, train, trl, learner_composed) and keeps the other
 # sections' JSON already in OUT: a second run redoes what a first one left failed, and the
 # table covers both.
 #
@@ -243,6 +244,9 @@ SECTION_LIMIT=$STEP_LIMIT section learner_step "$PY" "$ROOT/learner/bench/step_v
   --paths "$STEP_PATHS"
 section push "$LEARNER" bench-push --preset "$PRESET" --worker-device "$DEVICE" --pushes 3 \
   --chunk-kib 1024 --idle-only
+# The same with each version written into the worker's retired model from page-locked memory.
+section push_in_place env ROOKWORLD_ENABLE_KERNELS=weights_in_place "$LEARNER" bench-push \
+  --preset "$PRESET" --worker-device "$DEVICE" --pushes 3 --chunk-kib 1024 --idle-only
 train_section
 # The whole loop's peer: TRL's GRPOTrainer with the same batch, steps and new tokens.
 SECTION_LIMIT=$TRAIN_LIMIT section trl "$PY" "$HERE/gpu/trl_grpo.py" --device "$DEVICE" \

@@ -406,9 +406,11 @@ impl StoredValues<'_> {
     }
 }
 
-/// Writes `src` over the values of `tensor`, a contiguous f32 or bfloat16 CPU tensor of as
+/// Writes `src` over the values of `tensor`, a contiguous f32 or bfloat16 tensor of as
 /// many elements, in place (bfloat16 into bfloat16 is a copy, bfloat16 into f32 exact, f32
 /// into bfloat16 rounded as [`bf16_bits`]). A tensor cloned from `tensor` sees the values.
+/// On CUDA only the copies (the same dtype) are written, from page-locked memory in one
+/// transfer (`cuda::upload`).
 pub fn overwrite(tensor: &Tensor, src: StoredValues<'_>) -> candle_core::Result<()> {
     tensor.inplace_op1(&Overwrite { src })
 }
@@ -462,6 +464,27 @@ impl candle_core::InplaceOp1 for Overwrite<'_> {
             }
             _ => candle_core::bail!("overwrite: the tensor is neither f32 nor bfloat16"),
         }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &mut candle_core::CudaStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        let Some((a, b)) = layout.contiguous_offsets() else {
+            candle_core::bail!("overwrite: the tensor is not contiguous");
+        };
+        use candle_core::cuda::CudaStorageSlice;
+        let (bytes, size) = match (&storage.slice, self.src) {
+            (CudaStorageSlice::BF16(_), StoredValues::Bf16(src)) => (src, 2),
+            (CudaStorageSlice::F32(_), StoredValues::F32(src)) => (src, 4),
+            _ => candle_core::bail!("overwrite: on CUDA only values of the tensor's own dtype"),
+        };
+        if bytes.len() != (b - a) * size {
+            candle_core::bail!("overwrite: {} bytes for {} values", bytes.len(), b - a);
+        }
+        crate::cuda::upload_into(storage, a, bytes)
     }
 }
 

@@ -250,6 +250,11 @@ pub fn to_bf16_payload(model: &Gpt2) -> Result<Vec<u8>> {
 /// or without the `transformer.` prefix), into `dtype` on `device`. A missing or
 /// misshaped tensor is named; nothing is trusted before every tensor is checked.
 pub fn from_bytes(bytes: &[u8], cfg: &Config, dtype: DType, device: &Device) -> Result<Gpt2> {
+    if !device.is_cpu()
+        && let Some(model) = from_bytes_in_one_buffer(bytes, cfg, dtype, device)?
+    {
+        return Ok(model);
+    }
     let st = safetensors::SafeTensors::deserialize(bytes)?;
     let prefixed = check_tensors(
         cfg,
@@ -257,26 +262,138 @@ pub fn from_bytes(bytes: &[u8], cfg: &Config, dtype: DType, device: &Device) -> 
             .into_iter()
             .map(|(n, v)| (n, v.shape().to_vec())),
     )?;
-    let whole = if device.is_cpu() {
-        None
-    } else {
-        upload_whole(&st, bytes, cfg, dtype, device)?
-    };
-    let tensors = match whole {
-        Some(tensors) => tensors,
-        None => crate::bf16_payload::load(bytes, dtype == DType::F32)?,
-    };
     build(
-        VarBuilder::from_tensors(tensors, dtype, device),
+        VarBuilder::from_tensors(
+            crate::bf16_payload::load(bytes, dtype == DType::F32)?,
+            dtype,
+            device,
+        ),
         prefixed,
         cfg,
     )
 }
 
+/// The model of safetensors `bytes` with every weight a view of one buffer on `device`,
+/// filled by one copy of the payload's data section (what [`from_bytes`] builds off the
+/// CPU); `None` when the payload does not allow it ([`upload_whole`]). When the stored
+/// dtype is `dtype` (no conversion), the model keeps that buffer and the payload's layout
+/// ([`Gpt2::weights_buffer`]), and [`refill_in_place`] writes the next version of the same
+/// layout into it.
+pub fn from_bytes_in_one_buffer(
+    bytes: &[u8],
+    cfg: &Config,
+    dtype: DType,
+    device: &Device,
+) -> Result<Option<Gpt2>> {
+    let st = safetensors::SafeTensors::deserialize(bytes)?;
+    let prefixed = check_tensors(
+        cfg,
+        st.tensors()
+            .into_iter()
+            .map(|(n, v)| (n, v.shape().to_vec())),
+    )?;
+    let Some((tensors, buffer)) = upload_whole(&st, bytes, cfg, dtype, device)? else {
+        return Ok(None);
+    };
+    let mut model = build(
+        VarBuilder::from_tensors(tensors, dtype, device),
+        prefixed,
+        cfg,
+    )?;
+    if let Some(buffer) = buffer {
+        model.set_weights_buffer(buffer);
+    }
+    Ok(Some(model))
+}
+
+/// Writes the weights of safetensors `bytes` over `model`'s in place, in one copy of the
+/// payload's data section into the buffer its weights are views of (on a GPU: from
+/// page-locked memory, one transfer), and refreshes the copies made of them for inference
+/// (the padded LM head). Returns false, changing nothing, unless the model was built by
+/// [`from_bytes_in_one_buffer`] from a payload of exactly this layout: the same names,
+/// shapes, dtype and places in the data section (so the same checks hold as for a fresh
+/// build).
+///
+/// The model's tensors are written through: a clone of the model sees the new values.
+/// Refill only a model nothing else uses.
+pub fn refill_in_place(model: &mut Gpt2, bytes: &[u8]) -> Result<bool> {
+    let Some(buffer) = model.weights_buffer() else {
+        return Ok(false);
+    };
+    let st = safetensors::SafeTensors::deserialize(bytes)?;
+    let data = data_section(bytes);
+    if layout_of(&st, data) != buffer.layout {
+        return Ok(false);
+    }
+    let values = match buffer.whole.dtype() {
+        DType::BF16 => crate::bf16_payload::StoredValues::Bf16(data),
+        DType::F32 => crate::bf16_payload::StoredValues::F32(data),
+        _ => return Ok(false),
+    };
+    crate::bf16_payload::overwrite(&buffer.whole, values)?;
+    model.refresh_copies()?;
+    Ok(true)
+}
+
+/// The one buffer a model's weights are views of, and where each tensor of the payload
+/// it was built from lies in it (see [`from_bytes_in_one_buffer`]).
+#[derive(Debug, Clone)]
+pub struct WeightsBuffer {
+    /// [elements] the payload's data section, in the stored dtype.
+    whole: Tensor,
+    layout: Vec<Slot>,
+}
+
+impl WeightsBuffer {
+    /// Bytes of the buffer.
+    pub fn bytes(&self) -> usize {
+        self.whole.elem_count() * self.whole.dtype().size_in_bytes()
+    }
+}
+
+/// A tensor of a payload: its name, dtype, shape and bytes in the data section.
+#[derive(Debug, Clone, PartialEq)]
+struct Slot {
+    name: String,
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    bytes: std::ops::Range<usize>,
+}
+
+/// The bytes after a safetensors payload's header (`bytes` deserialised already, so the
+/// header length is in range).
+fn data_section(bytes: &[u8]) -> &[u8] {
+    let header = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+    &bytes[8 + header..]
+}
+
+/// Every tensor's slot of `data` (the payload's data section), by name.
+fn layout_of(st: &safetensors::SafeTensors<'_>, data: &[u8]) -> Vec<Slot> {
+    let mut slots: Vec<Slot> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let start = view.data().as_ptr() as usize - data.as_ptr() as usize;
+            Slot {
+                name,
+                dtype: view.dtype(),
+                shape: view.shape().to_vec(),
+                bytes: start..start + view.data().len(),
+            }
+        })
+        .collect();
+    slots.sort_by(|a, b| a.name.cmp(&b.name));
+    slots
+}
+
+/// The tensors of a payload uploaded in one buffer, and that buffer when it is kept.
+type Uploaded = (HashMap<String, Tensor>, Option<WeightsBuffer>);
+
 /// The tensors of safetensors `bytes` on `device` in `dtype` through one host-to-device
 /// copy of the whole data section (and, when the stored dtype differs, one cast there):
 /// every tensor is a view of that one buffer. A weight push to a GPU worker takes this
 /// path: one copy of 249 MB instead of one allocation, conversion and copy per tensor.
+/// With them the buffer and the payload's layout, when no cast was needed.
 ///
 /// `None` (nothing done) unless the payload holds exactly the tensors `cfg` reads, all
 /// stored in one float dtype, with the data section aligned for it in memory: the
@@ -287,7 +404,7 @@ fn upload_whole(
     cfg: &Config,
     dtype: DType,
     device: &Device,
-) -> Result<Option<HashMap<String, Tensor>>> {
+) -> Result<Option<Uploaded>> {
     use safetensors::Dtype;
     let views = st.tensors();
     if views.len() != tensor_specs(cfg).len() || cfg!(target_endian = "big") {
@@ -297,10 +414,9 @@ fn upload_whole(
     if views.iter().any(|(_, v)| v.dtype() != stored) {
         return Ok(None);
     }
-    // The data section: after the 8-byte header length and the header (safetensors checked
-    // both, and that the tensors' byte ranges tile the rest with no gap).
-    let header = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
-    let data = &bytes[8 + header..];
+    // The data section (safetensors checked the header, and that the tensors' byte ranges
+    // tile the rest with no gap).
+    let data = data_section(bytes);
     let whole = match stored {
         Dtype::F32 => aligned::<f32>(data, device)?,
         Dtype::BF16 => aligned::<half::bf16>(data, device)?,
@@ -310,6 +426,7 @@ fn upload_whole(
     let Some(whole) = whole else {
         return Ok(None);
     };
+    let kept = whole.dtype() == dtype;
     // [elements] on the device, in `dtype`.
     let whole = whole.to_dtype(dtype)?;
     let size = stored.bitsize() / 8;
@@ -320,7 +437,11 @@ fn upload_whole(
         let tensor = whole.narrow(0, start, len)?.reshape(view.shape())?;
         out.insert(name, tensor);
     }
-    Ok(Some(out))
+    let buffer = kept.then(|| WeightsBuffer {
+        layout: layout_of(st, data),
+        whole,
+    });
+    Ok(Some((out, buffer)))
 }
 
 /// `data` as one tensor of `T` on `device`; `None` when the bytes are not aligned for `T`
@@ -411,9 +532,15 @@ mod tests {
         ] {
             let st = safetensors::SafeTensors::deserialize(&payload).unwrap();
             for dtype in [DType::F32, DType::BF16] {
-                let whole = upload_whole(&st, &payload, &cfg, dtype, &Device::Cpu)
+                let (whole, buffer) = upload_whole(&st, &payload, &cfg, dtype, &Device::Cpu)
                     .unwrap()
                     .unwrap_or_else(|| panic!("{stored:?} payload into {dtype:?}: not taken"));
+                // The buffer is kept where no cast made a new one.
+                assert_eq!(
+                    buffer.is_some(),
+                    stored == dtype,
+                    "{stored:?} into {dtype:?}"
+                );
                 let per_tensor: HashMap<String, Tensor> =
                     crate::bf16_payload::load(&payload, false)
                         .unwrap()
@@ -443,6 +570,70 @@ mod tests {
                 assert_eq!(logits(&a), logits(&b), "{stored:?} payload into {dtype:?}");
             }
         }
+    }
+
+    /// The logits of `m` for a few tokens, in f32.
+    fn some_logits(m: &Gpt2) -> Vec<f32> {
+        let ids = Tensor::new(&[[3u32, 1, 4, 1, 5]], &Device::Cpu).unwrap();
+        let pad = crate::mask::LeftPadding::none(1);
+        m.forward(&ids, &pad, &mut m.new_cache())
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    }
+
+    #[test]
+    fn a_version_of_the_same_layout_is_written_into_the_one_buffer() {
+        let cfg = Config::tiny();
+        let payload = |seed| {
+            to_bf16_payload(&init_random(&cfg, seed, DType::F32, &Device::Cpu).unwrap()).unwrap()
+        };
+        let (first, second) = (payload(1), payload(2));
+        let mut model = from_bytes_in_one_buffer(&first, &cfg, DType::BF16, &Device::Cpu)
+            .unwrap()
+            .expect("a bfloat16 payload in one buffer");
+        let buffer = model.weights_buffer().expect("the buffer is kept").bytes();
+        assert_eq!(buffer, cfg.num_parameters() * 2);
+        // The padded head a GPU model keeps is a copy; it is written again too.
+        model.pad_head().unwrap();
+        let clone = model.clone();
+        assert!(refill_in_place(&mut model, &second).unwrap());
+        let fresh = from_bytes(&second, &cfg, DType::BF16, &Device::Cpu).unwrap();
+        assert_same_tensors(
+            &model.named_tensors().into_iter().collect(),
+            &fresh.named_tensors().into_iter().collect(),
+        );
+        assert_eq!(
+            some_logits(&model),
+            some_logits(&fresh),
+            "through the padded head"
+        );
+        // Written through: a clone shares the buffer (refill only a model nothing uses).
+        assert_eq!(some_logits(&clone), some_logits(&fresh));
+
+        // Another layout (f32 values) is not written; nothing changes.
+        let other = to_bytes(
+            &init_random(&cfg, 3, DType::F32, &Device::Cpu).unwrap(),
+            DType::F32,
+        )
+        .unwrap();
+        assert!(!refill_in_place(&mut model, &other).unwrap());
+        assert_eq!(some_logits(&model), some_logits(&fresh));
+        // Nor a model with no buffer: built per tensor, or cast on upload.
+        let mut per_tensor = from_bytes(&first, &cfg, DType::BF16, &Device::Cpu).unwrap();
+        assert!(!refill_in_place(&mut per_tensor, &second).unwrap());
+        let mut cast = from_bytes_in_one_buffer(&first, &cfg, DType::F32, &Device::Cpu)
+            .unwrap()
+            .unwrap();
+        assert!(cast.weights_buffer().is_none());
+        assert!(!refill_in_place(&mut cast, &second).unwrap());
+        // A malformed payload is an error, and the model is as it was.
+        assert!(refill_in_place(&mut model, &second[..100]).is_err());
+        assert_eq!(some_logits(&model), some_logits(&fresh));
     }
 
     #[test]

@@ -32,22 +32,28 @@ pub enum Kernel {
     /// checked against the CPU backend when `--step-path fused` chooses it; without it,
     /// candle's autograd.
     StepBackend,
+    /// A weight push written into the worker's own device buffers, copied from
+    /// page-locked memory in one transfer (`cuda::upload`, `checkpoint::refill_in_place`).
+    /// A trial ([`Kernel::trial`]); without it each version is a new model, uploaded in one
+    /// copy from pageable memory.
+    WeightsInPlace,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 6] = [
+    pub const ALL: [Kernel; 7] = [
         Kernel::Attention,
         Kernel::Sampling,
         Kernel::DecodeOps,
         Kernel::TrainOps,
         Kernel::SplitAttention,
         Kernel::StepBackend,
+        Kernel::WeightsInPlace,
     ];
 
     /// A family that runs only when [`ENABLE_ENV`] names it, until a GPU run has passed
     /// its check and timed it; the start-up check still checks it when it is named.
     pub fn trial(self) -> bool {
-        matches!(self, Kernel::SplitAttention)
+        matches!(self, Kernel::SplitAttention | Kernel::WeightsInPlace)
     }
 
     /// The name logs, metrics and errors use.
@@ -59,6 +65,7 @@ impl Kernel {
             Kernel::TrainOps => "train_ops",
             Kernel::SplitAttention => "grouped_attention_split",
             Kernel::StepBackend => "step_backend",
+            Kernel::WeightsInPlace => "weights_in_place",
         }
     }
 }

@@ -23,12 +23,20 @@ use rookworld_lm::checkpoint;
 /// ([`Gpt2::packed_only`], a worker's) is packed straight from `bytes`
 /// ([`Gpt2::refill_packed`]): no dense copy of its projections is written.
 ///
-/// Returns false, changing nothing, when the model is not f32 on the CPU or a tensor is
-/// stored in another dtype: build the model afresh then.
+/// A model built by one upload ([`checkpoint::from_bytes_in_one_buffer`]) takes the next
+/// version of the same layout by one copy into that buffer instead
+/// ([`checkpoint::refill_in_place`]).
+///
+/// Returns false, changing nothing, when the model is neither f32 on the CPU nor in one
+/// buffer of this payload's layout, or a tensor is stored in another dtype: build the
+/// model afresh then.
 ///
 /// The model's tensors are written through: a tensor cloned out of `model` earlier (or
 /// a clone of the model) sees the new values. Refill only a model nothing else shares.
 pub fn refill(model: &mut Gpt2, bytes: &[u8]) -> Result<bool> {
+    if in_place(model) {
+        return checkpoint::refill_in_place(model, bytes);
+    }
     if !refillable(model) {
         return Ok(false);
     }
@@ -71,9 +79,20 @@ pub fn refill(model: &mut Gpt2, bytes: &[u8]) -> Result<bool> {
     Ok(true)
 }
 
-/// Whether [`refill`] can write into `model`: f32 weights on the CPU.
+/// Whether [`refill`] can write into `model`: f32 weights on the CPU, or a model whose
+/// weights are views of one buffer ([`checkpoint::from_bytes_in_one_buffer`]: a GPU
+/// worker's) while the `weights_in_place` trial is on.
 pub fn refillable(model: &Gpt2) -> bool {
-    model.device().is_cpu() && model.dtype() == DType::F32
+    in_place(model) || (model.device().is_cpu() && model.dtype() == DType::F32)
+}
+
+/// Whether [`refill`] writes `model`'s one weights buffer: off the CPU only while the
+/// `weights_in_place` trial is on (`ROOKWORLD_ENABLE_KERNELS`) and its start-up check
+/// passed.
+fn in_place(model: &Gpt2) -> bool {
+    model.weights_buffer().is_some()
+        && (model.device().is_cpu()
+            || rookworld_lm::kernels::enabled(rookworld_lm::kernels::Kernel::WeightsInPlace))
 }
 
 #[cfg(test)]

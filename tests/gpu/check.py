@@ -455,6 +455,9 @@ def cmd_table(args):
             f"log-prob max |Δ| {fmt(kern['sampling_max_logprob_error'])}")
         if "empty_rows" in kern:
             add("decode kernels vs CPU reference", "training ops on zero rows", kern["empty_rows"])
+        if "upload_mismatched" in kern:
+            add("decode kernels vs CPU reference", "page-locked upload values differing",
+                fmt(kern["upload_mismatched"]), "trial weights_in_place")
         add("decode kernels vs CPU reference", "result", "pass" if kern.get("passed") else "FAIL")
     if problem(par):
         add("parity vs CPU f32", "result", problem(par))
@@ -564,13 +567,16 @@ def cmd_table(args):
             f"training ops {'on' if lb.get('learner_train_ops') else 'off'}; with them off "
             f"{fmt(lc['step_seconds'])} s, MFU {fmt(lc.get('mfu'))}, "
             f"{lc.get('micro_batch_groups', '?')} groups per micro-batch")
-    push = d.get("push", {})
-    if push.get("shared"):
-        add("weight push", "gRPC idle s", fmt(push["idle"][0]["seconds"]) if push.get("idle") else "–")
-        add("weight push", "same-host s", fmt(push["shared"]["seconds"]),
-            f"convert+upload {fmt(push['shared']['convert_seconds'])} s")
-    elif push:
-        add("weight push", "result", problem(push) or "missing")
+    # push: each version a new model; push_in_place: written into the retired model's
+    # device buffers from page-locked memory (the trial `weights_in_place`).
+    for key, label in (("push", "weight push"), ("push_in_place", "weight push in place")):
+        push = d.get(key, {})
+        if push.get("shared"):
+            add(label, "gRPC idle s", fmt(push["idle"][0]["seconds"]) if push.get("idle") else "–")
+            add(label, "same-host s", fmt(push["shared"]["seconds"]),
+                f"convert+upload {fmt(push['shared']['convert_seconds'])} s")
+        elif push:
+            add(label, "result", problem(push) or "missing")
     nv = d.get("nvml", {}).get("peak", {})
     if not nv:
         add("worker NVML (peak)", "result", "no GPU gauges scraped")

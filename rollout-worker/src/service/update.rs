@@ -7,8 +7,11 @@
 //! service keeps the model each swap retires (only models it built itself: the model
 //! the worker started with may share tensors with its caller) and writes the next
 //! version over it. A CPU worker thus holds two models' memory at rest, as every update
-//! already did while it ran; other devices and dtypes build afresh and keep none. The
-//! buffer a streamed payload arrived in is kept for the next stream likewise.
+//! already did while it ran. A GPU worker's model is one device buffer that every weight
+//! is a view of; with the trial `weights_in_place` on (`ROOKWORLD_ENABLE_KERNELS`) the
+//! next version is copied into the retired one's buffer from page-locked memory in one
+//! transfer (`rookworld_weights::refill`), else each version is built afresh. The buffer
+//! a streamed payload arrived in is kept for the next stream likewise.
 
 use std::time::{Duration, Instant};
 

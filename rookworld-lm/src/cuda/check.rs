@@ -42,6 +42,10 @@ pub struct KernelCheck {
     /// The training ops on zero rows (forward and backward, and AdamW on nothing): `ok`,
     /// or the error. They return empty results without a launch.
     pub empty_rows: String,
+    /// Random bytes uploaded into a bfloat16 and an f32 tensor through page-locked memory
+    /// (the trial `weights_in_place`), at an odd offset and length: values read back that
+    /// differ (0 to pass).
+    pub upload_mismatched: f64,
     pub passed: bool,
 }
 
@@ -104,6 +108,7 @@ fn run_checks(device: &Device) -> (KernelCheck, Vec<Finding>) {
     let ops_f32 = ran(Kernel::DecodeOps, check_ops(device, DType::F32, &mut rng));
     let ops_bf16 = ran(Kernel::DecodeOps, check_ops(device, DType::BF16, &mut rng));
     let train_ops = ran(Kernel::TrainOps, check_train_ops(device, &mut rng));
+    let upload = ran(Kernel::WeightsInPlace, check_upload(device, &mut rng));
     let mut check = KernelCheck {
         attention_f32_max_abs_error: f32_error,
         attention_bf16_max_abs_error: bf16_error,
@@ -119,6 +124,7 @@ fn run_checks(device: &Device) -> (KernelCheck, Vec<Finding>) {
             Ok(()) => "ok".into(),
             Err(e) => e.to_string(),
         },
+        upload_mismatched: upload,
         passed: false,
     };
     check.passed = check.findings().is_empty();
@@ -185,11 +191,62 @@ impl KernelCheck {
                 self.train_ops_max_rel_error,
                 1e-3,
             ),
+            judge(
+                Kernel::WeightsInPlace,
+                "values that differ",
+                self.upload_mismatched,
+                0.0,
+            ),
         ]
         .into_iter()
         .flatten()
         .collect()
     }
+}
+
+/// Uploads random values over part of a bfloat16 and of an f32 tensor (an odd offset and
+/// length, so the staging path's edges are exercised) with `bf16_payload::overwrite` and
+/// counts the values read back that are not the ones sent, or that changed outside it.
+fn check_upload(device: &Device, rng: &mut ChaCha8Rng) -> Result<f64> {
+    use crate::bf16_payload::{StoredValues, overwrite};
+    let (len, start, count) = (100_003, 17, 99_971);
+    let mut mismatched = 0usize;
+    for dtype in [DType::BF16, DType::F32] {
+        let before = random(rng, len);
+        let sent = random(rng, count);
+        let whole = Tensor::from_slice(&before, len, device)?.to_dtype(dtype)?;
+        let part = whole.narrow(0, start, count)?;
+        let bytes: Vec<u8> = match dtype {
+            DType::BF16 => sent
+                .iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_bits().to_le_bytes())
+                .collect(),
+            _ => sent.iter().flat_map(|&x| x.to_le_bytes()).collect(),
+        };
+        let values = match dtype {
+            DType::BF16 => StoredValues::Bf16(&bytes),
+            _ => StoredValues::F32(&bytes),
+        };
+        overwrite(&part, values)?;
+        let back = whole.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        let round = |x: f32| match dtype {
+            DType::BF16 => half::bf16::from_f32(x).to_f32(),
+            _ => x,
+        };
+        mismatched += back
+            .iter()
+            .enumerate()
+            .filter(|&(i, &got)| {
+                let want = if (start..start + count).contains(&i) {
+                    sent[i - start]
+                } else {
+                    before[i]
+                };
+                got.to_bits() != round(want).to_bits()
+            })
+            .count();
+    }
+    Ok(mismatched as f64)
 }
 
 fn random(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {

@@ -56,6 +56,10 @@ pub struct Gpt2 {
     /// On CUDA, the LM head with zero rows up to a multiple of [`HEAD_ROWS_ALIGN`]
     /// ([`Gpt2::prepare_for_inference`]).
     head_padded: Option<Tensor>, // (V', E)
+    /// The one device buffer every weight is a view of, when the model was built by one
+    /// upload of a payload ([`checkpoint::from_bytes`]): where the next version of the
+    /// same layout is written ([`checkpoint::refill_in_place`]).
+    weights_buffer: Option<checkpoint::WeightsBuffer>,
     /// What [`Gpt2::pack_for_cpu`]'s panels hold.
     panel_dtype: PanelDtype,
     /// The matmuls' input dtype when it differs from the weights' (mixed precision).
@@ -94,6 +98,7 @@ impl Gpt2 {
             lm_head,
             head_packed: None,
             head_padded: None,
+            weights_buffer: None,
             panel_dtype: PanelDtype::F32,
             matmul_dtype: None,
             train_ops: false,
@@ -229,9 +234,28 @@ impl Gpt2 {
         Ok(true)
     }
 
+    /// The buffer the weights are views of, if the model was built by one upload.
+    pub fn weights_buffer(&self) -> Option<&checkpoint::WeightsBuffer> {
+        self.weights_buffer.as_ref()
+    }
+
+    /// Records that every weight is a view of `buffer`'s (see [`Self::weights_buffer`]).
+    pub(crate) fn set_weights_buffer(&mut self, buffer: checkpoint::WeightsBuffer) {
+        self.weights_buffer = Some(buffer);
+    }
+
+    /// After the weights were written in place: the copies made of them for inference
+    /// (the padded LM head) written again, in place too.
+    pub(crate) fn refresh_copies(&self) -> candle_core::Result<()> {
+        if let Some(padded) = &self.head_padded {
+            padded.slice_set(self.head_weight(), 0, 0)?; // the first V rows; zeros after
+        }
+        Ok(())
+    }
+
     /// Keeps a copy of the LM head with zero rows up to a multiple of
     /// [`HEAD_ROWS_ALIGN`] for [`Self::head_product`].
-    fn pad_head(&mut self) -> candle_core::Result<()> {
+    pub(crate) fn pad_head(&mut self) -> candle_core::Result<()> {
         let head = self.head_weight(); // (V, E)
         let v = head.dim(0)?;
         let padded = head.pad_with_zeros(0, 0, v.next_multiple_of(HEAD_ROWS_ALIGN) - v)?;
@@ -252,6 +276,7 @@ impl Gpt2 {
         if !self.packs_for_cpu() {
             return Ok(false);
         }
+        self.weights_buffer = None; // writing it in place would leave the panels behind
         self.pack_layers(false)?;
         let head = self.head_weight().clone(); // (V, E)
         with_values(&head, |w| self.pack_head(w))??;
@@ -313,6 +338,7 @@ impl Gpt2 {
     /// one dense copy of the weights, not a dense copy beside all the panels. An untied
     /// LM head keeps its dense copy.
     fn pack_and_release(&mut self) -> candle_core::Result<()> {
+        self.weights_buffer = None; // the panels are the weights now
         let head = self.head_weight().clone(); // (V, E)
         with_values(&head, |w| self.pack_head(w))??;
         drop(head);

@@ -166,7 +166,13 @@ fn the_gpu_check_script_bounds_each_section_and_the_whole_run() {
     );
     let parity = std::fs::read_to_string(out.path().join("parity.json")).unwrap();
     assert!(parity.contains("stopped at its 2 s limit"), "{parity}");
-    for later in ["learner_step", "push", "train", "learner_composed"] {
+    for later in [
+        "learner_step",
+        "push",
+        "push_in_place",
+        "train",
+        "learner_composed",
+    ] {
         assert!(out.path().join(format!("{later}.json")).exists(), "{later}");
     }
     assert!(out.path().join("table.txt").exists() && out.path().join("summary.json").exists());
@@ -176,12 +182,12 @@ fn the_gpu_check_script_bounds_each_section_and_the_whole_run() {
 
     // Past the deadline every section is skipped, and counted: device, parity,
     // copy_bandwidth, worker, split, hf, graph, backend_compare, backend_pass,
-    // learner_step, push, train, trl, learner_composed.
+    // learner_step, push, push_in_place, train, trl, learner_composed.
     let out = tempfile::tempdir().unwrap();
     let (done, _) = run(out.path(), &[("DEADLINE", "0")]);
     let failed = errors(out.path());
-    assert_eq!(failed.len(), 14, "{failed:?}");
-    assert_eq!(done.status.code(), Some(14));
+    assert_eq!(failed.len(), 15, "{failed:?}");
+    assert_eq!(done.status.code(), Some(15));
     let train = std::fs::read_to_string(out.path().join("train.json")).unwrap();
     assert!(train.contains("deadline"), "{train}");
 }
