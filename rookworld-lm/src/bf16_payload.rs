@@ -80,6 +80,11 @@ impl Layout {
         self.len == 0
     }
 
+    /// Where the data section starts: the header's length.
+    pub fn data_start(&self) -> usize {
+        self.header.len()
+    }
+
     /// The byte range of tensor `i`.
     pub fn slot(&self, i: usize) -> std::ops::Range<usize> {
         self.slots[i].clone()

@@ -17,6 +17,7 @@
 //!   and publishing names it after its version — workers on this host map it instead of
 //!   receiving the stream, and nothing is copied to get it there.
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -189,13 +190,14 @@ impl Payload {
         &mut self.buf.buffer.as_mut_slice()[range]
     }
 
-    /// Every parameter's slot, in order, all marked written: for a writer that fills
-    /// them all at once (the optimizer's multi-tensor step on a GPU). `names` must be the
-    /// parameters' names in that order, as [`Payload::slot`] checks one.
-    pub fn all_slots<'a>(
+    /// The payload's data section and every parameter's slot in it (bytes, in order), all
+    /// marked written: for a writer that fills them all at once (the optimizer's
+    /// multi-tensor step on a GPU, which copies the section out in one transfer). `names`
+    /// must be the parameters' names in that order, as [`Payload::slot`] checks one.
+    pub fn data_section<'a>(
         &mut self,
         names: impl ExactSizeIterator<Item = &'a str>,
-    ) -> Vec<&mut [u8]> {
+    ) -> (&mut [u8], Vec<Range<usize>>) {
         let shared = &self.buf.shared;
         assert_eq!(
             names.len(),
@@ -207,7 +209,15 @@ impl Payload {
         }
         self.written.fill(true);
         let shared = &self.buf.shared;
-        shared.layout.slots_mut(self.buf.buffer.as_mut_slice())
+        let start = shared.layout.data_start();
+        let slots = (0..shared.names.len())
+            .map(|i| {
+                let r = shared.layout.slot(i);
+                r.start - start..r.end - start
+            })
+            .collect();
+        let end = shared.layout.len();
+        (&mut self.buf.buffer.as_mut_slice()[start..end], slots)
     }
 
     /// Converts every parameter of `vars` whose slot was not written (no gradient this

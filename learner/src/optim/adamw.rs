@@ -203,7 +203,7 @@ impl AdamW {
 
     /// Every parameter's step on its device at once (each has a gradient there):
     /// [`adamw_step_many`] — on a GPU one launch for all of them, and the push payload's
-    /// bfloat16 copy written by the same pass and copied out slot by slot.
+    /// bfloat16 copy written by the same pass and copied out in one transfer.
     fn step_many(
         &mut self,
         vars: &[(String, Var)],
@@ -224,19 +224,22 @@ impl AdamW {
             held.push((var.as_tensor().clone(), grad, moments, shrink));
         }
         let names = vars.iter().map(|(name, _)| name.as_str());
-        let mut slots = export.map(|e| e.all_slots(names)).unwrap_or_default();
-        let mut slots = slots.iter_mut();
-        let mut items: Vec<ManyItem> = held
+        let (bits, slots) = match export {
+            Some(e) => e.data_section(names),
+            None => (&mut [][..], Vec::new()),
+        };
+        let mut slots = slots.into_iter();
+        let items: Vec<ManyItem> = held
             .iter()
             .map(|(param, grad, moments, shrink)| ManyItem {
                 param,
                 grad,
                 moments,
                 shrink: *shrink,
-                out: slots.next().map(|s| &mut **s),
+                out: slots.next(),
             })
             .collect();
-        adamw_step_many(&mut items, &self.constants(lr, true, grads.scale()))
+        adamw_step_many(&items, &self.constants(lr, true, grads.scale()), bits)
     }
 
     /// One parameter's step on its device: its moments there ((2, n), moved from the host

@@ -7,8 +7,9 @@
 //! - [`ops`]: the small fused ops of [`crate::fused_ops`] (`kernels/decode_ops.cu`);
 //! - `train`: what the launches of [`crate::train_ops`] share (each op's launches sit in
 //!   its own module there, `kernels/train_ops.cu`);
-//! - [`upload`]: host bytes into device memory from page-locked memory in one transfer
-//!   (a weight push written into the worker's weights).
+//! - [`upload`], [`download`]: host bytes to and from device memory in one transfer
+//!   through page-locked memory (a weight push written into a worker's weights; the
+//!   learner's bfloat16 copy of its weights).
 //!
 //! Each has a CPU reference ([`crate::cpu_attention`], [`crate::device_sampling`],
 //! each module of [`crate::train_ops`]) that
@@ -19,12 +20,12 @@ mod check;
 pub(crate) mod ops;
 mod sample;
 pub(crate) mod train;
-mod upload;
+mod transfer;
 
 pub use attention::{AttentionKernel, DeviceGeometry, grouped_attention, grouped_attention_with};
 pub use check::{KernelCheck, self_check, startup_check};
 pub use sample::sample_rows;
-pub use upload::{upload, upload_into};
+pub use transfer::{download, upload, upload_into};
 
 use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView};
 use candle_core::cuda::{CudaDType, CudaStorage};

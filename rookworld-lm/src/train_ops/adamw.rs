@@ -58,36 +58,51 @@ fn check_sizes(param: &Tensor, grad: &Tensor, moments: &Tensor) -> Result<usize>
 
 /// One parameter of [`adamw_step_many`]: the parameter (n), its gradient (n) and moments
 /// (2, n), contiguous f32 on one device, its decay factor (1 − lr·λ, or 1 where it does
-/// not decay), and where its updated values go as bfloat16 (2n bytes, little-endian; a
-/// weight push's slot), if anywhere.
+/// not decay), and where its updated values go as bfloat16 (2n bytes, little-endian) in
+/// the step's `bits` (a weight push's data section), if anywhere.
 pub struct ManyItem<'a> {
     pub param: &'a Tensor,
     pub grad: &'a Tensor,
     pub moments: &'a Tensor,
     pub shrink: f32,
-    pub out: Option<&'a mut [u8]>,
+    pub out: Option<std::ops::Range<usize>>,
 }
 
 /// [`adamw_step`] of every item, each with its own `shrink` (`step.shrink` is not used),
-/// and each updated parameter's bfloat16 bits into its `out`. On CUDA with the training
-/// ops on ([`crate::kernels`]), when every item is on one device: one launch for all of
-/// them (`adamw_many`: the moments and the parameter in one pass, the bits written beside
-/// them) and one copy of the bits to each `out`, instead of two launches a parameter and a
-/// conversion and a synchronised download each. Elsewhere item by item, the same values.
-pub fn adamw_step_many(items: &mut [ManyItem], step: &AdamWStep) -> Result<()> {
-    for it in items.iter() {
+/// and each updated parameter's bfloat16 bits into its `out` range of `bits` (ranges
+/// that do not overlap, at even offsets). On CUDA with the training ops on
+/// ([`crate::kernels`]), when every item is on one device: one launch for all of them
+/// (`adamw_many`: the moments and the parameter in one pass, the bits written beside them
+/// into a device copy of `bits`) and, when the ranges cover `bits`, one transfer of it
+/// through page-locked memory (`cuda::download`), else one copy per range; instead of two
+/// launches a parameter and a conversion and a synchronised download each. Elsewhere
+/// item by item, the same values.
+pub fn adamw_step_many(items: &[ManyItem], step: &AdamWStep, bits: &mut [u8]) -> Result<()> {
+    let mut ranges = Vec::with_capacity(items.len());
+    for it in items {
         let n = check_sizes(it.param, it.grad, it.moments)?;
-        if it.out.as_ref().is_some_and(|o| o.len() != 2 * n) {
-            candle_core::bail!("adamw: a bfloat16 slot of the wrong size for {n} values");
+        if let Some(out) = &it.out {
+            if out.len() != 2 * n || out.end > bits.len() || out.start % 2 != 0 {
+                candle_core::bail!(
+                    "adamw: a bfloat16 slot of the wrong size or place for {n} values ({out:?} of {} bytes)",
+                    bits.len()
+                );
+            }
+            ranges.push(out.clone());
         }
+    }
+    ranges.sort_by_key(|r| r.start);
+    if ranges.windows(2).any(|w| w[0].end > w[1].start) {
+        candle_core::bail!("adamw: two parameters' bfloat16 slots overlap");
     }
     #[cfg(feature = "cuda")]
     if let Some(device) = many::one_cuda_device(items.iter().map(|it| it.param))
         && crate::kernels::enabled(crate::kernels::Kernel::TrainOps)
     {
-        return many::adamw(&device, items, step);
+        let covered = ranges.iter().map(|r| r.len()).sum::<usize>() == bits.len();
+        return many::adamw(&device, items, step, bits, covered);
     }
-    for it in items.iter_mut() {
+    for it in items {
         adamw_step(
             it.param,
             it.grad,
@@ -97,8 +112,8 @@ pub fn adamw_step_many(items: &mut [ManyItem], step: &AdamWStep) -> Result<()> {
                 ..*step
             },
         )?;
-        if let Some(out) = it.out.as_deref_mut() {
-            write_bf16_bits(it.param, out)?;
+        if let Some(out) = &it.out {
+            write_bf16_bits(it.param, &mut bits[out.clone()])?;
         }
     }
     Ok(())
@@ -341,23 +356,31 @@ mod tests {
         };
         let (moments, want_mv) = (zeros(), zeros());
         let shrink = [1.0 - 1e-4, 1.0, 1.0 - 2e-4];
-        let mut bits: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; 2 * n]).collect();
+        // One buffer, each parameter's bits at its range (a payload's data section).
+        let ranges: Vec<std::ops::Range<usize>> = sizes
+            .iter()
+            .scan(0, |at, &n| {
+                *at += 2 * n;
+                Some(*at - 2 * n..*at)
+            })
+            .collect();
+        let mut bits = vec![0u8; ranges[2].end];
         for _ in 0..2 {
-            let mut items: Vec<ManyItem> = params
+            let items: Vec<ManyItem> = params
                 .iter()
                 .zip(&grads)
                 .zip(&moments)
-                .zip(bits.iter_mut())
+                .zip(&ranges)
                 .zip(shrink)
                 .map(|((((param, grad), moments), out), shrink)| ManyItem {
                     param,
                     grad,
                     moments,
                     shrink,
-                    out: Some(out.as_mut_slice()),
+                    out: Some(out.clone()),
                 })
                 .collect();
-            adamw_step_many(&mut items, &step).unwrap();
+            adamw_step_many(&items, &step, &mut bits).unwrap();
             for k in 0..3 {
                 let own = AdamWStep {
                     shrink: shrink[k],
@@ -376,21 +399,23 @@ mod tests {
                 .iter()
                 .flat_map(|&x| half::bf16::from_f32(x).to_bits().to_le_bytes())
                 .collect();
-            assert_eq!(bits[k], rounded, "bfloat16 copy {k}");
+            assert_eq!(bits[ranges[k].clone()], rounded, "bfloat16 copy {k}");
         }
-        let mut short = vec![0u8; 3];
-        let err = adamw_step_many(
-            &mut [ManyItem {
-                param: &params[1],
-                grad: &grads[1],
-                moments: &moments[1],
-                shrink: 1.0,
-                out: Some(&mut short),
-            }],
-            &step,
-        )
-        .unwrap_err();
+        let one = |out: std::ops::Range<usize>| ManyItem {
+            param: &params[1],
+            grad: &grads[1],
+            moments: &moments[1],
+            shrink: 1.0,
+            out: Some(out),
+        };
+        let err = adamw_step_many(&[one(0..3)], &step, &mut bits).unwrap_err();
         assert!(err.to_string().contains("wrong size"), "{err}");
+        let past = bits.len() - 2 * sizes[1] + 2;
+        let err = adamw_step_many(&[one(past..past + 2 * sizes[1])], &step, &mut bits);
+        assert!(err.unwrap_err().to_string().contains("wrong size or place"));
+        let twice = [one(0..2 * sizes[1]), one(2..2 + 2 * sizes[1])];
+        let err = adamw_step_many(&twice, &step, &mut bits).unwrap_err();
+        assert!(err.to_string().contains("overlap"), "{err}");
         let want: f64 = (0..3)
             .flat_map(|k| values(sizes[k], 1))
             .map(|x| f64::from(x) * f64::from(x))
@@ -519,24 +544,28 @@ mod many {
         ))
     }
 
-    pub(super) fn adamw(device: &CudaDevice, items: &mut [ManyItem], c: &AdamWStep) -> Result<()> {
+    /// The multi-tensor step of `items`, the bits into `host` (one transfer when the items'
+    /// ranges `cover` it, else a copy per range).
+    pub(super) fn adamw(
+        device: &CudaDevice,
+        items: &[ManyItem],
+        c: &AdamWStep,
+        host: &mut [u8],
+        cover: bool,
+    ) -> Result<()> {
         let n: Vec<usize> = items.iter().map(|it| it.param.elem_count()).collect();
-        let total: usize = n.iter().sum();
         let stream = device.cuda_stream();
         let exports = items.iter().any(|it| it.out.is_some());
-        // The bfloat16 bits of every exported parameter, one after another.
+        // A device copy of `host`'s bytes: each exported parameter's bits at its range.
         let bits: CudaSlice<u16> = stream
-            .alloc_zeros(if exports { total.max(1) } else { 1 })
+            .alloc_zeros(if exports { (host.len() / 2).max(1) } else { 1 })
             .w()?;
         let (bits_at, _record) = bits.device_ptr(&stream);
         let mut rows = Vec::with_capacity(items.len());
-        let mut offsets = Vec::with_capacity(items.len());
-        let mut at = 0usize;
-        for (it, &len) in items.iter().zip(&n) {
-            let out = if it.out.is_some() {
-                bits_at + (at * 2) as CUdeviceptr
-            } else {
-                0
+        for it in items {
+            let out = match &it.out {
+                Some(r) => bits_at + r.start as CUdeviceptr,
+                None => 0,
             };
             rows.push([
                 address(it.param, device)?,
@@ -544,8 +573,6 @@ mod many {
                 address(it.moments, device)?,
                 out,
             ]);
-            offsets.push(at);
-            at += len;
         }
         let shrink: Vec<f32> = items.iter().map(|it| it.shrink).collect();
         let (table, chunks, count) = tables(device, &rows, &n, &shrink)?;
@@ -564,30 +591,38 @@ mod many {
             };
             // SAFETY: adamw_many (tensors, chunks, n_chunks, b1, b2, gs, lr, eps, s1, s2):
             // the table holds each item's parameter, gradient and (2, n) moments addresses
-            // (sizes checked by `adamw_step_many`) and its slot of `bits`, which outlives
-            // the launch; every chunk lies inside its tensor.
+            // (sizes checked by `adamw_step_many`) and its range of `bits` (2n bytes inside
+            // it, checked there too), which outlives the launch; every chunk lies inside
+            // its tensor.
             unsafe { b.launch(cfg) }.w()?;
         }
-        if exports {
-            stream.context().bind_to_thread().w()?;
-            for (it, &start) in items.iter_mut().zip(&offsets) {
-                if let Some(out) = it.out.as_deref_mut() {
-                    // SAFETY: `out` is 2n bytes (checked), the bits of this item are the
-                    // 2n bytes at `start` of `bits`; the copy is on the kernels' stream,
-                    // after the launch, and ends before `synchronize` returns below.
-                    unsafe {
-                        candle_core::cuda::cudarc::driver::result::memcpy_dtoh_async(
-                            out,
-                            bits_at + (start * 2) as CUdeviceptr,
-                            stream.cu_stream(),
-                        )
-                    }
-                    .w()?;
-                }
-            }
-            stream.synchronize().w()?;
+        if !exports {
+            return Ok(());
         }
-        Ok(())
+        if cover {
+            // SAFETY: `bits` holds host.len() bytes (rounded up to whole values: the
+            // ranges are 2n bytes at even offsets and cover `host`) and lives until the
+            // download, which waits for the launch on the same stream, has returned.
+            return unsafe { crate::cuda::download(device, bits_at, host) };
+        }
+        stream.context().bind_to_thread().w()?;
+        for it in items {
+            if let Some(r) = &it.out {
+                // SAFETY: the range is inside `host` and holds this item's 2n bytes
+                // (checked), which are the same range of `bits`; the copy is on the
+                // kernels' stream, after the launch, and ends before `synchronize`
+                // returns below.
+                unsafe {
+                    candle_core::cuda::cudarc::driver::result::memcpy_dtoh_async(
+                        &mut host[r.clone()],
+                        bits_at + r.start as CUdeviceptr,
+                        stream.cu_stream(),
+                    )
+                }
+                .w()?;
+            }
+        }
+        stream.synchronize().w()
     }
 
     pub(super) fn square_sums(device: &CudaDevice, grads: &[&Tensor]) -> Result<f64> {

@@ -1,11 +1,14 @@
-//! Host bytes into device memory in one transfer from page-locked memory.
+//! Host bytes to and from device memory in one transfer through page-locked memory.
 //!
-//! A copy from ordinary (pageable) host memory is staged by the driver through its own
-//! small page-locked buffers, a piece at a time, at a fraction of the link's bandwidth
-//! (a 249 MB weight push: ~40 ms on an H200 host). Here the bytes are first copied into
-//! one page-locked buffer by every core at once, then cross in one DMA transfer. The
-//! buffer is allocated on the first upload and kept for the next (grown when a larger one
-//! comes): a weight push is the same size every time.
+//! A copy between ordinary (pageable) host memory and the device is staged by the driver
+//! through its own small page-locked buffers, a piece at a time, at a fraction of the
+//! link's bandwidth (a 249 MB weight push: ~40 ms on an H200 host). Here the bytes cross
+//! in one DMA transfer to or from one page-locked buffer, and every core copies them
+//! between it and their place. The buffer is allocated on first use and kept for the next
+//! (grown when a larger transfer comes): a weight push is the same size every time. One
+//! buffer per device serves both directions (the learner's bfloat16 copy out, a worker's
+//! push in), one transfer at a time; it is cached host memory, which the cores read back
+//! at full speed (write-combined memory would not be).
 
 use std::sync::Mutex;
 
@@ -15,7 +18,7 @@ use candle_core::cuda::{CudaStorage, CudaStorageSlice, WrapErr};
 use candle_core::{CudaDevice, Result};
 use rayon::prelude::*;
 
-/// One process's staging buffers, one per device.
+/// The process's staging buffers, one per device.
 static STAGING: Mutex<Vec<(usize, PinnedHostSlice<u8>)>> = Mutex::new(Vec::new());
 
 /// Bytes each core copies at a time into the staging buffer.
@@ -55,6 +58,40 @@ pub unsafe fn upload(device: &CudaDevice, dst: CUdeviceptr, src: &[u8]) -> Resul
     stream.synchronize().w()
 }
 
+/// Copies the `dst.len()` bytes of device memory at `src` on `device`'s stream (after
+/// every kernel launched before it there) into `dst`, through the page-locked staging
+/// buffer in one transfer, or — when page-locked memory cannot be had — straight into
+/// `dst` (slower, the same bytes).
+///
+/// # Safety
+/// `src` must be `dst.len()` bytes of device memory of `device` that stays allocated
+/// until this returns.
+pub unsafe fn download(device: &CudaDevice, src: CUdeviceptr, dst: &mut [u8]) -> Result<()> {
+    if dst.is_empty() {
+        return Ok(());
+    }
+    let stream = device.cuda_stream();
+    let ctx = stream.context().clone();
+    let mut staging = STAGING.lock().unwrap_or_else(|e| e.into_inner());
+    ctx.bind_to_thread().w()?;
+    let Some(pinned) = staging_for(&mut staging, &ctx, dst.len()) else {
+        // SAFETY: the caller's contract for `src`; `dst` outlives the copy, which ends
+        // before the synchronisation below returns.
+        unsafe { result::memcpy_dtoh_async(dst, src, stream.cu_stream()) }.w()?;
+        return stream.synchronize().w();
+    };
+    let host = &mut pinned.as_mut_slice().w()?[..dst.len()];
+    // SAFETY: the caller's contract for `src`; `host` is page-locked memory of this
+    // context, untouched by anything else (the lock is held) until the copy has ended,
+    // before the synchronisation below returns.
+    unsafe { result::memcpy_dtoh_async(&mut *host, src, stream.cu_stream()) }.w()?;
+    stream.synchronize().w()?;
+    dst.par_chunks_mut(PIECE)
+        .zip(host.par_chunks(PIECE))
+        .for_each(|(d, s)| d.copy_from_slice(s));
+    Ok(())
+}
+
 /// Copies `src` into `storage` from element `start` on (the same dtype: raw bytes), as
 /// [`upload`] does.
 pub fn upload_into(storage: &mut CudaStorage, start: usize, src: &[u8]) -> Result<()> {
@@ -91,9 +128,9 @@ fn staging_for<'a>(
         staging.swap_remove(i); // freed before the larger one is allocated
     }
     if !staging.iter().any(|(o, _)| *o == ordinal) {
-        // Write-combined: the host only writes it, the device reads it.
-        // SAFETY: its contents are written (the first `len` bytes) before any is read.
-        match unsafe { ctx.alloc_pinned::<u8>(len) } {
+        // Cached (no flags): the cores read it back after a download.
+        // SAFETY: every use writes the bytes it then reads (a copy in, then out).
+        match unsafe { ctx.alloc_pinned_with_flags::<u8>(len, 0) } {
             Ok(pinned) => staging.push((ordinal, pinned)),
             Err(e) => {
                 tracing::warn!(bytes = len, error = %e, "no page-locked staging buffer; uploads copy from pageable memory");
