@@ -93,10 +93,55 @@ pub fn gemm_bf16_packed(dst: &mut [f32], m: usize, accumulate: bool, a: Strided,
         a.0.len() > (m - 1) * a.1 + (k - 1) * a.2,
         "gemm lhs too short"
     );
+    // Rows a tile at a time, so that the packed rows stay within ROWS_PACKED — each row
+    // of the result is the same sum whatever the tile — but enough of them for every
+    // thread's work items.
+    let kp = k.div_ceil(2);
+    let groups = n.div_ceil(NR).div_ceil(PANEL_GROUP);
+    let chunk_rows = CHUNK_BLOCKS * MR;
+    let busy = (2 * rayon::current_num_threads()).div_ceil(groups) * chunk_rows;
+    let fit = ROWS_PACKED / (kp * 4) / chunk_rows * chunk_rows;
+    in_row_tiles(dst, m, accumulate, a, b, busy.max(fit).max(chunk_rows));
+}
+
+/// [`gemm_bf16_packed`] `tile` rows at a time.
+fn in_row_tiles(
+    dst: &mut [f32],
+    m: usize,
+    accumulate: bool,
+    a: Strided,
+    b: &PackedRhs,
+    tile: usize,
+) {
+    let n = b.n;
+    let mut rows = SPARE_ROWS.take(); // (⌈tile/MR⌉, kp, MR)
+    for start in (0..m).step_by(tile) {
+        let height = tile.min(m - start);
+        let a = (&a.0[start * a.1..], a.1, a.2);
+        let dst = &mut dst[start * n..(start + height) * n];
+        multiply_rows(dst, height, accumulate, a, b, &mut rows);
+    }
+    SPARE_ROWS.set(rows);
+}
+
+/// Bytes of packed rows of the left operand that [`gemm_bf16_packed`] holds at a time
+/// (unless more rows are needed to give every thread work): a row of the LM head's
+/// ∂hidden product is 50,257 values, and all 512 rows of a chunk would be 51 MB.
+const ROWS_PACKED: usize = 8 << 20;
+
+/// [`gemm_bf16_packed`] of `m` rows, packing them into `rows`.
+fn multiply_rows(
+    dst: &mut [f32],
+    m: usize,
+    accumulate: bool,
+    a: Strided,
+    b: &PackedRhs,
+    rows: &mut Vec<u32>,
+) {
+    let (n, k) = (b.n, b.k);
     let kp = k.div_ceil(2);
     let panels = &b.panels;
-    let mut rows = SPARE_ROWS.take(); // (⌈M/MR⌉, kp, MR)
-    pack_rows_into(&mut rows, a, m, k);
+    pack_rows_into(rows, a, m, k);
     let (blocks, panel_count) = (m.div_ceil(MR), n.div_ceil(NR));
     let (chunks, groups) = (
         blocks.div_ceil(CHUNK_BLOCKS),
@@ -135,7 +180,6 @@ pub fn gemm_bf16_packed(dst: &mut [f32], m: usize, accumulate: bool, a: Strided,
             }
         }
     });
-    SPARE_ROWS.set(rows);
 }
 
 /// `src` rounded to the nearest BF16 (ties to even) into `dst`, as bits: 32 values per
@@ -514,6 +558,24 @@ mod tests {
                         "{m}×{n}×{k} {a_t}/{b_t}/{accumulate}: max |Δ| {d}"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn a_product_in_row_tiles_is_the_product_in_one() {
+        // Each row's sums are the same whatever the tile: bit for bit, rows read plain and
+        // transposed (the path that gathers k after k), tiles that leave a part-filled one.
+        let (m, n, k) = (300, 50, 70);
+        let (a, b) = (values(m * k, 4), values(k * n, 5));
+        let packed = PackedRhs::new((&b, n, 1), k, n);
+        for a_op in [(&a[..], k, 1), (&a[..], 1, m)] {
+            for accumulate in [false, true] {
+                let start = values(m * n, 6);
+                let (mut whole, mut tiled) = (start.clone(), start);
+                in_row_tiles(&mut whole, m, accumulate, a_op, &packed, m);
+                in_row_tiles(&mut tiled, m, accumulate, a_op, &packed, 96);
+                assert_eq!(whole, tiled, "strides {:?}, {accumulate}", (a_op.1, a_op.2));
             }
         }
     }
