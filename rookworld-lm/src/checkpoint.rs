@@ -255,13 +255,7 @@ pub fn from_bytes(bytes: &[u8], cfg: &Config, dtype: DType, device: &Device) -> 
     {
         return Ok(model);
     }
-    let st = safetensors::SafeTensors::deserialize(bytes)?;
-    let prefixed = check_tensors(
-        cfg,
-        st.tensors()
-            .into_iter()
-            .map(|(n, v)| (n, v.shape().to_vec())),
-    )?;
+    let (_, prefixed) = checked(bytes, cfg)?;
     build(
         VarBuilder::from_tensors(
             crate::bf16_payload::load(bytes, dtype == DType::F32)?,
@@ -285,13 +279,7 @@ pub fn from_bytes_in_one_buffer(
     dtype: DType,
     device: &Device,
 ) -> Result<Option<Gpt2>> {
-    let st = safetensors::SafeTensors::deserialize(bytes)?;
-    let prefixed = check_tensors(
-        cfg,
-        st.tensors()
-            .into_iter()
-            .map(|(n, v)| (n, v.shape().to_vec())),
-    )?;
+    let (st, prefixed) = checked(bytes, cfg)?;
     let Some((tensors, buffer)) = upload_whole(&st, bytes, cfg, dtype, device)? else {
         return Ok(None);
     };
@@ -304,6 +292,19 @@ pub fn from_bytes_in_one_buffer(
         model.set_weights_buffer(buffer);
     }
     Ok(Some(model))
+}
+
+/// Safetensors `bytes` parsed, every tensor `cfg` reads there in its shape, and whether
+/// the names carry the `transformer.` prefix.
+fn checked<'a>(bytes: &'a [u8], cfg: &Config) -> Result<(safetensors::SafeTensors<'a>, bool)> {
+    let st = safetensors::SafeTensors::deserialize(bytes)?;
+    let prefixed = check_tensors(
+        cfg,
+        st.tensors()
+            .into_iter()
+            .map(|(n, v)| (n, v.shape().to_vec())),
+    )?;
+    Ok((st, prefixed))
 }
 
 /// Writes the weights of safetensors `bytes` over `model`'s in place, in one copy of the
