@@ -21,7 +21,8 @@ use super::{MR, NR, SharedOut};
 /// Row blocks per work item: 96 rows, whose packed pairs (K ≤ 3,072: ≤ 576 KiB) fit a
 /// core's L2 beside the panels in use.
 const CHUNK_BLOCKS: usize = 16;
-/// Panels per work item: 192 columns.
+/// Panels per work item: 192 columns (fewer where a product has too few row chunks to
+/// give every thread work).
 const PANEL_GROUP: usize = 12;
 
 /// An operand: (values, row stride, column stride).
@@ -93,15 +94,11 @@ pub fn gemm_bf16_packed(dst: &mut [f32], m: usize, accumulate: bool, a: Strided,
         a.0.len() > (m - 1) * a.1 + (k - 1) * a.2,
         "gemm lhs too short"
     );
-    // Rows a tile at a time, so that the packed rows stay within ROWS_PACKED — each row
-    // of the result is the same sum whatever the tile — but enough of them for every
-    // thread's work items.
-    let kp = k.div_ceil(2);
-    let groups = n.div_ceil(NR).div_ceil(PANEL_GROUP);
+    // Rows a tile at a time, so that the packed rows stay within ROWS_PACKED (at least a
+    // chunk of them): each row of the result is the same sum whatever the tile.
     let chunk_rows = CHUNK_BLOCKS * MR;
-    let busy = (2 * rayon::current_num_threads()).div_ceil(groups) * chunk_rows;
-    let fit = ROWS_PACKED / (kp * 4) / chunk_rows * chunk_rows;
-    in_row_tiles(dst, m, accumulate, a, b, busy.max(fit).max(chunk_rows));
+    let fit = ROWS_PACKED / (k.div_ceil(2) * 4) / chunk_rows * chunk_rows;
+    in_row_tiles(dst, m, accumulate, a, b, fit.max(chunk_rows));
 }
 
 /// [`gemm_bf16_packed`] `tile` rows at a time.
@@ -124,9 +121,9 @@ fn in_row_tiles(
     SPARE_ROWS.set(rows);
 }
 
-/// Bytes of packed rows of the left operand that [`gemm_bf16_packed`] holds at a time
-/// (unless more rows are needed to give every thread work): a row of the LM head's
-/// ∂hidden product is 50,257 values, and all 512 rows of a chunk would be 51 MB.
+/// Bytes of packed rows of the left operand that [`gemm_bf16_packed`] holds at a time: a
+/// row of the LM head's ∂hidden product is 50,257 values, and all 512 rows of a chunk
+/// would be 51 MB.
 const ROWS_PACKED: usize = 8 << 20;
 
 /// [`gemm_bf16_packed`] of `m` rows, packing them into `rows`.
@@ -143,23 +140,22 @@ fn multiply_rows(
     let panels = &b.panels;
     pack_rows_into(rows, a, m, k);
     let (blocks, panel_count) = (m.div_ceil(MR), n.div_ceil(NR));
-    let (chunks, groups) = (
-        blocks.div_ceil(CHUNK_BLOCKS),
-        panel_count.div_ceil(PANEL_GROUP),
-    );
+    let chunks = blocks.div_ceil(CHUNK_BLOCKS);
+    // Few chunks (a row tile of a long K): smaller panel groups, so that every thread
+    // still has work items.
+    let wanted = (2 * rayon::current_num_threads()).div_ceil(chunks);
+    let per_group = PANEL_GROUP.min(panel_count.div_ceil(wanted)).max(2);
+    let groups = panel_count.div_ceil(per_group);
     let target = SharedOut(dst.as_mut_ptr());
     (0..chunks * groups).into_par_iter().for_each(|item| {
         let (chunk, group) = (item / groups, item % groups);
         let block_range = chunk * CHUNK_BLOCKS..blocks.min((chunk + 1) * CHUNK_BLOCKS);
-        let panel_range = group * PANEL_GROUP..panel_count.min((group + 1) * PANEL_GROUP);
+        let panel_end = panel_count.min((group + 1) * per_group);
+        let panel_range = group * per_group..panel_end;
         let mut tiles = [[0f32; MR * NR]; 2];
         // Panels two at a time: twelve sums in flight per row block instead of six.
         for p in panel_range.step_by(2) {
-            let pair = if p + 1 < panel_count.min((group + 1) * PANEL_GROUP) {
-                2
-            } else {
-                1
-            };
+            let pair = if p + 1 < panel_end { 2 } else { 1 };
             let panel = |q: usize| &panels[q * kp * 2 * NR..(q + 1) * kp * 2 * NR];
             for blk in block_range.clone() {
                 let a = &rows[blk * kp * MR..(blk + 1) * kp * MR];
