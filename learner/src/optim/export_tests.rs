@@ -93,8 +93,8 @@ fn the_optimizer_s_payload_equals_the_model_s_export_and_buffers_are_reused() {
 }
 
 /// The GPU's optimizer path (moments on the device, autograd's tensor gradients, the
-/// bfloat16 copy of every parameter written into the payload's data section at once), run on the CPU: its payload too is bit for
-/// bit the updated model's export.
+/// bfloat16 copy of every parameter written into the payload's data section at once), run
+/// on the CPU: its payload too is bit for bit the updated model's export.
 #[test]
 fn the_device_path_s_payload_equals_the_model_s_export() {
     let mut f = fixture(5, None);

@@ -13,7 +13,9 @@
 use std::sync::Mutex;
 
 use candle_core::cuda::cudarc::driver::sys::CUdeviceptr;
-use candle_core::cuda::cudarc::driver::{CudaContext, DevicePtrMut, PinnedHostSlice, result};
+use candle_core::cuda::cudarc::driver::{
+    CudaContext, CudaStream, DevicePtrMut, PinnedHostSlice, result,
+};
 use candle_core::cuda::{CudaStorage, CudaStorageSlice, WrapErr};
 use candle_core::{CudaDevice, Result};
 use rayon::prelude::*;
@@ -33,29 +35,23 @@ const PIECE: usize = 1 << 20;
 /// `dst` must be `src.len()` bytes of device memory of `device` that nothing else uses
 /// until this returns.
 pub unsafe fn upload(device: &CudaDevice, dst: CUdeviceptr, src: &[u8]) -> Result<()> {
-    if src.is_empty() {
-        return Ok(());
-    }
-    let stream = device.cuda_stream();
-    let ctx = stream.context().clone();
-    let mut staging = STAGING.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(pinned) = staging_for(&mut staging, &ctx, src.len()) else {
-        // SAFETY: the caller's contract for `dst`; `src` outlives the copy, which ends
-        // before the synchronisation below returns.
-        unsafe { result::memcpy_htod_async(dst, src, stream.cu_stream()) }.w()?;
-        return stream.synchronize().w();
-    };
-    // Every earlier copy from this buffer ended before its upload returned.
-    let host = &mut pinned.as_mut_slice().w()?[..src.len()];
-    host.par_chunks_mut(PIECE)
-        .zip(src.par_chunks(PIECE))
-        .for_each(|(d, s)| d.copy_from_slice(s));
-    ctx.bind_to_thread().w()?;
-    // SAFETY: the caller's contract for `dst`; `host` is page-locked memory of this
-    // context that stays allocated and untouched (the lock is held) until the copy ends,
-    // before the synchronisation below returns.
-    unsafe { result::memcpy_htod_async(dst, &*host, stream.cu_stream()) }.w()?;
-    stream.synchronize().w()
+    with_staging(device, src.len(), |staging, stream| {
+        match staging {
+            // SAFETY: the caller's contract for `dst`; `src` outlives the copy, which
+            // ends before the synchronisation below returns.
+            None => unsafe { result::memcpy_htod_async(dst, src, stream.cu_stream()) }.w()?,
+            Some(host) => {
+                host.par_chunks_mut(PIECE)
+                    .zip(src.par_chunks(PIECE))
+                    .for_each(|(d, s)| d.copy_from_slice(s));
+                // SAFETY: the caller's contract for `dst`; `host` is page-locked memory of
+                // this context that nothing else touches (the staging lock is held) until
+                // the copy has ended, before the synchronisation below returns.
+                unsafe { result::memcpy_htod_async(dst, &*host, stream.cu_stream()) }.w()?
+            }
+        }
+        stream.synchronize().w()
+    })
 }
 
 /// Copies the `dst.len()` bytes of device memory at `src` on `device`'s stream (after
@@ -67,29 +63,45 @@ pub unsafe fn upload(device: &CudaDevice, dst: CUdeviceptr, src: &[u8]) -> Resul
 /// `src` must be `dst.len()` bytes of device memory of `device` that stays allocated
 /// until this returns.
 pub unsafe fn download(device: &CudaDevice, src: CUdeviceptr, dst: &mut [u8]) -> Result<()> {
-    if dst.is_empty() {
+    with_staging(device, dst.len(), |staging, stream| {
+        let Some(host) = staging else {
+            // SAFETY: the caller's contract for `src`; `dst` outlives the copy, which ends
+            // before the synchronisation below returns.
+            unsafe { result::memcpy_dtoh_async(&mut *dst, src, stream.cu_stream()) }.w()?;
+            return stream.synchronize().w();
+        };
+        // SAFETY: the caller's contract for `src`; `host` is page-locked memory of this
+        // context that nothing else touches (the staging lock is held) until the copy
+        // has ended, before the synchronisation below returns.
+        unsafe { result::memcpy_dtoh_async(&mut *host, src, stream.cu_stream()) }.w()?;
+        stream.synchronize().w()?;
+        dst.par_chunks_mut(PIECE)
+            .zip(host.par_chunks(PIECE))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+        Ok(())
+    })
+}
+
+/// Runs `transfer` of `len` bytes (nothing when there are none) with `device`'s context
+/// bound to this thread and the staging lock held, given the first `len` bytes of the
+/// device's page-locked staging buffer, or `None` when it cannot be had.
+fn with_staging(
+    device: &CudaDevice,
+    len: usize,
+    transfer: impl FnOnce(Option<&mut [u8]>, &CudaStream) -> Result<()>,
+) -> Result<()> {
+    if len == 0 {
         return Ok(());
     }
     let stream = device.cuda_stream();
     let ctx = stream.context().clone();
     let mut staging = STAGING.lock().unwrap_or_else(|e| e.into_inner());
     ctx.bind_to_thread().w()?;
-    let Some(pinned) = staging_for(&mut staging, &ctx, dst.len()) else {
-        // SAFETY: the caller's contract for `src`; `dst` outlives the copy, which ends
-        // before the synchronisation below returns.
-        unsafe { result::memcpy_dtoh_async(dst, src, stream.cu_stream()) }.w()?;
-        return stream.synchronize().w();
-    };
-    let host = &mut pinned.as_mut_slice().w()?[..dst.len()];
-    // SAFETY: the caller's contract for `src`; `host` is page-locked memory of this
-    // context, untouched by anything else (the lock is held) until the copy has ended,
-    // before the synchronisation below returns.
-    unsafe { result::memcpy_dtoh_async(&mut *host, src, stream.cu_stream()) }.w()?;
-    stream.synchronize().w()?;
-    dst.par_chunks_mut(PIECE)
-        .zip(host.par_chunks(PIECE))
-        .for_each(|(d, s)| d.copy_from_slice(s));
-    Ok(())
+    match staging_for(&mut staging, &ctx, len) {
+        // Every earlier transfer through this buffer ended before its call returned.
+        Some(pinned) => transfer(Some(&mut pinned.as_mut_slice().w()?[..len]), &stream),
+        None => transfer(None, &stream),
+    }
 }
 
 /// Copies `src` into `storage` from element `start` on (the same dtype: raw bytes), as
@@ -133,7 +145,7 @@ fn staging_for<'a>(
         match unsafe { ctx.alloc_pinned_with_flags::<u8>(len, 0) } {
             Ok(pinned) => staging.push((ordinal, pinned)),
             Err(e) => {
-                tracing::warn!(bytes = len, error = %e, "no page-locked staging buffer; uploads copy from pageable memory");
+                tracing::warn!(bytes = len, error = %e, "no page-locked staging buffer; transfers copy to and from pageable memory");
                 return None;
             }
         }
