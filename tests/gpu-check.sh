@@ -34,7 +34,7 @@
 # same batch.
 #
 # ONLY="NAME ..." runs only the named sections (device, parity, copy_bandwidth,
-# worker_PxG_T, split_PxG_T, hf_PxG_T, graph_PxG_T, backend_compare, backend_pass, learner_step, push,
+# worker_PxG_T, split_PxG_T, graphs_PxG_T, hf_PxG_T, graph_PxG_T, backend_compare, backend_pass, learner_step, push,
 # push_in_place, train, trl, learner_composed) and keeps the other
 # sections' JSON already in OUT: a second run redoes what a first one left failed, and the
 # table covers both.
@@ -203,8 +203,8 @@ train_section() {
   settle train
 }
 
-# rollout SHAPE...: the worker's bench (with its default attention kernel, then with the
-# trial split kernel turned on), transformers' generate and PyTorch's static-cache step
+# rollout SHAPE...: the worker's bench (with its defaults, then with the trial split
+# kernel turned on, then with the trial captured decode step), transformers' generate and PyTorch's static-cache step
 # captured as a CUDA graph, PROMPTSxGROUP_NEW.
 rollout() {
   local shape p t
@@ -213,6 +213,9 @@ rollout() {
     section "worker_${p}x${GROUP}_$t" "$WORKER" bench --preset "$PRESET" --device "$DEVICE" \
       --weight-dtype "$DTYPE" --prompts "$p" -n "$GROUP" --max-new-tokens "$t" --repeat 2 --batch-only
     section "split_${p}x${GROUP}_$t" env ROOKWORLD_ENABLE_KERNELS=grouped_attention_split \
+      "$WORKER" bench --preset "$PRESET" --device "$DEVICE" \
+      --weight-dtype "$DTYPE" --prompts "$p" -n "$GROUP" --max-new-tokens "$t" --repeat 2 --batch-only
+    section "graphs_${p}x${GROUP}_$t" env ROOKWORLD_ENABLE_KERNELS=decode_graphs \
       "$WORKER" bench --preset "$PRESET" --device "$DEVICE" \
       --weight-dtype "$DTYPE" --prompts "$p" -n "$GROUP" --max-new-tokens "$t" --repeat 2 --batch-only
     section "hf_${p}x${GROUP}_$t" "$PY" "$HERE/gpu/check.py" hf-generate - --device "$DEVICE" \

@@ -8,6 +8,11 @@
 // - add_layer_norm: s = x + (y + c) and layer_norm(s), the bias of the matmul that made
 //   y, the residual add and the next layer norm in one pass (statistics in f32), written
 //   as (2, M, E): s, then the norm.
+// For a captured decode step (src/cuda/graph.rs), whose launches cannot change from step
+// to step, two more read what changes from device memory (`step`: live rows, cursor):
+// - qkv_split_step: qkv_split at the column step[1];
+// - embed_rows: each row's token and position embeddings, ids and positions in device
+//   memory, written as two (B, E) matrices (add_layer_norm then sums and norms them).
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -32,6 +37,21 @@ __device__ void qkv_split(const T *__restrict__ qkv, const T *__restrict__ bias,
         const int r = i / E, hd = i % E, h = hd / D, d = hd % D;
         const float v = to_f32(qkv[(size_t)r * 3 * E + part * E + hd]) + to_f32(bias[part * E + hd]);
         store(&dst[(((size_t)r * H + h) * C + col) * D + d], v);
+    }
+}
+
+// ids, positions: (B); wte: (V, E); wpe: (P, E); tok, pos: (B, E).
+template <typename T>
+__device__ void embed_rows(const T *__restrict__ wte, const T *__restrict__ wpe,
+                           const uint32_t *__restrict__ ids,
+                           const uint32_t *__restrict__ positions, T *__restrict__ tok,
+                           T *__restrict__ pos, int B, int E) {
+    const size_t n = (size_t)B * E;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = i / E, e = i % E;
+        tok[i] = wte[(size_t)ids[r] * E + e];
+        pos[i] = wpe[(size_t)positions[r] * E + e];
     }
 }
 
@@ -99,6 +119,17 @@ __device__ void add_layer_norm(const T *__restrict__ x, const T *__restrict__ y,
                                                   int part, int B, int H, int D, int C,      \
                                                   int col) {                                 \
         qkv_split<T>(qkv, bias, dst, part, B, H, D, C, col);                                 \
+    }                                                                                        \
+    extern "C" __global__ void qkv_split_step_##SUFFIX(const T *qkv, const T *bias, T *dst,  \
+                                                       int part, int B, int H, int D, int C, \
+                                                       const uint32_t *step) {               \
+        qkv_split<T>(qkv, bias, dst, part, B, H, D, C, (int)step[1]);                        \
+    }                                                                                        \
+    extern "C" __global__ void embed_rows_##SUFFIX(const T *wte, const T *wpe,               \
+                                                   const uint32_t *ids,                      \
+                                                   const uint32_t *positions, T *tok,        \
+                                                   T *pos, int B, int E) {                   \
+        embed_rows<T>(wte, wpe, ids, positions, tok, pos, B, E);                             \
     }                                                                                        \
     extern "C" __global__ void bias_gelu_##SUFFIX(const T *x, const T *bias, T *out, int M,  \
                                                   int N) {                                   \

@@ -234,19 +234,19 @@ __device__ __forceinline__ void merge(Split<VEC> &st, float m2, float l2, const 
     st.m = m;
 }
 
+// Row `row` (of group g, its prompt's first `pad` pool columns padding, its suffix from
+// column `start`) at head blockIdx.y: the block's share of both kernels below.
 template <typename T>
-__device__ __forceinline__ void grouped_attention_split(
-    const T *__restrict__ q, const T *__restrict__ pk, const T *__restrict__ pv,
-    const T *__restrict__ sk, const T *__restrict__ sv, const uint32_t *__restrict__ scatter,
-    const uint32_t *__restrict__ row_start, const uint32_t *__restrict__ group_pad,
-    T *__restrict__ out, int B, int H, int D, int L, int C, int R, int cursor, float scale) {
+__device__ __forceinline__ void split_row(const T *__restrict__ q, const T *__restrict__ pk,
+                                          const T *__restrict__ pv, const T *__restrict__ sk,
+                                          const T *__restrict__ sv, T *__restrict__ out,
+                                          uint32_t row, int g, int pad, int start, int H, int D,
+                                          int L, int C, int cursor, float scale) {
     constexpr int VEC = 16 / sizeof(T);
     __shared__ float s_m[SPLIT_WARPS], s_l[SPLIT_WARPS];
     __shared__ float s_acc[SPLIT_WARPS][SPLIT_MAX_D];
 
-    const int g = blockIdx.x, h = blockIdx.y, slot = blockIdx.z;
-    const uint32_t row = scatter[g * R + slot];
-    if (row >= (uint32_t)B) return;  // an empty slot: the whole block leaves
+    const int h = blockIdx.y;
     const int warp = threadIdx.y, lane = threadIdx.x;
     const int lpk = D / VEC, kpw = WARP / lpk;
     const int sub = lane / lpk, part = lane % lpk;
@@ -256,7 +256,6 @@ __device__ __forceinline__ void grouped_attention_split(
 #pragma unroll
     for (int i = 0; i < VEC; ++i) qv[i] *= scale;
 
-    const int pad = (int)group_pad[g], start = (int)row_start[row];
     const int prefix = L - pad;
     const int keys = prefix + (cursor >= start ? cursor - start + 1 : 0);
     const size_t p0 = (((size_t)g * H + h) * L + pad) * D + part * VEC;
@@ -334,6 +333,39 @@ __device__ __forceinline__ void grouped_attention_split(
     store16(out + ((size_t)row * H + h) * D + part * VEC, o);
 }
 
+
+template <typename T>
+__device__ __forceinline__ void grouped_attention_split(
+    const T *__restrict__ q, const T *__restrict__ pk, const T *__restrict__ pv,
+    const T *__restrict__ sk, const T *__restrict__ sv, const uint32_t *__restrict__ scatter,
+    const uint32_t *__restrict__ row_start, const uint32_t *__restrict__ group_pad,
+    T *__restrict__ out, int B, int H, int D, int L, int C, int R, int cursor, float scale) {
+    const int g = blockIdx.x, slot = blockIdx.z;
+    const uint32_t row = scatter[g * R + slot];
+    if (row >= (uint32_t)B) return;  // an empty slot: the whole block leaves
+    split_row<T>(q, pk, pv, sk, sv, out, row, g, (int)group_pad[g], (int)row_start[row], H, D, L,
+                 C, cursor, scale);
+}
+
+// row_attention: the split kernel for a captured decode step (rookworld-lm/src/cuda/graph.rs),
+// whose launch cannot change from step to step. Grid (B rows of the step's bucket, H
+// heads); block (32, SPLIT_WARPS). What changes lives in device memory: `step` holds the
+// live rows and the cursor (rows past the live ones leave at once), `row_group` and
+// `row_start` each row's group and first suffix column, `group_pad` each group's padding.
+template <typename T>
+__device__ __forceinline__ void row_attention(
+    const T *__restrict__ q, const T *__restrict__ pk, const T *__restrict__ pv,
+    const T *__restrict__ sk, const T *__restrict__ sv, const uint32_t *__restrict__ step,
+    const uint32_t *__restrict__ row_group, const uint32_t *__restrict__ row_start,
+    const uint32_t *__restrict__ group_pad, T *__restrict__ out, int H, int D, int L, int C,
+    float scale) {
+    const uint32_t row = blockIdx.x;
+    if (row >= step[0]) return;
+    const int g = (int)row_group[row];
+    split_row<T>(q, pk, pv, sk, sv, out, row, g, (int)group_pad[g], (int)row_start[row], H, D, L,
+                 C, (int)step[1], scale);
+}
+
 #define GROUPED_ATTENTION_SPLIT(NAME, T)                                                    \
     extern "C" __global__ void __launch_bounds__(WARP * SPLIT_WARPS)                        \
         NAME(const T *q, const T *pk, const T *pv, const T *sk, const T *sv,               \
@@ -345,3 +377,15 @@ __device__ __forceinline__ void grouped_attention_split(
 
 GROUPED_ATTENTION_SPLIT(grouped_attention_split_f32, float)
 GROUPED_ATTENTION_SPLIT(grouped_attention_split_bf16, __nv_bfloat16)
+
+#define ROW_ATTENTION(NAME, T)                                                              \
+    extern "C" __global__ void __launch_bounds__(WARP * SPLIT_WARPS)                        \
+        NAME(const T *q, const T *pk, const T *pv, const T *sk, const T *sv,               \
+             const uint32_t *step, const uint32_t *row_group, const uint32_t *row_start,    \
+             const uint32_t *group_pad, T *out, int H, int D, int L, int C, float scale) {  \
+        row_attention<T>(q, pk, pv, sk, sv, step, row_group, row_start, group_pad, out, H,  \
+                         D, L, C, scale);                                                   \
+    }
+
+ROW_ATTENTION(row_attention_f32, float)
+ROW_ATTENTION(row_attention_bf16, __nv_bfloat16)

@@ -37,10 +37,15 @@ pub enum Kernel {
     /// A trial ([`Kernel::trial`]); without it each version is a new model, uploaded in one
     /// copy from pageable memory.
     WeightsInPlace,
+    /// The decode step captured as one CUDA graph per bucket of rows, the sampler inside
+    /// it (`cuda::DecodeGraphs`, the `row_attention`, `qkv_split_step` and `embed_rows`
+    /// kernels). A trial ([`Kernel::trial`]); without it, the decode step's launches one by
+    /// one from the host.
+    DecodeGraphs,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 7] = [
+    pub const ALL: [Kernel; 8] = [
         Kernel::Attention,
         Kernel::Sampling,
         Kernel::DecodeOps,
@@ -48,12 +53,16 @@ impl Kernel {
         Kernel::SplitAttention,
         Kernel::StepBackend,
         Kernel::WeightsInPlace,
+        Kernel::DecodeGraphs,
     ];
 
     /// A family that runs only when [`ENABLE_ENV`] names it, until a GPU run has passed
     /// its check and timed it; the start-up check still checks it when it is named.
     pub fn trial(self) -> bool {
-        matches!(self, Kernel::SplitAttention | Kernel::WeightsInPlace)
+        matches!(
+            self,
+            Kernel::SplitAttention | Kernel::WeightsInPlace | Kernel::DecodeGraphs
+        )
     }
 
     /// The name logs, metrics and errors use.
@@ -66,6 +75,7 @@ impl Kernel {
             Kernel::SplitAttention => "grouped_attention_split",
             Kernel::StepBackend => "step_backend",
             Kernel::WeightsInPlace => "weights_in_place",
+            Kernel::DecodeGraphs => "decode_graphs",
         }
     }
 }

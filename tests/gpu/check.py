@@ -455,6 +455,13 @@ def cmd_table(args):
             f"log-prob max |Δ| {fmt(kern['sampling_max_logprob_error'])}")
         if "empty_rows" in kern:
             add("decode kernels vs CPU reference", "training ops on zero rows", kern["empty_rows"])
+        if "decode_graph_f32_max_rel_error" in kern:
+            add("decode kernels vs CPU reference", "captured step f32 / bf16 logits rel. |Δ|",
+                f"{fmt(kern['decode_graph_f32_max_rel_error'])} / "
+                f"{fmt(kern['decode_graph_bf16_max_rel_error'])}",
+                f"against the step launched op by op; f32 greedy tokens "
+                f"{kern['decode_graph_tokens_equal']}/{kern['decode_graph_rows']} "
+                "(trial decode_graphs)")
         if "upload_mismatched" in kern:
             add("decode kernels vs CPU reference", "page-locked upload values differing",
                 fmt(kern["upload_mismatched"]), "trial weights_in_place")
@@ -476,6 +483,18 @@ def cmd_table(args):
                 "(ROOKWORLD_ENABLE_KERNELS=grouped_attention_split)")
         else:
             add("rollout " + shape, "split attention", problem(d[name]) or "missing")
+    for name in sorted(k for k in d if k.startswith("graphs_")):
+        # The worker with the trial captured decode step turned on, beside its default.
+        shape = name[len("graphs_"):]
+        graphs, base = d[name].get("batch", {}), d.get("worker_" + shape, {}).get("batch", {})
+        if graphs and base:
+            new = int(shape.split("_")[-1])
+            add("rollout " + shape, "captured step tokens/s", fmt(graphs["tokens_per_second"], 4),
+                f"{fmt(graphs['tokens_per_second'] / base['tokens_per_second'])}× the default step, "
+                f"{fmt(graphs['seconds'] / new * 1e3)} ms a step "
+                "(ROOKWORLD_ENABLE_KERNELS=decode_graphs)")
+        else:
+            add("rollout " + shape, "captured step", problem(d[name]) or "missing")
     for name in sorted(k for k in d if k.startswith("worker_")):
         w, shape = d[name], name[len("worker_"):]
         hf = d.get("hf_" + shape, {})

@@ -25,32 +25,9 @@ impl Scheduler {
             .iter()
             .map(|r| *r.completion.ids.last().expect("a live row has a token"))
             .collect();
-        let forward = Instant::now();
-        let logits = match self.forward_rows(&ids) {
-            Ok(logits) => logits,
-            Err(e) if is_out_of_memory(&e) && self.rows.len() > 1 => {
-                return self.shed_rows(self.rows.len() / 2);
-            }
-            Err(e) => return Err(e),
+        let Some(sampled) = self.step_rows(&ids, stats)? else {
+            return Ok(()); // rows were shed; they restart later
         };
-        // The draws are taken back with the step if sampling runs out of memory (its
-        // buffers are allocated after the draws): the shed rows' streams and the kept
-        // rows' cache stand as before the step, so the output is unchanged.
-        let marks: Vec<u128> = self.rows.iter().map(|r| r.sampler.position()).collect();
-        let sampling = Instant::now();
-        stats.decode_forward_seconds += (sampling - forward).as_secs_f64();
-        let sampled = match self.sample_rows(&logits) {
-            Ok(sampled) => sampled,
-            Err(e) if is_out_of_memory(&e) && self.rows.len() > 1 => {
-                for (row, mark) in self.rows.iter_mut().zip(marks) {
-                    row.sampler.rewind(mark);
-                }
-                self.cache.undo_step();
-                return self.shed_rows(self.rows.len() / 2);
-            }
-            Err(e) => return Err(e),
-        };
-        stats.decode_sample_seconds += sampling.elapsed().as_secs_f64();
         for (row, s) in self.rows.iter_mut().zip(sampled) {
             row.completion.ids.push(s.token);
             row.completion.logprobs.push(s.logprob);
@@ -67,6 +44,69 @@ impl Scheduler {
             }
         }
         self.drop_idle_groups()
+    }
+
+    /// Every live row's next token: one captured step where the model runs them
+    /// ([`rookworld_lm::Gpt2::decode_sampled`]), else the forward, then sampling. `None`
+    /// when an out-of-memory error shed rows instead.
+    fn step_rows(
+        &mut self,
+        ids: &[u32],
+        stats: &mut StepStats,
+    ) -> Result<Option<Vec<Sampled>>, EngineError> {
+        let forward = Instant::now();
+        if self.model.decode_graph_applies(&self.cache) {
+            let marks: Vec<u128> = self.rows.iter().map(|r| r.sampler.position()).collect();
+            let draws: Vec<_> = self.rows.iter_mut().map(|r| r.sampler.draw()).collect();
+            let outcome = self.model.decode_sampled(ids, &draws, &mut self.cache);
+            if !matches!(outcome, Ok(Some(_))) {
+                // Not run (or failed): the draws are taken back, as if never made.
+                for (row, mark) in self.rows.iter_mut().zip(&marks) {
+                    row.sampler.rewind(*mark);
+                }
+            }
+            match outcome.map_err(EngineError::Model) {
+                Ok(Some(sampled)) => {
+                    // The graph samples inside the step: its time is the forward's.
+                    stats.decode_forward_seconds += forward.elapsed().as_secs_f64();
+                    return Ok(Some(sampled));
+                }
+                Ok(None) => {}
+                Err(e) if is_out_of_memory(&e) && self.rows.len() > 1 => {
+                    self.shed_rows(self.rows.len() / 2)?;
+                    return Ok(None);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let logits = match self.forward_rows(ids) {
+            Ok(logits) => logits,
+            Err(e) if is_out_of_memory(&e) && self.rows.len() > 1 => {
+                self.shed_rows(self.rows.len() / 2)?;
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        };
+        // The draws are taken back with the step if sampling runs out of memory (its
+        // buffers are allocated after the draws): the shed rows' streams and the kept
+        // rows' cache stand as before the step, so the output is unchanged.
+        let marks: Vec<u128> = self.rows.iter().map(|r| r.sampler.position()).collect();
+        let sampling = Instant::now();
+        stats.decode_forward_seconds += (sampling - forward).as_secs_f64();
+        let sampled = match self.sample_rows(&logits) {
+            Ok(sampled) => sampled,
+            Err(e) if is_out_of_memory(&e) && self.rows.len() > 1 => {
+                for (row, mark) in self.rows.iter_mut().zip(marks) {
+                    row.sampler.rewind(mark);
+                }
+                self.cache.undo_step();
+                self.shed_rows(self.rows.len() / 2)?;
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        };
+        stats.decode_sample_seconds += sampling.elapsed().as_secs_f64();
+        Ok(Some(sampled))
     }
 
     /// Next-token logits (B, V) of every live row, on the model's device.

@@ -46,6 +46,14 @@ pub struct KernelCheck {
     /// (the trial `weights_in_place`), at an odd offset and length: values read back that
     /// differ (0 to pass).
     pub upload_mismatched: f64,
+    /// The decode step captured as CUDA graphs (the trial `decode_graphs`) against the same
+    /// steps launched one op at a time, on a small random model: the largest |Δ| of a
+    /// logit over the largest |logit|, with f32 and with bfloat16 weights; and with f32
+    /// weights, the rows that drew the same greedy token.
+    pub decode_graph_f32_max_rel_error: f64,
+    pub decode_graph_bf16_max_rel_error: f64,
+    pub decode_graph_rows: usize,
+    pub decode_graph_tokens_equal: usize,
     pub passed: bool,
 }
 
@@ -109,6 +117,13 @@ fn run_checks(device: &Device) -> (KernelCheck, Vec<Finding>) {
     let ops_bf16 = ran(Kernel::DecodeOps, check_ops(device, DType::BF16, &mut rng));
     let train_ops = ran(Kernel::TrainOps, check_train_ops(device, &mut rng));
     let upload = ran(Kernel::WeightsInPlace, check_upload(device, &mut rng));
+    let (graph_f32, graph_bf16, graph_rows, graph_equal) = match check_decode_graph(device) {
+        Ok(four) => four,
+        Err(e) => {
+            let nan = ran(Kernel::DecodeGraphs, Err(e));
+            (nan, nan, 1, 0)
+        }
+    };
     let mut check = KernelCheck {
         attention_f32_max_abs_error: f32_error,
         attention_bf16_max_abs_error: bf16_error,
@@ -125,6 +140,10 @@ fn run_checks(device: &Device) -> (KernelCheck, Vec<Finding>) {
             Err(e) => e.to_string(),
         },
         upload_mismatched: upload,
+        decode_graph_f32_max_rel_error: graph_f32,
+        decode_graph_bf16_max_rel_error: graph_bf16,
+        decode_graph_rows: graph_rows,
+        decode_graph_tokens_equal: graph_equal,
         passed: false,
     };
     check.passed = check.findings().is_empty();
@@ -141,6 +160,14 @@ impl KernelCheck {
                 self.sampling_tokens_equal, self.sampling_rows
             ),
         });
+        let graph_tokens =
+            (self.decode_graph_tokens_equal != self.decode_graph_rows).then(|| Finding {
+                kernel: Kernel::DecodeGraphs,
+                problem: format!(
+                    "{} of {} rows drew the step's greedy token",
+                    self.decode_graph_tokens_equal, self.decode_graph_rows
+                ),
+            });
         [
             judge(
                 Kernel::Attention,
@@ -197,11 +224,97 @@ impl KernelCheck {
                 self.upload_mismatched,
                 0.0,
             ),
+            judge(
+                Kernel::DecodeGraphs,
+                "f32 logits max rel. |Δ|",
+                self.decode_graph_f32_max_rel_error,
+                1e-4,
+            ),
+            judge(
+                Kernel::DecodeGraphs,
+                "bf16 logits max rel. |Δ|",
+                self.decode_graph_bf16_max_rel_error,
+                5e-2,
+            ),
+            graph_tokens,
         ]
         .into_iter()
         .flatten()
         .collect()
     }
+}
+
+/// A small random model's decode steps as captured graphs against the same steps launched
+/// one op at a time ([`crate::Gpt2::decode_grouped`], then [`sample_rows`]): three steps of
+/// three rows in two groups, each fed the tokens the op-by-op step drew, with f32 and then
+/// bfloat16 weights. Returns the largest |Δ| of a logit over the largest |logit| of each,
+/// and with f32 weights the rows and the rows that drew the same greedy token.
+fn check_decode_graph(device: &Device) -> Result<(f64, f64, usize, usize)> {
+    use crate::cache::KvCache;
+    use crate::grouped::GroupedCache;
+    use crate::mask::LeftPadding;
+    let cfg = crate::Config {
+        n_head: 2,
+        ..crate::Config::tiny()
+    };
+    let greedy = RowDraw {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        uniform: 0.5,
+    };
+    let mut errors = [0f64; 2];
+    let (mut rows, mut equal) = (0, 0);
+    for (i, dtype) in [DType::F32, DType::BF16].into_iter().enumerate() {
+        let mut model = crate::checkpoint::init_random(&cfg, 7, dtype, device)?;
+        model.prepare_for_inference()?;
+        // Prompts of 5 and 3 tokens, left-padded together.
+        let padding = LeftPadding::for_lengths(&[5, 3]);
+        let ids = Tensor::new(&[[5u32, 9, 14, 2, 7], [0, 0, 3, 8, 1]], device)?;
+        let mut caches = [
+            GroupedCache::new(cfg.n_layer),
+            GroupedCache::new(cfg.n_layer),
+        ];
+        for cache in &mut caches {
+            let mut kv: KvCache = model.new_cache();
+            model.forward_last(&ids, &padding, &mut kv)?;
+            cache.add_groups(&kv, &padding)?;
+            for g in [0, 0, 1] {
+                cache.add_row(g);
+            }
+        }
+        let [reference, captured] = &mut caches;
+        let weights = model.step_weights();
+        let mut graphs = None;
+        let mut feed = vec![1u32, 2, 3];
+        let draws = [greedy; 3];
+        for _ in 0..3 {
+            let logits = model.decode_grouped(&feed, reference)?; // (3, V)
+            let want = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            let drawn = sample_rows(&logits, &draws)?;
+            let got_drawn =
+                super::DecodeGraphs::step(&mut graphs, &weights, captured, &feed, &draws)?;
+            let got = graphs.as_ref().expect("made by the step").logits(3)?;
+            let scale = want
+                .iter()
+                .flatten()
+                .fold(0f32, |m, x| m.max(x.abs()))
+                .max(1e-6);
+            for (w, g) in want.iter().flatten().zip(got.iter().flatten()) {
+                errors[i] = errors[i].max(f64::from((w - g).abs() / scale));
+            }
+            if dtype == DType::F32 {
+                rows += drawn.len();
+                equal += drawn
+                    .iter()
+                    .zip(&got_drawn)
+                    .filter(|(a, b)| a.token == b.token)
+                    .count();
+            }
+            feed = drawn.iter().map(|s| s.token).collect();
+        }
+    }
+    Ok((errors[0], errors[1], rows, equal))
 }
 
 /// Uploads random values over part of a bfloat16 and of an f32 tensor (an odd offset and

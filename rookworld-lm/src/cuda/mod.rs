@@ -7,6 +7,7 @@
 //! - [`ops`]: the small fused ops of [`crate::fused_ops`] (`kernels/decode_ops.cu`);
 //! - `train`: what the launches of [`crate::train_ops`] share (each op's launches sit in
 //!   its own module there, `kernels/train_ops.cu`);
+//! - [`DecodeGraphs`]: the decode step captured as one CUDA graph per bucket of rows;
 //! - [`upload`], [`download`]: host bytes to and from device memory in one transfer
 //!   through page-locked memory (a weight push written into a worker's weights; the
 //!   learner's bfloat16 copy of its weights).
@@ -17,6 +18,7 @@
 
 mod attention;
 mod check;
+mod graph;
 pub(crate) mod ops;
 mod sample;
 pub(crate) mod train;
@@ -24,6 +26,8 @@ mod transfer;
 
 pub use attention::{AttentionKernel, DeviceGeometry, grouped_attention, grouped_attention_with};
 pub use check::{KernelCheck, self_check, startup_check};
+pub use graph::DecodeGraphs;
+pub(crate) use graph::{LayerWeights, StepWeights};
 pub use sample::sample_rows;
 pub use transfer::{download, upload, upload_into};
 

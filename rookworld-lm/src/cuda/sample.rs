@@ -85,12 +85,18 @@ pub fn sample_rows(logits: &Tensor, draws: &[RowDraw]) -> Result<Vec<Sampled>> {
         }
     }
     let out = stream.clone_dtoh(&out).w()?;
+    sampled(&out, b, b)
+}
+
+/// The first `rows` rows of the kernel's output for `b` rows (3·B: tokens, log-probability
+/// bits, status); an error when one of them had no finite logit.
+pub(crate) fn sampled(out: &[u32], b: usize, rows: usize) -> Result<Vec<Sampled>> {
     let (tokens, rest) = out.split_at(b);
     let (logprobs, status) = rest.split_at(b);
-    if status.iter().any(|&s| s != 0) {
+    if status[..rows].iter().any(|&s| s != 0) {
         return Err(not_finite());
     }
-    Ok(tokens
+    Ok(tokens[..rows]
         .iter()
         .zip(logprobs)
         .map(|(&token, &bits)| Sampled {

@@ -363,7 +363,7 @@ impl Attention {
         {
             return self.c_proj.forward(&y.reshape((b, 1, e))?); // (B, 1, E)
         }
-        let (kp, vp) = cache.prefix(); // (N, H, L, D) each
+        let (kp, vp) = cache.prefix(plan.groups)?; // (N, H, L, D) each
         let (n, _, l, _) = kp.dims4()?;
         let r = plan.group_rows;
         let scale = 1.0 / (d as f64).sqrt();
@@ -385,15 +385,15 @@ impl Attention {
         };
         let prefix_scores = (to_groups(&q, d)?.matmul(&kp.t()?)? * scale)? // (N, H, R, L)
             .to_dtype(DType::F32)?
-            .broadcast_add(&plan.prefix_bias)?;
+            .broadcast_add(plan.biases()?.0)?;
         let suffix_scores = (q.matmul(&ks.t()?)? * scale)? // (B, H, 1, W)
             .to_dtype(DType::F32)?
-            .broadcast_add(&plan.suffix_bias)?;
+            .broadcast_add(plan.biases()?.1)?;
         let w = suffix_scores.dim(3)?;
         let scores = Tensor::cat(&[&to_rows(&prefix_scores, l)?, &suffix_scores], 3)?; // (B, H, 1, L+W)
         let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(vs.dtype())?;
         let prefix_probs = to_groups(&probs.narrow(3, 0, l)?.contiguous()?, l)?; // (N, H, R, L)
-        let from_prefix = to_rows(&prefix_probs.matmul(vp)?, d)?; // (B, H, 1, D)
+        let from_prefix = to_rows(&prefix_probs.matmul(&vp)?, d)?; // (B, H, 1, D)
         let from_suffix = probs.narrow(3, l, w)?.matmul(&vs)?; // (B, H, 1, D)
         let y = (from_prefix + from_suffix)?
             .transpose(1, 2)? // (B, 1, H, D)
@@ -422,7 +422,7 @@ impl Attention {
             col,
         };
         let q = part(0, 0).extract(&qkv, bias)?; // (B, H, 1, D)
-        let (sk, sv) = cache.suffix_for(b, self.n_head, self.head_dim, qkv.dtype(), plan)?;
+        let (sk, sv) = cache.suffix();
         part(1, plan.cursor).write_into(&sk, &qkv, bias)?;
         part(2, plan.cursor).write_into(&sv, &qkv, bias)?;
         let Some(y) = cache.fused_attention(&q, plan)? else {

@@ -486,12 +486,8 @@ impl Gpt2 {
         cache: &mut GroupedCache,
     ) -> candle_core::Result<Tensor> {
         let device = self.device();
-        let plan = cache.plan_step(device)?;
-        if ids.len() != plan.rows {
-            candle_core::bail!("{} ids for {} live rows", ids.len(), plan.rows);
-        }
-        let ids = Tensor::new(ids, device)?.unsqueeze(1)?; // (B, 1)
-        let tok = self.token_rows(&ids)?; // (B, 1, E)
+        let plan = cache.plan_step(ids, device)?;
+        let tok = self.token_rows(&plan.ids)?; // (B, 1, E)
         let pos = self.wpe.embedding_rows(&plan.positions)?; // (B, 1, E)
         let mut x = (tok + pos)?;
         let hidden = if plan.fused_ops && self.fused_decode_applies() {
@@ -513,6 +509,115 @@ impl Gpt2 {
         };
         cache.finish_step();
         Ok(logits)
+    }
+
+    /// Whether [`Self::decode_sampled`] runs steps of `cache` as captured CUDA graphs: a
+    /// build with the `cuda` feature, the model on CUDA and ready for inference (its head
+    /// padded), the trial family `decode_graphs` on with the kernels it uses, the fused
+    /// decode ops applying, and a cache that uses the fused kernels.
+    pub fn decode_graph_applies(&self, cache: &GroupedCache) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            use crate::kernels::{Kernel, enabled};
+            self.device().is_cuda()
+                && [
+                    Kernel::DecodeGraphs,
+                    Kernel::Attention,
+                    Kernel::DecodeOps,
+                    Kernel::Sampling,
+                ]
+                .into_iter()
+                .all(enabled)
+                && self.fused_decode_applies()
+                && self.head_padded.is_some()
+                && self.wte.dtype() == self.dtype
+                && self.wpe.dtype() == self.dtype
+                && crate::cuda::DecodeGraphs::applies(self.dtype, self.cfg.head_dim())
+                && cache.uses_fused_kernels()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = cache;
+            false
+        }
+    }
+
+    /// One decode step for the live rows of `cache` (`ids[r]` the token row r feeds) with
+    /// its sampling, row r drawing with `draws[r]`, as one captured CUDA graph per bucket
+    /// of rows ([`crate::cuda::DecodeGraphs`]): each row's token and log-probability.
+    /// `None` where [`Self::decode_graph_applies`] is false, or where the graph failed
+    /// other than for memory: the family is then turned off (one ERROR naming it) and
+    /// the caller runs [`Self::decode_grouped`] and samples, as it would without it.
+    pub fn decode_sampled(
+        &self,
+        ids: &[u32],
+        draws: &[crate::device_sampling::RowDraw],
+        cache: &mut GroupedCache,
+    ) -> crate::Result<Option<Vec<crate::sampling::Sampled>>> {
+        if !self.decode_graph_applies(cache) {
+            return Ok(None);
+        }
+        #[cfg(feature = "cuda")]
+        {
+            use crate::kernels::{Finding, Kernel, SWITCHES};
+            let weights = self.step_weights();
+            let mut graphs = cache.graphs.take();
+            let result = crate::cuda::DecodeGraphs::step(&mut graphs, &weights, cache, ids, draws);
+            cache.graphs = graphs;
+            match result {
+                Ok(sampled) => Ok(Some(sampled)),
+                Err(e) if e.to_string().to_ascii_lowercase().contains("out of memory") => {
+                    cache.graphs = None;
+                    Err(e)
+                }
+                Err(e) => {
+                    cache.graphs = None;
+                    let finding = Finding {
+                        kernel: Kernel::DecodeGraphs,
+                        problem: format!("a captured decode step failed: {e}"),
+                    };
+                    SWITCHES.apply(&format!("{:?}", self.device().location()), &[finding])?;
+                    Ok(None)
+                }
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (ids, draws);
+            Ok(None)
+        }
+    }
+
+    /// What a captured decode step reads of the model (its head padded).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn step_weights(&self) -> crate::cuda::StepWeights<'_> {
+        fn pair(n: &LayerNorm) -> (&Tensor, &Tensor) {
+            (&n.weight, &n.bias)
+        }
+        fn conv(c: &Conv1D) -> (&Tensor, &Tensor) {
+            (&c.weight, &c.bias)
+        }
+        crate::cuda::StepWeights {
+            wte: &self.wte,
+            wpe: &self.wpe,
+            layers: self
+                .blocks
+                .iter()
+                .map(|b| crate::cuda::LayerWeights {
+                    ln_1: pair(&b.ln_1),
+                    c_attn: conv(&b.attn.c_attn),
+                    attn_proj: conv(&b.attn.c_proj),
+                    ln_2: pair(&b.ln_2),
+                    c_fc: conv(&b.mlp.c_fc),
+                    mlp_proj: conv(&b.mlp.c_proj),
+                })
+                .collect(),
+            ln_f: pair(&self.ln_f),
+            head: self.head_padded.as_ref().unwrap_or(&self.wte),
+            vocab: self.cfg.vocab_size,
+            heads: self.cfg.n_head,
+            eps: self.cfg.layer_norm_epsilon as f32,
+        }
     }
 
     /// Whether the fused decode ops apply: untracked f32 or bf16 weights, `gelu_new`, a

@@ -173,3 +173,94 @@ fn check_against_alone(path: Path) {
     assert!(live.is_empty());
     assert_eq!(checked, 5 + 70 + 3 + 90 + 12 + 40 + 30 + 31 + 33 + 8 + 60);
 }
+
+/// Feeds one token to every live row of `cache` (`live[r]` row r's sequence) and checks
+/// each row's logits against its sequence computed alone.
+fn step_and_check(m: &Gpt2, cache: &mut GroupedCache, live: &mut [Vec<u32>]) {
+    let ids: Vec<u32> = live
+        .iter()
+        .map(|seq| tokens(100 + seq.len() as u32, 1)[0])
+        .collect();
+    for (seq, &id) in live.iter_mut().zip(&ids) {
+        seq.push(id);
+    }
+    let logits = m
+        .decode_grouped(&ids, cache)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    for (seq, row) in live.iter().zip(&logits) {
+        let d = alone(m, seq)
+            .iter()
+            .zip(row)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(d < 1e-4, "max |Δ| = {d}");
+    }
+}
+
+/// While the groups, the prompts, the rows and the window fit the buffers, groups and
+/// rows joining and leaving move none of them (what a captured decode step relies on);
+/// outgrowing one rebuilds it, and every row still computes what it computes alone.
+#[test]
+fn buffers_stay_put_while_the_work_fits_them() {
+    let cfg = Config {
+        n_head: 2,
+        ..Config::tiny()
+    };
+    let m = init_random(&cfg, 5, DType::F32, &Device::Cpu).unwrap();
+    let mut cache = GroupedCache::new(cfg.n_layer).with_fused_ops();
+    let mut prompts = vec![tokens(1, 9), tokens(2, 4)];
+    prefill(&m, &mut cache, &prompts); // the pool: 4 groups of 32 columns
+    assert_eq!(cache.rebuilds(), 1);
+    let mut live = vec![prompts[0].clone(), prompts[1].clone()];
+    cache.add_row(0);
+    cache.add_row(1);
+    step_and_check(&m, &mut cache, &mut live); // the suffix: 8 rows of 64 columns
+    let made = cache.rebuilds();
+    assert_eq!(made, 2);
+
+    // Two more groups (one prompt of the pool's full 32 columns) and rows up to 8, rows
+    // leaving, a group dropped and the later ones moving down: nothing moves.
+    for p in [tokens(3, 32), tokens(4, 5)] {
+        let g = prefill(&m, &mut cache, std::slice::from_ref(&p));
+        prompts.push(p);
+        cache.add_row(g);
+        live.push(prompts[g].clone());
+    }
+    for g in [0, 2, 3, 3] {
+        cache.add_row(g);
+        live.push(prompts[g].clone());
+    }
+    assert_eq!(cache.rows(), 8);
+    for _ in 0..5 {
+        step_and_check(&m, &mut cache, &mut live);
+    }
+    // Group 1's only row (row 1) leaves, then the group.
+    cache.swap_remove_row(1).unwrap();
+    live.swap_remove(1);
+    let remap = cache.retain_groups(&[true, false, true, true]).unwrap();
+    assert_eq!(remap, [Some(0), None, Some(1), Some(2)]);
+    prompts.remove(1);
+    for _ in 0..5 {
+        step_and_check(&m, &mut cache, &mut live);
+    }
+    assert_eq!(cache.rebuilds(), made, "nothing outgrew the buffers");
+
+    // Two new groups outgrow the pool's 4 slots; a ninth row the suffix's 8 rows.
+    let g = prefill(&m, &mut cache, &[tokens(5, 7), tokens(6, 11)]);
+    assert_eq!(g, 3);
+    assert_eq!(cache.rebuilds(), made + 1);
+    prompts.extend([tokens(5, 7), tokens(6, 11)]);
+    for g in [3, 4] {
+        cache.add_row(g);
+        live.push(prompts[g].clone());
+    }
+    step_and_check(&m, &mut cache, &mut live);
+    assert_eq!(cache.rebuilds(), made + 2);
+    // The window outgrows the suffix's 64 columns: rebuilt once more, then steady.
+    for _ in 0..60 {
+        step_and_check(&m, &mut cache, &mut live);
+    }
+    assert_eq!(cache.rebuilds(), made + 3);
+}

@@ -109,6 +109,13 @@ fn the_gpu_check_script_runs_every_section_on_the_cpu() {
             .unwrap()
             > 0.0
     );
+    // And with the trial captured decode step named (it does not apply on the CPU).
+    assert!(
+        at("rollout 2x2_8", "captured step tokens/s")
+            .parse::<f64>()
+            .unwrap()
+            > 0.0
+    );
     // The learner's step with the training ops off ran (beside the step with them on).
     let composed: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.path().join("learner_composed.json")).unwrap())
@@ -181,13 +188,13 @@ fn the_gpu_check_script_bounds_each_section_and_the_whole_run() {
     assert_eq!(done.status.code(), Some(failed.len() as i32), "{failed:?}");
 
     // Past the deadline every section is skipped, and counted: device, parity,
-    // copy_bandwidth, worker, split, hf, graph, backend_compare, backend_pass,
+    // copy_bandwidth, worker, split, graphs, hf, graph, backend_compare, backend_pass,
     // learner_step, push, push_in_place, train, trl, learner_composed.
     let out = tempfile::tempdir().unwrap();
     let (done, _) = run(out.path(), &[("DEADLINE", "0")]);
     let failed = errors(out.path());
-    assert_eq!(failed.len(), 15, "{failed:?}");
-    assert_eq!(done.status.code(), Some(15));
+    assert_eq!(failed.len(), 16, "{failed:?}");
+    assert_eq!(done.status.code(), Some(16));
     let train = std::fs::read_to_string(out.path().join("train.json")).unwrap();
     assert!(train.contains("deadline"), "{train}");
 }
