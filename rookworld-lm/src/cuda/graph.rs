@@ -10,6 +10,9 @@
 //! - the cache's pool and suffix buffers stay put between rebuilds
 //!   ([`GroupedCache::rebuilds`]); the graphs are made again after one;
 //! - every activation lives in one arena, sized for the largest bucket made so far;
+//! - the graphs are captured and launched on a stream of their own, their products on a
+//!   cuBLAS handle of their own with its own workspace, so that no other thread's work on
+//!   the device's stream is recorded and no product allocates during a capture;
 //! - what changes (live rows, cursor, ids, positions, each row's group and first column,
 //!   each group's padding: [`GraphLayout`], and the sampler's draws) is read from two
 //!   device buffers that the step writes before the launch.
@@ -29,7 +32,7 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 
 use candle_core::cuda::WrapErr;
-use candle_core::cuda::cudarc::cublas::{result as blas, sys as blas_sys};
+use candle_core::cuda::cudarc::cublas::{CudaBlas, result as blas, sys as blas_sys};
 use candle_core::cuda::cudarc::driver::{
     CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg, sys,
 };
@@ -40,7 +43,6 @@ use super::{ATTENTION_PTX, DECODE_OPS_PTX, SAMPLE_PTX, elementwise, kernel};
 use crate::device_sampling::RowDraw;
 use crate::error::{Error, Result};
 use crate::grouped::{GraphLayout, GroupedCache};
-use crate::sampling::Sampled;
 
 /// Warps of a `row_attention` block (`SPLIT_WARPS` in the kernel).
 const ATTENTION_WARPS: u32 = 4;
@@ -51,35 +53,6 @@ const SAMPLE_THREADS: u32 = 1024;
 const ALIGN: usize = 256;
 /// cuBLAS's workspace for captured products (what NVIDIA advises for Hopper).
 const WORKSPACE_BYTES: usize = 32 << 20;
-
-/// The cuBLAS workspace of each device ordinal that has captured a step: set on the
-/// device's handle before its first capture and kept for the process (the handle keeps
-/// using it), so that no product allocates while a graph is captured.
-static WORKSPACES: std::sync::Mutex<Vec<(usize, CudaSlice<u8>)>> =
-    std::sync::Mutex::new(Vec::new());
-
-/// Gives `device`'s cuBLAS handle its own workspace, once per device.
-fn set_workspace(device: &CudaDevice) -> Result<()> {
-    let stream = device.cuda_stream();
-    let ordinal = stream.context().ordinal();
-    let mut held = WORKSPACES.lock().unwrap_or_else(|e| e.into_inner());
-    if held.iter().any(|(o, _)| *o == ordinal) {
-        return Ok(());
-    }
-    let workspace = device.alloc_zeros::<u8>(WORKSPACE_BYTES)?;
-    let at = workspace.device_ptr(&stream).0;
-    let handle = device.cublas_handle();
-    // SAFETY: the workspace is WORKSPACE_BYTES of device memory on the handle's device,
-    // kept in WORKSPACES for as long as the process (and so the handle) lives.
-    let status = unsafe {
-        blas_sys::cublasSetWorkspace_v2(*handle.handle(), at as *mut c_void, WORKSPACE_BYTES)
-    };
-    if status != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-        return Err(fail(format!("cublasSetWorkspace: {status:?}")));
-    }
-    held.push((ordinal, workspace));
-    Ok(())
-}
 
 /// One layer's weights, as the graph reads them.
 #[derive(Debug, Clone, Copy)]
@@ -141,8 +114,9 @@ struct Dims {
     /// Pool columns L and suffix columns C of the cache.
     pool_len: usize,
     suffix_cols: usize,
-    /// Groups the pool holds (the inputs' pads).
+    /// Groups the pool holds (the inputs' pads), rows the suffix holds.
     groups: usize,
+    suffix_rows: usize,
     eps: f32,
 }
 
@@ -190,7 +164,14 @@ struct Arena {
 /// The captured decode steps over one cache's buffers and one model's weights.
 pub struct DecodeGraphs {
     device: CudaDevice,
+    /// The stream the graphs are captured and launched on: their own, so that no other
+    /// thread's work on the device's stream (a weight version being built) is recorded
+    /// into a capture. Each step waits for the device's stream first.
     stream: std::sync::Arc<CudaStream>,
+    /// A cuBLAS handle on that stream, with a workspace of its own (so that no product
+    /// allocates while a graph is captured).
+    blas: CudaBlas,
+    _workspace: CudaSlice<u8>,
     dtype: DType,
     /// The cache's [`GroupedCache::rebuilds`] these were made for.
     rebuilds: u64,
@@ -302,7 +283,13 @@ impl DecodeGraphs {
         ]);
         let [pk, _, sk, _] = buffers[0];
         let (groups, _, pool_len, _) = pk.dims4()?;
-        let (_, _, suffix_cols, _) = sk.dims4()?;
+        let (suffix_rows, _, suffix_cols, _) = sk.dims4()?;
+        // row_attention's 16-byte loads start on every row of D elements of the cache.
+        for l in &layers {
+            if [l.pk, l.pv, l.sk, l.sv].iter().any(|a| a % 16 != 0) {
+                return Err(fail("a cache buffer is not 16-byte aligned"));
+            }
+        }
         let (padded, e) = weights.head.dims2()?;
         let inner = weights.layers[0].c_fc.0.dim(1)?;
         if held.iter().any(|t| t.dtype() != dtype) {
@@ -326,12 +313,26 @@ impl DecodeGraphs {
             )?,
             sample: load("sample_rows", "rookworld_sample", SAMPLE_PTX)?,
         };
+        let stream = device.cuda_stream().context().new_stream().w()?;
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| fail(format!("cuBLAS: {e:?}")))?;
+        let workspace = device.alloc_zeros::<u8>(WORKSPACE_BYTES)?;
+        let at = workspace.device_ptr(&device.cuda_stream()).0;
+        // SAFETY: the workspace is WORKSPACE_BYTES of device memory on the handle's device,
+        // kept as long as the handle (both fields of this struct).
+        let status = unsafe {
+            blas_sys::cublasSetWorkspace_v2(*blas.handle(), at as *mut c_void, WORKSPACE_BYTES)
+        };
+        if status != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(fail(format!("cublasSetWorkspace: {status:?}")));
+        }
         Ok(Self {
+            stream,
+            blas,
+            _workspace: workspace,
             wte: address(weights.wte, &device)?,
             wpe: address(weights.wpe, &device)?,
             ln_f: pair(weights.ln_f, &device)?,
             head: address(weights.head, &device)?,
-            stream: device.cuda_stream(),
             device,
             dtype,
             rebuilds: cache.rebuilds(),
@@ -344,6 +345,7 @@ impl DecodeGraphs {
                 pool_len,
                 suffix_cols,
                 groups,
+                suffix_rows,
                 eps: weights.eps,
             },
             layers,
@@ -429,15 +431,17 @@ impl DecodeGraphs {
     }
 
     /// Runs one step of the live rows of `cache` feeding `ids`, row r drawing with
-    /// `draws[r]`: their tokens and log-probabilities. The graphs are made again when the
-    /// cache has been rebuilt since, a bucket's graph on its first step.
+    /// `draws[r]`, and counts it: the sampler's output for the step's bucket of B rows
+    /// (3·B: tokens, log-probability bits, status; [`super::sample::sampled`] reads it).
+    /// The graphs are made again when the cache has been rebuilt since, a bucket's graph
+    /// on its first step (after one run of the same launches uncaptured).
     pub(crate) fn step(
         slot: &mut Option<DecodeGraphs>,
         weights: &StepWeights,
         cache: &mut GroupedCache,
         ids: &[u32],
         draws: &[RowDraw],
-    ) -> Result<Vec<Sampled>> {
+    ) -> Result<Vec<u32>> {
         if draws.len() != ids.len() {
             return Err(Error::InvalidArgument(format!(
                 "{} draws for {} ids",
@@ -451,8 +455,14 @@ impl DecodeGraphs {
             *slot = Some(Self::new(weights, cache)?);
         }
         let graphs = slot.as_mut().expect("made above");
-        let rows = ids.len();
         let bucket = layout.bucket;
+        if bucket > graphs.dims.suffix_rows {
+            // The split writes every row of the bucket into the cache.
+            return Err(fail(format!(
+                "a bucket of {bucket} rows over a cache of {} rows",
+                graphs.dims.suffix_rows
+            )));
+        }
         let mut packed = Vec::with_capacity(4 * bucket);
         for d in draws {
             packed.extend([
@@ -467,24 +477,30 @@ impl DecodeGraphs {
             packed.extend([0.0, 0.0, 1.0, 0.5]);
         }
         let stream = graphs.stream.clone();
+        // After everything the device's stream holds (the prefill, the cache's moves).
+        stream.join(&graphs.device.cuda_stream()).w()?;
         graphs.arena_for(bucket)?;
-        if !graphs.graphs.contains_key(&bucket) {
-            let graph = graphs.capture(layout)?;
-            graphs.graphs.insert(bucket, graph);
-        }
         let arena = graphs.arena.as_mut().expect("made above");
         stream
             .memcpy_htod(&inputs, &mut arena.inputs.slice_mut(..inputs.len()))
             .w()?;
         stream.memcpy_htod(&packed, &mut arena.draws).w()?;
+        if !graphs.graphs.contains_key(&bucket) {
+            // Run once uncaptured (a launch error shows here, and first uses stay out of
+            // the graph); the graph then computes the same again.
+            graphs.enqueue(layout)?;
+            let graph = graphs.capture(layout)?;
+            graphs.graphs.insert(bucket, graph);
+        }
         graphs.graphs[&bucket].0.launch().w()?;
+        let arena = graphs.arena.as_ref().expect("made above");
         let mut out = vec![0u32; 3 * bucket];
         stream
             .memcpy_dtoh(&arena.out.slice(..3 * bucket), &mut out)
             .w()?;
         stream.synchronize().w()?;
         cache.finish_step();
-        super::sample::sampled(&out, bucket, rows)
+        Ok(out)
     }
 
     /// The logits (the first V of each row) of the first `rows` rows of the last step, in
@@ -516,7 +532,6 @@ impl DecodeGraphs {
 
     /// Captures the step of one bucket's rows on the device's stream.
     fn capture(&self, layout: GraphLayout) -> Result<Graph> {
-        set_workspace(&self.device)?;
         let stream = &self.stream;
         stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -723,13 +738,12 @@ impl DecodeGraphs {
             blas_sys::cublasOperation_t::CUBLAS_OP_N
         };
         let (alpha, beta) = (1f32, 0f32);
-        let handle = self.device.cublas_handle();
         // SAFETY: every operand is an arena buffer or a weight of the sizes above; the
-        // handle runs on the device's stream (the one captured); α and β are read when the
+        // handle runs on the graphs' stream (the one captured); α and β are read when the
         // call is enqueued (host pointer mode).
         unsafe {
             blas::gemm_ex(
-                *handle.handle(),
+                *self.blas.handle(),
                 op,
                 blas_sys::cublasOperation_t::CUBLAS_OP_N,
                 int(m)?,

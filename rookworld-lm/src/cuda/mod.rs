@@ -29,6 +29,7 @@ pub use check::{KernelCheck, self_check, startup_check};
 pub use graph::DecodeGraphs;
 pub(crate) use graph::{LayerWeights, StepWeights};
 pub use sample::sample_rows;
+pub(crate) use sample::sampled;
 pub use transfer::{download, upload, upload_into};
 
 use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView};

@@ -565,7 +565,9 @@ impl Gpt2 {
             let result = crate::cuda::DecodeGraphs::step(&mut graphs, &weights, cache, ids, draws);
             cache.graphs = graphs;
             match result {
-                Ok(sampled) => Ok(Some(sampled)),
+                // The step ran and counts; a row without a finite logit is the model's
+                // error, as on the op-by-op path.
+                Ok(out) => crate::cuda::sampled(&out, out.len() / 3, ids.len()).map(Some),
                 Err(e) if e.to_string().to_ascii_lowercase().contains("out of memory") => {
                     cache.graphs = None;
                     Err(e)
