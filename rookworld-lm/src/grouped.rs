@@ -257,6 +257,28 @@ impl GroupedCache {
         self.rows[r].group
     }
 
+    /// Position id of the token `row` feeds at the cursor: its prompt's length plus the
+    /// columns since it joined. The one place a row's position is worked out, for every
+    /// layout of a step's inputs.
+    fn position(&self, row: &Row) -> usize {
+        self.prefix_len[row.group] + self.cursor - row.start
+    }
+
+    /// Each group's left padding in the pool (L − its prompt's length), group by group.
+    fn group_pads(&self) -> impl Iterator<Item = usize> + '_ {
+        self.prefix_len.iter().map(|&len| self.pool_len - len)
+    }
+
+    /// Checks that a step feeds one id per live row and makes room for its column and rows.
+    fn prepare_step(&mut self, ids: &[u32]) -> Result<()> {
+        let b = self.rows.len();
+        assert!(b > 0, "a decode step needs a live row");
+        if ids.len() != b {
+            candle_core::bail!("{} ids for {b} live rows", ids.len());
+        }
+        self.reserve(b)
+    }
+
     /// First suffix column a live row uses (the cursor when none is live).
     fn first_live_column(&self) -> usize {
         self.rows
@@ -430,11 +452,7 @@ impl GroupedCache {
         let group_rows = members.iter().map(Vec::len).max().unwrap_or(1).max(1);
         let mut values = Vec::with_capacity(4 * b + n * (group_rows + 1));
         values.extend_from_slice(ids);
-        values.extend(
-            self.rows
-                .iter()
-                .map(|row| (self.prefix_len[row.group] + self.cursor - row.start) as u32),
-        );
+        values.extend(self.rows.iter().map(|row| self.position(row) as u32));
         let mut gather = vec![0u32; b];
         let mut scatter = vec![b as u32; n * group_rows];
         for (g, rows) in members.iter().enumerate() {
@@ -446,7 +464,7 @@ impl GroupedCache {
         values.extend(gather);
         values.extend(self.rows.iter().map(|row| row.start as u32));
         values.extend(scatter);
-        values.extend(self.prefix_len.iter().map(|&l| (self.pool_len - l) as u32));
+        values.extend(self.group_pads().map(|pad| pad as u32));
         StepInputs {
             values,
             rows: b,
@@ -460,12 +478,8 @@ impl GroupedCache {
     /// for a captured step ([`GraphLayout`]): padding rows feed token 0 at position 0 in
     /// group 0 and start at the cursor (the step's attention skips them).
     pub(crate) fn graph_step_inputs(&mut self, ids: &[u32]) -> Result<(GraphLayout, Vec<u32>)> {
+        self.prepare_step(ids)?;
         let b = self.rows.len();
-        assert!(b > 0, "a decode step needs a live row");
-        if ids.len() != b {
-            candle_core::bail!("{} ids for {b} live rows", ids.len());
-        }
-        self.reserve(b)?;
         let layout = GraphLayout { bucket: bucket(b) };
         let cursor = self.cursor as u32;
         let mut values = vec![0u32; layout.len(self.groups())];
@@ -474,13 +488,12 @@ impl GroupedCache {
         values[layout.row_start()..layout.group_pad()].fill(cursor);
         for (r, (row, &id)) in self.rows.iter().zip(ids).enumerate() {
             values[layout.ids() + r] = id;
-            values[layout.positions() + r] =
-                (self.prefix_len[row.group] + self.cursor - row.start) as u32;
+            values[layout.positions() + r] = self.position(row) as u32;
             values[layout.row_group() + r] = row.group as u32;
             values[layout.row_start() + r] = row.start as u32;
         }
-        for (g, &len) in self.prefix_len.iter().enumerate() {
-            values[layout.group_pad() + g] = (self.pool_len - len) as u32;
+        for (g, pad) in self.group_pads().enumerate() {
+            values[layout.group_pad() + g] = pad as u32;
         }
         Ok((layout, values))
     }
@@ -488,12 +501,8 @@ impl GroupedCache {
     /// Makes room for this step's column and rows, and builds what every layer shares,
     /// its integer inputs ([`Self::step_inputs`]) in one transfer to `device`.
     pub(crate) fn plan_step(&mut self, ids: &[u32], device: &Device) -> Result<StepPlan> {
+        self.prepare_step(ids)?;
         let b = self.rows.len();
-        assert!(b > 0, "a decode step needs a live row");
-        if ids.len() != b {
-            candle_core::bail!("{} ids for {b} live rows", ids.len());
-        }
-        self.reserve(b)?;
         let first = self.first_live_column();
         let cursor = self.cursor;
         let inputs = self.step_inputs(ids);
@@ -505,7 +514,7 @@ impl GroupedCache {
             all.narrow(0, start, len)
         };
         let row_start: Vec<usize> = self.rows.iter().map(|r| r.start).collect();
-        let group_pad: Vec<usize> = self.prefix_len.iter().map(|&l| self.pool_len - l).collect();
+        let group_pad: Vec<usize> = self.group_pads().collect();
         #[cfg(feature = "cuda")]
         let device_geometry =
             if device.is_cuda() && self.cpu_kernel && kernels::enabled(Kernel::Attention) {
