@@ -25,7 +25,8 @@
 # against their CPU references); rollout-worker bench beside transformers' generate, with
 # the achieved memory bandwidth against the device's copy bandwidth, and beside a PyTorch
 # static-KV-cache step captured as a CUDA graph; the step's backend compared buffer by
-# buffer with the CPU reference and its pass timed; the learner's GRPO step (candle's autograd
+# buffer with the CPU reference and its pass timed; the device time of the fused step's
+# kernels (device events) and of decode's late in a run (Nsight Compute); the learner's GRPO step (candle's autograd
 # and the fused pass on the CUDA backend) beside PyTorch's (BF16 autocast, eager and
 # `torch.compile`) with MFU, and with the training ops off; a 124M
 # weight push to a worker on the GPU (each version a new model, and written into the
@@ -34,7 +35,8 @@
 # same batch.
 #
 # ONLY="NAME ..." runs only the named sections (device, parity, copy_bandwidth,
-# worker_PxG_T, split_PxG_T, graphs_PxG_T, hf_PxG_T, graph_PxG_T, backend_compare, backend_pass, learner_step, push,
+# worker_PxG_T, split_PxG_T, graphs_PxG_T, hf_PxG_T, graph_PxG_T, backend_compare, backend_pass,
+# learner_profile, decode_profile, learner_step, push,
 # push_in_place, train, trl, learner_composed) and keeps the other
 # sections' JSON already in OUT: a second run redoes what a first one left failed, and the
 # table covers both.
@@ -147,6 +149,13 @@ skipped() {
   echo "{\"error\": \"skipped: the ${DEADLINE} s deadline was reached\"}" > "$OUT/$1.json"
 }
 
+# not_here NAME WHY: NAME's JSON records why it does not run on this device.
+not_here() {
+  chosen "$1" || return 0
+  echo "{\"skipped\": \"$2\"}" > "$OUT/$1.json"
+  table
+}
+
 # section NAME CMD...: CMD's last stdout line is OUT/NAME.json, its stderr OUT/NAME.log.
 # SECTION_LIMIT=S before it gives that section S seconds instead of SECTION_TIMEOUT.
 section() {
@@ -240,6 +249,21 @@ section backend_compare "$LEARNER" compare-backends --backend "$PASS_BACKEND" --
 section backend_pass "$LEARNER" compare-backends --backend "$PASS_BACKEND" --preset "$PRESET" \
   --prompts "$STEP_PROMPTS" --group-size "$GROUP" --prompt-tokens 46 --completion-tokens 64 \
   --no-compare --time-passes 3
+# Where the fused step's device time goes: every kernel of one step timed by device events
+# (`learner bench --profile`), and where decode's goes: Nsight Compute over a window of
+# launches late in the headline run (NCU_SKIP, NCU_COUNT), the clocks left alone.
+if [ "$DEVICE" = cpu ]; then
+  not_here learner_profile "the kernel profile is of the CUDA backend (perf samples the CPU)"
+  not_here decode_profile "Nsight Compute profiles GPU kernels"
+else
+  section learner_profile "$LEARNER" bench --preset "$PRESET" --device "$DEVICE" --path fused \
+    -p "$STEP_PROMPTS" -n "$GROUP" --steps 1 --micro-batch-groups "$MICRO" --profile \
+    --peak-tflops "$PEAK_TFLOPS"
+  section decode_profile "$PY" "$HERE/gpu/check.py" ncu-profile - --launch-skip "${NCU_SKIP:-6000}" \
+    --launch-count "${NCU_COUNT:-1000}" -- "$WORKER" bench --preset "$PRESET" --device "$DEVICE" \
+    --weight-dtype "$DTYPE" --prompts "${ROWS%% *}" -n "$GROUP" --max-new-tokens "${NEWS%% *}" \
+    --repeat 1 --batch-only
+fi
 # `torch.compile` spends most of a minute compiling the step before it is timed.
 SECTION_LIMIT=$STEP_LIMIT section learner_step "$PY" "$ROOT/learner/bench/step_vs_pytorch.py" --learner "$LEARNER" \
   --preset "$PRESET" --device "$DEVICE" --prompts "$STEP_PROMPTS" --group "$GROUP" --steps 3 \

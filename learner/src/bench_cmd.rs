@@ -75,6 +75,10 @@ pub struct BenchArgs {
     pub peak_tflops: Option<f64>,
     #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     pub seed: u64,
+    /// Time every kernel of the measured steps with device events (the fused pass on
+    /// CUDA): the report's `kernels`, and a table on stderr.
+    #[arg(long)]
+    pub profile: bool,
 }
 
 /// The JSON line `learner bench` prints.
@@ -115,6 +119,89 @@ pub struct BenchReport {
     pub activation_bytes: usize,
     pub loss: f64,
     pub grad_norm: f64,
+    /// With `--profile`: the pass's kernels, by device time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kernels: Option<KernelReport>,
+}
+
+/// Where a measured step's device time went (`--profile`), per step.
+#[derive(Debug, Serialize)]
+pub struct KernelReport {
+    /// Device seconds of the pass's kernels: the step's seconds less these are time the
+    /// device waited for the host, or ran work outside the pass (clipping, AdamW).
+    pub seconds: f64,
+    pub launches: f64,
+    /// Every kernel (a product by its shape, `gemm M×N×K` and cuBLAS's transposes),
+    /// longest first.
+    pub by_kernel: Vec<KernelRow>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct KernelRow {
+    pub name: String,
+    pub launches: f64,
+    pub ms: f64,
+    /// Of the kernels' device time.
+    pub share: f64,
+}
+
+impl KernelReport {
+    /// `profile` summed over `steps` steps, per step.
+    pub fn new(profile: &rookworld_train::KernelProfile, steps: usize) -> Self {
+        let steps = steps.max(1) as f64;
+        let total = profile.seconds();
+        Self {
+            seconds: total / steps,
+            launches: profile.launches() as f64 / steps,
+            by_kernel: profile
+                .by_time()
+                .into_iter()
+                .map(|(name, t)| KernelRow {
+                    name: name.to_owned(),
+                    launches: t.launches as f64 / steps,
+                    ms: t.seconds * 1e3 / steps,
+                    share: if total > 0.0 { t.seconds / total } else { 0.0 },
+                })
+                .collect(),
+        }
+    }
+
+    /// The `top` longest kernels as an aligned table, with the rest summed.
+    pub fn table(&self, top: usize) -> String {
+        let mut out = format!(
+            "{:<40} {:>9} {:>10} {:>7}\n",
+            "kernel (per step)", "launches", "ms", "share"
+        );
+        for row in self.by_kernel.iter().take(top) {
+            out += &format!(
+                "{:<40} {:>9.0} {:>10.3} {:>6.1}%\n",
+                row.name,
+                row.launches,
+                row.ms,
+                row.share * 100.0
+            );
+        }
+        let rest = &self.by_kernel[top.min(self.by_kernel.len())..];
+        if !rest.is_empty() {
+            let (launches, ms, share) = rest.iter().fold((0.0, 0.0, 0.0), |a, r| {
+                (a.0 + r.launches, a.1 + r.ms, a.2 + r.share)
+            });
+            out += &format!(
+                "{:<40} {:>9.0} {:>10.3} {:>6.1}%\n",
+                format!("({} others)", rest.len()),
+                launches,
+                ms,
+                share * 100.0
+            );
+        }
+        out += &format!(
+            "{:<40} {:>9.0} {:>10.3}\n",
+            "all kernels",
+            self.launches,
+            self.seconds * 1e3
+        );
+        out
+    }
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -143,9 +230,13 @@ impl From<candle_core::Error> for BenchError {
     }
 }
 
-/// Runs the benchmark and prints its JSON line.
+/// Runs the benchmark and prints its JSON line (and, profiled, the kernels' table on
+/// stderr).
 pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
     let report = bench(args)?;
+    if let Some(kernels) = &report.kernels {
+        eprint!("{}", kernels.table(20));
+    }
     println!(
         "{}",
         serde_json::to_string(&report).expect("report serialises")
@@ -248,6 +339,9 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     policy
         .set_step_path(args.path)
         .map_err(ConfigError::Conflict)?;
+    if args.profile {
+        policy.profile_kernels().map_err(ConfigError::Conflict)?;
+    }
     let reference: Option<Gpt2> = if args.objective.beta > 0.0 {
         Some(init(args.seed)?)
     } else {
@@ -277,6 +371,7 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, BenchError> {
         let optimizer = t.elapsed().as_secs_f64();
         let seconds = started.elapsed().as_secs_f64();
         if step == 0 {
+            policy.take_kernel_profile(); // the warm-up's kernels are not counted
             continue; // warm-up: first touches of every buffer, moments allocated
         }
         if progress.on_terminal() {
@@ -353,6 +448,9 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, BenchError> {
         activation_bytes: last.0.activation_bytes,
         loss: last.0.loss,
         grad_norm: last.1,
+        kernels: policy
+            .take_kernel_profile()
+            .map(|p| KernelReport::new(&p, args.steps.max(1))),
     })
 }
 
@@ -402,4 +500,38 @@ pub fn peak_rss_bytes() -> u64 {
                 .and_then(|kb| kb.parse::<u64>().ok())
         })
         .map_or(0, |kb| kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_profile_is_reported_per_step_longest_first_with_the_rest_summed() {
+        let mut p = rookworld_train::KernelProfile::default();
+        for _ in 0..2 {
+            p.add("gemm 2304×880×768 TN", 3e-3);
+            p.add("layer_norm_fwd", 1e-3);
+            p.add("gelu_fwd", 0.25e-3);
+            p.add("gelu_fwd", 0.25e-3);
+        }
+        let r = KernelReport::new(&p, 2);
+        assert!((r.seconds - 4.5e-3).abs() < 1e-12);
+        assert_eq!(r.launches, 4.0);
+        let names: Vec<&str> = r.by_kernel.iter().map(|k| k.name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["gemm 2304×880×768 TN", "layer_norm_fwd", "gelu_fwd"]
+        );
+        assert_eq!(r.by_kernel[2].launches, 2.0);
+        assert!((r.by_kernel[0].ms - 3.0).abs() < 1e-9);
+        assert!((r.by_kernel[0].share - 3.0 / 4.5).abs() < 1e-9);
+        let table = r.table(1);
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines.len(), 4, "{table}");
+        assert!(lines[1].starts_with("gemm 2304×880×768 TN"), "{table}");
+        assert!(lines[2].starts_with("(2 others)"), "{table}");
+        assert!(lines[2].ends_with("33.3%"), "{table}");
+        assert!(lines[3].starts_with("all kernels"), "{table}");
+    }
 }

@@ -225,6 +225,43 @@ impl Trainable {
         }
     }
 
+    /// Times every kernel of the step's CUDA backend from now on, with device events
+    /// around each launch (`learner bench --profile`); read with
+    /// [`Self::take_kernel_profile`]. Refused where the steps do not run on the CUDA
+    /// backend (`--device cuda --path fused`): on the CPU, `perf record` samples the same.
+    pub fn profile_kernels(&self) -> Result<(), String> {
+        let runs = match self.pass() {
+            Pass::FusedCuda => None,
+            Pass::FusedCpu => Some("the fused pass on the CPU (perf record samples it)"),
+            Pass::Autograd => Some("candle's autograd"),
+        };
+        if let Some(runs) = runs {
+            return Err(format!(
+                "--profile times the kernels of the fused pass on CUDA (--device cuda \
+                 --path fused); this step runs {runs}"
+            ));
+        }
+        #[cfg(feature = "cuda")]
+        {
+            let mut work = self.workspace.lock().expect("workspace lock");
+            work.cuda.get_or_insert_with(Default::default).profile = Some(Default::default());
+        }
+        Ok(())
+    }
+
+    /// The kernels timed since profiling began or the last call, which starts anew;
+    /// `None` unless [`Self::profile_kernels`].
+    pub fn take_kernel_profile(&self) -> Option<rookworld_train::KernelProfile> {
+        #[cfg(feature = "cuda")]
+        {
+            let mut work = self.workspace.lock().expect("workspace lock");
+            let profile = work.cuda.as_mut()?.profile.as_mut()?;
+            Some(std::mem::take(profile))
+        }
+        #[cfg(not(feature = "cuda"))]
+        None
+    }
+
     /// Whether the fused CPU pass runs this policy's steps.
     pub fn fused_pass_applies(&self) -> bool {
         self.pass() == Pass::FusedCpu

@@ -31,9 +31,11 @@ pub mod cpu;
 pub mod cuda;
 pub mod gemm;
 pub mod pass;
+pub mod profile;
 pub mod weights;
 
 pub use backend::{Backend, Error, Heads, Result};
 pub use batch::{GroupInput, GroupRows, Packed};
 pub use pass::{Activations, Trained, backward, forward, train};
+pub use profile::KernelProfile;
 pub use weights::{PER_LAYER, Weights};

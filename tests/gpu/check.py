@@ -10,6 +10,7 @@
             [--device cuda] [--dtype bf16] [--preset gpt2-124m]
     python3 tests/gpu/check.py scrape URL OUT.json --while-pid PID
     python3 tests/gpu/check.py train-summary RUN.jsonl OUT.json
+    python3 tests/gpu/check.py ncu-profile OUT.json [--launch-skip N] [--launch-count N] -- CMD...
     python3 tests/gpu/check.py table OUT_DIR
 
 `OUT.json` may be `-`: the JSON line goes to stdout only.
@@ -578,6 +579,30 @@ def cmd_table(args):
                 f"PyTorch {lb.get('pytorch_best_config', '')} {fmt(theirs)} s")
     elif bp:
         add("step backend", "forward + backward", problem(bp) or "missing")
+    # Where the device time goes: the fused step's kernels by device events, decode's by ncu.
+    lp = d.get("learner_profile", {})  # `learner bench --profile`: its report's `kernels`
+    if lp.get("kernels"):
+        lp = dict(lp["kernels"], step_seconds=lp.get("step_seconds"))
+    for key, label, top, prof in (
+            ("learner_profile", "learner kernels (per step)", 8, lp),
+            ("decode_profile", "decode kernels (ncu)", 6, d.get("decode_profile", {}))):
+        if problem(prof) or (prof and not prof.get("by_kernel")):
+            add(label, "result", problem(prof) or "no kernels")
+            continue
+        if not prof:
+            continue
+        total_ms = prof.get("seconds", 0) * 1e3
+        if key == "learner_profile":
+            gap = (prof.get("step_seconds") or 0) * 1e3 - total_ms
+            add(label, "all kernels ms", fmt(total_ms),
+                f"{fmt(prof.get('launches'))} launches; step {fmt((prof.get('step_seconds') or 0) * 1e3)} ms, "
+                f"{fmt(gap)} ms outside the pass's kernels")
+        else:
+            add(label, "kernels ms", fmt(total_ms),
+                f"{prof.get('launches')} launches {prof.get('window')}")
+        for k in prof["by_kernel"][:top]:
+            add(label, k["name"][:60], f"{k['share']:.1%}",
+                f"{fmt(k['ms'])} ms, {fmt(k['launches'])} launches")
     lc = d.get("learner_composed", {})
     if problem(lc):
         add("learner step", "composed ops", problem(lc))
@@ -632,6 +657,97 @@ def write_quiet(path, obj):
         f.write("\n")
 
 
+NCU_METRIC = "gpu__time_duration.sum"
+NCU_UNITS = {"nsecond": 1e-9, "ns": 1e-9, "usecond": 1e-6, "us": 1e-6, "msecond": 1e-3,
+             "ms": 1e-3, "second": 1.0, "s": 1.0}
+
+
+def ncu_kernels(text):
+    """Each kernel's launches and device seconds from what `ncu --csv --page raw --metrics
+    gpu__time_duration.sum` prints: a header row of quoted column names (among them "Kernel
+    Name" and the metric), then a row of units, then a row per profiled launch, amid the
+    program's own output and ncu's `==PROF==` lines (or the details page's layout, a row
+    per launch and metric). Returns {name: [launches, seconds]}."""
+    import csv
+    rows = [l for l in text.splitlines() if l.startswith('"')]
+    table = list(csv.reader(rows))
+    kernels = {}
+    # Without `--page raw` (the details page): a row per launch and metric, with the
+    # metric's name, unit and value in columns of their own.
+    head = next((i for i, r in enumerate(table)
+                 if {"Kernel Name", "Metric Name", "Metric Unit", "Metric Value"} <= set(r)), None)
+    if head is not None:
+        at = {c: table[head].index(c) for c in ("Kernel Name", "Metric Name", "Metric Unit",
+                                                 "Metric Value")}
+        for r in table[head + 1:]:
+            if len(r) <= max(at.values()) or r[at["Metric Name"]] != NCU_METRIC:
+                continue
+            try:
+                seconds = float(r[at["Metric Value"]].replace(",", "")) * NCU_UNITS[r[at["Metric Unit"]]]
+            except (ValueError, KeyError):
+                continue
+            k = kernels.setdefault(r[at["Kernel Name"]], [0, 0.0])
+            k[0] += 1
+            k[1] += seconds
+        return kernels
+    head = next((i for i, r in enumerate(table) if "Kernel Name" in r and NCU_METRIC in r), None)
+    if head is None:
+        return {}
+    name_at, value_at = table[head].index("Kernel Name"), table[head].index(NCU_METRIC)
+    scale = 1e-9
+    for r in table[head + 1:]:
+        if len(r) <= max(name_at, value_at):
+            continue
+        value = r[value_at].replace(",", "")
+        if value in NCU_UNITS:  # the units row
+            scale = NCU_UNITS[value]
+            continue
+        try:
+            seconds = float(value) * scale
+        except ValueError:
+            continue
+        k = kernels.setdefault(r[name_at], [0, 0.0])
+        k[0] += 1
+        k[1] += seconds
+    return kernels
+
+
+def kernel_rows(kernels):
+    """{name: [launches, seconds]} as rows longest first, each with its share."""
+    total = sum(s for _, s in kernels.values()) or 1.0
+    return [{"name": n, "launches": c, "ms": s * 1e3, "share": s / total}
+            for n, (c, s) in sorted(kernels.items(), key=lambda kv: (-kv[1][1], kv[0]))]
+
+
+def cmd_ncu_profile(args):
+    """CMD under Nsight Compute: the device time of each kernel in a window of launches
+    (`--launch-skip`, `--launch-count`: late in a decode run, where the cache is long), the
+    clocks left as they are. Skipped where `ncu` is not installed or cannot read the
+    counters."""
+    import shutil
+    cmd = args.program[1:] if args.program[:1] == ["--"] else args.program
+    ncu = shutil.which("ncu") or next(iter(glob.glob("/opt/nvidia/nsight-compute/*/ncu")), None)
+    if not ncu:
+        return write(args.out, {"skipped": "no ncu (Nsight Compute) on this machine"})
+    run = subprocess.run(
+        [ncu, "--clock-control", "none", "--metrics", NCU_METRIC, "--csv", "--page", "raw",
+         "--print-units", "base", "--launch-skip", str(args.launch_skip),
+         "--launch-count", str(args.launch_count), *cmd],
+        capture_output=True, text=True)
+    sys.stderr.write(run.stderr[-4000:])
+    kernels = ncu_kernels(run.stdout)
+    if not kernels:
+        why = next((l for l in (run.stdout + run.stderr).splitlines() if "==ERROR==" in l),
+                   f"exit {run.returncode}, no kernel in launches {args.launch_skip}.."
+                   f"{args.launch_skip + args.launch_count}")
+        return write(args.out, {"error": f"ncu: {why.strip()[:300]}"})
+    write(args.out, {"tool": "ncu", "window": [args.launch_skip,
+                                                args.launch_skip + args.launch_count],
+                     "launches": sum(c for c, _ in kernels.values()),
+                     "seconds": sum(s for _, s in kernels.values()),
+                     "by_kernel": kernel_rows(kernels), "exit": run.returncode})
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -660,12 +776,17 @@ def main():
     p.add_argument("jsonl")
     p.add_argument("out")
     p.add_argument("--skip", type=int, default=1, help="first steps left out of the timing")
+    p = sub.add_parser("ncu-profile")
+    p.add_argument("out")
+    p.add_argument("--launch-skip", type=int, default=6000)
+    p.add_argument("--launch-count", type=int, default=1000)
+    p.add_argument("program", nargs=argparse.REMAINDER)
     p = sub.add_parser("table")
     p.add_argument("out_dir")
     args = ap.parse_args()
     {"device": cmd_device, "copy-bandwidth": cmd_copy_bandwidth, "hf-generate": cmd_hf_generate,
      "graph-decode": cmd_graph_decode,
-     "scrape": cmd_scrape, "train-summary": cmd_train_summary,
+     "scrape": cmd_scrape, "train-summary": cmd_train_summary, "ncu-profile": cmd_ncu_profile,
      "table": cmd_table}[args.cmd](args)
 
 

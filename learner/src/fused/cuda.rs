@@ -7,9 +7,9 @@
 
 use candle_core::{DType, Device, Result as CandleResult, Tensor};
 use rookworld_lm::config::Config;
-use rookworld_train::Activations;
 use rookworld_train::cuda::{Cuda, DevF32, DeviceVec};
 use rookworld_train::weights::Weights;
+use rookworld_train::{Activations, KernelProfile};
 
 /// The CUDA pass's buffers, kept from step to step: every activation the pass planned,
 /// the gradients and the backend's scratch, so that a step of a shape already seen
@@ -21,6 +21,9 @@ pub struct CudaWorkspace {
     /// One f32 tensor per parameter, in `Params` order, zeroed at each step's start.
     grads: Vec<Tensor>,
     scratch: DeviceVec,
+    /// The kernels' device time of every pass since profiling began
+    /// ([`crate::policy::Trainable::profile_kernels`]); `None`: not profiling.
+    pub profile: Option<KernelProfile>,
 }
 
 impl std::fmt::Debug for CudaWorkspace {
@@ -76,7 +79,10 @@ pub fn with_pass<R>(
             .collect::<CandleResult<_>>()?;
     }
     let mut grads = views(&work.grads)?;
-    let b = Cuda::with_scratch(cuda.clone(), std::mem::take(&mut work.scratch));
+    let mut b = Cuda::with_scratch(cuda.clone(), std::mem::take(&mut work.scratch));
+    if work.profile.is_some() {
+        b = b.profiled();
+    }
     let out: CandleResult<R> = (|| {
         use rookworld_train::Backend;
         if fits {
@@ -97,6 +103,9 @@ pub fn with_pass<R>(
             &mut grads,
         )?;
         b.synchronize().map_err(wrap)?;
+        if let Some(profile) = &mut work.profile {
+            profile.merge(&b.take_profile().map_err(wrap)?);
+        }
         Ok(out)
     })();
     work.scratch = b.into_scratch();

@@ -10,6 +10,10 @@
 //! ([`Backend::read`]) waits for what came before it. The backend's own scratch (the
 //! head's block of logits, the partial sums of the column and layer-norm reductions) is
 //! sized on first use and kept.
+//!
+//! Profiled ([`Cuda::profiled`]), every launch, product and fill is bracketed by two
+//! timing events on the stream, and [`Cuda::take_profile`] reads their device times by
+//! kernel name (a product by its shape and transposes).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -20,12 +24,13 @@ use candle_core::CudaDevice;
 use candle_core::cuda::cudarc::cublas::{result as blas, sys as blas_sys};
 use candle_core::cuda::cudarc::driver::sys::{self as drv_sys, CUdeviceptr};
 use candle_core::cuda::cudarc::driver::{
-    CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg, result as drv,
+    CudaEvent, CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg, result as drv,
 };
 
 use crate::backend::{Backend, Error, HeadBackward, HeadForward, Heads, Result};
 use crate::batch::{Packed, ScatterPlan};
 use crate::gemm::{Gemm, RowMajor, row_major};
+use crate::profile::KernelProfile;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/pass.ptx"));
 const MODULE: &str = "rookworld_train_pass";
@@ -166,11 +171,13 @@ macro_rules! launch {
         let stream = $self.device.cuda_stream();
         let mut builder = stream.launch_builder(&func);
         $( builder.arg($arg); )+
+        let timed = $self.time_start()?;
         // SAFETY: each call site pushes the arguments of the kernel's signature in
         // `kernels/pass.cu`, in its order, with buffers at least as long as the sizes it
         // passes (the pass sizes them from the same shape), on a grid the kernel's bounds
         // checks cover.
-        unsafe { builder.launch($cfg) }.map(|_| ()).map_err(|e| fail($name, e))
+        unsafe { builder.launch($cfg) }.map_err(|e| fail($name, e))?;
+        $self.time_end(timed, || $name.to_string())
     }};
 }
 
@@ -181,6 +188,9 @@ pub struct Cuda {
     /// The kernels launched so far, by name: a launch looks its kernel up here instead of
     /// in candle's module cache (a lock, a map and a driver call each time).
     functions: RefCell<HashMap<&'static str, CudaFunction>>,
+    /// Profiled: each timed operation's name and the events recorded before and after it,
+    /// read by [`Cuda::take_profile`].
+    timing: Option<RefCell<Vec<(String, CudaEvent, CudaEvent)>>>,
     /// Not `Send`: candle's device issues work on its creating thread's stream, and the
     /// raw copies, fills and cuBLAS calls here are ordered only on that stream.
     _one_thread: std::marker::PhantomData<*const ()>,
@@ -222,8 +232,62 @@ impl Cuda {
             device,
             scratch: RefCell::new(DeviceVec::default()),
             functions: RefCell::default(),
+            timing: None,
             _one_thread: std::marker::PhantomData,
         }
+    }
+
+    /// The backend timing every kernel, product and fill it enqueues, with a device event
+    /// before and after each (a few microseconds of host time per launch, no waiting).
+    pub fn profiled(self) -> Self {
+        Self {
+            timing: Some(RefCell::default()),
+            ..self
+        }
+    }
+
+    /// The device time of everything enqueued since the last call, by kernel name (a
+    /// product as `gemm M×N×K` and its transposes); waits for the last of it. Empty unless
+    /// [`profiled`](Self::profiled).
+    pub fn take_profile(&self) -> Result<KernelProfile> {
+        let mut profile = KernelProfile::default();
+        let Some(timing) = &self.timing else {
+            return Ok(profile);
+        };
+        for (name, start, end) in timing.borrow_mut().drain(..) {
+            let ms = start.elapsed_ms(&end).map_err(|e| fail("profile", e))?;
+            profile.add(&name, f64::from(ms) / 1e3);
+        }
+        Ok(profile)
+    }
+
+    /// When profiled, an event recorded on the stream before an operation.
+    fn time_start(&self) -> Result<Option<CudaEvent>> {
+        if self.timing.is_none() {
+            return Ok(None);
+        }
+        let flags = drv_sys::CUevent_flags::CU_EVENT_DEFAULT; // with timing
+        self.device
+            .cuda_stream()
+            .record_event(Some(flags))
+            .map(Some)
+            .map_err(|e| fail("profile", e))
+    }
+
+    /// When profiled, an event recorded after the operation `time_start` began, kept
+    /// under its name.
+    fn time_end(&self, start: Option<CudaEvent>, name: impl FnOnce() -> String) -> Result<()> {
+        let (Some(timing), Some(start)) = (&self.timing, start) else {
+            return Ok(());
+        };
+        let flags = drv_sys::CUevent_flags::CU_EVENT_DEFAULT;
+        let end = self
+            .device
+            .cuda_stream()
+            .record_event(Some(flags))
+            .map_err(|e| fail("profile", e))?;
+        timing.borrow_mut().push((name(), start, end));
+        Ok(())
     }
 
     /// The backend with `scratch` as its own (a step's backend handing it to the next
@@ -428,11 +492,13 @@ impl Backend for Cuda {
             return Ok(());
         }
         self.bind("fill")?;
+        let timed = self.time_start()?;
         let stream = self.device.cuda_stream();
         // SAFETY: `buf` views `len` f32 of live device memory, on the kernels' stream.
         unsafe { drv_sys::cuMemsetD32Async(buf.ptr, value.to_bits(), buf.len, stream.cu_stream()) }
             .result()
-            .map_err(|e| fail("fill", e))
+            .map_err(|e| fail("fill", e))?;
+        self.time_end(timed, || "fill".to_string())
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -487,6 +553,7 @@ impl Backend for Cuda {
             .into_iter()
             .collect::<Result<Vec<_>>>()?;
         self.bind("gemm")?;
+        let timed = self.time_start()?;
         let handle = self.device.cublas_handle();
         let f32_type = blas_sys::cudaDataType::CUDA_R_32F;
         // SAFETY: `check` proved every element the call touches lies inside its buffer;
@@ -515,7 +582,12 @@ impl Backend for Cuda {
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
-        .map_err(|e| fail("gemm", e))
+        .map_err(|e| fail("gemm", e))?;
+        self.time_end(timed, || {
+            let t = |trans: bool| if trans { 'T' } else { 'N' };
+            let (ta, tb) = (t(g.a.trans), t(g.b.trans));
+            format!("gemm {}×{}×{} {ta}{tb}", g.m, g.n, g.k)
+        })
     }
 
     fn broadcast_rows(&self, out: &mut DevF32, bias: &DevF32) -> Result<()> {

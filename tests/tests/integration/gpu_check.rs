@@ -89,6 +89,8 @@ fn the_gpu_check_script_runs_every_section_on_the_cpu() {
         "graph_2x2_8",
         "backend_compare",
         "backend_pass",
+        "learner_profile",
+        "decode_profile",
         "learner_step",
         "learner_composed",
         "push",
@@ -197,4 +199,100 @@ fn the_gpu_check_script_bounds_each_section_and_the_whole_run() {
     assert_eq!(done.status.code(), Some(16));
     let train = std::fs::read_to_string(out.path().join("train.json")).unwrap();
     assert!(train.contains("deadline"), "{train}");
+}
+
+/// The profile sections' parts on the CPU, with a stand-in for Nsight Compute (a script
+/// printing what `ncu --csv --page raw` prints: ncu's own lines and the program's output
+/// around a header row, a row of units and a row per profiled launch): the window and the
+/// program reach it, the launches are summed by kernel, and the table lists the kernels
+/// longest first, beside the fused step's as `learner bench --profile` reports them.
+#[test]
+fn the_profile_sections_sum_kernels_by_name_and_table_them() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let py = std::env::var("ROOKWORLD_PYTHON").unwrap_or("python3".into());
+    let check = root.join("tests/gpu/check.py");
+    let dir = tempfile::tempdir().unwrap();
+    let bin = dir.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    let args_seen = dir.path().join("ncu-args");
+    let ncu = bin.join("ncu");
+    std::fs::write(
+        &ncu,
+        format!(
+            r#"#!/bin/sh
+echo "$@" > {}
+echo '==PROF== Connected to process 7 (rollout-worker)'
+echo '{{"tokens_per_second": 1000}}'
+echo '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","gpu__time_duration.sum"'
+echo '"","","","","","","","usecond"'
+echo '"0","7","rollout-worker","127.0.0.1","row_attention_bf16","1","13","1,200.5"'
+echo '"1","7","rollout-worker","127.0.0.1","sm90_gemm_bf16","1","13","300"'
+echo '"2","7","rollout-worker","127.0.0.1","row_attention_bf16","1","13","799.5"'
+echo '==PROF== Disconnected from process 7'
+"#,
+            args_seen.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&ncu, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let out = dir.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+    let profiled = Command::new(&py)
+        .arg(&check)
+        .args(["ncu-profile"])
+        .arg(out.join("decode_profile.json"))
+        .args(["--launch-skip", "40", "--launch-count", "3", "--"])
+        .args(["worker", "bench", "--prompts", "2"])
+        .env("PATH", &path)
+        .output()
+        .expect("python runs");
+    assert!(
+        profiled.status.success(),
+        "{}",
+        String::from_utf8_lossy(&profiled.stderr)
+    );
+    let seen = std::fs::read_to_string(&args_seen).unwrap();
+    for part in [
+        "--clock-control none",
+        "--launch-skip 40 --launch-count 3",
+        "worker bench --prompts 2",
+    ] {
+        assert!(seen.contains(part), "{seen}");
+    }
+    let decode: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("decode_profile.json")).unwrap()).unwrap();
+    assert_eq!(decode["launches"], 3, "{decode}");
+    assert_eq!(decode["by_kernel"][0]["name"], "row_attention_bf16");
+    assert_eq!(decode["by_kernel"][0]["launches"], 2);
+    let ms = decode["by_kernel"][0]["ms"].as_f64().unwrap();
+    assert!((ms - 2.0).abs() < 1e-9, "{decode}");
+    let share = decode["by_kernel"][1]["share"].as_f64().unwrap();
+    assert!((share - 300.0 / 2300.0).abs() < 1e-9, "{decode}");
+
+    // The fused step's report, as `learner bench --profile` prints it: one JSON line (of
+    // which only what the table reads).
+    let report = serde_json::json!({"step_seconds": 0.1, "kernels": {
+        "seconds": 0.08, "launches": 3100.0, "by_kernel": [
+            {"name": "gemm 2304×17600×768 TN", "launches": 24.0, "ms": 50.0, "share": 0.625},
+            {"name": "attention_bwd_dkv_d64", "launches": 12.0, "ms": 30.0, "share": 0.375}]}});
+    std::fs::write(out.join("learner_profile.json"), report.to_string()).unwrap();
+    let table = Command::new(&py)
+        .arg(&check)
+        .arg("table")
+        .arg(&out)
+        .output()
+        .expect("python runs");
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(table.status.success(), "{text}");
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
+    let learner = &summary["learner kernels (per step)"];
+    assert_eq!(learner["all kernels ms"], "80", "{summary:#}");
+    assert_eq!(learner["gemm 2304×17600×768 TN"], "62.5%", "{summary:#}");
+    assert_eq!(learner["attention_bwd_dkv_d64"], "37.5%", "{summary:#}");
+    let decode = &summary["decode kernels (ncu)"];
+    assert_eq!(decode["kernels ms"], "2.3", "{summary:#}");
+    assert_eq!(decode["row_attention_bf16"], "87.0%", "{summary:#}");
+    assert!(text.contains("20 ms outside the pass's kernels"), "{text}");
 }

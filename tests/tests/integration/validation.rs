@@ -88,6 +88,22 @@ fn every_refused_value_is_one_line_and_exit_1() {
             strings(&["bench", "--preset", "tiny", "--top-p", "0"]),
             "--top-p must lie in (0, 1], 1 meaning off (got 0)",
         ),
+        // The kernel profile is of the CUDA backend's kernels; the CPU is sampled by perf.
+        (
+            LEARNER,
+            strings(&[
+                "bench",
+                "--preset",
+                "tiny",
+                "-p",
+                "1",
+                "-n",
+                "2",
+                "--profile",
+            ]),
+            "--profile times the kernels of the fused pass on CUDA (--device cuda --path \
+             fused); this step runs the fused pass on the CPU (perf record samples it)",
+        ),
         (
             LEARNER,
             train(&["--clip-eps", "5"]),
