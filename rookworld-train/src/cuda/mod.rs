@@ -15,10 +15,13 @@
 //! timing events on the stream, and [`Cuda::take_profile`] reads their device times by
 //! kernel name (a product by its shape and transposes).
 
+mod buffer;
+
+pub use buffer::{DevF32, DeviceVec};
+
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::ops::{Deref, DerefMut};
 
 use candle_core::CudaDevice;
 use candle_core::cuda::cudarc::cublas::{result as blas, sys as blas_sys};
@@ -29,7 +32,7 @@ use candle_core::cuda::cudarc::driver::{
 
 use crate::backend::{Backend, Error, HeadBackward, HeadForward, Heads, Result};
 use crate::batch::{Packed, ScatterPlan};
-use crate::gemm::{Gemm, RowMajor, row_major};
+use crate::gemm::Gemm;
 use crate::profile::KernelProfile;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/pass.ptx"));
@@ -42,100 +45,6 @@ const ROWS_PER_BLOCK: u32 = 8;
 /// `LN_CHUNK`).
 const SUM_ROWS: usize = 256;
 const LN_CHUNK: usize = 32;
-/// Threads per row of the head's kernels (`HEAD_THREADS`).
-const HEAD_THREADS: u32 = 512;
-/// Logit elements of one block of the head's rows (256 MiB of f32).
-const HEAD_BLOCK_ELEMENTS: usize = 64 << 20;
-
-/// `len` f32 in device memory from `ptr`: a view, owning nothing.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct DevF32 {
-    ptr: CUdeviceptr,
-    len: usize,
-}
-
-impl DevF32 {
-    /// The view of elements `range` of an f32 CUDA slice (a contiguous candle tensor's
-    /// storage and its layout's offsets, read in place); `None` when the range is not in
-    /// the slice. The slice must outlive every use of the view.
-    pub fn of(
-        slice: &CudaSlice<f32>,
-        range: std::ops::Range<usize>,
-        device: &CudaDevice,
-    ) -> Option<Self> {
-        if range.start > range.end || range.end > slice.len() {
-            return None;
-        }
-        let stream = device.cuda_stream();
-        let (ptr, _record) = slice.device_ptr(&stream);
-        Some(Self {
-            ptr: ptr + (range.start * std::mem::size_of::<f32>()) as CUdeviceptr,
-            len: range.len(),
-        })
-    }
-
-    /// The view of a contiguous f32 tensor on `device` (a model's weight, an optimizer's
-    /// gradient), read or written in place. The tensor must outlive every use of the view.
-    pub fn of_tensor(t: &candle_core::Tensor, device: &CudaDevice) -> Result<Self> {
-        let on = candle_core::Device::Cuda(device.clone());
-        if !t.device().same_device(&on) || t.dtype() != candle_core::DType::F32 {
-            return Err(fail(
-                "view",
-                format!(
-                    "a {:?} tensor on {:?}, not f32 on the backend's device",
-                    t.dtype(),
-                    t.device().location()
-                ),
-            ));
-        }
-        let (storage, layout) = t.storage_and_layout();
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            return Err(fail("view", "a tensor that is not contiguous"));
-        };
-        let candle_core::Storage::Cuda(storage) = &*storage else {
-            return Err(fail("view", "a tensor off the GPU"));
-        };
-        let slice = storage
-            .as_cuda_slice::<f32>()
-            .map_err(|e| fail("view", e))?;
-        Self::of(slice, start..end, device).ok_or_else(|| fail("view", "a range past its storage"))
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The device address of element `i`.
-    fn at(&self, i: usize) -> CUdeviceptr {
-        self.ptr + (i * std::mem::size_of::<f32>()) as CUdeviceptr
-    }
-}
-
-/// A buffer the pass plans: device memory it owns, of which the first `len` elements are
-/// the buffer ([`Backend::fit`] grows the memory only when it is too small).
-#[derive(Default)]
-pub struct DeviceVec {
-    memory: Option<CudaSlice<f32>>,
-    view: DevF32,
-}
-
-impl Deref for DeviceVec {
-    type Target = DevF32;
-
-    fn deref(&self) -> &DevF32 {
-        &self.view
-    }
-}
-
-impl DerefMut for DeviceVec {
-    fn deref_mut(&mut self) -> &mut DevF32 {
-        &mut self.view
-    }
-}
 
 /// A [`ScatterPlan`] on the device.
 struct DevicePlan {
@@ -180,6 +89,9 @@ macro_rules! launch {
         $self.time_end(timed, || $name.to_string())
     }};
 }
+
+mod attention;
+mod head;
 
 /// The CUDA backend on a candle CUDA device.
 pub struct Cuda {
@@ -396,26 +308,6 @@ impl Cuda {
             &k,
             &e
         )
-    }
-
-    /// `out` (m, V) = hidden rows `start..start + m` (·, E) · Wᵀ, W (V, E) the head: one
-    /// block of the head's logits, before the temperature.
-    fn block_logits(
-        &self,
-        out: &mut DevF32,
-        hidden: &DevF32,
-        head: &DevF32,
-        (start, m, v, e): (usize, usize, usize, usize),
-    ) -> Result<()> {
-        let g = row_major(
-            (m, v, e),
-            RowMajor::plain(e).at(start * e),
-            RowMajor::transposed(e),
-            0,
-            false,
-        );
-        // cuBLAS's A is the right operand (W), its B the left (the hidden rows).
-        self.gemm(out, &g, head, hidden)
     }
 
     fn ptr<T>(&self, s: &CudaSlice<T>) -> CUdeviceptr {
@@ -824,24 +716,7 @@ impl Backend for Cuda {
         rows: &CudaRows,
         heads: Heads,
     ) -> Result<()> {
-        if rows.rows == 0 {
-            return Ok(());
-        }
-        let name = attention_kernel(heads, "fwd")?;
-        let (r, h) = (int("attention", rows.rows)?, int("attention", heads.h)?);
-        int("attention", rows.rows * heads.h * 32)?; // the kernels' thread index
-        let meta = self.ptr(&rows.meta);
-        launch!(
-            self,
-            name,
-            warps(rows.rows * heads.h),
-            &out.ptr,
-            &state.ptr,
-            &qkv.ptr,
-            &meta,
-            &r,
-            &h
-        )
+        self.attention_fwd(out, state, qkv, rows, heads)
     }
 
     fn attention_backward(
@@ -854,31 +729,7 @@ impl Backend for Cuda {
         rows: &CudaRows,
         heads: Heads,
     ) -> Result<()> {
-        if rows.rows == 0 {
-            return Ok(());
-        }
-        let (r, h) = (int("attention", rows.rows)?, int("attention", heads.h)?);
-        int("attention", rows.rows * heads.h * 32)?; // the kernels' thread index
-        let meta = self.ptr(&rows.meta);
-        // The query part (dq, row by row), then the key and value parts (key row by key
-        // row): each writes its own columns of dqkv.
-        for part in ["dq", "dkv"] {
-            let name = attention_kernel(heads, part)?;
-            launch!(
-                self,
-                name,
-                warps(rows.rows * heads.h),
-                &dqkv.ptr,
-                &dout.ptr,
-                &out.ptr,
-                &qkv.ptr,
-                &state.ptr,
-                &meta,
-                &r,
-                &h
-            )?;
-        }
-        Ok(())
+        self.attention_bwd(dqkv, (dout, out, qkv, state), rows, heads)
     }
 
     fn gather_rows(&self, out: &mut DevF32, x: &DevF32, rows: &CudaRows) -> Result<()> {
@@ -908,145 +759,10 @@ impl Backend for Cuda {
     }
 
     fn head_forward(&self, f: HeadForward<'_, Self>, rows: &CudaRows) -> Result<()> {
-        let (span, e) = (f.span, f.e);
-        let v = f.head.len / e.max(1);
-        // Nothing is kept for the backward, which recomputes each block's logits: the
-        // pass's head buffer stays empty, the blocks go through the backend's scratch.
-        self.fit(f.scratch, 0)?;
-        check_span("head", &span, rows.predicted)?;
-        if span.is_empty() {
-            return Ok(());
-        }
-        let block = head_block(v, span.len());
-        let mut logits = self.scratch(block * v)?;
-        let (vi, inv_t) = (int("head", v)?, (1.0 / f.temperature) as f32);
-        let targets = self.ptr(&rows.targets);
-        let entropy = f.entropy.as_ref().map_or(0, |h| h.ptr);
-        for start in span.clone().step_by(block) {
-            let m = block.min(span.end - start);
-            self.block_logits(&mut logits, f.hidden, f.head, (start, m, v, e))?;
-            let (logp, t) = (f.logp.at(start), u32_at(targets, start));
-            let h = if entropy == 0 {
-                0
-            } else {
-                entropy + (start * 4) as CUdeviceptr
-            };
-            launch!(
-                self,
-                "head_logprobs",
-                per_row(m),
-                &logits.ptr,
-                &t,
-                &logp,
-                &h,
-                &vi,
-                &inv_t
-            )?;
-        }
-        Ok(())
+        self.head_forward_blocks(f, rows)
     }
 
     fn head_backward(&self, b: HeadBackward<'_, Self>, rows: &CudaRows) -> Result<()> {
-        let (span, e) = (b.span, b.e);
-        let v = b.head.len / e.max(1);
-        check_span("head", &span, rows.predicted)?;
-        if span.is_empty() {
-            return Ok(());
-        }
-        let block = head_block(v, span.len());
-        let mut logits = self.scratch(block * v)?;
-        let (vi, inv_t) = (int("head", v)?, (1.0 / b.temperature) as f32);
-        let targets = self.ptr(&rows.targets);
-        for start in span.clone().step_by(block) {
-            let m = block.min(span.end - start);
-            self.block_logits(&mut logits, b.hidden, b.head, (start, m, v, e))?;
-            let (t, up) = (u32_at(targets, start), b.dlogp.at(start));
-            launch!(
-                self,
-                "head_grad",
-                per_row(m),
-                &logits.ptr,
-                &t,
-                &up,
-                &vi,
-                &inv_t
-            )?;
-            // ∂hidden[start..] (m, E) += d (m, V) · W (V, E).
-            let g = row_major(
-                (m, e, v),
-                RowMajor::plain(v),
-                RowMajor::plain(e),
-                start * e,
-                true,
-            );
-            self.gemm(b.dhidden, &g, b.head, &logits)?;
-            // ∂W (V, E) += dᵀ (V, m) · hidden[start..] (m, E).
-            let g = row_major(
-                (v, e, m),
-                RowMajor::transposed(v),
-                RowMajor::plain(e).at(start * e),
-                0,
-                true,
-            );
-            self.gemm(b.dhead, &g, b.hidden, &logits)?;
-        }
-        Ok(())
+        self.head_backward_blocks(b, rows)
     }
-}
-
-/// `Err` unless `span` lies within the `n` predicting rows.
-fn check_span(op: &'static str, span: &std::ops::Range<usize>, n: usize) -> Result<()> {
-    if span.start <= span.end && span.end <= n {
-        Ok(())
-    } else {
-        Err(fail(op, format!("rows {span:?} of {n}")))
-    }
-}
-
-/// Rows of the head per block: at most [`HEAD_BLOCK_ELEMENTS`] logits, at least one row,
-/// at most the `n` rows there are.
-fn head_block(v: usize, n: usize) -> usize {
-    (HEAD_BLOCK_ELEMENTS / v.max(1)).clamp(1, n)
-}
-
-/// A block of [`HEAD_THREADS`] threads per row, `m` rows (the head's kernels).
-fn per_row(m: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (m as u32, 1, 1),
-        block_dim: (HEAD_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-/// The device address of u32 element `i` from `base`.
-fn u32_at(base: CUdeviceptr, i: usize) -> CUdeviceptr {
-    base + (i * std::mem::size_of::<u32>()) as CUdeviceptr
-}
-
-/// The attention kernel `attention_{part}_d{D}` for the heads' width (which must divide
-/// the model's width: the kernels compute E as H·D).
-fn attention_kernel(heads: Heads, part: &str) -> Result<&'static str> {
-    if heads.h == 0 || heads.h * heads.d() != heads.e {
-        return Err(fail(
-            "attention",
-            format!("{} heads do not divide a width of {}", heads.h, heads.e),
-        ));
-    }
-    Ok(match (heads.d(), part) {
-        (32, "fwd") => "attention_fwd_d32",
-        (64, "fwd") => "attention_fwd_d64",
-        (128, "fwd") => "attention_fwd_d128",
-        (32, "dq") => "attention_bwd_dq_d32",
-        (64, "dq") => "attention_bwd_dq_d64",
-        (128, "dq") => "attention_bwd_dq_d128",
-        (32, "dkv") => "attention_bwd_dkv_d32",
-        (64, "dkv") => "attention_bwd_dkv_d64",
-        (128, "dkv") => "attention_bwd_dkv_d128",
-        (d, _) => {
-            return Err(fail(
-                "attention",
-                format!("no kernel for heads of width {d} (32, 64 or 128)"),
-            ));
-        }
-    })
 }

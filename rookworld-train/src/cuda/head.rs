@@ -1,0 +1,162 @@
+//! The LM head on the device: its logits a block of rows at a time (at most
+//! [`HEAD_BLOCK_ELEMENTS`]), each block's log-probs, or its gradient and the two products
+//! of the backward, without a (rows, vocabulary) buffer.
+
+use candle_core::cuda::cudarc::driver::sys::CUdeviceptr;
+use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::{Cuda, CudaRows, DevF32, fail, int};
+use crate::backend::{Backend, HeadBackward, HeadForward, Result};
+use crate::gemm::{RowMajor, row_major};
+
+/// Threads per row of the head's kernels (`HEAD_THREADS`).
+const HEAD_THREADS: u32 = 512;
+/// Logit elements of one block of the head's rows (256 MiB of f32).
+const HEAD_BLOCK_ELEMENTS: usize = 64 << 20;
+
+impl Cuda {
+    /// [`Backend::head_forward`] block by block of rows, nothing kept for the backward.
+    pub(super) fn head_forward_blocks(
+        &self,
+        f: HeadForward<'_, Self>,
+        rows: &CudaRows,
+    ) -> Result<()> {
+        let (span, e) = (f.span, f.e);
+        let v = f.head.len / e.max(1);
+        // Nothing is kept for the backward, which recomputes each block's logits: the
+        // pass's head buffer stays empty, the blocks go through the backend's scratch.
+        self.fit(f.scratch, 0)?;
+        check_span("head", &span, rows.predicted)?;
+        if span.is_empty() {
+            return Ok(());
+        }
+        let block = head_block(v, span.len());
+        let mut logits = self.scratch(block * v)?;
+        let (vi, inv_t) = (int("head", v)?, (1.0 / f.temperature) as f32);
+        let targets = self.ptr(&rows.targets);
+        let entropy = f.entropy.as_ref().map_or(0, |h| h.ptr);
+        for start in span.clone().step_by(block) {
+            let m = block.min(span.end - start);
+            self.block_logits(&mut logits, f.hidden, f.head, (start, m, v, e))?;
+            let (logp, t) = (f.logp.at(start), u32_at(targets, start));
+            let h = if entropy == 0 {
+                0
+            } else {
+                entropy + (start * 4) as CUdeviceptr
+            };
+            launch!(
+                self,
+                "head_logprobs",
+                per_row(m),
+                &logits.ptr,
+                &t,
+                &logp,
+                &h,
+                &vi,
+                &inv_t
+            )?;
+        }
+        Ok(())
+    }
+
+    /// [`Backend::head_backward`] block by block of rows, each block's logits recomputed.
+    pub(super) fn head_backward_blocks(
+        &self,
+        b: HeadBackward<'_, Self>,
+        rows: &CudaRows,
+    ) -> Result<()> {
+        let (span, e) = (b.span, b.e);
+        let v = b.head.len / e.max(1);
+        check_span("head", &span, rows.predicted)?;
+        if span.is_empty() {
+            return Ok(());
+        }
+        let block = head_block(v, span.len());
+        let mut logits = self.scratch(block * v)?;
+        let (vi, inv_t) = (int("head", v)?, (1.0 / b.temperature) as f32);
+        let targets = self.ptr(&rows.targets);
+        for start in span.clone().step_by(block) {
+            let m = block.min(span.end - start);
+            self.block_logits(&mut logits, b.hidden, b.head, (start, m, v, e))?;
+            let (t, up) = (u32_at(targets, start), b.dlogp.at(start));
+            launch!(
+                self,
+                "head_grad",
+                per_row(m),
+                &logits.ptr,
+                &t,
+                &up,
+                &vi,
+                &inv_t
+            )?;
+            // ∂hidden[start..] (m, E) += d (m, V) · W (V, E).
+            let g = row_major(
+                (m, e, v),
+                RowMajor::plain(v),
+                RowMajor::plain(e),
+                start * e,
+                true,
+            );
+            self.gemm(b.dhidden, &g, b.head, &logits)?;
+            // ∂W (V, E) += dᵀ (V, m) · hidden[start..] (m, E).
+            let g = row_major(
+                (v, e, m),
+                RowMajor::transposed(v),
+                RowMajor::plain(e).at(start * e),
+                0,
+                true,
+            );
+            self.gemm(b.dhead, &g, b.hidden, &logits)?;
+        }
+        Ok(())
+    }
+
+    /// `out` (m, V) = hidden rows `start..start + m` (·, E) · Wᵀ, W (V, E) the head: one
+    /// block of the head's logits, before the temperature.
+    fn block_logits(
+        &self,
+        out: &mut DevF32,
+        hidden: &DevF32,
+        head: &DevF32,
+        (start, m, v, e): (usize, usize, usize, usize),
+    ) -> Result<()> {
+        let g = row_major(
+            (m, v, e),
+            RowMajor::plain(e).at(start * e),
+            RowMajor::transposed(e),
+            0,
+            false,
+        );
+        // cuBLAS's A is the right operand (W), its B the left (the hidden rows).
+        self.gemm(out, &g, head, hidden)
+    }
+}
+
+/// `Err` unless `span` lies within the `n` predicting rows.
+fn check_span(op: &'static str, span: &std::ops::Range<usize>, n: usize) -> Result<()> {
+    if span.start <= span.end && span.end <= n {
+        Ok(())
+    } else {
+        Err(fail(op, format!("rows {span:?} of {n}")))
+    }
+}
+
+/// Rows of the head per block: at most [`HEAD_BLOCK_ELEMENTS`] logits, at least one row,
+/// at most the `n` rows there are.
+fn head_block(v: usize, n: usize) -> usize {
+    (HEAD_BLOCK_ELEMENTS / v.max(1)).clamp(1, n)
+}
+
+/// A block of [`HEAD_THREADS`] threads per row, `m` rows (the head's kernels).
+fn per_row(m: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (m as u32, 1, 1),
+        block_dim: (HEAD_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The device address of u32 element `i` from `base`.
+fn u32_at(base: CUdeviceptr, i: usize) -> CUdeviceptr {
+    base + (i * std::mem::size_of::<u32>()) as CUdeviceptr
+}
