@@ -36,7 +36,7 @@
 #
 # ONLY="NAME ..." runs only the named sections (device, parity, copy_bandwidth,
 # worker_PxG_T, split_PxG_T, graphs_PxG_T, hf_PxG_T, graph_PxG_T, backend_compare, backend_pass,
-# learner_profile, decode_profile, learner_step, push,
+# learner_profile, tiles_compare, tiles_profile, decode_profile, learner_step, push,
 # push_in_place, train, trl, learner_composed) and keeps the other
 # sections' JSON already in OUT: a second run redoes what a first one left failed, and the
 # table covers both.
@@ -252,13 +252,23 @@ section backend_pass "$LEARNER" compare-backends --backend "$PASS_BACKEND" --pre
 # Where the fused step's device time goes: every kernel of one step timed by device events
 # (`learner bench --profile`), and where decode's goes: Nsight Compute over a window of
 # launches late in the headline run (NCU_SKIP, NCU_COUNT), the clocks left alone.
+# tiles_compare and tiles_profile: the same with the trial tiled attention
+# (step_attention_tiles), its buffers against the CPU backend's first.
 if [ "$DEVICE" = cpu ]; then
   not_here learner_profile "the kernel profile is of the CUDA backend (perf samples the CPU)"
+  not_here tiles_compare "the tiled attention is a CUDA kernel"
+  not_here tiles_profile "the tiled attention is a CUDA kernel"
   not_here decode_profile "Nsight Compute profiles GPU kernels"
 else
   section learner_profile "$LEARNER" bench --preset "$PRESET" --device "$DEVICE" --path fused \
     -p "$STEP_PROMPTS" -n "$GROUP" --steps 1 --micro-batch-groups "$MICRO" --profile \
     --peak-tflops "$PEAK_TFLOPS"
+  section tiles_compare env ROOKWORLD_ENABLE_KERNELS=step_attention_tiles "$LEARNER" \
+    compare-backends --backend "$PASS_BACKEND" --preset "$PRESET" --prompts "$COMPARE_PROMPTS" \
+    --group-size "$GROUP" --prompt-tokens 46 --completion-tokens "$COMPARE_TOKENS"
+  section tiles_profile env ROOKWORLD_ENABLE_KERNELS=step_attention_tiles "$LEARNER" bench \
+    --preset "$PRESET" --device "$DEVICE" --path fused -p "$STEP_PROMPTS" -n "$GROUP" --steps 1 \
+    --micro-batch-groups "$MICRO" --profile --peak-tflops "$PEAK_TFLOPS"
   section decode_profile "$PY" "$HERE/gpu/check.py" ncu-profile - --launch-skip "${NCU_SKIP:-6000}" \
     --launch-count "${NCU_COUNT:-1000}" -- "$WORKER" bench --preset "$PRESET" --device "$DEVICE" \
     --weight-dtype "$DTYPE" --prompts "${ROWS%% *}" -n "$GROUP" --max-new-tokens "${NEWS%% *}" \

@@ -42,10 +42,16 @@ pub enum Kernel {
     /// kernels). A trial ([`Kernel::trial`]); without it, the decode step's launches one by
     /// one from the host.
     DecodeGraphs,
+    /// The step backend's attention a tile of rows per block, each chunk of keys (or, for
+    /// the keys' gradients, of query rows) read once for the tile through shared memory
+    /// (`attention_tile_*` in `rookworld-train/kernels/pass.cu`), heads of width 32 or
+    /// 64. A trial ([`Kernel::trial`]), checked like [`Kernel::StepBackend`]; without it,
+    /// a warp per row and head walks its keys from device memory.
+    StepAttentionTiles,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 8] = [
+    pub const ALL: [Kernel; 9] = [
         Kernel::Attention,
         Kernel::Sampling,
         Kernel::DecodeOps,
@@ -54,6 +60,7 @@ impl Kernel {
         Kernel::StepBackend,
         Kernel::WeightsInPlace,
         Kernel::DecodeGraphs,
+        Kernel::StepAttentionTiles,
     ];
 
     /// A family that runs only when [`ENABLE_ENV`] names it, until a GPU run has passed
@@ -61,7 +68,10 @@ impl Kernel {
     pub fn trial(self) -> bool {
         matches!(
             self,
-            Kernel::SplitAttention | Kernel::WeightsInPlace | Kernel::DecodeGraphs
+            Kernel::SplitAttention
+                | Kernel::WeightsInPlace
+                | Kernel::DecodeGraphs
+                | Kernel::StepAttentionTiles
         )
     }
 
@@ -76,6 +86,7 @@ impl Kernel {
             Kernel::StepBackend => "step_backend",
             Kernel::WeightsInPlace => "weights_in_place",
             Kernel::DecodeGraphs => "decode_graphs",
+            Kernel::StepAttentionTiles => "step_attention_tiles",
         }
     }
 }

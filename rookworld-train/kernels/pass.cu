@@ -376,6 +376,289 @@ ATTENTION_KERNELS(1, d32)
 ATTENTION_KERNELS(2, d64)
 ATTENTION_KERNELS(4, d128)
 
+// ---------------------------------------------------------------------------------------
+// Tiled attention (the trial family step_attention_tiles): a block per (tile, head), a tile
+// being up to TILE consecutive rows of one segment (a prompt, or one completion: rows that
+// share their metadata), 8 warps of 4 rows each. The forward and dq walk the tile's keys
+// (the prefix, then its own rows up to the tile's last) CHUNK at a time through shared
+// memory, each chunk read from device memory once for the whole tile instead of once per
+// row; dkv walks the query rows that see the tile's keys likewise. Within a chunk a lane
+// takes one key (or query row) for the scores, read from a row padded to D + 1 floats (no
+// bank conflicts), and one value of D for the sums. The same maths as the warp kernels
+// above, in the same f32: only the order of some sums differs. D = 32 or 64.
+#define TILE 32
+#define CHUNK 32
+#define TILE_THREADS 256
+#define TILE_ROWS_PER_WARP (TILE / (TILE_THREADS / WARP))
+
+// One row of qkv's part (0 q, 1 k, 2 v) of head h, D floats, into shared memory at `dst`
+// (every thread of the block takes a share; rows past `n` are zeros).
+template <int D>
+__device__ __forceinline__ void load_rows(float *dst, int stride, const float *__restrict__ src,
+                                          int src_stride, const int *rows, int n, int count,
+                                          float scale) {
+    for (int i = threadIdx.x; i < count * D; i += TILE_THREADS) {
+        const int r = i / D, d = i % D;
+        dst[r * stride + d] = r < n ? src[(size_t)rows[r] * src_stride + d] * scale : 0.f;
+    }
+}
+
+// Row index of the tile's k-th visible key: the prefix p0..p1, then o0.. .
+__device__ __forceinline__ int tile_key(const RowMeta &m, int k) {
+    const int prefix = m.p1 - m.p0;
+    return k < prefix ? m.p0 + k : m.o0 + (k - prefix);
+}
+
+template <int D>
+__device__ void attention_tile_fwd(float *__restrict__ y, float *__restrict__ lse,
+                                   const float *__restrict__ qkv, const int4 *__restrict__ meta,
+                                   const int2 *__restrict__ tiles, int H) {
+    constexpr int PER = D / WARP;
+    __shared__ float sq[TILE * D], sk[CHUNK * (D + 1)], sv[CHUNK * D];
+    __shared__ int rows[CHUNK];
+    const int2 tile = tiles[blockIdx.x];
+    const int h = blockIdx.y, E = H * D, first = tile.x, n = tile.y;
+    const int w = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int4 mv = meta[first];
+    const RowMeta m = {mv.x, mv.y, mv.z, mv.w};
+    const int prefix = m.p1 - m.p0, keys = prefix + (first + n - m.o0);
+    const float scale = rsqrtf((float)D);
+    if (threadIdx.x < TILE) rows[threadIdx.x] = first + threadIdx.x;
+    __syncthreads();
+    load_rows<D>(sq, D, qkv + h * D, 3 * E, rows, n, TILE, scale);
+    float mx[TILE_ROWS_PER_WARP], sum[TILE_ROWS_PER_WARP], acc[TILE_ROWS_PER_WARP][PER];
+    #pragma unroll
+    for (int a = 0; a < TILE_ROWS_PER_WARP; ++a) {
+        mx[a] = -INFINITY;
+        sum[a] = 0.f;
+        #pragma unroll
+        for (int t = 0; t < PER; ++t) acc[a][t] = 0.f;
+    }
+    for (int c0 = 0; c0 < keys; c0 += CHUNK) {
+        const int count = min(CHUNK, keys - c0);
+        __syncthreads();  // the last chunk's readers are done, and sq is written
+        if (threadIdx.x < CHUNK) rows[threadIdx.x] = tile_key(m, c0 + min((int)threadIdx.x, count - 1));
+        __syncthreads();
+        load_rows<D>(sk, D + 1, qkv + E + h * D, 3 * E, rows, count, CHUNK, 1.f);
+        load_rows<D>(sv, D, qkv + 2 * E + h * D, 3 * E, rows, count, CHUNK, 1.f);
+        __syncthreads();
+        const int key = c0 + lane;  // this lane's key of the chunk
+        const int key_row = lane < count ? tile_key(m, key) : 0;
+        #pragma unroll
+        for (int a = 0; a < TILE_ROWS_PER_WARP; ++a) {
+            const int q = w * TILE_ROWS_PER_WARP + a;
+            if (q >= n) continue;  // warp-uniform (and so are the rows after it)
+            const int r = first + q;
+            float s = 0.f;
+            for (int d = 0; d < D; ++d) s += sq[q * D + d] * sk[lane * (D + 1) + d];
+            const bool visible = lane < count && (key < prefix || key_row <= r);
+            s = visible ? s : -INFINITY;
+            const float nm = fmaxf(mx[a], warp_max(s));
+            if (nm == -INFINITY) continue;  // no key of this row yet
+            const float p = visible ? __expf(s - nm) : 0.f, old = __expf(mx[a] - nm);
+            sum[a] = sum[a] * old + warp_sum(p);
+            #pragma unroll
+            for (int t = 0; t < PER; ++t) acc[a][t] *= old;
+            for (int j = 0; j < count; ++j) {
+                const float pj = __shfl_sync(0xffffffffu, p, j);
+                #pragma unroll
+                for (int t = 0; t < PER; ++t) acc[a][t] += pj * sv[j * D + lane + t * WARP];
+            }
+            mx[a] = nm;
+        }
+    }
+    #pragma unroll
+    for (int a = 0; a < TILE_ROWS_PER_WARP; ++a) {
+        const int q = w * TILE_ROWS_PER_WARP + a;
+        if (q >= n) continue;
+        const int r = first + q;
+        const float inv = 1.f / sum[a];
+        #pragma unroll
+        for (int t = 0; t < PER; ++t) y[(size_t)r * E + h * D + lane + t * WARP] = acc[a][t] * inv;
+        if (lane == 0) lse[(size_t)r * H + h] = mx[a] + logf(sum[a]);
+    }
+}
+
+// dq of the tile's rows (as attention_bwd_dq), the keys a chunk at a time.
+template <int D>
+__device__ void attention_tile_dq(float *__restrict__ dqkv, const float *__restrict__ dy,
+                                  const float *__restrict__ y, const float *__restrict__ qkv,
+                                  const float *__restrict__ lse, const int4 *__restrict__ meta,
+                                  const int2 *__restrict__ tiles, int H) {
+    constexpr int PER = D / WARP;
+    __shared__ float sq[TILE * D], sg[TILE * D], sk[CHUNK * (D + 1)], sv[CHUNK * (D + 1)];
+    __shared__ int rows[CHUNK];
+    const int2 tile = tiles[blockIdx.x];
+    const int h = blockIdx.y, E = H * D, first = tile.x, n = tile.y;
+    const int w = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int4 mv = meta[first];
+    const RowMeta m = {mv.x, mv.y, mv.z, mv.w};
+    const int prefix = m.p1 - m.p0, keys = prefix + (first + n - m.o0);
+    const float scale = rsqrtf((float)D);
+    if (threadIdx.x < TILE) rows[threadIdx.x] = first + threadIdx.x;
+    __syncthreads();
+    load_rows<D>(sq, D, qkv + h * D, 3 * E, rows, n, TILE, scale);
+    load_rows<D>(sg, D, dy + h * D, E, rows, n, TILE, 1.f);
+    float delta[TILE_ROWS_PER_WARP], l[TILE_ROWS_PER_WARP], dq[TILE_ROWS_PER_WARP][PER];
+    #pragma unroll
+    for (int a = 0; a < TILE_ROWS_PER_WARP; ++a) {
+        const int q = min(w * TILE_ROWS_PER_WARP + a, n - 1), r = first + q;
+        float dl = 0.f;
+        #pragma unroll
+        for (int t = 0; t < PER; ++t) {
+            const size_t at = (size_t)r * E + h * D + lane + t * WARP;
+            dl += dy[at] * y[at];
+            dq[a][t] = 0.f;
+        }
+        delta[a] = warp_sum(dl);
+        l[a] = lse[(size_t)r * H + h];
+    }
+    for (int c0 = 0; c0 < keys; c0 += CHUNK) {
+        const int count = min(CHUNK, keys - c0);
+        __syncthreads();
+        if (threadIdx.x < CHUNK) rows[threadIdx.x] = tile_key(m, c0 + min((int)threadIdx.x, count - 1));
+        __syncthreads();
+        load_rows<D>(sk, D + 1, qkv + E + h * D, 3 * E, rows, count, CHUNK, 1.f);
+        load_rows<D>(sv, D + 1, qkv + 2 * E + h * D, 3 * E, rows, count, CHUNK, 1.f);
+        __syncthreads();
+        const int key = c0 + lane;
+        const int key_row = lane < count ? tile_key(m, key) : 0;
+        #pragma unroll
+        for (int a = 0; a < TILE_ROWS_PER_WARP; ++a) {
+            const int q = w * TILE_ROWS_PER_WARP + a;
+            if (q >= n) continue;
+            const int r = first + q;
+            float s = 0.f, dp = 0.f;
+            for (int d = 0; d < D; ++d) {
+                s += sq[q * D + d] * sk[lane * (D + 1) + d];
+                dp += sg[q * D + d] * sv[lane * (D + 1) + d];
+            }
+            const bool visible = lane < count && (key < prefix || key_row <= r);
+            const float ds = visible ? __expf(s - l[a]) * (dp - delta[a]) * scale : 0.f;
+            for (int j = 0; j < count; ++j) {
+                const float dsj = __shfl_sync(0xffffffffu, ds, j);
+                #pragma unroll
+                for (int t = 0; t < PER; ++t) dq[a][t] += dsj * sk[j * (D + 1) + lane + t * WARP];
+            }
+        }
+    }
+    #pragma unroll
+    for (int a = 0; a < TILE_ROWS_PER_WARP; ++a) {
+        const int q = w * TILE_ROWS_PER_WARP + a;
+        if (q >= n) continue;
+        const int r = first + q;
+        #pragma unroll
+        for (int t = 0; t < PER; ++t) dqkv[(size_t)r * 3 * E + h * D + lane + t * WARP] = dq[a][t];
+    }
+}
+
+// dk and dv of the tile's rows as keys (as attention_bwd_dkv): the query rows that see them,
+// first..q_end of the segment's metadata (row i sees key j when i ≥ j), a chunk at a time.
+template <int D>
+__device__ void attention_tile_dkv(float *__restrict__ dqkv, const float *__restrict__ dy,
+                                   const float *__restrict__ y, const float *__restrict__ qkv,
+                                   const float *__restrict__ lse, const int4 *__restrict__ meta,
+                                   const int2 *__restrict__ tiles, int H) {
+    constexpr int PER = D / WARP;
+    __shared__ float sk[TILE * D], sv[TILE * D], sq[CHUNK * (D + 1)], sg[CHUNK * (D + 1)];
+    __shared__ float sl[CHUNK], sdelta[CHUNK];
+    __shared__ int rows[CHUNK];
+    const int2 tile = tiles[blockIdx.x];
+    const int h = blockIdx.y, E = H * D, first = tile.x, n = tile.y;
+    const int w = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int q_end = meta[first].w;
+    const float scale = rsqrtf((float)D);
+    if (threadIdx.x < TILE) rows[threadIdx.x] = first + threadIdx.x;
+    __syncthreads();
+    load_rows<D>(sk, D, qkv + E + h * D, 3 * E, rows, n, TILE, 1.f);
+    load_rows<D>(sv, D, qkv + 2 * E + h * D, 3 * E, rows, n, TILE, 1.f);
+    float dk[TILE_ROWS_PER_WARP][PER], dv[TILE_ROWS_PER_WARP][PER];
+    #pragma unroll
+    for (int a = 0; a < TILE_ROWS_PER_WARP; ++a)
+        #pragma unroll
+        for (int t = 0; t < PER; ++t) dk[a][t] = dv[a][t] = 0.f;
+    for (int c0 = first; c0 < q_end; c0 += CHUNK) {
+        const int count = min(CHUNK, q_end - c0);
+        __syncthreads();
+        if (threadIdx.x < CHUNK) rows[threadIdx.x] = c0 + min((int)threadIdx.x, count - 1);
+        __syncthreads();
+        load_rows<D>(sq, D + 1, qkv + h * D, 3 * E, rows, count, CHUNK, scale);
+        load_rows<D>(sg, D + 1, dy + h * D, E, rows, count, CHUNK, 1.f);
+        // Each query row's lse and Δ = dy · y (a warp per row).
+        for (int i = w; i < CHUNK; i += TILE_THREADS / WARP) {
+            float dl = 0.f;
+            if (i < count)
+                #pragma unroll
+                for (int t = 0; t < PER; ++t) {
+                    const size_t at = (size_t)(c0 + i) * E + h * D + lane + t * WARP;
+                    dl += dy[at] * y[at];
+                }
+            dl = warp_sum(dl);
+            if (lane == 0) {
+                sdelta[i] = dl;
+                sl[i] = i < count ? lse[(size_t)(c0 + i) * H + h] : 0.f;
+            }
+        }
+        __syncthreads();
+        const int qrow = c0 + lane;  // this lane's query row of the chunk
+        #pragma unroll
+        for (int a = 0; a < TILE_ROWS_PER_WARP; ++a) {
+            const int k = w * TILE_ROWS_PER_WARP + a;
+            if (k >= n) continue;
+            const int j = first + k;
+            float s = 0.f, dp = 0.f;
+            for (int d = 0; d < D; ++d) {
+                s += sq[lane * (D + 1) + d] * sk[k * D + d];
+                dp += sg[lane * (D + 1) + d] * sv[k * D + d];
+            }
+            const bool visible = lane < count && qrow >= j;
+            const float p = visible ? __expf(s - sl[lane]) : 0.f;
+            const float ds = p * (dp - sdelta[lane]);  // × √D·(1/√D): sq holds q / √D
+            for (int i = 0; i < count; ++i) {
+                const float pi = __shfl_sync(0xffffffffu, p, i);
+                const float dsi = __shfl_sync(0xffffffffu, ds, i);
+                #pragma unroll
+                for (int t = 0; t < PER; ++t) {
+                    dv[a][t] += pi * sg[i * (D + 1) + lane + t * WARP];
+                    dk[a][t] += dsi * sq[i * (D + 1) + lane + t * WARP];
+                }
+            }
+        }
+    }
+    #pragma unroll
+    for (int a = 0; a < TILE_ROWS_PER_WARP; ++a) {
+        const int k = w * TILE_ROWS_PER_WARP + a;
+        if (k >= n) continue;
+        const int j = first + k;
+        #pragma unroll
+        for (int t = 0; t < PER; ++t) {
+            dqkv[(size_t)j * 3 * E + E + h * D + lane + t * WARP] = dk[a][t];
+            dqkv[(size_t)j * 3 * E + 2 * E + h * D + lane + t * WARP] = dv[a][t];
+        }
+    }
+}
+
+#define TILE_KERNELS(D)                                                                      \
+    extern "C" __global__ void __launch_bounds__(TILE_THREADS, 2)                            \
+        attention_tile_fwd_d##D(float *y, float *lse, const float *qkv, const int4 *meta,    \
+                                const int2 *tiles, int H) {                                  \
+        attention_tile_fwd<D>(y, lse, qkv, meta, tiles, H);                                  \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(TILE_THREADS, 2)                            \
+        attention_tile_dq_d##D(float *dqkv, const float *dy, const float *y, const float *qkv, \
+                               const float *lse, const int4 *meta, const int2 *tiles, int H) { \
+        attention_tile_dq<D>(dqkv, dy, y, qkv, lse, meta, tiles, H);                         \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(TILE_THREADS, 2)                            \
+        attention_tile_dkv_d##D(float *dqkv, const float *dy, const float *y,                \
+                                const float *qkv, const float *lse, const int4 *meta,        \
+                                const int2 *tiles, int H) {                                  \
+        attention_tile_dkv<D>(dqkv, dy, y, qkv, lse, meta, tiles, H);                        \
+    }
+
+TILE_KERNELS(32)
+TILE_KERNELS(64)
+
 // A block's sum and max of one value per thread (a multiple of 32 threads, at most
 // HEAD_THREADS); every thread gets the result.
 __device__ float block_sum(float v, float *shared) {

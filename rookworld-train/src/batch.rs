@@ -201,6 +201,24 @@ impl Packed {
         }
         meta
     }
+
+    /// The rows cut into tiles of at most `max` consecutive rows that share their
+    /// [`row_meta`](Self::row_meta) — a prompt's, or one completion's — each `[first row,
+    /// rows]`, in row order: the blocks of a tiled attention kernel, whose rows see the
+    /// same prefix and, as keys, are seen up to the same row.
+    pub fn row_tiles(&self, max: usize) -> Vec<[i32; 2]> {
+        let max = max.max(1);
+        let mut tiles = Vec::new();
+        for g in &self.groups {
+            for segment in std::iter::once(&g.prompt).chain(&g.completions) {
+                for first in segment.clone().step_by(max) {
+                    let rows = max.min(segment.end - first);
+                    tiles.push([first as i32, rows as i32]);
+                }
+            }
+        }
+        tiles
+    }
 }
 
 /// The rows of one group in the packed batch.
@@ -300,5 +318,35 @@ mod tests {
                 .collect();
             assert_eq!(by, (j..meta[j][3] as usize).collect::<Vec<_>>(), "key {j}");
         }
+    }
+
+    #[test]
+    fn tiles_cover_every_row_once_and_share_what_their_rows_see() {
+        let prompts = [vec![1, 2, 3, 4, 5], vec![6, 7]];
+        let completions = [
+            vec![vec![7, 8, 9, 10, 11, 12], vec![10], vec![11, 12, 13]],
+            vec![vec![13, 14, 15, 16], vec![17, 18]],
+        ];
+        let packed = Packed::of(&prompts, &completions);
+        let meta = packed.row_meta();
+        for max in [1, 2, 3, 32] {
+            let tiles = packed.row_tiles(max);
+            let mut next = 0;
+            for &[first, rows] in &tiles {
+                let (first, rows) = (first as usize, rows as usize);
+                assert_eq!(first, next, "in row order, every row once (max {max})");
+                assert!((1..=max).contains(&rows), "max {max}");
+                // Every row of a tile sees the same prefix and its own rows from the same
+                // start, and is seen as a key up to the same row.
+                for r in first..first + rows {
+                    assert_eq!(meta[r], meta[first], "row {r} of tile {first} (max {max})");
+                }
+                next = first + rows;
+            }
+            assert_eq!(next, packed.rows(), "max {max}");
+        }
+        // A prompt of 5 in tiles of 2: 2, 2, 1; then each completion on its own.
+        let tiles = packed.row_tiles(2);
+        assert_eq!(tiles[..4], [[0, 2], [2, 2], [4, 1], [5, 2]]);
     }
 }

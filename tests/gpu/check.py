@@ -580,11 +580,24 @@ def cmd_table(args):
     elif bp:
         add("step backend", "forward + backward", problem(bp) or "missing")
     # Where the device time goes: the fused step's kernels by device events, decode's by ncu.
-    lp = d.get("learner_profile", {})  # `learner bench --profile`: its report's `kernels`
-    if lp.get("kernels"):
-        lp = dict(lp["kernels"], step_seconds=lp.get("step_seconds"))
+    def bench_profile(key):  # `learner bench --profile`: its report's `kernels`
+        p = d.get(key, {})
+        return dict(p["kernels"], step_seconds=p.get("step_seconds")) if p.get("kernels") else p
+    lp, tp = bench_profile("learner_profile"), bench_profile("tiles_profile")
+    tc = d.get("tiles_compare", {})
+    if tc:
+        first = tc.get("first_divergence")
+        add("tiled attention (trial)", "buffers matched",
+            problem(tc) or (f"{tc['buffers_checked']} of {tc['buffers_checked']}" if tc.get("matched")
+                            else f"FAIL at {first['name'] if first else '?'}"),
+            f"{tc.get('shape', '')}; against the CPU backend")
+    if tp.get("step_seconds") and lp.get("step_seconds"):
+        add("tiled attention (trial)", "× the warp kernels (step)",
+            fmt(lp["step_seconds"] / tp["step_seconds"]),
+            f"step {fmt(tp['step_seconds'] * 1e3)} ms against {fmt(lp['step_seconds'] * 1e3)} ms")
     for key, label, top, prof in (
             ("learner_profile", "learner kernels (per step)", 8, lp),
+            ("tiles_profile", "learner kernels, tiled attention", 8, tp),
             ("decode_profile", "decode kernels (ncu)", 6, d.get("decode_profile", {}))):
         if problem(prof) or (prof and not prof.get("by_kernel")):
             add(label, "result", problem(prof) or "no kernels")
@@ -592,7 +605,7 @@ def cmd_table(args):
         if not prof:
             continue
         total_ms = prof.get("seconds", 0) * 1e3
-        if key == "learner_profile":
+        if key in ("learner_profile", "tiles_profile"):
             gap = (prof.get("step_seconds") or 0) * 1e3 - total_ms
             add(label, "all kernels ms", fmt(total_ms),
                 f"{fmt(prof.get('launches'))} launches; step {fmt((prof.get('step_seconds') or 0) * 1e3)} ms, "

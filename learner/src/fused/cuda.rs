@@ -79,7 +79,9 @@ pub fn with_pass<R>(
             .collect::<CandleResult<_>>()?;
     }
     let mut grads = views(&work.grads)?;
-    let mut b = Cuda::with_scratch(cuda.clone(), std::mem::take(&mut work.scratch));
+    let tiles = rookworld_lm::kernels::enabled(rookworld_lm::kernels::Kernel::StepAttentionTiles);
+    let mut b = Cuda::with_scratch(cuda.clone(), std::mem::take(&mut work.scratch))
+        .with_tiled_attention(tiles);
     if work.profile.is_some() {
         b = b.profiled();
     }
@@ -114,25 +116,30 @@ pub fn with_pass<R>(
 
 /// The CUDA backend of `device` against the CPU's on a small synthetic micro-batch
 /// ([`rookworld_train::compare::self_check`]): a finding for the `step_backend` kernel
-/// family when a buffer differs beyond tolerance (naming it) or the check cannot run.
+/// family when a buffer differs beyond tolerance (naming it) or the check cannot run;
+/// and, when the trial `step_attention_tiles` is turned on, the same with the tiled
+/// attention, a finding for that family (so that it alone is turned off).
 pub fn startup_check(device: &Device) -> Vec<rookworld_lm::kernels::Finding> {
-    use rookworld_lm::kernels::{Finding, Kernel};
+    use rookworld_lm::kernels::{Finding, Kernel, enabled};
     let Device::Cuda(cuda) = device else {
         return Vec::new();
     };
-    let kernel = Kernel::StepBackend;
-    match rookworld_train::compare::self_check(&Cuda::new(cuda.clone())) {
-        Ok(c) => c
-            .first_divergence()
-            .map(|_| Finding {
-                kernel,
-                problem: c.summary(),
-            })
-            .into_iter()
-            .collect(),
-        Err(e) => vec![Finding {
+    let check = |kernel: Kernel, b: Cuda| match rookworld_train::compare::self_check(&b) {
+        Ok(c) => c.first_divergence().map(|_| Finding {
+            kernel,
+            problem: c.summary(),
+        }),
+        Err(e) => Some(Finding {
             kernel,
             problem: format!("did not run: {e}"),
-        }],
+        }),
+    };
+    let mut findings: Vec<Finding> = check(Kernel::StepBackend, Cuda::new(cuda.clone()))
+        .into_iter()
+        .collect();
+    if enabled(Kernel::StepAttentionTiles) {
+        let tiled = Cuda::new(cuda.clone()).with_tiled_attention(true);
+        findings.extend(check(Kernel::StepAttentionTiles, tiled));
     }
+    findings
 }

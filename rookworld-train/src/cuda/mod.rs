@@ -67,6 +67,9 @@ pub struct CudaRows {
     by_token: DevicePlan,
     by_position: DevicePlan,
     by_head_row: DevicePlan,
+    /// With tiled attention: [`Packed::row_tiles`] of `ATTENTION_TILE` rows, (first, rows)
+    /// each, and how many.
+    tiles: Option<(CudaSlice<i32>, usize)>,
     rows: usize,
     predicted: usize,
 }
@@ -100,6 +103,8 @@ pub struct Cuda {
     /// The kernels launched so far, by name: a launch looks its kernel up here instead of
     /// in candle's module cache (a lock, a map and a driver call each time).
     functions: RefCell<HashMap<&'static str, CudaFunction>>,
+    /// The attention a tile of rows per block ([`Cuda::with_tiled_attention`]).
+    tiled_attention: bool,
     /// Profiled: each timed operation's name and the events recorded before and after it,
     /// read by [`Cuda::take_profile`].
     timing: Option<RefCell<Vec<(String, CudaEvent, CudaEvent)>>>,
@@ -144,8 +149,19 @@ impl Cuda {
             device,
             scratch: RefCell::new(DeviceVec::default()),
             functions: RefCell::default(),
+            tiled_attention: false,
             timing: None,
             _one_thread: std::marker::PhantomData,
+        }
+    }
+
+    /// The backend with attention a tile of rows per block (the trial family
+    /// `step_attention_tiles`, heads of width 32 or 64; others keep a warp per row and
+    /// head), or without. Set before its first [`Backend::rows`].
+    pub fn with_tiled_attention(self, on: bool) -> Self {
+        Self {
+            tiled_attention: on,
+            ..self
         }
     }
 
@@ -413,6 +429,13 @@ impl Backend for Cuda {
             by_token: self.plan(&packed.ids)?,
             by_position: self.plan(&packed.positions)?,
             by_head_row: self.plan(&packed.head_rows)?,
+            tiles: if self.tiled_attention {
+                let tiles = packed.row_tiles(attention::TILE);
+                let flat: Vec<i32> = tiles.iter().flatten().copied().collect();
+                Some((self.upload("rows", &flat)?, tiles.len()))
+            } else {
+                None
+            },
             rows: r,
             predicted: packed.targets.len(),
         })

@@ -90,6 +90,8 @@ fn the_gpu_check_script_runs_every_section_on_the_cpu() {
         "backend_compare",
         "backend_pass",
         "learner_profile",
+        "tiles_compare",
+        "tiles_profile",
         "decode_profile",
         "learner_step",
         "learner_composed",
@@ -205,7 +207,8 @@ fn the_gpu_check_script_bounds_each_section_and_the_whole_run() {
 /// printing what `ncu --csv --page raw` prints: ncu's own lines and the program's output
 /// around a header row, a row of units and a row per profiled launch): the window and the
 /// program reach it, the launches are summed by kernel, and the table lists the kernels
-/// longest first, beside the fused step's as `learner bench --profile` reports them.
+/// longest first, beside the fused step's as `learner bench --profile` reports them (with
+/// the warp kernels' attention and with the trial tiled one).
 #[test]
 fn the_profile_sections_sum_kernels_by_name_and_table_them() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
@@ -277,6 +280,11 @@ echo '==PROF== Disconnected from process 7'
             {"name": "gemm 2304×17600×768 TN", "launches": 24.0, "ms": 50.0, "share": 0.625},
             {"name": "attention_bwd_dkv_d64", "launches": 12.0, "ms": 30.0, "share": 0.375}]}});
     std::fs::write(out.join("learner_profile.json"), report.to_string()).unwrap();
+    // The same step with the trial tiled attention, twice as fast.
+    let tiled = serde_json::json!({"step_seconds": 0.05, "kernels": {
+        "seconds": 0.04, "launches": 3100.0, "by_kernel": [
+            {"name": "gemm 2304×17600×768 TN", "launches": 24.0, "ms": 40.0, "share": 1.0}]}});
+    std::fs::write(out.join("tiles_profile.json"), tiled.to_string()).unwrap();
     let table = Command::new(&py)
         .arg(&check)
         .arg("table")
@@ -291,6 +299,14 @@ echo '==PROF== Disconnected from process 7'
     assert_eq!(learner["all kernels ms"], "80", "{summary:#}");
     assert_eq!(learner["gemm 2304×17600×768 TN"], "62.5%", "{summary:#}");
     assert_eq!(learner["attention_bwd_dkv_d64"], "37.5%", "{summary:#}");
+    assert_eq!(
+        summary["tiled attention (trial)"]["× the warp kernels (step)"], "2",
+        "{summary:#}"
+    );
+    assert_eq!(
+        summary["learner kernels, tiled attention"]["gemm 2304×17600×768 TN"], "100.0%",
+        "{summary:#}"
+    );
     let decode = &summary["decode kernels (ncu)"];
     assert_eq!(decode["kernels ms"], "2.3", "{summary:#}");
     assert_eq!(decode["row_attention_bf16"], "87.0%", "{summary:#}");
