@@ -386,13 +386,21 @@ ATTENTION_KERNELS(4, d128)
 // takes one key (or query row) for the scores, read from a row padded to D + 1 floats (no
 // bank conflicts), and one value of D for the sums. The same maths as the warp kernels
 // above, in the same f32: only the order of some sums differs. D = 32 or 64.
+// TILE is rookworld_train's `cuda::attention::TILE` (the rows of Packed::row_tiles), and
+// TILE_THREADS its `TILE_THREADS`.
 #define TILE 32
 #define CHUNK 32
 #define TILE_THREADS 256
 #define TILE_ROWS_PER_WARP (TILE / (TILE_THREADS / WARP))
+// rows[] (CHUNK entries) also holds a tile's rows; the first TILE threads write them; the
+// warps share the tile's rows evenly.
+static_assert(TILE <= CHUNK, "rows[] holds a tile's rows");
+static_assert(TILE <= TILE_THREADS, "a thread per row of the tile writes rows[]");
+static_assert(TILE % (TILE_THREADS / WARP) == 0, "every warp takes as many rows");
 
-// One row of qkv's part (0 q, 1 k, 2 v) of head h, D floats, into shared memory at `dst`
-// (every thread of the block takes a share; rows past `n` are zeros).
+// `count` rows of D floats into shared memory at `dst` (`stride` apart), row i being
+// `src` row rows[i] times `scale`, zeros from row `n` on. Every thread of the block takes
+// a share.
 template <int D>
 __device__ __forceinline__ void load_rows(float *dst, int stride, const float *__restrict__ src,
                                           int src_stride, const int *rows, int n, int count,
@@ -587,12 +595,13 @@ __device__ void attention_tile_dkv(float *__restrict__ dqkv, const float *__rest
         // Each query row's lse and Δ = dy · y (a warp per row).
         for (int i = w; i < CHUNK; i += TILE_THREADS / WARP) {
             float dl = 0.f;
-            if (i < count)
+            if (i < count) {
                 #pragma unroll
                 for (int t = 0; t < PER; ++t) {
                     const size_t at = (size_t)(c0 + i) * E + h * D + lane + t * WARP;
                     dl += dy[at] * y[at];
                 }
+            }
             dl = warp_sum(dl);
             if (lane == 0) {
                 sdelta[i] = dl;
