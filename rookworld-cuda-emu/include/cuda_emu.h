@@ -14,7 +14,8 @@
 // a thread that returns or waits elsewhere while others wait at `__syncthreads` (a barrier
 // in divergent code), a shuffle whose mask leaves out a lane of the warp, a pointer
 // argument not aligned to its type, and (with guarded buffers, see the crate's `Guarded`)
-// a read or write past a buffer's end, caught as the fault it raises.
+// a read or write past a buffer's end or past the dynamic shared memory the launch asked
+// for, caught as the fault it raises.
 //
 // The C entry point of kernel K is `emu_launch_K` (EMU_KERNEL(K) after the sources): its
 // arguments as cuLaunchKernel takes them (an array of pointers to the values), with their
@@ -32,6 +33,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <ucontext.h>
 
 #include <type_traits>
@@ -129,6 +131,11 @@ namespace emu {
 constexpr int WARP = 32;
 constexpr size_t STACK = 256 * 1024;
 constexpr int MAX_THREADS = 1024;
+// Dynamic shared memory a block may ask for (an H100's 227 KiB), and a guard page's size.
+constexpr size_t SHARED_MAX = 227 * 1024;
+constexpr size_t GUARD = 64 * 1024;
+// The mapping's part before its guard page: page-aligned (a multiple of 64 KiB).
+constexpr size_t SHARED_AREA = 256 * 1024;
 
 enum State { READY, AT_BLOCK, AT_WARP, DONE };
 
@@ -157,6 +164,11 @@ struct Launch {
     bool failed;
     // A fault's jump back to `run`.
     sigjmp_buf fault;
+    // The launch's dynamic shared memory: its bytes end at a guard page, so a read or
+    // write past the size the launch asked for faults; each block's starts as 0xff bytes
+    // (NaN floats), so a read of what no thread wrote shows.
+    char *shared_map;
+    size_t shared_bytes;
     char *dynamic_shared;
 };
 
@@ -309,8 +321,8 @@ inline void deadlock() {
 }
 
 // Runs `body` (the kernel's call) for every thread of every block of the grid.
-inline int run(const char *kernel, dim3 grid, dim3 block, void (*body)(void *), void *closure,
-               char *err, size_t errlen) {
+inline int run(const char *kernel, dim3 grid, dim3 block, size_t shared_bytes,
+               void (*body)(void *), void *closure, char *err, size_t errlen) {
     pthread_mutex_lock(&lock);
     static Launch launch;
     Launch *l = &launch;
@@ -322,7 +334,30 @@ inline int run(const char *kernel, dim3 grid, dim3 block, void (*body)(void *), 
         return 1;
     }
     if (!l->stacks) l->stacks = (char *)malloc(STACK * MAX_THREADS);
-    if (!l->dynamic_shared) l->dynamic_shared = (char *)calloc(1, 228 * 1024);
+    if (shared_bytes > SHARED_MAX) {
+        snprintf(err, errlen, "kernel %s: %zu bytes of dynamic shared memory, at most %zu",
+                 kernel, shared_bytes, SHARED_MAX);
+        pthread_mutex_unlock(&lock);
+        return 1;
+    }
+    if (!l->shared_map) {
+        l->shared_map = (char *)mmap(nullptr, SHARED_AREA + GUARD, PROT_READ | PROT_WRITE,
+                                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (l->shared_map == MAP_FAILED) {
+            l->shared_map = nullptr;
+            snprintf(err, errlen, "kernel %s: mapping shared memory failed", kernel);
+            pthread_mutex_unlock(&lock);
+            return 1;
+        }
+        if (mprotect(l->shared_map + SHARED_AREA, GUARD, PROT_NONE) != 0) {
+            snprintf(err, errlen, "kernel %s: protecting shared memory's guard page failed",
+                     kernel);
+            pthread_mutex_unlock(&lock);
+            return 1;
+        }
+    }
+    l->shared_bytes = shared_bytes;
+    l->dynamic_shared = l->shared_map + SHARED_AREA - ((shared_bytes + 15) / 16 * 16);
     l->kernel = kernel;
     l->grid = grid;
     l->block = block;
@@ -339,6 +374,7 @@ inline int run(const char *kernel, dim3 grid, dim3 block, void (*body)(void *), 
             for (unsigned by = 0; by < grid.y && !l->failed; ++by)
                 for (unsigned bx = 0; bx < grid.x && !l->failed; ++bx) {
                     l->block_idx = {bx, by, bz};
+                    memset(l->dynamic_shared, 0xff, l->shared_bytes);
                     l->at_block = 0;
                     memset(l->at_warp, 0, sizeof l->at_warp);
                     for (int i = 0; i < n; ++i) {
@@ -434,8 +470,8 @@ inline int launch(const char *name, void (*kernel)(A...), const unsigned *dims, 
         }
     }
     Call<A...> c{kernel, args};
-    return run(name, dim3(dims[0], dims[1], dims[2]), dim3(dims[3], dims[4], dims[5]), body<A...>,
-               &c, err, errlen);
+    return run(name, dim3(dims[0], dims[1], dims[2]), dim3(dims[3], dims[4], dims[5]), dims[6],
+               body<A...>, &c, err, errlen);
 }
 
 }  // namespace emu
@@ -470,7 +506,8 @@ template <class T> inline T __shfl_down_sync(unsigned mask, T v, unsigned delta,
     return emu::exchange(mask, v, src);
 }
 
-// The C entry point of kernel K: emu_launch_K(dims (grid x, y, z, block x, y, z), args,
+// The C entry point of kernel K: emu_launch_K(dims (grid x, y, z, block x, y, z, dynamic
+// shared memory bytes), args,
 // sizes, nargs, err, errlen) → 0, or 1 with the reason in err.
 #define EMU_KERNEL(K)                                                                         \
     extern "C" __attribute__((visibility("default"))) int emu_launch_##K(const unsigned *dims, void **args, const size_t *sizes,      \
@@ -479,7 +516,7 @@ template <class T> inline T __shfl_down_sync(unsigned mask, T v, unsigned delta,
     }
 
 // `extern __shared__ T name[];` is rewritten by the loader to this: the launch's dynamic
-// shared memory (zeroed once, 228 KiB, as much as a block may have).
+// shared memory (as many bytes as the launch asked for, then a guard page).
 #define EMU_DYNAMIC_SHARED(T) (reinterpret_cast<T *>(::emu::L->dynamic_shared))
 
 #endif

@@ -16,14 +16,17 @@
 //!   others wait at `__syncthreads` or a shuffle);
 //! - a shuffle whose mask leaves out a lane of the warp;
 //! - an argument whose size is not its parameter's, or a pointer not aligned to its type;
-//! - a read or write past the end of a [`Guarded`] buffer (it faults on the guard page).
+//! - a read or write past the end of a [`Guarded`] buffer, or of the dynamic shared memory
+//!   the launch asked for (it faults on the guard page after it).
 //!
 //! Numbers: the host's `expf`, `logf` and `tanhf` stand for the GPU's, so results match a
 //! GPU's to a few ulps, not bit for bit; sums run in the kernel's order.
 
 mod buffer;
+mod check;
 
 pub use buffer::{Element, Guarded};
+pub use check::{Values, assert_close};
 
 use std::ffi::{c_char, c_void};
 use std::marker::PhantomData;
@@ -164,8 +167,9 @@ impl Module {
     }
 
     /// Runs kernel `kernel` on `grid` blocks of `block` threads with `args`, its
-    /// parameters in order. Their number, sizes and pointers' alignment are checked; a
-    /// kernel fault (see the crate's doc) is [`Error::Kernel`].
+    /// parameters in order, and no dynamic shared memory ([`launch_shared`]
+    /// (Self::launch_shared) gives some). Their number, sizes and pointers' alignment are
+    /// checked; a kernel fault (see the crate's doc) is [`Error::Kernel`].
     ///
     /// # Safety
     /// Every pointer argument points at a buffer that holds what the kernel reads and
@@ -178,6 +182,24 @@ impl Module {
         block: [u32; 3],
         args: &[Arg<'_>],
     ) -> Result<()> {
+        // SAFETY: the caller's promise, as ours.
+        unsafe { self.launch_shared(kernel, grid, block, 0, args) }
+    }
+
+    /// [`launch`](Self::launch) with `shared` bytes of dynamic shared memory a block
+    /// (`extern __shared__`): they end at a guard page, so a kernel that uses more faults,
+    /// and start each block as 0xff bytes (NaN), so a read of what no thread wrote shows.
+    ///
+    /// # Safety
+    /// As for [`launch`](Self::launch).
+    pub unsafe fn launch_shared(
+        &self,
+        kernel: &str,
+        grid: [u32; 3],
+        block: [u32; 3],
+        shared: u32,
+        args: &[Arg<'_>],
+    ) -> Result<()> {
         if !self.kernels.iter().any(|k| k == kernel) {
             return Err(Error::Unknown(kernel.into()));
         }
@@ -187,12 +209,14 @@ impl Module {
         let launch: libloading::os::unix::Symbol<LaunchFn> =
             unsafe { self.library.get(symbol.as_bytes()) }
                 .map_err(|_| Error::Unknown(kernel.into()))?;
-        let dims = [grid[0], grid[1], grid[2], block[0], block[1], block[2]];
+        let dims = [
+            grid[0], grid[1], grid[2], block[0], block[1], block[2], shared,
+        ];
         let mut values: Vec<[u8; 8]> = args.iter().map(|a| a.bytes).collect();
         let pointers: Vec<*mut c_void> = values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
         let sizes: Vec<usize> = args.iter().map(|a| a.size).collect();
         let mut err = vec![0u8; 1024];
-        // SAFETY: `dims` holds 6 values; `pointers` and `sizes` hold `args.len()` entries,
+        // SAFETY: `dims` holds 7 values; `pointers` and `sizes` hold `args.len()` entries,
         // each pointer at 8 bytes that outlive the call; `err` is writable for its length.
         // The buffers behind the arguments are the caller's promise.
         let failed = unsafe {

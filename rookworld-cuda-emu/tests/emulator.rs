@@ -206,12 +206,38 @@ fn arguments_are_checked_against_the_parameters() {
     assert_eq!(out.as_slice()[0], 10.0);
 }
 
+/// Each block gets the bytes its launch asked for, shared by its threads; a kernel that
+/// uses more faults on the guard page after them.
 #[test]
-fn dynamic_shared_memory_is_shared_by_the_block() {
+fn dynamic_shared_memory_is_shared_by_the_block_and_bounded_by_the_launch() {
     let Some(m) = module() else { return };
     let mut out = Guarded::<i32>::zeros(64);
-    // SAFETY: 64 threads write their own value.
-    unsafe { m.launch("rotate", [1, 1, 1], [64, 1, 1], &[Arg::buf_mut(&mut out)]) }.unwrap();
+    // SAFETY: 64 threads write their own value, into 64 ints of shared memory.
+    unsafe {
+        m.launch_shared(
+            "rotate",
+            [2, 1, 1],
+            [64, 1, 1],
+            64 * 4,
+            &[Arg::buf_mut(&mut out)],
+        )
+    }
+    .unwrap();
     let want: Vec<i32> = (0..64).map(|i| (i + 1) % 64).collect();
     assert_eq!(out.to_vec(), want);
+    // SAFETY: the shared-memory overrun faults on the guard page, which the launch catches.
+    let message = kernel_error(unsafe {
+        m.launch_shared(
+            "rotate",
+            [1, 1, 1],
+            [64, 1, 1],
+            32 * 4,
+            &[Arg::buf_mut(&mut out)],
+        )
+    });
+    assert!(
+        message.starts_with("kernel rotate, block (0, 0, 0), thread (32, 0, 0)")
+            && message.contains("segmentation fault"),
+        "{message}"
+    );
 }

@@ -251,14 +251,14 @@ extern "C" __global__ void adamw_moments(float *__restrict__ mv, const float *__
     }
 }
 
-// AdamW's parameter update, in place: p = p * shrink - lr * (m s1) / (sqrt(v s2) + eps)
+// AdamW's parameter update, in place: p = p * shrink - lr * ((m s1) / (sqrt(v s2) + eps))
 // (grid-stride).
 extern "C" __global__ void adamw_param(float *__restrict__ p, const float *__restrict__ mv,
                                        size_t n, float lr, float eps, float shrink, float s1,
                                        float s2) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
-        p[i] = p[i] * shrink - lr * (mv[i] * s1) / (sqrtf(mv[n + i] * s2) + eps);
+        p[i] = p[i] * shrink - lr * ((mv[i] * s1) / (sqrtf(mv[n + i] * s2) + eps));
     }
 }
 
@@ -315,7 +315,7 @@ extern "C" __global__ void __launch_bounds__(MANY_THREADS)
             const float v = b2 * t.mv[t.n + i] + (1.f - b2) * gi * gi;
             t.mv[i] = m;
             t.mv[t.n + i] = v;
-            const float p = t.p[i] * t.shrink - lr * (m * s1) / (sqrtf(v * s2) + eps);
+            const float p = t.p[i] * t.shrink - lr * ((m * s1) / (sqrtf(v * s2) + eps));
             t.p[i] = p;
             if (t.out) t.out[i] = __bfloat16_as_ushort(__float2bfloat16_rn(p));
         }

@@ -10,7 +10,7 @@
 use std::path::Path;
 use std::sync::OnceLock;
 
-use rookworld_cuda_emu::{Arg, Guarded, Module, build_for_test};
+use rookworld_cuda_emu::{Arg, Guarded, Module, Values, assert_close, build_for_test};
 use rookworld_train::batch::ScatterPlan;
 use rookworld_train::cpu::{attention, ops};
 use rookworld_train::{Heads, Packed};
@@ -88,37 +88,6 @@ fn launch(kernel: &str, (grid, block): Grid, args: &[Arg<'_>]) {
     // SAFETY: every buffer is sized from the shapes passed beside it, as the CUDA backend
     // sizes them; an overrun past a buffer's end is caught by its guard page.
     unsafe { module.launch(kernel, grid, block, args) }.unwrap_or_else(|e| panic!("{e}"));
-}
-
-/// A reproducible stream of values in [-1, 1).
-struct Values(u64);
-
-impl Values {
-    fn take(&mut self, n: usize) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                self.0 = self
-                    .0
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
-}
-
-/// `got` equals `want` to `tol` relative to the larger of 1 and `want`'s largest value.
-#[track_caller]
-fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    let scale = want.iter().fold(1f32, |m, v| m.max(v.abs()));
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (g - w).abs() <= tol * scale && g.is_finite(),
-            "{what}[{i}]: {g} where the CPU gives {w} (tolerance {} of {scale})",
-            tol
-        );
-    }
 }
 
 fn int(v: usize) -> Arg<'static> {
