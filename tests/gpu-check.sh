@@ -252,21 +252,22 @@ section backend_pass "$LEARNER" compare-backends --backend "$PASS_BACKEND" --pre
 # Where the fused step's device time goes: every kernel of one step timed by device events
 # (`learner bench --profile`), and where decode's goes: Nsight Compute over a window of
 # launches late in the headline run (NCU_SKIP, NCU_COUNT), the clocks left alone.
-# tiles_compare and tiles_profile: the same with the trial tiled attention
-# (step_attention_tiles), its buffers against the CPU backend's first.
+# tiles_compare and tiles_profile: the same with the step's trials, the tiled attention
+# (step_attention_tiles) and the kept head (step_head_kept), their buffers against the CPU
+# backend's first (each trial's kernels are named apart in the profile).
 if [ "$DEVICE" = cpu ]; then
   not_here learner_profile "the kernel profile is of the CUDA backend (perf samples the CPU)"
-  not_here tiles_compare "the tiled attention is a CUDA kernel"
-  not_here tiles_profile "the tiled attention is a CUDA kernel"
+  not_here tiles_compare "the step's trials are CUDA kernels"
+  not_here tiles_profile "the step's trials are CUDA kernels"
   not_here decode_profile "Nsight Compute profiles GPU kernels"
 else
   section learner_profile "$LEARNER" bench --preset "$PRESET" --device "$DEVICE" --path fused \
     -p "$STEP_PROMPTS" -n "$GROUP" --steps 1 --micro-batch-groups "$MICRO" --profile \
     --peak-tflops "$PEAK_TFLOPS"
-  section tiles_compare env ROOKWORLD_ENABLE_KERNELS=step_attention_tiles "$LEARNER" \
+  section tiles_compare env ROOKWORLD_ENABLE_KERNELS=step_attention_tiles,step_head_kept "$LEARNER" \
     compare-backends --backend "$PASS_BACKEND" --preset "$PRESET" --prompts "$COMPARE_PROMPTS" \
     --group-size "$GROUP" --prompt-tokens 46 --completion-tokens "$COMPARE_TOKENS"
-  section tiles_profile env ROOKWORLD_ENABLE_KERNELS=step_attention_tiles "$LEARNER" bench \
+  section tiles_profile env ROOKWORLD_ENABLE_KERNELS=step_attention_tiles,step_head_kept "$LEARNER" bench \
     --preset "$PRESET" --device "$DEVICE" --path fused -p "$STEP_PROMPTS" -n "$GROUP" --steps 1 \
     --micro-batch-groups "$MICRO" --profile --peak-tflops "$PEAK_TFLOPS"
   section decode_profile "$PY" "$HERE/gpu/check.py" ncu-profile - --launch-skip "${NCU_SKIP:-6000}" \

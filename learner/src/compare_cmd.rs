@@ -192,16 +192,17 @@ fn cuda(args: &CompareArgs, cfg: &Config) -> Result<(), String> {
     use candle_core::backend::BackendDevice;
     let device = candle_core::CudaDevice::new(args.cuda_device)
         .map_err(|e| format!("CUDA device {}: {e}", args.cuda_device))?;
-    // The trial tiled attention when ROOKWORLD_ENABLE_KERNELS names it, as a step would
-    // run it (this device is opened without the start-up check that reads the variable).
+    // The step's trials (tiled attention, kept head) that ROOKWORLD_ENABLE_KERNELS names,
+    // as a step would run them (this device is opened without the start-up check that
+    // reads the variable).
     use rookworld_lm::kernels::{ENABLE_ENV, Kernel, parse_kernels};
-    let tiles = match std::env::var(ENABLE_ENV) {
-        Ok(value) => parse_kernels(ENABLE_ENV, &value)
-            .map_err(|e| e.to_string())?
-            .contains(&Kernel::StepAttentionTiles),
-        Err(_) => false,
+    let named = match std::env::var(ENABLE_ENV) {
+        Ok(value) => parse_kernels(ENABLE_ENV, &value).map_err(|e| e.to_string())?,
+        Err(_) => Vec::new(),
     };
-    let cuda = rookworld_train::cuda::Cuda::new(device).with_tiled_attention(tiles);
+    let cuda = rookworld_train::cuda::Cuda::new(device)
+        .with_tiled_attention(named.contains(&Kernel::StepAttentionTiles))
+        .with_kept_head(named.contains(&Kernel::StepHeadKept));
     compare_on(&cuda, args, cfg)
 }
 

@@ -48,10 +48,16 @@ pub enum Kernel {
     /// 64. A trial ([`Kernel::trial`]), checked like [`Kernel::StepBackend`]; without it,
     /// a warp per row and head walks its keys from device memory.
     StepAttentionTiles,
+    /// The step backend's LM head keeping a chunk's probabilities from its forward for its
+    /// backward (`head_probs`, `head_grad_kept` in `rookworld-train/kernels/pass.cu`),
+    /// chunks of at most 1 GiB: the backward's product that recomputes the logits is gone.
+    /// A trial ([`Kernel::trial`]), checked like [`Kernel::StepBackend`]; without it, the
+    /// backward recomputes each block's logits.
+    StepHeadKept,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 9] = [
+    pub const ALL: [Kernel; 10] = [
         Kernel::Attention,
         Kernel::Sampling,
         Kernel::DecodeOps,
@@ -61,6 +67,7 @@ impl Kernel {
         Kernel::WeightsInPlace,
         Kernel::DecodeGraphs,
         Kernel::StepAttentionTiles,
+        Kernel::StepHeadKept,
     ];
 
     /// A family that runs only when [`ENABLE_ENV`] names it, until a GPU run has passed
@@ -72,6 +79,7 @@ impl Kernel {
                 | Kernel::WeightsInPlace
                 | Kernel::DecodeGraphs
                 | Kernel::StepAttentionTiles
+                | Kernel::StepHeadKept
         )
     }
 
@@ -87,6 +95,7 @@ impl Kernel {
             Kernel::WeightsInPlace => "weights_in_place",
             Kernel::DecodeGraphs => "decode_graphs",
             Kernel::StepAttentionTiles => "step_attention_tiles",
+            Kernel::StepHeadKept => "step_head_kept",
         }
     }
 }

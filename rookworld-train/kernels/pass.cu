@@ -690,6 +690,24 @@ __device__ float block_max(float v, float *shared) {
     return warp_max(v);
 }
 
+// One row of the head's logits (V, before the temperature) as z = logits / τ: its max and
+// Σ exp(z − max), and (with `want_sz`) Σ exp(z − max) z, every thread getting them.
+__device__ void head_row_stats(const float *__restrict__ row, int V, float inv_t, float *shared,
+                               float &mx, float &s, float &sz, bool want_sz) {
+    mx = -INFINITY;
+    for (int v = threadIdx.x; v < V; v += HEAD_THREADS) mx = fmaxf(mx, row[v] * inv_t);
+    mx = block_max(mx, shared);
+    s = 0.f;
+    sz = 0.f;
+    for (int v = threadIdx.x; v < V; v += HEAD_THREADS) {
+        const float z = row[v] * inv_t, e = __expf(z - mx);
+        s += e;
+        if (want_sz) sz += e * z;
+    }
+    s = block_sum(s, shared);
+    if (want_sz) sz = block_sum(sz, shared);
+}
+
 // One block of rows of the head: logits (m, V) (h · Wᵀ, before the temperature) → for each
 // row n, logp[n] = z_y − lse and (entropy ≠ null) entropy[n] = lse − Σ p z, z = logits / τ.
 // A block per row. Grid m, block HEAD_THREADS.
@@ -699,22 +717,35 @@ extern "C" __global__ void __launch_bounds__(HEAD_THREADS)
     __shared__ float shared[HEAD_THREADS / WARP];
     const int n = blockIdx.x;
     const float *row = logits + (size_t)n * V;
-    float mx = -INFINITY;
-    for (int v = threadIdx.x; v < V; v += HEAD_THREADS) mx = fmaxf(mx, row[v] * inv_t);
-    mx = block_max(mx, shared);
-    float s = 0.f, sz = 0.f;
-    for (int v = threadIdx.x; v < V; v += HEAD_THREADS) {
-        const float z = row[v] * inv_t, e = __expf(z - mx);
-        s += e;
-        sz += e * z;
-    }
-    s = block_sum(s, shared);
-    sz = block_sum(sz, shared);
+    float mx, s, sz;
+    head_row_stats(row, V, inv_t, shared, mx, s, sz, entropy != nullptr);
     if (threadIdx.x == 0) {
         const float lse = mx + logf(s);
         logp[n] = row[targets[n]] * inv_t - lse;
         if (entropy) entropy[n] = lse - sz / s;
     }
+}
+
+// head_logprobs, and then the row's probabilities p = softmax(logits / τ) in place of its
+// logits, kept for head_grad_kept (the trial family step_head_kept). Grid m, block
+// HEAD_THREADS.
+extern "C" __global__ void __launch_bounds__(HEAD_THREADS)
+    head_probs(float *__restrict__ logits, const uint32_t *__restrict__ targets,
+               float *__restrict__ logp, float *__restrict__ entropy, int V, float inv_t) {
+    __shared__ float shared[HEAD_THREADS / WARP];
+    const int n = blockIdx.x;
+    float *row = logits + (size_t)n * V;
+    float mx, s, sz;
+    head_row_stats(row, V, inv_t, shared, mx, s, sz, entropy != nullptr);
+    const float target = row[targets[n]];
+    __syncthreads();  // every thread has read the target's logit before it is overwritten
+    if (threadIdx.x == 0) {
+        const float lse = mx + logf(s);
+        logp[n] = target * inv_t - lse;
+        if (entropy) entropy[n] = lse - sz / s;
+    }
+    const float inv = 1.f / s;
+    for (int v = threadIdx.x; v < V; v += HEAD_THREADS) row[v] = __expf(row[v] * inv_t - mx) * inv;
 }
 
 // In place, one block of rows: logits (m, V) → d_{n,v} = g_n (1[v = y_n] − p_{n,v}) / τ,
@@ -725,16 +756,27 @@ extern "C" __global__ void __launch_bounds__(HEAD_THREADS)
     __shared__ float shared[HEAD_THREADS / WARP];
     const int n = blockIdx.x;
     float *row = logits + (size_t)n * V;
-    float mx = -INFINITY;
-    for (int v = threadIdx.x; v < V; v += HEAD_THREADS) mx = fmaxf(mx, row[v] * inv_t);
-    mx = block_max(mx, shared);
-    float s = 0.f;
-    for (int v = threadIdx.x; v < V; v += HEAD_THREADS) s += __expf(row[v] * inv_t - mx);
-    s = block_sum(s, shared);
+    float mx, s, sz;
+    head_row_stats(row, V, inv_t, shared, mx, s, sz, false);
     const float inv = 1.f / s, gn = g[n] * inv_t;
     const uint32_t y = targets[n];
     for (int v = threadIdx.x; v < V; v += HEAD_THREADS) {
         const float p = __expf(row[v] * inv_t - mx) * inv;
         row[v] = gn * ((v == (int)y ? 1.f : 0.f) - p);
+    }
+}
+
+// In place, rows of probabilities kept by head_probs (m, V) → d_{n,v} = g_n (1[v = y_n] −
+// p_{n,v}) / τ: one read and one write of each, nothing recomputed. Grid-stride over the
+// m·V elements: grid ceil(m·V / 256) (at most 65,536), block 256.
+extern "C" __global__ void head_grad_kept(float *__restrict__ probs,
+                                          const uint32_t *__restrict__ targets,
+                                          const float *__restrict__ g, int m, int V,
+                                          float inv_t) {
+    GRID_STRIDE(i, (size_t)m * V) {
+        const size_t n = i / V;
+        const int v = (int)(i % V);
+        const float gn = g[n] * inv_t;
+        probs[i] = gn * ((v == (int)targets[n] ? 1.f : 0.f) - probs[i]);
     }
 }

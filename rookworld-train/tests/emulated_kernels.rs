@@ -47,6 +47,8 @@ const KERNELS: &[&str] = &[
     "attention_tile_dkv_d64",
     "head_logprobs",
     "head_grad",
+    "head_probs",
+    "head_grad_kept",
 ];
 
 /// The CUDA backend's launch shapes (`src/cuda/mod.rs`): 256 threads per block, a warp
@@ -479,8 +481,8 @@ fn embedding_gather_and_planned_scatter_match_the_cpu() {
     assert_eq!(dst.to_vec(), dst_cpu);
 }
 
-/// The head's log-probs, entropies and logit gradients of a block of rows, against the
-/// same maths in f64.
+/// The head's log-probs, entropies and logit gradients of a block of rows, recomputed or
+/// from kept probabilities, against the same maths in f64.
 #[test]
 fn head_logprobs_and_gradients_match_the_maths() {
     if module().is_none() {
@@ -493,7 +495,8 @@ fn head_logprobs_and_gradients_match_the_maths() {
     let targets: Vec<u32> = (0..m as u32).map(|i| (i * 397) % v as u32).collect();
     let g = values.take(m);
     let inv_t = (1.0 / temperature) as f32;
-    let (mut want_logp, mut want_entropy, mut want_grad) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut want_logp, mut want_entropy, mut want_probs, mut want_grad) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for n in 0..m {
         let z: Vec<f64> = logits[n * v..][..v]
             .iter()
@@ -507,6 +510,7 @@ fn head_logprobs_and_gradients_match_the_maths() {
         want_entropy.push((lse - mean_z) as f32);
         for (j, z) in z.iter().enumerate() {
             let p = (z - lse).exp();
+            want_probs.push(p as f32);
             let onehot = if j == targets[n] as usize { 1.0 } else { 0.0 };
             want_grad.push((f64::from(g[n]) * f64::from(inv_t) * (onehot - p)) as f32);
         }
@@ -557,4 +561,42 @@ fn head_logprobs_and_gradients_match_the_maths() {
         ],
     );
     assert_close("head logit gradients", grad.as_slice(), &want_grad, 2e-6);
+
+    // Kept (the trial family step_head_kept): the same log-probs and entropies, the
+    // probabilities left in place of the logits, then the gradients from them.
+    let (mut kept_logp, mut kept_entropy) = (Guarded::<f32>::zeros(m), Guarded::<f32>::zeros(m));
+    let mut probs = Guarded::from_slice(&logits);
+    launch(
+        "head_probs",
+        per_row,
+        &[
+            Arg::buf_mut(&mut probs),
+            Arg::buf(&gt),
+            Arg::buf_mut(&mut kept_logp),
+            Arg::buf_mut(&mut kept_entropy),
+            int(v),
+            Arg::f32(inv_t),
+        ],
+    );
+    assert_eq!(kept_logp.to_vec(), logp.to_vec());
+    assert_eq!(kept_entropy.to_vec(), entropy.to_vec());
+    assert_close("head probabilities", probs.as_slice(), &want_probs, 2e-6);
+    launch(
+        "head_grad_kept",
+        elementwise(m * v),
+        &[
+            Arg::buf_mut(&mut probs),
+            Arg::buf(&gt),
+            Arg::buf(&Guarded::from_slice(&g)),
+            int(m),
+            int(v),
+            Arg::f32(inv_t),
+        ],
+    );
+    assert_close(
+        "head logit gradients from kept probabilities",
+        probs.as_slice(),
+        &want_grad,
+        2e-6,
+    );
 }

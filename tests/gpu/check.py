@@ -587,17 +587,17 @@ def cmd_table(args):
     tc = d.get("tiles_compare", {})
     if tc:
         first = tc.get("first_divergence")
-        add("tiled attention (trial)", "buffers matched",
+        add("step trials (tiled attention, kept head)", "buffers matched",
             problem(tc) or (f"{tc['buffers_checked']} of {tc['buffers_checked']}" if tc.get("matched")
                             else f"FAIL at {first['name'] if first else '?'}"),
             f"{tc.get('shape', '')}; against the CPU backend")
     if tp.get("step_seconds") and lp.get("step_seconds"):
-        add("tiled attention (trial)", "× the warp kernels (step)",
+        add("step trials (tiled attention, kept head)", "× without them (step)",
             fmt(lp["step_seconds"] / tp["step_seconds"]),
             f"step {fmt(tp['step_seconds'] * 1e3)} ms against {fmt(lp['step_seconds'] * 1e3)} ms")
     for key, label, top, prof in (
             ("learner_profile", "learner kernels (per step)", 8, lp),
-            ("tiles_profile", "learner kernels, tiled attention", 8, tp),
+            ("tiles_profile", "learner kernels, step trials", 8, tp),
             ("decode_profile", "decode kernels (ncu)", 6, d.get("decode_profile", {}))):
         if problem(prof) or (prof and not prof.get("by_kernel")):
             add(label, "result", problem(prof) or "no kernels")

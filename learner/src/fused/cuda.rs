@@ -79,9 +79,10 @@ pub fn with_pass<R>(
             .collect::<CandleResult<_>>()?;
     }
     let mut grads = views(&work.grads)?;
-    let tiles = rookworld_lm::kernels::enabled(rookworld_lm::kernels::Kernel::StepAttentionTiles);
+    use rookworld_lm::kernels::{Kernel, enabled};
     let mut b = Cuda::with_scratch(cuda.clone(), std::mem::take(&mut work.scratch))
-        .with_tiled_attention(tiles);
+        .with_tiled_attention(enabled(Kernel::StepAttentionTiles))
+        .with_kept_head(enabled(Kernel::StepHeadKept));
     if work.profile.is_some() {
         b = b.profiled();
     }
@@ -117,8 +118,8 @@ pub fn with_pass<R>(
 /// The CUDA backend of `device` against the CPU's on a small synthetic micro-batch
 /// ([`rookworld_train::compare::self_check`]): a finding for the `step_backend` kernel
 /// family when a buffer differs beyond tolerance (naming it) or the check cannot run;
-/// and, when the trial `step_attention_tiles` is turned on, the same with the tiled
-/// attention, a finding for that family (so that it alone is turned off).
+/// and, for each of the trials `step_attention_tiles` and `step_head_kept` turned on, the
+/// same with it, a finding for that family (so that it alone is turned off).
 pub fn startup_check(device: &Device) -> Vec<rookworld_lm::kernels::Finding> {
     use rookworld_lm::kernels::{Finding, Kernel, enabled};
     let Device::Cuda(cuda) = device else {
@@ -140,6 +141,10 @@ pub fn startup_check(device: &Device) -> Vec<rookworld_lm::kernels::Finding> {
     if enabled(Kernel::StepAttentionTiles) {
         let tiled = Cuda::new(cuda.clone()).with_tiled_attention(true);
         findings.extend(check(Kernel::StepAttentionTiles, tiled));
+    }
+    if enabled(Kernel::StepHeadKept) {
+        let kept = Cuda::new(cuda.clone()).with_kept_head(true);
+        findings.extend(check(Kernel::StepHeadKept, kept));
     }
     findings
 }

@@ -1,6 +1,8 @@
 //! The LM head on the device: its logits a block of rows at a time (at most
 //! [`HEAD_BLOCK_ELEMENTS`]), each block's log-probs, or its gradient and the two products
-//! of the backward, without a (rows, vocabulary) buffer.
+//! of the backward, without a (rows, vocabulary) buffer; or, with the head kept
+//! ([`Cuda::with_kept_head`]), a chunk's probabilities (at most [`HEAD_KEEP_ELEMENTS`])
+//! from its forward to its backward.
 
 use candle_core::cuda::cudarc::driver::sys::CUdeviceptr;
 use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -13,6 +15,14 @@ use crate::gemm::{RowMajor, row_major};
 const HEAD_THREADS: u32 = 512;
 /// Logit elements of one block of the head's rows (256 MiB of f32).
 const HEAD_BLOCK_ELEMENTS: usize = 64 << 20;
+/// Probabilities a chunk of the head keeps, with the head kept (1 GiB of f32).
+const HEAD_KEEP_ELEMENTS: usize = 256 << 20;
+
+/// Rows of a chunk whose probabilities are kept: at most [`HEAD_KEEP_ELEMENTS`], at least
+/// one.
+pub(super) fn keep_rows(vocab: usize) -> usize {
+    (HEAD_KEEP_ELEMENTS / vocab.max(1)).max(1)
+}
 
 impl Cuda {
     /// [`Backend::head_forward`] block by block of rows, nothing kept for the backward.
@@ -109,6 +119,96 @@ impl Cuda {
             self.gemm(b.dhead, &g, b.hidden, &logits)?;
         }
         Ok(())
+    }
+
+    /// [`Backend::head_forward`] of a chunk whose probabilities are kept: its logits (m, V)
+    /// one product into the pass's head buffer, then per row the log-prob (and entropy)
+    /// and the probabilities in place of the logits (`head_probs`).
+    pub(super) fn head_forward_kept(
+        &self,
+        f: HeadForward<'_, Self>,
+        rows: &CudaRows,
+    ) -> Result<()> {
+        let (span, e) = (f.span, f.e);
+        let v = f.head.len / e.max(1);
+        check_span("head", &span, rows.predicted)?;
+        let m = span.len();
+        self.fit(f.scratch, m * v)?;
+        if m == 0 {
+            return Ok(());
+        }
+        let probs: &mut DevF32 = f.scratch;
+        self.block_logits(probs, f.hidden, f.head, (span.start, m, v, e))?;
+        let (vi, inv_t) = (int("head", v)?, (1.0 / f.temperature) as f32);
+        let t = u32_at(self.ptr(&rows.targets), span.start);
+        let logp = f.logp.at(span.start);
+        let h = f.entropy.as_ref().map_or(0, |h| h.at(span.start));
+        launch!(
+            self,
+            "head_probs",
+            per_row(m),
+            &probs.ptr,
+            &t,
+            &logp,
+            &h,
+            &vi,
+            &inv_t
+        )
+    }
+
+    /// [`Backend::head_backward`] from the probabilities [`Cuda::head_forward_kept`] kept
+    /// of the same rows: turned into the logits' gradient in place (`head_grad_kept`), then
+    /// the two products of the backward over the whole chunk.
+    pub(super) fn head_backward_kept(
+        &self,
+        b: HeadBackward<'_, Self>,
+        rows: &CudaRows,
+    ) -> Result<()> {
+        let (span, e) = (b.span, b.e);
+        let v = b.head.len / e.max(1);
+        check_span("head", &span, rows.predicted)?;
+        let (start, m) = (span.start, span.len());
+        let Some(probs) = b.probs else {
+            return Err(fail("head", "no kept probabilities"));
+        };
+        if m == 0 {
+            return Ok(());
+        }
+        let (mi, vi, inv_t) = (
+            int("head", m)?,
+            int("head", v)?,
+            (1.0 / b.temperature) as f32,
+        );
+        let (t, up) = (u32_at(self.ptr(&rows.targets), start), b.dlogp.at(start));
+        launch!(
+            self,
+            "head_grad_kept",
+            super::elementwise(m * v),
+            &probs.ptr,
+            &t,
+            &up,
+            &mi,
+            &vi,
+            &inv_t
+        )?;
+        // ∂hidden[start..] (m, E) += d (m, V) · W (V, E).
+        let g = row_major(
+            (m, e, v),
+            RowMajor::plain(v),
+            RowMajor::plain(e),
+            start * e,
+            true,
+        );
+        self.gemm(b.dhidden, &g, b.head, probs)?;
+        // ∂W (V, E) += dᵀ (V, m) · hidden[start..] (m, E).
+        let g = row_major(
+            (v, e, m),
+            RowMajor::transposed(v),
+            RowMajor::plain(e).at(start * e),
+            0,
+            true,
+        );
+        self.gemm(b.dhead, &g, b.hidden, probs)
     }
 
     /// `out` (m, V) = hidden rows `start..start + m` (·, E) · Wᵀ, W (V, E) the head: one

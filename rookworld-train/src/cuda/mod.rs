@@ -105,6 +105,9 @@ pub struct Cuda {
     functions: RefCell<HashMap<&'static str, CudaFunction>>,
     /// The attention a tile of rows per block ([`Cuda::with_tiled_attention`]).
     tiled_attention: bool,
+    /// The head's probabilities kept from its forward for its backward
+    /// ([`Cuda::with_kept_head`]).
+    kept_head: bool,
     /// Profiled: each timed operation's name and the events recorded before and after it,
     /// read by [`Cuda::take_profile`].
     timing: Option<RefCell<Vec<(String, CudaEvent, CudaEvent)>>>,
@@ -150,6 +153,7 @@ impl Cuda {
             scratch: RefCell::new(DeviceVec::default()),
             functions: RefCell::default(),
             tiled_attention: false,
+            kept_head: false,
             timing: None,
             _one_thread: std::marker::PhantomData,
         }
@@ -161,6 +165,19 @@ impl Cuda {
     pub fn with_tiled_attention(self, on: bool) -> Self {
         Self {
             tiled_attention: on,
+            ..self
+        }
+    }
+
+    /// The backend with the LM head's probabilities kept from its forward for its backward
+    /// (the trial family `step_head_kept`): [`crate::train`]'s head runs in chunks of at
+    /// most 1 GiB of probabilities ([`Backend::head_keep_rows`]), each chunk's logits one
+    /// product, turned into probabilities in place (`head_probs`) and then into the logits'
+    /// gradient (`head_grad_kept`) — the backward's product that recomputes them is gone.
+    /// Without it, nothing is kept and the backward recomputes each block's logits.
+    pub fn with_kept_head(self, on: bool) -> Self {
+        Self {
+            kept_head: on,
             ..self
         }
     }
@@ -446,8 +463,8 @@ impl Backend for Cuda {
         packed.rows() * heads.h
     }
 
-    fn head_keep_rows(&self, _vocab: usize) -> Option<usize> {
-        None
+    fn head_keep_rows(&self, vocab: usize) -> Option<usize> {
+        self.kept_head.then(|| head::keep_rows(vocab))
     }
 
     fn gemm(&self, c: &mut DevF32, g: &Gemm, a: &DevF32, b: &DevF32) -> Result<()> {
@@ -782,10 +799,20 @@ impl Backend for Cuda {
     }
 
     fn head_forward(&self, f: HeadForward<'_, Self>, rows: &CudaRows) -> Result<()> {
-        self.head_forward_blocks(f, rows)
+        if self.kept_head && f.keep {
+            self.head_forward_kept(f, rows)
+        } else {
+            self.head_forward_blocks(f, rows)
+        }
     }
 
     fn head_backward(&self, b: HeadBackward<'_, Self>, rows: &CudaRows) -> Result<()> {
-        self.head_backward_blocks(b, rows)
+        let v = b.head.len / b.e.max(1);
+        let kept = b.probs.as_ref().is_some_and(|p| p.len == b.span.len() * v);
+        if self.kept_head && kept {
+            self.head_backward_kept(b, rows)
+        } else {
+            self.head_backward_blocks(b, rows)
+        }
     }
 }

@@ -280,7 +280,7 @@ echo '==PROF== Disconnected from process 7'
             {"name": "gemm 2304×17600×768 TN", "launches": 24.0, "ms": 50.0, "share": 0.625},
             {"name": "attention_bwd_dkv_d64", "launches": 12.0, "ms": 30.0, "share": 0.375}]}});
     std::fs::write(out.join("learner_profile.json"), report.to_string()).unwrap();
-    // The same step with the trial tiled attention, twice as fast.
+    // The same step with the step's trials (tiled attention, kept head), twice as fast.
     let tiled = serde_json::json!({"step_seconds": 0.05, "kernels": {
         "seconds": 0.04, "launches": 3100.0, "by_kernel": [
             {"name": "gemm 2304×17600×768 TN", "launches": 24.0, "ms": 40.0, "share": 1.0}]}});
@@ -300,11 +300,11 @@ echo '==PROF== Disconnected from process 7'
     assert_eq!(learner["gemm 2304×17600×768 TN"], "62.5%", "{summary:#}");
     assert_eq!(learner["attention_bwd_dkv_d64"], "37.5%", "{summary:#}");
     assert_eq!(
-        summary["tiled attention (trial)"]["× the warp kernels (step)"], "2",
+        summary["step trials (tiled attention, kept head)"]["× without them (step)"], "2",
         "{summary:#}"
     );
     assert_eq!(
-        summary["learner kernels, tiled attention"]["gemm 2304×17600×768 TN"], "100.0%",
+        summary["learner kernels, step trials"]["gemm 2304×17600×768 TN"], "100.0%",
         "{summary:#}"
     );
     let decode = &summary["decode kernels (ncu)"];
