@@ -10,6 +10,9 @@
 // the thread's warp. Nothing runs concurrently, so `__shared__` variables are plain statics
 // (one block at a time) and atomics are plain reads and writes.
 //
+// Shared memory, static and dynamic, starts each block as 0xff bytes (NaN floats), so a
+// read of what no thread wrote shows.
+//
 // What a GPU leaves undefined is an error here, named with the kernel, block and thread:
 // a thread that returns or waits elsewhere while others wait at `__syncthreads` (a barrier
 // in divergent code), a shuffle whose mask leaves out a lane of the warp, a pointer
@@ -45,7 +48,9 @@
 #define __noinline__
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
-// One block at a time: a block's shared memory is a static of the kernel.
+// One block at a time: a block's shared memory is a static of the kernel (the loader
+// follows each declaration with ::emu::enter_shared, which fills it with 0xff bytes at the
+// start of each block).
 #define __shared__ static
 
 // ---- vector types ----------------------------------------------------------------------
@@ -173,6 +178,8 @@ struct Launch {
 };
 
 inline pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+// Blocks started so far, in this library (each block's number).
+inline unsigned long long block_serial = 0;
 inline Launch *L = nullptr;
 
 inline Thread &self() { return L->threads[L->current]; }
@@ -374,6 +381,7 @@ inline int run(const char *kernel, dim3 grid, dim3 block, size_t shared_bytes,
             for (unsigned by = 0; by < grid.y && !l->failed; ++by)
                 for (unsigned bx = 0; bx < grid.x && !l->failed; ++bx) {
                     l->block_idx = {bx, by, bz};
+                    ++block_serial;
                     memset(l->dynamic_shared, 0xff, l->shared_bytes);
                     l->at_block = 0;
                     memset(l->at_warp, 0, sizeof l->at_warp);
@@ -412,6 +420,30 @@ inline int run(const char *kernel, dim3 grid, dim3 block, size_t shared_bytes,
     L = nullptr;
     pthread_mutex_unlock(&lock);
     return failed ? 1 : 0;
+}
+
+// A `__shared__` declaration reached by a thread of the running block (the loader adds the
+// call after each): its variable is filled with 0xff bytes (NaN floats, -1 ints) the first
+// time in each block, so a read of what no thread of the block wrote shows.
+struct SharedSeen {
+    const void *at;
+    unsigned long long block;
+};
+inline SharedSeen shared_seen[512];
+inline int shared_count = 0;
+
+inline void enter_shared(void *at, size_t bytes) {
+    for (int i = 0; i < shared_count; ++i) {
+        if (shared_seen[i].at != at) continue;
+        if (shared_seen[i].block != block_serial) {
+            memset(at, 0xff, bytes);
+            shared_seen[i].block = block_serial;
+        }
+        return;
+    }
+    if (shared_count < (int)(sizeof shared_seen / sizeof shared_seen[0]))
+        shared_seen[shared_count++] = {at, block_serial};
+    memset(at, 0xff, bytes);
 }
 
 // ---- launching a kernel by its parameter types -------------------------------------------

@@ -118,7 +118,7 @@ impl Module {
             path: source.to_path_buf(),
             source: e,
         })?;
-        write("source.cu", &dynamic_shared(&text))?;
+        write("source.cu", &static_shared(&dynamic_shared(&text)))?;
         let mut unit = format!("// {}\n#include \"source.cu\"\n", source.display());
         for k in kernels {
             unit.push_str(&format!("EMU_KERNEL({k})\n"));
@@ -336,9 +336,85 @@ fn dynamic_shared(text: &str) -> String {
     out
 }
 
+/// `text` with each `__shared__` declaration that starts a line (inside a kernel) followed
+/// by `::emu::enter_shared` for each variable it declares: shared memory that starts each
+/// block as 0xff bytes.
+fn static_shared(text: &str) -> String {
+    const KEY: &str = "__shared__";
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(KEY) {
+        let line_start = rest[..at].rfind('\n').map_or(0, |i| i + 1);
+        let declaration = rest[line_start..at].trim().is_empty();
+        let decl = &rest[at + KEY.len()..];
+        let end = decl.find(';');
+        let (Some(end), true) = (end, declaration) else {
+            out.push_str(&rest[..at + KEY.len()]);
+            rest = decl;
+            continue;
+        };
+        out.push_str(&rest[..at + KEY.len() + end + 1]);
+        for name in declared_names(&decl[..end]) {
+            out.push_str(&format!(" ::emu::enter_shared(&{name}, sizeof {name});"));
+        }
+        rest = &decl[end + 1..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The variables of a declaration without its storage class (`float a[N], b[M]`, `int x`):
+/// each top-level declarator's identifier.
+fn declared_names(decl: &str) -> Vec<String> {
+    let mut parts = Vec::new();
+    let (mut depth, mut start) = (0i32, 0);
+    for (i, c) in decl.char_indices() {
+        match c {
+            '[' | '(' => depth += 1,
+            ']' | ')' => depth -= 1,
+            ',' if depth == 0 => {
+                parts.push(&decl[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    parts.push(&decl[start..]);
+    parts
+        .into_iter()
+        .filter_map(|p| {
+            let head = p.split('[').next().unwrap_or(p).trim_end();
+            let name: String = head
+                .chars()
+                .rev()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
+            (!name.is_empty()).then_some(name)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
-    use super::dynamic_shared;
+    use super::{dynamic_shared, static_shared};
+
+    #[test]
+    fn shared_declarations_are_followed_by_their_fill() {
+        assert_eq!(
+            static_shared(
+                "    __shared__ float sq[T * D], sk[C * (D + 1)];\n    __shared__ int n;\n"
+            ),
+            "    __shared__ float sq[T * D], sk[C * (D + 1)]; ::emu::enter_shared(&sq, sizeof sq); \
+             ::emu::enter_shared(&sk, sizeof sk);\n    __shared__ int n; \
+             ::emu::enter_shared(&n, sizeof n);\n"
+        );
+        // Not a declaration: in a comment or mid-line.
+        let text = "// through __shared__ memory; see\nint x; // __shared__ a;\n";
+        assert_eq!(static_shared(text), text);
+    }
 
     #[test]
     fn dynamic_shared_memory_becomes_a_pointer() {
