@@ -99,24 +99,8 @@ impl Cuda {
                 &vi,
                 &inv_t
             )?;
-            // ∂hidden[start..] (m, E) += d (m, V) · W (V, E).
-            let g = row_major(
-                (m, e, v),
-                RowMajor::plain(v),
-                RowMajor::plain(e),
-                start * e,
-                true,
-            );
-            self.gemm(b.dhidden, &g, b.head, &logits)?;
-            // ∂W (V, E) += dᵀ (V, m) · hidden[start..] (m, E).
-            let g = row_major(
-                (v, e, m),
-                RowMajor::transposed(v),
-                RowMajor::plain(e).at(start * e),
-                0,
-                true,
-            );
-            self.gemm(b.dhead, &g, b.hidden, &logits)?;
+            let grads = (&mut *b.dhidden, &mut *b.dhead);
+            self.backward_products(grads, (b.hidden, b.head, &logits), (start, m, v, e))?;
         }
         Ok(())
     }
@@ -191,7 +175,22 @@ impl Cuda {
             &vi,
             &inv_t
         )?;
-        // ∂hidden[start..] (m, E) += d (m, V) · W (V, E).
+        self.backward_products(
+            (b.dhidden, b.dhead),
+            (b.hidden, b.head, probs),
+            (start, m, v, e),
+        )
+    }
+
+    /// The head's backward products for the rows `start..start + m`, from their logits'
+    /// gradient `d` (m, V): ∂hidden[start..] (m, E) += d · W (V, E), and ∂W (V, E) +=
+    /// dᵀ (V, m) · hidden[start..] (m, E).
+    fn backward_products(
+        &self,
+        (dhidden, dhead): (&mut DevF32, &mut DevF32),
+        (hidden, head, d): (&DevF32, &DevF32, &DevF32),
+        (start, m, v, e): (usize, usize, usize, usize),
+    ) -> Result<()> {
         let g = row_major(
             (m, e, v),
             RowMajor::plain(v),
@@ -199,8 +198,7 @@ impl Cuda {
             start * e,
             true,
         );
-        self.gemm(b.dhidden, &g, b.head, probs)?;
-        // ∂W (V, E) += dᵀ (V, m) · hidden[start..] (m, E).
+        self.gemm(dhidden, &g, head, d)?;
         let g = row_major(
             (v, e, m),
             RowMajor::transposed(v),
@@ -208,7 +206,7 @@ impl Cuda {
             0,
             true,
         );
-        self.gemm(b.dhead, &g, b.hidden, probs)
+        self.gemm(dhead, &g, hidden, d)
     }
 
     /// `out` (m, V) = hidden rows `start..start + m` (·, E) · Wᵀ, W (V, E) the head: one
