@@ -25,15 +25,30 @@ OUT=${1:-$ROOT/target-cuda/dist}
   ln -sf libcurand.so.10 libcurand.so)
 
 # libcuda comes with the driver, not the wheels: link against a stub with the same
-# symbols (the real library is loaded at run time).
-if [ ! -f "$CUDA_HOME/lib/stubs/libcuda.so" ]; then
-  (cd "$ROOT" && cargo fetch -q)
-  SYS=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-*/src/driver/sys/mod.rs | tail -1)
-  mkdir -p "$CUDA_HOME/lib/stubs"
+# symbols (the real library is loaded at run time), read from the driver bindings of the
+# cudarc candle-core depends on. Cargo's resolution names it (`cargo metadata`, as locked):
+# the registry may hold several cudarc versions, and their directories sort by name
+# (cudarc-0.9 after cudarc-0.19). The stub is made again when that cudarc changes.
+(cd "$ROOT" && cargo fetch -q --locked)
+SYS=$(cd "$ROOT" && cargo metadata -q --format-version 1 --locked --features cuda | python3 -c '
+import json, os, sys
+meta = json.load(sys.stdin)
+packages = {p["id"]: p for p in meta["packages"]}
+candle = [n for n in meta["resolve"]["nodes"] if packages[n["id"]]["name"] == "candle-core"]
+found = {d["pkg"] for n in candle for d in n["deps"] if d["name"] == "cudarc"}
+if len(found) != 1:
+    sys.exit(f"cuda-build: candle-core depends on {len(found)} cudarc packages, expected one")
+manifest = packages[found.pop()]["manifest_path"]
+print(os.path.join(os.path.dirname(manifest), "src", "driver", "sys", "mod.rs"))
+')
+[ -f "$SYS" ] || { echo "cuda-build: cudarc's driver bindings are not at $SYS" >&2; exit 1; }
+STUBS="$CUDA_HOME/lib/stubs"
+if [ ! -f "$STUBS/libcuda.so" ] || [ "$(cat "$STUBS/libcuda.from" 2>/dev/null)" != "$SYS" ]; then
+  mkdir -p "$STUBS"
   grep -oE 'pub unsafe fn cu[A-Za-z0-9_]+' "$SYS" | awk '{print "void " $4 "(void) {}"}' |
-    sort -u >"$CUDA_HOME/lib/stubs/libcuda.c"
-  cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$CUDA_HOME/lib/stubs/libcuda.so" \
-    "$CUDA_HOME/lib/stubs/libcuda.c"
+    sort -u >"$STUBS/libcuda.c"
+  cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$STUBS/libcuda.so" "$STUBS/libcuda.c"
+  echo "$SYS" >"$STUBS/libcuda.from"
 fi
 
 export LIBRARY_PATH="$CUDA_HOME/lib:$CUDA_HOME/lib/stubs${LIBRARY_PATH:+:$LIBRARY_PATH}"

@@ -14,6 +14,8 @@ use std::time::Instant;
 
 use clap::ValueEnum;
 use rookworld_lm::config::Config;
+#[cfg(feature = "cuda")]
+use rookworld_lm::device::DeviceChoice;
 use rookworld_train::compare::{self, Checked, Side, Tolerance};
 use rookworld_train::cpu::Cpu;
 use rookworld_train::cpu::ops::Matmuls;
@@ -187,23 +189,33 @@ pub fn run(args: &CompareArgs) -> Result<(), String> {
     }
 }
 
+/// The CUDA backend on `--cuda-device`, opened as `train` and `bench` open theirs: the
+/// device through [`DeviceChoice::open`] (its own stream, the decode kernels' start-up
+/// check, `ROOKWORLD_DISABLE_KERNELS` / `ROOKWORLD_ENABLE_KERNELS`, `--strict-kernels`),
+/// then the step backend's start-up check as `--step-path fused` runs it, so that the step's
+/// trials are on here exactly when a step would run them. The backend under test runs even
+/// when its own check turned `step_backend` off: naming the buffer that differs is this
+/// command's purpose.
 #[cfg(feature = "cuda")]
 fn cuda(args: &CompareArgs, cfg: &Config) -> Result<(), String> {
-    use candle_core::backend::BackendDevice;
-    let device = candle_core::CudaDevice::new(args.cuda_device)
-        .map_err(|e| format!("CUDA device {}: {e}", args.cuda_device))?;
-    // The step's trials (tiled attention, kept head) that ROOKWORLD_ENABLE_KERNELS names,
-    // as a step would run them (this device is opened without the start-up check that
-    // reads the variable).
-    use rookworld_lm::kernels::{ENABLE_ENV, Kernel, parse_kernels};
-    let named = match std::env::var(ENABLE_ENV) {
-        Ok(value) => parse_kernels(ENABLE_ENV, &value).map_err(|e| e.to_string())?,
-        Err(_) => Vec::new(),
+    use rookworld_lm::kernels::{Kernel, SWITCHES, enabled};
+    let device = DeviceChoice::Cuda(args.cuda_device)
+        .open()
+        .map_err(|e| e.to_string())?;
+    let candle_core::Device::Cuda(cuda) = &device else {
+        return Err(format!(
+            "CUDA device {} did not open as CUDA",
+            args.cuda_device
+        ));
     };
-    let cuda = rookworld_train::cuda::Cuda::new(device)
-        .with_tiled_attention(named.contains(&Kernel::StepAttentionTiles))
-        .with_kept_head(named.contains(&Kernel::StepHeadKept));
-    compare_on(&cuda, args, cfg)
+    let findings = crate::fused::cuda::startup_check(&device);
+    SWITCHES
+        .apply(&format!("cuda:{}", args.cuda_device), &findings)
+        .map_err(|e| e.to_string())?;
+    let backend = rookworld_train::cuda::Cuda::new(cuda.clone())
+        .with_tiled_attention(enabled(Kernel::StepAttentionTiles))
+        .with_kept_head(enabled(Kernel::StepHeadKept));
+    compare_on(&backend, args, cfg)
 }
 
 #[cfg(not(feature = "cuda"))]

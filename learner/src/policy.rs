@@ -76,6 +76,29 @@ impl MatmulPrecision {
     }
 }
 
+/// Whether the fused pass's CUDA backend can train a model of `cfg` whose products take
+/// `matmuls` operands, or why not: BF16 operands with f32 sums, and heads of a width its
+/// attention has kernels for ([`rookworld_train::launch::serves`]) — the `tiny` preset's
+/// heads of 16 have none, so its steps on CUDA take candle's autograd.
+pub fn fused_cuda_applies(
+    cfg: &rookworld_lm::config::Config,
+    matmuls: Option<DType>,
+) -> Result<(), String> {
+    if matmuls != Some(DType::BF16) {
+        return Err(
+            "the fused pass on CUDA multiplies in BF16 with f32 sums: use \
+             --matmul-precision auto or bf16"
+                .into(),
+        );
+    }
+    let heads = rookworld_train::Heads {
+        e: cfg.n_embd,
+        h: cfg.n_head,
+    };
+    rookworld_train::launch::serves(heads)
+        .map_err(|e| format!("the fused pass on CUDA cannot run this model: {e}"))
+}
+
 /// A model whose weights are `Var`s, named as in a Hugging Face checkpoint.
 #[derive(Debug)]
 pub struct Trainable {
@@ -186,7 +209,8 @@ impl Trainable {
 
     /// The fused pass this policy can run, or why it cannot: on the CPU f32 weights with
     /// f32 or BF16 products; on CUDA (a learner built with the `cuda` feature) BF16
-    /// products, the CUDA backend's; `gelu_new` on both.
+    /// products and heads of a width the CUDA backend's attention serves
+    /// ([`rookworld_train::launch::serves`]); `gelu_new` on both.
     fn fused_pass(&self) -> Result<Pass, String> {
         let cfg = self.model.config();
         if cfg.activation_function != rookworld_lm::config::Activation::GeluNew {
@@ -215,14 +239,7 @@ impl Trainable {
                 if cfg!(feature = "cuda") { ", CUDA" } else { "" }
             ));
         }
-        match matmuls {
-            Some(DType::BF16) => Ok(Pass::FusedCuda),
-            _ => Err(
-                "the fused pass on CUDA multiplies in BF16 with f32 sums: use \
-                 --matmul-precision auto or bf16"
-                    .into(),
-            ),
-        }
+        fused_cuda_applies(cfg, matmuls).map(|()| Pass::FusedCuda)
     }
 
     /// Times every kernel of the step's CUDA backend from now on, with device events
@@ -413,5 +430,25 @@ pub fn slot_logprobs(
             temperature,
         ),
         None => head_logprobs(&h, model.head_weight(), targets, temperature), // (N)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rookworld_lm::config::Config;
+
+    /// The fused pass on CUDA is refused, naming why, where its kernels cannot run: the
+    /// `tiny` preset's heads of 16 (its steps take candle's autograd instead of failing
+    /// mid-step), f32 products; gpt2-124m with BF16 products runs it.
+    #[test]
+    fn the_fused_pass_on_cuda_is_gated_on_the_shapes_its_kernels_serve() {
+        let gpt2 = Config::preset("gpt2-124m").unwrap();
+        assert_eq!(fused_cuda_applies(&gpt2, Some(DType::BF16)), Ok(()));
+        let f32 = fused_cuda_applies(&gpt2, None).unwrap_err();
+        assert!(f32.contains("--matmul-precision"), "{f32}");
+        let tiny = Config::preset("tiny").unwrap();
+        let err = fused_cuda_applies(&tiny, Some(DType::BF16)).unwrap_err();
+        assert!(err.contains("width 16"), "{err}");
     }
 }

@@ -1,6 +1,8 @@
-//! Choosing the device and dtype from command-line style names.
+//! Choosing the device and dtype from command-line style names, and what is kept once per
+//! device for the process ([`PerDevice`]).
 
 use std::str::FromStr;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::{DType, Device};
 
@@ -148,7 +150,10 @@ fn keep_pool_memory(device: &candle_core::CudaDevice) {
 }
 
 /// The start-up check of this project's kernels ([`crate::kernels`]), once per device
-/// and process: a kernel that fails it is turned off (or, strict, the open fails).
+/// and process, of the families that are on after the environment's switches: a kernel
+/// that fails it is turned off (or, strict, the open fails). A fault that poisons the
+/// CUDA context ends the process in one line naming the family whose check raised it:
+/// nothing — no fallback, no other device choice — could run in that context.
 #[cfg(feature = "cuda")]
 fn startup_check_once(ordinal: usize, device: &Device) -> Result<()> {
     static CHECKED: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
@@ -164,12 +169,15 @@ fn startup_check_once(ordinal: usize, device: &Device) -> Result<()> {
         crate::kernels::SWITCHES.turn_on(&named);
     }
     let started = std::time::Instant::now();
-    let findings = crate::cuda::startup_check(device);
+    let families = crate::kernels::SWITCHES.to_check(&crate::cuda::CHECKED_FAMILIES);
+    let findings = crate::cuda::startup_findings(device, &families)
+        .unwrap_or_else(|lost| crate::kernels::end_process(&lost));
     crate::kernels::SWITCHES.apply(&format!("cuda:{ordinal}"), &findings)?;
     checked.push(ordinal);
     tracing::info!(
         device = ordinal,
         seconds = started.elapsed().as_secs_f64(),
+        checked = ?families.iter().map(|k| k.name()).collect::<Vec<_>>(),
         disabled = ?crate::kernels::SWITCHES.disabled().iter().map(|k| k.name()).collect::<Vec<_>>(),
         "CUDA kernels checked against their references"
     );
@@ -182,6 +190,46 @@ fn open_cuda(ordinal: usize) -> Result<Device> {
         "CUDA device {ordinal} requested, but this binary was built without the `cuda` feature \
          (rebuild with `--features cuda`, or use --device cpu)"
     )))
+}
+
+/// What is made once per device and kept for the process: the first caller for a device
+/// (`K`: its ordinal) makes it, every later one gets the same. Held in a `static`, nothing
+/// made is ever dropped — what is kept this way (the captured decode step's stream, cuBLAS
+/// handle and workspace) would synchronise the whole device on its way out.
+#[derive(Debug)]
+pub struct PerDevice<K, V> {
+    made: Mutex<Vec<(K, Arc<V>)>>,
+}
+
+impl<K: PartialEq + Copy, V> PerDevice<K, V> {
+    pub const fn new() -> Self {
+        Self {
+            made: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// `device`'s value, made by `make` when there is none yet. A failure to make it is
+    /// returned and nothing is kept, so that a later call tries again. Callers for other
+    /// devices wait while one is made (it happens once per device).
+    pub fn get_or_try_make<E>(
+        &self,
+        device: K,
+        make: impl FnOnce() -> std::result::Result<V, E>,
+    ) -> std::result::Result<Arc<V>, E> {
+        let mut made = self.made.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, value)) = made.iter().find(|(k, _)| *k == device) {
+            return Ok(value.clone());
+        }
+        let value = Arc::new(make()?);
+        made.push((device, value.clone()));
+        Ok(value)
+    }
+}
+
+impl<K: PartialEq + Copy, V> Default for PerDevice<K, V> {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 /// `f32`, `f16` or `bf16` (also `float32`, `float16`, `bfloat16`).
@@ -289,6 +337,46 @@ mod tests {
         assert!("tpu".parse::<DeviceChoice>().is_err());
         assert_eq!(parse_dtype("bf16").unwrap(), DType::BF16);
         assert!(parse_dtype("f8").unwrap_err().to_string().contains("f8"));
+    }
+
+    #[test]
+    fn what_is_kept_per_device_is_made_once_and_handed_to_every_later_caller() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static KEPT: PerDevice<usize, (usize, usize)> = PerDevice::new();
+        let makes = AtomicUsize::new(0);
+        let make = |device: usize| {
+            let nth = makes.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, String>((device, nth))
+        };
+        // Two devices, eight threads each asking for both, four times: one make each.
+        let got: Vec<Arc<(usize, usize)>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..8)
+                .map(|_| {
+                    scope.spawn(|| {
+                        (0..4)
+                            .flat_map(|_| [0, 1])
+                            .map(|d| KEPT.get_or_try_make(d, || make(d)).unwrap())
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap())
+                .collect()
+        });
+        assert_eq!(makes.load(Ordering::SeqCst), 2, "one per device");
+        for value in &got {
+            let first = if value.0 == 0 { &got[0] } else { &got[1] };
+            assert!(Arc::ptr_eq(value, first), "the same one each time");
+        }
+        assert_ne!(got[0].0, got[1].0);
+
+        // A failure keeps nothing: the next caller makes it.
+        let failing: PerDevice<usize, u32> = PerDevice::new();
+        assert_eq!(failing.get_or_try_make(3, || Err("no")).unwrap_err(), "no");
+        assert_eq!(*failing.get_or_try_make(3, || Ok::<_, &str>(7)).unwrap(), 7);
+        assert_eq!(*failing.get_or_try_make(3, || Ok::<_, &str>(8)).unwrap(), 7);
     }
 
     #[cfg(not(feature = "cuda"))]

@@ -1,10 +1,14 @@
 //! Which of this project's CUDA kernels the process uses. Opening a CUDA device runs the
-//! start-up check (`cuda::startup_check`): every PTX module is loaded and each kernel
-//! family runs once on a small random input against its reference on the same inputs.
-//! A family that fails to load or disagrees beyond its tolerance is logged as one ERROR
-//! naming it and turned off here for the rest of the process: its dispatch points
-//! ([`enabled`]) take candle's composed ops instead — slower, but correct. With
-//! [`set_strict`] (`--strict-kernels`) such a finding is an error instead.
+//! start-up check (`cuda::startup_check`) of the families that are on
+//! ([`families_to_check`]): each runs once on a small random input against its reference
+//! on the same inputs, and the device is synchronised after it, so that an asynchronous
+//! error lands on the family that caused it. A family that fails to load or disagrees
+//! beyond its tolerance is logged as one ERROR naming it and turned off here for the rest
+//! of the process: its dispatch points ([`enabled`]) take candle's composed ops instead —
+//! slower, but correct. With [`set_strict`] (`--strict-kernels`) such a finding is an
+//! error instead. A fault that poisons the CUDA context ([`poisons_context`]) leaves no
+//! fallback — every later call fails, candle's included — so it ends the process in one
+//! line naming the family ([`ContextLost`], [`end_process`]).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -83,6 +87,17 @@ impl Kernel {
         )
     }
 
+    /// The family that must be on for this one to run: the split attention and the fused
+    /// decode ops run only beside `grouped_attention` (they use its geometry), the step's
+    /// trials only inside `step_backend`.
+    pub fn needs(self) -> Option<Kernel> {
+        match self {
+            Kernel::SplitAttention | Kernel::DecodeOps => Some(Kernel::Attention),
+            Kernel::StepAttentionTiles | Kernel::StepHeadKept => Some(Kernel::StepBackend),
+            _ => None,
+        }
+    }
+
     /// The name logs, metrics and errors use.
     pub fn name(self) -> &'static str {
         match self {
@@ -99,6 +114,18 @@ impl Kernel {
         }
     }
 }
+
+/// The families the device's start-up check (`cuda::check_families`) covers, in the order
+/// their checks run; the step's families are checked by the learner's.
+pub const CHECKED_FAMILIES: [Kernel; 7] = [
+    Kernel::Attention,
+    Kernel::SplitAttention,
+    Kernel::Sampling,
+    Kernel::DecodeOps,
+    Kernel::TrainOps,
+    Kernel::WeightsInPlace,
+    Kernel::DecodeGraphs,
+];
 
 /// What the start-up check found wrong with one kernel family.
 #[derive(Debug, Clone, PartialEq)]
@@ -162,6 +189,20 @@ impl Switches {
 
     pub fn enabled(&self, kernel: Kernel) -> bool {
         self.chosen(kernel) && !self.slot(kernel).load(Ordering::Relaxed)
+    }
+
+    /// The trial families turned on.
+    fn trials_on(&self) -> Vec<Kernel> {
+        Kernel::ALL
+            .into_iter()
+            .filter(|&k| k.trial() && self.trial_on[index(k)].load(Ordering::Relaxed))
+            .collect()
+    }
+
+    /// Which of `candidates` a start-up check runs now ([`families_to_check`] of these
+    /// switches).
+    pub fn to_check(&self, candidates: &[Kernel]) -> Vec<Kernel> {
+        families_to_check(candidates, &self.trials_on(), &self.disabled())
     }
 
     /// The families turned off so far (a trial family not turned on is not one of them).
@@ -272,6 +313,121 @@ pub fn set_strict(strict: bool) {
     SWITCHES.strict.store(strict, Ordering::Relaxed);
 }
 
+/// Which of `candidates` a start-up check runs, in their order: the families that are on —
+/// a trial family only when turned on (`trials_on`, [`ENABLE_ENV`]), none that is `off`
+/// ([`DISABLE_ENV`], or a finding of an earlier device's check) — and whose
+/// [`Kernel::needs`] is on too. A family that nothing runs is not checked: its check
+/// would cost start-up time and could leave a fault in the context for nothing.
+pub fn families_to_check(
+    candidates: &[Kernel],
+    trials_on: &[Kernel],
+    off: &[Kernel],
+) -> Vec<Kernel> {
+    let on = |k: Kernel| (!k.trial() || trials_on.contains(&k)) && !off.contains(&k);
+    candidates
+        .iter()
+        .copied()
+        .filter(|&k| on(k) && k.needs().is_none_or(on))
+        .collect()
+}
+
+/// Whether CUDA driver error `code` (a `CUresult`) poisons the context: the driver's
+/// documentation says of these that the process is left in an inconsistent state and
+/// every later CUDA call returns the same error (a kernel's illegal or misaligned access,
+/// illegal instruction, hardware stack error, invalid PC or address space, failed
+/// assertion, trap or timeout; an uncorrectable ECC or NVLink error, an error contained by
+/// the GPU; a destroyed context). Any other error (out of memory, an invalid argument, a
+/// launch the device cannot fit) leaves the context usable.
+pub fn poisons_context(code: u32) -> bool {
+    matches!(
+        code,
+        214 // CUDA_ERROR_ECC_UNCORRECTABLE
+            | 220 // CUDA_ERROR_NVLINK_UNCORRECTABLE
+            | 226 // CUDA_ERROR_CONTAINED
+            | 700 // CUDA_ERROR_ILLEGAL_ADDRESS
+            | 702 // CUDA_ERROR_LAUNCH_TIMEOUT
+            | 709 // CUDA_ERROR_CONTEXT_IS_DESTROYED
+            | 710 // CUDA_ERROR_ASSERT
+            | 714 // CUDA_ERROR_HARDWARE_STACK_ERROR
+            | 715 // CUDA_ERROR_ILLEGAL_INSTRUCTION
+            | 716 // CUDA_ERROR_MISALIGNED_ADDRESS
+            | 717 // CUDA_ERROR_INVALID_ADDRESS_SPACE
+            | 718 // CUDA_ERROR_INVALID_PC
+            | 719 // CUDA_ERROR_LAUNCH_FAILED
+    )
+}
+
+/// An error a CUDA driver call returned: its `CUresult` and its name and description.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DriverFault {
+    pub code: u32,
+    /// e.g. `CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered`.
+    pub message: String,
+}
+
+/// A CUDA context poisoned by a fault ([`poisons_context`]): the device, the family whose
+/// work ran since the last synchronisation (`None`: work before the kernel checks) and the
+/// error. Its message is the one line the process ends with ([`end_process`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the CUDA context of {device} is lost: {} ({fault}); every later CUDA call fails, \
+     so the process ends{}",
+    culprit_words(*.family),
+    hint(*.family),
+    fault = .fault.message
+)]
+pub struct ContextLost {
+    pub device: String,
+    pub family: Option<Kernel>,
+    pub fault: DriverFault,
+}
+
+fn culprit_words(family: Option<Kernel>) -> String {
+    match family {
+        Some(k) => format!("the {} kernel check faulted", k.name()),
+        None => "work before the kernel checks faulted".into(),
+    }
+}
+
+/// How to run without the family that faulted.
+fn hint(family: Option<Kernel>) -> String {
+    match family {
+        Some(k) if k.trial() => format!(" (leave {} out of {ENABLE_ENV})", k.name()),
+        Some(k) => format!(" (turn {} off with {DISABLE_ENV}={})", k.name(), k.name()),
+        None => String::new(),
+    }
+}
+
+/// What a synchronisation after `family`'s check (on `device`) reported: nothing; a
+/// finding for the family (an error that leaves the context usable); or, for a fault
+/// that poisons it, the lost context naming the family.
+pub fn after_synchronize(
+    device: &str,
+    family: Option<Kernel>,
+    fault: Option<DriverFault>,
+) -> std::result::Result<Option<Finding>, ContextLost> {
+    match fault {
+        None => Ok(None),
+        Some(fault) if poisons_context(fault.code) => Err(ContextLost {
+            device: device.to_owned(),
+            family,
+            fault,
+        }),
+        Some(fault) => Ok(family.map(|kernel| Finding {
+            kernel,
+            problem: format!("did not run: synchronising after it: {}", fault.message),
+        })),
+    }
+}
+
+/// Ends the process on a lost context: its one line on stderr (`error: …`, as every
+/// command's error) and exit status 1. Nothing else can run — candle's fallback included —
+/// and a finding would only move the failure to the next CUDA call.
+pub fn end_process(lost: &ContextLost) -> ! {
+    eprintln!("error: {lost}");
+    std::process::exit(1)
+}
+
 /// One family's result against its tolerance: a finding where it is over, or not a
 /// number (a NaN never passes).
 pub fn judge(kernel: Kernel, figure: &str, value: f64, tolerance: f64) -> Option<Finding> {
@@ -352,6 +508,142 @@ mod tests {
         );
         let err = parse_kernels(ENABLE_ENV, "split").unwrap_err().to_string();
         assert!(err.starts_with(ENABLE_ENV), "{err}");
+    }
+
+    #[test]
+    fn only_the_families_that_are_on_are_checked() {
+        use Kernel::*;
+        let here = [
+            Attention,
+            SplitAttention,
+            Sampling,
+            DecodeOps,
+            TrainOps,
+            WeightsInPlace,
+            DecodeGraphs,
+        ];
+        // By default: no trial, nothing off.
+        assert_eq!(
+            families_to_check(&here, &[], &[]),
+            [Attention, Sampling, DecodeOps, TrainOps]
+        );
+        // Trials only when turned on; a family turned off not at all.
+        assert_eq!(
+            families_to_check(&here, &[DecodeGraphs, SplitAttention], &[Sampling]),
+            [Attention, SplitAttention, DecodeOps, TrainOps, DecodeGraphs]
+        );
+        // What needs an attention that is off is not checked either.
+        assert_eq!(
+            families_to_check(&here, &[SplitAttention], &[Attention]),
+            [Sampling, TrainOps]
+        );
+        // `all` in both: nothing left.
+        assert_eq!(families_to_check(&here, &Kernel::ALL, &Kernel::ALL), []);
+        // The step's: its trials inside step_backend only.
+        let step = [StepBackend, StepAttentionTiles, StepHeadKept];
+        assert_eq!(families_to_check(&step, &[], &[]), [StepBackend]);
+        assert_eq!(families_to_check(&step, &step, &[]), step);
+        assert_eq!(families_to_check(&step, &step, &[StepBackend]), []);
+        assert_eq!(
+            families_to_check(&step, &[StepHeadKept], &[]),
+            [StepBackend, StepHeadKept]
+        );
+        // Every family's prerequisite is itself a family that is no trial.
+        for k in Kernel::ALL {
+            assert!(
+                k.needs().is_none_or(|n| !n.trial() && n.needs().is_none()),
+                "{k:?}"
+            );
+        }
+
+        // The switches' own choice is the same function of their state.
+        let switches = Switches::new();
+        assert_eq!(
+            switches.to_check(&here),
+            [Attention, Sampling, DecodeOps, TrainOps]
+        );
+        switches.turn_on(&[DecodeGraphs, Sampling]);
+        switches.turn_off(&[TrainOps]);
+        assert_eq!(
+            switches.to_check(&here),
+            [Attention, Sampling, DecodeOps, DecodeGraphs]
+        );
+        let failed = [judge(Attention, "f32 max |Δ|", 1.0, 1e-4).unwrap()];
+        switches.apply("cuda:0", &failed).unwrap(); // a second device checks less
+        assert_eq!(switches.to_check(&here), [Sampling, DecodeGraphs]);
+    }
+
+    #[test]
+    fn a_fault_that_poisons_the_context_ends_the_process_naming_its_family() {
+        // Sticky: the context is dead. Not sticky: the call failed, the context lives.
+        for code in [700, 702, 710, 714, 715, 716, 717, 718, 719, 214, 226] {
+            assert!(poisons_context(code), "{code}");
+        }
+        for code in [
+            0, 1, 2, 98, 200, 201, 209, 218, 400, 500, 600, 701, 720, 801, 999,
+        ] {
+            assert!(!poisons_context(code), "{code}");
+        }
+        let fault = |code: u32, name: &str| DriverFault {
+            code,
+            message: format!("{name}: what the driver says"),
+        };
+
+        assert_eq!(
+            after_synchronize("cuda:0", Some(Kernel::Sampling), None),
+            Ok(None)
+        );
+        let lost = after_synchronize(
+            "cuda:1",
+            Some(Kernel::DecodeGraphs),
+            Some(fault(700, "CUDA_ERROR_ILLEGAL_ADDRESS")),
+        )
+        .unwrap_err();
+        assert_eq!(lost.family, Some(Kernel::DecodeGraphs));
+        let line = lost.to_string();
+        assert!(!line.contains('\n'), "one line: {line}");
+        assert!(
+            line.contains("cuda:1")
+                && line.contains("decode_graphs kernel check")
+                && line.contains("CUDA_ERROR_ILLEGAL_ADDRESS")
+                && line.contains(ENABLE_ENV),
+            "{line}"
+        );
+        let line = after_synchronize(
+            "cuda:0",
+            Some(Kernel::TrainOps),
+            Some(fault(716, "CUDA_ERROR_MISALIGNED_ADDRESS")),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            line.contains("train_ops kernel check")
+                && line.contains(&format!("{DISABLE_ENV}=train_ops")),
+            "{line}"
+        );
+        let line = after_synchronize("cuda:0", None, Some(fault(719, "CUDA_ERROR_LAUNCH_FAILED")))
+            .unwrap_err()
+            .to_string();
+        assert!(line.contains("before the kernel checks"), "{line}");
+
+        // An error that leaves the context usable is the family's finding (a fallback).
+        let finding = after_synchronize(
+            "cuda:0",
+            Some(Kernel::Attention),
+            Some(fault(701, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES")),
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(finding.kernel, Kernel::Attention);
+        assert!(
+            finding.problem.contains("OUT_OF_RESOURCES"),
+            "{}",
+            finding.problem
+        );
+        assert_eq!(
+            after_synchronize("cuda:0", None, Some(fault(2, "CUDA_ERROR_OUT_OF_MEMORY"))),
+            Ok(None)
+        );
     }
 
     #[test]

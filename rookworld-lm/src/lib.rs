@@ -42,6 +42,7 @@ pub mod generate;
 pub mod grouped;
 pub mod hub;
 pub mod kernels;
+pub mod launch;
 pub mod mask;
 pub mod model;
 pub mod sampling;

@@ -269,34 +269,57 @@ pub fn against_cpu<B: Backend>(
     step(left, right, packed, temperature, None, tol)
 }
 
-/// The start-up check of a backend: one micro-batch of a small synthetic model (the
-/// `tiny` preset's shape, seeded weights: 2 groups of 4 completions, 9-token prompts,
-/// 8-token completions) through `b` and through the CPU backend with the same BF16
-/// products ([`Tolerance::SAME_PRODUCTS`]), every buffer compared. What a process runs
-/// before it trains on `b`: the first buffer beyond tolerance names the kernel that is
-/// wrong, and the process takes another path instead of wrong numbers.
+/// The shape of the start-up check with heads `d` wide: a small synthetic model (2
+/// layers, 2 heads, the real vocabulary and its odd row length) whose heads have a kernel
+/// of the CUDA backend ([`crate::launch::ATTENTION_WIDTHS`]).
+pub fn self_check_config(d: usize) -> rookworld_lm::config::Config {
+    rookworld_lm::config::Config {
+        n_embd: 2 * d,
+        n_head: 2,
+        n_layer: 2,
+        n_positions: 64,
+        ..rookworld_lm::config::Config::tiny()
+    }
+}
+
+/// The start-up check of a backend: one micro-batch (2 groups of 4 completions, 9-token
+/// prompts, 8-token completions, seeded weights) of each [`self_check_config`], one per
+/// head width the CUDA kernels serve, through `b` and through the CPU backend with the
+/// same BF16 products ([`Tolerance::SAME_PRODUCTS`]), every buffer compared; each buffer
+/// is named with its width (`heads of 64: block 0: attention output`). What a process
+/// runs before it trains on `b`: the first buffer beyond tolerance names the kernel that
+/// is wrong, and the process takes another path instead of wrong numbers.
 pub fn self_check<B: Backend>(b: &B) -> Result<Comparison> {
-    let cfg = rookworld_lm::config::Config::preset("tiny")
-        .map_err(|e| crate::Error::Shape(e.to_string()))?;
-    let params = weights::synthetic(&cfg, 0);
-    let (prompts, completions) = crate::batch::synthetic((2, 4), (9, 8), cfg.vocab_size, 0);
-    let packed = Packed::of(&prompts, &completions);
-    let held = upload(b, &params)?;
-    let w = Weights::<B>::new(&cfg, held.iter().map(|h| &**h).collect())?;
-    let mut acts = Activations::<B>::default();
-    let mut grads = zeros(b, &weights::lengths(&cfg))?;
-    let left = Side {
-        backend: b,
-        weights: &w,
-        acts: &mut acts,
-        grads: &mut grads,
-    };
-    let matmuls = crate::cpu::ops::Matmuls::Bf16;
-    against_cpu(
-        left,
-        &params,
-        matmuls,
-        (&packed, 1.0),
-        Tolerance::SAME_PRODUCTS,
-    )
+    let mut all = Comparison::default();
+    for d in crate::launch::ATTENTION_WIDTHS {
+        let cfg = self_check_config(d);
+        let params = weights::synthetic(&cfg, 0);
+        let (prompts, completions) = crate::batch::synthetic((2, 4), (9, 8), cfg.vocab_size, 0);
+        let packed = Packed::of(&prompts, &completions);
+        let held = upload(b, &params)?;
+        let w = Weights::<B>::new(&cfg, held.iter().map(|h| &**h).collect())?;
+        let mut acts = Activations::<B>::default();
+        let mut grads = zeros(b, &weights::lengths(&cfg))?;
+        let left = Side {
+            backend: b,
+            weights: &w,
+            acts: &mut acts,
+            grads: &mut grads,
+        };
+        let matmuls = crate::cpu::ops::Matmuls::Bf16;
+        let c = against_cpu(
+            left,
+            &params,
+            matmuls,
+            (&packed, 1.0),
+            Tolerance::SAME_PRODUCTS,
+        )?;
+        let width = |name: String| format!("heads of {d}: {name}");
+        all.checked.extend(c.checked.into_iter().map(|mut c| {
+            c.name = width(c.name);
+            c
+        }));
+        all.skipped.extend(c.skipped.into_iter().map(width));
+    }
+    Ok(all)
 }

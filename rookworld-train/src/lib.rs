@@ -30,6 +30,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod gemm;
+pub mod launch;
 pub mod pass;
 pub mod profile;
 pub mod weights;

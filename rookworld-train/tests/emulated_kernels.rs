@@ -13,6 +13,7 @@ use std::sync::OnceLock;
 use rookworld_cuda_emu::{Arg, Guarded, Module, Values, assert_close, build_for_test};
 use rookworld_train::batch::ScatterPlan;
 use rookworld_train::cpu::{attention, ops};
+use rookworld_train::launch::{self, Part};
 use rookworld_train::{Heads, Packed};
 
 /// Every kernel of `kernels/pass.cu`.
@@ -51,25 +52,25 @@ const KERNELS: &[&str] = &[
     "head_grad_kept",
 ];
 
-/// The CUDA backend's launch shapes (`src/cuda/mod.rs`): 256 threads per block, a warp
-/// per task eight to a block, a tile of 32 rows per block, a block of 512 per head row.
-const THREADS: u32 = 256;
-const SUM_ROWS: usize = 256;
-const LN_CHUNK: usize = 32;
-const TILE: usize = 32;
-const HEAD_THREADS: u32 = 512;
-
+/// The CUDA backend's launch shapes, from the functions it launches with
+/// ([`rookworld_train::launch`]).
 type Grid = ([u32; 3], [u32; 3]);
 
+fn dims(g: launch::Grid) -> Grid {
+    assert_eq!(
+        g.shared_bytes, 0,
+        "the emulated tests size no dynamic shared memory"
+    );
+    let ((a, b, c), (x, y, z)) = (g.grid, g.block);
+    ([a, b, c], [x, y, z])
+}
+
 fn elementwise(n: usize) -> Grid {
-    (
-        [(n as u32).div_ceil(THREADS).clamp(1, 1 << 16), 1, 1],
-        [THREADS, 1, 1],
-    )
+    dims(launch::elementwise("test", n).unwrap())
 }
 
 fn warps(tasks: usize) -> Grid {
-    ([(tasks as u32).div_ceil(8), 1, 1], [256, 1, 1])
+    dims(launch::warps("test", tasks).unwrap())
 }
 
 /// `kernels/pass.cu`, built once; `None` where no C++ compiler is installed (the tests then
@@ -128,7 +129,7 @@ fn attention_matches(d: usize) {
     attention::attention_backward(&mut dqkv_cpu, &dy, &qkv, &probs, &packed.groups, heads);
 
     let meta = Guarded::from_slice(&packed.row_meta());
-    let tiles = Guarded::from_slice(&packed.row_tiles(TILE));
+    let tiles = Guarded::from_slice(&packed.row_tiles(launch::TILE));
     let (qkv, dy) = (Guarded::from_slice(&qkv), Guarded::from_slice(&dy));
     let mut variants = vec![false];
     if d <= 64 {
@@ -138,19 +139,18 @@ fn attention_matches(d: usize) {
         let what = |part: &str| format!("attention {part}, D = {d}, tiled: {tiled}");
         let mut y = Guarded::<f32>::zeros(r * e);
         let mut lse = Guarded::<f32>::zeros(r * h);
-        let (kernel, grid, last) = if tiled {
-            let grid = ([tiles.len() as u32, h as u32, 1], [256, 1, 1]);
-            ("attention_tile_{}_d{}", grid, Arg::buf(&tiles))
-        } else {
-            ("attention_{}_d{}", warps(r * h), int(r))
+        let kernel = |part: Part| {
+            let (name, grid) = if tiled {
+                launch::tiled_attention(heads, part, tiles.len()).expect("a tiled kernel")
+            } else {
+                launch::attention(heads, part, r).unwrap()
+            };
+            (name, dims(grid))
         };
-        let name = |part: &str| {
-            kernel
-                .replacen("{}", part, 1)
-                .replacen("{}", &d.to_string(), 1)
-        };
+        let last = if tiled { Arg::buf(&tiles) } else { int(r) };
+        let (name, grid) = kernel(Part::Fwd);
         launch(
-            &name("fwd"),
+            name,
             grid,
             &[
                 Arg::buf_mut(&mut y),
@@ -163,14 +163,10 @@ fn attention_matches(d: usize) {
         );
         assert_close(&what("forward"), y.as_slice(), &y_cpu, 2e-6);
         let mut dqkv = Guarded::<f32>::zeros(r * 3 * e);
-        for part in ["dq", "dkv"] {
-            let kernel = if tiled {
-                name(part)
-            } else {
-                name(&format!("bwd_{part}"))
-            };
+        for part in [Part::Dq, Part::Dkv] {
+            let (name, grid) = kernel(part);
             launch(
-                &kernel,
+                name,
                 grid,
                 &[
                     Arg::buf_mut(&mut dqkv),
@@ -287,11 +283,11 @@ fn layer_norm_forward_and_backward_match_the_cpu() {
         ],
     );
     assert_close("layer norm dx", dx.as_slice(), &dx_cpu, 4e-6);
-    let k = m.div_ceil(LN_CHUNK);
+    let (grid, k) = launch::layer_norm_partials(m).unwrap();
     let mut partial = Guarded::<f32>::zeros(k * 2 * e);
     launch(
         "layer_norm_partials",
-        ([k as u32, 1, 1], [THREADS, 1, 1]),
+        dims(grid),
         &[
             Arg::buf_mut(&mut partial),
             Arg::buf(&gdout),
@@ -388,12 +384,12 @@ fn column_sums_match_the_cpu_over_several_partial_blocks() {
     let (m, acc0) = (values.take(rows * n), values.take(n));
     let mut want = acc0.clone();
     ops::column_sums(&mut want, &m, n);
-    let k = rows.div_ceil(SUM_ROWS);
+    let (grid, k) = launch::column_partials(rows, n).unwrap();
     let gm = Guarded::from_slice(&m);
     let mut partial = Guarded::<f32>::zeros(k * n);
     launch(
         "column_partials",
-        ([(n as u32).div_ceil(THREADS), k as u32, 1], [THREADS, 1, 1]),
+        dims(grid),
         &[Arg::buf(&gm), Arg::buf_mut(&mut partial), int(rows), int(n)],
     );
     let mut acc = Guarded::from_slice(&acc0);
@@ -518,7 +514,7 @@ fn head_logprobs_and_gradients_match_the_maths() {
     let gl = Guarded::from_slice(&logits);
     let gt = Guarded::from_slice(&targets);
     let (mut logp, mut entropy) = (Guarded::<f32>::zeros(m), Guarded::<f32>::zeros(m));
-    let per_row = ([m as u32, 1, 1], [HEAD_THREADS, 1, 1]);
+    let per_row = dims(launch::per_row(m).unwrap());
     launch(
         "head_logprobs",
         per_row,

@@ -67,6 +67,34 @@ def torch_or_none():
         return None
 
 
+# Ops that copy a device value to the host and wait for it: not allowed while a CUDA
+# stream is capturing a graph (and a value read then would be frozen into the graph).
+HOST_SYNC_OPS = ("_local_scalar_dense", "item", "is_nonzero", "nonzero", "nonzero_static",
+                 "masked_select", "unique", "_unique2", "unique_consecutive",
+                 "repeat_interleave", "equal", "allclose", "_assert_async")
+
+
+class HostSync(RuntimeError):
+    """An op of a step meant to be captured synchronised with the host."""
+
+
+def refuse_host_sync(torch):
+    """A dispatch mode under which an op in HOST_SYNC_OPS raises `HostSync` naming it: a
+    step run under it on the CPU is checked for what would break its CUDA-graph capture."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    refused = {getattr(torch.ops.aten, name) for name in HOST_SYNC_OPS
+               if hasattr(torch.ops.aten, name)}
+
+    class RefuseHostSync(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in refused:
+                raise HostSync(f"{func} synchronises with the host")
+            return func(*args, **(kwargs or {}))
+
+    return RefuseHostSync()
+
+
 def cmd_device(args):
     out = {"requested": args.device}
     try:
@@ -84,6 +112,42 @@ def cmd_device(args):
             p = torch.cuda.get_device_properties(0)
             out.update(name=p.name, capability=f"{p.major}.{p.minor}",
                        memory_bytes=p.total_memory, multiprocessors=p.multi_processor_count)
+    write(args.out, out)
+
+
+def cmd_health(args):
+    """Whether the device still works after a failed section: what `nvidia-smi` says of it
+    (temperature, use, memory, uncorrected ECC errors, throttling) and a tiny PyTorch op on
+    it checked against its known sum. `healthy` is false when either fails, so a sticky
+    fault or a lost GPU is told apart from a failing command."""
+    out = {"device": args.device, "healthy": True}
+    if args.device != "cpu":
+        try:
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,temperature.gpu,utilization.gpu,memory.used,"
+                 "memory.total,ecc.errors.uncorrected.volatile.total,"
+                 "clocks_throttle_reasons.active", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=args.timeout)
+            out["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+            if smi.returncode != 0:
+                out.update(healthy=False, problem=f"nvidia-smi exit {smi.returncode}")
+        except (OSError, subprocess.TimeoutExpired) as e:
+            out.update(nvidia_smi=f"unavailable: {e}", healthy=False,
+                       problem="nvidia-smi did not answer")
+    torch = torch_or_none()
+    if torch is None:
+        out["torch_op"] = "skipped: no torch"
+    else:
+        try:
+            started = time.perf_counter()
+            x = torch.arange(1024, dtype=torch.float32, device=args.device)
+            got = float((x * 2).sum().cpu())
+            out["torch_op_seconds"] = time.perf_counter() - started
+            out["torch_op"] = "ok" if got == 1023 * 1024 else f"wrong sum {got}"
+        except RuntimeError as e:
+            out["torch_op"] = f"failed: {str(e).splitlines()[0][:200]}"
+        if out["torch_op"] != "ok":
+            out.update(healthy=False, problem=out.get("problem") or out["torch_op"])
     write(args.out, out)
 
 
@@ -130,7 +194,10 @@ def cmd_hf_generate(args):
     torch = torch_or_none()
     if torch is None:
         return write(args.out, {"skipped": "no torch"})
-    import transformers
+    try:
+        import transformers
+    except ImportError:
+        return write(args.out, {"skipped": "no transformers"})
 
     cfg = PRESETS[args.preset]
     dtype = torch_dtype(torch, args.dtype)
@@ -172,7 +239,8 @@ def cmd_graph_decode(args):
     drawn there), the whole step captured once as a CUDA graph and replayed (on the CPU,
     run eagerly: a dry run). Each row has its own copy of the prompt, prefilled once.
     Checked before it is timed: its logits at the first two decode steps equal a full
-    forward of the same sequences."""
+    forward of the same sequences, and those steps run under `refuse_host_sync` (on every
+    device), so a host synchronisation fails the CPU's dry run, not the GPU's capture."""
     torch = torch_or_none()
     if torch is None:
         return write(args.out, {"skipped": "no torch"})
@@ -241,7 +309,8 @@ def cmd_graph_decode(args):
     steps = torch.arange(S, device=dev)
 
     def step():
-        x = wte[cur] + wpe[pos]  # (rows, E)
+        # The position by index_select: `wpe[pos]` would read it on the host.
+        x = wte[cur] + wpe.index_select(0, pos.view(1))  # (rows, E)
         visible = (steps <= pos).view(1, 1, 1, S)
         for l, b in enumerate(blocks):
             q, k, v = (ln(x, b["ln1"]) @ b["attn"][0] + b["attn"][1]).view(rows, 3, H, 1, D).unbind(1)
@@ -272,11 +341,17 @@ def cmd_graph_decode(args):
         return first
 
     with torch.no_grad():
-        # The check: the cached steps' logits against a full forward of the same tokens.
+        # The check: the cached steps' logits against a full forward of the same tokens,
+        # each step run where an op that synchronises with the host is refused.
         first = start()
         fed, got = [cur.clone()], []
         for _ in range(2):
-            step()
+            try:
+                with refuse_host_sync(torch):
+                    step()
+            except HostSync as e:
+                return write(args.out, {"error": f"the step to be captured reads the device "
+                                                 f"on the host: {e}"})
             got.append(logits_out.clone())
             fed.append(cur.clone())
         seq = torch.cat([prompt, torch.stack(fed[:2], 1)], 1)
@@ -353,11 +428,23 @@ def cmd_scrape(args):
                      "peak": peak})
 
 
+def generated_tokens(rec):
+    """Completion tokens the workers generated for a step's groups (trained on or not);
+    from the rate and the time where the record predates the count."""
+    if "generated_tokens" in rec:
+        return rec["generated_tokens"]
+    return round(rec.get("tokens_per_second", 0) * rec["step_seconds"]["total"])
+
+
 def cmd_train_summary(args):
-    """Steps and finite losses of a `learner train` run's JSONL; past its first `--skip`
+    """Steps and finite losses of a `learner train` run's JSONL, with the groups kept (those
+    whose rewards differ: the learner skips the backward of a group whose rewards are all
+    alike) and the completion tokens trained on over the whole run; past its first `--skip`
     steps (the warm-up of the device's kernels and buffers), the mean seconds a step, the
-    completion tokens a second and each phase's share of the step."""
+    completion tokens generated and trained on a second and each phase's share of the
+    step."""
     steps, finite, last, timed = 0, 0, None, []
+    groups = kept = trained = 0
     with open(args.jsonl) as f:
         for line in f:
             rec = json.loads(line)
@@ -366,10 +453,14 @@ def cmd_train_summary(args):
             steps += 1
             finite += all(isinstance(rec.get(k), (int, float)) and abs(rec[k]) < float("inf")
                           for k in ("loss", "policy_loss", "kl", "grad_norm"))
+            groups += rec.get("groups", 0)
+            kept += rec.get("groups", 0) - rec.get("skipped_groups", 0)
+            trained += rec.get("tokens", 0)
             last = rec
             if steps > args.skip and isinstance(rec.get("step_seconds"), dict):
                 timed.append(rec)
-    out = {"steps": steps, "finite_losses": finite, "last": last}
+    out = {"steps": steps, "finite_losses": finite, "groups": groups, "kept_groups": kept,
+           "trained_tokens": trained, "last": last}
     if timed:
         total = sum(r["step_seconds"]["total"] for r in timed)
         phases = {}
@@ -377,8 +468,13 @@ def cmd_train_summary(args):
             for k, v in r["step_seconds"].items():
                 if k != "total":
                     phases[k] = phases.get(k, 0.0) + v
-        out.update(steps_timed=len(timed), seconds_per_step=total / len(timed),
-                   completion_tokens_per_second=sum(r.get("tokens", 0) for r in timed) / total,
+        out.update(steps_skipped=args.skip, steps_timed=len(timed),
+                   seconds_per_step=total / len(timed),
+                   generated_tokens_per_second=sum(map(generated_tokens, timed)) / total,
+                   trained_tokens_per_second=sum(r.get("tokens", 0) for r in timed) / total,
+                   timed_groups=sum(r.get("groups", 0) for r in timed),
+                   timed_kept_groups=sum(r.get("groups", 0) - r.get("skipped_groups", 0)
+                                         for r in timed),
                    phase_share={k: v / total for k, v in phases.items()})
     write(args.out, out)
 
@@ -426,6 +522,7 @@ def cmd_table(args):
     def fmt(x, digits=3):
         return "–" if x is None else (f"{x:.{digits}g}" if isinstance(x, float) else str(x))
 
+    check_rows(d, add, fmt)
     dev = d.get("device", {})
     add("device", "GPU", dev.get("name") or dev.get("nvidia_smi") or "none")
     add("device", "driver / torch CUDA", f"{dev.get('nvidia_smi', '?').split(',')[1].strip() if ',' in dev.get('nvidia_smi', '') else '?'} / {dev.get('torch_cuda')}")
@@ -442,6 +539,11 @@ def cmd_table(args):
         if r.get("pushed_logits_max_abs_error") is not None:
             add("parity vs CPU f32", f"{r['dtype']} pushed vs loaded max |Δ|",
                 fmt(r["pushed_logits_max_abs_error"]), "model built from a push payload")
+    for fam in par.get("kernel_families") or []:
+        add("decode kernel families", fam["family"], fam["status"],
+            "; ".join(fam.get("problems", []))[:160])
+    if par.get("kernel_check_error"):
+        add("decode kernel families", "check", "incomplete", str(par["kernel_check_error"])[:160])
     kern = par.get("kernels") or {}
     if kern:
         add("decode kernels vs CPU reference", "attention f32 / bf16 max |Δ|",
@@ -640,28 +742,71 @@ def cmd_table(args):
     for g in GAUGES:
         if g in nv:
             add("worker NVML (peak)", g.replace("rollout_gpu_", ""), fmt(nv[g]))
-    tr = d.get("train", {})
-    if tr:
-        add("learner train on the device", "steps / finite losses",
-            f"{tr.get('steps', 0)} / {tr.get('finite_losses', 0)}", tr.get("error", ""))
-    if tr.get("seconds_per_step"):
-        shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(tr.get("phase_share", {}).items()))
-        add("learner train on the device", "s / step", fmt(tr["seconds_per_step"]),
-            f"{tr['steps_timed']} steps after the first; {shares}")
-        add("learner train on the device", "completion tokens/s",
-            fmt(tr["completion_tokens_per_second"], 4))
-        peer = d.get("trl", {})
-        if peer.get("seconds_per_step"):
-            add("learner train on the device", "× TRL GRPOTrainer (steps/s)",
-                fmt(peer["seconds_per_step"] / tr["seconds_per_step"]),
-                f"TRL {peer.get('trl')}: {fmt(peer['seconds_per_step'])} s/step, "
-                f"{fmt(peer['completion_tokens_per_second'], 4)} tok/s")
-        elif peer:
-            add("learner train on the device", "TRL GRPOTrainer", problem(peer) or "missing")
+    train_rows(d, add, fmt)
     width = [max(len(str(r[i])) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, width)).rstrip())
     write_quiet(os.path.join(args.out_dir, "summary.json"), summary)
+
+
+def train_rows(d, add, fmt):
+    """The whole loop (`learner train --local`) beside TRL's GRPOTrainer. The learner skips
+    the backward of a group whose rewards are all alike; TRL trains every completion: so
+    beside steps a second, generated tokens a second compare the sampling side and trained
+    tokens a second the training side, like with like."""
+    tr, label = d.get("train", {}), "learner train on the device"
+    if not tr:
+        return
+    add(label, "steps / finite losses", f"{tr.get('steps', 0)} / {tr.get('finite_losses', 0)}",
+        tr.get("error", ""))
+    if "kept_groups" in tr:
+        add(label, "kept groups / trained tokens",
+            f"{tr['kept_groups']} of {tr['groups']} / {tr['trained_tokens']}",
+            f"over all {tr.get('steps', 0)} steps; a group whose rewards are all alike is "
+            "skipped")
+    if not tr.get("seconds_per_step"):
+        return
+    shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(tr.get("phase_share", {}).items()))
+    add(label, "s / step", fmt(tr["seconds_per_step"]),
+        f"{tr['steps_timed']} steps after the first {tr.get('steps_skipped', 1)}; {shares}")
+    add(label, "generated tokens/s", fmt(tr["generated_tokens_per_second"], 4),
+        f"trained on {fmt(tr['trained_tokens_per_second'], 4)} tok/s; kept "
+        f"{tr['timed_kept_groups']} of {tr['timed_groups']} groups")
+    peer = d.get("trl", {})
+    if not peer.get("seconds_per_step"):
+        if peer:
+            add(label, "TRL GRPOTrainer", problem(peer) or "missing")
+        return
+    theirs = peer["completion_tokens_per_second"]
+    add(label, "× TRL GRPOTrainer (steps/s)", fmt(peer["seconds_per_step"] / tr["seconds_per_step"]),
+        f"TRL {peer.get('trl')}: {fmt(peer['seconds_per_step'])} s/step, trains every "
+        f"completion (gradient checkpointing {'on' if peer.get('gradient_checkpointing') else 'off'})")
+    add(label, "× TRL GRPOTrainer (generated tok/s)",
+        fmt(tr["generated_tokens_per_second"] / theirs), f"TRL {fmt(theirs, 4)} tok/s")
+    add(label, "× TRL GRPOTrainer (trained tok/s)",
+        fmt(tr["trained_tokens_per_second"] / theirs),
+        "the learner's kept groups against TRL's every completion")
+
+
+def check_rows(d, add, fmt):
+    """The run itself: its time against its deadline and estimate, the sections the
+    deadline cut, those that failed, and the device's health after each failure."""
+    run = d.get("check", {})
+    if run:
+        add("check", "s / deadline s", f"{fmt(run.get('elapsed_seconds'))} / {fmt(run.get('deadline'))}",
+            f"estimated {fmt(run.get('estimate_seconds'))} s for the sections selected")
+    sections = {k: v for k, v in d.items() if k not in ("check", "config", "summary", "nvml")
+                and not k.startswith("health_after_")}
+    cut = sorted(k for k, v in sections.items() if str(v.get("error", "")).startswith("cut:"))
+    failed = sorted(k for k, v in sections.items()
+                    if v.get("error") and not str(v["error"]).startswith("cut:"))
+    add("check", "cut by the deadline", " ".join(cut) or "none")
+    add("check", "failed", " ".join(failed) or "none")
+    for key in sorted(k for k in d if k.startswith("health_after_")):
+        h = d[key]
+        add("check", "device health after " + key[len("health_after_"):],
+            "ok" if h.get("healthy") else "FAIL",
+            h.get("problem") or h.get("nvidia_smi") or h.get("torch_op", ""))
 
 
 def write_quiet(path, obj):
@@ -735,7 +880,8 @@ def kernel_rows(kernels):
 def cmd_ncu_profile(args):
     """CMD under Nsight Compute: the device time of each kernel in a window of launches
     (`--launch-skip`, `--launch-count`: late in a decode run, where the cache is long), the
-    clocks left as they are. Skipped where `ncu` is not installed or cannot read the
+    clocks left as they are and L2 not flushed before each kernel (what decode reads from
+    L2 between launches stays there, as it does outside the profiler). Skipped where `ncu` is not installed or cannot read the
     counters."""
     import shutil
     cmd = args.program[1:] if args.program[:1] == ["--"] else args.program
@@ -743,8 +889,8 @@ def cmd_ncu_profile(args):
     if not ncu:
         return write(args.out, {"skipped": "no ncu (Nsight Compute) on this machine"})
     run = subprocess.run(
-        [ncu, "--clock-control", "none", "--metrics", NCU_METRIC, "--csv", "--page", "raw",
-         "--print-units", "base", "--launch-skip", str(args.launch_skip),
+        [ncu, "--clock-control", "none", "--cache-control", "none", "--metrics", NCU_METRIC,
+         "--csv", "--page", "raw", "--print-units", "base", "--launch-skip", str(args.launch_skip),
          "--launch-count", str(args.launch_count), *cmd],
         capture_output=True, text=True)
     sys.stderr.write(run.stderr[-4000:])
@@ -767,6 +913,10 @@ def main():
     p = sub.add_parser("device")
     p.add_argument("out")
     p.add_argument("--device", default="cuda")
+    p = sub.add_parser("health")
+    p.add_argument("out")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--timeout", type=float, default=10, help="seconds nvidia-smi may take")
     p = sub.add_parser("copy-bandwidth")
     p.add_argument("out")
     p.add_argument("--device", default="cuda")
@@ -797,7 +947,7 @@ def main():
     p = sub.add_parser("table")
     p.add_argument("out_dir")
     args = ap.parse_args()
-    {"device": cmd_device, "copy-bandwidth": cmd_copy_bandwidth, "hf-generate": cmd_hf_generate,
+    {"device": cmd_device, "health": cmd_health, "copy-bandwidth": cmd_copy_bandwidth, "hf-generate": cmd_hf_generate,
      "graph-decode": cmd_graph_decode,
      "scrape": cmd_scrape, "train-summary": cmd_train_summary, "ncu-profile": cmd_ncu_profile,
      "table": cmd_table}[args.cmd](args)

@@ -2,8 +2,10 @@
 """The whole-loop peer of `learner train --local`: TRL's `GRPOTrainer` on the same card with
 the same batch (prompts per step × completions per prompt, new tokens per completion), a
 GPT-2 of the same preset with random weights, BF16 autocast on a GPU, generation through
-transformers (TRL's default). Prints one JSON line: seconds per step after the warm-up
-steps, completion tokens per second, and TRL's own phase timings where it logs them.
+transformers (TRL's default), gradient checkpointing off (as the learner runs). Prints one
+JSON line: seconds per step after the warm-up steps and completion tokens per second
+(generated and trained on: TRL trains every completion, even of a group whose rewards are
+all alike).
 
     python3 tests/gpu/trl_grpo.py [--device cuda] [--preset gpt2-124m] [--prompts 4] [-n 8]
         [--max-new-tokens 32] [--steps 6] [--warmup 2]
@@ -87,7 +89,10 @@ def main():
             gradient_accumulation_steps=1, max_completion_length=args.max_new_tokens,
             max_steps=args.warmup + args.steps, learning_rate=1e-5, beta=0.01,
             temperature=1.0, bf16=cuda, use_cpu=not cuda, logging_steps=1, report_to=[],
-            save_strategy="no", seed=0, dataloader_num_workers=0)
+            save_strategy="no", seed=0, dataloader_num_workers=0,
+            # TRL's default since 1.x is on: recomputing activations slows its step, which
+            # would flatter the learner (which keeps them).
+            gradient_checkpointing=False)
         trainer = trl.GRPOTrainer(model=path, reward_funcs=form_reward, args=config,
                                   train_dataset=data, processing_class=tok)
         start = time.perf_counter()
@@ -106,7 +111,7 @@ def main():
         "steps_timed": len(timed), "seconds_per_step": seconds,
         "completion_mean_length": mean_length,
         "completion_tokens_per_second": rows * mean_length / seconds,
-        "bf16_autocast": cuda,
+        "bf16_autocast": cuda, "gradient_checkpointing": config.gradient_checkpointing,
     }))
 
 

@@ -119,9 +119,13 @@ pub fn with_pass<R>(
 /// ([`rookworld_train::compare::self_check`]): a finding for the `step_backend` kernel
 /// family when a buffer differs beyond tolerance (naming it) or the check cannot run;
 /// and, for each of the trials `step_attention_tiles` and `step_head_kept` turned on, the
-/// same with it, a finding for that family (so that it alone is turned off).
+/// same with it, a finding for that family (so that it alone is turned off). Only the
+/// families that are on are checked ([`rookworld_lm::kernels::Switches::to_check`]: none
+/// when `step_backend` is turned off), each followed by a synchronisation of the device;
+/// a fault that poisons the CUDA context ends the process in one line naming the family
+/// whose check raised it (candle's autograd could not run in that context either).
 pub fn startup_check(device: &Device) -> Vec<rookworld_lm::kernels::Finding> {
-    use rookworld_lm::kernels::{Finding, Kernel, enabled};
+    use rookworld_lm::kernels::{Finding, Kernel, SWITCHES, end_process};
     let Device::Cuda(cuda) = device else {
         return Vec::new();
     };
@@ -135,16 +139,27 @@ pub fn startup_check(device: &Device) -> Vec<rookworld_lm::kernels::Finding> {
             problem: format!("did not run: {e}"),
         }),
     };
-    let mut findings: Vec<Finding> = check(Kernel::StepBackend, Cuda::new(cuda.clone()))
-        .into_iter()
-        .collect();
-    if enabled(Kernel::StepAttentionTiles) {
-        let tiled = Cuda::new(cuda.clone()).with_tiled_attention(true);
-        findings.extend(check(Kernel::StepAttentionTiles, tiled));
-    }
-    if enabled(Kernel::StepHeadKept) {
-        let kept = Cuda::new(cuda.clone()).with_kept_head(true);
-        findings.extend(check(Kernel::StepHeadKept, kept));
+    let settle = |family: Option<Kernel>| {
+        rookworld_lm::cuda::settle(device, family).unwrap_or_else(|lost| end_process(&lost))
+    };
+    // Whatever the device ran before is not blamed on the step's families.
+    settle(None);
+    let families = [
+        Kernel::StepBackend,
+        Kernel::StepAttentionTiles,
+        Kernel::StepHeadKept,
+    ];
+    let mut findings = Vec::new();
+    for kernel in SWITCHES.to_check(&families) {
+        let backend = Cuda::new(cuda.clone());
+        let backend = match kernel {
+            Kernel::StepAttentionTiles => backend.with_tiled_attention(true),
+            Kernel::StepHeadKept => backend.with_kept_head(true),
+            _ => backend,
+        };
+        let found = check(kernel, backend);
+        let settled = settle(Some(kernel));
+        findings.extend(found.or(settled));
     }
     findings
 }

@@ -6,11 +6,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use candle_core::Device;
+use candle_core::{Device, DeviceLocation};
 use rollout_worker::{LoopConfig, ServiceConfig, Worker, WorkerConfig};
 use rookworld_chess::score::RewardConfig;
 use rookworld_chess::scorer::Scorer;
-use rookworld_lm::device::WeightDtype;
+use rookworld_lm::device::{DeviceChoice, WeightDtype};
 use rookworld_lm::{Gpt2, checkpoint};
 use rookworld_service::tls::{ClientTlsArgs, ServerTls};
 use rookworld_weights::set::WeightSet;
@@ -30,15 +30,16 @@ pub struct LocalServices {
 
 impl LocalServices {
     /// Starts the reward server and a worker that runs `weights` (the BF16 set the
-    /// learner would push, so worker and learner agree from the first step) on `device`
-    /// (the learner's: f32 on the CPU, bfloat16 on a GPU they share) in `weight_dtype`
-    /// (`--rollout-weight-dtype`) and pulls from the queue at `queue`. With `tls` (the learner's: its certificate must name
-    /// 127.0.0.1), every local port serves TLS and the worker calls out with `client`.
+    /// learner would push, so worker and learner agree from the first step) on a device of
+    /// its own beside `learner_device` ([`worker_device`]) in `weight_dtype`
+    /// (`--rollout-weight-dtype`) and pulls from the queue at `queue`. With `tls` (the
+    /// learner's: its certificate must name 127.0.0.1), every local port serves TLS and the
+    /// worker calls out with `client`.
     pub async fn start(
         queue: SocketAddr,
         weights: &WeightSet,
         config: &rookworld_lm::Config,
-        (device, weight_dtype): (&Device, WeightDtype),
+        (learner_device, weight_dtype): (&Device, WeightDtype),
         token: &str,
         shared_dir: Option<std::path::PathBuf>,
         (tls, client): (Option<Arc<ServerTls>>, ClientTlsArgs),
@@ -64,10 +65,11 @@ impl LocalServices {
             }
         }));
 
+        let device = worker_device(learner_device)?;
         // `auto`: BF16 on CUDA, BF16 panels on the CPU (the pushes are BF16 values: the
         // same products as f32 panels, half the bytes).
-        let (dtype, panels) = weight_dtype.resolve(device)?;
-        let mut model: Gpt2 = checkpoint::from_bytes(&weights.bytes, config, dtype, device)?;
+        let (dtype, panels) = weight_dtype.resolve(&device)?;
+        let mut model: Gpt2 = checkpoint::from_bytes(&weights.bytes, config, dtype, &device)?;
         model.set_panel_dtype(panels);
         let worker_listener = TcpListener::bind("127.0.0.1:0").await?;
         let worker = format!("{scheme}://{}", worker_listener.local_addr()?);
@@ -113,5 +115,48 @@ impl LocalServices {
         for t in self.tasks {
             let _ = t.await;
         }
+    }
+}
+
+/// The in-process worker's device beside the learner's: the CPU beside the CPU; beside a
+/// CUDA device, the same GPU opened again, as `--device cuda:N` opens it (a stream and a
+/// cuBLAS handle of its own), so that the worker's decoding overlaps the learner's step
+/// instead of queueing behind it on one stream. The two share the GPU's memory pool and
+/// the process's kernel switches (the start-up check runs once per GPU).
+pub fn worker_device(learner: &Device) -> rookworld_lm::Result<Device> {
+    match learner {
+        Device::Cpu => Ok(Device::Cpu),
+        other => worker_device_choice(other.location())?.open(),
+    }
+}
+
+/// How [`worker_device`] opens the worker's device for the learner's at `learner`.
+fn worker_device_choice(learner: DeviceLocation) -> rookworld_lm::Result<DeviceChoice> {
+    match learner {
+        DeviceLocation::Cpu => Ok(DeviceChoice::Cpu),
+        DeviceLocation::Cuda { gpu_id } => Ok(DeviceChoice::Cuda(gpu_id)),
+        DeviceLocation::Metal { .. } => Err(rookworld_lm::Error::InvalidArgument(
+            "train --local: the rollout worker runs on the CPU or CUDA, not Metal".into(),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_worker_opens_a_device_of_its_own_beside_the_learners() {
+        assert!(worker_device(&Device::Cpu).unwrap().is_cpu());
+        assert_eq!(
+            worker_device_choice(DeviceLocation::Cpu).unwrap(),
+            DeviceChoice::Cpu
+        );
+        // The same GPU, opened again: not the learner's `Device` (its stream) shared.
+        assert_eq!(
+            worker_device_choice(DeviceLocation::Cuda { gpu_id: 1 }).unwrap(),
+            DeviceChoice::Cuda(1)
+        );
+        assert!(worker_device_choice(DeviceLocation::Metal { gpu_id: 0 }).is_err());
     }
 }

@@ -64,8 +64,11 @@ pub struct StepRecord {
     /// The workers' sampling log-probs against the learner's on the step's tokens.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mismatch: Option<crate::offpolicy::Mismatch>,
-    /// Completion tokens trained on.
+    /// Completion tokens trained on (those of the groups not skipped).
     pub tokens: usize,
+    /// Completion tokens the workers generated for the step's groups, skipped ones too.
+    #[serde(default)]
+    pub generated_tokens: usize,
     pub groups: usize,
     /// Groups whose rewards were all equal (no signal).
     pub skipped_groups: usize,
@@ -76,7 +79,7 @@ pub struct StepRecord {
     pub staleness_mean: f64,
     /// Model FLOPs of the step's forward/backward over the device's peak.
     pub mfu: f64,
-    /// Completion tokens per second of the step's wall time.
+    /// Generated completion tokens per second of the step's wall time.
     pub tokens_per_second: f64,
 }
 

@@ -129,6 +129,8 @@ impl Services {
                     queue_addr,
                     &weights,
                     run.policy.model.config(),
+                    // The learner's device: the worker opens one of its own beside it
+                    // (on CUDA the same GPU, its own stream and cuBLAS handle).
                     (run.policy.model.device(), args.rollout_weight_dtype()?),
                     &token,
                     shared_dir.clone(),

@@ -116,8 +116,9 @@ impl Trainer<'_> {
             push,
         };
         record.mfu = self.mfu(&report, &batch);
-        let completion_tokens: usize = batch.completions.iter().flatten().map(Vec::len).sum();
-        record.tokens_per_second = completion_tokens as f64 / record.step_seconds.total.max(1e-9);
+        record.generated_tokens = batch.completions.iter().flatten().map(Vec::len).sum();
+        record.tokens_per_second =
+            record.generated_tokens as f64 / record.step_seconds.total.max(1e-9);
         Ok(Stepped::Trained(Box::new(record)))
     }
 

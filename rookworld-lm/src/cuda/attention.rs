@@ -6,11 +6,8 @@ use candle_core::{DType, Result, Tensor};
 use half::bf16;
 
 use super::{ATTENTION_PTX, cuda_device, output, view, wrap};
-
-/// Rows of a group one block serves (one warp each): `ROWS_PER_BLOCK` in the kernel.
-const ROWS_PER_BLOCK: usize = 16;
-/// Largest head dim the kernel holds (`MAX_D`); it must also be a multiple of 32.
-const MAX_HEAD_DIM: usize = 128;
+pub use crate::launch::AttentionKernel;
+use crate::launch::{attention_applies, attention_grid};
 
 /// Where a decode step's rows find their keys, on the device (as `grouped::StepPlan`).
 #[derive(Debug)]
@@ -26,21 +23,6 @@ pub struct DeviceGeometry {
     /// The column this step wrote.
     pub cursor: usize,
 }
-
-/// Which kernel of `kernels/grouped_attention.cu` runs a step's attention.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AttentionKernel {
-    /// `grouped_attention`: a warp per row slot, the group's prefix staged in shared
-    /// memory once per block, each row's suffix walked by its warp.
-    Warp,
-    /// `grouped_attention_split`: a block of `SPLIT_WARPS` warps per (row, head), the
-    /// row's keys split across them and read in 16-byte loads (the trial family
-    /// [`Kernel::SplitAttention`](crate::kernels::Kernel::SplitAttention)).
-    Split,
-}
-
-/// Warps of a `grouped_attention_split` block (`SPLIT_WARPS` in the kernel).
-const SPLIT_WARPS: u32 = 4;
 
 /// The step's attention output (B, H·D) from `q` (B, H, 1, D), the prefix pool (N, H, L,
 /// D) and the suffix buffers (rows capacity, H, C, D), in one launch; `None` when the
@@ -80,15 +62,7 @@ pub fn grouped_attention_with(
     if !matches!(q.dtype(), DType::F32 | DType::BF16) {
         return Ok(None);
     }
-    let applies = match kernel {
-        AttentionKernel::Warp => d.is_multiple_of(32) && d <= MAX_HEAD_DIM,
-        AttentionKernel::Split => {
-            // A key's 16-byte pieces on a power-of-two number of a warp's lanes (so D is
-            // at most 32 · 8 = 256 in BF16, the kernel's SPLIT_MAX_D).
-            let vec = 16 / q.dtype().size_in_bytes();
-            d.is_multiple_of(vec) && (d / vec).is_power_of_two() && d / vec <= 32
-        }
-    };
+    let applies = attention_applies(kernel, q.dtype().size_in_bytes(), d);
     if !applies {
         return Ok(None);
     }
@@ -151,21 +125,11 @@ where
         );
         let ints = [b, h, d, l, c, geo.group_rows, geo.cursor].map(|x| x as i32);
         let scale = 1.0 / (d as f32).sqrt();
-        let cfg = match kernel {
-            AttentionKernel::Warp => {
-                let warps = geo.group_rows.clamp(1, ROWS_PER_BLOCK);
-                LaunchConfig {
-                    grid_dim: (n as u32, h as u32, geo.group_rows.div_ceil(warps) as u32),
-                    block_dim: (32, warps as u32, 1),
-                    shared_mem_bytes: 0,
-                }
-            }
-            // A block per (group, head, row slot); an empty slot's block leaves at once.
-            AttentionKernel::Split => LaunchConfig {
-                grid_dim: (n as u32, h as u32, geo.group_rows.max(1) as u32),
-                block_dim: (32, SPLIT_WARPS, 1),
-                shared_mem_bytes: 0,
-            },
+        let grid = attention_grid(kernel, n, h, geo.group_rows);
+        let cfg = LaunchConfig {
+            grid_dim: grid.grid,
+            block_dim: grid.block,
+            shared_mem_bytes: grid.shared_bytes,
         };
         let mut builder = func.builder();
         builder.arg(&qv).arg(&pkv).arg(&pvv).arg(&skv).arg(&svv);

@@ -1,5 +1,8 @@
 //! Each CUDA kernel against its CPU reference on random inputs, on a real GPU: what
-//! `rollout-worker parity` reports and `tests/gpu-check.sh` shows.
+//! `rollout-worker parity` reports and `tests/gpu-check.sh` shows, and the start-up check
+//! of the families that are on. Each family's check is followed by a synchronisation of
+//! the device, so that an asynchronous CUDA error is attributed to the family whose work
+//! raised it.
 
 use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
@@ -11,7 +14,7 @@ use crate::cpu_attention::{Geometry, decode_attention};
 use crate::device_sampling::{RowDraw, sample_reference};
 use crate::error::Result;
 use crate::fused_ops::{AddLayerNorm, BiasGelu, QkvSplit};
-use crate::kernels::{Finding, Kernel, judge};
+use crate::kernels::{ContextLost, DriverFault, Finding, Kernel, after_synchronize, judge};
 
 /// Largest errors of the kernels against their references, and whether they pass.
 #[derive(Debug, Clone, Serialize)]
@@ -57,9 +60,16 @@ pub struct KernelCheck {
     pub passed: bool,
 }
 
-/// Runs every kernel on `device` against its CPU reference.
+pub use crate::kernels::CHECKED_FAMILIES;
+
+/// Runs every kernel on `device` against its CPU reference (every family of
+/// [`CHECKED_FAMILIES`], on or off: `rollout-worker parity` reports each one's figures).
+/// Each check is followed by a synchronisation, as at start-up, and a fault that poisons
+/// the context ends the process in one line naming the family that caused it
+/// ([`crate::kernels::end_process`]; [`check_families`] returns it instead).
 pub fn self_check(device: &Device) -> Result<KernelCheck> {
-    let (check, errors) = run_checks(device);
+    let (check, errors) = check_families(device, &CHECKED_FAMILIES)
+        .unwrap_or_else(|lost| crate::kernels::end_process(&lost));
     match errors.into_iter().next() {
         Some(f) => Err(crate::Error::InvalidArgument(format!(
             "the {} kernel check did not run: {}",
@@ -70,87 +80,177 @@ pub fn self_check(device: &Device) -> Result<KernelCheck> {
     }
 }
 
-/// The start-up check of a CUDA device: every PTX module of this project loaded and each
-/// kernel family run once against its reference. Returns what failed to run or
-/// disagreed beyond its tolerance, for [`crate::kernels::Switches::apply`].
+/// The start-up check of a CUDA device for the families that are on now
+/// ([`crate::kernels::Switches::to_check`] of [`CHECKED_FAMILIES`]), as
+/// [`startup_findings`]; a fault that poisons the context ends the process in one line
+/// naming the family whose check raised it.
 pub fn startup_check(device: &Device) -> Vec<Finding> {
-    let (check, mut findings) = run_checks(device);
-    let ran = |k: Kernel| !findings.iter().any(|f: &Finding| f.kernel == k);
+    let families = crate::kernels::SWITCHES.to_check(&CHECKED_FAMILIES);
+    startup_findings(device, &families).unwrap_or_else(|lost| crate::kernels::end_process(&lost))
+}
+
+/// Each family of `families` run once against its reference on `device`, loading its PTX
+/// module, and the device synchronised after it. Returns what failed to run or disagreed
+/// beyond its tolerance, for [`crate::kernels::Switches::apply`]; or the lost context,
+/// naming the family whose check poisoned it.
+pub fn startup_findings(
+    device: &Device,
+    families: &[Kernel],
+) -> std::result::Result<Vec<Finding>, ContextLost> {
+    let (check, mut findings) = check_families(device, families)?;
     let judged: Vec<Finding> = check
         .findings()
         .into_iter()
-        .filter(|f| ran(f.kernel))
+        .filter(|f| families.contains(&f.kernel) && !findings.iter().any(|e| e.kernel == f.kernel))
         .collect();
     findings.extend(judged);
-    findings
+    Ok(findings)
 }
 
-/// Each family's check, one failing to run (NaN figures and a finding) leaving the
-/// others to run.
-fn run_checks(device: &Device) -> (KernelCheck, Vec<Finding>) {
-    let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
+/// Each family of `families` checked in [`CHECKED_FAMILIES`]' order, each followed by a
+/// synchronisation of the device ([`settle`]): a family failing to run (NaN figures and
+/// a finding) leaves the others to run; a fault that poisons the context ends the checks
+/// with the family that caused it. The figures of families not checked are NaN (and no
+/// rows). Each family draws its inputs from its own seed, so they do not depend on which
+/// others ran.
+pub fn check_families(
+    device: &Device,
+    families: &[Kernel],
+) -> std::result::Result<(KernelCheck, Vec<Finding>), ContextLost> {
+    let mut check = KernelCheck::unchecked();
     let mut errors = Vec::new();
-    let mut ran = |kernel: Kernel, r: Result<f64>| -> f64 {
-        r.unwrap_or_else(|e| {
-            errors.push(Finding {
-                kernel,
-                problem: format!("did not run: {e}"),
-            });
-            f64::NAN
-        })
-    };
-    let mut attention =
-        |kernel: AttentionKernel, family: Kernel| match check_attention(device, &mut rng, kernel) {
-            Ok(pair) => pair,
-            Err(e) => {
-                let nan = ran(family, Err(e));
-                (nan, nan)
-            }
-        };
-    let (f32_error, bf16_error) = attention(AttentionKernel::Warp, Kernel::Attention);
-    let (split_f32, split_bf16) = attention(AttentionKernel::Split, Kernel::SplitAttention);
-    let (rows, equal, logprob_error) = match check_sampling(device, &mut rng) {
-        Ok(triple) => triple,
-        Err(e) => (1, 0, ran(Kernel::Sampling, Err(e))),
-    };
-    let ops_f32 = ran(Kernel::DecodeOps, check_ops(device, DType::F32, &mut rng));
-    let ops_bf16 = ran(Kernel::DecodeOps, check_ops(device, DType::BF16, &mut rng));
-    let train_ops = ran(Kernel::TrainOps, check_train_ops(device, &mut rng));
-    let upload = ran(Kernel::WeightsInPlace, check_upload(device, &mut rng));
-    let (graph_f32, graph_bf16, graph_rows, graph_equal) = match check_decode_graph(device) {
-        Ok(four) => four,
-        Err(e) => {
-            let nan = ran(Kernel::DecodeGraphs, Err(e));
-            (nan, nan, 1, 0)
+    // Whatever the device ran before is not blamed on the first family.
+    settle(device, None)?;
+    for (seed, family) in (0u64..).zip(CHECKED_FAMILIES) {
+        if !families.contains(&family) {
+            continue;
         }
-    };
-    let mut check = KernelCheck {
-        attention_f32_max_abs_error: f32_error,
-        attention_bf16_max_abs_error: bf16_error,
-        attention_split_f32_max_abs_error: split_f32,
-        attention_split_bf16_max_abs_error: split_bf16,
-        sampling_rows: rows,
-        sampling_tokens_equal: equal,
-        sampling_max_logprob_error: logprob_error,
-        ops_f32_max_abs_error: ops_f32,
-        ops_bf16_max_abs_error: ops_bf16,
-        train_ops_max_rel_error: train_ops,
-        empty_rows: match crate::train_ops::check_empty_rows(device) {
-            Ok(()) => "ok".into(),
-            Err(e) => e.to_string(),
-        },
-        upload_mismatched: upload,
-        decode_graph_f32_max_rel_error: graph_f32,
-        decode_graph_bf16_max_rel_error: graph_bf16,
-        decode_graph_rows: graph_rows,
-        decode_graph_tokens_equal: graph_equal,
-        passed: false,
-    };
+        let mut rng = ChaCha8Rng::seed_from_u64(0x5eed + seed);
+        let ran = check.run(family, device, &mut rng);
+        let settled = settle(device, Some(family))?;
+        match ran {
+            Err(e) => errors.push(Finding {
+                kernel: family,
+                problem: format!("did not run: {e}"),
+            }),
+            Ok(()) => errors.extend(settled),
+        }
+    }
     check.passed = check.findings().is_empty();
-    (check, errors)
+    Ok((check, errors))
+}
+
+/// Waits for everything the device has been given (on every stream of its context: the
+/// captured step runs on one of its own) and judges what the wait reports, for the work
+/// of `family` ([`crate::kernels::after_synchronize`]): a finding, or the lost context.
+/// Off CUDA, nothing to wait for.
+pub fn settle(
+    device: &Device,
+    family: Option<Kernel>,
+) -> std::result::Result<Option<Finding>, ContextLost> {
+    let Device::Cuda(cuda) = device else {
+        return Ok(None);
+    };
+    let fault = cuda
+        .cuda_stream()
+        .context()
+        .synchronize()
+        .err()
+        .map(|e| DriverFault {
+            code: e.0 as u32,
+            message: format!(
+                "{:?}: {}",
+                e.0,
+                e.error_string()
+                    .map(|s| s.to_string_lossy().into_owned())
+                    .unwrap_or_default()
+            ),
+        });
+    let name = match device.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        other => format!("{other:?}"),
+    };
+    after_synchronize(&name, family, fault)
 }
 
 impl KernelCheck {
+    /// No family checked yet: NaN figures, no rows.
+    fn unchecked() -> Self {
+        Self {
+            attention_f32_max_abs_error: f64::NAN,
+            attention_bf16_max_abs_error: f64::NAN,
+            attention_split_f32_max_abs_error: f64::NAN,
+            attention_split_bf16_max_abs_error: f64::NAN,
+            sampling_rows: 0,
+            sampling_tokens_equal: 0,
+            sampling_max_logprob_error: f64::NAN,
+            ops_f32_max_abs_error: f64::NAN,
+            ops_bf16_max_abs_error: f64::NAN,
+            train_ops_max_rel_error: f64::NAN,
+            empty_rows: "not checked".into(),
+            upload_mismatched: f64::NAN,
+            decode_graph_f32_max_rel_error: f64::NAN,
+            decode_graph_bf16_max_rel_error: f64::NAN,
+            decode_graph_rows: 0,
+            decode_graph_tokens_equal: 0,
+            passed: false,
+        }
+    }
+
+    /// Runs `family`'s check on `device` and records its figures; an error leaves them as
+    /// they were (NaN).
+    fn run(&mut self, family: Kernel, device: &Device, rng: &mut ChaCha8Rng) -> Result<()> {
+        match family {
+            Kernel::Attention => {
+                (
+                    self.attention_f32_max_abs_error,
+                    self.attention_bf16_max_abs_error,
+                ) = check_attention(device, rng, AttentionKernel::Warp)?;
+            }
+            Kernel::SplitAttention => {
+                (
+                    self.attention_split_f32_max_abs_error,
+                    self.attention_split_bf16_max_abs_error,
+                ) = check_attention(device, rng, AttentionKernel::Split)?;
+            }
+            Kernel::Sampling => {
+                (
+                    self.sampling_rows,
+                    self.sampling_tokens_equal,
+                    self.sampling_max_logprob_error,
+                ) = check_sampling(device, rng)?;
+            }
+            Kernel::DecodeOps => {
+                let f32_error = check_ops(device, DType::F32, rng)?;
+                self.ops_bf16_max_abs_error = check_ops(device, DType::BF16, rng)?;
+                self.ops_f32_max_abs_error = f32_error;
+            }
+            Kernel::TrainOps => {
+                self.empty_rows = match crate::train_ops::check_empty_rows(device) {
+                    Ok(()) => "ok".into(),
+                    Err(e) => e.to_string(),
+                };
+                self.train_ops_max_rel_error = check_train_ops(device, rng)?;
+            }
+            Kernel::WeightsInPlace => self.upload_mismatched = check_upload(device, rng)?,
+            Kernel::DecodeGraphs => {
+                (
+                    self.decode_graph_f32_max_rel_error,
+                    self.decode_graph_bf16_max_rel_error,
+                    self.decode_graph_rows,
+                    self.decode_graph_tokens_equal,
+                ) = check_decode_graph(device)?;
+            }
+            other => {
+                return Err(crate::Error::InvalidArgument(format!(
+                    "the {} kernels are checked by their own crate",
+                    other.name()
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Each figure against its tolerance (the one place they are stated).
     pub fn findings(&self) -> Vec<Finding> {
         let sampled = (self.sampling_tokens_equal != self.sampling_rows).then(|| Finding {

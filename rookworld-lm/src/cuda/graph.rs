@@ -12,7 +12,13 @@
 //! - every activation lives in one arena, sized for the largest bucket made so far;
 //! - the graphs are captured and launched on a stream of their own, their products on a
 //!   cuBLAS handle of their own with its own workspace, so that no other thread's work on
-//!   the device's stream is recorded and no product allocates during a capture;
+//!   the device's stream is recorded and no product allocates during a capture. The
+//!   stream, handle and workspace are made once per GPU and kept for the process
+//!   ([`GraphStream`]): a cache rebuild makes the graphs again, not them (destroying a
+//!   cuBLAS handle synchronises the whole device);
+//! - a step waits for the device's stream, then does everything on the graph stream —
+//!   the arena's allocation and zero-fill included — so each piece of its work is ordered
+//!   after the one before;
 //! - what changes (live rows, cursor, ids, positions, each row's group and first column,
 //!   each group's padding: [`GraphLayout`], and the sampler's draws) is read from two
 //!   device buffers that the step writes before the launch.
@@ -30,22 +36,23 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
 
 use candle_core::cuda::WrapErr;
 use candle_core::cuda::cudarc::cublas::{CudaBlas, result as blas, sys as blas_sys};
 use candle_core::cuda::cudarc::driver::{
-    CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg, sys,
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+    PushKernelArg, sys,
 };
 use candle_core::{CudaDevice, DType, Device, Storage, Tensor};
 use half::bf16;
 
 use super::{ATTENTION_PTX, DECODE_OPS_PTX, SAMPLE_PTX, elementwise, kernel};
+use crate::device::PerDevice;
 use crate::device_sampling::RowDraw;
 use crate::error::{Error, Result};
 use crate::grouped::{GraphLayout, GroupedCache};
 
-/// Warps of a `row_attention` block (`SPLIT_WARPS` in the kernel).
-const ATTENTION_WARPS: u32 = 4;
 /// Threads of a layer-norm block and of a sampling block (`NORM_THREADS`, `THREADS`).
 const NORM_THREADS: u32 = 256;
 const SAMPLE_THREADS: u32 = 1024;
@@ -161,17 +168,65 @@ struct Arena {
     out_at: u64,
 }
 
-/// The captured decode steps over one cache's buffers and one model's weights.
-pub struct DecodeGraphs {
-    device: CudaDevice,
-    /// The stream the graphs are captured and launched on: their own, so that no other
-    /// thread's work on the device's stream (a weight version being built) is recorded
-    /// into a capture. Each step waits for the device's stream first.
-    stream: std::sync::Arc<CudaStream>,
+/// The stream the graphs of one GPU are captured and launched on, and the cuBLAS handle
+/// and workspace of their products: made by the first captured step on the GPU and kept
+/// for the process ([`GraphStream::of`]), every rebuild's graphs using the same.
+struct GraphStream {
+    /// Their own stream, so that no other thread's work on the device's stream (a weight
+    /// version being built) is recorded into a capture. Each step waits for the device's
+    /// stream first.
+    stream: Arc<CudaStream>,
     /// A cuBLAS handle on that stream, with a workspace of its own (so that no product
     /// allocates while a graph is captured).
     blas: CudaBlas,
     _workspace: CudaSlice<u8>,
+    /// Held for the whole of a step (or a read of its logits): two caches' steps on one
+    /// GPU take turns on the stream, and one capture never records another's launches.
+    busy: Mutex<()>,
+}
+
+impl GraphStream {
+    /// The graph stream of `device`'s GPU (its context's ordinal), made on first use.
+    fn of(device: &CudaDevice) -> Result<Arc<GraphStream>> {
+        static MADE: PerDevice<usize, GraphStream> = PerDevice::new();
+        let context = device.cuda_stream().context().clone();
+        MADE.get_or_try_make(context.ordinal(), || Self::new(&context))
+    }
+
+    fn new(context: &Arc<CudaContext>) -> Result<Self> {
+        let stream = context.new_stream().w()?;
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| fail(format!("cuBLAS: {e:?}")))?;
+        let workspace = stream.alloc_zeros::<u8>(WORKSPACE_BYTES).w()?;
+        let at = workspace.device_ptr(&stream).0;
+        // SAFETY: the workspace is WORKSPACE_BYTES of device memory on the handle's device,
+        // kept as long as the handle (both fields of this struct).
+        let status = unsafe {
+            blas_sys::cublasSetWorkspace_v2(*blas.handle(), at as *mut c_void, WORKSPACE_BYTES)
+        };
+        if status != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(fail(format!("cublasSetWorkspace: {status:?}")));
+        }
+        Ok(Self {
+            stream,
+            blas,
+            _workspace: workspace,
+            busy: Mutex::new(()),
+        })
+    }
+
+    /// The stream to itself for a step.
+    fn take_turn(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.busy
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// The captured decode steps over one cache's buffers and one model's weights.
+pub struct DecodeGraphs {
+    device: CudaDevice,
+    /// The GPU's graph stream, handle and workspace (shared, kept for the process).
+    shared: Arc<GraphStream>,
     dtype: DType,
     /// The cache's [`GroupedCache::rebuilds`] these were made for.
     rebuilds: u64,
@@ -194,6 +249,18 @@ impl std::fmt::Debug for DecodeGraphs {
             .field("rebuilds", &self.rebuilds)
             .field("buckets", &self.graphs.keys().collect::<Vec<_>>())
             .finish()
+    }
+}
+
+impl Drop for DecodeGraphs {
+    /// The arena is freed on the graph stream (where it was made) and the graphs with it,
+    /// in its turn: a free enqueued while another cache's step captures there would be
+    /// recorded into that graph.
+    fn drop(&mut self) {
+        let shared = self.shared.clone();
+        let _turn = shared.take_turn();
+        self.graphs.clear();
+        self.arena = None;
     }
 }
 
@@ -232,14 +299,8 @@ impl DecodeGraphs {
     /// `head_dim`: f32 or BF16, and the head dim's 16-byte pieces a power of two up to a
     /// warp (what `row_attention` holds).
     pub(crate) fn applies(dtype: DType, head_dim: usize) -> bool {
-        let Some(vec) = (match dtype {
-            DType::F32 => Some(4),
-            DType::BF16 => Some(8),
-            _ => None,
-        }) else {
-            return false;
-        };
-        head_dim.is_multiple_of(vec) && (head_dim / vec).is_power_of_two() && head_dim / vec <= 32
+        matches!(dtype, DType::F32 | DType::BF16)
+            && crate::launch::vectorised_heads(dtype.size_in_bytes(), head_dim)
     }
 
     /// The graphs of `cache` as it is now and of `weights` (none captured yet): the
@@ -313,22 +374,8 @@ impl DecodeGraphs {
             )?,
             sample: load("sample_rows", "rookworld_sample", SAMPLE_PTX)?,
         };
-        let stream = device.cuda_stream().context().new_stream().w()?;
-        let blas = CudaBlas::new(stream.clone()).map_err(|e| fail(format!("cuBLAS: {e:?}")))?;
-        let workspace = device.alloc_zeros::<u8>(WORKSPACE_BYTES)?;
-        let at = workspace.device_ptr(&device.cuda_stream()).0;
-        // SAFETY: the workspace is WORKSPACE_BYTES of device memory on the handle's device,
-        // kept as long as the handle (both fields of this struct).
-        let status = unsafe {
-            blas_sys::cublasSetWorkspace_v2(*blas.handle(), at as *mut c_void, WORKSPACE_BYTES)
-        };
-        if status != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-            return Err(fail(format!("cublasSetWorkspace: {status:?}")));
-        }
         Ok(Self {
-            stream,
-            blas,
-            _workspace: workspace,
+            shared: GraphStream::of(&device)?,
             wte: address(weights.wte, &device)?,
             wpe: address(weights.wpe, &device)?,
             ln_f: pair(weights.ln_f, &device)?,
@@ -367,6 +414,9 @@ impl DecodeGraphs {
         Ok(self.arena.as_ref().expect("made above"))
     }
 
+    /// The arena for `rows` rows, allocated and zeroed on the graph stream: ordered after
+    /// the step's wait for the device's stream and before the step's copies and launches,
+    /// and freed there too when replaced.
     fn make_arena(&self, rows: usize) -> Result<Arena> {
         let Dims {
             e, inner, padded, ..
@@ -393,18 +443,18 @@ impl DecodeGraphs {
             offsets.push(total);
             total += (n * size).next_multiple_of(ALIGN);
         }
-        let bytes = self.device.alloc_zeros::<u8>(total)?;
+        let stream = &self.shared.stream;
+        let bytes = stream.alloc_zeros::<u8>(total).w()?;
         let layout = GraphLayout { bucket: rows };
-        let inputs = self
-            .device
-            .alloc_zeros::<u32>(layout.len(self.dims.groups))?;
-        let draws = self.device.alloc_zeros::<f64>(4 * rows)?;
-        let out = self.device.alloc_zeros::<u32>(3 * rows)?;
-        let stream = self.device.cuda_stream();
-        let base = bytes.device_ptr(&stream).0;
-        let inputs_at = inputs.device_ptr(&stream).0;
-        let draws_at = draws.device_ptr(&stream).0;
-        let out_at = out.device_ptr(&stream).0;
+        let inputs = stream
+            .alloc_zeros::<u32>(layout.len(self.dims.groups))
+            .w()?;
+        let draws = stream.alloc_zeros::<f64>(4 * rows).w()?;
+        let out = stream.alloc_zeros::<u32>(3 * rows).w()?;
+        let base = bytes.device_ptr(stream).0;
+        let inputs_at = inputs.device_ptr(stream).0;
+        let draws_at = draws.device_ptr(stream).0;
+        let out_at = out.device_ptr(stream).0;
         let at = |i: usize| base + offsets[i] as u64;
         Ok(Arena {
             rows,
@@ -451,6 +501,8 @@ impl DecodeGraphs {
         }
         let (layout, inputs) = cache.graph_step_inputs(ids)?;
         if slot.as_ref().is_none_or(|g| g.rebuilds != cache.rebuilds()) {
+            // The old graphs and arena go (in their turn on the graph stream, before this
+            // step takes its own); the stream, handle and workspace stay.
             *slot = None;
             *slot = Some(Self::new(weights, cache)?);
         }
@@ -476,8 +528,11 @@ impl DecodeGraphs {
         while packed.len() < 4 * bucket {
             packed.extend([0.0, 0.0, 1.0, 0.5]);
         }
-        let stream = graphs.stream.clone();
-        // After everything the device's stream holds (the prefill, the cache's moves).
+        let shared = graphs.shared.clone();
+        let _turn = shared.take_turn();
+        let stream = &shared.stream;
+        // After everything the device's stream holds (the prefill, the cache's moves);
+        // from here on every piece of the step is on the graph stream, in order.
         stream.join(&graphs.device.cuda_stream()).w()?;
         graphs.arena_for(bucket)?;
         let arena = graphs.arena.as_mut().expect("made above");
@@ -510,7 +565,9 @@ impl DecodeGraphs {
         let (padded, vocab) = (self.dims.padded, self.dims.vocab);
         let size = self.dtype.size_in_bytes();
         let start = arena.logits_offset;
+        let _turn = self.shared.take_turn();
         let bytes = self
+            .shared
             .stream
             .clone_dtoh(&arena.bytes.slice(start..start + rows * padded * size))
             .w()?;
@@ -530,9 +587,9 @@ impl DecodeGraphs {
             .collect())
     }
 
-    /// Captures the step of one bucket's rows on the device's stream.
+    /// Captures the step of one bucket's rows on the graph stream.
     fn capture(&self, layout: GraphLayout) -> Result<Graph> {
-        let stream = &self.stream;
+        let stream = &self.shared.stream;
         stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .w()?;
@@ -568,7 +625,7 @@ impl DecodeGraphs {
         let norm = |buf: u64| buf + (rows * e) as u64 * size;
 
         // x = wte[ids] + wpe[positions]; h = ln_1(x) of the first layer.
-        let mut b = self.stream.launch_builder(&self.functions.embed);
+        let mut b = self.shared.stream.launch_builder(&self.functions.embed);
         let (ids, positions) = (input(layout.ids()), input(layout.positions()));
         b.arg(&self.wte).arg(&self.wpe).arg(&ids).arg(&positions);
         b.arg(&arena.tok).arg(&arena.pos).arg(&r).arg(&e_);
@@ -592,7 +649,7 @@ impl DecodeGraphs {
             self.linear(norm(x), rows, e, l.c_attn.0, 3 * e, arena.qkv)?;
             // q into its own (B, H, 1, D); k and v into the cache at the cursor.
             let (zero_col, one_col) = (0i32, 1i32);
-            let mut b = self.stream.launch_builder(&self.functions.split);
+            let mut b = self.shared.stream.launch_builder(&self.functions.split);
             let part = 0i32;
             b.arg(&arena.qkv).arg(&l.c_attn.1).arg(&arena.q).arg(&part);
             b.arg(&r).arg(&h).arg(&d).arg(&one_col).arg(&zero_col);
@@ -600,7 +657,10 @@ impl DecodeGraphs {
             unsafe { b.launch(elementwise(rows * e)) }.w()?;
             let c = int(suffix_cols)?;
             for (part, dst) in [(1i32, l.sk), (2i32, l.sv)] {
-                let mut b = self.stream.launch_builder(&self.functions.split_step);
+                let mut b = self
+                    .shared
+                    .stream
+                    .launch_builder(&self.functions.split_step);
                 b.arg(&arena.qkv).arg(&l.c_attn.1).arg(&dst).arg(&part);
                 b.arg(&r).arg(&h).arg(&d).arg(&c).arg(&step);
                 // SAFETY: (qkv, bias, dst, part, B, H, D, C, step): rows < B of the cache's
@@ -614,7 +674,7 @@ impl DecodeGraphs {
                 input(layout.group_pad()),
             );
             let (l_, scale) = (int(pool_len)?, 1.0 / ((e / heads) as f32).sqrt());
-            let mut b = self.stream.launch_builder(&self.functions.attention);
+            let mut b = self.shared.stream.launch_builder(&self.functions.attention);
             b.arg(&arena.q).arg(&l.pk).arg(&l.pv).arg(&l.sk).arg(&l.sv);
             b.arg(&step)
                 .arg(&groups)
@@ -622,10 +682,11 @@ impl DecodeGraphs {
                 .arg(&pads)
                 .arg(&arena.att);
             b.arg(&h).arg(&d).arg(&l_).arg(&c).arg(&scale);
+            let grid = crate::launch::row_attention_grid(rows, heads);
             let cfg = LaunchConfig {
-                grid_dim: (rows as u32, heads as u32, 1),
-                block_dim: (32, ATTENTION_WARPS, 1),
-                shared_mem_bytes: 0,
+                grid_dim: grid.grid,
+                block_dim: grid.block,
+                shared_mem_bytes: grid.shared_bytes,
             };
             // SAFETY: (q, pk, pv, sk, sv, step, row_group, row_start, group_pad, out, H, D,
             // L, C, scale): a block per (row, head); rows past step[0] leave; the others
@@ -643,7 +704,7 @@ impl DecodeGraphs {
             let x = arena.residual[cur];
             self.linear(norm(x), rows, e, l.c_fc.0, inner, arena.fc)?;
             let (m, n) = (r, int(inner)?);
-            let mut b = self.stream.launch_builder(&self.functions.gelu);
+            let mut b = self.shared.stream.launch_builder(&self.functions.gelu);
             b.arg(&arena.fc)
                 .arg(&l.c_fc.1)
                 .arg(&arena.act)
@@ -671,7 +732,7 @@ impl DecodeGraphs {
             (arena.logits, padded),
         )?;
         let (v, ld) = (int(vocab)?, padded as i64);
-        let mut b = self.stream.launch_builder(&self.functions.sample);
+        let mut b = self.shared.stream.launch_builder(&self.functions.sample);
         b.arg(&arena.logits)
             .arg(&v)
             .arg(&ld)
@@ -699,7 +760,7 @@ impl DecodeGraphs {
     ) -> Result<()> {
         let (m, e) = (int(rows)?, int(self.dims.e)?);
         let eps = self.dims.eps;
-        let mut builder = self.stream.launch_builder(&self.functions.add_norm);
+        let mut builder = self.shared.stream.launch_builder(&self.functions.add_norm);
         builder.arg(&x).arg(&y).arg(&c).arg(&w).arg(&b).arg(&out);
         builder.arg(&m).arg(&e).arg(&eps);
         let cfg = LaunchConfig {
@@ -743,7 +804,7 @@ impl DecodeGraphs {
         // call is enqueued (host pointer mode).
         unsafe {
             blas::gemm_ex(
-                *self.blas.handle(),
+                *self.shared.blas.handle(),
                 op,
                 blas_sys::cublasOperation_t::CUBLAS_OP_N,
                 int(m)?,

@@ -13,8 +13,9 @@
 //!   learner's bfloat16 copy of its weights).
 //!
 //! Each has a CPU reference ([`crate::cpu_attention`], [`crate::device_sampling`],
-//! each module of [`crate::train_ops`]) that
-//! [`self_check`] compares it with on a GPU.
+//! each module of [`crate::train_ops`]) that [`self_check`] compares it with on a GPU, and
+//! [`startup_check`] for the families that are on, the device synchronised after each
+//! ([`settle`]) so that a CUDA fault is named with the family that raised it.
 
 mod attention;
 mod check;
@@ -25,7 +26,10 @@ pub(crate) mod train;
 mod transfer;
 
 pub use attention::{AttentionKernel, DeviceGeometry, grouped_attention, grouped_attention_with};
-pub use check::{KernelCheck, self_check, startup_check};
+pub use check::{
+    CHECKED_FAMILIES, KernelCheck, check_families, self_check, settle, startup_check,
+    startup_findings,
+};
 pub use graph::DecodeGraphs;
 pub(crate) use graph::{LayerWeights, StepWeights};
 pub use sample::sample_rows;

@@ -11,9 +11,6 @@ use super::{DECODE_OPS_PTX, elementwise, kernel, output, slice, view};
 use crate::fused_ops::{AddLayerNorm, QkvSplit};
 
 const MODULE: &str = "rookworld_decode_ops";
-/// Threads per block of the element-wise kernels and of the layer norm (`NORM_THREADS`,
-/// its launch bound, in the kernel).
-const THREADS: u32 = 256;
 
 type Arg<'a> = (&'a CudaStorage, &'a Layout);
 
@@ -155,10 +152,11 @@ fn add_layer_norm_t<T: CudaDType + DeviceRepr>(
             .arg(&bv)
             .arg(&mut out);
         builder.arg(&m_arg).arg(&e_arg).arg(&op.eps);
+        let grid = crate::launch::add_layer_norm_grid(m, e).map_err(candle_core::Error::msg)?;
         let cfg = LaunchConfig {
-            grid_dim: (m as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: ((e + 32) * 4) as u32,
+            grid_dim: grid.grid,
+            block_dim: grid.block,
+            shared_mem_bytes: grid.shared_bytes,
         };
         // SAFETY: the kernel's signature (x, y, c, w, b, out, M, E, eps); block r reads row r
         // of x and y and writes row r of both halves of out; shared memory holds E + 32

@@ -1,28 +1,16 @@
 //! The LM head on the device: its logits a block of rows at a time (at most
-//! [`HEAD_BLOCK_ELEMENTS`]), each block's log-probs, or its gradient and the two products
+//! [`launch::HEAD_BLOCK_ELEMENTS`]), each block's log-probs, or its gradient and the two products
 //! of the backward, without a (rows, vocabulary) buffer; or, with the head kept
-//! ([`Cuda::with_kept_head`]), a chunk's probabilities (at most [`HEAD_KEEP_ELEMENTS`])
+//! ([`Cuda::with_kept_head`]), a chunk's probabilities (at most [`launch::HEAD_KEEP_ELEMENTS`])
 //! from its forward to its backward.
 
 use candle_core::cuda::cudarc::driver::sys::CUdeviceptr;
 use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::{Cuda, CudaRows, DevF32, fail, int};
+use super::{Cuda, CudaRows, DevF32, config, fail, int};
 use crate::backend::{Backend, HeadBackward, HeadForward, Result};
 use crate::gemm::{RowMajor, row_major};
-
-/// Threads per row of the head's kernels (`HEAD_THREADS`).
-const HEAD_THREADS: u32 = 512;
-/// Logit elements of one block of the head's rows (256 MiB of f32).
-const HEAD_BLOCK_ELEMENTS: usize = 64 << 20;
-/// Probabilities a chunk of the head keeps, with the head kept (1 GiB of f32).
-const HEAD_KEEP_ELEMENTS: usize = 256 << 20;
-
-/// Rows of a chunk whose probabilities are kept: at most [`HEAD_KEEP_ELEMENTS`], at least
-/// one.
-pub(super) fn keep_rows(vocab: usize) -> usize {
-    (HEAD_KEEP_ELEMENTS / vocab.max(1)).max(1)
-}
+use crate::launch::{self, head_block};
 
 impl Cuda {
     /// [`Backend::head_forward`] block by block of rows, nothing kept for the backward.
@@ -57,7 +45,7 @@ impl Cuda {
             launch!(
                 self,
                 "head_logprobs",
-                per_row(m),
+                per_row(m)?,
                 &logits.ptr,
                 &t,
                 &logp,
@@ -92,7 +80,7 @@ impl Cuda {
             launch!(
                 self,
                 "head_grad",
-                per_row(m),
+                per_row(m)?,
                 &logits.ptr,
                 &t,
                 &up,
@@ -130,7 +118,7 @@ impl Cuda {
         launch!(
             self,
             "head_probs",
-            per_row(m),
+            per_row(m)?,
             &probs.ptr,
             &t,
             &logp,
@@ -167,7 +155,7 @@ impl Cuda {
         launch!(
             self,
             "head_grad_kept",
-            super::elementwise(m * v),
+            super::elementwise(m * v)?,
             &probs.ptr,
             &t,
             &up,
@@ -239,19 +227,9 @@ fn check_span(op: &'static str, span: &std::ops::Range<usize>, n: usize) -> Resu
     }
 }
 
-/// Rows of the head per block: at most [`HEAD_BLOCK_ELEMENTS`] logits, at least one row,
-/// at most the `n` rows there are.
-fn head_block(v: usize, n: usize) -> usize {
-    (HEAD_BLOCK_ELEMENTS / v.max(1)).clamp(1, n)
-}
-
-/// A block of [`HEAD_THREADS`] threads per row, `m` rows (the head's kernels).
-fn per_row(m: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (m as u32, 1, 1),
-        block_dim: (HEAD_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    }
+/// A block per row, `m` rows (the head's kernels; [`launch::per_row`]).
+fn per_row(m: usize) -> Result<LaunchConfig> {
+    launch::per_row(m).map(config)
 }
 
 /// The device address of u32 element `i` from `base`.

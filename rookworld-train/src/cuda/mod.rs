@@ -33,18 +33,11 @@ use candle_core::cuda::cudarc::driver::{
 use crate::backend::{Backend, Error, HeadBackward, HeadForward, Heads, Result};
 use crate::batch::{Packed, ScatterPlan};
 use crate::gemm::Gemm;
+use crate::launch::{self, Grid, int};
 use crate::profile::KernelProfile;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/pass.ptx"));
 const MODULE: &str = "rookworld_train_pass";
-/// Threads per block of the element-wise kernels.
-const THREADS: u32 = 256;
-/// Warps per block of the warp-per-row kernels (`ROWS_PER_BLOCK` in the kernels).
-const ROWS_PER_BLOCK: u32 = 8;
-/// Rows per partial sum of `column_partials` and of `layer_norm_partials` (`SUM_ROWS`,
-/// `LN_CHUNK`).
-const SUM_ROWS: usize = 256;
-const LN_CHUNK: usize = 32;
 
 /// A [`ScatterPlan`] on the device.
 struct DevicePlan {
@@ -124,26 +117,23 @@ fn fail(op: &'static str, e: impl std::fmt::Display) -> Error {
     }
 }
 
-/// Grid-stride launch over `n` elements.
-fn elementwise(n: usize) -> LaunchConfig {
+/// A launch's shape ([`crate::launch`]) as cudarc takes it.
+fn config(g: Grid) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: ((n as u32).div_ceil(THREADS).clamp(1, 1 << 16), 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
+        grid_dim: g.grid,
+        block_dim: g.block,
+        shared_mem_bytes: g.shared_bytes,
     }
 }
 
-/// A warp per task, eight tasks per block.
-fn warps(tasks: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: ((tasks as u32).div_ceil(ROWS_PER_BLOCK), 1, 1),
-        block_dim: (ROWS_PER_BLOCK * 32, 1, 1),
-        shared_mem_bytes: 0,
-    }
+/// A grid-stride launch over `n` elements ([`launch::elementwise`]).
+fn elementwise(n: usize) -> Result<LaunchConfig> {
+    launch::elementwise("elementwise", n).map(config)
 }
 
-fn int(op: &'static str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| fail(op, format!("{v} does not fit a kernel's int")))
+/// A warp per task ([`launch::warps`]).
+fn warps(tasks: usize) -> Result<LaunchConfig> {
+    launch::warps("warps", tasks).map(config)
 }
 
 impl Cuda {
@@ -332,7 +322,7 @@ impl Cuda {
         launch!(
             self,
             "scatter_add_planned",
-            elementwise(plan.destinations * width),
+            elementwise(plan.destinations * width)?,
             &dst.ptr,
             &src.ptr,
             &t,
@@ -447,7 +437,7 @@ impl Backend for Cuda {
             by_position: self.plan(&packed.positions)?,
             by_head_row: self.plan(&packed.head_rows)?,
             tiles: if self.tiled_attention {
-                let tiles = packed.row_tiles(attention::TILE);
+                let tiles = packed.row_tiles(launch::TILE);
                 let flat: Vec<i32> = tiles.iter().flatten().copied().collect();
                 Some((self.upload("rows", &flat)?, tiles.len()))
             } else {
@@ -464,7 +454,7 @@ impl Backend for Cuda {
     }
 
     fn head_keep_rows(&self, vocab: usize) -> Option<usize> {
-        self.kept_head.then(|| head::keep_rows(vocab))
+        self.kept_head.then(|| launch::keep_rows(vocab))
     }
 
     fn gemm(&self, c: &mut DevF32, g: &Gemm, a: &DevF32, b: &DevF32) -> Result<()> {
@@ -537,7 +527,7 @@ impl Backend for Cuda {
         launch!(
             self,
             "broadcast_rows",
-            elementwise(out.len),
+            elementwise(out.len)?,
             &out.ptr,
             &bias.ptr,
             &r,
@@ -554,23 +544,26 @@ impl Backend for Cuda {
             return Err(fail("column_sums", "not whole rows"));
         }
         let rows = m.len / n;
-        let k = rows.div_ceil(SUM_ROWS);
+        let (grid, k) = launch::column_partials(rows, n)?;
         let partial = self.scratch(k * n)?;
         let (ri, ni, ki) = (
             int("column_sums", rows)?,
             int("column_sums", n)?,
             int("column_sums", k)?,
         );
-        let cfg = LaunchConfig {
-            grid_dim: ((n as u32).div_ceil(THREADS), k as u32, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        launch!(self, "column_partials", cfg, &m.ptr, &partial.ptr, &ri, &ni)?;
+        launch!(
+            self,
+            "column_partials",
+            config(grid),
+            &m.ptr,
+            &partial.ptr,
+            &ri,
+            &ni
+        )?;
         launch!(
             self,
             "column_finish",
-            elementwise(n),
+            elementwise(n)?,
             &acc.ptr,
             &partial.ptr,
             &ki,
@@ -589,7 +582,7 @@ impl Backend for Cuda {
         launch!(
             self,
             "add",
-            elementwise(out.len),
+            elementwise(out.len)?,
             &out.ptr,
             &a.ptr,
             &b.ptr,
@@ -613,7 +606,7 @@ impl Backend for Cuda {
         launch!(
             self,
             "embedding_fwd",
-            elementwise(out.len),
+            elementwise(out.len)?,
             &out.ptr,
             &ids,
             &pos,
@@ -657,7 +650,7 @@ impl Backend for Cuda {
         launch!(
             self,
             "layer_norm_fwd",
-            warps(rows),
+            warps(rows)?,
             &out.ptr,
             &mean.ptr,
             &rstd.ptr,
@@ -690,7 +683,7 @@ impl Backend for Cuda {
         launch!(
             self,
             "layer_norm_dx",
-            warps(rows),
+            warps(rows)?,
             &dx.ptr,
             &dout.ptr,
             &x.ptr,
@@ -700,18 +693,13 @@ impl Backend for Cuda {
             &m,
             &ei
         )?;
-        let k = rows.div_ceil(LN_CHUNK);
+        let (grid, k) = launch::layer_norm_partials(rows)?;
         let ki = int("layer_norm", k)?;
         let partial = self.scratch(k * 2 * e)?;
-        let cfg = LaunchConfig {
-            grid_dim: (k as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
         launch!(
             self,
             "layer_norm_partials",
-            cfg,
+            config(grid),
             &partial.ptr,
             &dout.ptr,
             &x.ptr,
@@ -723,7 +711,7 @@ impl Backend for Cuda {
         launch!(
             self,
             "layer_norm_finish",
-            elementwise(e),
+            elementwise(e)?,
             &dw.ptr,
             &db.ptr,
             &partial.ptr,
@@ -737,7 +725,7 @@ impl Backend for Cuda {
             return Ok(());
         }
         let n = int("gelu", x.len)?;
-        launch!(self, "gelu_fwd", elementwise(x.len), &out.ptr, &x.ptr, &n)
+        launch!(self, "gelu_fwd", elementwise(x.len)?, &out.ptr, &x.ptr, &n)
     }
 
     fn gelu_backward(&self, d: &mut DevF32, x: &DevF32) -> Result<()> {
@@ -745,7 +733,7 @@ impl Backend for Cuda {
             return Ok(());
         }
         let n = int("gelu", x.len)?;
-        launch!(self, "gelu_bwd", elementwise(x.len), &d.ptr, &x.ptr, &n)
+        launch!(self, "gelu_bwd", elementwise(x.len)?, &d.ptr, &x.ptr, &n)
     }
 
     fn attention_forward(
@@ -782,7 +770,7 @@ impl Backend for Cuda {
         launch!(
             self,
             "gather_rows",
-            elementwise(out.len),
+            elementwise(out.len)?,
             &out.ptr,
             &x.ptr,
             &at,

@@ -3,6 +3,8 @@
 //! written out in f64.
 
 use super::*;
+// Which kernel of `grouped_attention.cu` a launch runs.
+use rookworld_lm::launch::AttentionKernel as Attention;
 
 /// A decode step over the grouped cache (letters as in `grouped.rs`): 26 rows in three
 /// groups of 17, 5 and 4 rows, interleaved (the first group spans two blocks of the warp
@@ -152,13 +154,6 @@ impl<P: Precision> AttentionInputs<P> {
     }
 }
 
-/// Which kernel of `grouped_attention.cu` a launch runs (`cuda::AttentionKernel`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Attention {
-    Warp,
-    Split,
-}
-
 /// `kernel`'s output for `step` in P against the f64 reference.
 fn grouped_attention_matches<P: Precision>(kernel: Attention, head_dim: usize) {
     let Some(module) = attention_module() else {
@@ -177,26 +172,21 @@ fn grouped_attention_matches<P: Precision>(kernel: Attention, head_dim: usize) {
         u32s(&step.group_pad),
     );
     let mut out = P::unwritten(b * h * d);
-    // As `cuda::attention::launch`: the warp kernel on grid (N, H, ⌈R / warps⌉) of
-    // (32, warps) threads, warps = clamp(R, 1, 16); the split kernel on grid (N, H, R) of
-    // (32, SPLIT_WARPS = 4); both with (q, pk, pv, sk, sv, scatter, row_start, group_pad,
-    // out, B, H, D, L, C, R, cursor, scale).
-    let (base, grid) = match kernel {
-        Attention::Warp => {
-            let warps = r.clamp(1, 16) as u32;
-            (
-                "grouped_attention",
-                (
-                    [n as u32, h as u32, (r as u32).div_ceil(warps)],
-                    [32, warps, 1],
-                ),
-            )
-        }
-        Attention::Split => (
-            "grouped_attention_split",
-            ([n as u32, h as u32, r.max(1) as u32], [32, 4, 1]),
-        ),
+    // The grid `cuda::attention::launch` takes (rookworld_lm::launch::attention_grid), with
+    // (q, pk, pv, sk, sv, scatter, row_start, group_pad, out, B, H, D, L, C, R, cursor,
+    // scale).
+    let base = match kernel {
+        Attention::Warp => "grouped_attention",
+        Attention::Split => "grouped_attention_split",
     };
+    assert!(rookworld_lm::launch::attention_applies(
+        kernel,
+        P::DTYPE.size_in_bytes(),
+        d
+    ));
+    let g = rookworld_lm::launch::attention_grid(kernel, n, h, r);
+    let ((gx, gy, gz), (bx, by, bz)) = (g.grid, g.block);
+    let grid = ([gx, gy, gz], [bx, by, bz]);
     launch(
         module,
         &P::kernel(base),
@@ -285,12 +275,15 @@ fn row_attention_matches<P: Precision>() {
     );
     let sentinel = P::bits(7.0);
     let mut out = Guarded::from_slice(&vec![sentinel; bucket * h * d]);
-    // As `DecodeGraphs::enqueue`: grid (bucket rows, H) of (32, ATTENTION_WARPS = 4), with
-    // (q, pk, pv, sk, sv, step, row_group, row_start, group_pad, out, H, D, L, C, scale).
+    // The grid `DecodeGraphs::enqueue` takes (rookworld_lm::launch::row_attention_grid),
+    // with (q, pk, pv, sk, sv, step, row_group, row_start, group_pad, out, H, D, L, C,
+    // scale).
+    let g = rookworld_lm::launch::row_attention_grid(bucket, h);
+    let ((gx, gy, gz), (bx, by, bz)) = (g.grid, g.block);
     launch(
         module,
         &P::kernel("row_attention"),
-        ([bucket as u32, h as u32, 1], [32, 4, 1]),
+        ([gx, gy, gz], [bx, by, bz]),
         &[
             Arg::buf(&inputs.q.0),
             Arg::buf(&inputs.pk.0),
