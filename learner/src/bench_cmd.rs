@@ -511,7 +511,7 @@ mod tests {
         let mut p = rookworld_train::KernelProfile::default();
         for _ in 0..2 {
             p.add("gemm 2304×880×768 TN", 3e-3);
-            p.add("layer_norm_fwd", 1e-3);
+            p.add("pass_layer_norm_fwd", 1e-3);
             p.add("gelu_fwd", 0.25e-3);
             p.add("gelu_fwd", 0.25e-3);
         }
@@ -521,7 +521,7 @@ mod tests {
         let names: Vec<&str> = r.by_kernel.iter().map(|k| k.name.as_str()).collect();
         assert_eq!(
             names,
-            ["gemm 2304×880×768 TN", "layer_norm_fwd", "gelu_fwd"]
+            ["gemm 2304×880×768 TN", "pass_layer_norm_fwd", "gelu_fwd"]
         );
         assert_eq!(r.by_kernel[2].launches, 2.0);
         assert!((r.by_kernel[0].ms - 3.0).abs() < 1e-9);

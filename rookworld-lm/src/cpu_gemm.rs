@@ -15,9 +15,9 @@
 //!
 //! Where the CPU has AVX-512 ([`avx512`]), BF16 and INT8 panels take its dot products: BF16
 //! panels are laid out in pairs of k for `vdpbf16ps` (inputs rounded to BF16 at each
-//! product, f32 sums: PyTorch's BF16 autocast on such a CPU; no longer the f32 panels'
-//! product to the bit), INT8 panels keep their layout and sum each group of four k in one
-//! `vpdpbusd` (VNNI) instead of three AVX2 instructions, to the same i32 sums.
+//! product, f32 sums: PyTorch's BF16 autocast on such a CPU; unlike AVX2's, not the f32
+//! panels' product to the bit), INT8 panels keep their layout and sum each group of four k
+//! in one `vpdpbusd` (VNNI) instead of three AVX2 instructions, to the same i32 sums.
 //!
 //! Letters: M rows of `x`, K inputs, N outputs.
 

@@ -124,9 +124,10 @@ extern "C" __global__ void gelu_bwd(float *__restrict__ d, const float *__restri
 // y (M, E) = (x − μ) σ̂ w + b per row, with μ and σ̂ = 1/√(var + eps) saved (M). A warp per
 // row, the statistics in two passes. Grid ceil(M / 8), block 256.
 extern "C" __global__ void __launch_bounds__(ROWS_PER_BLOCK * WARP)
-    layer_norm_fwd(float *__restrict__ y, float *__restrict__ mean, float *__restrict__ rstd,
-                   const float *__restrict__ x, const float *__restrict__ w,
-                   const float *__restrict__ b, int M, int E, float eps) {
+    pass_layer_norm_fwd(float *__restrict__ y, float *__restrict__ mean,
+                        float *__restrict__ rstd, const float *__restrict__ x,
+                        const float *__restrict__ w, const float *__restrict__ b, int M, int E,
+                        float eps) {
     const int r = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / WARP, lane = threadIdx.x % WARP;
     if (r >= M) return;
     const float *row = x + (size_t)r * E;
@@ -149,9 +150,10 @@ extern "C" __global__ void __launch_bounds__(ROWS_PER_BLOCK * WARP)
 
 // dx += σ̂ (g − mean(g) − x̂ mean(g x̂)) per row, g = dy w. Grid ceil(M / 8), block 256.
 extern "C" __global__ void __launch_bounds__(ROWS_PER_BLOCK * WARP)
-    layer_norm_dx(float *__restrict__ dx, const float *__restrict__ dy,
-                  const float *__restrict__ x, const float *__restrict__ mean,
-                  const float *__restrict__ rstd, const float *__restrict__ w, int M, int E) {
+    pass_layer_norm_dx(float *__restrict__ dx, const float *__restrict__ dy,
+                       const float *__restrict__ x, const float *__restrict__ mean,
+                       const float *__restrict__ rstd, const float *__restrict__ w, int M,
+                       int E) {
     const int r = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / WARP, lane = threadIdx.x % WARP;
     if (r >= M) return;
     const float *row = x + (size_t)r * E, *g_row = dy + (size_t)r * E;

@@ -73,7 +73,7 @@ mod tests {
         a.add("gemm 768×880×2304 NN", 2e-3);
         a.add("gelu_fwd", 0.25e-3);
         let mut b = KernelProfile::default();
-        b.add("layer_norm_fwd", 0.75e-3);
+        b.add("pass_layer_norm_fwd", 0.75e-3);
         b.add("gelu_fwd", 0.25e-3);
         a.merge(&b);
         assert_eq!(a.launches(), 5);
@@ -82,7 +82,7 @@ mod tests {
         let names: Vec<&str> = rows.iter().map(|r| r.0).collect();
         assert_eq!(
             names,
-            ["gemm 768×880×2304 NN", "gelu_fwd", "layer_norm_fwd"]
+            ["gemm 768×880×2304 NN", "gelu_fwd", "pass_layer_norm_fwd"]
         );
         assert_eq!(rows[1].1.launches, 3);
         assert!((rows[1].1.seconds - 1e-3).abs() < 1e-12);

@@ -26,8 +26,8 @@ const KERNELS: &[&str] = &[
     "add",
     "gelu_fwd",
     "gelu_bwd",
-    "layer_norm_fwd",
-    "layer_norm_dx",
+    "pass_layer_norm_fwd",
+    "pass_layer_norm_dx",
     "layer_norm_partials",
     "layer_norm_finish",
     "gather_rows",
@@ -249,7 +249,7 @@ fn layer_norm_forward_and_backward_match_the_cpu() {
     let mut out = Guarded::<f32>::zeros(m * e);
     let (mut mean, mut rstd) = (Guarded::<f32>::zeros(m), Guarded::<f32>::zeros(m));
     launch(
-        "layer_norm_fwd",
+        "pass_layer_norm_fwd",
         warps(m),
         &[
             Arg::buf_mut(&mut out),
@@ -269,7 +269,7 @@ fn layer_norm_forward_and_backward_match_the_cpu() {
 
     let mut dx = Guarded::from_slice(&dx0);
     launch(
-        "layer_norm_dx",
+        "pass_layer_norm_dx",
         warps(m),
         &[
             Arg::buf_mut(&mut dx),

@@ -1,7 +1,7 @@
 //! The weights a push sends, made without holding up the training thread.
 //!
-//! Publishing a version used to convert the whole model to a bfloat16 safetensors payload
-//! and hash it on the training thread (0.4–1 s a step for gpt2-124m on two cores). Now:
+//! Converting the whole model to a bfloat16 safetensors payload and hashing it on the
+//! training thread would hold each step up (0.4–1 s a step for gpt2-124m on two cores), so:
 //! - AdamW writes each parameter it updates as bfloat16 straight into its slot of a
 //!   [`Payload`] (the learner's `AdamW::step_exporting`): one
 //!   store per parameter, in the pass the optimizer makes anyway;

@@ -32,8 +32,8 @@ pub(super) fn fill_panels(panels: &mut [f32], w: &[f32], k: usize, n: usize, tra
 /// [`fill_panels`] into BF16 panels: each value rounded to the nearest BF16 (ties to
 /// even), each panel row in [`BF16_COLUMNS`] order. A panel is written in f32 first, into
 /// a buffer of the thread's own (K × NR values), then rounded into place (rounding from
-/// w's rows in place, 64 bytes a row, was slower: gpt2-124m packed in 0.50 against
-/// 0.37 s on a 2-core AVX2 EPYC).
+/// w's rows in place, 64 bytes a row, is slower: gpt2-124m packs in 0.50 against 0.37 s
+/// on a 2-core AVX2 EPYC).
 pub(super) fn fill_panels_bf16(
     panels: &mut [u16],
     w: &[f32],

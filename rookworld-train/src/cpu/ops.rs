@@ -84,11 +84,12 @@ pub fn gemm_rhs(
 }
 
 /// Rows and columns of a product per call of the `gemm` crate. It packs an operand's
-/// (inner block, all rows or columns) slab into a buffer it allocates on every call; for
-/// the LM head's 50,257 rows of ∂W that was past glibc's 32 MiB mmap threshold, so every
-/// call was a fresh mapping — page faults, the kernel zeroing each page, and a TLB
-/// shootdown on every core when it is unmapped (47k faults a step at 4 × 8 × (46 + 64)).
-/// Tiles of 4,096 (at most 16 MiB at its 1,024-deep inner blocks) stay on the heap.
+/// (inner block, all rows or columns) slab into a buffer it allocates on every call. The
+/// LM head's 50,257 rows of ∂W in one call would make that slab larger than glibc's 32 MiB
+/// mmap threshold, and every call a fresh mapping — page faults, the kernel zeroing each
+/// page, and a TLB shootdown on every core when it is unmapped (47k faults a step at
+/// 4 × 8 × (46 + 64)). Tiles of 4,096 (at most 16 MiB at its 1,024-deep inner blocks) stay
+/// on the heap.
 const BLOCK: usize = 4096;
 
 /// `dst` (rows, cols, row-major) = [dst +] a · b, with a (rows, inner) and b (inner, cols)

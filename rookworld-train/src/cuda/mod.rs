@@ -649,7 +649,7 @@ impl Backend for Cuda {
         let (m, e) = (int("layer_norm", rows)?, int("layer_norm", w.len)?);
         launch!(
             self,
-            "layer_norm_fwd",
+            "pass_layer_norm_fwd",
             warps(rows)?,
             &out.ptr,
             &mean.ptr,
@@ -682,7 +682,7 @@ impl Backend for Cuda {
         let (m, ei) = (int("layer_norm", rows)?, int("layer_norm", e)?);
         launch!(
             self,
-            "layer_norm_dx",
+            "pass_layer_norm_dx",
             warps(rows)?,
             &dx.ptr,
             &dout.ptr,

@@ -12,9 +12,11 @@
 //!   worker's loop against a real learner and reward server; `tensorboard`: the learner's
 //!   event files read back by TensorBoard.
 //! - `deploy`: the compose file, the Kubernetes manifests and Grafana against the services;
-//!   `docs`: the book's generated pages and links; `separate_processes`: the guide to the
-//!   services as separate processes, run as written; `cargo_features`, `gpu_check`: the
-//!   `cuda` feature's declarations and the GPU check's script.
+//!   `docs`: the book's generated pages and links; `layout`: the book's layout page against
+//!   the workspace's members; `separate_processes`: the guide to the services as separate
+//!   processes, run as written; `cargo_features`, `gpu_check`: the `cuda` feature's
+//!   declarations and the GPU check's script; `kernel_names`: one definition per CUDA
+//!   kernel name across the repository's kernel sources.
 
 mod cargo_features;
 mod checkpoints;
@@ -28,6 +30,8 @@ mod grpcurl;
 mod hf_roundtrip;
 mod hostile;
 mod hub;
+mod kernel_names;
+mod layout;
 mod logs;
 mod parity;
 mod run_file;
