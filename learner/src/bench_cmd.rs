@@ -14,12 +14,13 @@ use rookworld_lm::{Gpt2, checkpoint};
 use rookworld_service::logging::Progress;
 use serde::Serialize;
 
-use crate::batch::GrpoBatch;
-use crate::loss::LossConfig;
-use crate::optim::{AdamW, AdamWConfig};
-use crate::policy::{MatmulPrecision, Trainable};
 use crate::settings::{BatchArgs, ConfigError, ObjectiveArgs};
-use crate::step::{StepConfig, StepPath, StepReport, accumulate, step_flops};
+use rookworld_train::batch::GrpoBatch;
+use rookworld_train::loss::LossConfig;
+use rookworld_train::optim::{AdamW, AdamWConfig};
+use rookworld_train::policy::StepPath;
+use rookworld_train::policy::{MatmulPrecision, Trainable};
+use rookworld_train::step::{StepConfig, StepReport, accumulate, step_flops};
 
 /// Whether the autograd path trains through `rookworld_lm::train_ops`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -53,7 +54,7 @@ pub struct BenchArgs {
     pub objective: ObjectiveArgs,
     /// Which pass computes the gradients: auto (the fused pass on the CPU, autograd on
     /// CUDA), fused (on CUDA the CUDA backend) or autograd; as `learner train --step-path`.
-    #[arg(long, value_enum, default_value = "auto")]
+    #[arg(long, value_parser = crate::settings::choice::<StepPath>(), default_value = "auto")]
     pub path: StepPath,
     /// Training device: cpu, cuda, cuda:N (weights, moments and statistics in f32).
     #[arg(long, env = "ROOKWORLD_DEVICE", default_value = "cpu")]
@@ -413,7 +414,7 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     let threads = rayon::current_num_threads();
     let matmul_dtype = policy.model.matmul_dtype();
     let peak = args.peak_tflops.map_or_else(
-        || crate::step::device_peak_flops(&device, matmul_dtype),
+        || rookworld_train::step::device_peak_flops(&device, matmul_dtype),
         |t| t * 1e12,
     );
     let sequence_tokens = args.batch.prompts_per_step

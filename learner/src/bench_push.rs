@@ -24,10 +24,10 @@ use rookworld_weights::export::{ExportError, Exporter, POOL};
 use rookworld_weights::set::{self as weights, CHUNK_BYTES, WeightSet};
 use serde::Serialize;
 
-use crate::optim::{AdamW, AdamWConfig};
-use crate::policy::Trainable;
 use crate::settings::ConfigError;
 use floor::{Floor, floor};
+use rookworld_train::optim::{AdamW, AdamWConfig};
+use rookworld_train::policy::Trainable;
 
 mod floor;
 

@@ -14,10 +14,10 @@ use candle_core::{DType, Device, Tensor};
 use rookworld_lm::checkpoint::{self, write_atomic};
 use serde::{Deserialize, Serialize};
 
-use crate::optim::{AdamW, AdamWConfig, Schedule};
-use crate::policy::Trainable;
 use crate::prompts::Cursor;
 use crate::queue::QueueSnapshot;
+use rookworld_train::optim::{AdamW, AdamWConfig, Schedule};
+use rookworld_train::policy::Trainable;
 
 const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 const STATE_FILE: &str = "trainer_state.json";

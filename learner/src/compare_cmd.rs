@@ -19,7 +19,7 @@ use rookworld_lm::device::DeviceChoice;
 use rookworld_train::compare::{self, Checked, Side, Tolerance};
 use rookworld_train::cpu::Cpu;
 use rookworld_train::cpu::ops::Matmuls;
-use rookworld_train::{Activations, Backend, Packed, Weights, batch, weights};
+use rookworld_train::{Activations, Backend, Packed, Weights, packed, weights};
 use serde::Serialize;
 
 /// A backend of the step.
@@ -208,7 +208,7 @@ fn cuda(args: &CompareArgs, cfg: &Config) -> Result<(), String> {
             args.cuda_device
         ));
     };
-    let findings = crate::fused::cuda::startup_check(&device);
+    let findings = rookworld_train::fused::cuda::startup_check(&device);
     SWITCHES
         .apply(&format!("cuda:{}", args.cuda_device), &findings)
         .map_err(|e| e.to_string())?;
@@ -226,7 +226,7 @@ fn cuda(_: &CompareArgs, _: &Config) -> Result<(), String> {
 fn compare_on<B: Backend>(backend: &B, args: &CompareArgs, cfg: &Config) -> Result<(), String> {
     let err = |e: rookworld_train::Error| e.to_string();
     let params = weights::synthetic(cfg, 0);
-    let (prompts, completions) = batch::synthetic(
+    let (prompts, completions) = packed::synthetic(
         (args.prompts, args.group_size),
         (args.prompt_tokens, args.completion_tokens),
         cfg.vocab_size,

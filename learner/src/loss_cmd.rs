@@ -6,14 +6,14 @@ use std::path::PathBuf;
 use candle_core::{DType, Device};
 use rookworld_lm::checkpoint;
 
-use crate::batch::GrpoBatch;
 use rookworld_lm::cli::{DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE};
+use rookworld_train::batch::GrpoBatch;
 
-use crate::grpo::group_advantages;
-use crate::loss::{LossConfig, LossReport};
-use crate::policy::Trainable;
 use crate::settings::ObjectiveArgs;
-use crate::step::{StepConfig, accumulate};
+use rookworld_train::grpo::group_advantages;
+use rookworld_train::loss::{LossConfig, LossReport};
+use rookworld_train::policy::Trainable;
+use rookworld_train::step::{StepConfig, accumulate};
 
 /// Options of `learner loss`.
 #[derive(Debug, Clone, clap::Args)]
@@ -43,7 +43,7 @@ pub enum LossCmdError {
     #[error(transparent)]
     Model(#[from] rookworld_lm::Error),
     #[error(transparent)]
-    Batch(#[from] crate::batch::BatchError),
+    Batch(#[from] rookworld_train::batch::BatchError),
     #[error(transparent)]
     Config(#[from] crate::settings::ConfigError),
     #[error("--batch {}: {source}", path.display())]
@@ -79,7 +79,7 @@ impl LossArgs {
 }
 
 /// Computes the report of `batch` under `policy` (gradients included), with the code a
-/// training step runs ([`crate::step::accumulate`], the whole batch as one micro-batch).
+/// training step runs ([`rookworld_train::step::accumulate`], the whole batch as one micro-batch).
 pub fn evaluate(
     policy: &Trainable,
     reference: Option<&rookworld_lm::Gpt2>,

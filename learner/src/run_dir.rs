@@ -141,7 +141,8 @@ pub fn check_settings(saved: &Value, now: &Value, resumable: &[&str]) -> Result<
 }
 
 /// What a resume does with each option of a command: the lists the run-directories page
-/// shows (generated from here, so the page and the check cannot disagree).
+/// shows (generated from here, so the page and the check cannot disagree). Each command
+/// makes its own (`train::resume_rules`, `sft::resume_rules`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResumeRules {
     /// Kept in every checkpoint and compared on resume: a change is refused.
@@ -154,25 +155,9 @@ pub struct ResumeRules {
 }
 
 impl ResumeRules {
-    /// `learner train`'s options.
-    pub fn train() -> Self {
-        use clap::Args;
-        let all = crate::train::TrainArgs::augment_args(clap::Command::new("train"));
-        let kept = crate::train::TrainSettings::augment_args(clap::Command::new("settings"));
-        Self::of(&all, &kept, crate::train::RESUMABLE)
-    }
-
-    /// `learner sft`'s options.
-    pub fn sft() -> Self {
-        use clap::Args;
-        let all = crate::sft::SftArgs::augment_args(clap::Command::new("sft"));
-        let kept = crate::sft::SftSettings::augment_args(clap::Command::new("settings"));
-        Self::of(&all, &kept, crate::sft::SFT_RESUMABLE)
-    }
-
     /// The options of `all` (as run-file keys), of which those of `kept` are compared on
     /// resume and `resumable` of those may change.
-    fn of(all: &clap::Command, kept: &clap::Command, resumable: &[&str]) -> Self {
+    pub fn of(all: &clap::Command, kept: &clap::Command, resumable: &[&str]) -> Self {
         let keys = |c: &clap::Command| -> Vec<String> {
             c.get_arguments()
                 .filter(|a| !a.is_hide_set())
@@ -205,53 +190,6 @@ impl ResumeRules {
 mod tests {
     use super::*;
     use serde_json::json;
-
-    /// The keys a checkpoint keeps are the options' run-file keys, so that the page's
-    /// lists ([`ResumeRules`]) name exactly what a resume compares.
-    #[test]
-    fn the_compared_settings_are_the_options_the_page_lists() {
-        use clap::{Args, FromArgMatches};
-        for (rules, kept, resumable) in [
-            (
-                ResumeRules::train(),
-                serde_json::to_value(
-                    crate::train::TrainSettings::from_arg_matches(
-                        &crate::train::TrainSettings::augment_args(clap::Command::new("s"))
-                            .get_matches_from(["s"]),
-                    )
-                    .unwrap(),
-                )
-                .unwrap(),
-                crate::train::RESUMABLE,
-            ),
-            (
-                ResumeRules::sft(),
-                serde_json::to_value(
-                    crate::sft::SftSettings::from_arg_matches(
-                        &crate::sft::SftSettings::augment_args(clap::Command::new("s"))
-                            .get_matches_from(["s"]),
-                    )
-                    .unwrap(),
-                )
-                .unwrap(),
-                crate::sft::SFT_RESUMABLE,
-            ),
-        ] {
-            // Settings left out at their defaults (added after runs were checkpointed) are
-            // still compared: absent on one side is a change on the other.
-            let compared: Vec<&String> = kept.as_object().unwrap().keys().collect();
-            for key in &compared {
-                assert!(
-                    rules.refused.contains(key) || rules.may_change.contains(key),
-                    "{key} is compared on resume but listed as free"
-                );
-            }
-            for key in resumable {
-                assert!(rules.may_change.iter().any(|k| k == key), "{key}");
-            }
-            assert!(!rules.free.is_empty() && !rules.refused.is_empty());
-        }
-    }
 
     #[test]
     fn resumable_keys_may_change_and_the_others_are_named() {

@@ -9,25 +9,25 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::grpo::{AdvantageNorm, Aggregation, PolicyLoss};
-use crate::loss::LossConfig;
-use crate::offpolicy::Correction;
+use rookworld_train::choice::Choice;
 
-/// The KL coefficient β by default: small, for a tiny model that must first learn the
-/// format.
-pub const DEFAULT_BETA: f64 = 0.01;
-/// The clip ε of the token ratio by default, on both sides (PPO's and GRPO's 0.2).
-pub const DEFAULT_CLIP_EPS: f64 = 0.2;
-/// GSPO's clip range by default, as the paper's (3e-4, 4e-4): sequence ratios stay far
-/// closer to 1 than token ratios.
-pub const GSPO_EPS_LOW: f64 = 3e-4;
-pub const GSPO_EPS_HIGH: f64 = 4e-4;
-/// C, the bound of the importance weights, by default.
-pub const DEFAULT_IS_CAP: f64 = 2.0;
+use rookworld_train::grpo::{AdvantageNorm, Aggregation, PolicyLoss};
+use rookworld_train::loss::{
+    DEFAULT_BETA, DEFAULT_CLIP_EPS, DEFAULT_IS_CAP, GSPO_EPS_HIGH, GSPO_EPS_LOW, LossConfig,
+};
+use rookworld_train::offpolicy::Correction;
+
 /// Groups per micro-batch that `auto` picks on a GPU: the composed step's time falls up
 /// to eight groups at 32 × 8 × (46 + 64) and no further on an H200 (1.37 s at one, 0.85 s
 /// at four, 0.80 s at eight, 0.79 s at sixteen).
 pub const GPU_MICRO_BATCH_GROUPS: usize = 8;
+
+/// The command line's parser of a [`Choice`]: its names are the possible values.
+pub fn choice<T: Choice + Clone>() -> impl clap::builder::TypedValueParser<Value = T> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(T::NAMES.iter().map(|&(_, name)| name))
+        .try_map(|name: String| T::named(&name).ok_or("not one of the possible values"))
+}
 
 pub(crate) fn is_default<T: Default + PartialEq>(v: &T) -> bool {
     *v == T::default()
@@ -66,16 +66,16 @@ pub struct ObjectiveArgs {
     pub clip_eps_high: f64,
     /// What a group's centred rewards are divided by: its std (unbiased, population),
     /// the batch's std (batch), or nothing (none).
-    #[arg(long, env = "LEARNER_ADVANTAGE_NORM", value_enum, default_value_t = AdvantageNorm::Unbiased)]
+    #[arg(long, env = "LEARNER_ADVANTAGE_NORM", value_parser = choice::<AdvantageNorm>(), default_value = AdvantageNorm::Unbiased.name())]
     pub advantage_norm: AdvantageNorm,
     /// How token terms become the loss: sequence (mean per completion, then mean), token
     /// (over the batch's tokens; DAPO), constant (sum / (completions × --max-new-tokens);
     /// Dr. GRPO).
-    #[arg(long, env = "LEARNER_AGGREGATION", value_enum, default_value_t = Aggregation::Sequence)]
+    #[arg(long, env = "LEARNER_AGGREGATION", value_parser = choice::<Aggregation>(), default_value = Aggregation::Sequence.name())]
     pub aggregation: Aggregation,
     /// The policy-gradient term: clip (PPO/GRPO token ratios), gspo (sequence ratio),
     /// gspo-token, cispo (truncated, detached weights).
-    #[arg(long, env = "LEARNER_POLICY_LOSS", value_enum, default_value_t = PolicyLoss::Clip)]
+    #[arg(long, env = "LEARNER_POLICY_LOSS", value_parser = choice::<PolicyLoss>(), default_value = PolicyLoss::Clip.name())]
     #[serde(default, skip_serializing_if = "is_default")]
     pub policy_loss: PolicyLoss,
     /// GSPO's clip ε of the sequence ratio, lower side.
@@ -90,7 +90,7 @@ pub struct ObjectiveArgs {
     /// policy with each token weighted by π_prox/π_behaviour bounded by --is-cap —
     /// token-truncate, token-mask, sequence-truncate, sequence-mask. Stale groups (up to
     /// --max-version-lag) are then corrected rather than trained on as if fresh.
-    #[arg(long, env = "LEARNER_OFF_POLICY_CORRECTION", value_enum, default_value_t = Correction::Off)]
+    #[arg(long, env = "LEARNER_OFF_POLICY_CORRECTION", value_parser = choice::<Correction>(), default_value = Correction::Off.name())]
     #[serde(default, skip_serializing_if = "is_default")]
     pub off_policy_correction: Correction,
     /// C, the bound of the importance weights (at least 1).
@@ -128,14 +128,14 @@ pub use rookworld_service::check::ConfigError;
 
 impl ObjectiveArgs {
     /// The loss configuration of completions sampled at `temperature` with a budget of
-    /// `max_new_tokens`, checked ([`LossConfig::validate`]).
+    /// `max_new_tokens`, checked ([`check_loss`]).
     pub fn loss_config(
         &self,
         temperature: f64,
         max_new_tokens: u32,
     ) -> Result<LossConfig, ConfigError> {
         let cfg = self.loss_config_unchecked(temperature, max_new_tokens);
-        cfg.validate()?;
+        check_loss(&cfg)?;
         Ok(cfg)
     }
 
@@ -157,6 +157,35 @@ impl ObjectiveArgs {
             mask_truncated: self.mask_truncated,
         }
     }
+}
+
+/// The objective's ranges, one rule per flag for `train`, `loss` and `bench`: β ≥ 0,
+/// both clip ε in [0, 1], temperature > 0.
+pub fn check_loss(cfg: &LossConfig) -> Result<(), ConfigError> {
+    use rookworld_service::check::{fraction, non_negative};
+    non_negative("--beta", cfg.beta)?;
+    fraction("--clip-eps", cfg.eps_low)?;
+    fraction("--clip-eps-high", cfg.eps_high)?;
+    fraction("--gspo-eps", cfg.gspo_eps_low)?;
+    fraction("--gspo-eps-high", cfg.gspo_eps_high)?;
+    if cfg.is_cap.is_nan() || cfg.is_cap < 1.0 {
+        return Err(ConfigError::OutOfRange {
+            flag: "--is-cap".into(),
+            rule: "be ≥ 1".into(),
+            value: cfg.is_cap.to_string(),
+        });
+    }
+    if cfg.aggregation == Aggregation::Constant && cfg.max_new_tokens == 0 {
+        return Err(ConfigError::Conflict(
+            "--aggregation constant divides by --max-new-tokens: give one above 0".into(),
+        ));
+    }
+    rookworld_lm::sampling::check_temperature("--temperature", cfg.temperature)
+        .map_err(ConfigError::Value)?;
+    if cfg.temperature == 0.0 {
+        return Err(ConfigError::Conflict("--temperature 0 is greedy: every completion of a group would be the same, with no advantage to learn from; GRPO needs a temperature > 0".into()));
+    }
+    Ok(())
 }
 
 /// The shape of a step's batch: P prompts (groups) of G completions, split into
@@ -193,7 +222,7 @@ pub struct BatchArgs {
 }
 
 /// How many groups one forward/backward takes. The step's gradient is the same sum
-/// whatever the split ([`crate::step::accumulate`]); the split sets the memory the
+/// whatever the split ([`rookworld_train::step::accumulate`]); the split sets the memory the
 /// activations take and how full each product is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(try_from = "MicroBatchRepr", into = "MicroBatchRepr")]

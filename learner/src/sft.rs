@@ -19,10 +19,10 @@ use rookworld_service::logging::Progress;
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{self, Loaded, TrainerState};
-use crate::optim::{AdamW, AdamWConfig, Schedule};
-use crate::policy::Trainable;
 use crate::prompts::{self, Generator, Source, TaskKind, TaskPrompt};
-use crate::sft_loss::{self, Document};
+use rookworld_train::optim::{AdamW, AdamWConfig, Schedule};
+use rookworld_train::policy::Trainable;
+use rookworld_train::sft_loss::{self, Document};
 
 /// Options of `learner sft`.
 #[derive(Debug, Clone, clap::Args)]
@@ -53,13 +53,24 @@ pub struct SftArgs {
     pub prompts: Option<PathBuf>,
     /// Which pass computes the gradients, as `learner train --step-path`: auto (the fused
     /// pass), fused or autograd.
-    #[arg(long, value_enum, env = "LEARNER_STEP_PATH", default_value = "auto")]
-    pub step_path: crate::step::StepPath,
+    #[arg(long, value_parser = crate::settings::choice::<rookworld_train::policy::StepPath>(), env = "LEARNER_STEP_PATH", default_value = "auto")]
+    pub step_path: rookworld_train::policy::StepPath,
 }
 
 /// The settings of [`SftSettings`] a resumed run may change: its length (the schedule
 /// stretches to the new total) and the micro-batch split (the same sums).
 pub const SFT_RESUMABLE: &[&str] = &["steps", "micro_batch_size"];
+
+/// What a resume of `learner sft` does with each of its options (the run-directories
+/// page's lists).
+pub fn resume_rules() -> crate::run_dir::ResumeRules {
+    use clap::Args;
+    crate::run_dir::ResumeRules::of(
+        &SftArgs::augment_args(clap::Command::new("sft")),
+        &SftSettings::augment_args(clap::Command::new("settings")),
+        SFT_RESUMABLE,
+    )
+}
 
 /// Settings that define the run; a resumed run must keep them, except [`SFT_RESUMABLE`].
 #[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]

@@ -7,8 +7,8 @@
 
 use std::ops::{DerefMut, Range};
 
-use crate::batch::Packed;
 use crate::gemm::Gemm;
+use crate::packed::Packed;
 
 /// A kernel or a buffer that failed, named with its backend and operation.
 #[derive(Debug, thiserror::Error)]
@@ -164,7 +164,7 @@ pub trait Backend {
     /// In place: `d = d · gelu_new'(x)`.
     fn gelu_backward(&self, d: &mut Self::Buf, x: &Self::Buf) -> Result<()>;
     /// Causal attention of each group, completions over their prompt (see
-    /// [`crate::batch::GroupRows`]): `out` (R, E) from `qkv` (R, 3E); `state` keeps
+    /// [`crate::packed::GroupRows`]): `out` (R, E) from `qkv` (R, 3E); `state` keeps
     /// what the backward needs.
     fn attention_forward(
         &self,

@@ -1,352 +1,255 @@
-//! A micro-batch of groups laid out as rows, the prompt once per group: what every
-//! backend's pass reads (ids, positions, which rows attend to which, which rows predict).
+//! A GRPO batch: P prompts with G completions each, their rewards and the behaviour
+//! log-probs the worker reported, and its layout as token tensors for one forward.
 
-use std::ops::Range;
+use candle_core::{Device, Result as CandleResult, Tensor};
+use serde::{Deserialize, Serialize};
 
-/// A synthetic batch for tests and benches: `prompts` groups of `group` completions, each
-/// prompt `prompt_tokens` long and each completion at most `completion_tokens` (a quarter
-/// of each group's completions shorter, so that the layout has ragged rows), tokens below
-/// `vocab`. Deterministic in `seed`.
-pub fn synthetic(
-    (prompts, group): (usize, usize),
-    (prompt_tokens, completion_tokens): (usize, usize),
-    vocab: usize,
-    seed: u64,
-) -> (Vec<Vec<u32>>, Vec<Vec<Vec<u32>>>) {
-    let mut state = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    let mut next = move || {
-        state = state
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((state >> 33) % vocab.max(1) as u64) as u32
-    };
-    let p: Vec<Vec<u32>> = (0..prompts)
-        .map(|_| (0..prompt_tokens).map(|_| next()).collect())
-        .collect();
-    let c = (0..prompts)
-        .map(|_| {
-            (0..group)
-                .map(|j| {
-                    let len = if j % 4 == 3 {
-                        (completion_tokens / 2).max(1)
-                    } else {
-                        completion_tokens
-                    };
-                    (0..len).map(|_| next()).collect()
-                })
-                .collect()
-        })
-        .collect();
-    (p, c)
+use crate::grpo::{Scale, group_advantages};
+
+/// What `learner loss --batch FILE` reads (and what the rollout queue hands the learner).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GrpoBatch {
+    /// `prompts[p]`: token ids of prompt p, fed as given.
+    pub prompts: Vec<Vec<u32>>,
+    /// `completions[p][g]`: sampled ids of completion g of prompt p.
+    pub completions: Vec<Vec<Vec<u32>>>,
+    /// `rewards[p][g]`.
+    pub rewards: Vec<Vec<f32>>,
+    /// `old_logprobs[p][g][t]`: the behaviour log-prob of token t; absent = ratio 1
+    /// (the policy's own detached log-probs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub old_logprobs: Option<Vec<Vec<Vec<f32>>>>,
+    /// `proximal_logprobs[p][g][t]`: the learner's own log-prob of token t at the start of
+    /// the step (the decoupled objective's proximal policy, see
+    /// [`crate::offpolicy`]); absent = the policy's own detached log-probs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proximal_logprobs: Option<Vec<Vec<Vec<f32>>>>,
 }
 
-/// A scatter `dst[index[i]] += src[i]` grouped by destination, so that a device sums each
-/// destination's sources in a fixed order (no atomics, the same bits every run): the
-/// distinct destinations in increasing order (`targets`), and for destination k its
-/// sources `sources[offsets[k]..offsets[k + 1]]`, in increasing order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ScatterPlan {
-    pub targets: Vec<u32>,
-    pub offsets: Vec<u32>,
-    pub sources: Vec<u32>,
-}
+/// Why a batch cannot be trained on.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid batch: {0}")]
+pub struct BatchError(pub String);
 
-impl ScatterPlan {
-    pub fn new(index: &[u32]) -> Self {
-        let mut order: Vec<u32> = (0..index.len() as u32).collect();
-        // Stable: equal destinations keep their sources in increasing order.
-        order.sort_by_key(|&i| index[i as usize]);
-        let mut plan = ScatterPlan {
-            targets: Vec::new(),
-            offsets: vec![0],
-            sources: order,
-        };
-        for (n, &i) in plan.sources.iter().enumerate() {
-            let t = index[i as usize];
-            if plan.targets.last() != Some(&t) {
-                if !plan.targets.is_empty() {
-                    plan.offsets.push(n as u32);
+impl GrpoBatch {
+    /// Checks shapes and ids (`vocab`, `context`) so the forward cannot fail on input.
+    pub fn validate(&self, vocab: usize, context: usize) -> Result<(), BatchError> {
+        let bad = |m: String| Err(BatchError(m));
+        let p = self.prompts.len();
+        if p == 0 {
+            return bad("no prompts".into());
+        }
+        if self.completions.len() != p || self.rewards.len() != p {
+            return bad(format!(
+                "{p} prompts but {} completion groups and {} reward groups",
+                self.completions.len(),
+                self.rewards.len()
+            ));
+        }
+        if let Some(old) = &self.old_logprobs
+            && old.len() != p
+        {
+            return bad(format!("{p} prompts but {} old_logprobs groups", old.len()));
+        }
+        if let Some(prox) = &self.proximal_logprobs {
+            let fits = prox.len() == p
+                && self.completions.iter().zip(prox).all(|(group, lps)| {
+                    group.len() == lps.len()
+                        && group.iter().zip(lps).all(|(c, l)| c.len() == l.len())
+                });
+            if !fits {
+                return bad("proximal log-probs do not match the completions".into());
+            }
+        }
+        for i in 0..p {
+            let (prompt, group) = (&self.prompts[i], &self.completions[i]);
+            if prompt.is_empty() {
+                return bad(format!("prompt {i} is empty"));
+            }
+            if group.is_empty() || self.rewards[i].len() != group.len() {
+                return bad(format!(
+                    "prompt {i}: {} completions and {} rewards",
+                    group.len(),
+                    self.rewards[i].len()
+                ));
+            }
+            if let Some(r) = self.rewards[i].iter().find(|r| !r.is_finite()) {
+                return bad(format!("prompt {i}: reward {r} is not finite"));
+            }
+            for (g, c) in group.iter().enumerate() {
+                if c.is_empty() {
+                    return bad(format!("prompt {i}, completion {g} is empty"));
                 }
-                plan.targets.push(t);
-            }
-        }
-        plan.offsets.push(plan.sources.len() as u32);
-        if plan.targets.is_empty() {
-            plan.offsets = vec![0];
-        }
-        plan
-    }
-
-    /// `dst` (·, width) += the rows of `src` (index.len(), width) scattered by the plan,
-    /// each destination's sources summed in order first: the reference of a device's
-    /// planned scatter.
-    pub fn apply(&self, dst: &mut [f32], src: &[f32], width: usize) {
-        for (k, &t) in self.targets.iter().enumerate() {
-            let range = self.offsets[k] as usize..self.offsets[k + 1] as usize;
-            let row = &mut dst[t as usize * width..(t as usize + 1) * width];
-            for c in 0..width {
-                let s: f32 = self.sources[range.clone()]
-                    .iter()
-                    .map(|&i| src[i as usize * width + c])
-                    .sum();
-                row[c] += s;
-            }
-        }
-    }
-}
-
-/// One group: its prompt and its completions.
-#[derive(Debug, Clone, Copy)]
-pub struct GroupInput<'a> {
-    pub prompt: &'a [u32],
-    pub completions: &'a [Vec<u32>],
-}
-
-/// A micro-batch of groups laid out as rows: per group its prompt's rows, then each
-/// completion's rows (all of its tokens but the last).
-#[derive(Debug, Clone)]
-pub struct Packed {
-    /// (R) token fed at each row, and its position.
-    pub ids: Vec<u32>,
-    pub positions: Vec<u32>,
-    pub groups: Vec<GroupRows>,
-    /// (N) the row whose hidden state predicts each completion token, and that token;
-    /// completion after completion, in batch order.
-    pub head_rows: Vec<u32>,
-    pub targets: Vec<u32>,
-    /// Per completion (batch order), its tokens' range in `head_rows`.
-    pub tokens: Vec<std::ops::Range<usize>>,
-}
-
-impl Packed {
-    /// The groups of prompts `prompts` and their completions `completions` (group g:
-    /// `prompts[g]`, `completions[g]`), packed.
-    pub fn of(prompts: &[Vec<u32>], completions: &[Vec<Vec<u32>>]) -> Self {
-        let groups: Vec<GroupInput> = prompts
-            .iter()
-            .zip(completions)
-            .map(|(prompt, completions)| GroupInput {
-                prompt,
-                completions,
-            })
-            .collect();
-        Self::new(&groups)
-    }
-
-    pub fn new(groups: &[GroupInput]) -> Self {
-        let mut p = Packed {
-            ids: Vec::new(),
-            positions: Vec::new(),
-            groups: Vec::new(),
-            head_rows: Vec::new(),
-            targets: Vec::new(),
-            tokens: Vec::new(),
-        };
-        for g in groups {
-            let start = p.ids.len();
-            p.ids.extend_from_slice(g.prompt);
-            p.positions.extend(0..g.prompt.len() as u32);
-            let prompt = start..p.ids.len();
-            let last = (prompt.end - 1) as u32;
-            let mut completions = Vec::new();
-            for c in g.completions {
-                let first = p.ids.len();
-                let fed = &c[..c.len().saturating_sub(1)];
-                p.ids.extend_from_slice(fed);
-                let lp = g.prompt.len() as u32;
-                p.positions.extend(lp..lp + fed.len() as u32);
-                let n0 = p.head_rows.len();
-                for (j, &y) in c.iter().enumerate() {
-                    p.head_rows
-                        .push(if j == 0 { last } else { (first + j - 1) as u32 });
-                    p.targets.push(y);
+                if prompt.len() + c.len() > context + 1 {
+                    return bad(format!(
+                        "prompt {i}, completion {g}: {} + {} tokens exceed the context of {context}",
+                        prompt.len(),
+                        c.len()
+                    ));
                 }
-                p.tokens.push(n0..p.head_rows.len());
-                completions.push(first..p.ids.len());
-            }
-            p.groups.push(GroupRows {
-                prompt,
-                completions,
-            });
-        }
-        p
-    }
-
-    /// Rows fed.
-    pub fn rows(&self) -> usize {
-        self.ids.len()
-    }
-
-    /// Which rows attend to which, per row `(p0, p1, o0, q_end)`: as a query, row r sees
-    /// the prefix rows `p0..p1` (its group's prompt, for a completion row; none for a
-    /// prompt row) and its own rows `o0..=r`; as a key, row r is seen by the query rows
-    /// `r..q_end` (the rest of its group for a prompt row, of its completion otherwise).
-    /// The layout the attention kernels of a GPU backend read, one fixed-size record a
-    /// row, in place of the groups' ranges.
-    pub fn row_meta(&self) -> Vec<[i32; 4]> {
-        let mut meta = vec![[0i32; 4]; self.rows()];
-        for g in &self.groups {
-            let start = g.prompt.start as i32;
-            let group_end = g.completions.last().map_or(g.prompt.end, |c| c.end) as i32;
-            for row in g.prompt.clone() {
-                meta[row] = [start, start, start, group_end];
-            }
-            for c in &g.completions {
-                for row in c.clone() {
-                    meta[row] = [start, g.prompt.end as i32, c.start as i32, c.end as i32];
+                if let Some(old) = &self.old_logprobs {
+                    let lp = old[i].get(g).map(Vec::len);
+                    if lp != Some(c.len()) {
+                        return bad(format!(
+                            "prompt {i}, completion {g}: {} ids but {lp:?} old log-probs",
+                            c.len()
+                        ));
+                    }
                 }
             }
-        }
-        meta
-    }
-
-    /// The rows cut into tiles of at most `max` consecutive rows that share their
-    /// [`row_meta`](Self::row_meta) — a prompt's, or one completion's — each `[first row,
-    /// rows]`, in row order: the blocks of a tiled attention kernel, whose rows see the
-    /// same prefix and, as keys, are seen up to the same row.
-    pub fn row_tiles(&self, max: usize) -> Vec<[i32; 2]> {
-        let max = max.max(1);
-        let mut tiles = Vec::new();
-        for g in &self.groups {
-            for segment in std::iter::once(&g.prompt).chain(&g.completions) {
-                for first in segment.clone().step_by(max) {
-                    let rows = max.min(segment.end - first);
-                    tiles.push([first as i32, rows as i32]);
-                }
-            }
-        }
-        tiles
-    }
-}
-
-/// The rows of one group in the packed batch.
-#[derive(Debug, Clone)]
-pub struct GroupRows {
-    pub prompt: Range<usize>,
-    pub completions: Vec<Range<usize>>,
-}
-
-impl GroupRows {
-    /// Attention probabilities one head keeps for this group: the prompt's (Lp, Lp)
-    /// block and each completion's (n, Lp + n) block.
-    pub fn probs_len(&self) -> usize {
-        let lp = self.prompt.len();
-        lp * lp
-            + self
-                .completions
+            if let Some(id) = prompt
                 .iter()
-                .map(|c| c.len() * (lp + c.len()))
-                .sum::<usize>()
-    }
-
-    /// The segments of this group: (visible prefix rows, own rows, offset in the head's
-    /// probabilities).
-    pub(crate) fn segments(&self) -> Vec<(Range<usize>, Range<usize>, usize)> {
-        let lp = self.prompt.len();
-        let mut out = vec![(0..0, self.prompt.clone(), 0)];
-        let mut offset = lp * lp;
-        for c in &self.completions {
-            out.push((self.prompt.clone(), c.clone(), offset));
-            offset += c.len() * (lp + c.len());
+                .chain(group.iter().flatten())
+                .find(|&&id| id as usize >= vocab)
+            {
+                return bad(format!(
+                    "prompt {i}: token id {id} is outside the vocabulary of {vocab}"
+                ));
+            }
         }
-        out
+        Ok(())
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// One completion with what the loss needs of it.
+struct Row<'a> {
+    prompt: &'a [u32],
+    completion: &'a [u32],
+    old: Option<&'a [f32]>,
+    proximal: Option<&'a [f32]>,
+    advantage: f32,
+}
 
-    #[test]
-    fn a_planned_scatter_adds_every_source_to_its_destination_once() {
-        let index = [3u32, 0, 3, 7, 0, 3, 5];
-        let plan = ScatterPlan::new(&index);
-        assert_eq!(plan.targets, [0, 3, 5, 7]);
-        assert_eq!(plan.offsets, [0, 2, 5, 6, 7]);
-        assert_eq!(plan.sources, [1, 4, 0, 2, 5, 6, 3]);
-        // Integer values: every order of summation gives the same sums.
-        let width = 3;
-        let src: Vec<f32> = (0..index.len() * width).map(|v| v as f32).collect();
-        let mut want = vec![1f32; 8 * width];
-        for (i, &t) in index.iter().enumerate() {
-            for c in 0..width {
-                want[t as usize * width + c] += src[i * width + c];
+/// The completions that carry signal, laid out for one forward.
+///
+/// Sequence c is `prompt ++ completion`, right-padded to T tokens. Slot t of the (C, T−1)
+/// tensors holds the prediction of token t+1 from logits at t, so completion token j of a
+/// prompt of length L sits at slot L − 1 + j.
+#[derive(Debug)]
+pub struct Layout {
+    /// (C, T) u32 input ids.
+    pub ids: Tensor,
+    /// (C, T−1, 1) u32: the token each slot predicts.
+    pub targets: Tensor,
+    /// (C, T−1) f32: 1 on completion tokens.
+    pub mask: Tensor,
+    /// (N) u32: the flat (C·(T−1)) indices of the completion slots, in order.
+    pub slots: Tensor,
+    /// (C, T−1) f32 behaviour log-probs on completion tokens (0 elsewhere); `None` when the
+    /// batch has none (ratio 1: the policy's detached log-probs are used).
+    pub behaviour: Option<Tensor>,
+    /// (C, T−1) f32 proximal log-probs on completion tokens, when the batch has them.
+    pub proximal: Option<Tensor>,
+    /// (C, 1) f32 advantage of each completion.
+    pub advantages: Tensor,
+    /// Advantages per kept group, in batch order (for reporting).
+    pub group_advantages: Vec<Vec<f32>>,
+    /// Prompts whose rewards were all equal: skipped.
+    pub skipped_groups: usize,
+    /// Completion tokens counted.
+    pub tokens: usize,
+    /// Completions left out of the loss as cut off (`mask_truncated`).
+    pub masked_truncated: usize,
+}
+
+impl Layout {
+    /// Lays out every group with signal; `None` when no group has any.
+    pub fn new(
+        batch: &GrpoBatch,
+        scale: Scale,
+        pad: u32,
+        mask_truncated: bool,
+        device: &Device,
+    ) -> CandleResult<Option<Self>> {
+        let mut rows: Vec<Row> = Vec::new();
+        let mut kept_advantages = Vec::new();
+        let mut skipped = 0;
+        for (p, prompt) in batch.prompts.iter().enumerate() {
+            let Some(adv) = group_advantages(&batch.rewards[p], scale) else {
+                skipped += 1;
+                continue;
+            };
+            for (g, c) in batch.completions[p].iter().enumerate() {
+                let old = batch.old_logprobs.as_ref().map(|o| o[p][g].as_slice());
+                let proximal = batch.proximal_logprobs.as_ref().map(|o| o[p][g].as_slice());
+                rows.push(Row {
+                    prompt,
+                    completion: c,
+                    old,
+                    proximal,
+                    advantage: adv[g],
+                });
             }
+            kept_advantages.push(adv);
         }
-        let mut got = vec![1f32; 8 * width];
-        plan.apply(&mut got, &src, width);
-        assert_eq!(got, want);
-        let empty = ScatterPlan::new(&[]);
-        assert_eq!(
-            (empty.targets.len(), empty.offsets.as_slice()),
-            (0, &[0u32][..])
-        );
-    }
-
-    /// The rows query row r sees through [`Packed::row_meta`].
-    fn seen_by(meta: &[[i32; 4]], r: usize) -> Vec<usize> {
-        let [p0, p1, o0, _] = meta[r].map(|v| v as usize);
-        (p0..p1).chain(o0..=r).collect()
-    }
-
-    #[test]
-    fn each_row_sees_its_own_sequence_and_each_key_is_seen_by_its_query_range() {
-        let prompts = [vec![1, 2, 3, 4], vec![5, 6]];
-        let completions = [
-            vec![vec![7, 8, 9], vec![10], vec![11, 12]],
-            vec![vec![13, 14, 15, 16], vec![17, 18]],
-        ];
-        let packed = Packed::of(&prompts, &completions);
-        let meta = packed.row_meta();
-        // Each row's positions are 0.. of its own `prompt ++ completion` sequence, so the
-        // rows it sees are exactly those of positions 0..=its own.
-        for r in 0..packed.rows() {
-            let seen = seen_by(&meta, r);
-            let positions: Vec<u32> = seen.iter().map(|&k| packed.positions[k]).collect();
-            assert_eq!(
-                positions,
-                (0..=packed.positions[r]).collect::<Vec<_>>(),
-                "row {r}"
-            );
+        if rows.is_empty() {
+            return Ok(None);
         }
-        // As a key, row j is seen by exactly the queries j..q_end.
-        for j in 0..packed.rows() {
-            let by: Vec<usize> = (0..packed.rows())
-                .filter(|&r| seen_by(&meta, r).contains(&j))
-                .collect();
-            assert_eq!(by, (j..meta[j][3] as usize).collect::<Vec<_>>(), "key {j}");
-        }
-    }
-
-    #[test]
-    fn tiles_cover_every_row_once_and_share_what_their_rows_see() {
-        let prompts = [vec![1, 2, 3, 4, 5], vec![6, 7]];
-        let completions = [
-            vec![vec![7, 8, 9, 10, 11, 12], vec![10], vec![11, 12, 13]],
-            vec![vec![13, 14, 15, 16], vec![17, 18]],
-        ];
-        let packed = Packed::of(&prompts, &completions);
-        let meta = packed.row_meta();
-        for max in [1, 2, 3, 32] {
-            let tiles = packed.row_tiles(max);
-            let mut next = 0;
-            for &[first, rows] in &tiles {
-                let (first, rows) = (first as usize, rows as usize);
-                assert_eq!(first, next, "in row order, every row once (max {max})");
-                assert!((1..=max).contains(&rows), "max {max}");
-                // Every row of a tile sees the same prefix and its own rows from the same
-                // start, and is seen as a key up to the same row.
-                for r in first..first + rows {
-                    assert_eq!(meta[r], meta[first], "row {r} of tile {first} (max {max})");
+        let t = rows
+            .iter()
+            .map(|r| r.prompt.len() + r.completion.len())
+            .max()
+            .unwrap_or(0);
+        let n = rows.len();
+        let (mut ids, mut targets) = (vec![pad; n * t], vec![pad; n * (t - 1)]);
+        let (mut mask, mut behaviour) = (vec![0f32; n * (t - 1)], vec![0f32; n * (t - 1)]);
+        let mut proximal_lp = vec![0f32; n * (t - 1)];
+        let (mut tokens, mut truncated) = (0, 0);
+        let mut slots = Vec::new();
+        for (
+            r,
+            Row {
+                prompt,
+                completion,
+                old,
+                proximal,
+                ..
+            },
+        ) in rows.iter().enumerate()
+        {
+            let seq: Vec<u32> = prompt.iter().chain(completion.iter()).copied().collect();
+            ids[r * t..r * t + seq.len()].copy_from_slice(&seq);
+            targets[r * (t - 1)..r * (t - 1) + seq.len() - 1].copy_from_slice(&seq[1..]);
+            let first = prompt.len() - 1;
+            // `pad` is end-of-text: a completion without it at the end was cut off.
+            let counted = !(mask_truncated && completion.last() != Some(&pad));
+            if !counted {
+                truncated += 1;
+            }
+            for j in 0..completion.len() {
+                mask[r * (t - 1) + first + j] = f32::from(u8::from(counted));
+                slots.push((r * (t - 1) + first + j) as u32);
+                if let Some(old) = old {
+                    behaviour[r * (t - 1) + first + j] = old[j];
                 }
-                next = first + rows;
+                if let Some(prox) = proximal {
+                    proximal_lp[r * (t - 1) + first + j] = prox[j];
+                }
             }
-            assert_eq!(next, packed.rows(), "max {max}");
+            if counted {
+                tokens += completion.len();
+            }
         }
-        // A prompt of 5 in tiles of 2: 2, 2, 1; then each completion on its own.
-        let tiles = packed.row_tiles(2);
-        assert_eq!(tiles[..4], [[0, 2], [2, 2], [4, 1], [5, 2]]);
+        let advantages: Vec<f32> = rows.iter().map(|row| row.advantage).collect();
+        Ok(Some(Self {
+            ids: Tensor::from_vec(ids, (n, t), device)?,
+            targets: Tensor::from_vec(targets, (n, t - 1, 1), device)?,
+            mask: Tensor::from_vec(mask, (n, t - 1), device)?,
+            slots: Tensor::new(slots, device)?,
+            behaviour: match batch.old_logprobs {
+                Some(_) => Some(Tensor::from_vec(behaviour, (n, t - 1), device)?),
+                None => None,
+            },
+            proximal: match batch.proximal_logprobs {
+                Some(_) => Some(Tensor::from_vec(proximal_lp, (n, t - 1), device)?),
+                None => None,
+            },
+            advantages: Tensor::from_vec(advantages, (n, 1), device)?,
+            group_advantages: kept_advantages,
+            skipped_groups: skipped,
+            tokens,
+            masked_truncated: truncated,
+        }))
     }
 }

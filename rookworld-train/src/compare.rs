@@ -10,7 +10,7 @@
 //! are skipped, and said so.
 
 use crate::backend::{Backend, Result};
-use crate::batch::Packed;
+use crate::packed::Packed;
 use crate::pass::{self, Activations};
 use crate::weights::{self, Weights};
 
@@ -294,7 +294,7 @@ pub fn self_check<B: Backend>(b: &B) -> Result<Comparison> {
     for d in crate::launch::ATTENTION_WIDTHS {
         let cfg = self_check_config(d);
         let params = weights::synthetic(&cfg, 0);
-        let (prompts, completions) = crate::batch::synthetic((2, 4), (9, 8), cfg.vocab_size, 0);
+        let (prompts, completions) = crate::packed::synthetic((2, 4), (9, 8), cfg.vocab_size, 0);
         let packed = Packed::of(&prompts, &completions);
         let held = upload(b, &params)?;
         let w = Weights::<B>::new(&cfg, held.iter().map(|h| &**h).collect())?;

@@ -14,8 +14,8 @@ use std::time::Instant;
 use rookworld_lm::config::Config;
 
 use crate::backend::{Backend, HeadBackward, HeadForward, Heads, Result};
-use crate::batch::Packed;
 use crate::gemm::{RowMajor, row_major};
+use crate::packed::Packed;
 use crate::weights::{self, Weights};
 
 /// Largest (N, V) probability matrix kept from the head's forward for its backward

@@ -11,9 +11,9 @@ use std::path::Path;
 use std::sync::OnceLock;
 
 use rookworld_cuda_emu::{Arg, Guarded, Module, Values, assert_close, build_for_test};
-use rookworld_train::batch::ScatterPlan;
 use rookworld_train::cpu::{attention, ops};
 use rookworld_train::launch::{self, Part};
+use rookworld_train::packed::ScatterPlan;
 use rookworld_train::{Heads, Packed};
 
 /// Every kernel of `kernels/pass.cu`.

@@ -5,9 +5,9 @@
 //! not on a GPU.
 
 use rookworld_lm::config::Config;
-use rookworld_train::batch::synthetic;
 use rookworld_train::compare::self_check_config;
 use rookworld_train::launch::{self, ATTENTION_WIDTHS, Part, TILE, TILE_WIDTHS};
+use rookworld_train::packed::synthetic;
 use rookworld_train::{Heads, Packed};
 
 fn heads(cfg: &Config) -> Heads {

@@ -3,13 +3,13 @@
 //!
 //! - [`suites`]: the suites' items and the grading of one completion.
 //! - [`report`]: per-suite metrics, pass@1 and pass@K, the table and the JSON.
-//! - [`engine`]: `--engine PATH`, the policy suite ranked by the user's Stockfish.
+//! - [`stockfish`]: `--engine PATH`, the policy suite ranked by the user's Stockfish.
 //! - [`periodic`]: `learner train --eval-every`, the suites on a thread of their own.
 
-pub mod engine;
 mod error;
 pub mod periodic;
 pub mod report;
+pub mod stockfish;
 pub mod suites;
 
 use std::io::Write;
@@ -123,7 +123,7 @@ pub fn run(args: &EvalArgs) -> Result<(), EvalError> {
         items.truncate(args.limit.unwrap_or(usize::MAX));
         work.push((suite, items));
     }
-    let reanalysis = engine::Reanalysis {
+    let reanalysis = stockfish::Reanalysis {
         depth: args.engine_depth,
         processes: args.engine_processes.map_or_else(
             || std::thread::available_parallelism().map_or(1, usize::from),

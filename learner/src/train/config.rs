@@ -44,12 +44,12 @@ pub struct TrainArgs {
     /// whose AVX512-BF16 dot products outrun its f32 FMAs, else f32), f32 or bf16 (on the
     /// CPU the fused pass's BF16 products); weights, moments and statistics stay f32.
     #[arg(long, env = "ROOKWORLD_MATMUL_PRECISION", default_value = "auto")]
-    pub matmul_precision: crate::policy::MatmulPrecision,
+    pub matmul_precision: rookworld_train::policy::MatmulPrecision,
     /// Which pass computes the gradients: auto (the fused pass on the CPU; candle's
     /// autograd on CUDA), fused (on CUDA the CUDA backend, BF16 products: off by default
     /// until a GPU run has passed `learner compare-backends`) or autograd (every device).
-    #[arg(long, value_enum, env = "LEARNER_STEP_PATH", default_value = "auto")]
-    pub step_path: crate::step::StepPath,
+    #[arg(long, value_parser = crate::settings::choice::<rookworld_train::policy::StepPath>(), env = "LEARNER_STEP_PATH", default_value = "auto")]
+    pub step_path: rookworld_train::policy::StepPath,
     /// With --local: the local rollout worker's --weight-dtype (auto, f32, bf16, f16, or
     /// int8 on the CPU: see `rollout-worker serve --weight-dtype`); a separate worker
     /// takes its own `--weight-dtype`.

@@ -9,9 +9,9 @@ use tokio::sync::watch;
 
 use super::watchdog::{self, Verdict, Watchdog};
 use super::{Run, TrainSettings};
-use crate::batch::GrpoBatch;
 use crate::push::Fleet;
 use crate::queue::ScoredGroup;
+use rookworld_train::batch::GrpoBatch;
 
 /// Seeds of the groups' sampling, one stream per run (continued on resume).
 pub(super) fn rand_seed_stream(seed: u64, step: u64) -> rand_chacha::ChaCha8Rng {

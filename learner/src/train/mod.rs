@@ -42,13 +42,13 @@ pub use report::{StepRecord, StepSeconds, print_summary, reward_trend};
 
 use crate::checkpoint;
 use crate::eval::periodic::Outcome;
-use crate::optim::AdamW;
-use crate::policy::Trainable;
 use crate::prompts::{self, Source};
 use crate::queue::QueueHandle;
 use gather::rand_seed_stream;
 use prepare::prepare;
 use report::Reporter;
+use rookworld_train::optim::AdamW;
+use rookworld_train::policy::Trainable;
 use services::Services;
 use support::{drain, peak_flops, save};
 use trainer::{Stepped, Trainer};
@@ -139,6 +139,17 @@ struct Run {
     record: Option<String>,
     /// The run directory's lock, held until the run ends.
     _lock: crate::run_lock::RunLock,
+}
+
+/// What a resume of `learner train` does with each of its options (the run-directories
+/// page's lists).
+pub fn resume_rules() -> crate::run_dir::ResumeRules {
+    use clap::Args;
+    crate::run_dir::ResumeRules::of(
+        &TrainArgs::augment_args(clap::Command::new("train")),
+        &TrainSettings::augment_args(clap::Command::new("settings")),
+        RESUMABLE,
+    )
 }
 
 /// Runs `learner train` with the queue on `listener` until the last step or `shutdown`.

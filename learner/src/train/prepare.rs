@@ -11,11 +11,11 @@ use tokio::sync::watch;
 use super::config::RESUMABLE;
 use super::{ConfigError, Run, TrainArgs, TrainError, TrainSummary};
 use crate::checkpoint::{self, Loaded};
-use crate::optim::AdamW;
-use crate::policy::Trainable;
 use crate::prompts::{self, Generator, Source};
 use crate::queue::{Queue, QueueHandle};
 use crate::run_dir;
+use rookworld_train::optim::AdamW;
+use rookworld_train::policy::Trainable;
 
 /// Loads or resumes the policy, the reference and the queue; runs the warm-up on a fresh
 /// start. `None` when `stop` came during the warm-up: it ends within one of its steps and

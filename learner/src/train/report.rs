@@ -14,8 +14,8 @@ use serde::{Deserialize, Serialize};
 use super::TrainSummary;
 use crate::metrics::names;
 use crate::queue::ScoredGroup;
-use crate::step::StepReport;
 use crate::tensorboard::EventWriter;
+use rookworld_train::step::StepReport;
 
 /// Where a step's wall time went, in seconds.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -63,7 +63,7 @@ pub struct StepRecord {
     pub masked_truncated: usize,
     /// The workers' sampling log-probs against the learner's on the step's tokens.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mismatch: Option<crate::offpolicy::Mismatch>,
+    pub mismatch: Option<rookworld_train::offpolicy::Mismatch>,
     /// Completion tokens trained on (those of the groups not skipped).
     pub tokens: usize,
     /// Completion tokens the workers generated for the step's groups, skipped ones too.
@@ -488,7 +488,7 @@ mod tests {
             assert!(t.contains_key(tag), "{tag}");
         }
         assert!(!t.contains_key("train/sampler_logp_diff_mean"));
-        r.mismatch = Some(crate::offpolicy::Mismatch {
+        r.mismatch = Some(rookworld_train::offpolicy::Mismatch {
             logp_diff_mean: 0.03,
             ..Default::default()
         });

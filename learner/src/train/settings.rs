@@ -9,11 +9,11 @@ use serde::{Deserialize, Serialize};
 use super::config::ConfigError;
 use rookworld_lm::cli::SamplingArgs;
 
-use crate::optim::{AdamWConfig, Schedule};
 use crate::queue::QueueConfig;
 use crate::settings::{BatchArgs, ObjectiveArgs, is_default};
 use crate::sft::SftSettings;
-use crate::step::StepConfig;
+use rookworld_train::optim::{AdamWConfig, Schedule};
+use rookworld_train::step::StepConfig;
 
 // Settings added later are left out of a checkpoint's settings at their defaults, so that
 // runs checkpointed before they existed resume unchanged.
@@ -184,7 +184,7 @@ impl TrainSettings {
     }
 
     /// The objective at the workers' temperature and token budget, checked.
-    pub fn loss_config(&self) -> Result<crate::loss::LossConfig, ConfigError> {
+    pub fn loss_config(&self) -> Result<rookworld_train::loss::LossConfig, ConfigError> {
         self.objective
             .loss_config(self.sampling.temperature, self.sampling.max_new_tokens)
     }

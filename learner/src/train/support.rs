@@ -166,13 +166,13 @@ pub(super) async fn check_reward(
     }
 }
 
-/// `--peak-tflops`, or the device's estimate ([`crate::step::device_peak_flops`]): on
+/// `--peak-tflops`, or the device's estimate ([`rookworld_train::step::device_peak_flops`]): on
 /// the CPU 64 (AVX-512) or 32 f32 FLOPs per cycle per core at 3 GHz, twice that for BF16
 /// products; on CUDA the H100/H200
 /// dense peak in the policy's matmul dtype (BF16 989, TF32 495 TFLOP/s).
 pub(super) fn peak_flops(args: &TrainArgs, model: &rookworld_lm::Gpt2) -> f64 {
     match args.peak_tflops {
         Some(t) => t * 1e12,
-        None => crate::step::device_peak_flops(model.device(), model.matmul_dtype()),
+        None => rookworld_train::step::device_peak_flops(model.device(), model.matmul_dtype()),
     }
 }

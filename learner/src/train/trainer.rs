@@ -14,9 +14,9 @@ use super::watchdog::Watchdog;
 use super::{Run, TrainArgs, TrainError, TrainSettings};
 use crate::checkpoint;
 use crate::eval::periodic::Evaluator;
-use crate::optim::Schedule;
 use crate::push::Fleet;
-use crate::step::{StepConfig, StepReport, Updater, step_flops};
+use rookworld_train::optim::Schedule;
+use rookworld_train::step::{StepConfig, StepReport, Updater, step_flops};
 
 /// How a step ended.
 pub(super) enum Stepped {
@@ -124,7 +124,7 @@ impl Trainer<'_> {
 
     /// The step's model FLOPs over its compute time, against the peak. Each of the μ
     /// updates runs the forward/backward (and the reference) again.
-    fn mfu(&self, report: &StepReport, batch: &crate::batch::GrpoBatch) -> f64 {
+    fn mfu(&self, report: &StepReport, batch: &rookworld_train::batch::GrpoBatch) -> f64 {
         let run = &*self.run;
         let with_reference = run.reference.is_some() && self.s.objective.beta > 0.0;
         let flops = f64::from(self.s.updates_per_batch)

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::Tensor;
-use learner::batch::GrpoBatch;
+use rookworld_train::batch::GrpoBatch;
 
 /// `tests/fixtures/grpo`.
 pub fn grpo_fixture() -> PathBuf {

@@ -1,4 +1,4 @@
-//! The fused training pass (`learner::fused`: explicit forward/backward, each group's
+//! The fused training pass (`rookworld_train::fused`: explicit forward/backward, each group's
 //! prompt once) against candle's autograd on the plain model (`rookworld_lm::Gpt2`, the
 //! forward the rollout worker samples with): loss parts and every parameter's gradient,
 //! with and without behaviour log-probs, every aggregation and policy loss, the batch's
@@ -9,12 +9,12 @@
 use crate::common;
 
 use candle_core::{DType, Device};
-use learner::grpo::{AdvantageNorm, Aggregation, PolicyLoss};
-use learner::loss::LossConfig;
-use learner::offpolicy::Correction;
-use learner::policy::Trainable;
-use learner::step::{StepConfig, accumulate, accumulate_autograd};
 use rookworld_lm::checkpoint;
+use rookworld_train::grpo::{AdvantageNorm, Aggregation, PolicyLoss};
+use rookworld_train::loss::LossConfig;
+use rookworld_train::offpolicy::Correction;
+use rookworld_train::policy::Trainable;
+use rookworld_train::step::{StepConfig, accumulate, accumulate_autograd};
 
 #[test]
 fn fused_pass_equals_autograd_on_the_plain_model() {

@@ -6,13 +6,13 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use candle_core::{DType, Device};
-use learner::batch::GrpoBatch;
-use learner::grpo::{AdvantageNorm, Aggregation, PolicyLoss};
-use learner::loss::LossConfig;
 use learner::loss_cmd::evaluate;
-use learner::offpolicy::Correction;
-use learner::policy::Trainable;
 use rookworld_lm::checkpoint;
+use rookworld_train::batch::GrpoBatch;
+use rookworld_train::grpo::{AdvantageNorm, Aggregation, PolicyLoss};
+use rookworld_train::loss::LossConfig;
+use rookworld_train::offpolicy::Correction;
+use rookworld_train::policy::Trainable;
 
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/grpo")

@@ -4,11 +4,11 @@
 use crate::common;
 
 use candle_core::{DType, Device};
-use learner::grpo::{AdvantageNorm, Aggregation};
-use learner::loss::LossConfig;
-use learner::policy::Trainable;
-use learner::step::{StepConfig, accumulate};
 use rookworld_lm::checkpoint;
+use rookworld_train::grpo::{AdvantageNorm, Aggregation};
+use rookworld_train::loss::LossConfig;
+use rookworld_train::policy::Trainable;
+use rookworld_train::step::{StepConfig, accumulate};
 
 #[test]
 fn micro_batched_gradients_equal_the_full_batch() {

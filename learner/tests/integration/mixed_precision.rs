@@ -7,10 +7,10 @@
 use crate::common;
 
 use candle_core::{DType, Device};
-use learner::loss::LossConfig;
-use learner::policy::{MatmulPrecision, Trainable};
-use learner::step::{StepConfig, accumulate, accumulate_autograd};
 use rookworld_lm::checkpoint;
+use rookworld_train::loss::LossConfig;
+use rookworld_train::policy::{MatmulPrecision, Trainable};
+use rookworld_train::step::{StepConfig, accumulate, accumulate_autograd};
 
 #[test]
 fn bf16_matmuls_give_the_f32_step_to_bf16_rounding() {

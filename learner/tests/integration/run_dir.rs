@@ -205,3 +205,50 @@ fn a_second_learner_on_a_run_directory_is_refused_naming_the_holder() {
     // The lock file stays, with the last holder's pid: stale pids mean nothing.
     assert!(lock.exists());
 }
+
+/// The keys a checkpoint keeps are the options' run-file keys, so that the page's
+/// lists ([`learner::run_dir::ResumeRules`]) name exactly what a resume compares.
+#[test]
+fn the_compared_settings_are_the_options_the_page_lists() {
+    use clap::{Args, FromArgMatches};
+    for (rules, kept, resumable) in [
+        (
+            learner::train::resume_rules(),
+            serde_json::to_value(
+                learner::train::TrainSettings::from_arg_matches(
+                    &learner::train::TrainSettings::augment_args(clap::Command::new("s"))
+                        .get_matches_from(["s"]),
+                )
+                .unwrap(),
+            )
+            .unwrap(),
+            learner::train::RESUMABLE,
+        ),
+        (
+            learner::sft::resume_rules(),
+            serde_json::to_value(
+                learner::sft::SftSettings::from_arg_matches(
+                    &learner::sft::SftSettings::augment_args(clap::Command::new("s"))
+                        .get_matches_from(["s"]),
+                )
+                .unwrap(),
+            )
+            .unwrap(),
+            learner::sft::SFT_RESUMABLE,
+        ),
+    ] {
+        // Settings left out at their defaults (added after runs were checkpointed) are
+        // still compared: absent on one side is a change on the other.
+        let compared: Vec<&String> = kept.as_object().unwrap().keys().collect();
+        for key in &compared {
+            assert!(
+                rules.refused.contains(key) || rules.may_change.contains(key),
+                "{key} is compared on resume but listed as free"
+            );
+        }
+        for key in resumable {
+            assert!(rules.may_change.iter().any(|k| k == key), "{key}");
+        }
+        assert!(!rules.free.is_empty() && !rules.refused.is_empty());
+    }
+}

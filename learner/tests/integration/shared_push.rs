@@ -8,13 +8,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::{DType, Device};
-use learner::policy::Trainable;
 use learner::push::{Fleet, push_to};
 use rollout_worker::{ServiceConfig, Worker, WorkerConfig};
 use rookworld_lm::checkpoint::init_random;
 use rookworld_lm::{Config, Gpt2, checkpoint};
 use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
+use rookworld_train::policy::Trainable;
 use rookworld_weights::export::{Exporter, POOL};
 use rookworld_weights::set::{self as weights, WeightSet};
 use tonic::transport::Channel;

@@ -6,11 +6,12 @@
 use crate::common;
 
 use candle_core::{DType, Device};
-use learner::loss::LossConfig;
-use learner::policy::{Pass, Trainable};
-use learner::step::{StepConfig, StepPath, accumulate};
 use rookworld_lm::checkpoint;
 use rookworld_lm::config::{Activation, Config};
+use rookworld_train::loss::LossConfig;
+use rookworld_train::policy::StepPath;
+use rookworld_train::policy::{Pass, Trainable};
+use rookworld_train::step::{StepConfig, accumulate};
 
 fn step_config() -> StepConfig {
     StepConfig {

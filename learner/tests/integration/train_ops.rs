@@ -7,10 +7,10 @@
 use crate::common;
 
 use candle_core::{DType, Device};
-use learner::loss::LossConfig;
-use learner::policy::{MatmulPrecision, Trainable};
-use learner::step::{StepConfig, accumulate_autograd};
 use rookworld_lm::checkpoint;
+use rookworld_train::loss::LossConfig;
+use rookworld_train::policy::{MatmulPrecision, Trainable};
+use rookworld_train::step::{StepConfig, accumulate_autograd};
 
 #[test]
 fn a_grpo_step_through_the_training_ops_equals_the_composed_graph() {

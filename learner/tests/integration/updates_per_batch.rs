@@ -6,13 +6,13 @@
 use crate::common;
 
 use candle_core::{DType, Device, Tensor};
-use learner::batch::GrpoBatch;
-use learner::loss::LossConfig;
-use learner::offpolicy::Correction;
-use learner::optim::{AdamW, Schedule};
-use learner::policy::{Trainable, own_logprobs};
-use learner::step::{StepConfig, Updater};
 use rookworld_lm::checkpoint;
+use rookworld_train::batch::GrpoBatch;
+use rookworld_train::loss::LossConfig;
+use rookworld_train::offpolicy::Correction;
+use rookworld_train::optim::{AdamW, Schedule};
+use rookworld_train::policy::{Trainable, own_logprobs};
+use rookworld_train::step::{StepConfig, Updater};
 
 fn weights(policy: &Trainable) -> Vec<Tensor> {
     policy

@@ -7,11 +7,11 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device};
-use learner::fused::{self, Activations, GroupInput, Packed, Params};
 use rookworld_generation::{EngineConfig, Request, Scheduler, prepare_model};
 use rookworld_lm::Config;
 use rookworld_lm::checkpoint::init_random;
 use rookworld_lm::sampling::SamplingParams;
+use rookworld_train::fused::{self, Activations, GroupInput, Packed, Params};
 
 #[test]
 fn worker_logprobs_equal_the_learners_at_equal_weights() {

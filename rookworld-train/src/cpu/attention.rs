@@ -18,7 +18,7 @@
 //! Rows are (R, 3E) `[q | k | v]` with head h at columns h·D..(h+1)·D of each part.
 
 use crate::backend::Heads;
-use crate::batch::GroupRows;
+use crate::packed::GroupRows;
 use rayon::prelude::*;
 use rookworld_lm::simd::{axpy, dots, scaled_softmax_inplace, weighted_sum};
 
@@ -171,7 +171,7 @@ pub fn attention_backward(
 mod tests {
     use super::*;
     use crate::backend::Heads;
-    use crate::batch::GroupRows;
+    use crate::packed::GroupRows;
     use rookworld_lm::simd::dot;
 
     /// Attention of one plain causal sequence, the textbook way.

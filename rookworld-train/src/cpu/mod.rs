@@ -7,8 +7,8 @@ pub mod head;
 pub mod ops;
 
 use crate::backend::{Backend, Error, HeadBackward, HeadForward, Heads, Result};
-use crate::batch::Packed;
 use crate::gemm::Gemm;
+use crate::packed::Packed;
 use ops::Matmuls;
 
 /// The CPU backend; `matmuls` says how it multiplies.

@@ -31,9 +31,9 @@ use candle_core::cuda::cudarc::driver::{
 };
 
 use crate::backend::{Backend, Error, HeadBackward, HeadForward, Heads, Result};
-use crate::batch::{Packed, ScatterPlan};
 use crate::gemm::Gemm;
 use crate::launch::{self, Grid, int};
+use crate::packed::{Packed, ScatterPlan};
 use crate::profile::KernelProfile;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/pass.ptx"));

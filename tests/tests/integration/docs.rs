@@ -791,7 +791,6 @@ fn with_section(page: &str, name: &str, body: &str) -> String {
 }
 
 fn resume_rules_text() -> String {
-    use learner::run_dir::ResumeRules;
     let list = |keys: &[String]| {
         keys.iter()
             .map(|k| format!("`{k}`"))
@@ -802,8 +801,8 @@ fn resume_rules_text() -> String {
         "| command | a change is refused | may change | not part of the run (taken as given; the weights come from the checkpoint) |\n| --- | --- | --- | --- |\n",
     );
     for (name, rules) in [
-        ("`learner train`", ResumeRules::train()),
-        ("`learner sft`", ResumeRules::sft()),
+        ("`learner train`", learner::train::resume_rules()),
+        ("`learner sft`", learner::sft::resume_rules()),
     ] {
         writeln!(
             out,

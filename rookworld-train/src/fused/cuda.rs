@@ -5,11 +5,11 @@
 //! objective runs on the host between the forward and the backward, on the N log-probs:
 //! one small read and one small write per micro-batch.
 
+use crate::cuda::{Cuda, DevF32, DeviceVec};
+use crate::weights::Weights;
+use crate::{Activations, KernelProfile};
 use candle_core::{DType, Device, Result as CandleResult, Tensor};
 use rookworld_lm::config::Config;
-use rookworld_train::cuda::{Cuda, DevF32, DeviceVec};
-use rookworld_train::weights::Weights;
-use rookworld_train::{Activations, KernelProfile};
 
 /// The CUDA pass's buffers, kept from step to step: every activation the pass planned,
 /// the gradients and the backend's scratch, so that a step of a shape already seen
@@ -87,7 +87,7 @@ pub fn with_pass<R>(
         b = b.profiled();
     }
     let out: CandleResult<R> = (|| {
-        use rookworld_train::Backend;
+        use crate::Backend;
         if fits {
             for g in &mut grads {
                 b.fill(g, 0.0).map_err(wrap)?;
@@ -116,7 +116,7 @@ pub fn with_pass<R>(
 }
 
 /// The CUDA backend of `device` against the CPU's on a small synthetic micro-batch
-/// ([`rookworld_train::compare::self_check`]): a finding for the `step_backend` kernel
+/// ([`crate::compare::self_check`]): a finding for the `step_backend` kernel
 /// family when a buffer differs beyond tolerance (naming it) or the check cannot run;
 /// and, for each of the trials `step_attention_tiles` and `step_head_kept` turned on, the
 /// same with it, a finding for that family (so that it alone is turned off). Only the
@@ -129,7 +129,7 @@ pub fn startup_check(device: &Device) -> Vec<rookworld_lm::kernels::Finding> {
     let Device::Cuda(cuda) = device else {
         return Vec::new();
     };
-    let check = |kernel: Kernel, b: Cuda| match rookworld_train::compare::self_check(&b) {
+    let check = |kernel: Kernel, b: Cuda| match crate::compare::self_check(&b) {
         Ok(c) => c.first_divergence().map(|_| Finding {
             kernel,
             problem: c.summary(),

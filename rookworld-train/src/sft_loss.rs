@@ -4,11 +4,11 @@
 
 use std::ops::DerefMut;
 
+use crate::{Activations, Backend, Weights};
 use candle_core::{Device, Tensor};
 use rookworld_lm::Gpt2;
-use rookworld_train::{Activations, Backend, Weights};
 
-use crate::fused::step::nll_micro;
+use crate::fused::micro_batch::nll_micro;
 use crate::fused::{GroupInput, Params};
 use crate::optim::Gradients;
 use crate::policy::{Pass, Trainable, slot_logprobs};
@@ -16,14 +16,14 @@ use crate::policy::{Pass, Trainable, slot_logprobs};
 /// A training document: `[bos] + tokens(text) + [bos]` and the first position whose token
 /// is predicted (1, or the first completion token when only completions are trained).
 #[derive(Debug, Clone)]
-pub(crate) struct Document {
-    pub(crate) ids: Vec<u32>,
-    pub(crate) first: usize,
+pub struct Document {
+    pub ids: Vec<u32>,
+    pub first: usize,
 }
 
 /// Mean next-token cross-entropy of a micro-batch of documents over their predicted
 /// tokens, and their count. Only the predicting positions go through the LM head.
-pub(crate) fn cross_entropy(
+pub fn cross_entropy(
     model: &Gpt2,
     docs: &[Document],
     pad: u32,
@@ -99,7 +99,7 @@ fn fused_loss<B: Backend, G: DerefMut<Target = B::Buf>>(
 }
 
 /// The supervised gradients of `batch` on the fused pass on the CPU, and the loss.
-pub(crate) fn fused_gradients(
+pub fn fused_gradients(
     policy: &Trainable,
     batch: &[Document],
     micro_size: usize,
@@ -146,7 +146,7 @@ fn fused_gradients_cuda(
 
 /// The supervised gradients of `batch` through candle's autograd (every device and
 /// dtype; the fused pass is checked against it), and the loss.
-pub(crate) fn autograd_gradients(
+pub fn autograd_gradients(
     policy: &Trainable,
     batch: &[Document],
     micro_size: usize,
@@ -167,7 +167,7 @@ pub(crate) fn autograd_gradients(
 
 /// The supervised gradients and loss of `batch` in micro-batches of `micro_size`
 /// documents: on the policy's pass ([`Trainable::pass`]).
-pub(crate) fn gradients(
+pub fn gradients(
     policy: &Trainable,
     batch: &[Document],
     micro_size: usize,

@@ -1,5 +1,5 @@
 //! Target log-probs through the LM head without materialising the logits, as a candle op
-//! (the kernels are `rookworld_train::cpu::head`'s).
+//! (the kernels are `crate::cpu::head`'s).
 //!
 //! Training needs, per predicted slot n, `log softmax(h_n·Wᵀ / τ)[y_n]`. Computed the
 //! plain way this builds several (N, V) tensors (logits, scaled logits, exponentials, …)
@@ -17,8 +17,8 @@
 
 use candle_core::{CpuStorage, CustomOp3, D, DType, Layout, Result as CandleResult, Shape, Tensor};
 
-use rookworld_train::cpu::head::{HeadGrads, backward_rows, logprobs_rows};
-use rookworld_train::cpu::ops::Matmuls;
+use crate::cpu::head::{HeadGrads, backward_rows, logprobs_rows};
+use crate::cpu::ops::Matmuls;
 
 /// `log softmax(hidden · headᵀ / temperature)[target]` for every row: hidden (N, E),
 /// head (V, E), targets (N) u32 → (N) f32. Differentiable in `hidden` and `head`.

@@ -9,7 +9,6 @@ use crate::batch::Layout;
 use crate::grpo::{self, AdvantageNorm, Aggregation, PolicyLoss};
 use crate::offpolicy::{self, Correction, Mismatch};
 use crate::policy::token_logprobs;
-use crate::settings::ObjectiveArgs;
 
 /// Hyper-parameters of the objective.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -38,45 +37,36 @@ pub struct LossConfig {
     pub mask_truncated: bool,
 }
 
-impl Default for LossConfig {
-    /// The defaults of the objective's flags ([`ObjectiveArgs`]) and of sampling.
-    fn default() -> Self {
-        ObjectiveArgs::default().loss_config_unchecked(
-            rookworld_lm::cli::DEFAULT_TEMPERATURE,
-            rookworld_lm::cli::DEFAULT_MAX_NEW_TOKENS,
-        )
-    }
-}
+/// The KL coefficient β by default: small, for a tiny model that must first learn the
+/// format.
+pub const DEFAULT_BETA: f64 = 0.01;
+/// The clip ε of the token ratio by default, on both sides (PPO's and GRPO's 0.2).
+pub const DEFAULT_CLIP_EPS: f64 = 0.2;
+/// GSPO's clip range by default, as the paper's (3e-4, 4e-4): sequence ratios stay far
+/// closer to 1 than token ratios.
+pub const GSPO_EPS_LOW: f64 = 3e-4;
+pub const GSPO_EPS_HIGH: f64 = 4e-4;
+/// C, the bound of the importance weights, by default.
+pub const DEFAULT_IS_CAP: f64 = 2.0;
 
-impl LossConfig {
-    /// The objective's ranges, one rule per flag for `train`, `loss` and `bench`: β ≥ 0,
-    /// both clip ε in [0, 1], temperature > 0.
-    pub fn validate(&self) -> Result<(), crate::settings::ConfigError> {
-        use crate::settings::ConfigError;
-        use rookworld_service::check::{fraction, non_negative};
-        non_negative("--beta", self.beta)?;
-        fraction("--clip-eps", self.eps_low)?;
-        fraction("--clip-eps-high", self.eps_high)?;
-        fraction("--gspo-eps", self.gspo_eps_low)?;
-        fraction("--gspo-eps-high", self.gspo_eps_high)?;
-        if self.is_cap.is_nan() || self.is_cap < 1.0 {
-            return Err(ConfigError::OutOfRange {
-                flag: "--is-cap".into(),
-                rule: "be ≥ 1".into(),
-                value: self.is_cap.to_string(),
-            });
+impl Default for LossConfig {
+    /// The objective's defaults, at sampling's default temperature and token budget.
+    fn default() -> Self {
+        Self {
+            beta: DEFAULT_BETA,
+            eps_low: DEFAULT_CLIP_EPS,
+            eps_high: DEFAULT_CLIP_EPS,
+            temperature: rookworld_lm::cli::DEFAULT_TEMPERATURE,
+            advantage_norm: AdvantageNorm::default(),
+            aggregation: Aggregation::default(),
+            policy_loss: PolicyLoss::default(),
+            gspo_eps_low: GSPO_EPS_LOW,
+            gspo_eps_high: GSPO_EPS_HIGH,
+            max_new_tokens: rookworld_lm::cli::DEFAULT_MAX_NEW_TOKENS as usize,
+            correction: Correction::default(),
+            is_cap: DEFAULT_IS_CAP,
+            mask_truncated: false,
         }
-        if self.aggregation == Aggregation::Constant && self.max_new_tokens == 0 {
-            return Err(ConfigError::Conflict(
-                "--aggregation constant divides by --max-new-tokens: give one above 0".into(),
-            ));
-        }
-        rookworld_lm::sampling::check_temperature("--temperature", self.temperature)
-            .map_err(ConfigError::Value)?;
-        if self.temperature == 0.0 {
-            return Err(ConfigError::Conflict("--temperature 0 is greedy: every completion of a group would be the same, with no advantage to learn from; GRPO needs a temperature > 0".into()));
-        }
-        Ok(())
     }
 }
 

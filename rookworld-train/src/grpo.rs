@@ -9,17 +9,7 @@ use candle_core::{D, Result, Tensor};
 pub const ADVANTAGE_EPS: f64 = 1e-4;
 
 /// How rewards are normalised within a group.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    Default,
-    clap::ValueEnum,
-    serde::Serialize,
-    serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum AdvantageNorm {
     /// A = (r − mean) / (std + 1e-4), std with N − 1 (unbiased), as TRL.
     #[default]
@@ -31,6 +21,15 @@ pub enum AdvantageNorm {
     Batch,
     /// A = r − mean (no division; Dr. GRPO).
     None,
+}
+
+impl crate::choice::Choice for AdvantageNorm {
+    const NAMES: &'static [(Self, &'static str)] = &[
+        (Self::Unbiased, "unbiased"),
+        (Self::Population, "population"),
+        (Self::Batch, "batch"),
+        (Self::None, "none"),
+    ];
 }
 
 /// What a group's centred rewards are divided by, resolved for one batch.
@@ -68,17 +67,7 @@ impl AdvantageNorm {
 }
 
 /// How per-token values become one number.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    Default,
-    clap::ValueEnum,
-    serde::Serialize,
-    serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum Aggregation {
     /// Mean over each completion's tokens, then mean over completions.
     #[default]
@@ -88,6 +77,14 @@ pub enum Aggregation {
     /// Sum over all completion tokens of the batch divided by a constant, completions ×
     /// max new tokens (Dr. GRPO; TRL `loss_type="dr_grpo"`): no length bias.
     Constant,
+}
+
+impl crate::choice::Choice for Aggregation {
+    const NAMES: &'static [(Self, &'static str)] = &[
+        (Self::Sequence, "sequence"),
+        (Self::Token, "token"),
+        (Self::Constant, "constant"),
+    ];
 }
 
 impl Aggregation {
@@ -107,17 +104,7 @@ impl Aggregation {
 }
 
 /// The policy-gradient term of the objective.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    Default,
-    clap::ValueEnum,
-    serde::Serialize,
-    serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum PolicyLoss {
     /// PPO/GRPO: per-token ratio ρ_t, `−min(ρ_t·A, clip(ρ_t, 1−ε_low, 1+ε_high)·A)`.
     #[default]
@@ -131,6 +118,15 @@ pub enum PolicyLoss {
     /// CISPO: `−sg(min(ρ_t, 1+ε_high)) · A · logπθ(y_t)`: the weight is truncated and
     /// detached, so every token keeps a gradient.
     Cispo,
+}
+
+impl crate::choice::Choice for PolicyLoss {
+    const NAMES: &'static [(Self, &'static str)] = &[
+        (Self::Clip, "clip"),
+        (Self::Gspo, "gspo"),
+        (Self::GspoToken, "gspo-token"),
+        (Self::Cispo, "cispo"),
+    ];
 }
 
 /// Group-relative advantages of one group's rewards:

@@ -6,11 +6,11 @@
 //!
 //! - **The prompt once per group.** A group's G completions share its prompt: the prompt's
 //!   rows go through the layers once, completion rows attend to its keys and values
-//!   (`rookworld_train::cpu::attention`), and in the backward the prompt's gradients collect all G
+//!   (`crate::cpu::attention`), and in the backward the prompt's gradients collect all G
 //!   completions' contributions — the sharing the rollout engine does when sampling.
 //!   A completion's last token predicts nothing, so it is never fed.
 //! - **Only predicting rows through the head**, whose probabilities are kept for the
-//!   backward when they fit the budget, recomputed otherwise (`rookworld_train::cpu::head`).
+//!   backward when they fit the budget, recomputed otherwise (`crate::cpu::head`).
 //! - **Weights read in place** from the candle tensors that hold them ([`Params`]), the
 //!   gradient of each parameter one `Vec<f32>` handed to the optimizer as is.
 //!
@@ -24,15 +24,15 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod step;
+pub mod micro_batch;
 
+use crate::cpu::Cpu;
+use crate::cpu::ops::Matmuls;
+use crate::weights::{self, Weights};
 use candle_core::{CpuStorage, DType, Result as CandleResult, Storage, StorageRef, Tensor};
 use rookworld_lm::config::{Activation, Config};
-use rookworld_train::cpu::Cpu;
-use rookworld_train::cpu::ops::Matmuls;
-use rookworld_train::weights::{self, Weights};
 
-pub use rookworld_train::{GroupInput, Packed};
+pub use crate::{GroupInput, Packed};
 
 /// Whether the fused pass runs a model of `cfg` whose weights are `sample` on this host.
 pub fn applies(cfg: &Config, sample: &Tensor) -> bool {
@@ -154,7 +154,7 @@ impl<'a> Params<'a> {
 }
 
 /// The fused pass's activations on the CPU.
-pub type Activations = rookworld_train::Activations<Cpu>;
+pub type Activations = crate::Activations<Cpu>;
 
 /// The buffers of the fused pass, kept from step to step by the model that trains
 /// ([`crate::policy::Trainable`]): the policy's activations and the reference's.
@@ -179,7 +179,7 @@ impl Workspace {
 
 /// Forward of `packed` on the CPU: the log-prob of every predicted token (N) under
 /// `softmax(logits / temperature)`; with `keep`, `acts` holds what [`backward`] needs
-/// ([`rookworld_train::forward`]).
+/// ([`crate::forward`]).
 pub fn forward(
     params: &Params,
     packed: &Packed,
@@ -187,7 +187,7 @@ pub fn forward(
     acts: &mut Activations,
     keep: bool,
 ) -> CandleResult<Vec<f32>> {
-    rookworld_train::forward(
+    crate::forward(
         &params.backend(),
         &params.weights(),
         packed,
@@ -208,7 +208,7 @@ pub fn backward(
     temperature: f64,
     grads: &mut [Vec<f32>],
 ) -> CandleResult<()> {
-    rookworld_train::backward(
+    crate::backward(
         &params.backend(),
         &params.weights(),
         packed,

@@ -14,17 +14,7 @@ use serde::Serialize;
 use crate::grpo::{MAX_LOG_DIFF, scalar};
 
 /// How the behaviour-to-proximal importance weights enter the loss.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    Default,
-    clap::ValueEnum,
-    serde::Serialize,
-    serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum Correction {
     /// None: the ratio is taken against the behaviour policy (plain GRPO/PPO).
     #[default]
@@ -37,6 +27,16 @@ pub enum Correction {
     SequenceTruncate,
     /// `w = Π_t π_prox/π_behaviour` per sequence, 0 where it exceeds C.
     SequenceMask,
+}
+
+impl crate::choice::Choice for Correction {
+    const NAMES: &'static [(Self, &'static str)] = &[
+        (Self::Off, "off"),
+        (Self::TokenTruncate, "token-truncate"),
+        (Self::TokenMask, "token-mask"),
+        (Self::SequenceTruncate, "sequence-truncate"),
+        (Self::SequenceMask, "sequence-mask"),
+    ];
 }
 
 impl Correction {

@@ -12,7 +12,31 @@ use crate::batch::Layout;
 use crate::fused::Workspace;
 use crate::head::{head_logprobs, plain_head_logprobs};
 use crate::optim::Gradients;
-use crate::step::StepPath;
+
+/// Which pass computes a step's gradients (`learner train --step-path`, `learner bench
+/// --path`; [`Trainable::set_step_path`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StepPath {
+    /// The fused pass on the CPU; candle's autograd on CUDA, until a GPU run has passed
+    /// the CUDA backend's check (`learner compare-backends`).
+    #[default]
+    Auto,
+    /// The fused pass: on the CPU, or on CUDA the CUDA backend of `rookworld_train` (a
+    /// learner built with the `cuda` feature, BF16 products); refused, with the reason,
+    /// where it does not apply.
+    Fused,
+    /// candle's autograd on the plain model (every device and dtype).
+    Autograd,
+}
+
+impl crate::choice::Choice for StepPath {
+    const NAMES: &'static [(Self, &'static str)] = &[
+        (Self::Auto, "auto"),
+        (Self::Fused, "fused"),
+        (Self::Autograd, "autograd"),
+    ];
+}
 
 /// How the learner's products run (`--matmul-precision`). The weights, the optimizer's
 /// moments, layer-norm and softmax statistics and the log-probs stay f32 whatever is
@@ -78,7 +102,7 @@ impl MatmulPrecision {
 
 /// Whether the fused pass's CUDA backend can train a model of `cfg` whose products take
 /// `matmuls` operands, or why not: BF16 operands with f32 sums, and heads of a width its
-/// attention has kernels for ([`rookworld_train::launch::serves`]) — the `tiny` preset's
+/// attention has kernels for ([`crate::launch::serves`]) — the `tiny` preset's
 /// heads of 16 have none, so its steps on CUDA take candle's autograd.
 pub fn fused_cuda_applies(
     cfg: &rookworld_lm::config::Config,
@@ -91,11 +115,11 @@ pub fn fused_cuda_applies(
                 .into(),
         );
     }
-    let heads = rookworld_train::Heads {
+    let heads = crate::Heads {
         e: cfg.n_embd,
         h: cfg.n_head,
     };
-    rookworld_train::launch::serves(heads)
+    crate::launch::serves(heads)
         .map_err(|e| format!("the fused pass on CUDA cannot run this model: {e}"))
 }
 
@@ -210,7 +234,7 @@ impl Trainable {
     /// The fused pass this policy can run, or why it cannot: on the CPU f32 weights with
     /// f32 or BF16 products; on CUDA (a learner built with the `cuda` feature) BF16
     /// products and heads of a width the CUDA backend's attention serves
-    /// ([`rookworld_train::launch::serves`]); `gelu_new` on both.
+    /// ([`crate::launch::serves`]); `gelu_new` on both.
     fn fused_pass(&self) -> Result<Pass, String> {
         let cfg = self.model.config();
         if cfg.activation_function != rookworld_lm::config::Activation::GeluNew {
@@ -268,7 +292,7 @@ impl Trainable {
 
     /// The kernels timed since profiling began or the last call, which starts anew;
     /// `None` unless [`Self::profile_kernels`].
-    pub fn take_kernel_profile(&self) -> Option<rookworld_train::KernelProfile> {
+    pub fn take_kernel_profile(&self) -> Option<crate::KernelProfile> {
         #[cfg(feature = "cuda")]
         {
             let mut work = self.workspace.lock().expect("workspace lock");
@@ -285,16 +309,16 @@ impl Trainable {
     }
 
     /// How the fused pass multiplies for this policy's `--matmul-precision`.
-    pub fn fused_matmuls(&self) -> rookworld_train::cpu::ops::Matmuls {
+    pub fn fused_matmuls(&self) -> crate::cpu::ops::Matmuls {
         match self.model.matmul_dtype() {
-            Some(DType::BF16) => rookworld_train::cpu::ops::Matmuls::Bf16,
-            _ => rookworld_train::cpu::ops::Matmuls::F32,
+            Some(DType::BF16) => crate::cpu::ops::Matmuls::Bf16,
+            _ => crate::cpu::ops::Matmuls::F32,
         }
     }
 
     /// Sets the rows of the LM head whose probabilities the fused pass on the CPU keeps
     /// at once, a chunk of whole completions between the head's forward and backward
-    /// (`None`: 128 MiB's worth; see [`rookworld_train::train`]). The gradients are the
+    /// (`None`: 128 MiB's worth; see [`crate::train`]). The gradients are the
     /// same whatever the chunks; smaller ones hold less memory and pass over the head's
     /// weight gradient more often.
     pub fn set_head_chunk_rows(&mut self, rows: Option<usize>) {
@@ -302,8 +326,8 @@ impl Trainable {
     }
 
     /// The CPU backend of this policy's fused pass.
-    pub fn fused_backend(&self) -> rookworld_train::cpu::Cpu {
-        let cpu = rookworld_train::cpu::Cpu::new(self.fused_matmuls());
+    pub fn fused_backend(&self) -> crate::cpu::Cpu {
+        let cpu = crate::cpu::Cpu::new(self.fused_matmuls());
         match self.head_chunk_rows {
             Some(rows) => cpu.with_head_keep_rows(rows),
             None => cpu,

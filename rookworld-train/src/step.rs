@@ -4,14 +4,14 @@
 use std::ops::DerefMut;
 use std::time::Instant;
 
+use crate::{Activations, Backend, Weights};
 use candle_core::Result as CandleResult;
 use rookworld_lm::Gpt2;
-use rookworld_train::{Activations, Backend, Weights};
 use rookworld_weights::export::Payload;
 use serde::Serialize;
 
 use crate::batch::{GrpoBatch, Layout};
-use crate::fused::step::{MicroBatch, micro_step, reference_logprobs};
+use crate::fused::micro_batch::{MicroBatch, micro_step, reference_logprobs};
 use crate::fused::{self, Params, Workspace};
 use crate::grpo::Aggregation;
 use crate::loss::{LossConfig, grpo_loss};
@@ -78,23 +78,6 @@ pub fn accumulate(
         Pass::FusedCuda => candle_core::bail!("the fused pass on CUDA needs the cuda feature"),
         Pass::Autograd => accumulate_autograd(policy, reference, batch, cfg),
     }
-}
-
-/// Which pass computes a step's gradients (`learner train --step-path`, `learner bench
-/// --path`; [`Trainable::set_step_path`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum StepPath {
-    /// The fused pass on the CPU; candle's autograd on CUDA, until a GPU run has passed
-    /// the CUDA backend's check (`learner compare-backends`).
-    #[default]
-    Auto,
-    /// The fused pass: on the CPU, or on CUDA the CUDA backend of `rookworld_train` (a
-    /// learner built with the `cuda` feature, BF16 products); refused, with the reason,
-    /// where it does not apply.
-    Fused,
-    /// candle's autograd on the plain model (every device and dtype).
-    Autograd,
 }
 
 /// A micro-batch's part of the step: its completions, those of them masked as cut off,
@@ -264,7 +247,7 @@ fn accumulate_fused(
     cfg: &StepConfig,
 ) -> CandleResult<(Gradients, StepReport)> {
     let policy_tensors = policy.tensors();
-    let ref_tensors = reference.map(fused::step::model_tensors);
+    let ref_tensors = reference.map(fused::micro_batch::model_tensors);
     let model_cfg = policy.model.config();
     let matmuls = policy.fused_matmuls();
     let params = Params::new(&policy_tensors, model_cfg)?.with_matmuls(matmuls);
@@ -308,7 +291,7 @@ fn accumulate_fused_cuda(
     cfg: &StepConfig,
 ) -> CandleResult<(Gradients, StepReport)> {
     let policy_tensors = policy.tensors();
-    let ref_tensors = reference.map(fused::step::model_tensors);
+    let ref_tensors = reference.map(fused::micro_batch::model_tensors);
     let model_cfg = policy.model.config();
     let mut work = policy.workspace.lock().expect("workspace lock");
     let workspace = work.cuda.get_or_insert_with(Default::default);

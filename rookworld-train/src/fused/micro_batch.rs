@@ -11,7 +11,7 @@ use std::time::Instant;
 use candle_core::{DType, Device, Result as CandleResult, Tensor, Var};
 use rookworld_lm::Gpt2;
 
-use rookworld_train::{Activations, Backend, Weights};
+use crate::{Activations, Backend, Weights};
 
 use crate::batch::GrpoBatch;
 use crate::fused::{GroupInput, Packed};
@@ -235,7 +235,7 @@ pub fn reference_logprobs<B: Backend>(
     cfg: &LossConfig,
     acts: &mut Activations<B>,
 ) -> CandleResult<Vec<f32>> {
-    rookworld_train::forward(b, reference, &micro.packed, cfg.temperature, acts, false)
+    crate::forward(b, reference, &micro.packed, cfg.temperature, acts, false)
         .map_err(candle_core::Error::wrap)
 }
 
@@ -244,7 +244,7 @@ pub fn reference_logprobs<B: Backend>(
 /// term), on backend `b`. Reports the unscaled loss parts.
 ///
 /// The objective runs between the head's forward and backward of each chunk of
-/// completions ([`rookworld_train::train`]): chunk s's gradient is that of its own loss
+/// completions ([`crate::train`]): chunk s's gradient is that of its own loss
 /// weighted by `weight · units(s) / units(micro-batch)` ([`crate::grpo::Aggregation::units`]), which
 /// adds up to the micro-batch's. The reported parts are the objective's over the whole
 /// micro-batch once its log-probs are in.
@@ -266,7 +266,7 @@ pub fn micro_step<B: Backend, G: DerefMut<Target = B::Buf>>(
     let whole = units(0..micro.completions());
     // The chunks' log-probs so far (N): a chunk's objective reads its own.
     let mut logp = vec![0f32; micro.tokens];
-    let trained = rookworld_train::train(
+    let trained = crate::train(
         b,
         policy,
         &micro.packed,
@@ -282,7 +282,7 @@ pub fn micro_step<B: Backend, G: DerefMut<Target = B::Buf>>(
             let w = weight * share / whole;
             let (_, dlogp) = micro
                 .loss(ks, (&logp, ref_logp), cfg, Some(w))
-                .map_err(|e| rookworld_train::Error::Objective(Box::new(e)))?;
+                .map_err(|e| crate::Error::Objective(Box::new(e)))?;
             Ok(dlogp)
         },
     )
@@ -322,7 +322,7 @@ pub fn nll_micro<B: Backend, G: DerefMut<Target = B::Buf>>(
     let packed = Packed::new(groups);
     let n = packed.targets.len().max(1);
     let g = (-weight / n as f64) as f32;
-    let logp = rookworld_train::train(b, policy, &packed, 1.0, (acts, grads), |span, _| {
+    let logp = crate::train(b, policy, &packed, 1.0, (acts, grads), |span, _| {
         Ok(vec![g; span.len()])
     })
     .map_err(candle_core::Error::wrap)?
