@@ -11,66 +11,7 @@ use crate::queue::Queue;
 
 /// Every metric name of this crate, once: the describe calls and the recording sites use
 /// these.
-pub mod names {
-    pub const BUILD_INFO: &str = "learner_build_info";
-    pub const CUDA_KERNEL_FALLBACK: &str = "learner_cuda_kernel_fallback";
-    pub const CLIPPED_HIGH_RATIO: &str = "learner_clipped_high_ratio";
-    pub const CLIPPED_LOW_RATIO: &str = "learner_clipped_low_ratio";
-    pub const CLIPPED_TOKENS_RATIO: &str = "learner_clipped_tokens_ratio";
-    pub const COMPLETIONS_MASKED_TRUNCATED_TOTAL: &str =
-        "learner_completions_masked_truncated_total";
-    pub const EVAL: &str = "learner_eval";
-    pub const EVAL_SECONDS: &str = "learner_eval_seconds";
-    pub const EVAL_STEP: &str = "learner_eval_step";
-    pub const EVALS_SKIPPED_TOTAL: &str = "learner_evals_skipped_total";
-    pub const GRAD_NORM: &str = "learner_grad_norm";
-    pub const GROUPS_SKIPPED_TOTAL: &str = "learner_groups_skipped_total";
-    pub const IS_BOUNDED_RATIO: &str = "learner_is_bounded_ratio";
-    pub const IS_ESS_RATIO: &str = "learner_is_ess_ratio";
-    pub const IS_WEIGHT_MAX: &str = "learner_is_weight_max";
-    pub const IS_WEIGHT_MEAN: &str = "learner_is_weight_mean";
-    pub const IS_WEIGHT_MIN: &str = "learner_is_weight_min";
-    pub const KL: &str = "learner_kl";
-    pub const LOSS: &str = "learner_loss";
-    pub const LR: &str = "learner_lr";
-    pub const MFU_RATIO: &str = "learner_mfu_ratio";
-    pub const POLICY_ENTROPY: &str = "learner_policy_entropy";
-    pub const POLICY_LOSS: &str = "learner_policy_loss";
-    pub const QUEUE_GROUPS_CONSUMED_BY_LAG_TOTAL: &str =
-        "learner_queue_groups_consumed_by_lag_total";
-    pub const QUEUE_GROUPS_CONSUMED_TOTAL: &str = "learner_queue_groups_consumed_total";
-    pub const QUEUE_GROUPS_DROPPED_STALE_TOTAL: &str = "learner_queue_groups_dropped_stale_total";
-    pub const QUEUE_GROUPS_SUBMITTED_TOTAL: &str = "learner_queue_groups_submitted_total";
-    pub const QUEUE_LEASED: &str = "learner_queue_leased";
-    pub const QUEUE_LEASES_EXPIRED_TOTAL: &str = "learner_queue_leases_expired_total";
-    pub const QUEUE_LEASES_ISSUED_TOTAL: &str = "learner_queue_leases_issued_total";
-    pub const QUEUE_LEASES_RELEASED_TOTAL: &str = "learner_queue_leases_released_total";
-    pub const QUEUE_PENDING: &str = "learner_queue_pending";
-    pub const QUEUE_PROMPTS_ADDED_TOTAL: &str = "learner_queue_prompts_added_total";
-    pub const QUEUE_REFUSED_CALLS_TOTAL: &str = "learner_queue_refused_calls_total";
-    pub const QUEUE_SCORED: &str = "learner_queue_scored";
-    pub const QUEUE_SCORED_BYTES: &str = "learner_queue_scored_bytes";
-    pub const QUEUE_SUBMISSIONS_INVALID_TOTAL: &str = "learner_queue_submissions_invalid_total";
-    pub const QUEUE_SUBMISSIONS_REFUSED_TOTAL: &str = "learner_queue_submissions_refused_total";
-    pub const REWARD_COMPONENT: &str = "learner_reward_component";
-    pub const REWARD_MEAN: &str = "learner_reward_mean";
-    pub const REWARD_STD: &str = "learner_reward_std";
-    pub const SAMPLER_KL: &str = "learner_sampler_kl";
-    pub const SAMPLER_LOGP_DIFF_MAX: &str = "learner_sampler_logp_diff_max";
-    pub const SAMPLER_LOGP_DIFF_MEAN: &str = "learner_sampler_logp_diff_mean";
-    pub const STALENESS_MEAN_VERSIONS: &str = "learner_staleness_mean_versions";
-    pub const STEP_IDLE_SECONDS: &str = "learner_step_idle_seconds";
-    pub const STEP_SECONDS: &str = "learner_step_seconds";
-    pub const STEPS_TOTAL: &str = "learner_steps_total";
-    pub const TOKENS_TOTAL: &str = "learner_tokens_total";
-    pub const WEIGHT_PUSH_BYTES_TOTAL: &str = "learner_weight_push_bytes_total";
-    pub const WEIGHT_PUSH_SECONDS: &str = "learner_weight_push_seconds";
-    pub const WEIGHT_PUSHES_TOTAL: &str = "learner_weight_pushes_total";
-    pub const WEIGHT_VERSION: &str = "learner_weight_version";
-    pub const WORKER_PROBLEMS_TOTAL: &str = "learner_worker_problems_total";
-    pub const WORKERS: &str = "learner_workers";
-    pub const WORKERS_OLDEST_WEIGHT_VERSION: &str = "learner_workers_oldest_weight_version";
-}
+pub mod names;
 
 /// Buckets (seconds) for weight pushes.
 const PUSH_BUCKETS: &[f64] = &[

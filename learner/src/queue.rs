@@ -49,7 +49,7 @@ pub struct Queue {
     /// Push addresses the learner could not connect to, and what to tell their workers.
     push_problems: BTreeMap<String, String>,
     /// Worker calls refused before they reached the queue ([`problems`]).
-    refused: BTreeMap<(String, String, String), problems::Refused>,
+    refused: BTreeMap<(String, String, String), Refused>,
 }
 
 impl Queue {
@@ -382,7 +382,7 @@ mod workers;
 pub use handle::QueueHandle;
 pub use snapshot::QueueSnapshot;
 pub use types::{
-    Backpressure, Counters, Depths, Grant, LeaseId, PromptId, QueueConfig, QueuedPrompt,
+    Backpressure, Counters, Depths, Grant, LeaseId, PromptId, QueueConfig, QueuedPrompt, Refused,
     ScoredCompletion, ScoredGroup, SubmitError,
 };
 pub use workers::{DuplicateWorker, WorkerStats};

@@ -8,16 +8,7 @@ use std::time::Duration;
 
 use nvml_wrapper::Nvml;
 
-/// One reading of a GPU.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct GpuSample {
-    /// Fraction of the driver's last sample period in which a kernel ran (0–1).
-    pub utilization: f64,
-    /// Fraction of that period in which device memory was read or written (0–1).
-    pub memory_busy: f64,
-    /// Board power draw; `None` where the GPU does not report it.
-    pub power_watts: Option<f64>,
-}
+use crate::metrics::GpuSample;
 
 /// An open NVML handle on one GPU.
 pub struct GpuMonitor {

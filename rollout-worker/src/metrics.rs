@@ -102,8 +102,19 @@ pub fn describe() {
     );
 }
 
+/// One reading of a GPU ([`crate::gpu::GpuMonitor::sample`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GpuSample {
+    /// Fraction of the driver's last sample period in which a kernel ran (0–1).
+    pub utilization: f64,
+    /// Fraction of that period in which device memory was read or written (0–1).
+    pub memory_busy: f64,
+    /// Board power draw; `None` where the GPU does not report it.
+    pub power_watts: Option<f64>,
+}
+
 /// Publishes one NVML reading of the worker's GPU.
-pub fn set_gpu(sample: &crate::gpu::GpuSample) {
+pub fn set_gpu(sample: &GpuSample) {
     gauge!(names::GPU_UTILIZATION_RATIO).set(sample.utilization);
     gauge!(names::GPU_MEMORY_BUSY_RATIO).set(sample.memory_busy);
     if let Some(watts) = sample.power_watts {

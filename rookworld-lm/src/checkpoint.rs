@@ -18,12 +18,12 @@ use rand_distr::{Distribution, Normal};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::model::Gpt2;
+pub use crate::model::PREFIX;
+use crate::weights_buffer::{WeightsBuffer, data_section, layout_of};
 
 pub const CONFIG_FILE: &str = "config.json";
 pub const WEIGHTS_FILE: &str = "model.safetensors";
 pub const WEIGHTS_INDEX_FILE: &str = "model.safetensors.index.json";
-/// The prefix of the tensor names in a Hugging Face GPT-2 checkpoint (optional).
-pub const PREFIX: &str = "transformer.";
 
 /// Name and shape of every tensor the model reads, without the `transformer.` prefix
 /// (an untied `lm_head.weight` is listed with its root name).
@@ -334,57 +334,6 @@ pub fn refill_in_place(model: &mut Gpt2, bytes: &[u8]) -> Result<bool> {
     crate::bf16_payload::overwrite(&buffer.whole, values)?;
     model.refresh_copies()?;
     Ok(true)
-}
-
-/// The one buffer a model's weights are views of, and where each tensor of the payload
-/// it was built from lies in it (see [`from_bytes_in_one_buffer`]).
-#[derive(Debug, Clone)]
-pub struct WeightsBuffer {
-    /// [elements] the payload's data section, in the stored dtype.
-    whole: Tensor,
-    layout: Vec<Slot>,
-}
-
-impl WeightsBuffer {
-    /// Bytes of the buffer.
-    pub fn bytes(&self) -> usize {
-        self.whole.elem_count() * self.whole.dtype().size_in_bytes()
-    }
-}
-
-/// A tensor of a payload: its name, dtype, shape and bytes in the data section.
-#[derive(Debug, Clone, PartialEq)]
-struct Slot {
-    name: String,
-    dtype: safetensors::Dtype,
-    shape: Vec<usize>,
-    bytes: std::ops::Range<usize>,
-}
-
-/// The bytes after a safetensors payload's header (`bytes` deserialised already, so the
-/// header length is in range).
-fn data_section(bytes: &[u8]) -> &[u8] {
-    let header = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
-    &bytes[8 + header..]
-}
-
-/// Every tensor's slot of `data` (the payload's data section), by name.
-fn layout_of(st: &safetensors::SafeTensors<'_>, data: &[u8]) -> Vec<Slot> {
-    let mut slots: Vec<Slot> = st
-        .tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let start = view.data().as_ptr() as usize - data.as_ptr() as usize;
-            Slot {
-                name,
-                dtype: view.dtype(),
-                shape: view.shape().to_vec(),
-                bytes: start..start + view.data().len(),
-            }
-        })
-        .collect();
-    slots.sort_by(|a, b| a.name.cmp(&b.name));
-    slots
 }
 
 /// The tensors of a payload uploaded in one buffer, and that buffer when it is kept.

@@ -23,21 +23,22 @@
 
 use rayon::prelude::*;
 
+#[cfg(target_arch = "x86_64")]
+use crate::cpu_features::supported_cached;
+pub use crate::cpu_features::{Avx512, avx512, supported};
 use crate::simd;
 
 mod bf16;
 mod general;
 mod int8;
 mod pack;
+mod tile;
 use bf16::kernel_bf16_pairs;
 pub use general::{PackedRhs, Strided, gemm_bf16, gemm_bf16_packed};
 use int8::Int8Panels;
 use pack::{fill_panels, fill_panels_bf16};
-
-/// Output columns per panel: two 8-lane AVX registers.
-pub const NR: usize = 16;
-/// Rows per register tile (12 accumulators + 2 weight vectors + 1 broadcast ≤ 16 YMM).
-const MR: usize = 6;
+pub use tile::{BF16_COLUMNS, NR};
+use tile::{MR, SharedOut};
 
 /// What is applied to each output after the bias, while it is still in cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,40 +58,6 @@ pub enum PanelDtype {
     /// Each column quantized to i8 with its own scale; the inputs quantized per row at
     /// each product (see `int8.rs`).
     Int8,
-}
-
-/// The column each position of a BF16 panel row holds. Unpacking a row's 16 values
-/// (one 256-bit load) with zeros puts positions 0..4 and 8..12 into one register's f32
-/// lanes and 4..8, 12..16 into the other's (each 128-bit half on its own); in this order
-/// that is columns 0..8 and 8..16.
-pub const BF16_COLUMNS: [usize; NR] = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15];
-
-/// The AVX-512 dot products this CPU lends the packed kernels.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Avx512 {
-    /// `vpdpbusd` (AVX512-VNNI): INT8 panels.
-    pub vnni: bool,
-    /// `vdpbf16ps` (AVX512-BF16): BF16 panels in pairs of k, inputs rounded to BF16.
-    pub bf16: bool,
-}
-
-/// What of [`Avx512`] the packed kernels use on this CPU (detected once). Setting
-/// `ROOKWORLD_CPU_KERNELS=avx2` keeps them to AVX2: to compare the two in one run, or for
-/// BF16 panels whose product is the f32 panels' to the bit (the widening kernel).
-pub fn avx512() -> Avx512 {
-    static FOUND: std::sync::OnceLock<Avx512> = std::sync::OnceLock::new();
-    *FOUND.get_or_init(|| {
-        let avx2_only = std::env::var("ROOKWORLD_CPU_KERNELS").is_ok_and(|v| v == "avx2");
-        #[cfg(target_arch = "x86_64")]
-        if supported() && !avx2_only && std::arch::is_x86_feature_detected!("avx512f") {
-            return Avx512 {
-                vnni: std::arch::is_x86_feature_detected!("avx512vnni"),
-                bf16: std::arch::is_x86_feature_detected!("avx512bf16"),
-            };
-        }
-        let _ = avx2_only;
-        Avx512::default()
-    })
 }
 
 /// Whether BF16 products pay on this CPU: it has AVX512-BF16 ([`avx512`]) and its
@@ -248,18 +215,6 @@ impl TestFeature {
             "{what}: {var} is set and this CPU lacks {self:?} (or ROOKWORLD_CPU_KERNELS=avx2 turned it off)"
         );
         eprintln!("SKIPPED: {what}: this CPU lacks {self:?}");
-        false
-    }
-}
-
-/// Whether this CPU runs the packed kernel.
-pub fn supported() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
         false
     }
 }
@@ -523,38 +478,6 @@ fn pack_rows(x: &[f32], m: usize, k: usize) -> Vec<f32> {
     a
 }
 
-/// The output buffer, written by many threads at disjoint places.
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-
-// SAFETY: threads write disjoint column ranges (one panel each), see `matmul`.
-unsafe impl Send for SharedOut {}
-// SAFETY: as for Send: no two threads write one place, and none reads while they write.
-unsafe impl Sync for SharedOut {}
-
-impl SharedOut {
-    /// # Safety
-    /// `offset..offset + src.len()` lies in the buffer and no other thread writes it.
-    unsafe fn write(self, offset: usize, src: &[f32]) {
-        // SAFETY: guaranteed by the caller.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.0.add(offset), src.len()) };
-    }
-
-    /// Writes `src` at `offset`, or adds it to what is there when `accumulate`.
-    ///
-    /// # Safety
-    /// As for [`write`](Self::write); nothing else reads the range meanwhile either.
-    unsafe fn put(self, offset: usize, src: &[f32], accumulate: bool) {
-        if !accumulate {
-            // SAFETY: guaranteed by the caller.
-            return unsafe { self.write(offset, src) };
-        }
-        // SAFETY: guaranteed by the caller: the range is this thread's alone.
-        let dst = unsafe { std::slice::from_raw_parts_mut(self.0.add(offset), src.len()) };
-        dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
-    }
-}
-
 /// `tile (MR, NR) = a (k, MR)ᵀ · b (k, NR)`.
 fn kernel(a: &[f32], b: &[f32], tile: &mut [f32; MR * NR], k: usize) {
     assert!(a.len() == k * MR && b.len() == k * NR);
@@ -601,12 +524,6 @@ fn kernel_bf16_scalar(a: &[f32], b: &[u16], tile: &mut [f32; MR * NR], k: usize)
             tile[r * NR + col] = s;
         }
     }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn supported_cached() -> bool {
-    static SUPPORTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *SUPPORTED.get_or_init(supported)
 }
 
 /// One 6×16 tile of a product: `tile[r·NR + j] = Σ_kk a[kk·MR + r] · b[kk·NR + j]`, over a

@@ -13,20 +13,7 @@
 use candle_core::{Device, Tensor};
 
 use crate::error::{Error, Result};
-use crate::sampling::{Sampled, not_finite};
-
-/// One row's draw for the device: its sampling parameters and, unless greedy, the
-/// uniform in [0, 1) its seeded stream gives this draw.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RowDraw {
-    /// 0 means greedy.
-    pub temperature: f32,
-    /// 0 disables.
-    pub top_k: u32,
-    /// 1 disables.
-    pub top_p: f32,
-    pub uniform: f64,
-}
+use crate::sampling::{RowDraw, Sampled, not_finite};
 
 /// Whether [`sample_rows`] runs on `device`: CUDA, in a build with the `cuda` feature.
 /// Elsewhere the caller samples on the host ([`crate::sampling::Sampler::sample`]).

@@ -13,14 +13,8 @@
 use candle_core::{CpuStorage, CustomOp2, DType, InplaceOp3, Layout, Result, Shape, Tensor};
 use half::bf16;
 
-/// Part `part` (0 q, 1 k, 2 v) of c_attn's output (B, 3E) plus its bias, as (B, H, C, D)
-/// at column `col` (letters as in `model`).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct QkvSplit {
-    pub part: usize,
-    pub heads: usize,
-    pub col: usize,
-}
+pub(crate) mod params;
+pub(crate) use params::{AddLayerNorm, QkvSplit};
 
 impl QkvSplit {
     /// Writes the part into column `col` of `dst` (at least B rows, H, C, D), in place.
@@ -31,19 +25,6 @@ impl QkvSplit {
     /// The part as a new (B, H, 1, D) tensor (`col` must be 0).
     pub fn extract(self, qkv: &Tensor, bias: &Tensor) -> Result<Tensor> {
         qkv.apply_op2_no_bwd(bias, &self)
-    }
-
-    /// (B, E, H, D) of a (B, 3E) input.
-    pub fn dims(self, qkv: &Layout) -> Result<(usize, usize, usize, usize)> {
-        let (b, e3) = qkv.shape().dims2()?;
-        let e = e3 / 3;
-        if e3 % 3 != 0 || e % self.heads != 0 || self.part > 2 {
-            candle_core::bail!(
-                "qkv split of a ({b}, {e3}) tensor into {} heads",
-                self.heads
-            );
-        }
-        Ok((b, e, self.heads, e / self.heads))
     }
 
     /// Calls `put(index, value)` for each element of the part, `index` its place in a
@@ -185,18 +166,6 @@ impl CustomOp2 for BiasGelu {
         let (dz, db) = crate::train_ops::bias_gelu_grads(x, bias, dy)?;
         Ok((Some(dz), Some(db)))
     }
-}
-
-/// `s = x + (y + c)`, then `layer_norm(s) · w + b` with f32 statistics over the sum as
-/// stored, for x, y (M, E) and c (E): one (2, M, E) tensor, the sum then the norm. Each
-/// addition rounds to the dtype, as the unfused ops do.
-#[derive(Debug, Clone)]
-pub(crate) struct AddLayerNorm {
-    /// c: the bias of the matmul that made y.
-    pub y_bias: Tensor,
-    pub weight: Tensor,
-    pub bias: Tensor,
-    pub eps: f32,
 }
 
 impl AddLayerNorm {

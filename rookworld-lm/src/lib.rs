@@ -8,8 +8,11 @@
 //! - [`mask`]: position ids and attention bias for left-padded batches ([`LeftPadding`]).
 //! - [`checkpoint`]: loading and saving Hugging Face checkpoints, seeded random init.
 //! - [`bf16_payload`]: the bfloat16 safetensors payload of a weight push, built in place.
+//! - [`weights_buffer`]: the one buffer a model's weights are views of, after one upload of a
+//!   payload, and the payload's layout.
 //! - [`cpu_gemm`]: packed-weight matmuls for the CPU (f32, BF16, INT8; AVX2/FMA, AVX-512) and the
 //!   training pass's BF16 products.
+//! - [`cpu_features`]: what the CPU offers those kernels (AVX2 and FMA, AVX-512), detected once.
 //! - [`simd`]: vectorised exp and GELU for the CPU hot paths.
 //! - [`tokenizer`]: GPT-2 byte-level BPE, built in.
 //! - [`sampling`]: greedy / temperature / top-k / top-p with per-row seeded streams.
@@ -31,6 +34,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod config;
 mod cpu_attention;
+pub mod cpu_features;
 pub mod cpu_gemm;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -49,6 +53,7 @@ pub mod sampling;
 pub mod simd;
 pub mod tokenizer;
 pub mod train_ops;
+pub mod weights_buffer;
 
 pub use cache::KvCache;
 pub use config::{Config, EOT_TOKEN};

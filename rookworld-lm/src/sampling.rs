@@ -8,8 +8,20 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-pub use crate::device_sampling::RowDraw;
 use crate::error::{Error, Result};
+
+/// One row's draw for the device ([`crate::device_sampling`]): its sampling parameters
+/// and, unless greedy, the uniform in [0, 1) its seeded stream gives this draw.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowDraw {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 0 disables.
+    pub top_k: u32,
+    /// 1 disables.
+    pub top_p: f32,
+    pub uniform: f64,
+}
 
 /// How tokens are drawn from the model's logits.
 #[derive(Debug, Clone, Copy, PartialEq)]

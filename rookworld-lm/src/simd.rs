@@ -25,7 +25,7 @@ const GELU_C: f32 = 0.797_884_6;
 /// Replaces every `x` with `e^x`.
 pub fn exp_inplace(xs: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::cpu_gemm::supported() {
+    if crate::cpu_features::supported() {
         // SAFETY: AVX2 and FMA are present.
         unsafe { avx2::map(xs, |v| avx2::exp(v)) };
         return;
@@ -49,7 +49,7 @@ pub fn scaled_softmax_inplace(xs: &mut [f32], scale: f32) {
 /// 0.5x(1 + tanh(√(2/π)(x + 0.044715x³))) (`gelu_new`, GPT-2's activation).
 pub fn gelu_new_inplace(xs: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::cpu_gemm::supported() {
+    if crate::cpu_features::supported() {
         // SAFETY: AVX2 and FMA are present.
         unsafe { avx2::map(xs, |v| avx2::gelu_new(v)) };
         return;
@@ -66,7 +66,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
     #[cfg(target_arch = "x86_64")]
-    if crate::cpu_gemm::supported() {
+    if crate::cpu_features::supported() {
         // SAFETY: AVX2 and FMA are present; both slices hold n floats.
         return unsafe { avx2::dot(a, b) };
     }
@@ -90,7 +90,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     let n = x.len().min(y.len());
     #[cfg(target_arch = "x86_64")]
-    if crate::cpu_gemm::supported() {
+    if crate::cpu_features::supported() {
         // SAFETY: AVX2 and FMA are present; both slices hold at least n floats.
         unsafe { avx2::axpy(a, &x[..n], &mut y[..n]) };
         return;
@@ -112,7 +112,7 @@ pub fn dots(q: &[f32], keys: &[f32], stride: usize, out: &mut [f32]) {
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if crate::cpu_gemm::supported() {
+    if crate::cpu_features::supported() {
         // SAFETY: AVX2 and FMA are present; every key lies in `keys` (asserted).
         unsafe { avx2::dots(q, keys, stride, out) };
         return;
@@ -134,7 +134,7 @@ pub fn weighted_sum(p: &[f32], values: &[f32], stride: usize, y: &mut [f32]) {
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if crate::cpu_gemm::supported() {
+    if crate::cpu_features::supported() {
         // SAFETY: AVX2 and FMA are present; every value lies in `values` (asserted).
         unsafe { avx2::weighted_sum(p, values, stride, y) };
         return;
@@ -166,7 +166,7 @@ mod avx2 {
     /// Applies `f` to 8 lanes at a time; the tail goes through a padded vector.
     ///
     /// # Safety
-    /// The CPU has AVX2 and FMA ([`crate::cpu_gemm::supported`]).
+    /// The CPU has AVX2 and FMA ([`crate::cpu_features::supported`]).
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn map(xs: &mut [f32], f: impl Fn(__m256) -> __m256) {
         let mut chunks = xs.chunks_exact_mut(8);

@@ -5,6 +5,8 @@
 //! - [`check`]: range checks of command-line values and [`check::ConfigError`], the one
 //!   type of a refused configuration.
 //! - [`env`]: empty settings variables count as unset.
+//! - [`http2`]: the HTTP/2 windows and frame size of every server and client, and client
+//!   endpoints with them.
 //! - [`logging`]: the log every service binary writes.
 //! - [`metrics_http`]: the read-only Prometheus endpoint every service serves.
 //! - [`probe`]: health, reflection listing and metrics scrapes of a running service.
@@ -16,6 +18,7 @@
 pub mod auth;
 pub mod check;
 pub mod env;
+pub mod http2;
 pub mod logging;
 pub mod metrics_http;
 pub mod probe;

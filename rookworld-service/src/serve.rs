@@ -8,6 +8,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use crate::http2::endpoint;
+use crate::http2::{CONNECTION_WINDOW_BYTES, MAX_FRAME_BYTES, STREAM_WINDOW_BYTES};
 use crate::tls::ServerTls;
 use tokio::net::TcpListener;
 use tonic::body::Body;
@@ -87,27 +89,6 @@ pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 256;
 /// How long a shutdown waits for calls in flight before it closes them.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
-/// HTTP/2 flow-control window of one stream, on servers and clients: room for several
-/// chunks of a weight push in flight (with the 64 KiB default a 249 MB push waits on
-/// window updates; `learner bench-push` measures the transfer, see the README).
-pub const STREAM_WINDOW_BYTES: u32 = 8 << 20;
-/// HTTP/2 flow-control window of one connection (several streams at once).
-pub const CONNECTION_WINDOW_BYTES: u32 = 16 << 20;
-/// Largest HTTP/2 frame a peer may send (the default is 16 KiB): a weight push's
-/// megabyte chunks cross in a few frames instead of 64 each.
-pub const MAX_FRAME_BYTES: u32 = 1 << 20;
-
-/// A client endpoint for `url` with the windows of [`STREAM_WINDOW_BYTES`] and
-/// [`CONNECTION_WINDOW_BYTES`], frames up to [`MAX_FRAME_BYTES`] and TCP_NODELAY, as every
-/// server here has.
-pub fn endpoint(url: &str) -> Result<tonic::transport::Endpoint, tonic::transport::Error> {
-    Ok(tonic::transport::Endpoint::from_shared(url.to_owned())?
-        .initial_stream_window_size(STREAM_WINDOW_BYTES)
-        .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
-        .max_frame_size(MAX_FRAME_BYTES)
-        .tcp_nodelay(true))
-}
-
 /// One shutdown future for several tasks: a receiver that turns true when `shutdown`
 /// completes, for each task to clone and await with [`stopped`].
 pub fn fan_out(

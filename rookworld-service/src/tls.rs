@@ -625,11 +625,11 @@ impl ClientTlsArgs {
         Ok(config.timeout(HANDSHAKE_TIMEOUT))
     }
 
-    /// A client endpoint for `url` ([`crate::serve::endpoint`]), with TLS when the URL is
+    /// A client endpoint for `url` ([`crate::http2::endpoint`]), with TLS when the URL is
     /// `https://` (the files are read now). A plaintext `http://` URL while TLS options are
     /// set is refused: the call would cross unprotected.
     pub fn endpoint(&self, url: &str) -> Result<tonic::transport::Endpoint, String> {
-        let endpoint = crate::serve::endpoint(url).map_err(|e| format!("{url}: {e}"))?;
+        let endpoint = crate::http2::endpoint(url).map_err(|e| format!("{url}: {e}"))?;
         if url.starts_with("https://") {
             return endpoint
                 .tls_config(self.config()?)

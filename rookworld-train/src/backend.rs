@@ -10,24 +10,8 @@ use std::ops::{DerefMut, Range};
 use crate::gemm::Gemm;
 use crate::packed::Packed;
 
-/// A kernel or a buffer that failed, named with its backend and operation.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("{backend} backend: {op}: {message}")]
-    Kernel {
-        backend: &'static str,
-        op: &'static str,
-        message: String,
-    },
-    #[error("{0}")]
-    Shape(String),
-    /// The caller's objective, asked for a chunk's upstream gradients by
-    /// [`crate::pass::train`], failed.
-    #[error("the objective: {0}")]
-    Objective(Box<dyn std::error::Error + Send + Sync>),
-}
-
-pub type Result<T> = std::result::Result<T, Error>;
+pub(crate) mod error;
+pub use error::{Error, Result};
 
 /// Sizes of the attention: E width, H heads, D = E / H.
 #[derive(Debug, Clone, Copy)]

@@ -15,7 +15,7 @@
 //! as written ([`Gemm::strided`]), so the CPU tests check the mapping a GPU backend hands
 //! to cuBLAS unchanged.
 
-use crate::backend::{Error, Result};
+use crate::backend::error::{Error, Result};
 
 /// One operand of a column-major product: where its stored matrix starts in its buffer,
 /// the stored matrix's leading dimension, and whether the product reads its transpose.

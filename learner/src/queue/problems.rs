@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use super::{Backpressure, Queue};
+use super::{Backpressure, Queue, Refused};
 use crate::metrics::names;
 
 /// Most distinct (call, cause, caller) entries kept; the oldest goes first.
@@ -74,13 +74,6 @@ impl Problem {
             Cause::GenerationFailed => format!("cannot generate: {}", self.message),
         }
     }
-}
-
-/// Refused calls of one (call, cause, caller).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Refused {
-    pub count: u64,
-    pub last: Instant,
 }
 
 impl Queue {

@@ -154,6 +154,13 @@ pub enum SubmitError {
     },
 }
 
+/// Refused calls of one (call, cause, caller).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Refused {
+    pub count: u64,
+    pub last: Instant,
+}
+
 /// Counters of everything that ever happened in the run (monotonic, kept across resumes).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Counters {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use rookworld_lm::{Config, Tokenizer};
 use rookworld_proto::queue::v1 as pb;
 
-use super::QueueError;
+use super::error::QueueError;
 
 /// Longest worker id and push address accepted.
 pub const MAX_NAME_BYTES: usize = 256;

@@ -14,7 +14,7 @@ use rookworld_proto::reward::v1::reward_service_client::RewardServiceClient;
 use rookworld_service::tls::TlsProblem;
 use tonic::transport::Channel;
 
-use super::LoopConfig;
+use super::config::LoopConfig;
 use crate::metrics::names;
 
 /// At start: whether the learner takes this worker's token and the reward server scores

@@ -4,7 +4,7 @@
 //! below f32's normals. [`PackedMatrix`](super::PackedMatrix)'s BF16 pair panels and
 //! [`gemm_bf16`](super::gemm_bf16) run them.
 
-use super::{MR, NR};
+use super::tile::{MR, NR};
 
 /// The FLOP rate of `vdpbf16ps` over that of `vfmadd231ps`, both 512-bit on register
 /// operands with twelve independent sums (enough to hide either's latency), best of three
@@ -12,7 +12,7 @@ use super::{MR, NR};
 /// Each `vdpbf16ps` sums two products per f32 lane (64 FLOP), each FMA one (32 FLOP).
 pub(super) fn dot_to_fma_rate() -> f64 {
     #[cfg(target_arch = "x86_64")]
-    if super::avx512().bf16 {
+    if crate::cpu_features::avx512().bf16 {
         const ITERS: usize = 20_000;
         let (mut dot, mut fma) = (f64::MAX, f64::MAX);
         for _ in 0..3 {
@@ -72,7 +72,7 @@ unsafe fn fma_sums(iters: usize) -> f32 {
 pub(super) fn kernel_bf16_pairs(a: &[u32], b: &[u16], tile: &mut [f32; MR * NR], kp: usize) {
     assert!(a.len() == kp * MR && b.len() == kp * 2 * NR);
     #[cfg(target_arch = "x86_64")]
-    if super::avx512().bf16 {
+    if crate::cpu_features::avx512().bf16 {
         // SAFETY: AVX512F and AVX512-BF16 are present (checked above); the slices hold
         // exactly the elements the kernel reads and writes (asserted above).
         unsafe { kernel_dpbf16(a.as_ptr(), b.as_ptr(), tile.as_mut_ptr(), kp) };
@@ -91,7 +91,7 @@ pub(super) fn kernel_bf16_pairs_x2(
 ) {
     assert!(a.len() == kp * MR && b.iter().all(|b| b.len() == kp * 2 * NR));
     #[cfg(target_arch = "x86_64")]
-    if super::avx512().bf16 {
+    if crate::cpu_features::avx512().bf16 {
         // SAFETY: AVX512F and AVX512-BF16 are present (checked above); the slices hold
         // exactly the elements the kernel reads and writes (asserted above).
         unsafe {

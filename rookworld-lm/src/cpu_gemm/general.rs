@@ -16,7 +16,7 @@
 use rayon::prelude::*;
 
 use super::bf16::{kernel_bf16_pairs, kernel_bf16_pairs_x2};
-use super::{MR, NR, SharedOut};
+use super::tile::{MR, NR, SharedOut};
 
 /// Row blocks per work item: 96 rows, whose packed pairs (K ≤ 3,072: ≤ 576 KiB) fit a
 /// core's L2 beside the panels in use.
@@ -186,7 +186,7 @@ fn round_into(src: &[f32], dst: &mut [u16]) {
     #[allow(unused_mut)]
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if super::avx512().bf16 {
+    if crate::cpu_features::avx512().bf16 {
         done = src.len() / 32 * 32;
         // SAFETY: AVX512F and AVX512-BF16 are present (checked above); both slices hold
         // `done` values.
@@ -237,7 +237,7 @@ pub(super) fn fill_pair_panels(panels: &mut [u16], (b, rs, cs): Strided, k: usiz
     assert!(b.len() > (k - 1) * rs + (n - 1) * cs, "gemm rhs too short");
     #[cfg(target_arch = "x86_64")]
     if (cs == 1 || rs == 1)
-        && super::avx512().bf16
+        && crate::cpu_features::avx512().bf16
         && std::arch::is_x86_feature_detected!("avx512bw")
     {
         panels

@@ -24,7 +24,8 @@
 
 use rayon::prelude::*;
 
-use super::{MR, NR, pack::fill_panel};
+use super::pack::fill_panel;
+use super::tile::{MR, NR};
 
 /// Levels either side of zero: weights (7 bits), inputs (8 bits).
 const WEIGHT_LEVELS: f32 = 63.0;
@@ -299,14 +300,14 @@ fn quantize_block(a: &mut [u8], scales: &mut [f32], rows: &[f32], k: usize) {
 pub(super) fn kernel(a: &[u8], q: &[i8], sums: &mut [i32; MR * NR], kq: usize) {
     assert!(a.len() == kq * MR * 4 && q.len() == kq * 4 * NR);
     #[cfg(target_arch = "x86_64")]
-    if super::avx512().vnni {
+    if crate::cpu_features::avx512().vnni {
         // SAFETY: AVX512F and AVX512-VNNI are present (checked above); the slices hold
         // exactly the bytes the kernel reads, `sums` the values it writes (asserted above).
         unsafe { kernel_vnni(a.as_ptr(), q.as_ptr(), sums.as_mut_ptr(), kq) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if super::supported_cached() {
+    if crate::cpu_features::supported_cached() {
         // SAFETY: AVX2 is present (checked above); the slices hold exactly the bytes the
         // kernel reads, `sums` the values it writes (asserted above).
         unsafe { kernel_avx2(a.as_ptr(), q.as_ptr(), sums.as_mut_ptr(), kq) };

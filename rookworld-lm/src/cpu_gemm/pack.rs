@@ -16,7 +16,7 @@
 
 use rayon::prelude::*;
 
-use super::{BF16_COLUMNS, NR};
+use super::tile::{BF16_COLUMNS, NR};
 
 /// Writes `w` — (K, N) row-major, or (N, K) when `transposed` — into `panels`
 /// (⌈N/NR⌉, K, NR); the padding columns of the last panel are left as they are (zero).

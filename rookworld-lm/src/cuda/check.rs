@@ -11,10 +11,11 @@ use serde::Serialize;
 
 use super::{AttentionKernel, DeviceGeometry, grouped_attention_with, sample_rows};
 use crate::cpu_attention::{Geometry, decode_attention};
-use crate::device_sampling::{RowDraw, sample_reference};
+use crate::device_sampling::sample_reference;
 use crate::error::Result;
 use crate::fused_ops::{AddLayerNorm, BiasGelu, QkvSplit};
 use crate::kernels::{ContextLost, DriverFault, Finding, Kernel, after_synchronize, judge};
+use crate::sampling::RowDraw;
 
 /// Largest errors of the kernels against their references, and whether they pass.
 #[derive(Debug, Clone, Serialize)]

@@ -49,9 +49,9 @@ use half::bf16;
 
 use super::{ATTENTION_PTX, DECODE_OPS_PTX, SAMPLE_PTX, elementwise, kernel};
 use crate::device::PerDevice;
-use crate::device_sampling::RowDraw;
 use crate::error::{Error, Result};
 use crate::grouped::{GraphLayout, GroupedCache};
+use crate::sampling::RowDraw;
 
 /// Threads of a layer-norm block and of a sampling block (`NORM_THREADS`, `THREADS`).
 const NORM_THREADS: u32 = 256;

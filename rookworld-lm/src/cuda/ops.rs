@@ -8,7 +8,7 @@ use candle_core::{DType, Layout, Result, Shape};
 use half::bf16;
 
 use super::{DECODE_OPS_PTX, elementwise, kernel, output, slice, view};
-use crate::fused_ops::{AddLayerNorm, QkvSplit};
+use crate::fused_ops::params::{AddLayerNorm, QkvSplit};
 
 const MODULE: &str = "rookworld_decode_ops";
 

@@ -6,9 +6,8 @@ use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::{DType, Layout, Storage, Tensor};
 
 use super::{SAMPLE_PTX, cuda_device, kernel};
-use crate::device_sampling::RowDraw;
 use crate::error::Result;
-use crate::sampling::{Sampled, not_finite};
+use crate::sampling::{RowDraw, Sampled, not_finite};
 
 /// Threads per row (`THREADS` in the kernel).
 const THREADS: u32 = 1024;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use candle_core::{D, DType, Tensor};
 use candle_nn::VarBuilder;
 
-use super::{packed_matmul, repack_or_pack, tracked, with_values};
+use super::tensors::{packed_matmul, repack_or_pack, tracked, with_values};
 use crate::bf16_payload::StoredValues;
 use crate::cache::LayerCache;
 use crate::config::{Activation, Config};

@@ -15,23 +15,21 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 
 mod layers;
+mod tensors;
 
 use layers::{Block, Conv1D, LayerNorm};
+use tensors::{packed_matmul, repack_or_pack, tracked, with_values};
 
 use crate::bf16_payload::{StoredValues, overwrite};
 use crate::cache::KvCache;
-use crate::checkpoint;
 use crate::config::{Activation, Config};
 use crate::cpu_gemm::{Epilogue, PackedMatrix, PanelDtype};
 use crate::grouped::{GroupedCache, StepPlan};
 use crate::mask::LeftPadding;
+use crate::weights_buffer::WeightsBuffer;
 
-/// True when gradients may flow through `t` (it is, or derives from, a trainable `Var`).
-/// Fused candle ops (layer norm, last-dim softmax) have no backward pass, so tracked
-/// forwards use composed, differentiable ops instead; both agree to float rounding.
-pub(crate) fn tracked(t: &Tensor) -> bool {
-    t.track_op()
-}
+/// The prefix of the tensor names in a Hugging Face GPT-2 checkpoint (optional).
+pub const PREFIX: &str = "transformer.";
 
 /// Rows of the padded LM head on CUDA are a multiple of this
 /// ([`Gpt2::prepare_for_inference`]): 64 BF16 values are 128 bytes, one cache line.
@@ -57,9 +55,9 @@ pub struct Gpt2 {
     /// ([`Gpt2::prepare_for_inference`]).
     head_padded: Option<Tensor>, // (V', E)
     /// The one device buffer every weight is a view of, when the model was built by one
-    /// upload of a payload ([`checkpoint::from_bytes`]): where the next version of the
-    /// same layout is written ([`checkpoint::refill_in_place`]).
-    weights_buffer: Option<checkpoint::WeightsBuffer>,
+    /// upload of a payload ([`crate::checkpoint::from_bytes`]): where the next version of the
+    /// same layout is written ([`crate::checkpoint::refill_in_place`]).
+    weights_buffer: Option<WeightsBuffer>,
     /// What [`Gpt2::pack_for_cpu`]'s panels hold.
     panel_dtype: PanelDtype,
     /// The matmuls' input dtype when it differs from the weights' (mixed precision).
@@ -235,12 +233,12 @@ impl Gpt2 {
     }
 
     /// The buffer the weights are views of, if the model was built by one upload.
-    pub fn weights_buffer(&self) -> Option<&checkpoint::WeightsBuffer> {
+    pub fn weights_buffer(&self) -> Option<&WeightsBuffer> {
         self.weights_buffer.as_ref()
     }
 
     /// Records that every weight is a view of `buffer`'s (see [`Self::weights_buffer`]).
-    pub(crate) fn set_weights_buffer(&mut self, buffer: checkpoint::WeightsBuffer) {
+    pub(crate) fn set_weights_buffer(&mut self, buffer: WeightsBuffer) {
         self.weights_buffer = Some(buffer);
     }
 
@@ -376,7 +374,7 @@ impl Gpt2 {
                     candle_core::bail!("refill_packed: h.{i}.{name} is not packed");
                 };
                 let (len, epilogue) = (packed.k() * packed.n(), packed.epilogue());
-                let stored = values(&format!("{}h.{i}.{name}.weight", checkpoint::PREFIX))?;
+                let stored = values(&format!("{PREFIX}h.{i}.{name}.weight"))?;
                 if stored.elem_count() != len {
                     candle_core::bail!(
                         "h.{i}.{name}: {} stored values for {len}",
@@ -391,7 +389,7 @@ impl Gpt2 {
             None => {
                 // The tied head from wte's stored values, a block of rows at a time.
                 let (v, e) = self.wte.dims2()?;
-                let wte = values(&format!("{}wte.weight", checkpoint::PREFIX))?;
+                let wte = values(&format!("{PREFIX}wte.weight"))?;
                 if let Some(packed) = self.head_packed.as_mut().and_then(Arc::get_mut) {
                     if let StoredValues::Bf16(bits) = wte
                         && packed.repack_bf16(bits, true, None)
@@ -551,7 +549,7 @@ impl Gpt2 {
     pub fn decode_sampled(
         &self,
         ids: &[u32],
-        draws: &[crate::device_sampling::RowDraw],
+        draws: &[crate::sampling::RowDraw],
         cache: &mut GroupedCache,
     ) -> crate::Result<Option<Vec<crate::sampling::Sampled>>> {
         if !self.decode_graph_applies(cache) {
@@ -697,60 +695,6 @@ impl Gpt2 {
         }
         out
     }
-}
-
-/// `x` (M, K) times a packed weight: (M, N), or `None` when `x` is not an untracked f32
-/// CPU tensor (then candle's matmul runs).
-pub(crate) fn packed_matmul(
-    packed: &PackedMatrix,
-    x: &Tensor,
-) -> candle_core::Result<Option<Tensor>> {
-    if tracked(x) || !x.device().is_cpu() || x.dtype() != DType::F32 {
-        return Ok(None);
-    }
-    let m = x.dim(0)?;
-    let y = with_values(x, |data| packed.matmul(data, m))?; // x read in place when contiguous
-    Tensor::from_vec(y, (m, packed.n()), x.device()).map(Some)
-}
-
-/// Packs `w` — (K, N), or (N, K) when `transposed` — with `bias` into `slot`, in panels
-/// of `dtype`: into the panels already there when `slot` holds the only reference to a
-/// matrix of that shape and dtype, else into a new matrix. Returns the packed matrix.
-pub(crate) fn repack_or_pack<'a>(
-    slot: &'a mut Option<Arc<PackedMatrix>>,
-    dtype: PanelDtype,
-    w: &[f32],
-    (k, n): (usize, usize),
-    transposed: bool,
-    bias: Option<Vec<f32>>,
-) -> candle_core::Result<&'a mut PackedMatrix> {
-    let reused = match slot.as_mut().and_then(Arc::get_mut) {
-        Some(packed) if packed.dtype() == dtype => packed.repack(w, transposed, bias.as_deref()),
-        _ => false,
-    };
-    if !reused {
-        let packed = PackedMatrix::pack_as(dtype, w, k, n, transposed, bias);
-        *slot = Some(Arc::new(packed));
-    }
-    Ok(Arc::get_mut(slot.as_mut().expect("packed above")).expect("held alone"))
-}
-
-/// `f` of `t`'s f32 values in element order: borrowed from its CPU storage when it is
-/// contiguous f32 (no copy of a weight matrix to pack it), else copied.
-pub(super) fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
-    {
-        let (storage, layout) = t.storage_and_layout();
-        if let (candle_core::Storage::Cpu(cpu), Some((a, b))) =
-            (&*storage, layout.contiguous_offsets())
-            && let Ok(all) = cpu.as_slice::<f32>()
-        {
-            return Ok(f(&all[a..b]));
-        }
-    }
-    Ok(f(&t
-        .flatten_all()?
-        .to_dtype(DType::F32)?
-        .to_vec1::<f32>()?))
 }
 
 /// Row lookup `table[ids]` for a (B, T) id tensor: (B, T, E).

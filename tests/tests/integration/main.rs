@@ -30,6 +30,7 @@ mod grpcurl;
 mod hf_roundtrip;
 mod hostile;
 mod hub;
+mod import_loops;
 mod kernel_names;
 mod layout;
 mod logs;
