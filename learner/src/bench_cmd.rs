@@ -292,7 +292,7 @@ pub fn synthetic_batch(args: &BenchArgs, vocab: usize) -> GrpoBatch {
 impl BenchArgs {
     /// The ranges of the batch shape and the objective (the same rules as `train`).
     fn validate(&self) -> Result<(), ConfigError> {
-        use rookworld_service::check::{at_least, positive};
+        use rookworld_service::validate::{at_least, positive};
         self.legacy_precision
             .refuse()
             .map_err(|e| ConfigError::Value(e.to_string()))?;

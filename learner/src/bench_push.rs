@@ -144,7 +144,7 @@ fn refused(what: &'static str) -> impl Fn(tonic::Status) -> BenchPushError {
 
 /// Runs the benchmark and prints its JSON line.
 pub fn run(args: &BenchPushArgs) -> Result<(), BenchPushError> {
-    rookworld_service::check::at_least("--pushes", args.pushes as u64, 1)?;
+    rookworld_service::validate::at_least("--pushes", args.pushes as u64, 1)?;
     if args.chunk_kib.contains(&0) {
         return Err(ConfigError::Value("--chunk-kib: every size must be ≥ 1".into()).into());
     }

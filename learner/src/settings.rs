@@ -123,8 +123,8 @@ impl Default for ObjectiveArgs {
 }
 
 /// A setting out of its range, or settings that contradict each other: one line naming
-/// the flag (the rule lives beside the setting, [`rookworld_service::check`]).
-pub use rookworld_service::check::ConfigError;
+/// the flag (the rule lives beside the setting, [`rookworld_service::validate`]).
+pub use rookworld_service::validate::ConfigError;
 
 impl ObjectiveArgs {
     /// The loss configuration of completions sampled at `temperature` with a budget of
@@ -162,7 +162,7 @@ impl ObjectiveArgs {
 /// The objective's ranges, one rule per flag for `train`, `loss` and `bench`: β ≥ 0,
 /// both clip ε in [0, 1], temperature > 0.
 pub fn check_loss(cfg: &LossConfig) -> Result<(), ConfigError> {
-    use rookworld_service::check::{fraction, non_negative};
+    use rookworld_service::validate::{fraction, non_negative};
     non_negative("--beta", cfg.beta)?;
     fraction("--clip-eps", cfg.eps_low)?;
     fraction("--clip-eps-high", cfg.eps_high)?;
@@ -302,7 +302,7 @@ impl From<MicroBatchGroups> for MicroBatchRepr {
 impl BatchArgs {
     /// Every count at least 1, groups at least 2.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        use rookworld_service::check::at_least;
+        use rookworld_service::validate::at_least;
         at_least("--prompts-per-step", self.prompts_per_step as u64, 1)?;
         at_least("--group-size", self.group_size.into(), 2)?;
         match self.micro_batch_groups {

@@ -109,7 +109,7 @@ pub struct SftSettings {
 impl SftSettings {
     /// Checks ranges (the same rules as `learner train`'s).
     pub fn validate(&self) -> Result<(), crate::settings::ConfigError> {
-        use rookworld_service::check::{at_least, fraction, non_negative, positive};
+        use rookworld_service::validate::{at_least, fraction, non_negative, positive};
         [
             at_least("--steps", self.steps, 1),
             at_least("--batch-size", self.batch_size as u64, 1),
@@ -376,7 +376,7 @@ pub fn warm_up(
 pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
     let s = &args.settings;
     s.validate()?;
-    rookworld_service::check::at_least("--checkpoint-every", args.checkpoint_every, 1)?;
+    rookworld_service::validate::at_least("--checkpoint-every", args.checkpoint_every, 1)?;
     let device = Device::Cpu;
     let settings = serde_json::to_value(s).expect("settings serialise");
     let mut source = match &args.prompts {

@@ -115,7 +115,7 @@ fn rate(
 
 /// Runs the benchmark and prints one JSON object.
 pub fn run(args: &BenchArgs, out: &mut impl Write) -> std::io::Result<()> {
-    rookworld_service::check::at_least("--items", args.items as u64, 1)
+    rookworld_service::validate::at_least("--items", args.items as u64, 1)
         .map_err(|e| std::io::Error::other(e.to_string()))?;
     let (env, pol) = generate_items(args.items, args.seed);
     if let Some(path) = &args.write_items {

@@ -82,7 +82,7 @@ pub struct ScoringArgs {
 }
 
 /// A configuration problem: one clear line, non-zero exit.
-pub use rookworld_service::check::ConfigError;
+pub use rookworld_service::validate::ConfigError;
 
 impl ScoringArgs {
     /// Reads the weights and starts the engine pool, if any.
@@ -154,7 +154,7 @@ pub struct ServeArgs {
 impl ServeArgs {
     /// Counts in range: one line at start, not a server that refuses every call.
     fn validate(&self) -> Result<(), ConfigError> {
-        use rookworld_service::check::at_least;
+        use rookworld_service::validate::at_least;
         [
             at_least("--max-items-per-call", self.max_items_per_call as u64, 1),
             at_least("--max-items-in-flight", self.max_items_in_flight as u64, 1),

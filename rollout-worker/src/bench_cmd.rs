@@ -134,7 +134,7 @@ fn measure(
 /// Runs the benchmark and prints one JSON object: the engine on the batch and on one
 /// stream, and the reference static-batch path on the batch as an in-run baseline.
 pub fn run(args: &BenchArgs, out: &mut impl Write) -> Result<(), EngineError> {
-    use rookworld_service::check::at_least;
+    use rookworld_service::validate::at_least;
     [
         at_least("--prompts", args.prompts as u64, 1),
         at_least("--num-completions", args.n as u64, 1),
@@ -150,7 +150,7 @@ pub fn run(args: &BenchArgs, out: &mut impl Write) -> Result<(), EngineError> {
     let loaded = args.model.load()?;
     let prompt = loaded.tokenizer.encode(BENCH_PROMPT)?;
     let context = loaded.model.config().n_positions;
-    rookworld_service::check::fits_context(
+    rookworld_service::validate::fits_context(
         max_new_tokens,
         prompt.len(),
         "the bench prompt",

@@ -103,7 +103,7 @@ fn io_error(path: &std::path::Path, e: std::io::Error) -> Error {
 /// `out`. Every prompt is checked before anything is generated.
 pub fn run(args: &GenerateArgs, out: &mut impl Write) -> std::result::Result<(), EngineError> {
     args.sampling.validate().map_err(Error::InvalidArgument)?;
-    rookworld_service::check::at_least("--num-completions", args.n as u64, 1)
+    rookworld_service::validate::at_least("--num-completions", args.n as u64, 1)
         .map_err(|e| Error::InvalidArgument(e.to_string()))?;
     let sampling = args.sampling.params();
     let max_new_tokens = args.sampling.max_new_tokens as usize;

@@ -65,12 +65,12 @@ pub struct ServeArgs {
 }
 
 /// A configuration problem, reported as one line.
-pub use rookworld_service::check::ConfigError;
+pub use rookworld_service::validate::ConfigError;
 
 impl ServeArgs {
     /// URLs with their scheme, counts in range: one line at start, not retries forever.
     fn validate(&self) -> Result<(), ConfigError> {
-        use rookworld_service::check::{at_least, url};
+        use rookworld_service::validate::{at_least, url};
         // The worker loop's options, refused without it (each has a default only with it).
         if self.learner.is_none() {
             let given = [

@@ -23,10 +23,10 @@
 //! GPU's to a few ulps, not bit for bit; sums run in the kernel's order.
 
 mod buffer;
-mod check;
+mod compare;
 
 pub use buffer::{Element, Guarded};
-pub use check::{Values, assert_close};
+pub use compare::{Values, assert_close};
 
 use std::ffi::{c_char, c_void};
 use std::marker::PhantomData;

@@ -84,9 +84,9 @@ pub(crate) struct StepPlan {
     pub pool_len: usize,
     /// Use the fused attention kernel (CPU, or CUDA) when the buffers allow it.
     pub cpu_kernel: bool,
-    /// Run the layers with the fused decode ops ([`crate::fused_ops`]): on CUDA, or
-    /// where a test asks ([`GroupedCache::with_fused_ops`]).
-    pub fused_ops: bool,
+    /// Run the layers with the fused decode ops ([`crate::decode_ops`]): on CUDA, or
+    /// where a test asks ([`GroupedCache::with_decode_ops`]).
+    pub decode_ops: bool,
     /// The same geometry on the device, for the CUDA kernel (CUDA steps only).
     #[cfg(feature = "cuda")]
     pub device_geometry: Option<crate::cuda::DeviceGeometry>,
@@ -199,7 +199,7 @@ pub struct GroupedCache {
     /// launch per layer on CUDA (the default).
     cpu_kernel: bool,
     /// Whether CPU steps use the fused decode ops too (CUDA steps always do).
-    fused_ops_on_cpu: bool,
+    decode_ops_on_cpu: bool,
     /// The captured decode steps over these buffers (the trial `decode_graphs`), made
     /// again after a rebuild.
     #[cfg(feature = "cuda")]
@@ -216,7 +216,7 @@ impl GroupedCache {
             rows: Vec::new(),
             cursor: 0,
             cpu_kernel: true,
-            fused_ops_on_cpu: false,
+            decode_ops_on_cpu: false,
             #[cfg(feature = "cuda")]
             graphs: None,
         }
@@ -225,8 +225,8 @@ impl GroupedCache {
     /// Runs the fused decode ops that CUDA steps run (split q/k/v straight into the
     /// cache, bias + GELU, residual + layer norm) on the CPU too: for tests that compare
     /// them with the tensor path.
-    pub fn with_fused_ops(mut self) -> Self {
-        self.fused_ops_on_cpu = true;
+    pub fn with_decode_ops(mut self) -> Self {
+        self.decode_ops_on_cpu = true;
         self
     }
 
@@ -434,11 +434,11 @@ impl GroupedCache {
 
     /// Drops every row and group.
     pub fn clear(&mut self) {
-        let (cpu_kernel, fused_ops_on_cpu) = (self.cpu_kernel, self.fused_ops_on_cpu);
+        let (cpu_kernel, decode_ops_on_cpu) = (self.cpu_kernel, self.decode_ops_on_cpu);
         let rebuilds = self.rebuilds + 1;
         *self = Self::new(self.layers.len());
         self.cpu_kernel = cpu_kernel;
-        self.fused_ops_on_cpu = fused_ops_on_cpu;
+        self.decode_ops_on_cpu = decode_ops_on_cpu;
         self.rebuilds = rebuilds;
     }
 
@@ -545,11 +545,11 @@ impl GroupedCache {
             pool_len: self.pool_len,
             cpu_kernel: self.cpu_kernel,
             // On CUDA the fused layers also need the attention kernel's geometry.
-            fused_ops: self.cpu_kernel
+            decode_ops: self.cpu_kernel
                 && if device.is_cuda() {
                     kernels::enabled(Kernel::Attention) && kernels::enabled(Kernel::DecodeOps)
                 } else {
-                    self.fused_ops_on_cpu
+                    self.decode_ops_on_cpu
                 },
             #[cfg(feature = "cuda")]
             device_geometry,
@@ -840,7 +840,7 @@ mod tests {
             group_pad: vec![27, 29, 25],
             pool_len: 32,
             cpu_kernel: false,
-            fused_ops: false,
+            decode_ops: false,
             #[cfg(feature = "cuda")]
             device_geometry: None,
         };

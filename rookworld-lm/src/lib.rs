@@ -20,7 +20,7 @@
 //! - [`device`]: device and dtype selection.
 //! - [`device_sampling`]: a decode step's tokens drawn on the logits' device (CUDA), with its CPU reference.
 //! - `cuda` (feature `cuda`): the decode step's CUDA kernels (fused grouped attention, sampling,
-//!   the small fused ops of `fused_ops`: q/k/v split into the cache, bias + GELU, residual + norm).
+//!   the small fused ops of `decode_ops`: q/k/v split into the cache, bias + GELU, residual + norm).
 //! - [`train_ops`]: the training forward's layer norm, bias + GELU, masked softmax and target
 //!   log-probs as custom ops with hand-written backwards (CPU, and CUDA kernels with `cuda`).
 //! - [`cli`]: the model options every binary shares (`--model`/`--preset`, `--device`, `--dtype`).
@@ -38,10 +38,10 @@ pub mod cpu_features;
 pub mod cpu_gemm;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod decode_ops;
 pub mod device;
 pub mod device_sampling;
 pub mod error;
-mod fused_ops;
 pub mod generate;
 pub mod grouped;
 pub mod hub;

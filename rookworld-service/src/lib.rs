@@ -2,7 +2,7 @@
 //! plumbing of the three binaries, each a module of one concept.
 //!
 //! - [`auth`]: the shared-token check of guarded calls, and setting it on a client.
-//! - [`check`]: range checks of command-line values and [`check::ConfigError`], the one
+//! - [`validate`]: range checks of command-line values and [`validate::ConfigError`], the one
 //!   type of a refused configuration.
 //! - [`env`]: empty settings variables count as unset.
 //! - [`http2`]: the HTTP/2 windows and frame size of every server and client, and client
@@ -16,7 +16,6 @@
 //! - [`tls`]: TLS and mutual TLS of servers and clients, certificates reloaded while serving.
 
 pub mod auth;
-pub mod check;
 pub mod env;
 pub mod http2;
 pub mod logging;
@@ -26,3 +25,4 @@ pub mod run_file;
 pub mod serve;
 pub mod status;
 pub mod tls;
+pub mod validate;

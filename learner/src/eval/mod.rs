@@ -238,7 +238,7 @@ impl Evaluation<'_> {
             .map(|(i, item)| {
                 let ids = self.tokenizer.encode_prompt(bos, &item.prompt)?;
                 let what = format!("{} item {i}", suite.name());
-                rookworld_service::check::fits_context(
+                rookworld_service::validate::fits_context(
                     self.max_new_tokens,
                     ids.len(),
                     &what,

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use rookworld_chess::stockfish::{SearchLimit, StockfishConfig, StockfishPool};
 
-use super::Item;
 use super::error::EvalError;
+use super::suites::Item;
 
 /// How the policy suite's positions are re-analysed.
 #[derive(Debug, Clone, Copy)]

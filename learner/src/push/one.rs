@@ -9,7 +9,7 @@ use rookworld_service::probe::{cause_chain, error_chain};
 use rookworld_service::tls::{ClientTlsArgs, TlsProblem};
 use rookworld_weights::set::{self as weights, CHUNK_BYTES, WeightSet};
 
-use super::{Blocked, LearnerModel, PushOutcome};
+use super::outcome::{Blocked, LearnerModel, PushOutcome};
 use crate::metrics::names;
 use crate::queue::{Queue, QueueHandle};
 

@@ -1,8 +1,8 @@
 //! The rollout queue over gRPC (`rookworld.queue.v1.RolloutQueue`): worker calls behind the
 //! shared token, read-only inspection for people with grpcurl; health and reflection on
-//! the same port. [`check`] says what a submission must be before it is queued.
+//! the same port. [`admission`] says what a submission must be before it is queued.
 
-pub mod check;
+pub mod admission;
 mod error;
 
 use std::collections::BTreeMap;
@@ -26,7 +26,7 @@ use crate::queue::problems::{Cause, Problem};
 use crate::queue::{
     Backpressure, DuplicateWorker, QueueHandle, ScoredCompletion, ScoredGroup, WorkerStats,
 };
-pub use check::GroupCheck;
+pub use admission::GroupCheck;
 pub use error::QueueError;
 
 /// How long the queue waits for the holder of a worker id to answer when another worker
@@ -215,7 +215,7 @@ fn completion_to_pb(c: &ScoredCompletion) -> pb::ScoredCompletion {
     }
 }
 
-/// A checked completion (see [`check::group`]).
+/// A checked completion (see [`admission::group`]).
 fn completion_from_pb(c: pb::ScoredCompletion) -> ScoredCompletion {
     ScoredCompletion {
         ids: c.ids,
@@ -227,12 +227,12 @@ fn completion_from_pb(c: pb::ScoredCompletion) -> ScoredCompletion {
 }
 
 impl QueueServer {
-    /// What [`check`] asks of a submission, and that its prompt ids are the leased
+    /// What [`admission`] asks of a submission, and that its prompt ids are the leased
     /// prompt's, as the learner tokenises it (the behaviour log-probs were computed on
     /// them; an unknown lease is refused later, by the queue).
     async fn check_submission(&self, r: &pb::SubmitRequest) -> Result<(), Status> {
-        check::worker_id(&r.worker_id)?;
-        check::group(
+        admission::worker_id(&r.worker_id)?;
+        admission::group(
             r,
             self.spec.num_completions,
             self.spec.sampling.max_new_tokens,
@@ -262,8 +262,8 @@ impl RolloutQueue for QueueServer {
         self.authorize("Lease", &request).await?;
         let r = request.into_inner();
         tracing::Span::current().record("worker", r.worker_id.as_str());
-        check::worker_id(&r.worker_id)?;
-        check::push_address(&r.push_address)?;
+        admission::worker_id(&r.worker_id)?;
+        admission::push_address(&r.push_address)?;
         let now = Instant::now();
         let max = (r.max_prompts as usize).clamp(1, MAX_LEASE);
         let (worker, address) = (r.worker_id.clone(), r.push_address.clone());
@@ -460,7 +460,7 @@ impl RolloutQueue for QueueServer {
     ) -> Result<Response<pb::ReportResponse>, Status> {
         self.authorize("Report", &request).await?;
         let r = request.into_inner();
-        check::worker_id(&r.worker_id)?;
+        admission::worker_id(&r.worker_id)?;
         let now = Instant::now();
         let bounded = |s: &str, n: usize| s.chars().take(n).collect::<String>();
         let cause = match pb::ProblemCause::try_from(r.cause) {

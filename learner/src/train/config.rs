@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use rookworld_lm::cli::ModelArgs;
 
-pub use super::settings::{RESUMABLE, TrainSettings};
+use super::settings::TrainSettings;
 
 /// Options of `learner train`.
 #[derive(Debug, Clone, clap::Args)]
@@ -221,7 +221,7 @@ impl TrainArgs {
 
     /// The settings' ranges and the process's own options (intervals, timeouts, URLs).
     pub fn validate(&self) -> Result<(), ConfigError> {
-        use rookworld_service::check::{at_least, non_negative, positive, url};
+        use rookworld_service::validate::{at_least, non_negative, positive, url};
         self.settings.validate()?;
         self.rollout_weight_dtype()?;
         // Options the mode ignores are refused (each has a default only in its mode).

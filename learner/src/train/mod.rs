@@ -37,8 +37,9 @@ use rookworld_service::serve::stopped as until;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-pub use config::{ConfigError, RESUMABLE, TrainArgs, TrainSettings};
+pub use config::{ConfigError, TrainArgs};
 pub use report::{StepRecord, StepSeconds, print_summary, reward_trend};
+pub use settings::{RESUMABLE, TrainSettings};
 
 use crate::checkpoint;
 use crate::eval::periodic::Outcome;

@@ -8,7 +8,7 @@ use candle_core::DType;
 use rookworld_lm::checkpoint as model_checkpoint;
 use tokio::sync::watch;
 
-use super::config::RESUMABLE;
+use super::settings::RESUMABLE;
 use super::{ConfigError, Run, TrainArgs, TrainError, TrainSummary};
 use crate::checkpoint::{self, Loaded};
 use crate::prompts::{self, Generator, Source};
@@ -224,7 +224,7 @@ fn check_context(
             }
         }
     }
-    rookworld_service::check::fits_context(
+    rookworld_service::validate::fits_context(
         s.sampling.max_new_tokens as usize,
         longest,
         "the longest prompt",

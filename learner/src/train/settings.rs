@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::config::ConfigError;
+use crate::settings::ConfigError;
 use rookworld_lm::cli::SamplingArgs;
 
 use crate::queue::QueueConfig;
@@ -165,7 +165,7 @@ pub struct TrainSettings {
 impl TrainSettings {
     /// Checks ranges so that a bad value is one clear line, not a failure mid-run.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        use rookworld_service::check::{at_least, fraction, non_negative, positive};
+        use rookworld_service::validate::{at_least, fraction, non_negative, positive};
         self.sampling.validate().map_err(ConfigError::Value)?;
         self.batch.validate()?;
         self.loss_config()?;

@@ -11,9 +11,9 @@ use serde::Serialize;
 
 use super::{AttentionKernel, DeviceGeometry, grouped_attention_with, sample_rows};
 use crate::cpu_attention::{Geometry, decode_attention};
+use crate::decode_ops::{AddLayerNorm, BiasGelu, QkvSplit};
 use crate::device_sampling::sample_reference;
 use crate::error::Result;
-use crate::fused_ops::{AddLayerNorm, BiasGelu, QkvSplit};
 use crate::kernels::{ContextLost, DriverFault, Finding, Kernel, after_synchronize, judge};
 use crate::sampling::RowDraw;
 

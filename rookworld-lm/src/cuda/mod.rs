@@ -4,7 +4,7 @@
 //!   prompt's keys and values read once per group (`kernels/grouped_attention.cu`);
 //! - [`sample_rows`]: every row's token and log-probability drawn on the device
 //!   (`kernels/sample.cu`);
-//! - [`ops`]: the small fused ops of [`crate::fused_ops`] (`kernels/decode_ops.cu`);
+//! - [`ops`]: the small fused ops of [`crate::decode_ops`] (`kernels/decode_ops.cu`);
 //! - `train`: what the launches of [`crate::train_ops`] share (each op's launches sit in
 //!   its own module there, `kernels/train_ops.cu`);
 //! - [`DecodeGraphs`]: the decode step captured as one CUDA graph per bucket of rows;

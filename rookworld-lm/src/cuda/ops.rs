@@ -1,5 +1,5 @@
 //! Launches of the decode step's small fused ops (`kernels/decode_ops.cu`); the ops
-//! themselves, with their CPU implementations, are in [`crate::fused_ops`].
+//! themselves, with their CPU implementations, are in [`crate::decode_ops`].
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
@@ -8,7 +8,7 @@ use candle_core::{DType, Layout, Result, Shape};
 use half::bf16;
 
 use super::{DECODE_OPS_PTX, elementwise, kernel, output, slice, view};
-use crate::fused_ops::params::{AddLayerNorm, QkvSplit};
+use crate::decode_ops::params::{AddLayerNorm, QkvSplit};
 
 const MODULE: &str = "rookworld_decode_ops";
 

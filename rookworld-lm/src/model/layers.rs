@@ -11,7 +11,7 @@ use crate::bf16_payload::StoredValues;
 use crate::cache::LayerCache;
 use crate::config::{Activation, Config};
 use crate::cpu_gemm::{Epilogue, PackedMatrix, PanelDtype};
-use crate::fused_ops::{AddLayerNorm, BiasGelu, QkvSplit};
+use crate::decode_ops::{AddLayerNorm, BiasGelu, QkvSplit};
 use crate::grouped::{GroupedLayer, StepPlan, with_zero_row};
 use crate::train_ops;
 
@@ -403,7 +403,7 @@ impl Attention {
 }
 
 impl Attention {
-    /// One decode step with the fused ops ([`crate::fused_ops`]): `h` (B, E) normed input;
+    /// One decode step with the fused ops ([`crate::decode_ops`]): `h` (B, E) normed input;
     /// returns the projection (B, E) *without* c_proj's bias, which the following
     /// [`LayerNorm::add_norm`] adds. q is split out of c_attn's output, k and v written
     /// straight into the cache's suffix, and attention runs as one kernel.

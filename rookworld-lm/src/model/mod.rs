@@ -488,7 +488,7 @@ impl Gpt2 {
         let tok = self.token_rows(&plan.ids)?; // (B, 1, E)
         let pos = self.wpe.embedding_rows(&plan.positions)?; // (B, 1, E)
         let mut x = (tok + pos)?;
-        let hidden = if plan.fused_ops && self.fused_decode_applies() {
+        let hidden = if plan.decode_ops && self.fused_decode_applies() {
             self.decode_layers_fused(&x.squeeze(1)?, &plan, cache)?
                 .unsqueeze(1)? // (B, 1, E)
         } else {
@@ -633,7 +633,7 @@ impl Gpt2 {
             && !self.packed_only
     }
 
-    /// The layers of a decode step with the fused ops ([`crate::fused_ops`]): `x` (B, E)
+    /// The layers of a decode step with the fused ops ([`crate::decode_ops`]): `x` (B, E)
     /// embeddings in, `ln_f` of the last residual (B, E) out. Each residual add carries
     /// the bias of the projection before it and the layer norm after it, so a layer is
     /// norm-fused adds, four matmuls, the q/k/v split and one attention kernel.

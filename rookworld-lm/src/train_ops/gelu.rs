@@ -13,7 +13,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::fwd_impls;
 use super::{Cpu, f32s, out, rows_of};
-use crate::fused_ops::BiasGelu;
+use crate::decode_ops::BiasGelu;
 use crate::simd;
 
 /// √(2/π), GELU's tanh-approximation constant.

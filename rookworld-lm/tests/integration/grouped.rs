@@ -56,13 +56,13 @@ enum Path {
     Tensors,
     /// The fused decode ops CUDA runs (q/k/v split into the cache, bias + GELU, residual +
     /// layer norm), on the CPU.
-    FusedOps,
+    DecodeOps,
 }
 
 /// Every decode path: the in-place CPU kernel, the tensor path, and the fused ops.
 #[test]
 fn rows_sharing_prompts_joining_and_leaving_match_each_sequence_alone() {
-    for path in [Path::CpuKernel, Path::Tensors, Path::FusedOps] {
+    for path in [Path::CpuKernel, Path::Tensors, Path::DecodeOps] {
         check_against_alone(path);
     }
 }
@@ -78,7 +78,7 @@ fn check_against_alone(path: Path) {
     cache = match path {
         Path::CpuKernel => cache,
         Path::Tensors => cache.without_cpu_kernel(),
-        Path::FusedOps => cache.with_fused_ops(),
+        Path::DecodeOps => cache.with_decode_ops(),
     };
     let mut prompts: Vec<Vec<u32>> = vec![tokens(1, 9), tokens(2, 4), tokens(3, 13)];
     prefill(&m, &mut cache, &prompts);
@@ -209,7 +209,7 @@ fn buffers_stay_put_while_the_work_fits_them() {
         ..Config::tiny()
     };
     let m = init_random(&cfg, 5, DType::F32, &Device::Cpu).unwrap();
-    let mut cache = GroupedCache::new(cfg.n_layer).with_fused_ops();
+    let mut cache = GroupedCache::new(cfg.n_layer).with_decode_ops();
     let mut prompts = vec![tokens(1, 9), tokens(2, 4)];
     prefill(&m, &mut cache, &prompts); // the pool: 4 groups of 32 columns
     assert_eq!(cache.rebuilds(), 1);

@@ -4,7 +4,7 @@ use super::*;
 
 /// q, k and v of c_attn's (B, 3E) output plus its bias, each written at its column of a
 /// (·, H, C, D) buffer: `dst[((r·H + h)·C + col)·D + d] = qkv[r, part·E + h·D + d] +
-/// bias[part·E + h·D + d]` rounded once to the type (`fused_ops::QkvSplit`), every other
+/// bias[part·E + h·D + d]` rounded once to the type (`decode_ops::QkvSplit`), every other
 /// element untouched. Through `qkv_split` (col an argument) and `qkv_split_step` (col read
 /// from the step's header).
 fn qkv_split_matches<P: Precision>() {
@@ -208,13 +208,13 @@ fn bias_gelu_matches<P: Precision>() {
 }
 
 #[test]
-fn bias_gelu_matches_the_fused_ops_cpu_implementation_in_f32_and_bf16() {
+fn bias_gelu_matches_the_decode_ops_cpu_implementation_in_f32_and_bf16() {
     bias_gelu_matches::<F32>();
     bias_gelu_matches::<Bf16>();
 }
 
 /// `s = x + (y + c)`, each addition rounded to the type (bit for bit the CPU op's,
-/// `fused_ops::AddLayerNorm`), then `(s − μ)/√(σ² + eps) · w + b` with μ and σ² the
+/// `decode_ops::AddLayerNorm`), then `(s − μ)/√(σ² + eps) · w + b` with μ and σ² the
 /// row's mean and population variance (here in f64), out = (2, M, E): s, then the norm.
 fn add_layer_norm_matches<P: Precision>() {
     let Some(module) = decode_ops_module() else {

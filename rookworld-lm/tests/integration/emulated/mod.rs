@@ -8,7 +8,7 @@
 //!   each row's own suffix): the warp, split and captured-step (`row_attention`) kernels,
 //!   f32 and BF16, against the attention written out in f64 (the CPU path,
 //!   `cpu_attention::decode_attention`, is private to the crate);
-//! - `decode_ops.cu` (the fused decode ops): against the formulas of `fused_ops` written out
+//! - `decode_ops.cu` (the fused decode ops): against the formulas of `decode_ops` written out
 //!   (private too), and bias + GELU against the op itself (`train_ops::bias_gelu`);
 //! - `train_ops.cu`: against each op's public CPU implementation (`train_ops::*`);
 //! - `sample.cu`: against `device_sampling::sample_reference`, row by row.
