@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use rookworld_weights::set::WeightSet;
 use tokio::sync::{mpsc, watch};
 
+use crate::checkpoint::CheckpointError;
 use crate::queue::QueueHandle;
 
 mod one;
@@ -31,6 +32,22 @@ use crate::metrics::names;
 use one::note_reachability;
 pub use one::{push_over, push_to, worker_answers};
 pub use outcome::{Blocked, LearnerModel, PushOutcome};
+
+/// Publishes `model`'s weights as `version` of run `run_id`: recorded in `run_dir` first
+/// (so a crash never reuses the number), converted to BF16 once, handed to the weight sync
+/// through `latest`.
+pub fn publish(
+    run_dir: &std::path::Path,
+    model: &rookworld_lm::Gpt2,
+    run_id: &str,
+    version: u64,
+    latest: &watch::Sender<Option<Arc<WeightSet>>>,
+) -> Result<(), CheckpointError> {
+    crate::checkpoint::record_published(run_dir, version)?;
+    let set = WeightSet::from_model(model, run_id, version)?;
+    latest.send_replace(Some(Arc::new(set)));
+    Ok(())
+}
 
 /// A worker's weight sync, as the metrics and the log show it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

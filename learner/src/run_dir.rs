@@ -40,9 +40,50 @@ pub enum RunDirError {
     Refused(String),
 }
 
+/// What a command asks of the run it opens: its settings (a resumed run's must match,
+/// but for the `resumable` keys) and its number of steps (at least those done).
+#[derive(Debug, Clone, Copy)]
+pub struct Expect<'a> {
+    pub settings: &'a Value,
+    pub resumable: &'a [&'a str],
+    pub steps: u64,
+}
+
+/// A run directory opened by a command: its lock, held until the command ends, and the
+/// checkpoint it resumes from (`None`: it starts fresh).
+pub struct Opened {
+    pub lock: crate::run_lock::RunLock,
+    pub loaded: Option<Loaded>,
+}
+
+/// Opens `run` the one way `learner train` and `learner sft` do: takes its lock (before
+/// anything in it is read or deleted), then applies the start rules ([`start`]) and checks
+/// a resumed checkpoint against `expect`.
+pub fn open(
+    run: &Path,
+    args: &RunDirArgs,
+    device: &Device,
+    expect: Expect,
+) -> Result<Opened, RunDirError> {
+    let lock = crate::run_lock::RunLock::acquire(run)?;
+    let loaded = start(run, args, device)?;
+    if let Some(Loaded { dir, state, .. }) = &loaded {
+        check_settings(&state.settings, expect.settings, expect.resumable)?;
+        if expect.steps < state.step {
+            return Err(RunDirError::Refused(format!(
+                "--steps {} is below the {} steps {} has done",
+                expect.steps,
+                state.step,
+                dir.display()
+            )));
+        }
+    }
+    Ok(Opened { lock, loaded })
+}
+
 /// Where a command starts, by its run directory's rules: `Some` to resume from a loaded
 /// checkpoint, `None` to start fresh (after `--overwrite` deleted the old checkpoints).
-pub fn open(run: &Path, args: &RunDirArgs, device: &Device) -> Result<Option<Loaded>, RunDirError> {
+fn start(run: &Path, args: &RunDirArgs, device: &Device) -> Result<Option<Loaded>, RunDirError> {
     if let Some(dir) = &args.resume_from {
         let (policy, opt, state) = checkpoint::load(dir, device)?;
         return Ok(Some(Loaded {

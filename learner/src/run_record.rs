@@ -45,6 +45,31 @@ impl Origin {
     }
 }
 
+/// Writes `RUN/config.toml` for a run started with `settings` from `origin`, and returns
+/// its text. On a `resumed` run, each setting that differs from the record of the run's
+/// last start is logged first.
+pub fn write(
+    run_dir: &Path,
+    settings: &toml::Table,
+    origin: &Origin,
+    resumed: bool,
+) -> rookworld_lm::Result<String> {
+    let path = run_dir.join(FILE);
+    if resumed
+        && let Some(old) = std::fs::read_to_string(&path)
+            .ok()
+            .and_then(|t| settings_of(&t))
+    {
+        for change in diff(&old, settings) {
+            tracing::info!(%change, "setting changed since the run's last start");
+        }
+    }
+    let text = render(settings, Some(origin));
+    rookworld_lm::checkpoint::write_atomic(&path, text.as_bytes())?;
+    tracing::info!(record = %path.display(), "run settings recorded");
+    Ok(text)
+}
+
 /// BLAKE3 of `DIR/model.safetensors`, `None` when it cannot be read.
 fn weights_hash(dir: &Path) -> Option<String> {
     let file = std::fs::File::open(dir.join("model.safetensors")).ok()?;

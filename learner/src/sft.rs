@@ -386,27 +386,20 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
         },
         None => Source::Generated(Box::new(Generator::new(s.seed, s.policy_fraction))),
     };
-    let _lock = crate::run_lock::RunLock::acquire(&args.run_dir)
-        .map_err(crate::run_dir::RunDirError::from)?;
-    let resumed = crate::run_dir::open(&args.run_dir, &args.start, &device)?;
-    let (mut policy, mut opt, schedule, start) = match resumed {
+    let expect = crate::run_dir::Expect {
+        settings: &settings,
+        resumable: SFT_RESUMABLE,
+        steps: s.steps,
+    };
+    let opened = crate::run_dir::open(&args.run_dir, &args.start, &device, expect)?;
+    let _lock = opened.lock;
+    let (mut policy, mut opt, schedule, start) = match opened.loaded {
         Some(Loaded {
             dir,
             policy,
             opt,
             state,
         }) => {
-            crate::run_dir::check_settings(&state.settings, &settings, SFT_RESUMABLE)?;
-            if s.steps < state.step {
-                return Err(SftError::Config(crate::settings::ConfigError::Conflict(
-                    format!(
-                        "--steps {} is below the {} steps {} has done",
-                        s.steps,
-                        state.step,
-                        dir.display()
-                    ),
-                )));
-            }
             source.restore(&state.cursor)?;
             tracing::info!(step = state.step, dir = %dir.display(), "resumed");
             // The schedule follows the settings: a longer run stretches it.

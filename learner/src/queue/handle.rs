@@ -57,6 +57,27 @@ impl QueueHandle {
         rx.await.expect("the rollout queue answers every command")
     }
 
+    /// Waits (at most `timeout`) until no lease is outstanding: the groups in flight when
+    /// a run stops come in; what is still leased then stays unfinished, kept for the next
+    /// run.
+    pub async fn drain(&self, timeout: std::time::Duration) {
+        let started = std::time::Instant::now();
+        loop {
+            let leased = self.run(|q| q.depths().leased).await;
+            if leased == 0 {
+                return;
+            }
+            if started.elapsed() >= timeout {
+                tracing::warn!(
+                    leased,
+                    "drain timed out; those prompts are kept for the next run"
+                );
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+
     /// [`Self::run`] for synchronous code: blocks this thread until the owner has applied
     /// `f` (not to be called on an async runtime's thread outside `block_in_place`).
     pub fn call<R: Send + 'static>(&self, f: impl FnOnce(&mut Queue) -> R + Send + 'static) -> R {

@@ -7,8 +7,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
+use super::settings::TrainSettings;
+use super::state::Run;
 use super::watchdog::{self, Verdict, Watchdog};
-use super::{Run, TrainSettings};
 use crate::push::Fleet;
 use crate::queue::ScoredGroup;
 use rookworld_train::batch::GrpoBatch;
@@ -45,6 +46,11 @@ pub(super) async fn gather(
     let version = run.version.load(Ordering::SeqCst);
     let mut skipped = 0;
     loop {
+        // The signal is seen before anything is taken: while workers keep a step's groups
+        // ready, the loop would otherwise never wait, and never stop.
+        if *stop.borrow() {
+            return Gathered::Stopped;
+        }
         // Only this loop adds prompts: the room it reads is there when they arrive.
         let room = run.queue.run(|q| q.pending_room()).await;
         let prompts: Vec<_> = (0..room)
@@ -132,5 +138,102 @@ pub(super) fn to_batch(groups: &[ScoredGroup]) -> GrpoBatch {
                 .collect(),
         ),
         proximal_logprobs: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicU64;
+
+    use candle_core::{DType, Device};
+    use clap::{Args, FromArgMatches};
+
+    use super::*;
+    use crate::prompts::{Generator, Source};
+    use crate::queue::{Queue, QueueHandle};
+    use rookworld_train::optim::AdamW;
+    use rookworld_train::policy::Trainable;
+
+    fn settings() -> TrainSettings {
+        let cmd = TrainSettings::augment_args(clap::Command::new("train"));
+        let matches = cmd
+            .try_get_matches_from(["train", "--prompts-per-step", "2"])
+            .unwrap();
+        TrainSettings::from_arg_matches(&matches).unwrap()
+    }
+
+    /// Makes `n` of the queue's prompts scored groups of version 1, as a worker would.
+    async fn score(queue: &QueueHandle, source: &mut Source, n: usize) {
+        let prompts: Vec<_> = (0..n).map(|_| source.next_prompt()).collect();
+        queue
+            .run(move |q| {
+                let now = Instant::now();
+                for (seed, prompt) in prompts.into_iter().enumerate() {
+                    q.add(prompt, seed as u64);
+                    let grant = q.lease("worker", 1, now).unwrap();
+                    let group = ScoredGroup {
+                        prompt_id: grant[0].prompt.id,
+                        prompt: String::new(),
+                        prompt_ids: vec![],
+                        completions: vec![],
+                        worker: String::new(),
+                        run_id: "run".into(),
+                        weight_version: 1,
+                        seed: 0,
+                        generate_seconds: 0.0,
+                        score_seconds: 0.0,
+                        lease_seconds: 0.0,
+                    };
+                    q.submit("worker", grant[0].lease, group, now).unwrap();
+                }
+            })
+            .await;
+    }
+
+    /// A run of the tiny preset at version 1.
+    fn run(dir: &std::path::Path, s: &TrainSettings) -> Run {
+        let cfg = rookworld_lm::Config::tiny();
+        let model =
+            rookworld_lm::checkpoint::init_random(&cfg, 0, DType::F32, &Device::Cpu).unwrap();
+        let mut queue = Queue::new(s.queue_config());
+        queue.set_run("run");
+        Run {
+            policy: Trainable::from_model(&model).unwrap(),
+            reference: None,
+            opt: AdamW::new(s.adamw()),
+            step: 0,
+            source: Source::Generated(Box::new(Generator::new(s.seed, s.policy_fraction))),
+            queue: QueueHandle::start(queue),
+            version: Arc::new(AtomicU64::new(1)),
+            run_id: "run".into(),
+            settings_json: serde_json::Value::Null,
+            resumed: false,
+            eval: None,
+            record: None,
+            _lock: crate::run_lock::RunLock::acquire(dir).unwrap(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_shutdown_is_seen_while_groups_keep_coming_and_strands_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = settings();
+        let mut run = run(dir.path(), &s);
+        score(&run.queue, &mut run.source, 2).await;
+        let mut seeds = rand_seed_stream(s.seed, 0);
+        let mut watchdog = Watchdog::new(Duration::ZERO, Instant::now());
+        let fleet = Arc::new(Mutex::new(Fleet::new(Duration::from_secs(1))));
+        let (stop_tx, mut stop) = watch::channel(false);
+
+        // A step's groups are ready: they are taken.
+        let gathered = gather(&mut run, &s, &mut seeds, &mut stop, &mut watchdog, &fleet).await;
+        assert!(matches!(gathered, Gathered::Groups(ref g, 0) if g.len() == 2));
+
+        // Ready again, and the signal has come: the run stops, the groups stay queued.
+        score(&run.queue, &mut run.source, 2).await;
+        stop_tx.send(true).unwrap();
+        let gathered = gather(&mut run, &s, &mut seeds, &mut stop, &mut watchdog, &fleet).await;
+        assert!(matches!(gathered, Gathered::Stopped));
+        assert_eq!(run.queue.run(|q| q.ready(1)).await, 2);
     }
 }

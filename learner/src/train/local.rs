@@ -18,7 +18,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::until;
+use rookworld_service::serve::stopped as until;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 

@@ -1,5 +1,11 @@
 //! `learner train`: the GRPO loop against the rollout queue.
 //!
+//! The command line becomes a typed plan first (`plan`: the model, the data, the
+//! schedule, the settings, the services, the outputs), checked before any work; the run
+//! reads only the plan. Where it starts is `prepare`'s, what it serves beside training
+//! `services`', one step `trainer`'s; the state between steps and its checkpoint are
+//! `state`'s.
+//!
 //! Each step takes P scored groups from the queue (waiting for workers as needed; groups
 //! too many versions behind are dropped and counted), trains on them in micro-batches,
 //! bumps the weight version and publishes the new BF16 weights (the optimizer writes them
@@ -17,130 +23,36 @@
 //! and the run returns.
 
 mod config;
+mod error;
 mod gather;
 mod local;
+mod plan;
 mod prepare;
 mod report;
 mod services;
 mod settings;
-mod support;
+mod state;
 mod trainer;
 mod watchdog;
 
 use std::future::Future;
-use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
-use rookworld_lm::Gpt2;
-use rookworld_service::serve::stopped as until;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 pub use config::{ConfigError, TrainArgs};
-pub use report::{StepRecord, StepSeconds, print_summary, reward_trend};
+pub use error::TrainError;
+use plan::Plan;
+pub use report::{StepRecord, StepSeconds, TrainSummary, print_summary, reward_trend};
 pub use settings::{RESUMABLE, TrainSettings};
 
-use crate::checkpoint;
-use crate::eval::periodic::Outcome;
-use crate::prompts::{self, Source};
-use crate::queue::QueueHandle;
 use gather::rand_seed_stream;
 use prepare::prepare;
 use report::Reporter;
-use rookworld_train::optim::AdamW;
-use rookworld_train::policy::Trainable;
 use services::Services;
-use support::{drain, peak_flops, save};
-use trainer::{Stepped, Trainer};
+use trainer::{Stepped, Trainer, peak_flops};
 use watchdog::Watchdog;
-
-/// Why a run stopped early.
-#[derive(Debug, thiserror::Error)]
-pub enum TrainError {
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    #[error(transparent)]
-    Model(#[from] rookworld_lm::Error),
-    #[error(transparent)]
-    Checkpoint(#[from] checkpoint::CheckpointError),
-    #[error(transparent)]
-    RunDir(#[from] crate::run_dir::RunDirError),
-    #[error(transparent)]
-    Prompts(#[from] prompts::PromptError),
-    #[error("supervised warm-up: {0}")]
-    WarmUp(#[from] crate::sft::SftError),
-    #[error(transparent)]
-    Report(#[from] report::ReportError),
-    #[error(transparent)]
-    Eval(#[from] crate::eval::EvalError),
-    #[error("the queue's listener: {0}")]
-    Listener(#[source] std::io::Error),
-    #[error("cannot listen on {addr}: {source}")]
-    Listen {
-        addr: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("runtime: {0}")]
-    Runtime(#[source] std::io::Error),
-    #[error("metrics on {addr}: {source}")]
-    Metrics {
-        addr: std::net::SocketAddr,
-        #[source]
-        source: rookworld_service::metrics_http::MetricsError,
-    },
-    #[error("local services: {0}")]
-    LocalServices(#[source] Box<dyn std::error::Error + Send + Sync>),
-    #[error(transparent)]
-    Export(#[from] rookworld_weights::export::ExportError),
-    /// No step for `--stall-timeout`; the message says what the run was waiting on.
-    #[error("{0}")]
-    Stalled(String),
-}
-
-impl From<candle_core::Error> for TrainError {
-    fn from(e: candle_core::Error) -> Self {
-        Self::Model(e.into())
-    }
-}
-
-/// What a run did in this process.
-#[derive(Debug, Default)]
-pub struct TrainSummary {
-    pub warm_up: Vec<crate::sft::SftStep>,
-    pub steps: Vec<StepRecord>,
-    /// Whether it stopped on the shutdown signal before its last step.
-    pub interrupted: bool,
-    /// The checkpoint written last.
-    pub checkpoint: Option<std::path::PathBuf>,
-    /// The evaluations (`--eval-every`), in the order they finished.
-    pub evals: Vec<Outcome>,
-    /// A resumed run had done all its steps already: what to do instead.
-    pub already_done: Option<String>,
-}
-
-/// Where the run stands.
-struct Run {
-    policy: Trainable,
-    reference: Option<Gpt2>,
-    opt: AdamW,
-    step: u64,
-    source: Source,
-    queue: QueueHandle,
-    version: Arc<AtomicU64>,
-    /// The run's id ([`crate::run_dir::run_id`]), carried by every push.
-    run_id: String,
-    settings_json: serde_json::Value,
-    /// Whether it continues from a checkpoint.
-    resumed: bool,
-    /// The newest evaluation (`--eval-every`).
-    eval: Option<Outcome>,
-    /// `RUN/config.toml`'s text ([`crate::run_record`]), kept in every checkpoint.
-    record: Option<String>,
-    /// The run directory's lock, held until the run ends.
-    _lock: crate::run_lock::RunLock,
-}
 
 /// What a resume of `learner train` does with each of its options (the run-directories
 /// page's lists).
@@ -159,8 +71,9 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<TrainSummary, TrainError> {
-    let s = args.settings.clone();
-    let checked = services::check(&args).await?;
+    let plan = Plan::of(&args)?;
+    let s = &plan.settings;
+    services::check(&plan).await?;
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
         shutdown.await;
@@ -168,40 +81,47 @@ pub async fn run(
     });
 
     let mut summary = TrainSummary::default();
-    let prepared = tokio::task::block_in_place(|| prepare(&args, &mut summary, &stop_rx))?;
+    let prepared = tokio::task::block_in_place(|| prepare(&plan, &mut summary, &stop_rx))?;
     let Some(mut run) = prepared else {
         summary.interrupted = true;
         return Ok(summary);
     };
     crate::metrics::record_kernel_fallbacks(); // the device is open: its kernels are checked
-    run.record = support::write_record(&args, &run)?;
+    if let Some(settings) = &plan.outputs.record {
+        let origin = plan.model.origin(run.policy.model.device());
+        run.record = Some(crate::run_record::write(
+            &plan.outputs.run_dir,
+            settings,
+            &origin,
+            run.resumed,
+        )?);
+    }
     if run.resumed && run.step >= s.steps {
         let line = format!(
             "all {} steps of {} are done: nothing to train; to train on, resume with more steps (--resume --steps {})",
             s.steps,
-            args.run_dir.display(),
+            plan.outputs.run_dir.display(),
             s.steps * 2
         );
         tracing::info!("{line}");
         summary.already_done = Some(line);
         return Ok(summary);
     }
-    let services = Services::start(&args, &run, checked, listener).await?;
+    let services = Services::start(&plan, &run, listener).await?;
     let mut reporter = Reporter::new(
-        args.log_jsonl.as_deref(),
-        args.rollout_dump.as_deref(),
-        args.tensorboard_dir().as_deref(),
-        !args.no_progress,
+        plan.outputs.log_jsonl.as_deref(),
+        plan.outputs.rollout_dump.as_deref(),
+        plan.outputs.tensorboard.as_deref(),
+        plan.outputs.progress,
         s.steps,
         run.step,
         // A resumed run redoes the steps after its checkpoint; one started over, all.
-        run.resumed || args.start.overwrite,
+        run.resumed || plan.outputs.start.overwrite,
     )?;
     let step_cfg = s.step_config(run.policy.model.device());
     let mut trainer = Trainer {
-        args: &args,
-        s: &s,
-        peak: peak_flops(&args, &run.policy.model),
+        plan: &plan,
+        peak: peak_flops(&plan, &run.policy.model),
         seeds: rand_seed_stream(s.seed, run.step),
         run: &mut run,
         exporter: &services.exporter,
@@ -211,7 +131,7 @@ pub async fn run(
         schedule: s.schedule(),
         step_cfg,
         stop: stop_rx.clone(),
-        watchdog: Watchdog::new(args.stall_timeout(), Instant::now()),
+        watchdog: Watchdog::new(plan.schedule.stall, Instant::now()),
     };
     let mut stalled = None;
     while trainer.run.step < s.steps {
@@ -235,9 +155,11 @@ pub async fn run(
             trainer.run.eval = Some(outcome);
         }
         let step = trainer.run.step;
-        if step.is_multiple_of(args.checkpoint_every.max(1)) && step < s.steps {
+        if step.is_multiple_of(plan.schedule.checkpoint_every) && step < s.steps {
             let run = &*trainer.run;
-            summary.checkpoint = Some(tokio::task::block_in_place(|| save(&args, run))?);
+            summary.checkpoint = Some(tokio::task::block_in_place(|| {
+                run.save(&plan.outputs.run_dir, s.schedule())
+            })?);
         }
     }
     reporter.finish();
@@ -246,7 +168,7 @@ pub async fn run(
 
     // Stop leasing, let groups in flight come in, keep everything unfinished.
     run.queue.run(|q| q.close()).await;
-    drain(&run.queue, args.drain_timeout()).await;
+    run.queue.drain(plan.schedule.drain).await;
     if let Some(ev) = &services.evaluator
         && !summary.interrupted
     {
@@ -265,14 +187,16 @@ pub async fn run(
             run.eval = Some(outcome);
         }
     }
-    summary.checkpoint = Some(tokio::task::block_in_place(|| save(&args, &run))?);
+    summary.checkpoint = Some(tokio::task::block_in_place(|| {
+        run.save(&plan.outputs.run_dir, s.schedule())
+    })?);
     tracing::info!(
         step = run.step,
         checkpoint = %summary.checkpoint.as_ref().expect("just written").display(),
         interrupted = summary.interrupted,
         "checkpoint written; stopping"
     );
-    services.stop(&args).await;
+    services.stop(&plan).await;
     match stalled {
         Some(why) => Err(TrainError::Stalled(why)),
         None => Ok(summary),

@@ -8,8 +8,12 @@ use candle_core::DType;
 use rookworld_lm::checkpoint as model_checkpoint;
 use tokio::sync::watch;
 
-use super::settings::RESUMABLE;
-use super::{ConfigError, Run, TrainArgs, TrainError, TrainSummary};
+use super::config::ConfigError;
+use super::error::TrainError;
+use super::plan::Plan;
+use super::report::TrainSummary;
+use super::settings::{RESUMABLE, TrainSettings};
+use super::state::Run;
 use crate::checkpoint::{self, Loaded};
 use crate::prompts::{self, Generator, Source};
 use crate::queue::{Queue, QueueHandle};
@@ -21,13 +25,13 @@ use rookworld_train::policy::Trainable;
 /// start. `None` when `stop` came during the warm-up: it ends within one of its steps and
 /// leaves no checkpoint (a warm-up is not resumed: the next run starts afresh).
 pub(super) fn prepare(
-    args: &TrainArgs,
+    plan: &Plan,
     summary: &mut TrainSummary,
     stop: &watch::Receiver<bool>,
 ) -> Result<Option<Run>, TrainError> {
-    let s = &args.settings;
+    let (s, model, out) = (&plan.settings, &plan.model, &plan.outputs);
     let settings_json = serde_json::to_value(s).expect("settings serialise");
-    let mut source = match &args.prompts {
+    let mut source = match &plan.data.prompts {
         Some(path) => Source::File {
             prompts: prompts::load(path)?,
             next: 0,
@@ -36,37 +40,34 @@ pub(super) fn prepare(
     };
     // Configured here, then handed to its own thread (QueueHandle) for the run.
     let mut queue = Queue::new(s.queue_config());
-    let reference_dir = args.run_dir.join("reference");
-    let device = args
+    let reference_dir = out.run_dir.join("reference");
+    let device = model
+        .start
         .device
         .parse::<rookworld_lm::device::DeviceChoice>()?
         .open()?;
-    // Before anything in the directory is read or deleted (`--overwrite`).
-    let run_lock =
-        crate::run_lock::RunLock::acquire(&args.run_dir).map_err(run_dir::RunDirError::from)?;
-    let latest = run_dir::open(&args.run_dir, &args.start, &device)?;
-    let resumed = latest.is_some();
-    let run_id = run_dir::run_id(&args.run_dir, !resumed)?;
+    let opened = run_dir::open(
+        &out.run_dir,
+        &out.start,
+        &device,
+        run_dir::Expect {
+            settings: &settings_json,
+            resumable: RESUMABLE,
+            steps: s.steps,
+        },
+    )?;
+    let resumed = opened.loaded.is_some();
+    let run_id = run_dir::run_id(&out.run_dir, !resumed)?;
     queue.set_run(&run_id);
     tracing::info!(run = %run_id, "run id");
-    let (policy, opt, step, version) = match latest {
+    let (policy, opt, step, version) = match opened.loaded {
         Some(Loaded {
             dir,
             policy,
             opt,
             state,
         }) => {
-            run_dir::check_settings(&state.settings, &settings_json, RESUMABLE)?;
             check_context(s, &source, policy.model.config().n_positions)?;
-            if s.steps < state.step {
-                return Err(ConfigError::Conflict(format!(
-                    "--steps {} is below the {} steps {} has done",
-                    s.steps,
-                    state.step,
-                    dir.display()
-                ))
-                .into());
-            }
             source.restore(&state.cursor)?;
             if let Some(snapshot) = state.queue {
                 queue.restore(snapshot);
@@ -77,29 +78,29 @@ pub(super) fn prepare(
             } else {
                 state.step
             };
-            let version = resumed_version(&args.run_dir, saved, &mut queue)?;
+            let version = resumed_version(&out.run_dir, saved, &mut queue)?;
             tracing::info!(step = state.step, version, dir = %dir.display(), "resumed");
             let mut policy = policy;
-            args.matmul_precision.apply(&mut policy.model);
+            model.matmul_precision.apply(&mut policy.model);
             policy
-                .set_step_path(args.step_path)
+                .set_step_path(model.step_path)
                 .map_err(ConfigError::Conflict)?;
             (policy, opt, state.step, version)
         }
         None => {
-            let loaded = args.model_args().load()?;
+            let loaded = model.start.load()?;
             tracing::info!(source = %loaded.source, device = ?loaded.device, "starting weights");
             let mut policy = Trainable::from_model(&loaded.model)?;
-            args.matmul_precision.apply(&mut policy.model);
+            model.matmul_precision.apply(&mut policy.model);
             // Before the warm-up, which runs on the same pass.
             policy
-                .set_step_path(args.step_path)
+                .set_step_path(model.step_path)
                 .map_err(ConfigError::Conflict)?;
             check_context(s, &source, policy.model.config().n_positions)?;
             if s.sft_steps > 0 {
                 tracing::info!(steps = s.sft_steps, "supervised warm-up");
                 let warm = s.warm_up();
-                let engine = args.engine.clone();
+                let engine = plan.data.engine.clone();
                 summary.warm_up = std::thread::scope(|scope| {
                     scope
                         .spawn(|| {
@@ -135,9 +136,9 @@ pub(super) fn prepare(
         }
     };
     tracing::info!(
-        matmul_precision = ?args.matmul_precision,
+        matmul_precision = ?model.matmul_precision,
         matmuls = ?policy.model.matmul_dtype().unwrap_or(DType::F32),
-        step_path = ?args.step_path,
+        step_path = ?model.step_path,
         pass = ?policy.pass(),
         "learner precision"
     );
@@ -146,7 +147,7 @@ pub(super) fn prepare(
     let reference = if s.objective.beta > 0.0 {
         let mut reference =
             model_checkpoint::load(&reference_dir, DType::F32, policy.model.device())?;
-        args.matmul_precision.apply(&mut reference);
+        model.matmul_precision.apply(&mut reference);
         Some(reference)
     } else {
         None
@@ -164,7 +165,7 @@ pub(super) fn prepare(
         resumed,
         eval: None,
         record: None,
-        _lock: run_lock,
+        _lock: opened.lock,
     }))
 }
 
@@ -198,11 +199,7 @@ const CONTEXT_SAMPLE: usize = 256;
 /// model's context (every completion would overflow it and be refused at submission, and
 /// the run would never step). Prompts from a file are all measured; generated ones, the
 /// first [`CONTEXT_SAMPLE`] the run will lease.
-fn check_context(
-    s: &super::TrainSettings,
-    source: &Source,
-    context: usize,
-) -> Result<(), ConfigError> {
+fn check_context(s: &TrainSettings, source: &Source, context: usize) -> Result<(), ConfigError> {
     let tokenizer = rookworld_lm::Tokenizer::gpt2();
     let tokens = |p: &prompts::TaskPrompt| {
         tokenizer

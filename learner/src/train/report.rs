@@ -11,11 +11,26 @@ use metrics::{counter, gauge, histogram};
 use rookworld_service::logging::Progress;
 use serde::{Deserialize, Serialize};
 
-use super::TrainSummary;
+use crate::eval::periodic::Outcome;
 use crate::metrics::names;
 use crate::queue::ScoredGroup;
 use crate::tensorboard::EventWriter;
 use rookworld_train::step::StepReport;
+
+/// What a run did in this process.
+#[derive(Debug, Default)]
+pub struct TrainSummary {
+    pub warm_up: Vec<crate::sft::SftStep>,
+    pub steps: Vec<StepRecord>,
+    /// Whether it stopped on the shutdown signal before its last step.
+    pub interrupted: bool,
+    /// The checkpoint written last.
+    pub checkpoint: Option<std::path::PathBuf>,
+    /// The evaluations (`--eval-every`), in the order they finished.
+    pub evals: Vec<Outcome>,
+    /// A resumed run had done all its steps already: what to do instead.
+    pub already_done: Option<String>,
+}
 
 /// Where a step's wall time went, in seconds.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -468,7 +483,7 @@ mod tests {
     #[derive(Parser)]
     struct Cli {
         #[command(flatten)]
-        args: super::super::TrainArgs,
+        args: super::super::config::TrainArgs,
     }
 
     #[test]

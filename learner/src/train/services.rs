@@ -4,71 +4,32 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use rookworld_service::tls::ServerTls;
+use rookworld_service::serve::stopped as until;
 use rookworld_weights::export::{Exporter, Latest};
 use rookworld_weights::set::WeightSet;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::support::{check_reward, publish};
-use super::{ConfigError, Run, TrainArgs, TrainError, local, support, until};
+use super::config::ConfigError;
+use super::error::TrainError;
+use super::local;
+use super::plan::{Plan, ServicesPlan};
+use super::state::Run;
 use crate::eval::periodic::Evaluator;
-use crate::eval::{Item, Suite};
 use crate::push::{self, Fleet, SyncConfig};
 use crate::queue_service::{self, GroupCheck, GroupSpec, QueueServer};
 
-/// What a run checks before it touches its directory: settings, output files, the
-/// tokens, TLS, the evaluation data and (without `--local`) a reachable reward server.
-pub(super) struct Checked {
-    token: String,
-    inspect_token: Option<String>,
-    tls: Option<Arc<ServerTls>>,
-    eval_suites: Vec<(Suite, Vec<Item>)>,
-}
-
-/// Checks `args` so that a bad setting is one clear line before any work.
-pub(super) async fn check(args: &TrainArgs) -> Result<Checked, TrainError> {
-    args.validate()?;
-    for (flag, path) in [
-        ("--log-jsonl", &args.log_jsonl),
-        ("--rollout-dump", &args.rollout_dump),
-    ] {
-        if let Some(path) = path {
-            super::report::writable(path, flag)?;
-        }
+/// Checks, before the run touches its directory, that the reward server the plan names
+/// answers and takes the token (not with `--local`, which starts its own).
+pub(super) async fn check(plan: &Plan) -> Result<(), TrainError> {
+    let services = &plan.services;
+    if let Some((url, wait)) = &services.reward {
+        check_reward(url, &services.token, &services.client_tls, *wait).await?;
     }
-    let eval_suites = args.eval.suites()?;
-    let token = match (args.token()?, args.local) {
-        (Some(t), _) => t,
-        // One process on loopback: a fresh random token guards it.
-        (None, true) => format!("local-{:016x}", rand::random::<u64>()),
-        (None, false) => {
-            return Err(ConfigError::Conflict(
-                "the learner needs the shared token (--token, --token-file or ROOKWORLD_TOKEN)"
-                    .into(),
-            )
-            .into());
-        }
-    };
-    let inspect_token = args
-        .token
-        .resolve_inspect()
-        .map_err(ConfigError::Unusable)?;
-    let tls = args.tls.load().map_err(ConfigError::Unusable)?;
-    args.client_tls.check().map_err(ConfigError::Unusable)?;
-    if let Some(reward) = args.reward.as_ref().filter(|_| !args.local) {
-        let wait = Duration::from_secs_f64(args.reward_wait.unwrap_or(30.0).max(0.0));
-        check_reward(reward, &token, &args.client_tls, wait).await?;
-    }
-    Ok(Checked {
-        token,
-        inspect_token,
-        tls,
-        eval_suites,
-    })
+    Ok(())
 }
 
 /// The running services of a run.
@@ -88,19 +49,9 @@ pub(super) struct Services {
 impl Services {
     /// Serves the queue on `listener`, starts `--local`'s services, the weight sync (the
     /// run's current weights published first), the exporter and the evaluator.
-    pub async fn start(
-        args: &TrainArgs,
-        run: &Run,
-        checked: Checked,
-        listener: TcpListener,
-    ) -> Result<Self, TrainError> {
-        let s = &args.settings;
-        let Checked {
-            token,
-            inspect_token,
-            tls,
-            eval_suites,
-        } = checked;
+    pub async fn start(plan: &Plan, run: &Run, listener: TcpListener) -> Result<Self, TrainError> {
+        let (s, services) = (&plan.settings, &plan.services);
+        let token = services.token.clone();
         let queue_addr = listener.local_addr().map_err(TrainError::Listener)?;
         let spec = GroupSpec {
             num_completions: s.batch.group_size,
@@ -113,15 +64,15 @@ impl Services {
             Some(token.clone()),
             run.version.clone(),
         )
-        .with_inspect_token(inspect_token)
-        .with_tls(tls.clone())
-        .with_push_tls(push_tls(args));
+        .with_inspect_token(services.inspect_token.clone())
+        .with_tls(services.tls.clone())
+        .with_push_tls(services.push_tls.clone());
         let (server_stop, server_stopped) = watch::channel(false);
         let queue_task = tokio::spawn(queue_service::run(server, listener, until(server_stopped)));
         tracing::info!(queue = %queue_addr, step = run.step, version = run.version.load(Ordering::SeqCst), "learner ready");
 
-        let shared_dir = support::shared_dir(args)?;
-        let local = if args.local {
+        let shared_dir = shared_dir(services)?;
+        let local = if services.local {
             let version = run.version.load(Ordering::SeqCst);
             let weights = WeightSet::from_model(&run.policy.model, &run.run_id, version)?;
             Some(
@@ -131,10 +82,10 @@ impl Services {
                     run.policy.model.config(),
                     // The learner's device: the worker opens one of its own beside it
                     // (on CUDA the same GPU, its own stream and cuBLAS handle).
-                    (run.policy.model.device(), args.rollout_weight_dtype()?),
+                    (run.policy.model.device(), services.rollout_weight_dtype),
                     &token,
                     shared_dir.clone(),
-                    (tls, args.client_tls.clone()),
+                    (services.tls.clone(), services.client_tls.clone()),
                 )
                 .await
                 .map_err(TrainError::LocalServices)?,
@@ -153,27 +104,32 @@ impl Services {
             latest_rx,
             token,
             SyncConfig {
-                deadline: args.push_timeout(),
+                deadline: services.push_timeout,
                 forget_after: Duration::from_secs_f64((2.0 * s.lease_timeout).max(60.0)),
                 tick: Duration::from_millis(250),
-                tls: push_tls(args),
+                tls: services.push_tls.clone(),
                 model: push::LearnerModel {
                     shape: run.policy.model.config().shape(),
-                    flag: match &args.model {
-                        Some(dir) => format!("--model {}", dir.display()),
-                        None => format!("--preset {}", args.preset),
-                    },
+                    flag: plan.model.flag(),
                 },
             },
             until(sync_stopped),
         ));
-        tokio::task::block_in_place(|| publish(args, run, &latest))?;
+        tokio::task::block_in_place(|| {
+            push::publish(
+                &plan.outputs.run_dir,
+                &run.policy.model,
+                &run.run_id,
+                run.version.load(Ordering::SeqCst),
+                &latest,
+            )
+        })?;
         // Later versions: written by the optimizer, hashed and published off this thread.
         let exporter = Exporter::new(&run.policy.vars, latest.clone(), shared_dir.clone());
         // Evaluations of published weights on a thread of their own (the first: the start's).
-        let evaluator = (!eval_suites.is_empty()).then(|| {
+        let evaluator = (!plan.data.eval_suites.is_empty()).then(|| {
             let ev = Evaluator::start(
-                eval_suites,
+                plan.data.eval_suites.clone(),
                 run.policy.model.config().clone(),
                 run.policy.model.device().clone(),
                 latest.subscribe(),
@@ -199,13 +155,13 @@ impl Services {
 
     /// Stops everything: pushes still in flight get their deadline, the shared payload
     /// files go with the last hold on them, then `--local`'s services and the queue.
-    pub async fn stop(self, args: &TrainArgs) {
+    pub async fn stop(self, plan: &Plan) {
         let _ = self.sync_stop.send(true);
         let _ = self.sync_task.await;
         self.latest.send_replace(None);
         drop(self.exporter);
-        if args.local
-            && args.shared_dir.is_none()
+        if plan.services.local
+            && plan.services.shared_dir.is_none()
             && let Some(dir) = &self.shared_dir
         {
             let _ = std::fs::remove_dir(dir);
@@ -221,11 +177,71 @@ impl Services {
     }
 }
 
-/// The client TLS of calls to workers' push addresses: the learner's, with
-/// `--push-tls-name` as the name their certificates are checked against.
-fn push_tls(args: &TrainArgs) -> rookworld_service::tls::ClientTlsArgs {
-    rookworld_service::tls::ClientTlsArgs {
-        server_name: args.push_tls_name.clone(),
-        ..args.client_tls.clone()
+/// The directory of the same-host weight path: `--shared-dir` (created if missing), or for
+/// `--local` a directory of this process under /dev/shm (the system's temporary directory
+/// where there is none); `None` when pushes only stream.
+fn shared_dir(services: &ServicesPlan) -> Result<Option<std::path::PathBuf>, TrainError> {
+    let dir = match (&services.shared_dir, services.local) {
+        (Some(dir), _) => dir.clone(),
+        (None, true) => rookworld_weights::export::process_dir("rookworld-weights"),
+        (None, false) => return Ok(None),
+    };
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| ConfigError::Unusable(format!("--shared-dir {}: {e}", dir.display())))?;
+    Ok(Some(dir))
+}
+
+/// Fails with one line naming `url` and the problem when nothing answers there within
+/// `wait`, when what answers is not a reward server (another service's port), or when it
+/// refuses `token` (none configured there, or another one): its `Info` and a trial `Score`.
+async fn check_reward(
+    url: &str,
+    token: &str,
+    tls: &rookworld_service::tls::ClientTlsArgs,
+    wait: Duration,
+) -> Result<(), TrainError> {
+    let endpoint = tls
+        .endpoint(url)
+        .map_err(|e| ConfigError::Unusable(format!("--reward {url}: {e}")))?
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(10));
+    use rookworld_service::tls::TlsProblem;
+    // TLS on one side only does not cure itself: named at once.
+    let tls_problem = |why: &str| {
+        TlsProblem::classify(url, why).map(|p| {
+            TrainError::from(ConfigError::Unusable(format!(
+                "reward server: {}",
+                p.at(url)
+            )))
+        })
+    };
+    let started = Instant::now();
+    let channel = loop {
+        match endpoint.connect().await {
+            Ok(channel) => break channel,
+            Err(e) => {
+                let why = std::error::Error::source(&e).map_or(e.to_string(), |s| s.to_string());
+                if let Some(e) = tls_problem(&rookworld_service::probe::error_chain(&e)) {
+                    return Err(e);
+                }
+                if started.elapsed() >= wait {
+                    return Err(ConfigError::Unusable(format!(
+                        "reward server {url} unreachable for {:.0} s: {why}",
+                        wait.as_secs_f64()
+                    ))
+                    .into());
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    };
+    match rookworld_service::probe::reward_server(channel, token).await {
+        Ok(what) => {
+            tracing::info!(reward = url, %what, "reward server answers and takes the token");
+            Ok(())
+        }
+        Err(problem) => Err(tls_problem(&problem.to_string()).unwrap_or_else(|| {
+            ConfigError::Unusable(format!("reward server {url} {problem}")).into()
+        })),
     }
 }

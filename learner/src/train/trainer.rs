@@ -8,10 +8,12 @@ use std::time::Instant;
 use rookworld_weights::export::Exporter;
 use tokio::sync::watch;
 
+use super::error::TrainError;
 use super::gather::{Gathered, gather, to_batch};
+use super::plan::Plan;
 use super::report::{Reporter, StepRecord, StepSeconds};
+use super::state::Run;
 use super::watchdog::Watchdog;
-use super::{Run, TrainArgs, TrainError, TrainSettings};
 use crate::checkpoint;
 use crate::eval::periodic::Evaluator;
 use crate::push::Fleet;
@@ -29,8 +31,7 @@ pub(super) enum Stepped {
 
 /// What a step needs, step after step.
 pub(super) struct Trainer<'a> {
-    pub args: &'a TrainArgs,
-    pub s: &'a TrainSettings,
+    pub plan: &'a Plan,
     pub run: &'a mut Run,
     pub exporter: &'a Exporter,
     pub evaluator: Option<&'a Evaluator>,
@@ -50,7 +51,7 @@ impl Trainer<'_> {
     /// when it is due (every `--push-every` steps, the last, and before an evaluation).
     #[tracing::instrument(name = "step", skip_all, fields(step = self.run.step + 1))]
     pub async fn step(&mut self) -> Result<Stepped, TrainError> {
-        let (args, s) = (self.args, self.s);
+        let (plan, s) = (self.plan, &self.plan.settings);
         let started = Instant::now();
         let gathered = gather(
             self.run,
@@ -72,9 +73,9 @@ impl Trainer<'_> {
         let version = run.version.load(Ordering::SeqCst);
         let batch = to_batch(&groups);
         let last = run.step + 1 == s.steps;
-        let evaluating = self.evaluator.is_some() && args.eval.due(run.step + 1, last);
+        let evaluating = self.evaluator.is_some() && plan.schedule.eval_due(run.step + 1, last);
         let publishing =
-            (run.step + 1).is_multiple_of(args.push_every.max(1)) || last || evaluating;
+            (run.step + 1).is_multiple_of(plan.schedule.push_every) || last || evaluating;
         let mut payload = publishing.then(|| self.exporter.payload());
         let report = tokio::task::block_in_place(|| {
             Updater {
@@ -94,7 +95,7 @@ impl Trainer<'_> {
         let push_started = Instant::now();
         if let Some(payload) = payload {
             // Recorded first, so a crash never reuses the number.
-            checkpoint::record_published(&args.run_dir, new_version)?;
+            checkpoint::record_published(&plan.outputs.run_dir, new_version)?;
             self.exporter.publish(&run.run_id, new_version, payload)?;
         }
         if let Some(ev) = self.evaluator.filter(|_| evaluating) {
@@ -126,9 +127,19 @@ impl Trainer<'_> {
     /// updates runs the forward/backward (and the reference) again.
     fn mfu(&self, report: &StepReport, batch: &rookworld_train::batch::GrpoBatch) -> f64 {
         let run = &*self.run;
-        let with_reference = run.reference.is_some() && self.s.objective.beta > 0.0;
-        let flops = f64::from(self.s.updates_per_batch)
+        let with_reference = run.reference.is_some() && self.plan.settings.objective.beta > 0.0;
+        let flops = f64::from(self.plan.settings.updates_per_batch)
             * step_flops(&run.policy.model, batch, with_reference);
         flops / (report.forward_backward_seconds + report.optimizer_seconds).max(1e-9) / self.peak
     }
+}
+
+/// `--peak-tflops`, or the device's estimate ([`rookworld_train::step::device_peak_flops`]): on
+/// the CPU 64 (AVX-512) or 32 f32 FLOPs per cycle per core at 3 GHz, twice that for BF16
+/// products; on CUDA the H100/H200 dense peak in the policy's matmul dtype (BF16 989, TF32
+/// 495 TFLOP/s).
+pub(super) fn peak_flops(plan: &Plan, model: &rookworld_lm::Gpt2) -> f64 {
+    plan.outputs.peak_flops.unwrap_or_else(|| {
+        rookworld_train::step::device_peak_flops(model.device(), model.matmul_dtype())
+    })
 }

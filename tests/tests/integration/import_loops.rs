@@ -18,16 +18,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-/// The loops not yet untied: crate, files under `src/` (as the test prints them) and the
-/// issue's words. A loop not listed fails, and so does an entry that no longer occurs: the
-/// list only shrinks.
-const PENDING: &[(&str, &str, &str)] = &[(
-    "learner",
-    "train/gather.rs train/local.rs train/mod.rs train/prepare.rs train/report.rs \
-         train/services.rs train/support.rs train/trainer.rs",
-    "what is left of `run_dir`↔`train`/`sft`: `train` and its children name each other's items",
-)];
-
 /// A token and its line.
 type Tok = (String, usize);
 /// A path written in a module: the module (absolute, without `crate`), the path, its line,
@@ -356,31 +346,23 @@ c.rs: pub use crate::a::X; fn f(_: &'static str) { ("crate::c", '"', r#"a::""#, 
 }
 
 #[test]
-fn no_crate_has_an_import_loop_but_the_pending_ones() {
+fn no_crate_has_an_import_loop() {
     let (found, edges) = workspace_loops(&rookworld_tests::repo_root());
     // The parse read the crates' imports: a few hundred edges, not none.
     assert!(edges > 300, "{edges} edges read");
-    let pending = |krate: &str, files: &str| {
-        let listed =
-            |p: &&(&str, &str, &str)| p.0 == krate && p.1.split_whitespace().eq(files.split(' '));
-        PENDING.iter().find(listed)
-    };
-    let mut wrong = Vec::new();
-    for ((krate, files), lines) in &found {
-        let lines = lines.join("\n  ");
-        println!("{krate}: {files}\n  {lines}");
-        if pending(krate, files).is_none() {
-            wrong.push(format!("{krate}: a loop of {files}, its edges:\n  {lines}"));
-        }
-    }
+    let wrong: Vec<String> = found
+        .iter()
+        .map(|((krate, files), lines)| {
+            format!(
+                "{krate}: a loop of {files}, its edges:\n  {}",
+                lines.join("\n  ")
+            )
+        })
+        .collect();
     println!("{} loops, {edges} edges", found.len());
-    for p @ (krate, files, issue) in PENDING {
-        if !found.keys().any(|(k, f)| pending(k, f) == Some(p)) {
-            wrong.push(format!(
-                "{krate}: the pending loop of {files} ({issue}) is gone: drop it"
-            ));
-        }
-    }
-    let wrong = wrong.join("\n");
-    assert!(wrong.is_empty(), "import loops inside crates:\n{wrong}");
+    assert!(
+        wrong.is_empty(),
+        "import loops inside crates:\n{}",
+        wrong.join("\n")
+    );
 }
