@@ -18,6 +18,9 @@ pub enum LockError {
         "{dir} is in use by another learner ({holder}); stop it first, or give this run another --run-dir"
     )]
     Held { dir: PathBuf, holder: String },
+    /// `--run-dir` names something that is not a directory.
+    #[error("--run-dir {} is a file, not a directory: give the run a directory (new or earlier)", dir.display())]
+    NotADirectory { dir: PathBuf },
     #[error("locking {path}: {source}")]
     Io {
         path: PathBuf,
@@ -41,6 +44,11 @@ impl RunLock {
             path: path.clone(),
             source,
         };
+        if run.exists() && !run.is_dir() {
+            return Err(LockError::NotADirectory {
+                dir: run.to_path_buf(),
+            });
+        }
         std::fs::create_dir_all(run).map_err(io)?;
         let mut file = OpenOptions::new()
             .read(true)
@@ -109,12 +117,18 @@ mod tests {
     }
 
     #[test]
-    fn an_unusable_directory_is_an_io_error_naming_the_path() {
+    fn a_run_directory_that_is_a_file_is_named_as_one() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("not-a-dir");
         std::fs::write(&file, b"x").unwrap();
         let err = RunLock::acquire(&file).unwrap_err();
-        assert!(matches!(err, LockError::Io { .. }), "{err}");
-        assert!(err.to_string().contains("not-a-dir"), "{err}");
+        assert!(matches!(err, LockError::NotADirectory { .. }), "{err}");
+        let line = err.to_string();
+        assert!(
+            line.contains("not-a-dir") && line.contains("is a file, not a directory"),
+            "{line}"
+        );
+        // Nothing was written beside it.
+        assert_eq!(std::fs::read(&file).unwrap(), b"x");
     }
 }

@@ -242,6 +242,10 @@ fn append(path: &Path, what: &str) -> Result<BufWriter<File>, ReportError> {
 /// Checks at start that `path` can be appended to (created if missing), so that a bad
 /// path is refused before the warm-up, not after it.
 pub(super) fn writable(path: &Path, what: &str) -> Result<(), ReportError> {
+    // A file in a directory the run is to make (`runs/new/steps.jsonl`): made now.
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(at(format_args!("{what} {}", dir.display())))?;
+    }
     append(path, what).map(drop)
 }
 
@@ -361,7 +365,7 @@ impl Reporter {
                 loss = format!("{:.5}", r.loss),
                 kl = format!("{:.5}", r.kl),
                 grad_norm = format!("{:.4}", r.grad_norm),
-                lr = r.lr,
+                lr = format!("{:.3e}", r.lr),
                 clip_frac = format!("{:.3}", r.clip_frac),
                 tokens = r.tokens,
                 seconds = format!("{:.2}", r.step_seconds.total),

@@ -215,6 +215,9 @@ async fn a_local_run_describes_every_metric_and_stops_within_10_s() {
         "8",
         "--log-jsonl",
         c.path("steps.jsonl").to_str().unwrap(),
+        // In a directory the run makes.
+        "--rollout-dump",
+        c.path("new/groups.jsonl").to_str().unwrap(),
         "--no-progress",
     ]
     .map(String::from)
@@ -222,6 +225,7 @@ async fn a_local_run_describes_every_metric_and_stops_within_10_s() {
     let mut learner = cluster::Proc::spawn("learner", cluster::LEARNER, &args, c.dir.path());
     c.wait_until(START, "two steps", || async { c.steps() >= 2 })
         .await;
+    assert!(c.path("new/groups.jsonl").is_file());
     let text = rookworld_service::probe::scrape_metrics(metrics).unwrap();
     let family = |line: &str| {
         line.split_whitespace()
@@ -258,6 +262,29 @@ async fn a_local_run_describes_every_metric_and_stops_within_10_s() {
         "{}",
         c.log_tails()
     );
+    // Numbers in the log are rounded to what they mean (`lr=6.000e-4`, not
+    // `lr=0.0006000000000000001`); the timestamps' microseconds are the longest fraction.
+    let log = learner.log();
+    let long: Vec<&str> = log.lines().filter(|l| has_long_fraction(l)).collect();
+    assert!(long.is_empty(), "unrounded numbers:\n{}", long.join("\n"));
+}
+
+/// Whether `line` holds a number with more than six digits after its decimal point.
+fn has_long_fraction(line: &str) -> bool {
+    let b = line.as_bytes();
+    (1..b.len()).any(|i| {
+        b[i] == b'.'
+            && b[i - 1].is_ascii_digit()
+            && b[i + 1..].iter().take_while(|c| c.is_ascii_digit()).count() > 6
+    })
+}
+
+#[test]
+fn a_long_fraction_is_told_from_a_timestamp() {
+    assert!(has_long_fraction("step=3 lr=0.0006000000000000001"));
+    assert!(!has_long_fraction(
+        "2026-12-06T02:01:17.801154Z  INFO step lr=6.000e-4 seconds=\"0.02\""
+    ));
 }
 
 /// Within 30 s of the mistake (of the second process's start).
