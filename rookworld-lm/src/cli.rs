@@ -106,6 +106,9 @@ pub struct LoadedModel {
     pub source: String,
 }
 
+/// What a loaded model's `source` says of a checkpoint directory without tokenizer files.
+pub const NO_TOKENIZER: &str = ", without tokenizer files (tokenizer.json, or vocab.json + merges.txt): the built-in GPT-2 tokenizer";
+
 impl ModelArgs {
     /// `--weight-dtype`, parsed; the old `--precision` refused.
     pub fn weight_dtype(&self) -> Result<WeightDtype> {
@@ -113,6 +116,21 @@ impl ModelArgs {
         self.weight_dtype
             .parse()
             .map_err(|e: Error| Error::InvalidArgument(format!("--weight-dtype: {e}")))
+    }
+
+    /// The model's configuration without its weights: the checkpoint's `config.json` or
+    /// the preset's.
+    pub fn config(&self) -> Result<Config> {
+        match (&self.model, &self.preset) {
+            (Some(model), _) => {
+                let dir = crate::hub::resolve(model)?;
+                Config::from_file(&dir.join(checkpoint::CONFIG_FILE))
+            }
+            (None, Some(name)) => Config::preset(name),
+            (None, None) => Err(Error::InvalidArgument(
+                "give --model DIR or --preset NAME".into(),
+            )),
+        }
     }
 
     /// Opens the device, then loads the checkpoint or builds the preset.
@@ -124,7 +142,7 @@ impl ModelArgs {
         let (model, tokenizer, source) = match (&self.model, &self.preset) {
             (Some(model), _) => {
                 let dir = crate::hub::resolve(model)?;
-                let source = if dir == *model {
+                let mut source = if dir == *model {
                     format!("checkpoint {}", dir.display())
                 } else {
                     format!("{} (checkpoint {})", model.display(), dir.display())
@@ -132,14 +150,21 @@ impl ModelArgs {
                 // The tokenizer (GPT-2's is 3.5 MB of JSON: ~60 ms to parse) is read on a
                 // thread of its own while the checkpoint loads.
                 let (model, tokenizer) = std::thread::scope(|scope| {
-                    let tokenizer = scope.spawn(|| Tokenizer::from_dir_or_gpt2(&dir));
+                    let tokenizer = scope.spawn(|| Tokenizer::from_dir(&dir));
                     let model = checkpoint::load(&dir, dtype, &device);
                     let tokenizer = tokenizer
                         .join()
                         .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
                     (model, tokenizer)
                 });
-                (model?, tokenizer?, source)
+                let tokenizer = match tokenizer? {
+                    Some(tokenizer) => tokenizer,
+                    None => {
+                        source += NO_TOKENIZER;
+                        Tokenizer::gpt2()
+                    }
+                };
+                (model?, tokenizer, source)
             }
             (None, Some(name)) => {
                 let cfg = Config::preset(name)?;
@@ -258,5 +283,33 @@ impl SamplingArgs {
             top_k: self.top_k as usize,
             top_p: self.top_p as f32,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_checkpoint_without_tokenizer_files_says_so_in_its_source() {
+        let dir = tempfile::tempdir().unwrap();
+        let model =
+            checkpoint::init_random(&Config::tiny(), 0, candle_core::DType::F32, &Device::Cpu)
+                .unwrap();
+        checkpoint::save(&model, dir.path(), candle_core::DType::F32).unwrap();
+        let args = ModelArgs {
+            model: Some(dir.path().to_path_buf()),
+            preset: None,
+            init_seed: 0,
+            device: "cpu".into(),
+            weight_dtype: "f32".into(),
+            legacy_precision: Default::default(),
+        };
+        let loaded = args.load().unwrap();
+        assert!(loaded.source.ends_with(NO_TOKENIZER), "{}", loaded.source);
+        assert_eq!(
+            loaded.tokenizer.vocab_size(),
+            Tokenizer::gpt2().vocab_size()
+        );
     }
 }

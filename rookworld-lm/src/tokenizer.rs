@@ -56,11 +56,6 @@ impl Tokenizer {
         Ok(None)
     }
 
-    /// The model directory's tokenizer if it has one, else the built-in GPT-2 one.
-    pub fn from_dir_or_gpt2(dir: &Path) -> Result<Self> {
-        Ok(Self::from_dir(dir)?.unwrap_or_else(Self::gpt2))
-    }
-
     /// Loads a `tokenizer.json`.
     pub fn from_tokenizer_json(path: &Path) -> Result<Self> {
         let inner = HfTokenizer::from_file(path)

@@ -46,6 +46,12 @@ pub(super) fn prepare(
         .device
         .parse::<rookworld_lm::device::DeviceChoice>()?
         .open()?;
+    // A fresh start's context is its model's, known before anything is written; a resumed
+    // run's is its checkpoint's, checked once loaded.
+    let fresh = !out.start.resume && out.start.resume_from.is_none();
+    if fresh {
+        check_context(s, &source, model.start.config()?.n_positions)?;
+    }
     let opened = run_dir::open(
         &out.run_dir,
         &out.start,

@@ -34,6 +34,10 @@ fn every_refused_value_is_one_line_and_exit_1() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
     let run = run.to_str().unwrap();
+    // A log file's directory is made when missing; under a regular file it cannot be.
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"").unwrap();
+    let under_a_file = format!("{}/dir/steps.jsonl", file.display());
     let cases: Vec<(&str, Vec<String>, &str)> = vec![
         // learner train
         (LEARNER, train(&["--lr", "-1"]), "--lr must be > 0 (got -1)"),
@@ -310,8 +314,8 @@ fn every_refused_value_is_one_line_and_exit_1() {
         // learner train: the output files checked before the warm-up
         (
             LEARNER,
-            train(&["--log-jsonl", "/nonexistent/dir/steps.jsonl"]),
-            "--log-jsonl /nonexistent/dir/steps.jsonl: No such file or directory",
+            train(&["--log-jsonl", &under_a_file]),
+            "Not a directory",
         ),
         // learner eval: the output checked before any work
         (
@@ -352,6 +356,8 @@ fn every_refused_value_is_one_line_and_exit_1() {
         assert!(!err.contains("panicked"), "{shown}: {err}");
         assert_eq!(err.trim().lines().count(), 1, "{shown}: {err}");
     }
+    // Refused before anything was written: not even the run directory.
+    assert!(!std::path::Path::new(run).exists(), "a refusal made {run}");
     // A negative count reaches the range rule (one line, exit 1) on every binary.
     for (binary, args, expect) in [
         (
