@@ -191,9 +191,13 @@ fn shared_dir(services: &ServicesPlan) -> Result<Option<std::path::PathBuf>, Tra
     Ok(Some(dir))
 }
 
+/// How often a wait on a peer says it is still waiting.
+const WAIT_NOTE: Duration = Duration::from_secs(10);
+
 /// Fails with one line naming `url` and the problem when nothing answers there within
 /// `wait`, when what answers is not a reward server (another service's port), or when it
 /// refuses `token` (none configured there, or another one): its `Info` and a trial `Score`.
+/// While nothing answers, a WARN line says so at once and every [`WAIT_NOTE`].
 async fn check_reward(
     url: &str,
     token: &str,
@@ -216,6 +220,7 @@ async fn check_reward(
         })
     };
     let started = Instant::now();
+    let mut said: Option<Instant> = None;
     let channel = loop {
         match endpoint.connect().await {
             Ok(channel) => break channel,
@@ -224,12 +229,23 @@ async fn check_reward(
                 if let Some(e) = tls_problem(&rookworld_service::probe::error_chain(&e)) {
                     return Err(e);
                 }
-                if started.elapsed() >= wait {
+                let waited = started.elapsed();
+                if waited >= wait {
                     return Err(ConfigError::Unusable(format!(
                         "reward server {url} unreachable for {:.0} s: {why}",
                         wait.as_secs_f64()
                     ))
                     .into());
+                }
+                // No silent wait: said at once, then every WAIT_NOTE.
+                if said.is_none_or(|t| t.elapsed() >= WAIT_NOTE) {
+                    tracing::warn!(
+                        reward = url,
+                        %why,
+                        "waiting for the reward server (--reward) to answer; the run stops in {:.0} s (--reward-wait)",
+                        (wait - waited).as_secs_f64()
+                    );
+                    said = Some(Instant::now());
                 }
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }

@@ -98,3 +98,40 @@ fn train_configuration_errors_are_one_line() {
         assert_eq!(lines.len(), 1, "{extra:?}: {stderr}");
     }
 }
+
+#[test]
+fn a_learner_waiting_for_its_reward_server_says_so_at_once_and_every_10_s() {
+    let dir = tempfile::tempdir().unwrap();
+    // A port nothing listens on: bound, then released.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let url = format!("http://{closed}");
+    let out = Command::new(BIN)
+        .args(["train", "--run-dir", dir.path().to_str().unwrap()])
+        .args([
+            "--metrics",
+            "off",
+            "--listen",
+            "127.0.0.1:0",
+            "--token",
+            "t",
+        ])
+        .args(["--reward", &url, "--reward-wait", "13"])
+        .env_remove("ROOKWORLD_TOKEN")
+        .env("RUST_LOG", "info")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let waiting: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("waiting for the reward server (--reward)") && l.contains(&url))
+        .collect();
+    // At once and 10 s later, within the 13.
+    assert_eq!(waiting.len(), 2, "{stderr}");
+    assert!(waiting[0].contains("stops in 1"), "{stderr}");
+    let last = stderr.trim().lines().last().unwrap_or_default();
+    assert!(last.contains("unreachable for 13 s"), "{stderr}");
+}
