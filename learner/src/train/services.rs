@@ -68,8 +68,27 @@ impl Services {
         .with_tls(services.tls.clone())
         .with_push_tls(services.push_tls.clone());
         let (server_stop, server_stopped) = watch::channel(false);
-        let queue_task = tokio::spawn(queue_service::run(server, listener, until(server_stopped)));
+        let queue_task = tokio::spawn(queue_service::run(
+            server,
+            listener,
+            until(server_stopped.clone()),
+        ));
         tracing::info!(queue = %queue_addr, step = run.step, version = run.version.load(Ordering::SeqCst), "learner ready");
+        if !services.local {
+            let scheme = if services.tls.is_some() {
+                "https"
+            } else {
+                "http"
+            };
+            let advice = format!(
+                "no rollout worker has called the queue yet: a worker finds it with `rollout-worker serve --learner {scheme}://{queue_addr}` (an address it can reach) and the same token"
+            );
+            tokio::spawn(say_while_no_worker(
+                run.queue.clone(),
+                advice,
+                until(server_stopped),
+            ));
+        }
 
         let shared_dir = shared_dir(services)?;
         let local = if services.local {
@@ -193,6 +212,26 @@ fn shared_dir(services: &ServicesPlan) -> Result<Option<std::path::PathBuf>, Tra
 
 /// How often a wait on a peer says it is still waiting.
 const WAIT_NOTE: Duration = Duration::from_secs(10);
+
+/// Logs `advice` at once and every [`WAIT_NOTE`] until a worker has called the queue, or
+/// `stop`.
+async fn say_while_no_worker(
+    queue: crate::queue::QueueHandle,
+    advice: String,
+    stop: impl std::future::Future<Output = ()>,
+) {
+    tokio::pin!(stop);
+    loop {
+        if !queue.run(|q| q.workers().is_empty()).await {
+            return;
+        }
+        tracing::warn!("{advice}");
+        tokio::select! {
+            _ = &mut stop => return,
+            _ = tokio::time::sleep(WAIT_NOTE) => {}
+        }
+    }
+}
 
 /// Fails with one line naming `url` and the problem when nothing answers there within
 /// `wait`, when what answers is not a reward server (another service's port), or when it

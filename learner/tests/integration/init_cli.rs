@@ -135,3 +135,51 @@ fn a_learner_waiting_for_its_reward_server_says_so_at_once_and_every_10_s() {
     let last = stderr.trim().lines().last().unwrap_or_default();
     assert!(last.contains("unreachable for 13 s"), "{stderr}");
 }
+
+#[test]
+fn a_learner_without_workers_says_how_they_find_it_every_10_s() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("learner.log");
+    let child = Command::new(BIN)
+        .args([
+            "train",
+            "--run-dir",
+            dir.path().join("run").to_str().unwrap(),
+        ])
+        .args([
+            "--metrics",
+            "off",
+            "--listen",
+            "127.0.0.1:0",
+            "--token",
+            "t",
+        ])
+        .args(["--sft-steps", "0", "--no-progress"])
+        .env_remove("ROOKWORLD_TOKEN")
+        .env("RUST_LOG", "info")
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let advice = |text: &str| {
+        text.lines()
+            .filter(|l| {
+                l.contains("no rollout worker has called the queue yet")
+                    && l.contains("rollout-worker serve --learner http://127.0.0.1:")
+            })
+            .count()
+    };
+    // At once, then 10 s later: bounded by a minute, stopped with SIGTERM.
+    let started = std::time::Instant::now();
+    while advice(&std::fs::read_to_string(&log).unwrap_or_default()) < 2
+        && started.elapsed() < std::time::Duration::from_secs(60)
+    {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let out = child.wait_with_output().unwrap();
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(advice(&text) >= 2, "{text}");
+    assert_eq!(out.status.code(), Some(0), "{text}");
+}
