@@ -102,7 +102,11 @@ pub(super) fn prepare(
             policy
                 .set_step_path(model.step_path)
                 .map_err(ConfigError::Conflict)?;
-            check_context(s, &source, policy.model.config().n_positions)?;
+            // A fresh start was checked before the run directory was opened; a --resume
+            // that found no checkpoint is checked here, on the weights it starts from.
+            if !fresh {
+                check_context(s, &source, policy.model.config().n_positions)?;
+            }
             if s.sft_steps > 0 {
                 tracing::info!(steps = s.sft_steps, "supervised warm-up");
                 let warm = s.warm_up();
