@@ -11,6 +11,7 @@ use crate::settings::ConfigError;
 use crate::sft::{self, SftArgs};
 use crate::train::{self, TrainArgs, TrainError};
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use rookworld_lm::kernels::KernelChoice;
 use rookworld_service::logging::LogArgs;
 use rookworld_service::probe::HealthArgs;
 use rookworld_service::run_file::{self, RunFileArgs};
@@ -83,6 +84,24 @@ enum ConfigCommand {
     Show(Box<TrainArgs>),
 }
 
+impl Command {
+    /// Hands the command the kernel choice the global flags made (parsed once).
+    fn choose_kernels(&mut self, kernels: KernelChoice) {
+        match self {
+            Command::Init(a) => a.model.kernels = kernels,
+            Command::Export(a) => a.model.kernels = kernels,
+            Command::Sft(a) => a.model.kernels = kernels,
+            Command::Train(a) | Command::Config(ConfigCommand::Show(a)) => a.kernels = kernels,
+            Command::Bench(a) => a.kernels = kernels,
+            Command::CompareBackends(a) => a.kernels = kernels,
+            Command::BenchPush(a) => a.kernels = kernels,
+            Command::Eval(a) => a.model.kernels = kernels,
+            // The CPU only, or no model.
+            Command::Loss(_) | Command::Health(_) => {}
+        }
+    }
+}
+
 /// Parses the command line and runs the command; the process exits with what it returns.
 pub fn main() -> std::process::ExitCode {
     rookworld_lm::alloc::keep_freed_memory();
@@ -93,7 +112,10 @@ pub fn main() -> std::process::ExitCode {
         args.record = Some(run_file::resolved(&Cli::command(), &matches));
     }
     rookworld_service::logging::init(cli.log.log_format);
-    cli.kernels.apply();
+    match cli.kernels.choice(&rookworld_train::kernels::names()) {
+        Ok(kernels) => cli.command.choose_kernels(kernels),
+        Err(e) => return rookworld_lm::cli::exit_with(Err(e)),
+    }
     let result = match &cli.command {
         Command::Init(args) => init_cmd::run(args).map_err(|e| e.to_string()),
         Command::Export(args) => export_cmd::run(args).map_err(|e| e.to_string()),

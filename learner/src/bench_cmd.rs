@@ -80,6 +80,9 @@ pub struct BenchArgs {
     /// CUDA): the report's `kernels`, and a table on stderr.
     #[arg(long)]
     pub profile: bool,
+    /// Which CUDA kernels the device runs: the binary's kernel flags, parsed once.
+    #[arg(skip)]
+    pub kernels: rookworld_lm::kernels::KernelChoice,
 }
 
 /// The JSON line `learner bench` prints.
@@ -325,12 +328,13 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, BenchError> {
         ))
         .into());
     }
-    let device = args
+    let (device, kernels) = args
         .device
         .parse::<DeviceChoice>()
-        .and_then(DeviceChoice::open)?;
+        .and_then(|d| d.open(&args.kernels))?;
     let init = |seed| -> Result<Gpt2, BenchError> {
         let mut model = checkpoint::init_random(&cfg, seed, DType::F32, &device)?;
+        model.set_kernels(kernels.clone());
         args.matmul_precision.apply(&mut model);
         Ok(model)
     };
@@ -338,7 +342,7 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     args.matmul_precision.apply(&mut policy.model);
     policy.model.set_train_ops(args.train_ops == TrainOps::On);
     policy
-        .set_step_path(args.path)
+        .set_step_path(args.path, &args.kernels)
         .map_err(ConfigError::Conflict)?;
     if args.profile {
         policy.profile_kernels().map_err(ConfigError::Conflict)?;
@@ -363,10 +367,10 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, BenchError> {
         let started = Instant::now();
         let (mut grads, report) = accumulate(&policy, reference.as_ref(), &batch, &step_cfg)?;
         let t = Instant::now();
-        let norm = grads.clip(step_cfg.max_grad_norm)?;
+        let norm = grads.clip(step_cfg.max_grad_norm, policy.model.kernels())?;
         let clip = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        opt.step(&policy.vars, &grads, 1e-5)?;
+        opt.step(&policy.vars, &grads, 1e-5, policy.model.kernels())?;
         policy.recycle(grads);
         device.synchronize()?; // queued kernels count in the step
         let optimizer = t.elapsed().as_secs_f64();

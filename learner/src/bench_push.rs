@@ -55,6 +55,9 @@ pub struct BenchPushArgs {
     /// the CPU, what its panels hold and so what a push is packed into.
     #[arg(long, default_value = "auto")]
     pub rollout_weight_dtype: WeightDtype,
+    /// Which CUDA kernels the device runs: the binary's kernel flags, parsed once.
+    #[arg(skip)]
+    pub kernels: rookworld_lm::kernels::KernelChoice,
 }
 
 /// One measurement: the median push and where the worker spent it.
@@ -186,14 +189,15 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, BenchPushError> {
     // The worker, as `rollout-worker serve` runs it.
     let shared_dir = rookworld_weights::export::process_dir("rookworld-bench-push");
     std::fs::create_dir_all(&shared_dir)?;
-    let device = args
+    let (device, kernels) = args
         .worker_device
         .parse::<DeviceChoice>()
-        .and_then(DeviceChoice::open)
+        .and_then(|d| d.open(&args.kernels))
         .map_err(|e| ConfigError::Value(format!("--worker-device: {e}")))?;
     let (dtype, panels) = args.rollout_weight_dtype.resolve(&device)?;
     let mut worker_model = checkpoint::init_random(&cfg, 2, dtype, &device)?;
     worker_model.set_panel_dtype(panels);
+    worker_model.set_kernels(kernels);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let worker = Worker::start(
@@ -347,12 +351,18 @@ fn training_thread(policy: &Trainable, n: usize) -> Result<TrainingThread, Bench
     let (mut plain, mut exporting, mut publish) = (vec![], vec![], vec![]);
     for i in 0..=n {
         let t = Instant::now();
-        opt.step(&policy.vars, &grads, 1e-5)?;
+        opt.step(&policy.vars, &grads, 1e-5, policy.model.kernels())?;
         plain.push(t.elapsed().as_secs_f64());
 
         let t = Instant::now();
         let mut payload = exporter.payload();
-        opt.step_exporting(&policy.vars, &grads, 1e-5, Some(&mut payload))?;
+        opt.step_exporting(
+            &policy.vars,
+            &grads,
+            1e-5,
+            Some(&mut payload),
+            policy.model.kernels(),
+        )?;
         payload.fill_rest(&policy.vars)?;
         exporter.publish("bench", 1000 + i as u64, payload)?;
         exporting.push(t.elapsed().as_secs_f64());

@@ -98,6 +98,9 @@ pub struct CompareArgs {
     /// Only time: no reference pass, no comparison.
     #[arg(long)]
     pub no_compare: bool,
+    /// Which CUDA kernels the device runs: the binary's kernel flags, parsed once.
+    #[arg(skip)]
+    pub kernels: rookworld_lm::kernels::KernelChoice,
 }
 
 /// A buffer's comparison, as printed.
@@ -191,16 +194,16 @@ pub fn run(args: &CompareArgs) -> Result<(), String> {
 
 /// The CUDA backend on `--cuda-device`, opened as `train` and `bench` open theirs: the
 /// device through [`DeviceChoice::open`] (its own stream, the decode kernels' start-up
-/// check, `ROOKWORLD_DISABLE_KERNELS` / `ROOKWORLD_ENABLE_KERNELS`, `--strict-kernels`),
+/// check, `--disable-kernels` / `--enable-kernels`, `--strict-kernels`),
 /// then the step backend's start-up check as `--step-path fused` runs it, so that the step's
 /// trials are on here exactly when a step would run them. The backend under test runs even
 /// when its own check turned `step_backend` off: naming the buffer that differs is this
 /// command's purpose.
 #[cfg(feature = "cuda")]
 fn cuda(args: &CompareArgs, cfg: &Config) -> Result<(), String> {
-    use rookworld_lm::kernels::{Kernel, SWITCHES, enabled};
-    let device = DeviceChoice::Cuda(args.cuda_device)
-        .open()
+    use rookworld_train::kernels::{StepKernel, StepKernels};
+    let (device, _) = DeviceChoice::Cuda(args.cuda_device)
+        .open(&args.kernels)
         .map_err(|e| e.to_string())?;
     let candle_core::Device::Cuda(cuda) = &device else {
         return Err(format!(
@@ -208,13 +211,13 @@ fn cuda(args: &CompareArgs, cfg: &Config) -> Result<(), String> {
             args.cuda_device
         ));
     };
-    let findings = rookworld_train::fused::cuda::startup_check(&device);
-    SWITCHES
-        .apply(&format!("cuda:{}", args.cuda_device), &findings)
+    let step = StepKernels::chosen(&args.kernels);
+    let findings = rookworld_train::fused::cuda::startup_check(&device, &step);
+    step.apply(&format!("cuda:{}", args.cuda_device), &findings)
         .map_err(|e| e.to_string())?;
     let backend = rookworld_train::cuda::Cuda::new(cuda.clone())
-        .with_tiled_attention(enabled(Kernel::StepAttentionTiles))
-        .with_kept_head(enabled(Kernel::StepHeadKept));
+        .with_tiled_attention(step.enabled(StepKernel::AttentionTiles))
+        .with_kept_head(step.enabled(StepKernel::HeadKept));
     compare_on(&backend, args, cfg)
 }
 

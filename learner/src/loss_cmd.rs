@@ -104,7 +104,7 @@ pub fn evaluate(
         loss: report.loss,
         policy_loss: report.policy_loss,
         kl: report.kl,
-        grad_norm: grads.global_norm()?,
+        grad_norm: grads.global_norm(policy.model.kernels())?,
         advantages,
         clip_frac: report.clip_frac,
         clip_low: report.clip_low,

@@ -44,10 +44,11 @@ pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
     Ok(bound)
 }
 
-/// The CUDA kernels the start-up check turned off so far (once a device is open).
-pub fn record_kernel_fallbacks() {
-    for kernel in rookworld_lm::kernels::SWITCHES.disabled() {
-        gauge!(names::CUDA_KERNEL_FALLBACK, "kernel" => kernel.name()).set(1.0);
+/// The CUDA kernel families a device's verdict turned off (named: see
+/// [`rookworld_lm::kernels::Switches::disabled`]), once the device is open.
+pub fn record_kernel_fallbacks(disabled: impl IntoIterator<Item = &'static str>) {
+    for kernel in disabled {
+        gauge!(names::CUDA_KERNEL_FALLBACK, "kernel" => kernel).set(1.0);
     }
 }
 
@@ -59,7 +60,6 @@ pub fn describe() {
         Unit::Count,
         "1 for each of this project's CUDA kernels (label kernel) that failed its start-up check against its reference: that op runs candle's ops instead (--strict-kernels exits instead)."
     );
-    record_kernel_fallbacks();
     let features = if cfg!(feature = "cuda") { "cuda" } else { "" };
     rookworld_service::metrics_http::build_info(
         names::BUILD_INFO,

@@ -323,9 +323,9 @@ fn sft_step(
         .collect::<Result<_, _>>()?;
     let total_tokens: usize = batch.iter().map(|d| d.ids.len() - d.first.max(1)).sum();
     let (mut grads, loss) = sft_loss::gradients(policy, &batch, s.micro_batch_size)?;
-    let grad_norm = grads.clip(s.max_grad_norm)?;
+    let grad_norm = grads.clip(s.max_grad_norm, policy.model.kernels())?;
     let lr = schedule.lr_at(step);
-    opt.step(&policy.vars, &grads, lr)?;
+    opt.step(&policy.vars, &grads, lr, policy.model.kernels())?;
     policy.recycle(grads);
     let record = SftStep {
         step: step + 1,
@@ -413,7 +413,7 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
         }
     };
     policy
-        .set_step_path(args.step_path)
+        .set_step_path(args.step_path, &args.model.kernels)
         .map_err(crate::settings::ConfigError::Conflict)?;
     let engine = start_engine(
         args.engine.clone(),

@@ -49,9 +49,20 @@ pub fn main() -> std::process::ExitCode {
     rookworld_lm::alloc::keep_freed_memory();
     rookworld_service::env::unset_empty();
     let matches = run_file::parse(Cli::command(), &[]);
-    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     rookworld_service::logging::init(cli.log.log_format);
-    cli.kernels.apply();
+    let known = rookworld_lm::kernels::names::<rookworld_lm::kernels::Kernel>();
+    match cli.kernels.choice(&known) {
+        // Every command that opens a device takes it with its model options.
+        Ok(kernels) => match &mut cli.command {
+            Command::Generate(a) => a.model.kernels = kernels,
+            Command::Serve(a) => a.model.kernels = kernels,
+            Command::Bench(a) => a.model.kernels = kernels,
+            Command::Parity(a) => a.model.kernels = kernels,
+            Command::Health(_) => {}
+        },
+        Err(e) => return rookworld_lm::cli::exit_with(Err(e)),
+    }
     let result: Result<(), Box<dyn std::error::Error + Send + Sync>> = match &cli.command {
         Command::Generate(args) => {
             generate_cmd::run(args, &mut std::io::stdout().lock()).map_err(Into::into)

@@ -20,7 +20,7 @@ use candle_core::{DType, Device, Tensor};
 use rookworld_lm::cli::ModelArgs;
 use rookworld_lm::cpu_gemm::PanelDtype;
 use rookworld_lm::generate::{GenerationConfig, generate_batch};
-use rookworld_lm::kernels::{CHECKED_FAMILIES, Finding, Kernel};
+use rookworld_lm::kernels::{CHECKED_FAMILIES, Family, Finding, Kernel, KernelChoice};
 use rookworld_lm::sampling::SamplingParams;
 use rookworld_lm::{Gpt2, LeftPadding, Result};
 use serde::Serialize;
@@ -166,7 +166,7 @@ pub fn run(args: &ParityArgs, out: &mut impl Write) -> std::result::Result<(), P
             pushed_logits_max_abs_error,
         });
     }
-    let kernels = kernel_check(&args.model.device);
+    let kernels = kernel_check(&args.model.device, &args.model.kernels);
     let verdict = kernels.as_ref().map_or(Ok(()), KernelReport::verdict);
     let report = Report {
         device: args.model.device.clone(),
@@ -215,7 +215,8 @@ fn logits(model: &Gpt2, prompts: &[Vec<u32>]) -> Result<Vec<f32>> {
 fn pushed(reference: &Gpt2, like: &Gpt2) -> Result<Gpt2> {
     let payload = rookworld_lm::checkpoint::to_bf16_payload(reference)?;
     let kind = (like.dtype(), like.panel_dtype());
-    rookworld_weights::set::build_model(&payload, like.config(), kind, like.device(), None).map_err(
+    let on = (like.device(), like.kernels());
+    rookworld_weights::set::build_model(&payload, like.config(), kind, on, None).map_err(
         |e| match e {
             rookworld_weights::set::WeightError::Model(e) => e,
             other => rookworld_lm::Error::InvalidArgument(other.to_string()),
@@ -363,11 +364,10 @@ fn figure_family(name: &str) -> Option<Kernel> {
         .map(|&(_, kernel)| kernel)
 }
 
-/// Whether the process runs `kernel`, as chosen by the environment: every family that is
-/// not a trial and each trial `enabled` names ([`rookworld_lm::kernels::ENABLE_ENV`]),
-/// less those `disabled` names ([`rookworld_lm::kernels::DISABLE_ENV`]). Not the
-/// switches after the start-up check, which turn a failed family off: that family is on
-/// here, and fails its line.
+/// Whether the process runs `kernel`, as the command line chose: every family that is
+/// not a trial and each trial `enabled` names (`--enable-kernels`), less those `disabled`
+/// names (`--disable-kernels`). Not the verdict after the start-up check, which turns a
+/// failed family off: that family is on here, and fails its line.
 fn family_on(kernel: Kernel, enabled: &[Kernel], disabled: &[Kernel]) -> bool {
     (!kernel.trial() || enabled.contains(&kernel)) && !disabled.contains(&kernel)
 }
@@ -384,7 +384,8 @@ fn kernel_report(outcome: KernelOutcome, on: impl Fn(Kernel) -> bool) -> KernelR
         error,
     } = outcome;
     let families: Vec<FamilyReport> = Kernel::ALL
-        .into_iter()
+        .iter()
+        .copied()
         .filter(|_| ran)
         .filter(|k| CHECKED_FAMILIES.contains(k) || findings.iter().any(|f| f.kernel == *k))
         .map(|kernel| {
@@ -427,30 +428,20 @@ fn kernel_report(outcome: KernelOutcome, on: impl Fn(Kernel) -> bool) -> KernelR
 
 /// The decode step's CUDA kernels against their CPU references, per family; `None` off
 /// CUDA. Never an error: what keeps the check from running is in the report.
-fn kernel_check(device: &str) -> Option<KernelReport> {
-    use rookworld_lm::kernels::{DISABLE_ENV, ENABLE_ENV, parse_kernels};
-    let named = |var: &str| match std::env::var(var) {
-        Ok(value) => parse_kernels(var, &value),
-        Err(_) => Ok(Vec::new()),
-    };
+fn kernel_check(device: &str, choice: &KernelChoice) -> Option<KernelReport> {
     let unchecked = |why: String| KernelOutcome {
         error: Some(why),
         ..KernelOutcome::default()
     };
     let device = match device
         .parse::<rookworld_lm::device::DeviceChoice>()
-        .and_then(|d| d.open())
+        .and_then(|d| d.open(choice))
     {
-        Ok(device) if !device.is_cuda() => return None,
-        Ok(device) => device,
+        Ok((device, _)) if !device.is_cuda() => return None,
+        Ok((device, _)) => device,
         Err(e) => return Some(kernel_report(unchecked(e.to_string()), |_| true)),
     };
-    let (enabled, disabled) = match (named(ENABLE_ENV), named(DISABLE_ENV)) {
-        (Ok(enabled), Ok(disabled)) => (enabled, disabled),
-        (Err(e), _) | (_, Err(e)) => {
-            return Some(kernel_report(unchecked(e.to_string()), |_| true));
-        }
-    };
+    let (enabled, disabled) = (choice.enabled(), choice.disabled());
     Some(kernel_report(run_kernel_check(&device), |k| {
         family_on(k, &enabled, &disabled)
     }))
@@ -535,6 +526,7 @@ mod tests {
                 device: "cpu".into(),
                 weight_dtype: "auto".into(),
                 legacy_precision: Default::default(),
+                kernels: Default::default(),
             },
             new_tokens: 4,
         };

@@ -86,6 +86,8 @@ pub(crate) struct ServedModel {
     /// What a new model's CPU panels hold.
     pub panels: rookworld_lm::cpu_gemm::PanelDtype,
     pub device: candle_core::Device,
+    /// The device's kernels (its open's verdict), for each new model.
+    pub kernels: rookworld_lm::kernels::Kernels,
     /// Where the model the worker started with came from (`Status`; empty: not known).
     pub source: String,
 }
@@ -98,6 +100,7 @@ impl ServedModel {
             dtype: model.dtype(),
             panels: model.panel_dtype(),
             device: model.device().clone(),
+            kernels: model.kernels().clone(),
             source: source.to_owned(),
         }
     }

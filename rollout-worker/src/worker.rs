@@ -94,6 +94,11 @@ impl Worker {
         // Into whatever recorder the process has (the binary's exporter, or the learner's
         // under `--local`).
         crate::metrics::describe();
+        {
+            use rookworld_lm::kernels::Family;
+            let disabled = config.model.kernels().disabled();
+            crate::metrics::record_kernel_fallbacks(disabled.into_iter().map(|k| k.name()));
+        }
         let model = prepare_model(config.model)?;
         let device = model.device().clone();
         let server_model = service::ServedModel::of(&model, &config.model_source);

@@ -8,6 +8,7 @@ use crate::checkpoint;
 use crate::config::Config;
 use crate::device::{DeviceChoice, WeightDtype};
 use crate::error::{Error, Result};
+use crate::kernels::{DISABLE_ENV, ENABLE_ENV, KernelChoice, Kernels};
 use crate::model::Gpt2;
 use crate::tokenizer::Tokenizer;
 
@@ -40,6 +41,10 @@ pub struct ModelArgs {
     pub weight_dtype: String,
     #[command(flatten)]
     pub legacy_precision: LegacyPrecision,
+    /// Which CUDA kernels the device runs: the binary's kernel flags, parsed once
+    /// ([`KernelArgs::choice`]) and set here before the command runs.
+    #[arg(skip)]
+    pub kernels: KernelChoice,
 }
 
 /// The old `--precision` (`--dtype`, `ROOKWORLD_PRECISION`), hidden: it meant the weights'
@@ -79,26 +84,41 @@ pub fn legacy_precision(key: &str, value: &str) -> Error {
     ))
 }
 
-/// The CUDA kernels' start-up check (every binary that opens a device; see
-/// [`crate::kernels`]).
+/// Which of this project's CUDA kernels a device runs (every binary that opens one; see
+/// [`crate::kernels`]): global flags, also set by environment variables and run-file keys.
 #[derive(Debug, Clone, clap::Args)]
 pub struct KernelArgs {
     /// Exit when one of this project's CUDA kernels fails its start-up check against its
     /// reference, instead of logging an ERROR and using candle's ops for it.
     #[arg(long, global = true, env = "ROOKWORLD_STRICT_KERNELS")]
     pub strict_kernels: bool,
+    /// Trial CUDA kernel families to run, each checked against its reference at start-up
+    /// first: comma-separated names, or all.
+    #[arg(long, global = true, env = ENABLE_ENV, value_name = "NAMES")]
+    pub enable_kernels: Option<String>,
+    /// CUDA kernel families to turn off (candle's ops run instead): comma-separated
+    /// names, or all.
+    #[arg(long, global = true, env = DISABLE_ENV, value_name = "NAMES")]
+    pub disable_kernels: Option<String>,
 }
 
 impl KernelArgs {
-    /// Applies the choice to the process (before any device is opened).
-    pub fn apply(&self) {
-        crate::kernels::set_strict(self.strict_kernels);
+    /// The choice, each name checked against `known` (every kernel family of the binary's
+    /// crates, e.g. [`crate::kernels::names`]).
+    pub fn choice(&self, known: &[&'static str]) -> Result<KernelChoice> {
+        KernelChoice::parse(
+            self.enable_kernels.as_deref(),
+            self.disable_kernels.as_deref(),
+            self.strict_kernels,
+            known,
+        )
     }
 }
 
 /// A loaded model with its tokenizer and where it runs.
 #[derive(Debug)]
 pub struct LoadedModel {
+    /// On its device, with the device's kernels ([`Gpt2::kernels`]).
     pub model: Gpt2,
     pub tokenizer: Tokenizer,
     pub device: Device,
@@ -118,6 +138,11 @@ impl ModelArgs {
             .map_err(|e: Error| Error::InvalidArgument(format!("--weight-dtype: {e}")))
     }
 
+    /// Opens `--device` and judges its kernels ([`Self::kernels`]).
+    pub fn open(&self) -> Result<(Device, Kernels)> {
+        self.device.parse::<DeviceChoice>()?.open(&self.kernels)
+    }
+
     /// The model's configuration without its weights: the checkpoint's `config.json` or
     /// the preset's.
     pub fn config(&self) -> Result<Config> {
@@ -133,11 +158,16 @@ impl ModelArgs {
         }
     }
 
-    /// Opens the device, then loads the checkpoint or builds the preset.
+    /// Opens the device (judging its kernels: [`Self::kernels`]), then loads the
+    /// checkpoint or builds the preset.
     pub fn load(&self) -> Result<LoadedModel> {
         self.weight_dtype()?;
-        let choice: DeviceChoice = self.device.parse()?;
-        let device = choice.open()?;
+        self.load_on(self.open()?)
+    }
+
+    /// Loads the checkpoint or builds the preset on a device already opened
+    /// ([`Self::open`]) with its kernels.
+    pub fn load_on(&self, (device, kernels): (Device, Kernels)) -> Result<LoadedModel> {
         let (dtype, panels) = self.weight_dtype()?.resolve(&device)?;
         let (model, tokenizer, source) = match (&self.model, &self.preset) {
             (Some(model), _) => {
@@ -182,6 +212,7 @@ impl ModelArgs {
         };
         let mut model = model;
         model.set_panel_dtype(panels);
+        model.set_kernels(kernels);
         Ok(LoadedModel {
             model,
             tokenizer,
@@ -304,6 +335,7 @@ mod tests {
             device: "cpu".into(),
             weight_dtype: "f32".into(),
             legacy_precision: Default::default(),
+            kernels: Default::default(),
         };
         let loaded = args.load().unwrap();
         assert!(loaded.source.ends_with(NO_TOKENIZER), "{}", loaded.source);

@@ -9,6 +9,7 @@ use candle_core::{DType, Device};
 use crate::cpu_gemm::PanelDtype;
 
 use crate::error::{Error, Result};
+use crate::kernels::{KernelChoice, Kernels};
 
 /// `cpu`, `cuda`, `cuda:N` or `auto` (CUDA device 0 when usable, else the CPU).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,9 +42,24 @@ impl FromStr for DeviceChoice {
 }
 
 impl DeviceChoice {
-    /// Opens the device. CUDA asked for but absent is an error naming the reason;
-    /// `auto` falls back to the CPU and logs why.
-    pub fn open(self) -> Result<Device> {
+    /// Opens the device and judges this crate's CUDA kernels on it: on CUDA the start-up
+    /// check of the families `choice` leaves on ([`crate::kernels`]), whose verdict is
+    /// the [`Kernels`] returned, for the model and what runs beside it. CUDA asked for but
+    /// absent is an error naming the reason; `auto` falls back to the CPU and logs why.
+    pub fn open(self, choice: &KernelChoice) -> Result<(Device, Kernels)> {
+        let device = self.open_device()?;
+        let kernels = judge_kernels(&device, choice)?;
+        Ok((device, kernels))
+    }
+
+    /// Opens the device again beside an open of it whose verdict is `judged`, without
+    /// checking its kernels again: its own stream (and cuBLAS handle) on the same GPU, the
+    /// same verdict (e.g. `learner train --local`'s worker beside the learner).
+    pub fn open_beside(self, judged: &Kernels) -> Result<(Device, Kernels)> {
+        Ok((self.open_device()?, judged.clone()))
+    }
+
+    fn open_device(self) -> Result<Device> {
         match self {
             Self::Cpu => Ok(Device::Cpu),
             Self::Cuda(ordinal) => open_cuda(ordinal),
@@ -54,6 +70,19 @@ impl DeviceChoice {
                     Ok(Device::Cpu)
                 }
             },
+        }
+    }
+}
+
+/// The verdict on this crate's kernels for `device`: on the CPU none runs
+/// ([`Kernels::cpu`]); on CUDA the start-up check's.
+fn judge_kernels(device: &Device, choice: &KernelChoice) -> Result<Kernels> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => startup_check(device, choice),
+        _ => {
+            let _ = choice;
+            Ok(Kernels::cpu())
         }
     }
 }
@@ -95,10 +124,7 @@ fn open_cuda(ordinal: usize) -> Result<Device> {
         .and_then(|t| t.sum_all())
         .and_then(|t| t.to_scalar::<f32>());
     match probe {
-        Ok(_) => {
-            startup_check_once(ordinal, &device)?;
-            Ok(device)
-        }
+        Ok(_) => Ok(device),
         Err(e) => {
             let gpu = match &device {
                 Device::Cuda(d) => d
@@ -149,39 +175,32 @@ fn keep_pool_memory(device: &candle_core::CudaDevice) {
     }
 }
 
-/// The start-up check of this project's kernels ([`crate::kernels`]), once per device
-/// and process, of the families that are on after the environment's switches: a kernel
-/// that fails it is turned off (or, strict, the open fails). A fault that poisons the
-/// CUDA context ends the process in one line naming the family whose check raised it:
-/// nothing — no fallback, no other device choice — could run in that context.
+/// The start-up check of this crate's kernels ([`crate::kernels`]) on `device`, of the
+/// families `choice` leaves on: a kernel that fails it is off in the verdict returned
+/// (or, strict, the open fails). A fault that poisons the CUDA context ends the process
+/// in one line naming the family whose check raised it: nothing — no fallback, no other
+/// device choice — could run in that context.
 #[cfg(feature = "cuda")]
-fn startup_check_once(ordinal: usize, device: &Device) -> Result<()> {
-    static CHECKED: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
-    let mut checked = CHECKED.lock().unwrap_or_else(|e| e.into_inner());
-    if checked.contains(&ordinal) {
-        return Ok(());
-    }
-    if let Ok(value) = std::env::var(crate::kernels::DISABLE_ENV) {
-        crate::kernels::SWITCHES.turn_off(&crate::kernels::parse_disabled(&value)?);
-    }
-    if let Ok(value) = std::env::var(crate::kernels::ENABLE_ENV) {
-        let named = crate::kernels::parse_kernels(crate::kernels::ENABLE_ENV, &value)?;
-        crate::kernels::SWITCHES.turn_on(&named);
-    }
+fn startup_check(device: &Device, choice: &KernelChoice) -> Result<Kernels> {
+    use crate::kernels::Family;
+    let name = match device.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        other => format!("{other:?}"),
+    };
+    let kernels = Kernels::chosen(choice);
     let started = std::time::Instant::now();
-    let families = crate::kernels::SWITCHES.to_check(&crate::cuda::CHECKED_FAMILIES);
+    let families = kernels.to_check(&crate::kernels::CHECKED_FAMILIES);
     let findings = crate::cuda::startup_findings(device, &families)
         .unwrap_or_else(|lost| crate::kernels::end_process(&lost));
-    crate::kernels::SWITCHES.apply(&format!("cuda:{ordinal}"), &findings)?;
-    checked.push(ordinal);
+    kernels.apply(&name, &findings)?;
     tracing::info!(
-        device = ordinal,
+        device = %name,
         seconds = started.elapsed().as_secs_f64(),
         checked = ?families.iter().map(|k| k.name()).collect::<Vec<_>>(),
-        disabled = ?crate::kernels::SWITCHES.disabled().iter().map(|k| k.name()).collect::<Vec<_>>(),
+        disabled = ?kernels.disabled().iter().map(|k| k.name()).collect::<Vec<_>>(),
         "CUDA kernels checked against their references"
     );
-    Ok(())
+    Ok(kernels)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -382,8 +401,9 @@ mod tests {
     #[cfg(not(feature = "cuda"))]
     #[test]
     fn cuda_without_the_feature_names_the_reason_and_auto_falls_back() {
-        let err = DeviceChoice::Cuda(0).open().unwrap_err().to_string();
+        let choice = KernelChoice::default();
+        let err = DeviceChoice::Cuda(0).open(&choice).unwrap_err().to_string();
         assert!(err.contains("without the `cuda` feature"), "{err}");
-        assert!(DeviceChoice::Auto.open().unwrap().is_cpu());
+        assert!(DeviceChoice::Auto.open(&choice).unwrap().0.is_cpu());
     }
 }

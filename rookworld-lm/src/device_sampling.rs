@@ -13,14 +13,14 @@
 use candle_core::{Device, Tensor};
 
 use crate::error::{Error, Result};
+use crate::kernels::{Kernel, Kernels};
 use crate::sampling::{RowDraw, Sampled, not_finite};
 
-/// Whether [`sample_rows`] runs on `device`: CUDA, in a build with the `cuda` feature.
-/// Elsewhere the caller samples on the host ([`crate::sampling::Sampler::sample`]).
-pub fn supported(device: &Device) -> bool {
-    cfg!(feature = "cuda")
-        && device.is_cuda()
-        && crate::kernels::enabled(crate::kernels::Kernel::Sampling)
+/// Whether [`sample_rows`] runs on `device`: CUDA, in a build with the `cuda` feature,
+/// where the device's `sample_rows` kernel is on (`kernels`, its verdict). Elsewhere the
+/// caller samples on the host ([`crate::sampling::Sampler::sample`]).
+pub fn supported(device: &Device, kernels: &Kernels) -> bool {
+    cfg!(feature = "cuda") && device.is_cuda() && kernels.enabled(Kernel::Sampling)
 }
 
 /// Each row's token and log-probability drawn on the logits' device from (B, V) logits,
@@ -264,7 +264,7 @@ mod tests {
 
     #[test]
     fn the_cpu_has_no_sampling_kernel() {
-        assert!(!supported(&Device::Cpu));
+        assert!(!supported(&Device::Cpu, &Kernels::every()));
         let logits = Tensor::zeros((2, 5), candle_core::DType::F32, &Device::Cpu).unwrap();
         let draws = [draw(1.0, 0, 1.0, 0.5); 2];
         assert!(sample_rows(&logits, &draws).is_err());

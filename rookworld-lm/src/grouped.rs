@@ -26,7 +26,7 @@ use candle_core::{Device, Result, Tensor};
 
 use crate::cache::KvCache;
 use crate::cpu_attention::{Geometry, decode_attention, with_f32};
-use crate::kernels::{self, Kernel};
+use crate::kernels::{Kernel, Kernels};
 use crate::mask::LeftPadding;
 
 /// Smallest suffix buffer, in columns and in rows.
@@ -499,8 +499,14 @@ impl GroupedCache {
     }
 
     /// Makes room for this step's column and rows, and builds what every layer shares,
-    /// its integer inputs ([`Self::step_inputs`]) in one transfer to `device`.
-    pub(crate) fn plan_step(&mut self, ids: &[u32], device: &Device) -> Result<StepPlan> {
+    /// its integer inputs ([`Self::step_inputs`]) in one transfer to `device`, whose
+    /// verdict on this project's kernels is `kernels`.
+    pub(crate) fn plan_step(
+        &mut self,
+        ids: &[u32],
+        device: &Device,
+        kernels: &Kernels,
+    ) -> Result<StepPlan> {
         self.prepare_step(ids)?;
         let b = self.rows.len();
         let first = self.first_live_column();
@@ -517,8 +523,9 @@ impl GroupedCache {
         let group_pad: Vec<usize> = self.group_pads().collect();
         #[cfg(feature = "cuda")]
         let device_geometry =
-            if device.is_cuda() && self.cpu_kernel && kernels::enabled(Kernel::Attention) {
+            if device.is_cuda() && self.cpu_kernel && kernels.enabled(Kernel::Attention) {
                 Some(crate::cuda::DeviceGeometry {
+                    split: kernels.enabled(Kernel::SplitAttention),
                     scatter: part(4)?,
                     row_start: part(3)?,
                     group_pad: part(5)?,
@@ -547,7 +554,7 @@ impl GroupedCache {
             // On CUDA the fused layers also need the attention kernel's geometry.
             decode_ops: self.cpu_kernel
                 && if device.is_cuda() {
-                    kernels::enabled(Kernel::Attention) && kernels::enabled(Kernel::DecodeOps)
+                    kernels.enabled(Kernel::Attention) && kernels.enabled(Kernel::DecodeOps)
                 } else {
                     self.decode_ops_on_cpu
                 },

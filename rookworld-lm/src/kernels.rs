@@ -1,20 +1,50 @@
-//! Which of this project's CUDA kernels the process uses. Opening a CUDA device runs the
-//! start-up check (`cuda::startup_check`) of the families that are on
-//! ([`families_to_check`]): each runs once on a small random input against its reference
+//! Which of this project's CUDA kernels a device runs, as values: each crate names its
+//! kernel families (a [`Family`]: this crate's [`Kernel`], the training step's in
+//! `rookworld-train`), and a command line's choice ([`KernelChoice`]: `--enable-kernels`,
+//! `--disable-kernels`, `--strict-kernels`, or their environment variables and run-file
+//! keys) is parsed once. Opening a CUDA device ([`crate::device::DeviceChoice::open`])
+//! runs the start-up check (`cuda::startup_check`) of the families the choice leaves on
+//! ([`Switches::to_check`]): each runs once on a small random input against its reference
 //! on the same inputs, and the device is synchronised after it, so that an asynchronous
-//! error lands on the family that caused it. A family that fails to load or disagrees
-//! beyond its tolerance is logged as one ERROR naming it and turned off here for the rest
-//! of the process: its dispatch points ([`enabled`]) take candle's composed ops instead —
-//! slower, but correct. With [`set_strict`] (`--strict-kernels`) such a finding is an
+//! error lands on the family that caused it. What the open returns ([`Kernels`]) is the
+//! device's verdict, handed to the model, its caches, the sampler and the optimizer at
+//! construction: a family that failed to load or disagreed beyond its tolerance is logged
+//! as one ERROR naming it and is off in that value — its dispatch points take candle's
+//! composed ops instead, slower but correct. With `--strict-kernels` such a finding is an
 //! error instead. A fault that poisons the CUDA context ([`poisons_context`]) leaves no
 //! fallback — every later call fails, candle's included — so it ends the process in one
-//! line naming the family ([`ContextLost`], [`end_process`]).
+//! line naming the family ([`ContextLost`], [`end_process`]). Nothing here is
+//! process-wide: two devices, or two tests, hold two values.
 
+use std::marker::PhantomData;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::error::{Error, Result};
 
-/// A family of this project's CUDA kernels, each with its own candle fallback.
+/// A crate's kind of kernel family: a fixed list of names, each with a candle fallback.
+pub trait Family: Copy + Eq + std::fmt::Debug + Send + Sync + 'static {
+    /// Every family, in a fixed order.
+    const ALL: &'static [Self];
+
+    /// The name logs, metrics, errors and the command line use.
+    fn name(self) -> &'static str;
+
+    /// A family that runs only when `--enable-kernels` ([`ENABLE_ENV`]) names it, until a
+    /// GPU run has passed its check and timed it; its start-up check runs only then.
+    fn trial(self) -> bool;
+
+    /// The family that must be on for this one to run.
+    fn needs(self) -> Option<Self>;
+}
+
+/// The names of `F`'s families, in their order.
+pub fn names<F: Family>() -> Vec<&'static str> {
+    F::ALL.iter().map(|k| k.name()).collect()
+}
+
+/// A family of this crate's CUDA kernels, each with its own candle fallback. (The
+/// training step's families are `rookworld_train::kernels::StepKernel`.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kernel {
     /// `grouped_attention` (`kernels/grouped_attention.cu`); without it a decode step runs
@@ -29,94 +59,62 @@ pub enum Kernel {
     TrainOps,
     /// `grouped_attention_split` (`kernels/grouped_attention.cu`): the decode attention
     /// with each row's keys split across a block's warps and read in 16-byte loads. A
-    /// trial kernel ([`Kernel::trial`]): off unless [`ENABLE_ENV`] names it; without it,
-    /// `grouped_attention`.
+    /// trial ([`Family::trial`]); without it, `grouped_attention`.
     SplitAttention,
-    /// The CUDA backend of the learner's fused pass (`rookworld-train/kernels/pass.cu`),
-    /// checked against the CPU backend when `--step-path fused` chooses it; without it,
-    /// candle's autograd.
-    StepBackend,
     /// A weight push written into the worker's own device buffers, copied from
     /// page-locked memory in one transfer (`cuda::upload`, `checkpoint::refill_in_place`).
-    /// A trial ([`Kernel::trial`]); without it each version is a new model, uploaded in one
+    /// A trial ([`Family::trial`]); without it each version is a new model, uploaded in one
     /// copy from pageable memory.
     WeightsInPlace,
     /// The decode step captured as one CUDA graph per bucket of rows, the sampler inside
     /// it (`cuda::DecodeGraphs`, the `row_attention`, `qkv_split_step` and `embed_rows`
-    /// kernels). A trial ([`Kernel::trial`]); without it, the decode step's launches one by
+    /// kernels). A trial ([`Family::trial`]); without it, the decode step's launches one by
     /// one from the host.
     DecodeGraphs,
-    /// The step backend's attention a tile of rows per block, each chunk of keys (or, for
-    /// the keys' gradients, of query rows) read once for the tile through shared memory
-    /// (`attention_tile_*` in `rookworld-train/kernels/pass.cu`), heads of width 32 or
-    /// 64. A trial ([`Kernel::trial`]), checked like [`Kernel::StepBackend`]; without it,
-    /// a warp per row and head walks its keys from device memory.
-    StepAttentionTiles,
-    /// The step backend's LM head keeping a chunk's probabilities from its forward for its
-    /// backward (`head_probs`, `head_grad_kept` in `rookworld-train/kernels/pass.cu`),
-    /// chunks of at most 1 GiB: the backward's product that recomputes the logits is gone.
-    /// A trial ([`Kernel::trial`]), checked like [`Kernel::StepBackend`]; without it, the
-    /// backward recomputes each block's logits.
-    StepHeadKept,
 }
 
-impl Kernel {
-    pub const ALL: [Kernel; 10] = [
+impl Family for Kernel {
+    const ALL: &'static [Kernel] = &[
         Kernel::Attention,
         Kernel::Sampling,
         Kernel::DecodeOps,
         Kernel::TrainOps,
         Kernel::SplitAttention,
-        Kernel::StepBackend,
         Kernel::WeightsInPlace,
         Kernel::DecodeGraphs,
-        Kernel::StepAttentionTiles,
-        Kernel::StepHeadKept,
     ];
 
-    /// A family that runs only when [`ENABLE_ENV`] names it, until a GPU run has passed
-    /// its check and timed it; the start-up check still checks it when it is named.
-    pub fn trial(self) -> bool {
+    fn trial(self) -> bool {
         matches!(
             self,
-            Kernel::SplitAttention
-                | Kernel::WeightsInPlace
-                | Kernel::DecodeGraphs
-                | Kernel::StepAttentionTiles
-                | Kernel::StepHeadKept
+            Kernel::SplitAttention | Kernel::WeightsInPlace | Kernel::DecodeGraphs
         )
     }
 
-    /// The family that must be on for this one to run: the split attention and the fused
-    /// decode ops run only beside `grouped_attention` (they use its geometry), the step's
-    /// trials only inside `step_backend`.
-    pub fn needs(self) -> Option<Kernel> {
+    /// The split attention and the fused decode ops run only beside `grouped_attention`
+    /// (they use its geometry).
+    fn needs(self) -> Option<Kernel> {
         match self {
             Kernel::SplitAttention | Kernel::DecodeOps => Some(Kernel::Attention),
-            Kernel::StepAttentionTiles | Kernel::StepHeadKept => Some(Kernel::StepBackend),
             _ => None,
         }
     }
 
-    /// The name logs, metrics and errors use.
-    pub fn name(self) -> &'static str {
+    fn name(self) -> &'static str {
         match self {
             Kernel::Attention => "grouped_attention",
             Kernel::Sampling => "sample_rows",
             Kernel::DecodeOps => "decode_ops",
             Kernel::TrainOps => "train_ops",
             Kernel::SplitAttention => "grouped_attention_split",
-            Kernel::StepBackend => "step_backend",
             Kernel::WeightsInPlace => "weights_in_place",
             Kernel::DecodeGraphs => "decode_graphs",
-            Kernel::StepAttentionTiles => "step_attention_tiles",
-            Kernel::StepHeadKept => "step_head_kept",
         }
     }
 }
 
-/// The families the device's start-up check (`cuda::check_families`) covers, in the order
-/// their checks run; the step's families are checked by the learner's.
+/// The families a device's start-up check (`cuda::check_families`) covers, in the order
+/// their checks run.
 pub const CHECKED_FAMILIES: [Kernel; 7] = [
     Kernel::Attention,
     Kernel::SplitAttention,
@@ -127,100 +125,259 @@ pub const CHECKED_FAMILIES: [Kernel; 7] = [
     Kernel::DecodeGraphs,
 ];
 
-/// What the start-up check found wrong with one kernel family.
+/// What a start-up check found wrong with one kernel family.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Finding {
-    pub kernel: Kernel,
+pub struct Finding<F = Kernel> {
+    pub kernel: F,
     /// e.g. `max |Δ| 0.31 against 1e-4` or the load error.
     pub problem: String,
 }
 
-/// The process's switches: which families are off, which trial families are on, how
-/// many were turned off, strictness.
-#[derive(Debug, Default)]
-pub struct Switches {
-    off: [AtomicBool; Kernel::ALL.len()],
-    trial_on: [AtomicBool; Kernel::ALL.len()],
+/// The environment variable of `--disable-kernels`, which turns kernel families off on
+/// purpose: a comma-separated list of names ([`Family::name`]) or `all`. For running
+/// candle's path where a kernel misbehaves in a way its check does not catch, and for
+/// measuring what each one buys.
+pub const DISABLE_ENV: &str = "ROOKWORLD_DISABLE_KERNELS";
+
+/// The environment variable of `--enable-kernels`, which turns trial families on
+/// ([`Family::trial`]): a comma-separated list of their names, or `all`.
+pub const ENABLE_ENV: &str = "ROOKWORLD_ENABLE_KERNELS";
+
+/// A command line's choice of kernels, parsed once (`rookworld_lm::cli::KernelArgs`): the
+/// trial families to turn on, the families to turn off, and whether a failed start-up
+/// check is an error. Names are checked against every family the binary has; each
+/// crate's [`Switches::chosen`] takes its own.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KernelChoice {
+    enable: Vec<&'static str>,
+    disable: Vec<&'static str>,
+    strict: bool,
+}
+
+impl KernelChoice {
+    /// The choice from `--enable-kernels` and `--disable-kernels` (each a comma-separated
+    /// list of names, or `all`) and `--strict-kernels`; a name not in `known` (every
+    /// family of the binary) is an error naming the known ones.
+    pub fn parse(
+        enable: Option<&str>,
+        disable: Option<&str>,
+        strict: bool,
+        known: &[&'static str],
+    ) -> Result<Self> {
+        let list = |flag: &str, value: Option<&str>| match value {
+            Some(v) => parse_names(flag, v, known),
+            None => Ok(Vec::new()),
+        };
+        Ok(Self {
+            enable: list("--enable-kernels", enable)?,
+            disable: list("--disable-kernels", disable)?,
+            strict,
+        })
+    }
+
+    /// Whether a failed start-up check is an error (`--strict-kernels`).
+    pub fn strict(&self) -> bool {
+        self.strict
+    }
+
+    /// The families of `F` turned on (`--enable-kernels`).
+    pub fn enabled<F: Family>(&self) -> Vec<F> {
+        Self::families(&self.enable)
+    }
+
+    /// The families of `F` turned off (`--disable-kernels`).
+    pub fn disabled<F: Family>(&self) -> Vec<F> {
+        Self::families(&self.disable)
+    }
+
+    fn families<F: Family>(names: &[&'static str]) -> Vec<F> {
+        F::ALL
+            .iter()
+            .copied()
+            .filter(|k| names.contains(&k.name()))
+            .collect()
+    }
+}
+
+/// The names `value` (of `flag`: a comma-separated list, or `all`) gives, each one of
+/// `known`; `all` is every one.
+pub fn parse_names(flag: &str, value: &str, known: &[&'static str]) -> Result<Vec<&'static str>> {
+    let mut out = Vec::new();
+    for name in value.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        if name == "all" {
+            return Ok(known.to_vec());
+        }
+        match known.iter().find(|k| **k == name) {
+            Some(k) => out.push(*k),
+            None => {
+                return Err(Error::InvalidArgument(format!(
+                    "{flag}: unknown kernel `{name}` (known: {}, or all)",
+                    known.join(", ")
+                )));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Which families of `F` one device runs: those its choice left on ([`Switches::chosen`])
+/// less those its start-up check, or a later failure, turned off ([`Switches::apply`]).
+/// Clones share one state: a family turned off for the device is off for every holder.
+#[derive(Clone)]
+pub struct Switches<F: Family> {
+    state: Arc<State>,
+    family: PhantomData<fn() -> F>,
+}
+
+/// This crate's families on one device: what the model, its caches, the sampler and
+/// AdamW dispatch on.
+pub type Kernels = Switches<Kernel>;
+
+#[derive(Debug)]
+struct State {
+    off: Vec<AtomicBool>,
+    trial_on: Vec<bool>,
     fallbacks: AtomicU64,
-    strict: AtomicBool,
+    strict: bool,
 }
 
-fn index(kernel: Kernel) -> usize {
-    Kernel::ALL.iter().position(|&k| k == kernel).unwrap_or(0)
+impl<F: Family> std::fmt::Debug for Switches<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let on: Vec<&str> = F::ALL
+            .iter()
+            .filter(|&&k| self.enabled(k))
+            .map(|k| k.name())
+            .collect();
+        f.debug_struct("Switches").field("on", &on).finish()
+    }
 }
 
-impl Switches {
-    pub const fn new() -> Self {
+impl<F: Family> Default for Switches<F> {
+    /// [`Switches::none`].
+    fn default() -> Self {
+        Self::none()
+    }
+}
+
+fn index<F: Family>(kernel: F) -> usize {
+    F::ALL.iter().position(|&k| k == kernel).unwrap_or(0)
+}
+
+impl<F: Family> Switches<F> {
+    fn with(trial_on: impl Fn(F) -> bool, off: impl Fn(F) -> bool, strict: bool) -> Self {
         Self {
-            off: [const { AtomicBool::new(false) }; Kernel::ALL.len()],
-            trial_on: [const { AtomicBool::new(false) }; Kernel::ALL.len()],
-            fallbacks: AtomicU64::new(0),
-            strict: AtomicBool::new(false),
+            state: Arc::new(State {
+                off: F::ALL.iter().map(|&k| AtomicBool::new(off(k))).collect(),
+                trial_on: F::ALL.iter().map(|&k| trial_on(k)).collect(),
+                fallbacks: AtomicU64::new(0),
+                strict,
+            }),
+            family: PhantomData,
         }
     }
 
-    fn slot(&self, kernel: Kernel) -> &AtomicBool {
-        &self.off[index(kernel)]
-    }
-
-    /// Turns trial families on (`ROOKWORLD_ENABLE_KERNELS`), with a line each; naming a
-    /// family that is not a trial changes nothing.
-    pub fn turn_on(&self, kernels: &[Kernel]) {
-        for &k in kernels.iter().filter(|k| k.trial()) {
+    /// What `choice` leaves on before any check: every family that is no trial, the
+    /// trials it turns on (a line each), less the families it turns off (a warning
+    /// each, counted as fallbacks).
+    pub fn chosen(choice: &KernelChoice) -> Self {
+        let on: Vec<F> = KernelChoice::families(&choice.enable);
+        let off: Vec<F> = KernelChoice::families(&choice.disable);
+        for k in on.iter().filter(|k| k.trial()) {
             tracing::info!(
                 kernel = k.name(),
-                "trial CUDA kernel turned on by {ENABLE_ENV}"
+                "trial CUDA kernel turned on by --enable-kernels ({ENABLE_ENV})"
             );
-            self.trial_on[index(k)].store(true, Ordering::Relaxed);
         }
+        for k in &off {
+            tracing::warn!(
+                kernel = k.name(),
+                "CUDA kernel turned off by --disable-kernels ({DISABLE_ENV}); using candle's ops for it"
+            );
+        }
+        let switches = Self::with(|k| on.contains(&k), |k| off.contains(&k), choice.strict);
+        switches
+            .state
+            .fallbacks
+            .store(off.len() as u64, Ordering::Relaxed);
+        switches
+    }
+
+    /// Every family off: what a model holds until it is given its device's
+    /// ([`crate::Gpt2::set_kernels`]) — on CUDA candle's ops everywhere, slower but
+    /// correct. (The CPU's paths do not depend on it.)
+    pub fn none() -> Self {
+        Self::with(|_| false, |_| true, false)
+    }
+
+    /// A CPU device's: none of these CUDA kernels runs there (every dispatch point asks
+    /// for CUDA first), so nothing is turned on, off or counted.
+    pub fn cpu() -> Self {
+        Self::with(|_| false, |_| false, false)
+    }
+
+    /// Every family on, trials included, nothing checked: for the start-up checks
+    /// themselves and for tests that run the kernels.
+    pub fn every() -> Self {
+        Self::with(|_| true, |_| false, false)
+    }
+
+    /// Whether `kernel` may run: chosen (a trial turned on) and not turned off.
+    pub fn enabled(&self, kernel: F) -> bool {
+        self.chosen_on(kernel) && !self.state.off[index(kernel)].load(Ordering::Relaxed)
     }
 
     /// Whether a trial family is on (every other family counts as on).
-    fn chosen(&self, kernel: Kernel) -> bool {
-        !kernel.trial() || self.trial_on[index(kernel)].load(Ordering::Relaxed)
+    fn chosen_on(&self, kernel: F) -> bool {
+        !kernel.trial() || self.state.trial_on[index(kernel)]
+    }
+
+    /// Whether a failed check is an error (`--strict-kernels`).
+    pub fn strict(&self) -> bool {
+        self.state.strict
     }
 
     /// Turns `kernel` off, counting it the first time only.
-    fn off(&self, kernel: Kernel) {
-        if !self.slot(kernel).swap(true, Ordering::Relaxed) {
-            self.fallbacks.fetch_add(1, Ordering::Relaxed);
+    fn off(&self, kernel: F) {
+        if !self.state.off[index(kernel)].swap(true, Ordering::Relaxed) {
+            self.state.fallbacks.fetch_add(1, Ordering::Relaxed);
         }
     }
 
-    pub fn enabled(&self, kernel: Kernel) -> bool {
-        self.chosen(kernel) && !self.slot(kernel).load(Ordering::Relaxed)
-    }
-
     /// The trial families turned on.
-    fn trials_on(&self) -> Vec<Kernel> {
-        Kernel::ALL
-            .into_iter()
-            .filter(|&k| k.trial() && self.trial_on[index(k)].load(Ordering::Relaxed))
+    fn trials_on(&self) -> Vec<F> {
+        F::ALL
+            .iter()
+            .copied()
+            .filter(|&k| k.trial() && self.state.trial_on[index(k)])
             .collect()
     }
 
     /// Which of `candidates` a start-up check runs now ([`families_to_check`] of these
     /// switches).
-    pub fn to_check(&self, candidates: &[Kernel]) -> Vec<Kernel> {
+    pub fn to_check(&self, candidates: &[F]) -> Vec<F> {
         families_to_check(candidates, &self.trials_on(), &self.disabled())
     }
 
-    /// The families turned off so far (a trial family not turned on is not one of them).
-    pub fn disabled(&self) -> Vec<Kernel> {
-        Kernel::ALL
-            .into_iter()
-            .filter(|&k| self.slot(k).load(Ordering::Relaxed))
+    /// The families turned off (a trial family not turned on is not one of them).
+    pub fn disabled(&self) -> Vec<F> {
+        F::ALL
+            .iter()
+            .copied()
+            .filter(|&k| self.state.off[index(k)].load(Ordering::Relaxed))
             .collect()
     }
 
-    /// Applies a start-up check's findings: each is logged as one ERROR naming the kernel
-    /// and device, counted, and its family turned off — or, when strict, the first is
+    /// Applies a check's findings: each is logged as one ERROR naming the kernel and
+    /// device, counted, and its family turned off — or, when strict, the first is
     /// returned as an error and nothing is turned off. Findings of a trial family that is
     /// not on are left out: nothing runs it.
-    pub fn apply(&self, device: &str, findings: &[Finding]) -> Result<()> {
-        let findings: Vec<&Finding> = findings.iter().filter(|f| self.chosen(f.kernel)).collect();
+    pub fn apply(&self, device: &str, findings: &[Finding<F>]) -> Result<()> {
+        let findings: Vec<&Finding<F>> = findings
+            .iter()
+            .filter(|f| self.chosen_on(f.kernel))
+            .collect();
         if let Some(f) = findings.first()
-            && self.strict.load(Ordering::Relaxed)
+            && self.state.strict
         {
             return Err(Error::InvalidArgument(format!(
                 "the {} kernel failed its start-up check on {device}: {} (--strict-kernels; \
@@ -241,89 +398,19 @@ impl Switches {
         Ok(())
     }
 
-    /// Turns `kernels` off on request (`ROOKWORLD_DISABLE_KERNELS`), with a warning each.
-    pub fn turn_off(&self, kernels: &[Kernel]) {
-        for &k in kernels {
-            tracing::warn!(
-                kernel = k.name(),
-                "CUDA kernel turned off by {DISABLE_ENV}; using candle's ops for it"
-            );
-            self.off(k);
-        }
-    }
-
-    #[cfg(test)]
-    fn set_strict_for_test(&self, strict: bool) {
-        self.strict.store(strict, Ordering::Relaxed);
-    }
-
-    /// Kernel families turned off since the process started.
+    /// Families turned off since these switches were chosen (on request or by a check).
     pub fn fallbacks(&self) -> u64 {
-        self.fallbacks.load(Ordering::Relaxed)
+        self.state.fallbacks.load(Ordering::Relaxed)
     }
-}
-
-/// The environment variable that turns kernel families off on purpose: a comma-separated
-/// list of names ([`Kernel::name`]) or `all`. For running candle's path where a kernel
-/// misbehaves in a way its check does not catch, and for measuring what each one buys.
-pub const DISABLE_ENV: &str = "ROOKWORLD_DISABLE_KERNELS";
-
-/// The environment variable that turns trial families on ([`Kernel::trial`]): a
-/// comma-separated list of their names, or `all`.
-pub const ENABLE_ENV: &str = "ROOKWORLD_ENABLE_KERNELS";
-
-/// The families `value` (of [`DISABLE_ENV`]) names; an unknown name is an error naming
-/// the known ones.
-pub fn parse_disabled(value: &str) -> Result<Vec<Kernel>> {
-    parse_kernels(DISABLE_ENV, value)
-}
-
-/// The families `value` of environment variable `var` names ([`DISABLE_ENV`],
-/// [`ENABLE_ENV`]); an unknown name is an error naming the known ones.
-pub fn parse_kernels(var: &str, value: &str) -> Result<Vec<Kernel>> {
-    let mut out = Vec::new();
-    for name in value.split(',').map(str::trim).filter(|n| !n.is_empty()) {
-        if name == "all" {
-            return Ok(Kernel::ALL.to_vec());
-        }
-        match Kernel::ALL.into_iter().find(|k| k.name() == name) {
-            Some(k) => out.push(k),
-            None => {
-                let known: Vec<_> = Kernel::ALL.iter().map(|k| k.name()).collect();
-                return Err(Error::InvalidArgument(format!(
-                    "{var}: unknown kernel `{name}` (known: {}, or all)",
-                    known.join(", ")
-                )));
-            }
-        }
-    }
-    Ok(out)
-}
-
-/// The process's switches.
-pub static SWITCHES: Switches = Switches::new();
-
-/// Whether `kernel` may run (it passed the start-up check, or none has run).
-pub fn enabled(kernel: Kernel) -> bool {
-    SWITCHES.enabled(kernel)
-}
-
-/// Makes a start-up check's finding an error rather than a fallback (`--strict-kernels`).
-pub fn set_strict(strict: bool) {
-    SWITCHES.strict.store(strict, Ordering::Relaxed);
 }
 
 /// Which of `candidates` a start-up check runs, in their order: the families that are on —
-/// a trial family only when turned on (`trials_on`, [`ENABLE_ENV`]), none that is `off`
-/// ([`DISABLE_ENV`], or a finding of an earlier device's check) — and whose
-/// [`Kernel::needs`] is on too. A family that nothing runs is not checked: its check
-/// would cost start-up time and could leave a fault in the context for nothing.
-pub fn families_to_check(
-    candidates: &[Kernel],
-    trials_on: &[Kernel],
-    off: &[Kernel],
-) -> Vec<Kernel> {
-    let on = |k: Kernel| (!k.trial() || trials_on.contains(&k)) && !off.contains(&k);
+/// a trial family only when turned on (`trials_on`), none that is `off` (turned off by
+/// the choice, or by a finding) — and whose [`Family::needs`] is on too. A family that
+/// nothing runs is not checked: its check would cost start-up time and could leave a
+/// fault in the context for nothing.
+pub fn families_to_check<F: Family>(candidates: &[F], trials_on: &[F], off: &[F]) -> Vec<F> {
+    let on = |k: F| (!k.trial() || trials_on.contains(&k)) && !off.contains(&k);
     candidates
         .iter()
         .copied()
@@ -365,6 +452,22 @@ pub struct DriverFault {
     pub message: String,
 }
 
+/// A family by name, as a lost context names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Named {
+    pub name: &'static str,
+    pub trial: bool,
+}
+
+impl Named {
+    pub fn of<F: Family>(family: F) -> Self {
+        Self {
+            name: family.name(),
+            trial: family.trial(),
+        }
+    }
+}
+
 /// A CUDA context poisoned by a fault ([`poisons_context`]): the device, the family whose
 /// work ran since the last synchronisation (`None`: work before the kernel checks) and the
 /// error. Its message is the one line the process ends with ([`end_process`]).
@@ -378,22 +481,22 @@ pub struct DriverFault {
 )]
 pub struct ContextLost {
     pub device: String,
-    pub family: Option<Kernel>,
+    pub family: Option<Named>,
     pub fault: DriverFault,
 }
 
-fn culprit_words(family: Option<Kernel>) -> String {
+fn culprit_words(family: Option<Named>) -> String {
     match family {
-        Some(k) => format!("the {} kernel check faulted", k.name()),
+        Some(k) => format!("the {} kernel check faulted", k.name),
         None => "work before the kernel checks faulted".into(),
     }
 }
 
 /// How to run without the family that faulted.
-fn hint(family: Option<Kernel>) -> String {
+fn hint(family: Option<Named>) -> String {
     match family {
-        Some(k) if k.trial() => format!(" (leave {} out of {ENABLE_ENV})", k.name()),
-        Some(k) => format!(" (turn {} off with {DISABLE_ENV}={})", k.name(), k.name()),
+        Some(k) if k.trial => format!(" (leave {} out of {ENABLE_ENV})", k.name),
+        Some(k) => format!(" (turn {} off with {DISABLE_ENV}={})", k.name, k.name),
         None => String::new(),
     }
 }
@@ -401,16 +504,16 @@ fn hint(family: Option<Kernel>) -> String {
 /// What a synchronisation after `family`'s check (on `device`) reported: nothing; a
 /// finding for the family (an error that leaves the context usable); or, for a fault
 /// that poisons it, the lost context naming the family.
-pub fn after_synchronize(
+pub fn after_synchronize<F: Family>(
     device: &str,
-    family: Option<Kernel>,
+    family: Option<F>,
     fault: Option<DriverFault>,
-) -> std::result::Result<Option<Finding>, ContextLost> {
+) -> std::result::Result<Option<Finding<F>>, ContextLost> {
     match fault {
         None => Ok(None),
         Some(fault) if poisons_context(fault.code) => Err(ContextLost {
             device: device.to_owned(),
-            family,
+            family: family.map(Named::of),
             fault,
         }),
         Some(fault) => Ok(family.map(|kernel| Finding {
@@ -430,7 +533,7 @@ pub fn end_process(lost: &ContextLost) -> ! {
 
 /// One family's result against its tolerance: a finding where it is over, or not a
 /// number (a NaN never passes).
-pub fn judge(kernel: Kernel, figure: &str, value: f64, tolerance: f64) -> Option<Finding> {
+pub fn judge<F: Family>(kernel: F, figure: &str, value: f64, tolerance: f64) -> Option<Finding<F>> {
     (value.is_nan() || value > tolerance).then(|| Finding {
         kernel,
         problem: format!("{figure} {value:.3e} against a tolerance of {tolerance:.0e}"),
@@ -441,9 +544,12 @@ pub fn judge(kernel: Kernel, figure: &str, value: f64, tolerance: f64) -> Option
 mod tests {
     use super::*;
 
+    fn choice(enable: &str, disable: &str, strict: bool) -> KernelChoice {
+        KernelChoice::parse(Some(enable), Some(disable), strict, &names::<Kernel>()).unwrap()
+    }
+
     #[test]
     fn a_mismatch_turns_its_kernel_off_once_and_strict_refuses_instead() {
-        let switches = Switches::new();
         let forced = [
             judge(Kernel::Sampling, "log-prob max |Δ|", 0.5, 1e-3).unwrap(),
             judge(Kernel::TrainOps, "max rel. error", f64::NAN, 1e-3).unwrap(),
@@ -455,8 +561,9 @@ mod tests {
             forced[0].problem
         );
 
-        switches.strict.store(true, Ordering::Relaxed);
-        let err = switches.apply("cuda:0", &forced).unwrap_err().to_string();
+        let strict = Kernels::chosen(&choice("", "", true));
+        assert!(strict.strict());
+        let err = strict.apply("cuda:0", &forced).unwrap_err().to_string();
         assert!(
             err.contains("sample_rows") && err.contains("--strict-kernels"),
             "{err}"
@@ -465,35 +572,43 @@ mod tests {
             Kernel::ALL
                 .iter()
                 .filter(|k| !k.trial())
-                .all(|&k| switches.enabled(k)),
+                .all(|&k| strict.enabled(k)),
             "nothing turned off"
         );
 
-        switches.strict.store(false, Ordering::Relaxed);
+        let switches = Kernels::chosen(&KernelChoice::default());
+        let holder = switches.clone(); // e.g. the model's
         switches.apply("cuda:0", &forced).unwrap();
-        switches.apply("cuda:0", &forced[..1]).unwrap(); // a second open: counted once
+        switches.apply("cuda:0", &forced[..1]).unwrap(); // a second finding: counted once
         assert_eq!(switches.disabled(), [Kernel::Sampling, Kernel::TrainOps]);
+        assert_eq!(
+            holder.disabled(),
+            switches.disabled(),
+            "clones share the verdict"
+        );
         assert_eq!(switches.fallbacks(), 2);
         assert!(switches.enabled(Kernel::Attention) && switches.enabled(Kernel::DecodeOps));
-        switches.turn_off(&[Kernel::Attention, Kernel::Sampling]);
-        assert_eq!(switches.fallbacks(), 3);
-        assert!(!switches.enabled(Kernel::Attention));
+
+        // Values, not a process's switches: another device's are its own.
+        let other = Kernels::chosen(&choice("", "grouped_attention,sample_rows", false));
+        assert_eq!(other.fallbacks(), 2);
+        assert!(!other.enabled(Kernel::Attention) && other.enabled(Kernel::TrainOps));
+        assert!(switches.enabled(Kernel::Attention));
     }
 
     #[test]
     fn a_trial_kernel_runs_only_when_turned_on() {
-        let switches = Switches::new();
+        let switches = Kernels::chosen(&KernelChoice::default());
         assert!(Kernel::SplitAttention.trial() && !Kernel::Attention.trial());
         assert!(!switches.enabled(Kernel::SplitAttention));
         assert!(switches.enabled(Kernel::Attention));
         assert_eq!(switches.disabled(), [], "not turned on is not a fallback");
         let bad = [judge(Kernel::SplitAttention, "bf16 max |Δ|", 1.0, 2e-2).unwrap()];
-        switches.set_strict_for_test(true);
-        switches.apply("cuda:0", &bad).unwrap(); // nothing runs it: left out, even strict
-        switches.set_strict_for_test(false);
-        assert_eq!(switches.fallbacks(), 0);
+        let strict = Kernels::chosen(&choice("", "", true));
+        strict.apply("cuda:0", &bad).unwrap(); // nothing runs it: left out, even strict
+        assert_eq!(strict.fallbacks(), 0);
 
-        switches.turn_on(&[Kernel::SplitAttention, Kernel::Sampling]);
+        let switches = Kernels::chosen(&choice("grouped_attention_split,sample_rows", "", false));
         assert!(switches.enabled(Kernel::SplitAttention));
         switches.apply("cuda:0", &bad).unwrap();
         assert!(
@@ -502,26 +617,16 @@ mod tests {
         );
         assert_eq!(switches.disabled(), [Kernel::SplitAttention]);
         assert_eq!(switches.fallbacks(), 1);
-        assert_eq!(
-            parse_kernels(ENABLE_ENV, "grouped_attention_split").unwrap(),
-            [Kernel::SplitAttention]
-        );
-        let err = parse_kernels(ENABLE_ENV, "split").unwrap_err().to_string();
-        assert!(err.starts_with(ENABLE_ENV), "{err}");
+
+        assert!(Kernel::ALL.iter().all(|&k| Kernels::every().enabled(k)));
+        assert!(Kernel::ALL.iter().all(|&k| !Kernels::none().enabled(k)));
+        assert_eq!(Kernels::none().fallbacks(), 0);
     }
 
     #[test]
     fn only_the_families_that_are_on_are_checked() {
         use Kernel::*;
-        let here = [
-            Attention,
-            SplitAttention,
-            Sampling,
-            DecodeOps,
-            TrainOps,
-            WeightsInPlace,
-            DecodeGraphs,
-        ];
+        let here = CHECKED_FAMILIES;
         // By default: no trial, nothing off.
         assert_eq!(
             families_to_check(&here, &[], &[]),
@@ -538,38 +643,31 @@ mod tests {
             [Sampling, TrainOps]
         );
         // `all` in both: nothing left.
-        assert_eq!(families_to_check(&here, &Kernel::ALL, &Kernel::ALL), []);
-        // The step's: its trials inside step_backend only.
-        let step = [StepBackend, StepAttentionTiles, StepHeadKept];
-        assert_eq!(families_to_check(&step, &[], &[]), [StepBackend]);
-        assert_eq!(families_to_check(&step, &step, &[]), step);
-        assert_eq!(families_to_check(&step, &step, &[StepBackend]), []);
-        assert_eq!(
-            families_to_check(&step, &[StepHeadKept], &[]),
-            [StepBackend, StepHeadKept]
-        );
+        assert_eq!(families_to_check(&here, Kernel::ALL, Kernel::ALL), []);
         // Every family's prerequisite is itself a family that is no trial.
-        for k in Kernel::ALL {
+        for &k in Kernel::ALL {
             assert!(
                 k.needs().is_none_or(|n| !n.trial() && n.needs().is_none()),
                 "{k:?}"
             );
         }
+        // The check covers every family of this crate.
+        assert_eq!(here.len(), Kernel::ALL.len());
+        assert!(Kernel::ALL.iter().all(|k| here.contains(k)));
 
         // The switches' own choice is the same function of their state.
-        let switches = Switches::new();
+        let switches = Kernels::chosen(&KernelChoice::default());
         assert_eq!(
             switches.to_check(&here),
             [Attention, Sampling, DecodeOps, TrainOps]
         );
-        switches.turn_on(&[DecodeGraphs, Sampling]);
-        switches.turn_off(&[TrainOps]);
+        let switches = Kernels::chosen(&choice("decode_graphs,sample_rows", "train_ops", false));
         assert_eq!(
             switches.to_check(&here),
             [Attention, Sampling, DecodeOps, DecodeGraphs]
         );
         let failed = [judge(Attention, "f32 max |Δ|", 1.0, 1e-4).unwrap()];
-        switches.apply("cuda:0", &failed).unwrap(); // a second device checks less
+        switches.apply("cuda:0", &failed).unwrap(); // checked again: less
         assert_eq!(switches.to_check(&here), [Sampling, DecodeGraphs]);
     }
 
@@ -599,7 +697,7 @@ mod tests {
             Some(fault(700, "CUDA_ERROR_ILLEGAL_ADDRESS")),
         )
         .unwrap_err();
-        assert_eq!(lost.family, Some(Kernel::DecodeGraphs));
+        assert_eq!(lost.family, Some(Named::of(Kernel::DecodeGraphs)));
         let line = lost.to_string();
         assert!(!line.contains('\n'), "one line: {line}");
         assert!(
@@ -621,9 +719,13 @@ mod tests {
                 && line.contains(&format!("{DISABLE_ENV}=train_ops")),
             "{line}"
         );
-        let line = after_synchronize("cuda:0", None, Some(fault(719, "CUDA_ERROR_LAUNCH_FAILED")))
-            .unwrap_err()
-            .to_string();
+        let line = after_synchronize(
+            "cuda:0",
+            None::<Kernel>,
+            Some(fault(719, "CUDA_ERROR_LAUNCH_FAILED")),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(line.contains("before the kernel checks"), "{line}");
 
         // An error that leaves the context usable is the family's finding (a fallback).
@@ -641,23 +743,32 @@ mod tests {
             finding.problem
         );
         assert_eq!(
-            after_synchronize("cuda:0", None, Some(fault(2, "CUDA_ERROR_OUT_OF_MEMORY"))),
+            after_synchronize(
+                "cuda:0",
+                None::<Kernel>,
+                Some(fault(2, "CUDA_ERROR_OUT_OF_MEMORY"))
+            ),
             Ok(None)
         );
     }
 
     #[test]
-    fn the_environment_names_kernels_to_turn_off() {
-        assert_eq!(parse_disabled("").unwrap(), []);
-        assert_eq!(
-            parse_disabled("sample_rows, train_ops").unwrap(),
-            [Kernel::Sampling, Kernel::TrainOps]
-        );
-        assert_eq!(parse_disabled("all").unwrap(), Kernel::ALL);
-        let err = parse_disabled("sampler").unwrap_err().to_string();
+    fn the_command_line_names_kernels_known_to_the_binary() {
+        let known = ["grouped_attention", "sample_rows", "step_backend"];
+        let parse = |enable, disable| KernelChoice::parse(enable, disable, false, &known);
+        assert_eq!(parse(None, Some("")).unwrap(), KernelChoice::default());
+        let c = parse(Some("step_backend"), Some("sample_rows, grouped_attention")).unwrap();
+        // Each crate takes the names of its own families.
+        let k = Kernels::chosen(&c);
+        assert_eq!(k.disabled(), [Kernel::Attention, Kernel::Sampling]);
+        assert_eq!(parse(None, Some("all")).unwrap().disable, known);
+        let err = parse(None, Some("sampler")).unwrap_err().to_string();
         assert!(
-            err.contains("`sampler`") && err.contains("grouped_attention"),
+            err.starts_with("--disable-kernels: unknown kernel `sampler`")
+                && err.contains("grouped_attention, sample_rows, step_backend"),
             "{err}"
         );
+        let err = parse(Some("split"), None).unwrap_err().to_string();
+        assert!(err.starts_with("--enable-kernels"), "{err}");
     }
 }

@@ -51,6 +51,7 @@ pub mod fused;
 pub mod gemm;
 pub mod grpo;
 pub mod head;
+pub mod kernels;
 pub mod launch;
 pub mod loss;
 pub mod offpolicy;

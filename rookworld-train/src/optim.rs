@@ -8,6 +8,7 @@ use candle_core::{DType, Device, Result as CandleResult, Shape, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
 use crate::fused::HostF32;
+use rookworld_lm::kernels::Kernels;
 
 mod adamw;
 pub use adamw::AdamW;
@@ -83,14 +84,16 @@ impl Gradients {
 
     /// Global L2 norm `sqrt(Σ_p ‖g_p‖²)`, each parameter once (the tied embedding/LM head
     /// is one parameter).
-    pub fn global_norm(&self) -> CandleResult<f64> {
+    /// On CUDA with the device's `train_ops` kernels on (`kernels`), the squares of
+    /// every gradient there in one launch.
+    pub fn global_norm(&self, kernels: &Kernels) -> CandleResult<f64> {
         let mut total = 0f64;
         // On a device each tensor's sum stays there and one read brings their total back
         // (one synchronisation, not one per parameter).
         let mut on_device = Vec::new();
         // On CUDA with the training ops' kernels: every gradient's squares in one launch
         // (f32 sums over fixed chunks, added in f64; `square_sum_many`).
-        let many = rookworld_lm::kernels::enabled(rookworld_lm::kernels::Kernel::TrainOps);
+        let many = kernels.enabled(rookworld_lm::kernels::Kernel::TrainOps);
         let mut on_cuda = Vec::new();
         for g in self.by_name.values() {
             match g {
@@ -114,15 +117,15 @@ impl Gradients {
                 .to_scalar::<f64>()?;
         }
         if !on_cuda.is_empty() {
-            total += rookworld_lm::train_ops::adamw::square_sum_many(&on_cuda)?;
+            total += rookworld_lm::train_ops::adamw::square_sum_many(&on_cuda, kernels)?;
         }
         Ok(total.sqrt() * self.scale)
     }
 
     /// Scales every gradient so the global norm is at most `max_norm`:
     /// `g ← g · min(1, max_norm / (‖g‖ + 1e-6))`. Returns the norm before clipping.
-    pub fn clip(&mut self, max_norm: f64) -> CandleResult<f64> {
-        let norm = self.global_norm()?;
+    pub fn clip(&mut self, max_norm: f64, kernels: &Kernels) -> CandleResult<f64> {
+        let norm = self.global_norm(kernels)?;
         self.scale *= (max_norm / (norm + 1e-6)).min(1.0);
         Ok(norm)
     }
@@ -306,7 +309,7 @@ mod tests {
             "b".into(),
             Grad::Tensor(Tensor::new(&[4.0f32], &Device::Cpu).unwrap()),
         );
-        assert!((g.clip(1.0).unwrap() - 5.0).abs() < 1e-9);
-        assert!((g.global_norm().unwrap() - 1.0).abs() < 1e-5);
+        assert!((g.clip(1.0, &Kernels::cpu()).unwrap() - 5.0).abs() < 1e-9);
+        assert!((g.global_norm(&Kernels::cpu()).unwrap() - 1.0).abs() < 1e-5);
     }
 }

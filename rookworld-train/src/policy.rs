@@ -11,6 +11,7 @@ use rookworld_lm::{Gpt2, LeftPadding, checkpoint};
 use crate::batch::Layout;
 use crate::fused::Workspace;
 use crate::head::{head_logprobs, plain_head_logprobs};
+use crate::kernels::{KernelChoice, StepKernel, StepKernels};
 use crate::optim::Gradients;
 
 /// Which pass computes a step's gradients (`learner train --step-path`, `learner bench
@@ -136,6 +137,9 @@ pub struct Trainable {
     /// Rows of the LM head per chunk of the fused pass on the CPU
     /// ([`Trainable::set_head_chunk_rows`]).
     head_chunk_rows: Option<usize>,
+    /// Which of the step's CUDA kernels run ([`Trainable::set_step_path`]'s verdict;
+    /// until then none).
+    step_kernels: StepKernels,
 }
 
 /// The pass a step runs ([`Trainable::pass`]).
@@ -156,7 +160,9 @@ impl Trainable {
     }
 
     /// Trainable copies of `model`'s weights.
+    /// The model's device kernels ([`Gpt2::kernels`]) come along.
     pub fn from_model(model: &Gpt2) -> rookworld_lm::Result<Self> {
+        let kernels = model.kernels().clone();
         let varmap = VarMap::new();
         let mut vars = Vec::new();
         {
@@ -170,6 +176,7 @@ impl Trainable {
         let root = VarBuilder::from_varmap(&varmap, DType::F32, model.device());
         let cfg = model.config().clone();
         let mut model = Gpt2::load(root.pp("transformer"), root, &cfg)?;
+        model.set_kernels(kernels);
         // f32 on the CPU until a command applies its --matmul-precision (library users and the
         // parity tests get the exact pass); BF16 matmul inputs on CUDA.
         let default = if model.device().is_cuda() {
@@ -188,13 +195,15 @@ impl Trainable {
             workspace: Mutex::default(),
             step_path: StepPath::Auto,
             head_chunk_rows: None,
+            step_kernels: StepKernels::none(),
         })
     }
 
     /// Chooses the pass of this policy's steps (`--step-path`), after its matmul
-    /// precision is set. `fused` where the fused pass does not apply is refused with the
-    /// reason, in one line.
-    pub fn set_step_path(&mut self, path: StepPath) -> Result<(), String> {
+    /// precision is set, with the step's CUDA kernels `kernels` chooses. `fused` where the
+    /// fused pass does not apply is refused with the reason, in one line.
+    pub fn set_step_path(&mut self, path: StepPath, kernels: &KernelChoice) -> Result<(), String> {
+        self.step_kernels = StepKernels::chosen(kernels);
         if path == StepPath::Fused {
             let pass = self
                 .fused_pass()
@@ -206,8 +215,8 @@ impl Trainable {
                 #[cfg(feature = "cuda")]
                 {
                     let device = self.model.device();
-                    let findings = crate::fused::cuda::startup_check(device);
-                    rookworld_lm::kernels::SWITCHES
+                    let findings = crate::fused::cuda::startup_check(device, &self.step_kernels);
+                    self.step_kernels
                         .apply(&format!("{:?}", device.location()), &findings)
                         .map_err(|e| format!("--step-path fused: {e}"))?;
                 }
@@ -217,16 +226,22 @@ impl Trainable {
         Ok(())
     }
 
+    /// Which of the step's CUDA kernels run: the verdict of [`Self::set_step_path`].
+    pub fn step_kernels(&self) -> &StepKernels {
+        &self.step_kernels
+    }
+
     /// The pass of this policy's steps: `auto` runs the fused pass on the CPU and candle's
     /// autograd on CUDA (the CUDA backend is opted into with `fused`: the default once a
     /// GPU run has passed its check), `fused` and `autograd` what they say.
     pub fn pass(&self) -> Pass {
-        use rookworld_lm::kernels::{Kernel, enabled};
         match (self.step_path, self.fused_pass()) {
             (StepPath::Autograd, _) | (_, Err(_)) => Pass::Autograd,
             (StepPath::Auto, Ok(Pass::FusedCuda)) => Pass::Autograd,
-            // Failed its start-up check, or turned off (ROOKWORLD_DISABLE_KERNELS).
-            (_, Ok(Pass::FusedCuda)) if !enabled(Kernel::StepBackend) => Pass::Autograd,
+            // Failed its start-up check, or turned off (--disable-kernels).
+            (_, Ok(Pass::FusedCuda)) if !self.step_kernels.enabled(StepKernel::Backend) => {
+                Pass::Autograd
+            }
             (_, Ok(pass)) => pass,
         }
     }

@@ -135,7 +135,7 @@ fn fused_gradients_cuda(
     let workspace = work.cuda.get_or_insert_with(Default::default);
     let (loss, grads) = crate::fused::cuda::with_pass(
         workspace,
-        policy.model.device(),
+        (policy.model.device(), policy.step_kernels()),
         policy.model.config(),
         (&tensors, None),
         |b, side, _, grads| fused_loss(b, side, &micros, grads),

@@ -298,7 +298,7 @@ fn accumulate_fused_cuda(
     let eot = model_cfg.eos_token_id;
     let ((report, ran), grads) = fused::cuda::with_pass(
         workspace,
-        policy.model.device(),
+        (policy.model.device(), policy.step_kernels()),
         model_cfg,
         (&policy_tensors, ref_tensors.as_deref()),
         |b, policy, reference, grads| {
@@ -404,12 +404,17 @@ impl Updater<'_> {
         let (policy, cfg) = (self.policy, self.cfg);
         let (mut grads, mut report) = accumulate(policy, self.reference, batch, cfg)?;
         let started = Instant::now();
-        report.grad_norm = grads.clip(cfg.max_grad_norm)?;
+        report.grad_norm = grads.clip(cfg.max_grad_norm, policy.model.kernels())?;
         report.lr = self.schedule.lr_at(step);
         let mut export = export;
         if report.tokens > 0 {
-            self.opt
-                .step_exporting(&policy.vars, &grads, report.lr, export.as_deref_mut())?;
+            self.opt.step_exporting(
+                &policy.vars,
+                &grads,
+                report.lr,
+                export.as_deref_mut(),
+                policy.model.kernels(),
+            )?;
         }
         if let Some(payload) = export {
             payload.fill_rest(&policy.vars)?;

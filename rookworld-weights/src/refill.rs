@@ -87,12 +87,14 @@ pub fn refillable(model: &Gpt2) -> bool {
 }
 
 /// Whether [`refill`] writes `model`'s one weights buffer: off the CPU only while the
-/// `weights_in_place` trial is on (`ROOKWORLD_ENABLE_KERNELS`) and its start-up check
-/// passed.
+/// `weights_in_place` trial is on (`--enable-kernels`) and its start-up check passed
+/// ([`Gpt2::kernels`]).
 fn in_place(model: &Gpt2) -> bool {
     model.weights_buffer().is_some()
         && (model.device().is_cpu()
-            || rookworld_lm::kernels::enabled(rookworld_lm::kernels::Kernel::WeightsInPlace))
+            || model
+                .kernels()
+                .enabled(rookworld_lm::kernels::Kernel::WeightsInPlace))
 }
 
 #[cfg(test)]

@@ -358,12 +358,12 @@ impl WeightSet {
 /// The model of payload `bytes` (`cfg`'s shape, into `dtype` on `device`, packed for the
 /// CPU kernel in panels of `panels` where it applies), every tensor checked: written into `spare`'s memory
 /// when one is given that can take it (a retired f32 CPU model nothing else holds:
-/// [`rookworld_weights::refill`]), else built afresh.
+/// [`rookworld_weights::refill`]), else built afresh with the device's `kernels`.
 pub fn build_model(
     bytes: &[u8],
     cfg: &Config,
     (dtype, panels): (candle_core::DType, rookworld_lm::cpu_gemm::PanelDtype),
-    device: &candle_core::Device,
+    (device, kernels): (&candle_core::Device, &rookworld_lm::kernels::Kernels),
     spare: Option<Gpt2>,
 ) -> Result<Gpt2, WeightError> {
     if let Some(mut model) = spare
@@ -378,6 +378,7 @@ pub fn build_model(
     }
     let mut model = checkpoint::from_bytes(bytes, cfg, dtype, device)?;
     model.set_panel_dtype(panels);
+    model.set_kernels(kernels.clone());
     model
         .prepare_for_inference()
         .map_err(rookworld_lm::Error::from)?;

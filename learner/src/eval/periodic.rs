@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::Device;
 use rookworld_generation::EngineConfig;
+use rookworld_lm::kernels::Kernels;
 use rookworld_lm::sampling::SamplingParams;
 use rookworld_lm::{Config, Gpt2, Tokenizer};
 use rookworld_weights::set::{WeightSet, build_model};
@@ -163,11 +164,11 @@ pub struct Evaluator {
 
 impl Evaluator {
     /// Starts the thread: it evaluates `suites` on the weights `published` carries, built
-    /// like `cfg` on `device` (f32 on the CPU, BF16 on CUDA).
+    /// like `cfg` on `device` (f32 on the CPU, BF16 on CUDA) with its `kernels`.
     pub fn start(
         suites: Vec<(Suite, Vec<Item>)>,
         cfg: Config,
-        device: Device,
+        (device, kernels): (Device, Kernels),
         published: watch::Receiver<Option<Arc<WeightSet>>>,
     ) -> Self {
         let shared = Arc::new(Shared {
@@ -185,6 +186,7 @@ impl Evaluator {
                     suites,
                     cfg,
                     device,
+                    kernels,
                     published,
                     tokenizer: Tokenizer::gpt2(),
                     spare: None,
@@ -286,6 +288,7 @@ struct Worker {
     suites: Vec<(Suite, Vec<Item>)>,
     cfg: Config,
     device: Device,
+    kernels: Kernels,
     published: watch::Receiver<Option<Arc<WeightSet>>>,
     tokenizer: Tokenizer,
     /// The last evaluation's model, whose memory the next one is built into.
@@ -306,7 +309,7 @@ impl Worker {
             &weights.bytes,
             &self.cfg,
             (dtype, Default::default()),
-            &self.device,
+            (&self.device, &self.kernels),
             self.spare.take(),
         )?;
         drop(weights);

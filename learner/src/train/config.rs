@@ -184,6 +184,9 @@ pub struct TrainArgs {
     /// `RUN/config.toml`; set by the command line, `None` for callers of the library.
     #[arg(skip)]
     pub record: Option<toml::Table>,
+    /// Which CUDA kernels the devices run: the binary's kernel flags, parsed once.
+    #[arg(skip)]
+    pub kernels: rookworld_lm::kernels::KernelChoice,
 }
 
 pub use crate::settings::ConfigError;
@@ -198,6 +201,7 @@ impl TrainArgs {
             device: self.device.clone(),
             weight_dtype: "f32".into(),
             legacy_precision: Default::default(),
+            kernels: self.kernels.clone(),
         }
     }
 

@@ -11,6 +11,7 @@ use rollout_worker::{LoopConfig, ServiceConfig, Worker, WorkerConfig};
 use rookworld_chess::score::RewardConfig;
 use rookworld_chess::scorer::Scorer;
 use rookworld_lm::device::{DeviceChoice, WeightDtype};
+use rookworld_lm::kernels::Kernels;
 use rookworld_lm::{Gpt2, checkpoint};
 use rookworld_service::tls::{ClientTlsArgs, ServerTls};
 use rookworld_weights::set::WeightSet;
@@ -39,7 +40,7 @@ impl LocalServices {
         queue: SocketAddr,
         weights: &WeightSet,
         config: &rookworld_lm::Config,
-        (learner_device, weight_dtype): (&Device, WeightDtype),
+        (learner_device, learner_kernels, weight_dtype): (&Device, &Kernels, WeightDtype),
         token: &str,
         shared_dir: Option<std::path::PathBuf>,
         (tls, client): (Option<Arc<ServerTls>>, ClientTlsArgs),
@@ -65,12 +66,13 @@ impl LocalServices {
             }
         }));
 
-        let device = worker_device(learner_device)?;
+        let (device, kernels) = worker_device(learner_device, learner_kernels)?;
         // `auto`: BF16 on CUDA, BF16 panels on the CPU (the pushes are BF16 values: the
         // same products as f32 panels, half the bytes).
         let (dtype, panels) = weight_dtype.resolve(&device)?;
         let mut model: Gpt2 = checkpoint::from_bytes(&weights.bytes, config, dtype, &device)?;
         model.set_panel_dtype(panels);
+        model.set_kernels(kernels);
         let worker_listener = TcpListener::bind("127.0.0.1:0").await?;
         let worker = format!("{scheme}://{}", worker_listener.local_addr()?);
         let pull = LoopConfig {
@@ -122,11 +124,14 @@ impl LocalServices {
 /// CUDA device, the same GPU opened again, as `--device cuda:N` opens it (a stream and a
 /// cuBLAS handle of its own), so that the worker's decoding overlaps the learner's step
 /// instead of queueing behind it on one stream. The two share the GPU's memory pool and
-/// the process's kernel switches (the start-up check runs once per GPU).
-pub fn worker_device(learner: &Device) -> rookworld_lm::Result<Device> {
+/// the verdict on its kernels (`learner_kernels`: the start-up check runs once per GPU).
+pub fn worker_device(
+    learner: &Device,
+    learner_kernels: &Kernels,
+) -> rookworld_lm::Result<(Device, Kernels)> {
     match learner {
-        Device::Cpu => Ok(Device::Cpu),
-        other => worker_device_choice(other.location())?.open(),
+        Device::Cpu => Ok((Device::Cpu, learner_kernels.clone())),
+        other => worker_device_choice(other.location())?.open_beside(learner_kernels),
     }
 }
 
@@ -147,7 +152,8 @@ mod tests {
 
     #[test]
     fn the_worker_opens_a_device_of_its_own_beside_the_learners() {
-        assert!(worker_device(&Device::Cpu).unwrap().is_cpu());
+        let kernels = Kernels::cpu();
+        assert!(worker_device(&Device::Cpu, &kernels).unwrap().0.is_cpu());
         assert_eq!(
             worker_device_choice(DeviceLocation::Cpu).unwrap(),
             DeviceChoice::Cpu

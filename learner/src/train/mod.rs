@@ -86,7 +86,18 @@ pub async fn run(
         summary.interrupted = true;
         return Ok(summary);
     };
-    crate::metrics::record_kernel_fallbacks(); // the device is open: its kernels are checked
+    {
+        // The device is open and its kernels checked: the model's and the step's verdicts.
+        use rookworld_lm::kernels::Family;
+        let model = run.policy.model.kernels().disabled();
+        let step = run.policy.step_kernels().disabled();
+        crate::metrics::record_kernel_fallbacks(
+            model
+                .into_iter()
+                .map(|k| k.name())
+                .chain(step.into_iter().map(|k| k.name())),
+        );
+    }
     if let Some(settings) = &plan.outputs.record {
         let origin = plan.model.origin(run.policy.model.device());
         run.record = Some(crate::run_record::write(

@@ -41,11 +41,9 @@ pub(super) fn prepare(
     // Configured here, then handed to its own thread (QueueHandle) for the run.
     let mut queue = Queue::new(s.queue_config());
     let reference_dir = out.run_dir.join("reference");
-    let device = model
-        .start
-        .device
-        .parse::<rookworld_lm::device::DeviceChoice>()?
-        .open()?;
+    // Opened once: the policy, the reference, the evaluations and a local worker's
+    // kernels are this open's verdict.
+    let (device, kernels) = model.start.open()?;
     // A fresh start's context is its model's, known before anything is written; a resumed
     // run's is its checkpoint's, checked once loaded.
     let fresh = !out.start.resume && out.start.resume_from.is_none();
@@ -87,20 +85,21 @@ pub(super) fn prepare(
             let version = resumed_version(&out.run_dir, saved, &mut queue)?;
             tracing::info!(step = state.step, version, dir = %dir.display(), "resumed");
             let mut policy = policy;
+            policy.model.set_kernels(kernels.clone());
             model.matmul_precision.apply(&mut policy.model);
             policy
-                .set_step_path(model.step_path)
+                .set_step_path(model.step_path, &model.start.kernels)
                 .map_err(ConfigError::Conflict)?;
             (policy, opt, state.step, version)
         }
         None => {
-            let loaded = model.start.load()?;
+            let loaded = model.start.load_on((device.clone(), kernels.clone()))?;
             tracing::info!(source = %loaded.source, device = ?loaded.device, "starting weights");
             let mut policy = Trainable::from_model(&loaded.model)?;
             model.matmul_precision.apply(&mut policy.model);
             // Before the warm-up, which runs on the same pass.
             policy
-                .set_step_path(model.step_path)
+                .set_step_path(model.step_path, &model.start.kernels)
                 .map_err(ConfigError::Conflict)?;
             // A fresh start was checked before the run directory was opened; a --resume
             // that found no checkpoint is checked here, on the weights it starts from.
@@ -157,6 +156,7 @@ pub(super) fn prepare(
     let reference = if s.objective.beta > 0.0 {
         let mut reference =
             model_checkpoint::load(&reference_dir, DType::F32, policy.model.device())?;
+        reference.set_kernels(policy.model.kernels().clone());
         model.matmul_precision.apply(&mut reference);
         Some(reference)
     } else {

@@ -101,7 +101,11 @@ impl Services {
                     run.policy.model.config(),
                     // The learner's device: the worker opens one of its own beside it
                     // (on CUDA the same GPU, its own stream and cuBLAS handle).
-                    (run.policy.model.device(), services.rollout_weight_dtype),
+                    (
+                        run.policy.model.device(),
+                        run.policy.model.kernels(),
+                        services.rollout_weight_dtype,
+                    ),
                     &token,
                     shared_dir.clone(),
                     (services.tls.clone(), services.client_tls.clone()),
@@ -150,7 +154,10 @@ impl Services {
             let ev = Evaluator::start(
                 plan.data.eval_suites.clone(),
                 run.policy.model.config().clone(),
-                run.policy.model.device().clone(),
+                (
+                    run.policy.model.device().clone(),
+                    run.policy.model.kernels().clone(),
+                ),
                 latest.subscribe(),
             );
             if run.step == 0 {

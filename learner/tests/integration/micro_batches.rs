@@ -45,7 +45,8 @@ fn micro_batched_gradients_equal_the_full_batch() {
             b.loss
         );
         assert!((a.kl - b.kl).abs() < 1e-5 * a.kl.abs().max(1.0));
-        let (n1, n2) = (full.global_norm().unwrap(), parts.global_norm().unwrap());
+        let k = policy.model.kernels();
+        let (n1, n2) = (full.global_norm(k).unwrap(), parts.global_norm(k).unwrap());
         assert!(
             (n1 - n2).abs() < 1e-5 * n1,
             "{aggregation:?}: grad norm {n1} vs {n2}"

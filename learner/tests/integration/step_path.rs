@@ -39,7 +39,7 @@ fn each_path_runs_its_own_pass_and_they_agree() {
         (StepPath::Fused, Pass::FusedCpu),
         (StepPath::Auto, Pass::FusedCpu),
     ] {
-        policy.set_step_path(path).unwrap();
+        policy.set_step_path(path, &Default::default()).unwrap();
         assert_eq!(policy.pass(), pass, "{path:?}");
         let (grads, report) = accumulate(&policy, Some(&reference), &batch, &cfg).unwrap();
         // Only the fused pass measures the policy's entropy.
@@ -73,7 +73,9 @@ fn fused_where_it_does_not_apply_is_refused_with_the_reason() {
     let model = checkpoint::init_random(&cfg, 0, DType::F32, &Device::Cpu).unwrap();
     let mut policy = Trainable::from_model(&model).unwrap();
     assert_eq!(policy.pass(), Pass::Autograd, "auto falls back to autograd");
-    let err = policy.set_step_path(StepPath::Fused).unwrap_err();
+    let err = policy
+        .set_step_path(StepPath::Fused, &Default::default())
+        .unwrap_err();
     assert!(
         err.starts_with("--step-path fused: ") && err.contains("gelu_new") && !err.contains('\n'),
         "{err}"
@@ -83,6 +85,8 @@ fn fused_where_it_does_not_apply_is_refused_with_the_reason() {
         Pass::Autograd,
         "a refused path changes nothing"
     );
-    policy.set_step_path(StepPath::Autograd).unwrap();
+    policy
+        .set_step_path(StepPath::Autograd, &Default::default())
+        .unwrap();
     assert_eq!(policy.pass(), Pass::Autograd);
 }

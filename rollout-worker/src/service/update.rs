@@ -183,7 +183,7 @@ impl ServedModel {
             bytes,
             &self.config,
             (self.dtype, self.panels),
-            &self.device,
+            (&self.device, &self.kernels),
             spare,
         );
         (model, clock.elapsed())

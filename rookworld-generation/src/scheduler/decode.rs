@@ -144,7 +144,7 @@ impl Scheduler {
     }
 
     fn sample_rows_now(&mut self, logits: &Tensor) -> Result<Vec<Sampled>, EngineError> {
-        if device_sampling::supported(logits.device()) {
+        if device_sampling::supported(logits.device(), self.model.kernels()) {
             let draws: Vec<_> = self.rows.iter_mut().map(|r| r.sampler.draw()).collect();
             return Ok(device_sampling::sample_rows(logits, &draws)?);
         }

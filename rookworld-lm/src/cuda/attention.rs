@@ -12,6 +12,9 @@ use crate::launch::{attention_applies, attention_grid};
 /// Where a decode step's rows find their keys, on the device (as `grouped::StepPlan`).
 #[derive(Debug)]
 pub struct DeviceGeometry {
+    /// Whether the split kernel runs where it applies (the device's
+    /// `grouped_attention_split`, a trial).
+    pub split: bool,
     /// (N·R) u32: row of slot (g, k), B for an empty slot.
     pub scatter: Tensor,
     /// (B) u32: first suffix column of each row.
@@ -35,8 +38,7 @@ pub fn grouped_attention(
     kv_suffix: (&Tensor, &Tensor),
     geometry: &DeviceGeometry,
 ) -> Result<Option<Tensor>> {
-    use crate::kernels::{Kernel, enabled};
-    if enabled(Kernel::SplitAttention)
+    if geometry.split
         && let Some(out) =
             grouped_attention_with(AttentionKernel::Split, q, kv_prefix, kv_suffix, geometry)?
     {

@@ -14,7 +14,7 @@ use crate::cpu_attention::{Geometry, decode_attention};
 use crate::decode_ops::{AddLayerNorm, BiasGelu, QkvSplit};
 use crate::device_sampling::sample_reference;
 use crate::error::Result;
-use crate::kernels::{ContextLost, DriverFault, Finding, Kernel, after_synchronize, judge};
+use crate::kernels::{ContextLost, DriverFault, Family, Finding, Kernel, after_synchronize, judge};
 use crate::sampling::RowDraw;
 
 /// Largest errors of the kernels against their references, and whether they pass.
@@ -81,15 +81,6 @@ pub fn self_check(device: &Device) -> Result<KernelCheck> {
     }
 }
 
-/// The start-up check of a CUDA device for the families that are on now
-/// ([`crate::kernels::Switches::to_check`] of [`CHECKED_FAMILIES`]), as
-/// [`startup_findings`]; a fault that poisons the context ends the process in one line
-/// naming the family whose check raised it.
-pub fn startup_check(device: &Device) -> Vec<Finding> {
-    let families = crate::kernels::SWITCHES.to_check(&CHECKED_FAMILIES);
-    startup_findings(device, &families).unwrap_or_else(|lost| crate::kernels::end_process(&lost))
-}
-
 /// Each family of `families` run once against its reference on `device`, loading its PTX
 /// module, and the device synchronised after it. Returns what failed to run or disagreed
 /// beyond its tolerance, for [`crate::kernels::Switches::apply`]; or the lost context,
@@ -121,7 +112,7 @@ pub fn check_families(
     let mut check = KernelCheck::unchecked();
     let mut errors = Vec::new();
     // Whatever the device ran before is not blamed on the first family.
-    settle(device, None)?;
+    settle(device, None::<Kernel>)?;
     for (seed, family) in (0u64..).zip(CHECKED_FAMILIES) {
         if !families.contains(&family) {
             continue;
@@ -145,10 +136,10 @@ pub fn check_families(
 /// captured step runs on one of its own) and judges what the wait reports, for the work
 /// of `family` ([`crate::kernels::after_synchronize`]): a finding, or the lost context.
 /// Off CUDA, nothing to wait for.
-pub fn settle(
+pub fn settle<F: Family>(
     device: &Device,
-    family: Option<Kernel>,
-) -> std::result::Result<Option<Finding>, ContextLost> {
+    family: Option<F>,
+) -> std::result::Result<Option<Finding<F>>, ContextLost> {
     let Device::Cuda(cuda) = device else {
         return Ok(None);
     };
@@ -241,12 +232,6 @@ impl KernelCheck {
                     self.decode_graph_rows,
                     self.decode_graph_tokens_equal,
                 ) = check_decode_graph(device)?;
-            }
-            other => {
-                return Err(crate::Error::InvalidArgument(format!(
-                    "the {} kernels are checked by their own crate",
-                    other.name()
-                )));
             }
         }
         Ok(())
@@ -368,6 +353,8 @@ fn check_decode_graph(device: &Device) -> Result<(f64, f64, usize, usize)> {
     let (mut rows, mut equal) = (0, 0);
     for (i, dtype) in [DType::F32, DType::BF16].into_iter().enumerate() {
         let mut model = crate::checkpoint::init_random(&cfg, 7, dtype, device)?;
+        // The reference step on the kernels that are no trial, as a device runs it.
+        model.set_kernels(crate::kernels::Kernels::chosen(&Default::default()));
         model.prepare_for_inference()?;
         // Prompts of 5 and 3 tokens, left-padded together.
         let padding = LeftPadding::for_lengths(&[5, 3]);
@@ -494,6 +481,7 @@ fn check_attention(
     let (sk, sv) = (random(rng, b * h * c * d), random(rng, b * h * c * d));
     let u32s = |v: &[usize]| v.iter().map(|&x| x as u32).collect::<Vec<_>>();
     let geometry = DeviceGeometry {
+        split: false, // the kernel is named at each launch below
         scatter: Tensor::from_vec(scatter, n * r, device)?,
         row_start: Tensor::new(u32s(&row_start).as_slice(), device)?,
         group_pad: Tensor::new(u32s(&group_pad).as_slice(), device)?,
@@ -804,7 +792,7 @@ fn check_train_ops(device: &Device, rng: &mut ChaCha8Rng) -> Result<f64> {
         let g = Tensor::from_slice(&g0, n, dev)?;
         let mv = Tensor::zeros((2, n), DType::F32, dev)?;
         for _ in 0..3 {
-            adamw_step(&p, &g, &mv, &step)?;
+            adamw_step(&p, &g, &mv, &step, &crate::kernels::Kernels::every())?;
         }
         outputs.push(vec![
             p.to_vec1::<f32>()?,
@@ -868,10 +856,18 @@ fn check_many(
                     out: (k != 1 || round == 2).then(|| out.clone()),
                 })
                 .collect();
-            adamw_step_many(&items, step, &mut all_bits)?;
+            adamw_step_many(
+                &items,
+                step,
+                &mut all_bits,
+                &crate::kernels::Kernels::every(),
+            )?;
         }
         let bits: Vec<&[u8]> = ranges.iter().map(|r| &all_bits[r.clone()]).collect();
-        let squares = square_sum_many(&grads.iter().collect::<Vec<_>>())?;
+        let squares = square_sum_many(
+            &grads.iter().collect::<Vec<_>>(),
+            &crate::kernels::Kernels::every(),
+        )?;
         let mut got = vec![vec![squares as f32]];
         for ((p, mv), b) in params.iter().zip(&moments).zip(&bits) {
             let own: Vec<u8> = p

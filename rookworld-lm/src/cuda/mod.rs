@@ -14,7 +14,7 @@
 //!
 //! Each has a CPU reference ([`crate::cpu_attention`], [`crate::device_sampling`],
 //! each module of [`crate::train_ops`]) that [`self_check`] compares it with on a GPU, and
-//! [`startup_check`] for the families that are on, the device synchronised after each
+//! [`startup_findings`] for the families that are on (opening the device), the device synchronised after each
 //! ([`settle`]) so that a CUDA fault is named with the family that raised it.
 
 mod attention;
@@ -27,8 +27,7 @@ mod transfer;
 
 pub use attention::{AttentionKernel, DeviceGeometry, grouped_attention, grouped_attention_with};
 pub use check::{
-    CHECKED_FAMILIES, KernelCheck, check_families, self_check, settle, startup_check,
-    startup_findings,
+    CHECKED_FAMILIES, KernelCheck, check_families, self_check, settle, startup_findings,
 };
 pub use graph::DecodeGraphs;
 pub(crate) use graph::{LayerWeights, StepWeights};

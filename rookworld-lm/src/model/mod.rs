@@ -25,6 +25,7 @@ use crate::cache::KvCache;
 use crate::config::{Activation, Config};
 use crate::cpu_gemm::{Epilogue, PackedMatrix, PanelDtype};
 use crate::grouped::{GroupedCache, StepPlan};
+use crate::kernels::{Kernel, Kernels};
 use crate::mask::LeftPadding;
 use crate::weights_buffer::WeightsBuffer;
 
@@ -62,7 +63,11 @@ pub struct Gpt2 {
     panel_dtype: PanelDtype,
     /// The matmuls' input dtype when it differs from the weights' (mixed precision).
     matmul_dtype: Option<DType>,
+    /// Whether [`Self::set_train_ops`] asked for the training ops.
     train_ops: bool,
+    /// Which of this project's CUDA kernels the model's device runs (its open's verdict,
+    /// [`Self::set_kernels`]; until then none).
+    kernels: Kernels,
     /// The weights' dtype (`wte` may be kept in BF16 once the model is packed only).
     dtype: DType,
     /// The projections' weights live only in their packed panels
@@ -100,6 +105,7 @@ impl Gpt2 {
             panel_dtype: PanelDtype::F32,
             matmul_dtype: None,
             train_ops: false,
+            kernels: Kernels::none(),
             cfg: cfg.clone(),
         })
     }
@@ -138,17 +144,34 @@ impl Gpt2 {
     /// composed ops; f32 activations only, else the composed ops run. The learner's
     /// trainable policy has it on; the LM head's log-probs use
     /// [`crate::train_ops::target_logprobs`] on the caller's side ([`Self::train_ops`]).
+    /// On CUDA they run where the device's `train_ops` kernels passed their check
+    /// ([`Self::set_kernels`]).
     pub fn set_train_ops(&mut self, on: bool) {
         self.train_ops = on;
+        let on = self.train_ops();
         self.ln_f.train_ops = on;
         for block in &mut self.blocks {
             block.set_train_ops(on);
         }
     }
 
-    /// Whether [`Self::set_train_ops`] turned the training ops on.
+    /// Whether the training ops run: asked for ([`Self::set_train_ops`]) and, on CUDA,
+    /// their kernels on ([`Self::kernels`]).
     pub fn train_ops(&self) -> bool {
-        self.train_ops
+        self.train_ops && (!self.device().is_cuda() || self.kernels.enabled(Kernel::TrainOps))
+    }
+
+    /// Gives the model its device's kernels: the verdict of the device's open
+    /// ([`crate::device::DeviceChoice::open`]), shared with what else runs on it. A model
+    /// built on CUDA runs none of them until it is given one.
+    pub fn set_kernels(&mut self, kernels: Kernels) {
+        self.kernels = kernels;
+        self.set_train_ops(self.train_ops);
+    }
+
+    /// Which of this project's CUDA kernels the model runs ([`Self::set_kernels`]).
+    pub fn kernels(&self) -> &Kernels {
+        &self.kernels
     }
 
     /// The matmuls' input dtype set by [`Self::set_matmul_dtype`].
@@ -484,7 +507,7 @@ impl Gpt2 {
         cache: &mut GroupedCache,
     ) -> candle_core::Result<Tensor> {
         let device = self.device();
-        let plan = cache.plan_step(ids, device)?;
+        let plan = cache.plan_step(ids, device, &self.kernels)?;
         let tok = self.token_rows(&plan.ids)?; // (B, 1, E)
         let pos = self.wpe.embedding_rows(&plan.positions)?; // (B, 1, E)
         let mut x = (tok + pos)?;
@@ -500,7 +523,9 @@ impl Gpt2 {
         // The head (the step's largest allocation) before the step counts: an error there
         // leaves the cache as it was. A padded head's output goes to the device sampler
         // as it is (no f32 copy of the (B, V) logits).
-        let logits = if self.head_padded.is_some() && crate::device_sampling::supported(device) {
+        let logits = if self.head_padded.is_some()
+            && crate::device_sampling::supported(device, &self.kernels)
+        {
             self.head_product(&hidden.squeeze(1)?)? // (B, V) of (B, V')
         } else {
             self.logits(&hidden)?.squeeze(1)? // (B, V)
@@ -516,7 +541,6 @@ impl Gpt2 {
     pub fn decode_graph_applies(&self, cache: &GroupedCache) -> bool {
         #[cfg(feature = "cuda")]
         {
-            use crate::kernels::{Kernel, enabled};
             self.device().is_cuda()
                 && [
                     Kernel::DecodeGraphs,
@@ -525,7 +549,7 @@ impl Gpt2 {
                     Kernel::Sampling,
                 ]
                 .into_iter()
-                .all(enabled)
+                .all(|k| self.kernels.enabled(k))
                 && self.fused_decode_applies()
                 && self.head_padded.is_some()
                 && self.wte.dtype() == self.dtype
@@ -557,7 +581,7 @@ impl Gpt2 {
         }
         #[cfg(feature = "cuda")]
         {
-            use crate::kernels::{Finding, Kernel, SWITCHES};
+            use crate::kernels::Finding;
             let weights = self.step_weights();
             let mut graphs = cache.graphs.take();
             let result = crate::cuda::DecodeGraphs::step(&mut graphs, &weights, cache, ids, draws);
@@ -576,7 +600,8 @@ impl Gpt2 {
                         kernel: Kernel::DecodeGraphs,
                         problem: format!("a captured decode step failed: {e}"),
                     };
-                    SWITCHES.apply(&format!("{:?}", self.device().location()), &[finding])?;
+                    self.kernels
+                        .apply(&format!("{:?}", self.device().location()), &[finding])?;
                     Ok(None)
                 }
             }

@@ -11,6 +11,8 @@
 
 use candle_core::{CpuStorage, InplaceOp2, Layout, Result, Tensor};
 
+use crate::kernels::{Kernel, Kernels};
+
 /// One step's constants, in f32 as the kernels use them.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamWStep {
@@ -29,12 +31,20 @@ pub struct AdamWStep {
 
 /// Updates `param` (n) in place from `grad` (n) and `moments` (2, n), all contiguous f32
 /// on one device; the moments are updated in place too.
-pub fn adamw_step(param: &Tensor, grad: &Tensor, moments: &Tensor, step: &AdamWStep) -> Result<()> {
+/// On CUDA the kernels run where the device's `train_ops` are on (`kernels`, its
+/// verdict), else candle's composed ops.
+pub fn adamw_step(
+    param: &Tensor,
+    grad: &Tensor,
+    moments: &Tensor,
+    step: &AdamWStep,
+    kernels: &Kernels,
+) -> Result<()> {
     let n = check_sizes(param, grad, moments)?;
     if n == 0 {
         return Ok(()); // nothing to update (candle refuses in-place ops on empty tensors)
     }
-    if param.device().is_cuda() && !crate::kernels::enabled(crate::kernels::Kernel::TrainOps) {
+    if param.device().is_cuda() && !kernels.enabled(Kernel::TrainOps) {
         return composed(param, grad, moments, step);
     }
     moments.inplace_op2(&grad.contiguous()?, &AdamWMoments(*step))?;
@@ -77,7 +87,12 @@ pub struct ManyItem<'a> {
 /// through page-locked memory (`cuda::download`), else one copy per range; instead of two
 /// launches a parameter and a conversion and a synchronised download each. Elsewhere
 /// item by item, the same values.
-pub fn adamw_step_many(items: &[ManyItem], step: &AdamWStep, bits: &mut [u8]) -> Result<()> {
+pub fn adamw_step_many(
+    items: &[ManyItem],
+    step: &AdamWStep,
+    bits: &mut [u8],
+    kernels: &Kernels,
+) -> Result<()> {
     let mut ranges = Vec::with_capacity(items.len());
     for it in items {
         let n = check_sizes(it.param, it.grad, it.moments)?;
@@ -97,7 +112,7 @@ pub fn adamw_step_many(items: &[ManyItem], step: &AdamWStep, bits: &mut [u8]) ->
     }
     #[cfg(feature = "cuda")]
     if let Some(device) = many::one_cuda_device(items.iter().map(|it| it.param))
-        && crate::kernels::enabled(crate::kernels::Kernel::TrainOps)
+        && kernels.enabled(Kernel::TrainOps)
     {
         let covered = ranges.iter().map(|r| r.len()).sum::<usize>() == bits.len();
         return many::adamw(&device, items, step, bits, covered);
@@ -111,6 +126,7 @@ pub fn adamw_step_many(items: &[ManyItem], step: &AdamWStep, bits: &mut [u8]) ->
                 shrink: it.shrink,
                 ..*step
             },
+            kernels,
         )?;
         if let Some(out) = &it.out {
             write_bf16_bits(it.param, &mut bits[out.clone()])?;
@@ -136,10 +152,12 @@ pub fn write_bf16_bits(param: &Tensor, out: &mut [u8]) -> Result<()> {
 /// on, when every tensor is on one device: one launch (`square_sums_many`: f32 sums over
 /// fixed chunks, the same bits every run) and one read of the chunks' sums, added in f64
 /// in order; elsewhere tensor by tensor on the host.
-pub fn square_sum_many(grads: &[&Tensor]) -> Result<f64> {
+pub fn square_sum_many(grads: &[&Tensor], kernels: &Kernels) -> Result<f64> {
+    #[cfg(not(feature = "cuda"))]
+    let _ = kernels; // no kernel to run
     #[cfg(feature = "cuda")]
     if let Some(device) = many::one_cuda_device(grads.iter().copied())
-        && crate::kernels::enabled(crate::kernels::Kernel::TrainOps)
+        && kernels.enabled(Kernel::TrainOps)
     {
         return many::square_sums(&device, grads);
     }
@@ -380,13 +398,13 @@ mod tests {
                     out: Some(out.clone()),
                 })
                 .collect();
-            adamw_step_many(&items, &step, &mut bits).unwrap();
+            adamw_step_many(&items, &step, &mut bits, &Kernels::every()).unwrap();
             for k in 0..3 {
                 let own = AdamWStep {
                     shrink: shrink[k],
                     ..step
                 };
-                adamw_step(&want_p[k], &want_g[k], &want_mv[k], &own).unwrap();
+                adamw_step(&want_p[k], &want_g[k], &want_mv[k], &own, &Kernels::every()).unwrap();
             }
         }
         for k in 0..3 {
@@ -408,19 +426,24 @@ mod tests {
             shrink: 1.0,
             out: Some(out),
         };
-        let err = adamw_step_many(&[one(0..3)], &step, &mut bits).unwrap_err();
+        let err = adamw_step_many(&[one(0..3)], &step, &mut bits, &Kernels::every()).unwrap_err();
         assert!(err.to_string().contains("wrong size"), "{err}");
         let past = bits.len() - 2 * sizes[1] + 2;
-        let err = adamw_step_many(&[one(past..past + 2 * sizes[1])], &step, &mut bits);
+        let err = adamw_step_many(
+            &[one(past..past + 2 * sizes[1])],
+            &step,
+            &mut bits,
+            &Kernels::every(),
+        );
         assert!(err.unwrap_err().to_string().contains("wrong size or place"));
         let twice = [one(0..2 * sizes[1]), one(2..2 + 2 * sizes[1])];
-        let err = adamw_step_many(&twice, &step, &mut bits).unwrap_err();
+        let err = adamw_step_many(&twice, &step, &mut bits, &Kernels::every()).unwrap_err();
         assert!(err.to_string().contains("overlap"), "{err}");
         let want: f64 = (0..3)
             .flat_map(|k| values(sizes[k], 1))
             .map(|x| f64::from(x) * f64::from(x))
             .sum();
-        let got = square_sum_many(&grads.iter().collect::<Vec<_>>()).unwrap();
+        let got = square_sum_many(&grads.iter().collect::<Vec<_>>(), &Kernels::every()).unwrap();
         assert!((got - want).abs() <= 1e-9 * want, "{got} against {want}");
     }
 
@@ -451,7 +474,7 @@ mod tests {
                 if composed_path {
                     composed(&p, &g, &mv, &step)?;
                 } else {
-                    adamw_step(&p, &g, &mv, &step)?;
+                    adamw_step(&p, &g, &mv, &step, &Kernels::every())?;
                 }
             }
             Ok((p.flatten_all()?.to_vec1()?, mv.flatten_all()?.to_vec1()?))

@@ -39,12 +39,11 @@ pub use linear::{MixedLinear, MixedMatmul, mixed_linear, mixed_matmul};
 pub use logprobs::{TargetLogprobs, TargetLogprobsBwd, target_dims, target_logprobs};
 pub use softmax::{MaskedSoftmax, SoftmaxBwd, SoftmaxGeometry, masked_softmax};
 
-/// Whether the training ops take `t`: f32, on the CPU or (with the feature) CUDA where
-/// their kernels passed the start-up check ([`crate::kernels`]).
+/// Whether the training ops take `t`: f32, on the CPU or (with the feature) CUDA. On
+/// CUDA the caller has asked its device's verdict first ([`crate::Gpt2::train_ops`]:
+/// the `train_ops` kernels passed their start-up check).
 pub fn supported(t: &Tensor) -> bool {
-    t.dtype() == DType::F32
-        && (t.device().is_cpu()
-            || t.device().is_cuda() && crate::kernels::enabled(crate::kernels::Kernel::TrainOps))
+    t.dtype() == DType::F32 && (t.device().is_cpu() || t.device().is_cuda())
 }
 
 /// A contiguous f32 operand of a CPU op.
@@ -177,6 +176,7 @@ pub fn check_empty_rows(device: &candle_core::Device) -> Result<()> {
         &empty,
         &Tensor::zeros((2, 0), DType::F32, device)?,
         &step,
+        &crate::kernels::Kernels::every(),
     )?;
     device.synchronize()
 }

@@ -6,10 +6,12 @@
 //! one small read and one small write per micro-batch.
 
 use crate::cuda::{Cuda, DevF32, DeviceVec};
+use crate::kernels::{StepKernel, StepKernels};
 use crate::weights::Weights;
 use crate::{Activations, KernelProfile};
 use candle_core::{DType, Device, Result as CandleResult, Tensor};
 use rookworld_lm::config::Config;
+use rookworld_lm::kernels::{Family, Finding};
 
 /// The CUDA pass's buffers, kept from step to step: every activation the pass planned,
 /// the gradients and the backend's scratch, so that a step of a shape already seen
@@ -49,7 +51,7 @@ pub type Side<'a, 'w> = (&'a Weights<'w, Cuda>, &'a mut Activations<Cuda>);
 /// on that stream too.
 pub fn with_pass<R>(
     work: &mut CudaWorkspace,
-    device: &Device,
+    (device, kernels): (&Device, &StepKernels),
     cfg: &Config,
     tensors: (&[Tensor], Option<&[Tensor]>),
     run: impl FnOnce(&Cuda, Side, Option<Side>, &mut [&mut DevF32]) -> CandleResult<R>,
@@ -79,10 +81,9 @@ pub fn with_pass<R>(
             .collect::<CandleResult<_>>()?;
     }
     let mut grads = views(&work.grads)?;
-    use rookworld_lm::kernels::{Kernel, enabled};
     let mut b = Cuda::with_scratch(cuda.clone(), std::mem::take(&mut work.scratch))
-        .with_tiled_attention(enabled(Kernel::StepAttentionTiles))
-        .with_kept_head(enabled(Kernel::StepHeadKept));
+        .with_tiled_attention(kernels.enabled(StepKernel::AttentionTiles))
+        .with_kept_head(kernels.enabled(StepKernel::HeadKept));
     if work.profile.is_some() {
         b = b.profiled();
     }
@@ -120,16 +121,16 @@ pub fn with_pass<R>(
 /// family when a buffer differs beyond tolerance (naming it) or the check cannot run;
 /// and, for each of the trials `step_attention_tiles` and `step_head_kept` turned on, the
 /// same with it, a finding for that family (so that it alone is turned off). Only the
-/// families that are on are checked ([`rookworld_lm::kernels::Switches::to_check`]: none
-/// when `step_backend` is turned off), each followed by a synchronisation of the device;
-/// a fault that poisons the CUDA context ends the process in one line naming the family
-/// whose check raised it (candle's autograd could not run in that context either).
-pub fn startup_check(device: &Device) -> Vec<rookworld_lm::kernels::Finding> {
-    use rookworld_lm::kernels::{Finding, Kernel, SWITCHES, end_process};
+/// families `kernels` has on are checked ([`rookworld_lm::kernels::Switches::to_check`]:
+/// none when `step_backend` is turned off), each followed by a synchronisation of the
+/// device; a fault that poisons the CUDA context ends the process in one line naming the
+/// family whose check raised it (candle's autograd could not run in that context either).
+pub fn startup_check(device: &Device, kernels: &StepKernels) -> Vec<Finding<StepKernel>> {
+    use rookworld_lm::kernels::end_process;
     let Device::Cuda(cuda) = device else {
         return Vec::new();
     };
-    let check = |kernel: Kernel, b: Cuda| match crate::compare::self_check(&b) {
+    let check = |kernel: StepKernel, b: Cuda| match crate::compare::self_check(&b) {
         Ok(c) => c.first_divergence().map(|_| Finding {
             kernel,
             problem: c.summary(),
@@ -139,23 +140,18 @@ pub fn startup_check(device: &Device) -> Vec<rookworld_lm::kernels::Finding> {
             problem: format!("did not run: {e}"),
         }),
     };
-    let settle = |family: Option<Kernel>| {
+    let settle = |family: Option<StepKernel>| {
         rookworld_lm::cuda::settle(device, family).unwrap_or_else(|lost| end_process(&lost))
     };
     // Whatever the device ran before is not blamed on the step's families.
     settle(None);
-    let families = [
-        Kernel::StepBackend,
-        Kernel::StepAttentionTiles,
-        Kernel::StepHeadKept,
-    ];
     let mut findings = Vec::new();
-    for kernel in SWITCHES.to_check(&families) {
+    for kernel in kernels.to_check(StepKernel::ALL) {
         let backend = Cuda::new(cuda.clone());
         let backend = match kernel {
-            Kernel::StepAttentionTiles => backend.with_tiled_attention(true),
-            Kernel::StepHeadKept => backend.with_kept_head(true),
-            _ => backend,
+            StepKernel::AttentionTiles => backend.with_tiled_attention(true),
+            StepKernel::HeadKept => backend.with_kept_head(true),
+            StepKernel::Backend => backend,
         };
         let found = check(kernel, backend);
         let settled = settle(Some(kernel));

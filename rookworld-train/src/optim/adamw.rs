@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 
 use candle_core::{DType, Result as CandleResult, Tensor, Var};
+use rookworld_lm::kernels::Kernels;
 use rookworld_lm::train_ops::adamw::{
     AdamWStep, ManyItem, adamw_step, adamw_step_many, write_bf16_bits,
 };
@@ -82,8 +83,16 @@ impl AdamW {
     }
 
     /// One update of `vars` with `grads` at learning rate `lr`.
-    pub fn step(&mut self, vars: &[(String, Var)], grads: &Gradients, lr: f64) -> CandleResult<()> {
-        self.step_exporting(vars, grads, lr, None)
+    /// On CUDA the kernels run where the device's `train_ops` are on (`kernels`, the
+    /// policy's [`rookworld_lm::Gpt2::kernels`]).
+    pub fn step(
+        &mut self,
+        vars: &[(String, Var)],
+        grads: &Gradients,
+        lr: f64,
+        kernels: &Kernels,
+    ) -> CandleResult<()> {
+        self.step_exporting(vars, grads, lr, None, kernels)
     }
 
     /// [`AdamW::step`], writing each updated parameter as bfloat16 into its slot of
@@ -95,6 +104,7 @@ impl AdamW {
         grads: &Gradients,
         lr: f64,
         mut export: Option<&mut Payload>,
+        kernels: &Kernels,
     ) -> CandleResult<()> {
         self.steps += 1;
         // Every parameter on the device path with a gradient there: one multi-tensor step.
@@ -103,7 +113,7 @@ impl AdamW {
                 && (!var.device().is_cpu() || self.device_path_everywhere)
         });
         if all_on_device && !vars.is_empty() {
-            return self.step_many(vars, grads, lr, export);
+            return self.step_many(vars, grads, lr, export, kernels);
         }
         for (i, (name, var)) in vars.iter().enumerate() {
             let Some(g) = grads.by_name.get(name) else {
@@ -115,7 +125,7 @@ impl AdamW {
             if let Grad::Tensor(g) = g
                 && (!var.device().is_cpu() || self.device_path_everywhere)
             {
-                self.step_on_device(name, var, g, &step, out)?;
+                self.step_on_device(name, var, g, (&step, kernels), out)?;
                 continue;
             }
             let (m, v) = self
@@ -210,6 +220,7 @@ impl AdamW {
         grads: &Gradients,
         lr: f64,
         export: Option<&mut Payload>,
+        kernels: &Kernels,
     ) -> CandleResult<()> {
         let mut held = Vec::with_capacity(vars.len());
         for (name, var) in vars {
@@ -239,7 +250,12 @@ impl AdamW {
                 out: slots.next(),
             })
             .collect();
-        adamw_step_many(&items, &self.constants(lr, true, grads.scale()), bits)
+        adamw_step_many(
+            &items,
+            &self.constants(lr, true, grads.scale()),
+            bits,
+            kernels,
+        )
     }
 
     /// One parameter's step on its device: its moments there ((2, n), moved from the host
@@ -250,14 +266,14 @@ impl AdamW {
         name: &str,
         var: &Var,
         grad: &Tensor,
-        step: &AdamWStep,
+        (step, kernels): (&AdamWStep, &Kernels),
         out: Option<&mut [u8]>,
     ) -> CandleResult<()> {
         let moments = self
             .device_moments_of(name, var.elem_count(), var.device())?
             .clone();
         let grad = grad.to_dtype(DType::F32)?.flatten_all()?;
-        adamw_step(var.as_tensor(), &grad, &moments, step)?;
+        adamw_step(var.as_tensor(), &grad, &moments, step, kernels)?;
         match out {
             Some(out) => write_bf16_bits(var.as_tensor(), out),
             None => Ok(()),
@@ -364,7 +380,7 @@ mod tests {
                 let g = Tensor::new(&[g as f32], &Device::Cpu).unwrap();
                 grads.by_name.insert(vars[0].0.clone(), Grad::Tensor(g));
             }
-            opt.step(&vars, &grads, 0.1).unwrap();
+            opt.step(&vars, &grads, 0.1, &Kernels::cpu()).unwrap();
             p *= 1.0 - 0.1 * 0.1;
             m = 0.9 * m + 0.1 * g;
             v = 0.99 * v + 0.01 * g * g;
@@ -408,8 +424,11 @@ mod tests {
                 grads.scale = 0.75;
                 grads
             };
-            host.step(&host_vars, &grads(), 1e-2).unwrap();
-            device.step(&device_vars, &grads(), 1e-2).unwrap();
+            host.step(&host_vars, &grads(), 1e-2, &Kernels::cpu())
+                .unwrap();
+            device
+                .step(&device_vars, &grads(), 1e-2, &Kernels::cpu())
+                .unwrap();
             let (a, b) = (
                 host_vars[0]
                     .1

@@ -60,7 +60,13 @@ fn step(f: &mut Fixture, version: u64) -> Arc<WeightSet> {
 fn step_with(f: &mut Fixture, grads: &crate::optim::Gradients, version: u64) -> Arc<WeightSet> {
     let mut payload = f.exporter.payload();
     f.opt
-        .step_exporting(&f.policy.vars, grads, 1e-3, Some(&mut payload))
+        .step_exporting(
+            &f.policy.vars,
+            grads,
+            1e-3,
+            Some(&mut payload),
+            f.policy.model.kernels(),
+        )
         .unwrap();
     payload.fill_rest(&f.policy.vars).unwrap();
     f.exporter.publish("run", version, payload).unwrap();

@@ -1,5 +1,6 @@
 use candle_core::{DType, Device};
 use rookworld_lm::checkpoint::init_random;
+use rookworld_lm::kernels::Kernels;
 
 use super::*;
 
@@ -32,7 +33,7 @@ fn chunks_reassemble_into_the_same_model() {
         &back.bytes,
         &Config::tiny(),
         (DType::F32, Default::default()),
-        &Device::Cpu,
+        (&Device::Cpu, &Kernels::cpu()),
         None,
     )
     .unwrap();
@@ -102,7 +103,7 @@ fn corruption_gaps_and_stale_versions_are_refused() {
         &set().bytes,
         &other,
         (DType::F32, Default::default()),
-        &Device::Cpu,
+        (&Device::Cpu, &Kernels::cpu()),
         None,
     )
     .unwrap_err();

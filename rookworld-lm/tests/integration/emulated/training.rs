@@ -1,6 +1,7 @@
 //! `train_ops.cu`: the training ops against their CPU implementations (`train_ops::*`).
 
 use super::*;
+use rookworld_lm::kernels::Kernels;
 
 #[test]
 fn layer_norm_forward_input_gradient_and_parameter_partials_match_the_cpu() {
@@ -307,7 +308,7 @@ fn adamw_moments_then_param_take_the_cpu_step() {
     let (p0, g, mv0) = (values.take(n), values.take(n), moments(&mut values, n));
     let tensor = |v: &[f32], shape: &[usize]| Tensor::from_slice(v, shape, &Device::Cpu).unwrap();
     let (p_cpu, mv_cpu) = (tensor(&p0, &[n]), tensor(&mv0, &[2, n]));
-    adamw::adamw_step(&p_cpu, &tensor(&g, &[n]), &mv_cpu, &c).unwrap();
+    adamw::adamw_step(&p_cpu, &tensor(&g, &[n]), &mv_cpu, &c, &Kernels::cpu()).unwrap();
 
     let (mut p, mut mv, gg) = (
         Guarded::from_slice(&p0),
@@ -418,7 +419,7 @@ fn adamw_many_and_square_sums_many_match_the_cpu_over_several_chunks() {
             out: ranges[k].clone(),
         })
         .collect();
-    adamw::adamw_step_many(&items, &c, &mut bits_cpu).unwrap();
+    adamw::adamw_step_many(&items, &c, &mut bits_cpu, &Kernels::cpu()).unwrap();
 
     let mut gp: Vec<Guarded<f32>> = p0.iter().map(|v| Guarded::from_slice(v)).collect();
     let gg: Vec<Guarded<f32>> = g.iter().map(|v| Guarded::from_slice(v)).collect();
@@ -508,7 +509,7 @@ fn adamw_many_and_square_sums_many_match_the_cpu_over_several_chunks() {
     assert_close("chunks' sums of squares", partial.as_slice(), &want, 1e-5);
     let total: f64 = partial.as_slice().iter().map(|&s| f64::from(s)).sum();
     let grads: Vec<&Tensor> = grads.iter().collect();
-    let cpu = adamw::square_sum_many(&grads).unwrap();
+    let cpu = adamw::square_sum_many(&grads, &Kernels::cpu()).unwrap();
     assert!(
         (total - cpu).abs() <= 1e-5 * cpu,
         "sum of squares {total} where the CPU gives {cpu}"
