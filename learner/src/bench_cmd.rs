@@ -10,7 +10,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rookworld_lm::config::Config;
 use rookworld_lm::device::DeviceChoice;
-use rookworld_lm::{Gpt2, checkpoint};
+use rookworld_lm::{Gpt2, model_io};
 use rookworld_service::logging::Progress;
 use serde::Serialize;
 
@@ -333,7 +333,7 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, BenchError> {
         .parse::<DeviceChoice>()
         .and_then(|d| d.open(&args.kernels))?;
     let init = |seed| -> Result<Gpt2, BenchError> {
-        let mut model = checkpoint::init_random(&cfg, seed, DType::F32, &device)?;
+        let mut model = model_io::init_random(&cfg, seed, DType::F32, &device)?;
         model.set_kernels(kernels.clone());
         args.matmul_precision.apply(&mut model);
         Ok(model)

@@ -14,9 +14,9 @@ use std::time::Instant;
 
 use candle_core::{DType, Device};
 use rollout_worker::{ServiceConfig, Worker, WorkerConfig};
-use rookworld_lm::checkpoint;
 use rookworld_lm::config::Config;
 use rookworld_lm::device::{DeviceChoice, WeightDtype};
+use rookworld_lm::model_io;
 use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
 use rookworld_service::logging::Progress;
@@ -164,13 +164,13 @@ pub fn run(args: &BenchPushArgs) -> Result<(), BenchPushError> {
 
 async fn bench(args: &BenchPushArgs) -> Result<Report, BenchPushError> {
     let cfg = Config::preset(&args.preset)?;
-    let learner_model = checkpoint::init_random(&cfg, 1, DType::F32, &Device::Cpu)?;
+    let learner_model = model_io::init_random(&cfg, 1, DType::F32, &Device::Cpu)?;
     let t = Instant::now();
-    let generic = checkpoint::to_bytes(&learner_model, DType::BF16)?;
+    let generic = model_io::to_bytes(&learner_model, DType::BF16)?;
     let export_generic_seconds = t.elapsed().as_secs_f64();
     drop(generic);
     let t = Instant::now();
-    let payload = checkpoint::to_bf16_payload(&learner_model)?;
+    let payload = model_io::to_bf16_payload(&learner_model)?;
     let export_seconds = t.elapsed().as_secs_f64();
     let t = Instant::now();
     let set = WeightSet::from_bytes("bench", 1, payload);
@@ -195,7 +195,7 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, BenchPushError> {
         .and_then(|d| d.open(&args.kernels))
         .map_err(|e| ConfigError::Value(format!("--worker-device: {e}")))?;
     let (dtype, panels) = args.rollout_weight_dtype.resolve(&device)?;
-    let mut worker_model = checkpoint::init_random(&cfg, 2, dtype, &device)?;
+    let mut worker_model = model_io::init_random(&cfg, 2, dtype, &device)?;
     worker_model.set_panel_dtype(panels);
     worker_model.set_kernels(kernels);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

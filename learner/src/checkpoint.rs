@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use rookworld_lm::checkpoint::{self, write_atomic};
+use rookworld_lm::model_io::{self, write_atomic};
 use serde::{Deserialize, Serialize};
 
 use crate::prompts::Cursor;
@@ -111,7 +111,7 @@ pub fn save(
     }
     std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
 
-    checkpoint::save(&policy.model, &tmp, DType::F32)?;
+    model_io::save(&policy.model, &tmp, DType::F32)?;
     rookworld_lm::Tokenizer::gpt2().save(&tmp)?;
     let mut moments: Vec<(String, Tensor)> = Vec::new();
     let shapes: HashMap<&str, candle_core::Shape> = policy

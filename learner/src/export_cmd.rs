@@ -5,9 +5,9 @@
 
 use std::path::{Path, PathBuf};
 
-use rookworld_lm::checkpoint::{self, CONFIG_FILE, WEIGHTS_FILE, write_atomic};
 use rookworld_lm::cli::ModelArgs;
 use rookworld_lm::device::parse_dtype;
+use rookworld_lm::model_io::{self, CONFIG_FILE, WEIGHTS_FILE, write_atomic};
 use rookworld_lm::{Config, Tokenizer};
 
 /// `generation_config.json`: the token ids `generate` stops and pads with.
@@ -93,7 +93,7 @@ pub fn run(args: &ExportArgs) -> Result<(), ExportError> {
     };
     let loaded = stored.load()?;
     let cfg = loaded.model.config();
-    checkpoint::save(&loaded.model, &args.out, dtype)?;
+    model_io::save(&loaded.model, &args.out, dtype)?;
     write_json(
         &args.out.join(GENERATION_CONFIG_FILE),
         &generation_config(cfg),

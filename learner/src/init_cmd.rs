@@ -5,9 +5,9 @@
 use std::path::PathBuf;
 
 use rookworld_lm::Result;
-use rookworld_lm::checkpoint;
 use rookworld_lm::cli::ModelArgs;
 use rookworld_lm::device::parse_dtype;
+use rookworld_lm::model_io;
 
 /// Options of `learner init`.
 #[derive(Debug, Clone, clap::Args)]
@@ -26,7 +26,7 @@ pub struct InitArgs {
 pub fn run(args: &InitArgs) -> Result<()> {
     let save_dtype = parse_dtype(&args.save_dtype)?;
     let loaded = args.model.load()?;
-    checkpoint::save(&loaded.model, &args.out, save_dtype)?;
+    model_io::save(&loaded.model, &args.out, save_dtype)?;
     loaded.tokenizer.save(&args.out)?;
     tracing::info!(
         source = %loaded.source,

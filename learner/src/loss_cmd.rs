@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use candle_core::{DType, Device};
-use rookworld_lm::checkpoint;
+use rookworld_lm::model_io;
 
 use rookworld_lm::cli::{DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE};
 use rookworld_train::batch::GrpoBatch;
@@ -132,7 +132,7 @@ pub fn run(args: &LossArgs) -> Result<(), LossCmdError> {
     let device = Device::Cpu;
     let policy = Trainable::load(&args.policy, &device)?;
     let reference = if cfg.beta > 0.0 {
-        Some(checkpoint::load(&args.reference, DType::F32, &device)?)
+        Some(model_io::load(&args.reference, DType::F32, &device)?)
     } else {
         None
     };

@@ -141,7 +141,7 @@ pub fn run_id(run: &Path, fresh: bool) -> Result<String, RunDirError> {
         path: run.to_path_buf(),
         source,
     })?;
-    rookworld_lm::checkpoint::write_atomic(&path, id.as_bytes()).map_err(CheckpointError::from)?;
+    rookworld_lm::model_io::write_atomic(&path, id.as_bytes()).map_err(CheckpointError::from)?;
     Ok(id)
 }
 

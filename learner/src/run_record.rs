@@ -65,7 +65,7 @@ pub fn write(
         }
     }
     let text = render(settings, Some(origin));
-    rookworld_lm::checkpoint::write_atomic(&path, text.as_bytes())?;
+    rookworld_lm::model_io::write_atomic(&path, text.as_bytes())?;
     tracing::info!(record = %path.display(), "run settings recorded");
     Ok(text)
 }

@@ -10,7 +10,6 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_core::Device;
 use rookworld_chess::rules::standard;
 use rookworld_chess::stockfish::{StockfishConfig, StockfishPool};
 use rookworld_lm::Tokenizer;
@@ -377,7 +376,6 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
     let s = &args.settings;
     s.validate()?;
     rookworld_service::validate::at_least("--checkpoint-every", args.checkpoint_every, 1)?;
-    let device = Device::Cpu;
     let settings = serde_json::to_value(s).expect("settings serialise");
     let mut source = match &args.prompts {
         Some(path) => Source::File {
@@ -391,6 +389,8 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
         resumable: SFT_RESUMABLE,
         steps: s.steps,
     };
+    // The device opened once: a resumed run continues where a fresh one would run.
+    let (device, kernels) = args.model.open()?;
     let opened = crate::run_dir::open(&args.run_dir, &args.start, &device, expect)?;
     let _lock = opened.lock;
     let (mut policy, mut opt, schedule, start) = match opened.loaded {
@@ -402,11 +402,13 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
         }) => {
             source.restore(&state.cursor)?;
             tracing::info!(step = state.step, dir = %dir.display(), "resumed");
+            let mut policy = policy;
+            policy.model.set_kernels(kernels);
             // The schedule follows the settings: a longer run stretches it.
             (policy, opt, s.optimizer().1, state.step)
         }
         None => {
-            let loaded = args.model.load()?;
+            let loaded = args.model.load_on((device, kernels))?;
             let policy = Trainable::from_model(&loaded.model)?;
             let (opt, schedule) = s.optimizer();
             (policy, opt, schedule, 0)

@@ -19,6 +19,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use rookworld_lm::cli::ModelArgs;
 use rookworld_lm::cpu_gemm::PanelDtype;
+use rookworld_lm::device::DeviceChoice;
 use rookworld_lm::generate::{GenerationConfig, generate_batch};
 use rookworld_lm::kernels::{CHECKED_FAMILIES, Family, Finding, Kernel, KernelChoice};
 use rookworld_lm::sampling::SamplingParams;
@@ -120,9 +121,14 @@ pub fn run(args: &ParityArgs, out: &mut impl Write) -> std::result::Result<(), P
         .collect::<Result<Vec<_>>>()?;
     let want_logits = logits(&reference.model, &prompts)?;
     let want_tokens = greedy(&reference.model, &prompts, args.new_tokens)?;
+    // The device opened and its kernels judged once; each dtype's model on a stream of its
+    // own beside it.
+    let (device, kernels) = args.model.open()?;
+    let choice: DeviceChoice = args.model.device.parse()?;
     let mut results = Vec::new();
     for dtype in ["f32", "bf16"] {
-        let mut loaded = on(&args.model.device, dtype).load()?;
+        let beside = choice.open_beside(&kernels)?;
+        let mut loaded = on(&args.model.device, dtype).load_on(beside)?;
         if loaded.model.panel_dtype() == PanelDtype::Bf16 || loaded.model.device().is_cuda() {
             // On the CPU, BF16 lives in the packed panels (`--weight-dtype`); on CUDA the
             // engine's model has a padded head: check those.
@@ -166,7 +172,7 @@ pub fn run(args: &ParityArgs, out: &mut impl Write) -> std::result::Result<(), P
             pushed_logits_max_abs_error,
         });
     }
-    let kernels = kernel_check(&args.model.device, &args.model.kernels);
+    let kernels = kernel_check(&device, &args.model.kernels);
     let verdict = kernels.as_ref().map_or(Ok(()), KernelReport::verdict);
     let report = Report {
         device: args.model.device.clone(),
@@ -213,7 +219,7 @@ fn logits(model: &Gpt2, prompts: &[Vec<u32>]) -> Result<Vec<f32>> {
 /// `reference`'s weights pushed to a worker like `like` (its dtype, panels and device):
 /// the BF16 payload a learner sends, built as the worker builds it.
 fn pushed(reference: &Gpt2, like: &Gpt2) -> Result<Gpt2> {
-    let payload = rookworld_lm::checkpoint::to_bf16_payload(reference)?;
+    let payload = rookworld_lm::model_io::to_bf16_payload(reference)?;
     let kind = (like.dtype(), like.panel_dtype());
     let on = (like.device(), like.kernels());
     rookworld_weights::set::build_model(&payload, like.config(), kind, on, None).map_err(
@@ -428,21 +434,12 @@ fn kernel_report(outcome: KernelOutcome, on: impl Fn(Kernel) -> bool) -> KernelR
 
 /// The decode step's CUDA kernels against their CPU references, per family; `None` off
 /// CUDA. Never an error: what keeps the check from running is in the report.
-fn kernel_check(device: &str, choice: &KernelChoice) -> Option<KernelReport> {
-    let unchecked = |why: String| KernelOutcome {
-        error: Some(why),
-        ..KernelOutcome::default()
-    };
-    let device = match device
-        .parse::<rookworld_lm::device::DeviceChoice>()
-        .and_then(|d| d.open(choice))
-    {
-        Ok((device, _)) if !device.is_cuda() => return None,
-        Ok((device, _)) => device,
-        Err(e) => return Some(kernel_report(unchecked(e.to_string()), |_| true)),
-    };
+fn kernel_check(device: &Device, choice: &KernelChoice) -> Option<KernelReport> {
+    if !device.is_cuda() {
+        return None;
+    }
     let (enabled, disabled) = (choice.enabled(), choice.disabled());
-    Some(kernel_report(run_kernel_check(&device), |k| {
+    Some(kernel_report(run_kernel_check(device, choice), |k| {
         family_on(k, &enabled, &disabled)
     }))
 }
@@ -452,8 +449,9 @@ fn kernel_check(device: &str, choice: &KernelChoice) -> Option<KernelReport> {
 /// A fault that poisons the context stops the checks; the report then names it, and every
 /// family's line says it did not run.
 #[cfg(feature = "cuda")]
-fn run_kernel_check(device: &Device) -> KernelOutcome {
-    match rookworld_lm::cuda::check_families(device, &CHECKED_FAMILIES) {
+fn run_kernel_check(device: &Device, choice: &KernelChoice) -> KernelOutcome {
+    let reference = rookworld_lm::kernels::Kernels::chosen(choice);
+    match rookworld_lm::cuda::check_families(device, &CHECKED_FAMILIES, &reference) {
         Ok((check, errors)) => {
             // A family that did not run is the check's error; one that disagreed only its
             // family's problem.
@@ -493,7 +491,7 @@ fn run_kernel_check(device: &Device) -> KernelOutcome {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn run_kernel_check(_: &Device) -> KernelOutcome {
+fn run_kernel_check(_: &Device, _: &KernelChoice) -> KernelOutcome {
     KernelOutcome {
         error: Some("this binary was built without the `cuda` feature".into()),
         ..KernelOutcome::default()

@@ -528,8 +528,8 @@ mod tests {
                 .all(|(v, b)| v.to_bits() == u32::from(*b) << 16)
         );
     }
-    use crate::checkpoint::init_random;
     use crate::config::Config;
+    use crate::model_io::init_random;
 
     #[test]
     fn the_payload_holds_what_the_generic_path_writes() {

@@ -4,12 +4,12 @@ use std::path::PathBuf;
 
 use candle_core::Device;
 
-use crate::checkpoint;
 use crate::config::Config;
 use crate::device::{DeviceChoice, WeightDtype};
 use crate::error::{Error, Result};
 use crate::kernels::{DISABLE_ENV, ENABLE_ENV, KernelChoice, Kernels};
 use crate::model::Gpt2;
+use crate::model_io;
 use crate::tokenizer::Tokenizer;
 
 /// Where the weights come from, and where they run.
@@ -149,7 +149,7 @@ impl ModelArgs {
         match (&self.model, &self.preset) {
             (Some(model), _) => {
                 let dir = crate::hub::resolve(model)?;
-                Config::from_file(&dir.join(checkpoint::CONFIG_FILE))
+                Config::from_file(&dir.join(model_io::CONFIG_FILE))
             }
             (None, Some(name)) => Config::preset(name),
             (None, None) => Err(Error::InvalidArgument(
@@ -181,7 +181,7 @@ impl ModelArgs {
                 // thread of its own while the checkpoint loads.
                 let (model, tokenizer) = std::thread::scope(|scope| {
                     let tokenizer = scope.spawn(|| Tokenizer::from_dir(&dir));
-                    let model = checkpoint::load(&dir, dtype, &device);
+                    let model = model_io::load(&dir, dtype, &device);
                     let tokenizer = tokenizer
                         .join()
                         .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
@@ -199,7 +199,7 @@ impl ModelArgs {
             (None, Some(name)) => {
                 let cfg = Config::preset(name)?;
                 (
-                    checkpoint::init_random(&cfg, self.init_seed, dtype, &device)?,
+                    model_io::init_random(&cfg, self.init_seed, dtype, &device)?,
                     Tokenizer::gpt2(),
                     format!("preset {name} (random weights, seed {})", self.init_seed),
                 )
@@ -325,9 +325,9 @@ mod tests {
     fn a_checkpoint_without_tokenizer_files_says_so_in_its_source() {
         let dir = tempfile::tempdir().unwrap();
         let model =
-            checkpoint::init_random(&Config::tiny(), 0, candle_core::DType::F32, &Device::Cpu)
+            model_io::init_random(&Config::tiny(), 0, candle_core::DType::F32, &Device::Cpu)
                 .unwrap();
-        checkpoint::save(&model, dir.path(), candle_core::DType::F32).unwrap();
+        model_io::save(&model, dir.path(), candle_core::DType::F32).unwrap();
         let args = ModelArgs {
             model: Some(dir.path().to_path_buf()),
             preset: None,

@@ -190,7 +190,8 @@ fn startup_check(device: &Device, choice: &KernelChoice) -> Result<Kernels> {
     let kernels = Kernels::chosen(choice);
     let started = std::time::Instant::now();
     let families = kernels.to_check(&crate::kernels::CHECKED_FAMILIES);
-    let findings = crate::cuda::startup_findings(device, &families)
+    // The decode graphs' reference step runs op by op on the kernels this choice keeps.
+    let findings = crate::cuda::startup_findings(device, &families, &kernels)
         .unwrap_or_else(|lost| crate::kernels::end_process(&lost));
     kernels.apply(&name, &findings)?;
     tracing::info!(

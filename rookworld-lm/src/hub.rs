@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 
 use hf_hub::{Cache, Repo, RepoType};
 
-use crate::checkpoint::{CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
 use crate::error::{Error, Result};
+use crate::model_io::{CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
 
 /// Files a checkpoint may have beside its weights (taken when present, never required).
 const OPTIONAL: [&str; 1] = ["tokenizer.json"];

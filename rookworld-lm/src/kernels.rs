@@ -62,7 +62,7 @@ pub enum Kernel {
     /// trial ([`Family::trial`]); without it, `grouped_attention`.
     SplitAttention,
     /// A weight push written into the worker's own device buffers, copied from
-    /// page-locked memory in one transfer (`cuda::upload`, `checkpoint::refill_in_place`).
+    /// page-locked memory in one transfer (`cuda::upload`, `model_io::refill_in_place`).
     /// A trial ([`Family::trial`]); without it each version is a new model, uploaded in one
     /// copy from pageable memory.
     WeightsInPlace,

@@ -30,7 +30,6 @@
 pub mod alloc;
 pub mod bf16_payload;
 pub mod cache;
-pub mod checkpoint;
 pub mod cli;
 pub mod config;
 mod cpu_attention;
@@ -49,6 +48,7 @@ pub mod kernels;
 pub mod launch;
 pub mod mask;
 pub mod model;
+pub mod model_io;
 pub mod sampling;
 pub mod simd;
 pub mod tokenizer;

@@ -1,11 +1,11 @@
 //! The one buffer a model's weights are views of when one copy of a safetensors payload
-//! filled it ([`crate::checkpoint::from_bytes_in_one_buffer`]), with the payload's layout,
-//! which a refill of the same layout ([`crate::checkpoint::refill_in_place`]) must match.
+//! filled it ([`crate::model_io::from_bytes_in_one_buffer`]), with the payload's layout,
+//! which a refill of the same layout ([`crate::model_io::refill_in_place`]) must match.
 
 use candle_core::Tensor;
 
 /// The one buffer a model's weights are views of, and where each tensor of the payload
-/// it was built from lies in it (see [`crate::checkpoint::from_bytes_in_one_buffer`]).
+/// it was built from lies in it (see [`crate::model_io::from_bytes_in_one_buffer`]).
 #[derive(Debug, Clone)]
 pub struct WeightsBuffer {
     /// [elements] the payload's data section, in the stored dtype.

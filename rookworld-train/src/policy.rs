@@ -6,7 +6,7 @@ use std::sync::Mutex;
 
 use candle_core::{DType, Device, Result as CandleResult, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
-use rookworld_lm::{Gpt2, LeftPadding, checkpoint};
+use rookworld_lm::{Gpt2, LeftPadding, model_io};
 
 use crate::batch::Layout;
 use crate::fused::Workspace;
@@ -156,7 +156,7 @@ pub enum Pass {
 impl Trainable {
     /// Loads a checkpoint directory in f32 on `device` as trainable weights.
     pub fn load(dir: &Path, device: &Device) -> rookworld_lm::Result<Self> {
-        Self::from_model(&checkpoint::load(dir, DType::F32, device)?)
+        Self::from_model(&model_io::load(dir, DType::F32, device)?)
     }
 
     /// Trainable copies of `model`'s weights.

@@ -198,8 +198,7 @@ mod tests {
             eos_token_id: 96, // the padding id of the autograd path's batch
             ..Config::tiny()
         };
-        let model =
-            rookworld_lm::checkpoint::init_random(&cfg, 3, DType::F32, &Device::Cpu).unwrap();
+        let model = rookworld_lm::model_io::init_random(&cfg, 3, DType::F32, &Device::Cpu).unwrap();
         let policy = Trainable::from_model(&model).unwrap();
         let docs: Vec<Document> = [(12, 1), (9, 4), (20, 19), (5, 2)]
             .iter()

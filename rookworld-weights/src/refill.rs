@@ -5,7 +5,7 @@
 //! and zeroed by the kernel first — on a small VM a fresh 249 MB buffer's first touch
 //! alone took 0.7 s. [`refill`] instead writes a new version into a retired model's
 //! tensors and panels in place: the same checks as
-//! [`checkpoint::from_bytes`](rookworld_lm::checkpoint::from_bytes), no allocation of the
+//! [`model_io::from_bytes`](rookworld_lm::model_io::from_bytes), no allocation of the
 //! model's size.
 
 use candle_core::DType;
@@ -14,7 +14,7 @@ use safetensors::{Dtype, SafeTensors};
 use rookworld_lm::Gpt2;
 use rookworld_lm::Result;
 use rookworld_lm::bf16_payload::{StoredValues, overwrite};
-use rookworld_lm::checkpoint;
+use rookworld_lm::model_io;
 
 /// Overwrites `model`'s weights with those of safetensors `bytes` (bfloat16 or f32
 /// values, names with or without the `transformer.` prefix) and repacks them for the
@@ -23,9 +23,9 @@ use rookworld_lm::checkpoint;
 /// ([`Gpt2::packed_only`], a worker's) is packed straight from `bytes`
 /// ([`Gpt2::refill_packed`]): no dense copy of its projections is written.
 ///
-/// A model built by one upload ([`checkpoint::from_bytes_in_one_buffer`]) takes the next
+/// A model built by one upload ([`model_io::from_bytes_in_one_buffer`]) takes the next
 /// version of the same layout by one copy into that buffer instead
-/// ([`checkpoint::refill_in_place`]).
+/// ([`model_io::refill_in_place`]).
 ///
 /// Returns false, changing nothing, when the model is neither f32 on the CPU nor in one
 /// buffer of this payload's layout, or a tensor is stored in another dtype: build the
@@ -35,20 +35,20 @@ use rookworld_lm::checkpoint;
 /// a clone of the model) sees the new values. Refill only a model nothing else shares.
 pub fn refill(model: &mut Gpt2, bytes: &[u8]) -> Result<bool> {
     if in_place(model) {
-        return checkpoint::refill_in_place(model, bytes);
+        return model_io::refill_in_place(model, bytes);
     }
     if !refillable(model) {
         return Ok(false);
     }
     let st = SafeTensors::deserialize(bytes)?;
-    let prefixed = checkpoint::check_tensors(
+    let prefixed = model_io::check_tensors(
         model.config(),
         st.tensors()
             .into_iter()
             .map(|(n, v)| (n, v.shape().to_vec())),
     )?;
     let key = |name: &str| -> String {
-        match name.strip_prefix(checkpoint::PREFIX) {
+        match name.strip_prefix(model_io::PREFIX) {
             Some(bare) if !prefixed => bare.to_owned(),
             _ => name.to_owned(),
         }
@@ -80,7 +80,7 @@ pub fn refill(model: &mut Gpt2, bytes: &[u8]) -> Result<bool> {
 }
 
 /// Whether [`refill`] can write into `model`: f32 weights on the CPU, or a model whose
-/// weights are views of one buffer ([`checkpoint::from_bytes_in_one_buffer`]: a GPU
+/// weights are views of one buffer ([`model_io::from_bytes_in_one_buffer`]: a GPU
 /// worker's) while the `weights_in_place` trial is on.
 pub fn refillable(model: &Gpt2) -> bool {
     in_place(model) || (model.device().is_cpu() && model.dtype() == DType::F32)
@@ -103,7 +103,7 @@ mod tests {
 
     use super::*;
     use rookworld_lm::Config;
-    use rookworld_lm::checkpoint::{from_bytes, init_random, to_bf16_payload, to_bytes};
+    use rookworld_lm::model_io::{from_bytes, init_random, to_bf16_payload, to_bytes};
 
     fn values(model: &Gpt2) -> Vec<Vec<f32>> {
         model

@@ -3,7 +3,7 @@
 //! every check made before anything is trusted.
 
 use bytes::Bytes;
-use rookworld_lm::{Config, Gpt2, checkpoint};
+use rookworld_lm::{Config, Gpt2, model_io};
 use rookworld_proto::rollout::v1 as pb;
 
 /// The one payload format accepted.
@@ -61,7 +61,7 @@ pub struct WeightSet {
 impl WeightSet {
     /// Serialises `model` (converted to bfloat16) as version `version` of run `run_id`.
     pub fn from_model(model: &Gpt2, run_id: &str, version: u64) -> rookworld_lm::Result<Self> {
-        let bytes = checkpoint::to_bf16_payload(model)?;
+        let bytes = model_io::to_bf16_payload(model)?;
         Ok(Self::from_bytes(run_id, version, bytes))
     }
 
@@ -376,7 +376,7 @@ pub fn build_model(
         tracing::debug!("new weights written into the retired model's memory");
         return Ok(model);
     }
-    let mut model = checkpoint::from_bytes(bytes, cfg, dtype, device)?;
+    let mut model = model_io::from_bytes(bytes, cfg, dtype, device)?;
     model.set_panel_dtype(panels);
     model.set_kernels(kernels.clone());
     model

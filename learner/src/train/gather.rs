@@ -193,8 +193,7 @@ mod tests {
     /// A run of the tiny preset at version 1.
     fn run(dir: &std::path::Path, s: &TrainSettings) -> Run {
         let cfg = rookworld_lm::Config::tiny();
-        let model =
-            rookworld_lm::checkpoint::init_random(&cfg, 0, DType::F32, &Device::Cpu).unwrap();
+        let model = rookworld_lm::model_io::init_random(&cfg, 0, DType::F32, &Device::Cpu).unwrap();
         let mut queue = Queue::new(s.queue_config());
         queue.set_run("run");
         Run {

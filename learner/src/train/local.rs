@@ -12,7 +12,7 @@ use rookworld_chess::score::RewardConfig;
 use rookworld_chess::scorer::Scorer;
 use rookworld_lm::device::{DeviceChoice, WeightDtype};
 use rookworld_lm::kernels::Kernels;
-use rookworld_lm::{Gpt2, checkpoint};
+use rookworld_lm::{Gpt2, model_io};
 use rookworld_service::tls::{ClientTlsArgs, ServerTls};
 use rookworld_weights::set::WeightSet;
 use tokio::net::TcpListener;
@@ -70,7 +70,7 @@ impl LocalServices {
         // `auto`: BF16 on CUDA, BF16 panels on the CPU (the pushes are BF16 values: the
         // same products as f32 panels, half the bytes).
         let (dtype, panels) = weight_dtype.resolve(&device)?;
-        let mut model: Gpt2 = checkpoint::from_bytes(&weights.bytes, config, dtype, &device)?;
+        let mut model: Gpt2 = model_io::from_bytes(&weights.bytes, config, dtype, &device)?;
         model.set_panel_dtype(panels);
         model.set_kernels(kernels);
         let worker_listener = TcpListener::bind("127.0.0.1:0").await?;

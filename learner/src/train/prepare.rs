@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use candle_core::DType;
-use rookworld_lm::checkpoint as model_checkpoint;
+use rookworld_lm::model_io;
 use tokio::sync::watch;
 
 use super::config::ConfigError;
@@ -139,7 +139,7 @@ pub(super) fn prepare(
                 }
             }
             // The reference is the policy GRPO starts from (after any warm-up).
-            model_checkpoint::save(&policy.model, &reference_dir, DType::F32)?;
+            model_io::save(&policy.model, &reference_dir, DType::F32)?;
             // A new run counts its versions from 1; its run id tells them apart.
             (policy, AdamW::new(s.adamw()), 0, 1)
         }
@@ -154,8 +154,7 @@ pub(super) fn prepare(
     // Version 0 is whatever weights a worker started with, never the learner's.
     queue.retire(0, 0);
     let reference = if s.objective.beta > 0.0 {
-        let mut reference =
-            model_checkpoint::load(&reference_dir, DType::F32, policy.model.device())?;
+        let mut reference = model_io::load(&reference_dir, DType::F32, policy.model.device())?;
         reference.set_kernels(policy.model.kernels().clone());
         model.matmul_precision.apply(&mut reference);
         Some(reference)

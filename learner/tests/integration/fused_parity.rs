@@ -9,7 +9,7 @@
 use crate::common;
 
 use candle_core::{DType, Device};
-use rookworld_lm::checkpoint;
+use rookworld_lm::model_io;
 use rookworld_train::grpo::{AdvantageNorm, Aggregation, PolicyLoss};
 use rookworld_train::loss::LossConfig;
 use rookworld_train::offpolicy::Correction;
@@ -20,7 +20,7 @@ use rookworld_train::step::{StepConfig, accumulate, accumulate_autograd};
 fn fused_pass_equals_autograd_on_the_plain_model() {
     let dir = common::grpo_fixture();
     let mut policy = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
-    let reference = checkpoint::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
+    let reference = model_io::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
     let mut worst = 0f32;
     for (
         with_old,

@@ -7,7 +7,7 @@ use std::process::Command;
 
 use candle_core::{DType, Device};
 use learner::loss_cmd::evaluate;
-use rookworld_lm::checkpoint;
+use rookworld_lm::model_io;
 use rookworld_train::batch::GrpoBatch;
 use rookworld_train::grpo::{AdvantageNorm, Aggregation, PolicyLoss};
 use rookworld_train::loss::LossConfig;
@@ -81,8 +81,7 @@ fn loss_parts_advantages_and_grad_norm_match_pytorch() {
     let batch_of = |name: &str| -> GrpoBatch {
         serde_json::from_str(&std::fs::read_to_string(fixture().join(name)).unwrap()).unwrap()
     };
-    let reference =
-        checkpoint::load(&fixture().join("reference"), DType::F32, &Device::Cpu).unwrap();
+    let reference = model_io::load(&fixture().join("reference"), DType::F32, &Device::Cpu).unwrap();
     for case in cases() {
         let cfg = config(&case["args"]);
         let policy = Trainable::load(&fixture().join("policy"), &Device::Cpu).unwrap();

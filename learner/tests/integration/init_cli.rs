@@ -28,7 +28,7 @@ fn init_writes_a_checkpoint_that_loads() {
     for f in ["config.json", "model.safetensors", "tokenizer.json"] {
         assert!(out.join(f).is_file(), "{f} missing");
     }
-    let model = rookworld_lm::checkpoint::load(&out, DType::F32, &Device::Cpu).unwrap();
+    let model = rookworld_lm::model_io::load(&out, DType::F32, &Device::Cpu).unwrap();
     assert_eq!(model.config(), &rookworld_lm::Config::tiny());
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();

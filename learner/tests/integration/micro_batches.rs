@@ -4,7 +4,7 @@
 use crate::common;
 
 use candle_core::{DType, Device};
-use rookworld_lm::checkpoint;
+use rookworld_lm::model_io;
 use rookworld_train::grpo::{AdvantageNorm, Aggregation};
 use rookworld_train::loss::LossConfig;
 use rookworld_train::policy::Trainable;
@@ -15,7 +15,7 @@ fn micro_batched_gradients_equal_the_full_batch() {
     let dir = common::grpo_fixture();
     let batch = common::batch_of_four();
     let policy = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
-    let reference = checkpoint::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
+    let reference = model_io::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
     for (aggregation, advantage_norm, mask_truncated) in [
         (Aggregation::Sequence, AdvantageNorm::Unbiased, false),
         (Aggregation::Token, AdvantageNorm::Unbiased, false),

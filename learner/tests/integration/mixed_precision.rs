@@ -7,7 +7,7 @@
 use crate::common;
 
 use candle_core::{DType, Device};
-use rookworld_lm::checkpoint;
+use rookworld_lm::model_io;
 use rookworld_train::loss::LossConfig;
 use rookworld_train::policy::{MatmulPrecision, Trainable};
 use rookworld_train::step::{StepConfig, accumulate, accumulate_autograd};
@@ -15,7 +15,7 @@ use rookworld_train::step::{StepConfig, accumulate, accumulate_autograd};
 #[test]
 fn bf16_matmuls_give_the_f32_step_to_bf16_rounding() {
     let dir = common::grpo_fixture();
-    let reference = checkpoint::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
+    let reference = model_io::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
     let exact = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
     let mut mixed = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
     assert_eq!(

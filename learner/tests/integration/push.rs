@@ -7,7 +7,7 @@ use candle_core::{DType, Device};
 use learner::push::{Fleet, SyncState};
 use rollout_worker::{ServiceConfig, Worker, WorkerConfig};
 use rookworld_lm::Config;
-use rookworld_lm::checkpoint::init_random;
+use rookworld_lm::model_io::init_random;
 use rookworld_weights::set::WeightSet;
 
 const TOKEN: &str = "push-token";

@@ -10,8 +10,8 @@ use std::time::Duration;
 use candle_core::{DType, Device};
 use learner::push::{Fleet, push_to};
 use rollout_worker::{ServiceConfig, Worker, WorkerConfig};
-use rookworld_lm::checkpoint::init_random;
-use rookworld_lm::{Config, Gpt2, checkpoint};
+use rookworld_lm::model_io::init_random;
+use rookworld_lm::{Config, Gpt2, model_io};
 use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
 use rookworld_train::policy::Trainable;
@@ -144,7 +144,7 @@ async fn the_shared_file_delivers_what_the_stream_delivers() {
     assert_eq!(bits(&streamed.1), bits(&shared.1));
     // And they are the learner's weights: a worker started from the payload itself
     // generates the same.
-    let direct = checkpoint::from_bytes(&base.bytes, &Config::tiny(), DType::F32, &Device::Cpu);
+    let direct = model_io::from_bytes(&base.bytes, &Config::tiny(), DType::F32, &Device::Cpu);
     let direct_url = worker_of(direct.unwrap(), None).await;
     let started = greedy(&mut client(&direct_url).await).await;
     assert_eq!(started.0, shared.0);
@@ -307,7 +307,7 @@ async fn versions_built_into_retired_memory_serve_exactly_their_weights() {
             weights::push_shared(&mut c, &set, TOKEN).await.unwrap();
         }
         let served = greedy(&mut c).await;
-        let direct = checkpoint::from_bytes(&base.bytes, &Config::tiny(), DType::F32, &Device::Cpu);
+        let direct = model_io::from_bytes(&base.bytes, &Config::tiny(), DType::F32, &Device::Cpu);
         let want = greedy(&mut client(&worker_of(direct.unwrap(), None).await).await).await;
         assert_eq!(served.2, v);
         assert_eq!(served.0, want.0, "version {v}: tokens");

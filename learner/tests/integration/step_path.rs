@@ -6,8 +6,8 @@
 use crate::common;
 
 use candle_core::{DType, Device};
-use rookworld_lm::checkpoint;
 use rookworld_lm::config::{Activation, Config};
+use rookworld_lm::model_io;
 use rookworld_train::loss::LossConfig;
 use rookworld_train::policy::StepPath;
 use rookworld_train::policy::{Pass, Trainable};
@@ -27,7 +27,7 @@ fn step_config() -> StepConfig {
 #[test]
 fn each_path_runs_its_own_pass_and_they_agree() {
     let dir = common::grpo_fixture();
-    let reference = checkpoint::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
+    let reference = model_io::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
     let mut policy = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
     assert_eq!(policy.pass(), Pass::FusedCpu, "auto on the CPU");
     let batch = common::batch_of_four();
@@ -70,7 +70,7 @@ fn each_path_runs_its_own_pass_and_they_agree() {
 fn fused_where_it_does_not_apply_is_refused_with_the_reason() {
     let mut cfg = Config::preset("tiny").unwrap();
     cfg.activation_function = Activation::Relu;
-    let model = checkpoint::init_random(&cfg, 0, DType::F32, &Device::Cpu).unwrap();
+    let model = model_io::init_random(&cfg, 0, DType::F32, &Device::Cpu).unwrap();
     let mut policy = Trainable::from_model(&model).unwrap();
     assert_eq!(policy.pass(), Pass::Autograd, "auto falls back to autograd");
     let err = policy

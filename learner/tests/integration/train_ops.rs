@@ -7,7 +7,7 @@
 use crate::common;
 
 use candle_core::{DType, Device};
-use rookworld_lm::checkpoint;
+use rookworld_lm::model_io;
 use rookworld_train::loss::LossConfig;
 use rookworld_train::policy::{MatmulPrecision, Trainable};
 use rookworld_train::step::{StepConfig, accumulate_autograd};
@@ -15,7 +15,7 @@ use rookworld_train::step::{StepConfig, accumulate_autograd};
 #[test]
 fn a_grpo_step_through_the_training_ops_equals_the_composed_graph() {
     let dir = common::grpo_fixture();
-    let reference = checkpoint::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
+    let reference = model_io::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
     let mut plain = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
     plain.model.set_train_ops(false);
     let fused = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();

@@ -6,7 +6,7 @@
 use crate::common;
 
 use candle_core::{DType, Device, Tensor};
-use rookworld_lm::checkpoint;
+use rookworld_lm::model_io;
 use rookworld_train::batch::GrpoBatch;
 use rookworld_train::loss::LossConfig;
 use rookworld_train::offpolicy::Correction;
@@ -32,7 +32,7 @@ fn largest_difference(a: &[Tensor], b: &[Tensor]) -> f32 {
 #[test]
 fn updates_on_one_batch_keep_the_proximal_policy_of_the_first() {
     let dir = common::grpo_fixture();
-    let reference = checkpoint::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
+    let reference = model_io::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
     let batch = common::batch_of_four();
     let cfg = StepConfig {
         loss: LossConfig {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device};
 use rookworld_generation::{EngineConfig, Request, Scheduler, prepare_model};
 use rookworld_lm::Config;
-use rookworld_lm::checkpoint::init_random;
+use rookworld_lm::model_io::init_random;
 use rookworld_lm::sampling::SamplingParams;
 use rookworld_train::fused::{self, Activations, GroupInput, Packed, Params};
 

@@ -139,10 +139,10 @@ fn prompts_file_and_repeated_prompts_give_one_line_each_in_order() {
 #[test]
 fn a_checkpoint_directory_loads() {
     use candle_core::{DType, Device};
-    use rookworld_lm::{Config, checkpoint};
+    use rookworld_lm::{Config, model_io};
     let dir = tempfile::tempdir().unwrap();
-    let model = checkpoint::init_random(&Config::tiny(), 1, DType::F32, &Device::Cpu).unwrap();
-    checkpoint::save(&model, dir.path(), DType::BF16).unwrap();
+    let model = model_io::init_random(&Config::tiny(), 1, DType::F32, &Device::Cpu).unwrap();
+    model_io::save(&model, dir.path(), DType::BF16).unwrap();
     let out = run(&[
         "generate",
         "--model",

@@ -11,7 +11,7 @@ use rollout_worker::{ServiceConfig, Worker, WorkerConfig};
 use rookworld_generation::{
     EngineConfig, Request as EngineRequest, Scheduler, SwapPolicy, prepare_model,
 };
-use rookworld_lm::checkpoint::{self, init_random};
+use rookworld_lm::model_io::{self, init_random};
 use rookworld_lm::sampling::SamplingParams;
 use rookworld_lm::{Config, Gpt2, Tokenizer};
 use rookworld_proto::rollout::v1 as pb;
@@ -174,7 +174,7 @@ fn expected(m: Gpt2, n: usize, max_new_tokens: usize, seed: u64) -> Vec<Vec<u32>
 fn bf16_set(m: &Gpt2, version: u64) -> (WeightSet, Gpt2) {
     let set = WeightSet::from_model(m, "run-a", version).unwrap();
     let received =
-        checkpoint::from_bytes(&set.bytes, &Config::tiny(), DType::F32, &Device::Cpu).unwrap();
+        model_io::from_bytes(&set.bytes, &Config::tiny(), DType::F32, &Device::Cpu).unwrap();
     (set, received)
 }
 

@@ -1,8 +1,8 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device};
-use rookworld_lm::checkpoint::init_random;
 use rookworld_lm::generate::{GenerationConfig, generate_batch};
+use rookworld_lm::model_io::init_random;
 use rookworld_lm::sampling::SamplingParams;
 use rookworld_lm::{Config, Gpt2};
 

@@ -14,7 +14,9 @@ use crate::cpu_attention::{Geometry, decode_attention};
 use crate::decode_ops::{AddLayerNorm, BiasGelu, QkvSplit};
 use crate::device_sampling::sample_reference;
 use crate::error::Result;
-use crate::kernels::{ContextLost, DriverFault, Family, Finding, Kernel, after_synchronize, judge};
+use crate::kernels::{
+    ContextLost, DriverFault, Family, Finding, Kernel, Kernels, after_synchronize, judge,
+};
 use crate::sampling::RowDraw;
 
 /// Largest errors of the kernels against their references, and whether they pass.
@@ -69,7 +71,8 @@ pub use crate::kernels::CHECKED_FAMILIES;
 /// the context ends the process in one line naming the family that caused it
 /// ([`crate::kernels::end_process`]; [`check_families`] returns it instead).
 pub fn self_check(device: &Device) -> Result<KernelCheck> {
-    let (check, errors) = check_families(device, &CHECKED_FAMILIES)
+    let reference = Kernels::chosen(&Default::default());
+    let (check, errors) = check_families(device, &CHECKED_FAMILIES, &reference)
         .unwrap_or_else(|lost| crate::kernels::end_process(&lost));
     match errors.into_iter().next() {
         Some(f) => Err(crate::Error::InvalidArgument(format!(
@@ -88,8 +91,9 @@ pub fn self_check(device: &Device) -> Result<KernelCheck> {
 pub fn startup_findings(
     device: &Device,
     families: &[Kernel],
+    reference: &Kernels,
 ) -> std::result::Result<Vec<Finding>, ContextLost> {
-    let (check, mut findings) = check_families(device, families)?;
+    let (check, mut findings) = check_families(device, families, reference)?;
     let judged: Vec<Finding> = check
         .findings()
         .into_iter()
@@ -108,6 +112,7 @@ pub fn startup_findings(
 pub fn check_families(
     device: &Device,
     families: &[Kernel],
+    reference: &Kernels,
 ) -> std::result::Result<(KernelCheck, Vec<Finding>), ContextLost> {
     let mut check = KernelCheck::unchecked();
     let mut errors = Vec::new();
@@ -118,7 +123,7 @@ pub fn check_families(
             continue;
         }
         let mut rng = ChaCha8Rng::seed_from_u64(0x5eed + seed);
-        let ran = check.run(family, device, &mut rng);
+        let ran = check.run(family, (device, reference), &mut rng);
         let settled = settle(device, Some(family))?;
         match ran {
             Err(e) => errors.push(Finding {
@@ -191,7 +196,12 @@ impl KernelCheck {
 
     /// Runs `family`'s check on `device` and records its figures; an error leaves them as
     /// they were (NaN).
-    fn run(&mut self, family: Kernel, device: &Device, rng: &mut ChaCha8Rng) -> Result<()> {
+    fn run(
+        &mut self,
+        family: Kernel,
+        (device, reference): (&Device, &Kernels),
+        rng: &mut ChaCha8Rng,
+    ) -> Result<()> {
         match family {
             Kernel::Attention => {
                 (
@@ -231,7 +241,7 @@ impl KernelCheck {
                     self.decode_graph_bf16_max_rel_error,
                     self.decode_graph_rows,
                     self.decode_graph_tokens_equal,
-                ) = check_decode_graph(device)?;
+                ) = check_decode_graph(device, reference)?;
             }
         }
         Ok(())
@@ -335,7 +345,7 @@ impl KernelCheck {
 /// three rows in two groups, each fed the tokens the op-by-op step drew, with f32 and then
 /// bfloat16 weights. Returns the largest |Δ| of a logit over the largest |logit| of each,
 /// and with f32 weights the rows and the rows that drew the same greedy token.
-fn check_decode_graph(device: &Device) -> Result<(f64, f64, usize, usize)> {
+fn check_decode_graph(device: &Device, reference: &Kernels) -> Result<(f64, f64, usize, usize)> {
     use crate::cache::KvCache;
     use crate::grouped::GroupedCache;
     use crate::mask::LeftPadding;
@@ -352,9 +362,9 @@ fn check_decode_graph(device: &Device) -> Result<(f64, f64, usize, usize)> {
     let mut errors = [0f64; 2];
     let (mut rows, mut equal) = (0, 0);
     for (i, dtype) in [DType::F32, DType::BF16].into_iter().enumerate() {
-        let mut model = crate::checkpoint::init_random(&cfg, 7, dtype, device)?;
-        // The reference step on the kernels that are no trial, as a device runs it.
-        model.set_kernels(crate::kernels::Kernels::chosen(&Default::default()));
+        let mut model = crate::model_io::init_random(&cfg, 7, dtype, device)?;
+        // The reference step op by op on the kernels the device runs (its choice).
+        model.set_kernels(reference.clone());
         model.prepare_for_inference()?;
         // Prompts of 5 and 3 tokens, left-padded together.
         let padding = LeftPadding::for_lengths(&[5, 3]);

@@ -6,7 +6,7 @@
 //! A graph replays its launches with the arguments they were captured with, so nothing
 //! it touches may move and nothing that changes from step to step may be an argument:
 //! - the weights stay where the model put them (a push written in place,
-//!   [`crate::checkpoint::refill_in_place`], keeps them there);
+//!   [`crate::model_io::refill_in_place`], keeps them there);
 //! - the cache's pool and suffix buffers stay put between rebuilds
 //!   ([`GroupedCache::rebuilds`]); the graphs are made again after one;
 //! - every activation lives in one arena, sized for the largest bucket made so far;

@@ -56,8 +56,8 @@ pub struct Gpt2 {
     /// ([`Gpt2::prepare_for_inference`]).
     head_padded: Option<Tensor>, // (V', E)
     /// The one device buffer every weight is a view of, when the model was built by one
-    /// upload of a payload ([`crate::checkpoint::from_bytes`]): where the next version of the
-    /// same layout is written ([`crate::checkpoint::refill_in_place`]).
+    /// upload of a payload ([`crate::model_io::from_bytes`]): where the next version of the
+    /// same layout is written ([`crate::model_io::refill_in_place`]).
     weights_buffer: Option<WeightsBuffer>,
     /// What [`Gpt2::pack_for_cpu`]'s panels hold.
     panel_dtype: PanelDtype,
@@ -376,7 +376,7 @@ impl Gpt2 {
     /// tensors and `wte` are overwritten; each projection and the LM head are packed from
     /// their values, widened one matrix at a time into one scratch buffer (the panels
     /// are reused when nothing else holds them). The caller checks names and shapes
-    /// first ([`crate::checkpoint::check_tensors`]).
+    /// first ([`crate::model_io::check_tensors`]).
     pub fn refill_packed<'a>(
         &mut self,
         values: impl Fn(&str) -> candle_core::Result<StoredValues<'a>>,

@@ -4,7 +4,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::{Gpt2, HEAD_ROWS_ALIGN};
-use crate::checkpoint::init_random;
+use crate::model_io::init_random;
 use crate::{Config, LeftPadding};
 
 fn logits(m: &Gpt2, ids: &[u32]) -> Vec<f32> {

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use rookworld_lm::checkpoint::init_random;
+use rookworld_lm::model_io::init_random;
 use rookworld_lm::{Config, Gpt2, LeftPadding};
 
 use crate::common;
@@ -93,7 +93,7 @@ fn a_training_forward_through_the_cache_has_gradients() {
     let vars = varmap.all_vars();
     assert_eq!(
         vars.len(),
-        rookworld_lm::checkpoint::tensor_specs(&Config::tiny()).len()
+        rookworld_lm::model_io::tensor_specs(&Config::tiny()).len()
     );
     for var in &vars {
         let g = grads.get(var).expect("every parameter gets a gradient");

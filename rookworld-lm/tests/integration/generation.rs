@@ -1,8 +1,8 @@
 //! Generation: reproducibility, batch independence, log-prob correctness, limits.
 
 use candle_core::{D, DType, Device, Tensor};
-use rookworld_lm::checkpoint::init_random;
 use rookworld_lm::generate::{FinishReason, GenerationConfig, generate_group};
+use rookworld_lm::model_io::init_random;
 use rookworld_lm::sampling::SamplingParams;
 use rookworld_lm::{Config, EOT_TOKEN, Error, Gpt2, LeftPadding, Tokenizer};
 
@@ -196,11 +196,11 @@ fn bad_prompts_are_errors_not_panics() {
 /// (random `tiny`) float noise of different matmul shapes can move a sampled token.
 #[test]
 fn a_batch_of_prompts_equals_each_prompt_alone() {
-    use rookworld_lm::checkpoint;
     use rookworld_lm::generate::generate_batch;
+    use rookworld_lm::model_io;
     let dir =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/parity/tiny-gpt2");
-    let m = checkpoint::load(&dir, DType::F32, &Device::Cpu).unwrap();
+    let m = model_io::load(&dir, DType::F32, &Device::Cpu).unwrap();
     let prompts: Vec<Vec<u32>> = [17usize, 3, 9]
         .iter()
         .map(|&len| {

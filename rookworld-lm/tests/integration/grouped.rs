@@ -2,7 +2,7 @@
 //! order and outlive buffer moves compute what each sequence computes alone.
 
 use candle_core::{DType, Device, Tensor};
-use rookworld_lm::checkpoint::init_random;
+use rookworld_lm::model_io::init_random;
 use rookworld_lm::{Config, Gpt2, GroupedCache, LeftPadding};
 
 fn tokens(seed: u32, n: usize) -> Vec<u32> {

@@ -2,8 +2,8 @@
 //! compute what the plain tensor path computes, in f32 panels and in BF16 panels.
 
 use candle_core::{DType, Device, Tensor};
-use rookworld_lm::checkpoint::{self, init_random};
 use rookworld_lm::cpu_gemm::PanelDtype;
+use rookworld_lm::model_io::{self, init_random};
 use rookworld_lm::{Config, Gpt2, GroupedCache, LeftPadding};
 
 use crate::common;
@@ -62,8 +62,8 @@ fn a_packed_only_model_computes_what_the_packed_model_computes() {
         ..Config::tiny()
     };
     let random = init_random(&cfg, 9, DType::F32, &Device::Cpu).unwrap();
-    let payload = checkpoint::to_bf16_payload(&random).unwrap();
-    let model = checkpoint::from_bytes(&payload, &cfg, DType::F32, &Device::Cpu).unwrap();
+    let payload = model_io::to_bf16_payload(&random).unwrap();
+    let model = model_io::from_bytes(&payload, &cfg, DType::F32, &Device::Cpu).unwrap();
     for dtype in [PanelDtype::F32, PanelDtype::Bf16, PanelDtype::Int8] {
         let Some(packed) = packed_in(&model, dtype) else {
             return skipped();
@@ -166,8 +166,8 @@ fn bf16_panels_give_the_log_probs_of_f32_panels() {
 
     // Weights that are BF16 values: saved in BF16 and loaded back in f32.
     let dir = tempfile::tempdir().unwrap();
-    checkpoint::save(&f32_weights, dir.path(), DType::BF16).unwrap();
-    let bf16_values = checkpoint::load(dir.path(), DType::F32, &Device::Cpu).unwrap();
+    model_io::save(&f32_weights, dir.path(), DType::BF16).unwrap();
+    let bf16_values = model_io::load(dir.path(), DType::F32, &Device::Cpu).unwrap();
     let f32_panels = packed_in(&bf16_values, PanelDtype::F32).unwrap();
     let bf16_panels = packed_in(&bf16_values, PanelDtype::Bf16).unwrap();
     assert_eq!(bf16_panels.panel_dtype(), PanelDtype::Bf16);

@@ -5,7 +5,7 @@
 
 use candle_core::{D, DType, Device, Tensor, Var};
 use rookworld_lm::config::Config;
-use rookworld_lm::{Gpt2, LeftPadding, checkpoint, train_ops};
+use rookworld_lm::{Gpt2, LeftPadding, model_io, train_ops};
 
 fn random(shape: &[usize], seed: u64) -> Tensor {
     let n: usize = shape.iter().product();
@@ -270,7 +270,7 @@ fn the_model_trains_the_same_with_the_ops_on() {
         n_positions: 32,
         ..Config::tiny()
     };
-    let base = checkpoint::init_random(&cfg, 11, DType::F32, &Device::Cpu).unwrap();
+    let base = model_io::init_random(&cfg, 11, DType::F32, &Device::Cpu).unwrap();
     let ids = Tensor::new(
         &[[5u32, 9, 13, 2, 7, 1], [0, 0, 4, 8, 15, 16]],
         &Device::Cpu,

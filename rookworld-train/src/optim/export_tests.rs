@@ -5,8 +5,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use rookworld_lm::checkpoint::{self, init_random};
 use rookworld_lm::config::Config;
+use rookworld_lm::model_io::{self, init_random};
 use rookworld_weights::WeightSet;
 use rookworld_weights::export::{Exporter, POOL};
 use rookworld_weights::set::shared_file_name;
@@ -84,7 +84,7 @@ fn the_optimizer_s_payload_equals_the_model_s_export_and_buffers_are_reused() {
         let want = WeightSet::from_model(&f.policy.model, "run", version).unwrap();
         assert_eq!(set.blake3, want.blake3, "version {version}");
         assert_eq!(set.bytes, want.bytes);
-        let back = checkpoint::from_bytes(&set.bytes, &Config::tiny(), DType::F32, &Device::Cpu);
+        let back = model_io::from_bytes(&set.bytes, &Config::tiny(), DType::F32, &Device::Cpu);
         assert!(back.is_ok());
     }
     // Every set but the newest was let go of: their buffers are back in the pool.

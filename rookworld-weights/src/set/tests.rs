@@ -1,6 +1,6 @@
 use candle_core::{DType, Device};
-use rookworld_lm::checkpoint::init_random;
 use rookworld_lm::kernels::Kernels;
+use rookworld_lm::model_io::init_random;
 
 use super::*;
 

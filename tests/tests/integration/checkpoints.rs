@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
-use rookworld_lm::checkpoint::{self, init_random};
+use rookworld_lm::model_io::{self, init_random};
 use rookworld_lm::{Config, Gpt2, LeftPadding};
 use rookworld_tests::{fixture, max_abs_diff};
 
@@ -40,7 +40,7 @@ fn logits(model: &Gpt2, seq: &[u32]) -> Tensor {
 }
 
 fn load_err(dir: &Path) -> String {
-    checkpoint::load(dir, DType::F32, &Device::Cpu)
+    model_io::load(dir, DType::F32, &Device::Cpu)
         .unwrap_err()
         .to_string()
 }
@@ -50,7 +50,7 @@ const SEQ: [u32; 6] = [3, 141, 59, 26, 5, 358];
 #[test]
 fn unprefixed_names_buffers_and_an_lm_head_copy_load_the_same_model() {
     let reference = logits(
-        &checkpoint::load(&tiny_dir(), DType::F32, &Device::Cpu).unwrap(),
+        &model_io::load(&tiny_dir(), DType::F32, &Device::Cpu).unwrap(),
         &SEQ,
     );
     let mut tensors: HashMap<String, Tensor> = read_tensors(&tiny_dir())
@@ -68,7 +68,7 @@ fn unprefixed_names_buffers_and_an_lm_head_copy_load_the_same_model() {
     );
     tensors.insert("lm_head.weight".into(), tensors["wte.weight"].clone());
     let dir = write_checkpoint(&tensors);
-    let model = checkpoint::load(dir.path(), DType::F32, &Device::Cpu).unwrap();
+    let model = model_io::load(dir.path(), DType::F32, &Device::Cpu).unwrap();
     assert_eq!(max_abs_diff(&logits(&model, &SEQ), &reference), 0.0);
 }
 
@@ -152,7 +152,7 @@ fn our_saves_load_back_in_every_dtype() {
     let reference = logits(&model, &SEQ);
     for (dtype, tol) in [(DType::F32, 0.0), (DType::F16, 5e-3), (DType::BF16, 5e-2)] {
         let dir = tempfile::tempdir().unwrap();
-        checkpoint::save(&model, dir.path(), dtype).unwrap();
+        model_io::save(&model, dir.path(), dtype).unwrap();
         let files: Vec<_> = std::fs::read_dir(dir.path())
             .unwrap()
             .map(|e| e.unwrap().file_name())
@@ -162,7 +162,7 @@ fn our_saves_load_back_in_every_dtype() {
             2,
             "only config.json and model.safetensors, no temporaries: {files:?}"
         );
-        let back = checkpoint::load(dir.path(), DType::F32, &Device::Cpu).unwrap();
+        let back = model_io::load(dir.path(), DType::F32, &Device::Cpu).unwrap();
         assert_eq!(back.config(), &cfg);
         let d = max_abs_diff(&logits(&back, &SEQ), &reference);
         assert!(d <= tol, "{dtype:?}: {d}");
@@ -174,12 +174,12 @@ fn a_124m_shaped_checkpoint_saves_loads_and_runs() {
     let cfg = Config::gpt2_124m();
     let model = init_random(&cfg, 0, DType::BF16, &Device::Cpu).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    checkpoint::save(&model, dir.path(), DType::BF16).unwrap();
+    model_io::save(&model, dir.path(), DType::BF16).unwrap();
     let bytes = std::fs::metadata(dir.path().join("model.safetensors"))
         .unwrap()
         .len();
     assert!(bytes > 2 * 124_000_000, "{bytes} bytes");
-    let back = checkpoint::load(dir.path(), DType::F32, &Device::Cpu).unwrap();
+    let back = model_io::load(dir.path(), DType::F32, &Device::Cpu).unwrap();
     let ids: Vec<u32> = (0..46).map(|i| 50256 - i * 997).collect();
     let out = logits(&back, &ids);
     assert_eq!(out.dims(), &[1, 46, 50257]);

@@ -10,7 +10,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 use candle_core::{D, DType, Device, IndexOp, Tensor};
-use rookworld_lm::{Config, EOT_TOKEN, LeftPadding, Tokenizer, checkpoint};
+use rookworld_lm::{Config, EOT_TOKEN, LeftPadding, Tokenizer, model_io};
 use rookworld_tests::fixture;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -231,7 +231,7 @@ fn the_export_is_what_transformers_writes_and_loaded() {
         assert_eq!(hf["decoded_prompt"], prompt);
 
         // The model computes what transformers computed from these weights in f32.
-        let model = checkpoint::load(&out, DType::F32, &Device::Cpu).unwrap();
+        let model = model_io::load(&out, DType::F32, &Device::Cpu).unwrap();
         let argmax: Vec<u32> = logits(&model, &prompt_ids)
             .argmax(D::Minus1)
             .unwrap()

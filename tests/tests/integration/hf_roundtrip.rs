@@ -3,7 +3,7 @@
 //! with `GPT2LMHeadModel.from_pretrained` and recorded its logits.
 
 use candle_core::{D, DType, Device, IndexOp, Tensor};
-use rookworld_lm::checkpoint::{self, init_random};
+use rookworld_lm::model_io::{self, init_random};
 use rookworld_lm::{Config, LeftPadding};
 use rookworld_tests::{fixture, max_abs_diff};
 use sha2::{Digest, Sha256};
@@ -29,7 +29,7 @@ fn saved_bytes_and_logits_match_what_transformers_loaded() {
             );
         }
         let dir = tempfile::tempdir().unwrap();
-        checkpoint::save(&model, dir.path(), dtype).unwrap();
+        model_io::save(&model, dir.path(), dtype).unwrap();
         let bytes = std::fs::read(dir.path().join("model.safetensors")).unwrap();
         let sha = format!("{:x}", Sha256::digest(&bytes));
         assert_eq!(
@@ -38,7 +38,7 @@ fn saved_bytes_and_logits_match_what_transformers_loaded() {
             "{name}: saved bytes differ from the file transformers loaded"
         );
 
-        let back = checkpoint::load(dir.path(), DType::F32, &Device::Cpu).unwrap();
+        let back = model_io::load(dir.path(), DType::F32, &Device::Cpu).unwrap();
         let input = Tensor::new(seq.as_slice(), &Device::Cpu)
             .unwrap()
             .unsqueeze(0)

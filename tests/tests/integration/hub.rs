@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use candle_core::{DType, Device};
-use rookworld_lm::checkpoint;
 use rookworld_lm::config::Config;
+use rookworld_lm::model_io;
 
 const WORKER: &str = env!("CARGO_BIN_EXE_rw-rollout-worker");
 const COMMIT: &str = "0123456789abcdef0123456789abcdef01234567";
@@ -21,8 +21,8 @@ fn lay_out_cache(home: &Path) -> PathBuf {
     std::fs::create_dir_all(repo.join("refs")).unwrap();
     std::fs::write(repo.join("refs/main"), COMMIT).unwrap();
     let cfg = Config::preset("tiny").unwrap();
-    let model = checkpoint::init_random(&cfg, 7, DType::F32, &Device::Cpu).unwrap();
-    checkpoint::save(&model, &snapshot, DType::F32).unwrap();
+    let model = model_io::init_random(&cfg, 7, DType::F32, &Device::Cpu).unwrap();
+    model_io::save(&model, &snapshot, DType::F32).unwrap();
     snapshot
 }
 
@@ -60,8 +60,8 @@ fn lay_out_run(run: &Path) -> PathBuf {
     let cfg = Config::preset("tiny").unwrap();
     for (step, seed) in [(2, 1), (4, 2)] {
         let dir = run.join(format!("checkpoints/step-{step:08}"));
-        let model = checkpoint::init_random(&cfg, seed, DType::F32, &Device::Cpu).unwrap();
-        checkpoint::save(&model, &dir, DType::F32).unwrap();
+        let model = model_io::init_random(&cfg, seed, DType::F32, &Device::Cpu).unwrap();
+        model_io::save(&model, &dir, DType::F32).unwrap();
     }
     std::fs::write(run.join("checkpoints/latest"), "step-00000004").unwrap();
     run.join("checkpoints/step-00000004")

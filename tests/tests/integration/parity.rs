@@ -6,8 +6,8 @@
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
-use rookworld_lm::checkpoint;
 use rookworld_lm::generate::{GenerationConfig, generate_group};
+use rookworld_lm::model_io;
 use rookworld_lm::sampling::SamplingParams;
 use rookworld_lm::{Gpt2, LeftPadding};
 use rookworld_tests::{fixture, max_abs_diff};
@@ -29,7 +29,7 @@ fn ids(t: &Tensor) -> Vec<u32> {
 }
 
 fn load(dir: &str) -> Gpt2 {
-    checkpoint::load(&fixture(&format!("parity/{dir}")), DType::F32, &Device::Cpu).unwrap()
+    model_io::load(&fixture(&format!("parity/{dir}")), DType::F32, &Device::Cpu).unwrap()
 }
 
 /// Logits (T, V) of one sequence run alone with a fresh cache.
@@ -188,7 +188,7 @@ fn bf16_and_f16_compute_stay_close_to_f32() {
     let seq = ids(&exp[&format!("seq_{}", N_SEQ - 1)]);
     let reference = logits_alone(&load("tiny-gpt2"), &seq);
     for dtype in [DType::BF16, DType::F16] {
-        let model = checkpoint::load(&fixture("parity/tiny-gpt2"), dtype, &Device::Cpu).unwrap();
+        let model = model_io::load(&fixture("parity/tiny-gpt2"), dtype, &Device::Cpu).unwrap();
         assert_eq!(model.dtype(), dtype);
         let d = max_abs_diff(&logits_alone(&model, &seq), &reference);
         println!("{dtype:?} compute: max |Δ| vs f32 = {d:.3e}");

@@ -14,7 +14,7 @@ use rollout_worker::{LoopConfig, Worker, WorkerConfig};
 use rookworld_chess::score::RewardConfig;
 use rookworld_chess::scorer::Scorer;
 use rookworld_lm::Config;
-use rookworld_lm::checkpoint::init_random;
+use rookworld_lm::model_io::init_random;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_worker_scores_and_submits_every_leased_prompt() {

@@ -154,7 +154,7 @@ mod tests {
     use candle_core::{DType, Device};
     use rollout_worker::{ServiceConfig, Worker, WorkerConfig};
     use rookworld_lm::Config;
-    use rookworld_lm::checkpoint::init_random;
+    use rookworld_lm::model_io::init_random;
     use rookworld_weights::set::WeightSet;
 
     use super::*;
