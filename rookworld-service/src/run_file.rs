@@ -225,6 +225,7 @@ pub fn with_run_file(
     }
     let mut every = Vec::new();
     command_names(cmd, &mut every);
+    check_table_names(&table, &binary, &every, &path)?;
     let flat = flatten(&table, &binary, &names, &every, &path)?;
 
     // Every key some command of the three binaries takes.
@@ -692,6 +693,98 @@ fn collect(
     Ok(())
 }
 
+/// Refuses a table that was surely meant to name a binary or a command and does not: one
+/// a letter away from a binary's name or, at the top or inside this binary's table, from
+/// one of its commands (`[lerner]`, `[learner.trian]`, `[bench_push]`), or a command's own
+/// name outside its binary's table (`[train]`, which would apply to every command). Any
+/// other table only groups keys. Each binary checks its own tables; another binary's are
+/// left to it.
+fn check_table_names(
+    table: &toml::Table,
+    binary: &str,
+    every: &[String],
+    path: &Path,
+) -> Result<(), RunFileError> {
+    let commands: Vec<&str> = every.iter().map(String::as_str).collect();
+    let misnamed = |table: &str, meant: &str, why: &str| {
+        RunFileError(format!(
+            "{}: table `[{table}]` {why}; did you mean `[{meant}]`? (a table named after a \
+             binary or a command applies to it only; any other name groups keys for every \
+             command)",
+            path.display()
+        ))
+    };
+    for (name, value) in table {
+        let toml::Value::Table(inner) = value else {
+            continue;
+        };
+        if name == binary {
+            check_command_tables(inner, binary, &commands, &misnamed)?;
+            continue;
+        }
+        if BINARIES.contains(&name.as_str()) || name == RECORD_TABLE {
+            continue;
+        }
+        if let Some(meant) = near(name, &BINARIES) {
+            return Err(misnamed(name, meant, "names no binary"));
+        }
+        if commands.contains(&name.as_str()) {
+            return Err(misnamed(
+                name,
+                &format!("{binary}.{name}"),
+                &format!("is a {binary} command outside `[{binary}]`"),
+            ));
+        }
+        if let Some(meant) = near(name, &commands) {
+            return Err(misnamed(
+                name,
+                &format!("{binary}.{meant}"),
+                &format!("names no {binary} command"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// [`check_table_names`] inside the table `at` of this binary (`[learner]`,
+/// `[learner.train]`, …), at any depth.
+fn check_command_tables(
+    t: &toml::Table,
+    at: &str,
+    commands: &[&str],
+    misnamed: &impl Fn(&str, &str, &str) -> RunFileError,
+) -> Result<(), RunFileError> {
+    for (name, value) in t {
+        let toml::Value::Table(inner) = value else {
+            continue;
+        };
+        if !commands.contains(&name.as_str())
+            && let Some(meant) = near(name, commands)
+        {
+            let root = at.split('.').next().unwrap_or(at);
+            return Err(misnamed(
+                &format!("{at}.{name}"),
+                &format!("{at}.{meant}"),
+                &format!("names no {root} command"),
+            ));
+        }
+        check_command_tables(inner, &format!("{at}.{name}"), commands, misnamed)?;
+    }
+    Ok(())
+}
+
+/// The name of `names` that `name` surely misspells: the same with `-` for `_` or in
+/// another case, or (four letters or more) one edit away — a letter left out, added,
+/// changed, or two swapped.
+fn near<'a>(name: &str, names: &[&'a str]) -> Option<&'a str> {
+    let normal = name.replace('_', "-").to_lowercase();
+    names.iter().copied().find(|&n| {
+        n != name
+            && (normal == n
+                || normal.chars().count() >= 4 && strsim::damerau_levenshtein(&normal, n) <= 1)
+    })
+}
+
 /// "unknown key" with the closest known key, if one is close.
 fn unknown_key(path: &Path, key: &str, known: &[&str]) -> RunFileError {
     let normal = key.replace('-', "_").to_lowercase();
@@ -814,6 +907,55 @@ pub const KNOWN_KEYS: &str = include_str!("run_file/known_keys.txt");
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_misspelt_binary_or_command_table_is_named_with_the_one_meant() {
+        let names = ["train", "bench-push", "eval", "sft"];
+        assert_eq!(near("trian", &names), Some("train"));
+        assert_eq!(near("tran", &names), Some("train"));
+        assert_eq!(near("bench_push", &names), Some("bench-push"));
+        assert_eq!(near("Train", &names), Some("train"));
+        assert_eq!(near("train", &names), None, "the name itself");
+        // Group names stay groups: too short to judge, or more than an edit away.
+        for group in ["set", "grpo", "sampling", "trainer", "services", "warm_up"] {
+            assert_eq!(near(group, &names), None, "{group}");
+        }
+        assert_eq!(near("lerner", &BINARIES), Some("learner"));
+        assert_eq!(near("rollout_worker", &BINARIES), Some("rollout-worker"));
+
+        let every: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+        let check = |text: &str| {
+            let table: toml::Table = text.parse().unwrap();
+            check_table_names(&table, "learner", &every, Path::new("run.toml"))
+                .map_err(|e| e.to_string())
+        };
+        check("[grpo]\nlr = 1\n[learner.train.sampling]\ntop_k = 2\n[rollout-worker]\n").unwrap();
+        check("[learner.eval]\n[reward-server.scor]\n").unwrap(); // another binary's: its own
+        let err = check("[learner.trian]\nsteps = 3\n").unwrap_err();
+        assert_eq!(
+            err,
+            "run.toml: table `[learner.trian]` names no learner command; did you mean \
+             `[learner.train]`? (a table named after a binary or a command applies to it only; \
+             any other name groups keys for every command)"
+        );
+        let err = check("[learner.sft.evall]\n").unwrap_err();
+        assert!(err.contains("did you mean `[learner.sft.eval]`?"), "{err}");
+        let err = check("[lerner]\nsteps = 3\n").unwrap_err();
+        assert!(
+            err.contains("table `[lerner]` names no binary; did you mean `[learner]`?"),
+            "{err}"
+        );
+        let err = check("[train]\nsteps = 3\n").unwrap_err();
+        assert!(
+            err.contains("table `[train]` is a learner command outside `[learner]`; did you mean `[learner.train]`?"),
+            "{err}"
+        );
+        let err = check("[bench_push]\n").unwrap_err();
+        assert!(
+            err.contains("did you mean `[learner.bench-push]`?"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn a_negative_number_for_a_count_is_refused_by_its_rule() {

@@ -246,6 +246,18 @@ fn a_bad_key_or_value_is_one_line_naming_the_key_and_exit_1() {
         (
             LEARNER,
             &["config", "show"],
+            "[learner.trian]\nsteps = 3\n",
+            "table `[learner.trian]` names no learner command; did you mean `[learner.train]`?",
+        ),
+        (
+            WORKER,
+            &["serve", "--preset", "tiny"],
+            "[rollout_worker]\nmax_in_flight = 3\n",
+            "table `[rollout_worker]` names no binary; did you mean `[rollout-worker]`?",
+        ),
+        (
+            LEARNER,
+            &["config", "show"],
             "top_p = \"x\"\n",
             "top_p = \"x\": expected a number, found a string",
         ),
