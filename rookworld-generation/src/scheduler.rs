@@ -230,6 +230,16 @@ impl Scheduler {
         &mut self,
         stop: impl Fn() -> bool,
     ) -> Result<(Vec<FinishedSample>, StepStats), EngineError> {
+        self.run_reporting(stop, |_| {})
+    }
+
+    /// [`Self::run_until_done_or`], telling `progress` how many samples have finished
+    /// after every step that finished one.
+    pub fn run_reporting(
+        &mut self,
+        stop: impl Fn() -> bool,
+        mut progress: impl FnMut(usize),
+    ) -> Result<(Vec<FinishedSample>, StepStats), EngineError> {
         let (mut samples, mut total) = (Vec::new(), StepStats::default());
         while self.has_work() {
             if stop() {
@@ -243,12 +253,16 @@ impl Scheduler {
             total.decode_seconds += stats.decode_seconds;
             total.decode_forward_seconds += stats.decode_forward_seconds;
             total.decode_sample_seconds += stats.decode_sample_seconds;
+            let before = samples.len();
             for event in events {
                 match event {
                     Event::Sample(s) => samples.push(s),
                     Event::Done(_) => {}
                     Event::Failed(_, why) => return Err(EngineError::Failed(why)),
                 }
+            }
+            if samples.len() > before {
+                progress(samples.len());
             }
         }
         samples.sort_by_key(|s| (s.request, s.prompt_index, s.sample_index));

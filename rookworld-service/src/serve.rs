@@ -82,6 +82,43 @@ pub async fn shutdown_signal() {
     tracing::info!("shutting down");
 }
 
+/// For a command without an async runtime (`learner eval`, …): a flag that turns true on
+/// Ctrl-C or SIGTERM, set by a thread of its own. The handlers are installed before this
+/// returns — also over a SIGINT that the launching shell ignores (a background job) — so
+/// from then on a signal stops the command through the flag instead of killing it.
+pub fn stop_on_signal() -> std::io::Result<Arc<std::sync::atomic::AtomicBool>> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stop = Arc::new(AtomicBool::new(false));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let signalled = {
+        let _in = runtime.enter();
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            let mut interrupt = signal(SignalKind::interrupt())?;
+            let mut terminate = signal(SignalKind::terminate())?;
+            async move {
+                tokio::select! { _ = interrupt.recv() => {}, _ = terminate.recv() => {} }
+            }
+        }
+        #[cfg(not(unix))]
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    };
+    let flag = stop.clone();
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            runtime.block_on(signalled);
+            tracing::info!("stopping: a signal arrived");
+            flag.store(true, Ordering::Relaxed);
+        })?;
+    Ok(stop)
+}
+
 /// Interval of the server's HTTP/2 pings, and how long it waits for the answer.
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
 pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);

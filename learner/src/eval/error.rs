@@ -34,6 +34,12 @@ pub enum EvalError {
     Weights(#[from] rookworld_weights::WeightError),
     #[error("version {0} was never published")]
     NeverPublished(u64),
+    /// The signal handlers could not be installed.
+    #[error("cannot watch for Ctrl-C and SIGTERM: {0}")]
+    Signals(#[source] std::io::Error),
+    /// A signal stopped the work (`learner eval` ends with exit code 0 on it).
+    #[error("stopped by a signal")]
+    Stopped,
 }
 
 /// What is wrong with a data item, before the file it is in is known.

@@ -12,11 +12,10 @@ pub mod report;
 pub mod stockfish;
 pub mod suites;
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rookworld_generation::{EngineArgs, EngineConfig, Request, Scheduler, prepare_model};
 use rookworld_lm::cli::{ModelArgs, SamplingArgs};
@@ -92,7 +91,12 @@ impl EvalArgs {
     }
 }
 
-/// Runs `learner eval`: the report on stdout (a table on a terminal, else the JSON).
+/// How often a log (stderr not a terminal) gets a progress line of a suite.
+pub const PROGRESS_EVERY: Duration = Duration::from_secs(10);
+
+/// Runs `learner eval`: the report on stdout (a table on a terminal, else the JSON). On
+/// Ctrl-C or SIGTERM it stops within a decode step (or a Stockfish search), says what it
+/// finished, writes no file and returns `Ok`.
 pub fn run(args: &EvalArgs) -> Result<(), EvalError> {
     let suites = args
         .suite
@@ -100,21 +104,23 @@ pub fn run(args: &EvalArgs) -> Result<(), EvalError> {
         .map(|s| Suite::parse(s))
         .collect::<Result<Vec<_>, _>>()?;
     let sampling = args.sampling()?;
-    // The output files before any work: an unwritable path fails at once.
-    let create = |flag: &'static str, path: &std::path::Path| {
-        std::fs::File::create(path).map_err(|source| EvalError::Write {
-            flag,
-            path: path.to_owned(),
-            source,
-        })
-    };
-    let mut out = match &args.out {
-        Some(path) => Some(create("--out", path)?),
-        None => None,
-    };
-    let mut dump = match &args.dump {
-        Some(path) => Some(std::io::BufWriter::new(create("--dump", path)?)),
-        None => None,
+    // The output files before any work: an unwritable path fails at once. Each is written
+    // whole at the end, or not at all.
+    let out = args
+        .out
+        .as_deref()
+        .map(|p| Whole::check("--out", p))
+        .transpose()?;
+    let dump = args
+        .dump
+        .as_deref()
+        .map(|p| Whole::check("--dump", p))
+        .transpose()?;
+    // From here a signal stops the evaluation instead of killing the process.
+    let stop = rookworld_service::serve::stop_on_signal().map_err(EvalError::Signals)?;
+    let stopped = |what: &str| {
+        eprintln!("eval: stopped by a signal {what}; no report written");
+        Ok(())
     };
     // Every suite's data before the model: a bad file fails at once.
     let mut work = Vec::new();
@@ -133,7 +139,12 @@ pub fn run(args: &EvalArgs) -> Result<(), EvalError> {
     let ranking = match &args.engine_path {
         Some(path) => {
             for (_, items) in &mut work {
-                reanalysis.rerank(items, path)?;
+                match reanalysis.rerank(items, path, &stop) {
+                    Err(EvalError::Stopped) => {
+                        return stopped("while --engine ranked the policy items");
+                    }
+                    other => other?,
+                }
             }
             reanalysis.describe(path)
         }
@@ -143,17 +154,14 @@ pub fn run(args: &EvalArgs) -> Result<(), EvalError> {
     tracing::info!(source = %loaded.source, "model loaded");
     let model = Arc::new(prepare_model(loaded.model)?);
     let mut reports = Vec::new();
+    let mut dumped = Vec::new();
     let total = work.len();
     for (i, (suite, items)) in work.iter().enumerate() {
-        // Progress: a suite is one batched run, so a line as each starts and ends.
-        eprintln!(
-            "eval {}/{total}: {}, {} items × {} samples…",
-            i + 1,
-            suite.name(),
-            items.len(),
-            args.samples
-        );
+        let label = format!("eval {}/{total}: {}", i + 1, suite.name());
+        let samples = items.len() * args.samples as usize;
+        eprintln!("{label}, {} items × {} samples…", items.len(), args.samples);
         let started = Instant::now();
+        let progress = SuiteProgress::new(&label, samples);
         let eval = Evaluation {
             model: model.clone(),
             tokenizer: &loaded.tokenizer,
@@ -162,22 +170,27 @@ pub fn run(args: &EvalArgs) -> Result<(), EvalError> {
             samples: args.samples as usize,
             max_new_tokens: args.sampling.max_new_tokens as usize,
             seed: args.seed,
-            stop: None,
+            stop: Some(&stop),
+            progress: Some(&|done| progress.show(done)),
         };
-        let (report, graded) = eval.suite(*suite, items)?;
-        eprintln!(
-            "eval {}/{total}: {} done in {:.1} s",
-            i + 1,
-            suite.name(),
-            started.elapsed().as_secs_f64()
-        );
-        if let Some(out) = dump.as_mut() {
-            report::dump(out, *suite, items, &graded).map_err(write_error("--dump", &args.dump))?;
+        let result = eval.suite(*suite, items);
+        let done = progress.finish();
+        let (report, graded) = match result {
+            Err(_) if stop.load(Ordering::Relaxed) => {
+                return stopped(&format!(
+                    "in suite {}/{total} ({}: {done} of {samples} samples; {i} suites finished)",
+                    i + 1,
+                    suite.name()
+                ));
+            }
+            other => other?,
+        };
+        eprintln!("{label} done in {:.1} s", started.elapsed().as_secs_f64());
+        if dump.is_some() {
+            report::dump(&mut dumped, *suite, items, &graded)
+                .map_err(write_error("--dump", &args.dump))?;
         }
         reports.push(report);
-    }
-    if let Some(out) = dump.as_mut() {
-        out.flush().map_err(write_error("--dump", &args.dump))?;
     }
     let report = Report {
         model: loaded.source,
@@ -187,8 +200,11 @@ pub fn run(args: &EvalArgs) -> Result<(), EvalError> {
         suites: reports,
     };
     let json = serde_json::to_string(&report).expect("the report serialises");
-    if let (Some(file), Some(path)) = (out.as_mut(), &args.out) {
-        writeln!(file, "{json}").map_err(write_error("--out", &Some(path.clone())))?;
+    if let Some(dump) = &dump {
+        dump.write(&dumped)?;
+    }
+    if let Some(out) = &out {
+        out.write(format!("{json}\n").as_bytes())?;
     }
     use std::io::IsTerminal;
     if std::io::stdout().is_terminal() {
@@ -197,6 +213,117 @@ pub fn run(args: &EvalArgs) -> Result<(), EvalError> {
         println!("{json}");
     }
     Ok(())
+}
+
+/// An output file written whole or not at all: through a temporary file beside it
+/// (`.NAME.tmp`), renamed over it once complete.
+struct Whole {
+    flag: &'static str,
+    path: PathBuf,
+}
+
+impl Whole {
+    /// Checks that the file can be written — its temporary created and removed — before
+    /// any work.
+    fn check(flag: &'static str, path: &std::path::Path) -> Result<Self, EvalError> {
+        let whole = Self {
+            flag,
+            path: path.to_owned(),
+        };
+        let tmp = whole.temporary();
+        std::fs::File::create(&tmp).map_err(|source| whole.error(source))?;
+        let _ = std::fs::remove_file(&tmp);
+        Ok(whole)
+    }
+
+    fn temporary(&self) -> PathBuf {
+        let name = self
+            .path
+            .file_name()
+            .map_or("out".into(), |n| n.to_string_lossy());
+        self.path.with_file_name(format!(".{name}.tmp"))
+    }
+
+    fn error(&self, source: std::io::Error) -> EvalError {
+        EvalError::Write {
+            flag: self.flag,
+            path: self.path.clone(),
+            source,
+        }
+    }
+
+    /// Writes `bytes` as the file's whole content.
+    fn write(&self, bytes: &[u8]) -> Result<(), EvalError> {
+        let tmp = self.temporary();
+        let written = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, &self.path));
+        if let Err(source) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(self.error(source));
+        }
+        Ok(())
+    }
+}
+
+/// A suite's progress in samples: a line kept up to date on a terminal; in a log, a line
+/// when the first samples finish and then every [`PROGRESS_EVERY`] (done, rate, time left).
+struct SuiteProgress {
+    label: String,
+    samples: usize,
+    started: Instant,
+    bar: std::cell::RefCell<rookworld_service::logging::Progress>,
+    /// When the log last got a line (`None`: not yet).
+    logged: std::cell::Cell<Option<Instant>>,
+    done: std::cell::Cell<usize>,
+}
+
+impl SuiteProgress {
+    fn new(label: &str, samples: usize) -> Self {
+        Self {
+            label: label.to_owned(),
+            samples,
+            started: Instant::now(),
+            bar: std::cell::RefCell::new(rookworld_service::logging::Progress::new(
+                label,
+                0,
+                samples as u64,
+                true,
+            )),
+            logged: std::cell::Cell::new(None),
+            done: std::cell::Cell::new(0),
+        }
+    }
+
+    /// `done` samples finished.
+    fn show(&self, done: usize) {
+        self.done.set(done);
+        let seconds = self.started.elapsed().as_secs_f64().max(1e-9);
+        let rate = done as f64 / seconds;
+        let mut bar = self.bar.borrow_mut();
+        if bar.on_terminal() {
+            bar.update(done as u64, &format!("{rate:.1} samples/s"));
+        } else if self
+            .logged
+            .get()
+            .is_none_or(|t| t.elapsed() >= PROGRESS_EVERY)
+        {
+            self.logged.set(Some(Instant::now()));
+            let left = self.samples.saturating_sub(done) as f64 / rate.max(1e-9);
+            tracing::info!(
+                done,
+                samples = self.samples,
+                rate = format!("{rate:.1}/s"),
+                left = format!("{left:.0} s"),
+                "{}",
+                self.label
+            );
+        }
+    }
+
+    /// Ends the line; the samples finished.
+    fn finish(&self) -> usize {
+        self.bar.borrow_mut().finish();
+        self.done.get()
+    }
 }
 
 /// The failure to write `flag`'s file.
@@ -219,6 +346,8 @@ pub struct Evaluation<'a> {
     pub seed: u64,
     /// Set when the evaluation is to be abandoned (checked before every decode step).
     pub stop: Option<&'a AtomicBool>,
+    /// Told the samples finished so far, as they finish.
+    pub progress: Option<&'a dyn Fn(usize)>,
 }
 
 impl Evaluation<'_> {
@@ -257,7 +386,11 @@ impl Evaluation<'_> {
             ignore_eos: false,
         })?;
         let stopped = || self.stop.is_some_and(|s| s.load(Ordering::Relaxed));
-        let (samples, _) = engine.run_until_done_or(stopped)?;
+        let (samples, _) = engine.run_reporting(stopped, |done| {
+            if let Some(progress) = self.progress {
+                progress(done);
+            }
+        })?;
         drop(engine);
         let mut by_item: Vec<Vec<(u32, String)>> = vec![Vec::new(); items.len()];
         for s in samples {

@@ -325,6 +325,7 @@ impl Worker {
                 max_new_tokens: rookworld_lm::cli::DEFAULT_MAX_NEW_TOKENS as usize,
                 seed: 0,
                 stop: Some(stop),
+                progress: None,
             };
             let (report, _) = eval.suite(*suite, items)?;
             suites.push(report);

@@ -4,6 +4,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use rookworld_chess::stockfish::{SearchLimit, StockfishConfig, StockfishPool};
@@ -29,7 +30,13 @@ impl Reanalysis {
     /// Re-ranks every policy item of `items` by `path`'s analysis, best first; other items
     /// are left alone. A path that is no UCI engine, or an engine that keeps failing, is
     /// one clear error.
-    pub fn rerank(&self, items: &mut [Item], path: &Path) -> Result<(), EvalError> {
+    /// A signal (`stop`) ends it within a tenth of a second with [`EvalError::Stopped`].
+    pub fn rerank(
+        &self,
+        items: &mut [Item],
+        path: &Path,
+        stop: &AtomicBool,
+    ) -> Result<(), EvalError> {
         let positions: Vec<_> = items
             .iter()
             .enumerate()
@@ -56,7 +63,19 @@ impl Reanalysis {
                 let pool = pool.clone();
                 searches.spawn(async move { (i, pool.analyse(&position).await) });
             }
-            while let Some(done) = searches.join_next().await {
+            let mut watch = tokio::time::interval(Duration::from_millis(100));
+            loop {
+                let done = tokio::select! {
+                    done = searches.join_next() => done,
+                    _ = watch.tick() => {
+                        if stop.load(Ordering::Relaxed) {
+                            searches.abort_all();
+                            return Err(EvalError::Stopped);
+                        }
+                        continue;
+                    }
+                };
+                let Some(done) = done else { break };
                 let (i, analysis) = done.map_err(reanalysis)?;
                 let analysis = analysis.map_err(reanalysis)?;
                 let ranking = analysis
@@ -97,7 +116,7 @@ mod tests {
             depth: 6,
             processes: 2,
         };
-        r.rerank(&mut items, &sf).unwrap();
+        r.rerank(&mut items, &sf, &AtomicBool::new(false)).unwrap();
         assert!(r.describe(&sf).contains("depth 6"));
         for (item, before) in items.iter().zip(before) {
             let position = item.ranked_position().unwrap().clone();
@@ -125,7 +144,11 @@ mod tests {
             processes: 1,
         };
         let err = r
-            .rerank(&mut items, Path::new("/nonexistent/stockfish"))
+            .rerank(
+                &mut items,
+                Path::new("/nonexistent/stockfish"),
+                &AtomicBool::new(false),
+            )
             .unwrap_err()
             .to_string();
         assert!(
