@@ -40,6 +40,11 @@ fn args(run: &Path, extra: &[&str]) -> TrainArgs {
     Cli::parse_from(argv).args
 }
 
+/// The two runs here one at a time: each is a whole local cluster (learner, worker,
+/// reward server) on a machine that may have two cores, and the reward's rise over a
+/// short run depends on how far the worker's rollouts lag the learner's steps.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 async fn listener() -> tokio::net::TcpListener {
     tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()
 }
@@ -109,6 +114,7 @@ async fn after_steps(path: std::path::PathBuf, n: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_short_local_run_raises_the_reward() {
+    let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("steps.jsonl");
     let dump = dir.path().join("rollouts.jsonl");
@@ -192,6 +198,7 @@ async fn a_short_local_run_raises_the_reward() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_keeps_every_prompt_and_resume_continues() {
+    let _serial = SERIAL.lock().await;
     let metrics = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
