@@ -48,6 +48,9 @@ pub struct Queue {
     run_id: String,
     /// Push addresses the learner could not connect to, and what to tell their workers.
     push_problems: BTreeMap<String, String>,
+    /// Push addresses a push has reached: one that stops answering has stopped, not been
+    /// advertised wrongly.
+    pushes_reached: std::collections::BTreeSet<String>,
     /// Worker calls refused before they reached the queue ([`problems`]).
     refused: BTreeMap<(String, String, String), Refused>,
 }
@@ -69,6 +72,7 @@ impl Queue {
             closed: false,
             run_id: String::new(),
             push_problems: BTreeMap::new(),
+            pushes_reached: std::collections::BTreeSet::new(),
             refused: BTreeMap::new(),
         }
     }

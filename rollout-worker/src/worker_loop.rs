@@ -89,6 +89,8 @@ pub async fn run(
     tokio::spawn(check_peers(cfg.clone(), peers.clone()));
     let mut groups = tokio::task::JoinSet::new();
     tokio::pin!(shutdown);
+    // Whether the learner's last answer said its run is ending (said once).
+    let mut said_closed = false;
     'lease: loop {
         // Reap finished groups (their results were logged by the groups themselves).
         while groups.try_join_next().is_some() {}
@@ -139,12 +141,21 @@ pub async fn run(
         };
         if leased.prompts.is_empty() {
             tracing::debug!(reason = %leased.backpressure, "no prompts leased");
+            let closed = leased.backpressure == "closed";
+            if closed && !said_closed {
+                tracing::info!(
+                    learner = %cfg.learner,
+                    "the learner is ending its run: no more leases (groups in flight are still taken); this worker asks again until a next run leases (Ctrl-C stops it)"
+                );
+            }
+            said_closed = closed;
             let wait = Duration::from_secs_f64(leased.retry_after_seconds.clamp(0.05, 5.0));
             tokio::select! {
                 _ = &mut shutdown => break,
                 _ = tokio::time::sleep(wait) => continue,
             }
         }
+        said_closed = false;
         for prompt in leased.prompts {
             let permit = tokio::select! {
                 _ = &mut shutdown => break 'lease,

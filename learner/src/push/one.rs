@@ -272,9 +272,14 @@ pub(super) async fn note_reachability(queue: &QueueHandle, o: PushOutcome, model
 fn note(q: &mut Queue, o: &PushOutcome, model: &LearnerModel) {
     match &o.blocked {
         Some(blocked) => {
-            let problem = blocked.describe(&o.worker, model);
+            let reached = q.push_reached(&o.worker);
+            let problem = blocked.describe(&o.worker, model, reached);
             if q.set_push_problem(&o.worker, Some(problem.clone())) {
-                tracing::error!("{problem}");
+                match blocked {
+                    // A worker that stopped: ordinary, and nothing to change here.
+                    Blocked::Unreachable(_) if reached => tracing::warn!("{problem}"),
+                    _ => tracing::error!("{problem}"),
+                }
             }
         }
         None if o.error.is_none() => {
@@ -286,9 +291,14 @@ fn note(q: &mut Queue, o: &PushOutcome, model: &LearnerModel) {
 
 impl Blocked {
     /// One line: the worker at `address`, what blocks its pushes and what to change
-    /// (`model` is this learner's).
-    pub fn describe(&self, address: &str, model: &LearnerModel) -> String {
+    /// (`model` is this learner's). A worker no push has reached (`reached` false) is
+    /// likely advertised at an address the learner cannot reach; one that took pushes
+    /// before has stopped (or the way to it has), which no flag changes.
+    pub fn describe(&self, address: &str, model: &LearnerModel, reached: bool) -> String {
         match self {
+            Blocked::Unreachable(why) if reached => format!(
+                "the worker at {address} no longer answers weight pushes ({why}): it stopped, or the way to it did; its leases return to the queue as they expire, and pushes resume when it answers again"
+            ),
             Blocked::Unreachable(why) => format!(
                 "the learner cannot reach {address} for weight pushes ({why}); start the worker with --advertise URL (ROLLOUT_ADVERTISE) at which the learner reaches its service"
             ),
@@ -298,5 +308,55 @@ impl Blocked {
                 model.shape, model.flag, model.flag
             ),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outcome(worker: &str, blocked: Option<Blocked>) -> PushOutcome {
+        PushOutcome {
+            worker: worker.into(),
+            version: 2,
+            seconds: 0.0,
+            bytes: 0,
+            error: blocked.as_ref().map(|_| "no answer".into()),
+            blocked,
+            path: "stream",
+            shared_refused: false,
+        }
+    }
+
+    /// A worker no push has reached is likely advertised wrongly (the advice names
+    /// --advertise); one that took pushes and then stops answering has stopped, and the
+    /// line says so instead of advising a flag.
+    #[test]
+    fn a_worker_that_stops_answering_is_told_apart_from_one_advertised_wrongly() {
+        let model = LearnerModel {
+            shape: "tiny".into(),
+            flag: "--preset tiny".into(),
+        };
+        let refused = Blocked::Unreachable("connection refused".into());
+        let mut q = Queue::new(crate::queue::QueueConfig::default());
+        let (never, stopped) = ("http://10.0.0.9:50051", "http://127.0.0.1:50051");
+        note(&mut q, &outcome(never, Some(refused.clone())), &model);
+        assert!(!q.push_reached(never));
+        let wrong = refused.describe(never, &model, q.push_reached(never));
+        assert!(
+            wrong.contains("cannot reach http://10.0.0.9:50051")
+                && wrong.contains("--advertise URL"),
+            "{wrong}"
+        );
+
+        note(&mut q, &outcome(stopped, None), &model); // a push reached it
+        assert!(q.push_reached(stopped));
+        note(&mut q, &outcome(stopped, Some(refused.clone())), &model);
+        let gone = refused.describe(stopped, &model, q.push_reached(stopped));
+        assert!(
+            gone.starts_with("the worker at http://127.0.0.1:50051 no longer answers weight pushes (connection refused): it stopped"),
+            "{gone}"
+        );
+        assert!(!gone.contains("--advertise"), "{gone}");
     }
 }

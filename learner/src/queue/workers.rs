@@ -116,9 +116,15 @@ impl Queue {
             }
             None => {
                 self.push_problems.remove(address);
+                self.pushes_reached.insert(address.to_owned());
                 false
             }
         }
+    }
+
+    /// Whether a push has reached the worker at `address` in this run.
+    pub fn push_reached(&self, address: &str) -> bool {
+        self.pushes_reached.contains(address)
     }
 
     /// Why `worker` should not lease: no push reaches or fits it (it would generate with

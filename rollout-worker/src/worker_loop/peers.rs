@@ -125,13 +125,14 @@ impl Peer {
             metrics::gauge!(names::PEER_REACHABLE, "peer" => self.name).set(0.0);
         }
         if went && tls.is_none() {
-            tracing::warn!(
-                peer = self.name,
-                url = %self.url,
-                call,
-                error,
+            // A learner that answered and then does not has stopped, or finished its
+            // run: the worker waits for the next one.
+            let why = if self.name == "learner" {
+                "unreachable (it stopped, or its run ended); retrying with back-off until it answers (Ctrl-C stops this worker)"
+            } else {
                 "unreachable; retrying with back-off"
-            );
+            };
+            tracing::warn!(peer = self.name, url = %self.url, call, error, "{why}");
         }
     }
 }

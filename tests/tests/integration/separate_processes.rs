@@ -170,6 +170,12 @@ fn run_section(section: &str, steps: &[&Step], dir: &Path) -> Vec<(String, Strin
     );
     let (_, learner) = &mut services[1];
     let code = learner.exit_code(Duration::from_secs(300));
+    // The worker says that the learner's run ended (or the learner stopped), at once.
+    let (_, worker) = &services[2];
+    let told = Instant::now();
+    while !worker.log().contains("its run ended") && told.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let logs: Vec<(String, String)> = services.iter().map(|(n, p)| (n.clone(), p.log())).collect();
     assert_eq!(
         code,
@@ -179,6 +185,13 @@ fn run_section(section: &str, steps: &[&Step], dir: &Path) -> Vec<(String, Strin
     for (_, service) in &mut services {
         service.terminate(Duration::from_secs(10));
     }
+    assert!(
+        logs[2]
+            .1
+            .contains("unreachable (it stopped, or its run ended)"),
+        "{PAGE} ({section}): the worker does not say the learner went away\n{}",
+        logs[2].1
+    );
     logs
 }
 
