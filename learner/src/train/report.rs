@@ -211,6 +211,8 @@ pub struct Reporter {
     dump: Option<BufWriter<File>>,
     progress: Progress,
     tensorboard: Option<EventWriter>,
+    /// Whether a step with nothing to learn from was explained (once a run).
+    said_idle: bool,
 }
 
 /// A run's log or rollout dump could not be written: which file (with its flag), and why.
@@ -319,6 +321,7 @@ impl Reporter {
             dump,
             progress: Progress::new("step", first_step, total_steps, progress),
             tensorboard,
+            said_idle: false,
         })
     }
 
@@ -342,6 +345,18 @@ impl Reporter {
 
     pub fn step(&mut self, r: &StepRecord) -> Result<(), ReportError> {
         record_metrics(r);
+        if r.tokens == 0 && !self.said_idle {
+            self.said_idle = true;
+            tracing::warn!(
+                step = r.step,
+                "nothing to learn from in this step: every group's completions scored alike{}; until they differ the policy does not move (a model that cannot yet write the tasks' format needs the supervised warm-up, --sft-steps, or a trained --model)",
+                if r.reward_mean <= -1.0 && r.reward_std == 0.0 {
+                    " (reward −1: none in the tasks' format, empty or cut off)"
+                } else {
+                    ""
+                }
+            );
+        }
         if let Some(tb) = self.tensorboard.as_mut() {
             tb.scalars(r.step, r.scalars());
         }
@@ -464,9 +479,59 @@ pub fn print_summary(summary: &TrainSummary) {
             late - early
         );
     }
+    if let Some(meaning) = trend_meaning(&summary.steps) {
+        println!("  {meaning}");
+    }
     if let Some(dir) = &summary.checkpoint {
         println!("checkpoint: {}", dir.display());
     }
+}
+
+/// What a run's reward trend ([`reward_trend`]) shows, in one line: that most steps had
+/// nothing to learn from (every group's completions scored alike — for a model that cannot
+/// yet write the tasks' format, all −1), or whether the change between the first and the
+/// last 20% is beyond the step-to-step noise: twice the standard error of the difference of
+/// two windows' means, `2·s·√(2/k)` for the steps' reward standard deviation `s` and `k`
+/// steps a window.
+pub fn trend_meaning(steps: &[StepRecord]) -> Option<String> {
+    let (early, late) = reward_trend(steps)?;
+    let n = steps.len();
+    let idle = steps.iter().filter(|r| r.tokens == 0).count();
+    if idle * 2 >= n {
+        let unformatted = steps
+            .iter()
+            .filter(|r| r.tokens == 0)
+            .all(|r| r.reward_mean <= -1.0 && r.reward_std == 0.0);
+        return Some(format!(
+            "{idle} of {n} steps had nothing to learn from: every group's completions scored alike{}; the model cannot yet write what the tasks ask — start from the supervised warm-up (--sft-steps) or a trained --model",
+            if unformatted {
+                " (−1: none in the tasks' format, empty or cut off)"
+            } else {
+                ""
+            }
+        ));
+    }
+    if n < 2 {
+        return None;
+    }
+    let k = (n / 5).max(1) as f64;
+    let mean = steps.iter().map(|r| r.reward_mean).sum::<f64>() / n as f64;
+    let var = steps
+        .iter()
+        .map(|r| (r.reward_mean - mean).powi(2))
+        .sum::<f64>()
+        / (n - 1) as f64;
+    let noise = 2.0 * var.sqrt() * (2.0 / k).sqrt();
+    let change = late - early;
+    Some(if change.abs() <= noise {
+        format!(
+            "the change is within the step-to-step noise (±{noise:.4}): {n} steps show no trend yet; a longer run (the default's 100 steps) shows whether the reward rises"
+        )
+    } else if change > 0.0 {
+        format!("the rise is beyond the step-to-step noise (±{noise:.4})")
+    } else {
+        format!("the fall is beyond the step-to-step noise (±{noise:.4})")
+    })
 }
 
 /// Mean reward over the first and the last 20% of `steps` (at least one step each).
@@ -488,6 +553,50 @@ mod tests {
     struct Cli {
         #[command(flatten)]
         args: super::super::config::TrainArgs,
+    }
+
+    fn steps(rewards: &[f64], tokens: usize) -> Vec<StepRecord> {
+        rewards
+            .iter()
+            .enumerate()
+            .map(|(i, &reward_mean)| StepRecord {
+                step: i as u64 + 1,
+                reward_mean,
+                tokens,
+                ..StepRecord::default()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_short_run_says_what_its_reward_change_shows() {
+        // A model that cannot write the format: every completion −1, nothing to learn.
+        let idle = steps(&[-1.0; 10], 0);
+        let line = trend_meaning(&idle).unwrap();
+        assert!(
+            line.starts_with("10 of 10 steps had nothing to learn from")
+                && line.contains("(−1: none in the tasks' format")
+                && line.contains("--sft-steps"),
+            "{line}"
+        );
+        // Noise: +0.017 over 30 steps whose rewards swing ±0.2.
+        let swing: Vec<f64> = (0..30)
+            .map(|i| -0.5 + if i % 2 == 0 { 0.2 } else { -0.2 } + i as f64 * 0.0006)
+            .collect();
+        let line = trend_meaning(&steps(&swing, 100)).unwrap();
+        assert!(
+            line.starts_with("the change is within the step-to-step noise (±"),
+            "{line}"
+        );
+        assert!(line.contains("30 steps show no trend yet"), "{line}");
+        // A steady rise well beyond it.
+        let rise: Vec<f64> = (0..60).map(|i| -0.8 + i as f64 * 0.01).collect();
+        let line = trend_meaning(&steps(&rise, 100)).unwrap();
+        assert!(
+            line.starts_with("the rise is beyond the step-to-step noise"),
+            "{line}"
+        );
+        assert_eq!(trend_meaning(&[]), None);
     }
 
     #[test]
