@@ -86,9 +86,16 @@ pub async fn run(
         reward: Peer::new("reward", &cfg.reward, Some(reporter.clone())),
         reporter,
     });
-    tokio::spawn(check_peers(cfg.clone(), peers.clone()));
+    let checked = tokio::spawn(check_peers(cfg.clone(), peers.clone()));
     let mut groups = tokio::task::JoinSet::new();
     tokio::pin!(shutdown);
+    // The first lease after the start-up check (a few seconds at most: its calls have
+    // deadlines): a peer it found to be an HTTP/1 port is then named as one, not guessed
+    // at from a failed call's error.
+    tokio::select! {
+        _ = &mut shutdown => return Ok(()),
+        _ = checked => {}
+    }
     // Whether the learner's last answer said its run is ending (said once).
     let mut said_closed = false;
     'lease: loop {

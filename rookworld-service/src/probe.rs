@@ -332,3 +332,80 @@ pub async fn learner_queue(
         .map_err(|s| PeerProblem::of("Report", SERVICE, s))?;
     Ok(())
 }
+
+/// Whether the plaintext `url` (`http://host:port`) answers an HTTP/1.1 request as an
+/// HTTP/1 server does — a metrics or web port, where a gRPC call fails with no more than a
+/// broken pipe or a reset connection. Asked only after such a failure; `false` for an
+/// `https://` URL, or when nothing answers within `within`.
+pub async fn speaks_http1(url: &str, within: std::time::Duration) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Some(rest) = url.strip_prefix("http://") else {
+        return false;
+    };
+    let authority = rest.split('/').next().unwrap_or(rest).to_owned();
+    let ask = async move {
+        let mut stream = tokio::net::TcpStream::connect(&authority).await.ok()?;
+        let request = format!("GET / HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.ok()?;
+        let mut head = [0u8; 7];
+        stream.read_exact(&mut head).await.ok()?;
+        Some(&head == b"HTTP/1.")
+    };
+    matches!(tokio::time::timeout(within, ask).await, Ok(Some(true)))
+}
+
+/// The line for a peer at `url` that answers HTTP/1.1 instead of gRPC ([`speaks_http1`]):
+/// `flag` is the option that named it, `service` what it should reach.
+pub fn http1_instead(flag: &str, url: &str, service: &str) -> String {
+    format!(
+        "{flag} {url} answers HTTP/1.1, not gRPC: it is another kind of port (a metrics or \
+         web port?); point {flag} at the {service}'s gRPC port"
+    )
+}
+
+#[cfg(test)]
+mod http1_tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// A metrics-like HTTP/1.1 port is recognised; a port that closes at once, or nothing
+    /// listening, is not; nor is an https URL.
+    #[tokio::test]
+    async fn an_http1_port_is_told_from_one_that_is_not() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let http1 = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let at = http1.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = http1.accept().await {
+                let mut buf = [0u8; 256];
+                let _ = s.read(&mut buf).await;
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                    .await;
+            }
+        });
+        let closing = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let closed_at = closing.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((s, _)) = closing.accept().await {
+                drop(s);
+            }
+        });
+        let nothing = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap()
+        };
+        let within = Duration::from_secs(2);
+        assert!(speaks_http1(&format!("http://{at}"), within).await);
+        assert!(speaks_http1(&format!("http://{at}/path"), within).await);
+        assert!(!speaks_http1(&format!("http://{closed_at}"), within).await);
+        assert!(!speaks_http1(&format!("http://{nothing}"), within).await);
+        assert!(!speaks_http1(&format!("https://{at}"), within).await);
+        let line = http1_instead("--learner", &format!("http://{at}"), "learner queue");
+        assert!(
+            line.contains("answers HTTP/1.1, not gRPC")
+                && line.ends_with("point --learner at the learner queue's gRPC port"),
+            "{line}"
+        );
+    }
+}

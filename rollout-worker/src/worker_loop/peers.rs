@@ -21,7 +21,9 @@ use crate::metrics::names;
 /// with it, each logged with its URL (a peer that is not up yet is retried by the loop;
 /// TLS on one side only is named once, by this check or the loop's first call).
 pub(super) async fn check_peers(cfg: Arc<LoopConfig>, peers: Arc<Peers>) {
-    use rookworld_service::probe::{learner_queue, reward_server};
+    use rookworld_service::probe::{http1_instead, learner_queue, reward_server, speaks_http1};
+    // How long a peer that failed a gRPC call may take to show it is an HTTP/1 port.
+    const HTTP1_PROBE: Duration = Duration::from_secs(2);
     let (Ok(learner), Ok(reward)) = (
         channel(&cfg.learner, cfg.call_timeout, &cfg.tls),
         channel(&cfg.reward, cfg.call_timeout, &cfg.tls),
@@ -31,6 +33,13 @@ pub(super) async fn check_peers(cfg: Arc<LoopConfig>, peers: Arc<Peers>) {
     match learner_queue(learner, &cfg.token, &cfg.worker_id).await {
         Ok(()) => {
             tracing::info!(learner = %cfg.learner, "learner queue answers and takes the token")
+        }
+        // An HTTP/1 port (the learner's metrics, say) fails a gRPC call as a TLS port
+        // would: asked first, it is named as what it is.
+        Err(p) if p.is_unreachable() && speaks_http1(&cfg.learner, HTTP1_PROBE).await => {
+            peers
+                .learner
+                .not_grpc(http1_instead("--learner", &cfg.learner, "learner queue"));
         }
         Err(p) => match peers.learner.tls_problem("start-up check", &p.to_string()) {
             Some(_) => {}
@@ -43,6 +52,11 @@ pub(super) async fn check_peers(cfg: Arc<LoopConfig>, peers: Arc<Peers>) {
     match reward_server(reward, &cfg.token).await {
         Ok(what) => {
             tracing::info!(reward = %cfg.reward, %what, "reward server answers and takes the token")
+        }
+        Err(p) if p.is_unreachable() && speaks_http1(&cfg.reward, HTTP1_PROBE).await => {
+            peers
+                .reward
+                .not_grpc(http1_instead("--reward", &cfg.reward, "reward server"));
         }
         Err(p) => match peers.reward.tls_problem("start-up check", &p.to_string()) {
             Some(_) => {}
@@ -62,6 +76,9 @@ pub(super) struct Peer {
     down_since: Mutex<Option<Instant>>,
     /// Whether TLS on one side only was named since it last answered.
     tls_said: AtomicBool,
+    /// The start-up check found an HTTP/1 port there, not gRPC: the line naming it, which
+    /// every later failure reports instead of its guess.
+    not_grpc: std::sync::OnceLock<String>,
     /// Tells the learner when this peer cannot be reached (the reward server's).
     reporter: Option<Arc<Reporter>>,
 }
@@ -74,6 +91,7 @@ impl Peer {
             url: url.to_owned(),
             down_since: Mutex::new(None),
             tls_said: AtomicBool::new(false),
+            not_grpc: std::sync::OnceLock::new(),
             reporter,
         }
     }
@@ -87,11 +105,22 @@ impl Peer {
     /// The line naming TLS on one side only, if `error` (of `call`) shows it; logged as
     /// an error the first time since the peer last answered.
     pub(super) fn tls_problem(&self, call: &str, error: &str) -> Option<String> {
+        if let Some(line) = self.not_grpc.get() {
+            return Some(line.clone());
+        }
         let line = TlsProblem::classify(&self.url, error)?.at(&self.url);
         if !self.tls_said.swap(true, Ordering::Relaxed) {
             tracing::error!(peer = self.name, url = %self.url, call, "{line}; retrying with back-off");
         }
         Some(line)
+    }
+
+    /// The start-up check found that the peer's URL is an HTTP/1 port, not gRPC (`line`
+    /// says so): one ERROR, and every later failure names it.
+    pub(super) fn not_grpc(&self, line: String) {
+        tracing::error!(peer = self.name, url = %self.url, "{line}");
+        let _ = self.not_grpc.set(line);
+        self.tls_said.store(true, Ordering::Relaxed);
     }
 
     /// It answered: back if it was away.

@@ -111,6 +111,38 @@ async fn a_closed_reward_port_is_named_by_the_learner_and_the_worker() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_pointed_at_the_learner_s_metrics_port_is_told_so() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::new();
+    let _reward = c.reward_server();
+    let learner = c.learner_args(&[], false);
+    learner_ready(&c, &learner).await;
+    // `--learner` at the learner's metrics port (HTTP/1.1), not its queue.
+    let metrics = format!("http://{}", c.learner_metrics);
+    let addrs = cluster::WorkerAddrs {
+        learner_url: metrics.clone(),
+        ..c.direct()
+    };
+    let worker = c.worker("worker-a", &addrs);
+    let line = line_naming(
+        &c,
+        &worker,
+        AT_ONCE,
+        &["answers HTTP/1.1, not gRPC", &metrics],
+    )
+    .await;
+    assert!(
+        line.contains("ERROR") && line.contains("point --learner at the learner queue's gRPC port"),
+        "{line}"
+    );
+    assert!(
+        !worker.log().contains("broken pipe") && !worker.log().contains("serves TLS"),
+        "{}",
+        worker.log()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_with_another_token_is_named_with_its_address() {
     let _serial = SERIAL.lock().await;
     let c = Cluster::new();
