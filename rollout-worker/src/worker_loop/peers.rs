@@ -79,6 +79,9 @@ pub(super) struct Peer {
     /// The start-up check found an HTTP/1 port there, not gRPC: the line naming it, which
     /// every later failure reports instead of its guess.
     not_grpc: std::sync::OnceLock<String>,
+    /// Whether a call has ever been answered: a peer that goes away after answering has
+    /// stopped; one that never answered is not up yet, or not there.
+    ever_answered: AtomicBool,
     /// Tells the learner when this peer cannot be reached (the reward server's).
     reporter: Option<Arc<Reporter>>,
 }
@@ -92,6 +95,7 @@ impl Peer {
             down_since: Mutex::new(None),
             tls_said: AtomicBool::new(false),
             not_grpc: std::sync::OnceLock::new(),
+            ever_answered: AtomicBool::new(false),
             reporter,
         }
     }
@@ -126,6 +130,7 @@ impl Peer {
     /// It answered: back if it was away.
     pub(super) fn answered(&self) {
         self.tls_said.store(false, Ordering::Relaxed);
+        self.ever_answered.store(true, Ordering::Relaxed);
         if let Some(since) = self.down_since().take() {
             metrics::gauge!(names::PEER_REACHABLE, "peer" => self.name).set(1.0);
             tracing::info!(
@@ -154,15 +159,58 @@ impl Peer {
             metrics::gauge!(names::PEER_REACHABLE, "peer" => self.name).set(0.0);
         }
         if went && tls.is_none() {
-            // A learner that answered and then does not has stopped, or finished its
-            // run: the worker waits for the next one.
-            let why = if self.name == "learner" {
-                "unreachable (it stopped, or its run ended); retrying with back-off until it answers (Ctrl-C stops this worker)"
-            } else {
-                "unreachable; retrying with back-off"
-            };
+            let why = away_line(self.name, self.ever_answered.load(Ordering::Relaxed), error);
             tracing::warn!(peer = self.name, url = %self.url, call, error, "{why}");
         }
+    }
+}
+
+/// The line for a peer (`name`) that a call could not reach with `error`: a learner that
+/// answered before and no longer does has stopped or finished its run (the worker waits
+/// for the next); one that never answered is not up yet; a connection whose keep-alive
+/// ping went unanswered reached a peer too busy to answer, or lost its network.
+fn away_line(name: &str, ever_answered: bool, error: &str) -> String {
+    let what = if error.contains("keep-alive timed out") {
+        "did not answer the connection's keep-alive ping within 10 s (busy, or the network dropped)"
+    } else if name == "learner" && ever_answered {
+        "unreachable (it stopped, or its run ended)"
+    } else if name == "learner" {
+        "unreachable (not up yet, or not at this URL)"
+    } else {
+        "unreachable"
+    };
+    let until = if name == "learner" {
+        " until it answers (Ctrl-C stops this worker)"
+    } else {
+        ""
+    };
+    format!("{what}; retrying with back-off{until}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::away_line;
+
+    #[test]
+    fn a_peer_that_went_away_is_told_from_one_not_up_yet_and_from_a_busy_one() {
+        let refused = "transport error: tcp connect error: Connection refused (os error 111)";
+        assert_eq!(
+            away_line("learner", true, refused),
+            "unreachable (it stopped, or its run ended); retrying with back-off until it answers (Ctrl-C stops this worker)"
+        );
+        assert!(
+            away_line("learner", false, refused)
+                .starts_with("unreachable (not up yet, or not at this URL);")
+        );
+        assert_eq!(
+            away_line("reward", true, refused),
+            "unreachable; retrying with back-off"
+        );
+        let ping = "transport error: http2 error: keep-alive timed out";
+        assert!(
+            away_line("learner", true, ping)
+                .starts_with("did not answer the connection's keep-alive ping within 10 s")
+        );
     }
 }
 
