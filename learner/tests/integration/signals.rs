@@ -1,10 +1,90 @@
-//! Ctrl-C and SIGTERM end `learner train` in any phase within 10 s: here, during the
-//! supervised warm-up, which runs on a thread of its own and asks between its steps.
+//! Ctrl-C and SIGTERM end a command within 10 s with exit code 0: `learner train` during
+//! the supervised warm-up (which runs on a thread of its own and asks between its steps),
+//! and `learner eval` in the middle of a suite.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+
+/// The learner with `args`, its log (stderr, `RUST_LOG=info`) read line by line.
+struct Learner {
+    child: std::process::Child,
+    log: mpsc::Receiver<String>,
+    /// Every line read so far.
+    seen: Vec<String>,
+}
+
+impl Learner {
+    fn start(args: &[&std::ffi::OsStr]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_learner"))
+            .args(args)
+            .env("RUST_LOG", "info")
+            .env_remove("LEARNER_RESUME")
+            .env_remove("ROOKWORLD_CONFIG")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (lines, log) = mpsc::channel();
+        let stderr = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if lines.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self {
+            child,
+            log,
+            seen: Vec::new(),
+        }
+    }
+
+    /// Reads the log until a line satisfies `wanted` (failing after 120 s, naming `what`).
+    fn wait_for(&mut self, what: &str, wanted: impl Fn(&str) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let line = self
+                .log
+                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                .unwrap_or_else(|_| panic!("no {what} within 120 s:\n{}", self.seen.join("\n")));
+            let found = wanted(&line);
+            self.seen.push(line);
+            if found {
+                return;
+            }
+        }
+    }
+
+    /// Sends `signal` (`-TERM`, `-INT`); the exit status if the process ended within
+    /// 10 s (else it is killed), and the whole log.
+    fn signal(mut self, signal: &str) -> (Option<ExitStatus>, String) {
+        let sent = Instant::now();
+        let status = Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let exited = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break Some(status);
+            }
+            if sent.elapsed() > Duration::from_secs(10) {
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        if exited.is_none() {
+            self.child.kill().unwrap();
+        }
+        self.child.wait().unwrap();
+        std::thread::sleep(Duration::from_millis(100)); // the reader's last lines
+        self.seen.extend(self.log.try_iter());
+        (exited, self.seen.join("\n"))
+    }
+}
 
 /// SIGTERM during the warm-up: the run stops within 10 s, exits 0, says where it stopped,
 /// and leaves no checkpoint (the next run starts afresh, without --overwrite).
@@ -12,66 +92,29 @@ use std::time::{Duration, Instant};
 fn sigterm_during_the_warm_up_stops_the_run_within_10_s() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    let mut learner = Command::new(env!("CARGO_BIN_EXE_learner"))
-        .args(["train", "--local", "--preset", "tiny", "--steps", "2"])
+    let mut learner = Learner::start(&[
+        "train".as_ref(),
+        "--local".as_ref(),
+        "--preset".as_ref(),
+        "tiny".as_ref(),
+        "--steps".as_ref(),
+        "2".as_ref(),
         // Long enough that only the signal ends it.
-        .args(["--sft-steps", "100000", "--no-progress", "--metrics", "off"])
-        .arg("--run-dir")
-        .arg(&run)
-        .env("RUST_LOG", "info")
-        .env_remove("LEARNER_RESUME")
-        .env_remove("ROOKWORLD_CONFIG")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let (lines, log) = mpsc::channel();
-    let stderr = learner.stderr.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if lines.send(line).is_err() {
-                break;
-            }
-        }
-    });
+        "--sft-steps".as_ref(),
+        "100000".as_ref(),
+        "--no-progress".as_ref(),
+        "--metrics".as_ref(),
+        "off".as_ref(),
+        "--run-dir".as_ref(),
+        run.as_os_str(),
+    ]);
     // The warm-up's first progress line (every 10 of its steps).
-    let mut seen = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let line = log
-            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-            .unwrap_or_else(|_| panic!("no warm-up progress within 120 s:\n{}", seen.join("\n")));
-        let warming = line.contains("warm-up") && line.contains("loss");
-        seen.push(line);
-        if warming {
-            break;
-        }
-    }
-
-    let sent = Instant::now();
-    let status = Command::new("kill")
-        .args(["-TERM", &learner.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let exited = loop {
-        if let Some(status) = learner.try_wait().unwrap() {
-            break Some(status);
-        }
-        if sent.elapsed() > Duration::from_secs(10) {
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let took = sent.elapsed();
-    if exited.is_none() {
-        learner.kill().unwrap();
-    }
-    learner.wait().unwrap();
-    seen.extend(log.try_iter());
-    let text = seen.join("\n");
+    learner.wait_for("warm-up progress", |l| {
+        l.contains("warm-up") && l.contains("loss")
+    });
+    let (exited, text) = learner.signal("-TERM");
     let status = exited.unwrap_or_else(|| panic!("still running 10 s after SIGTERM:\n{text}"));
-    assert!(status.success(), "exit {status} after {took:?}:\n{text}");
+    assert!(status.success(), "exit {status}:\n{text}");
     assert!(
         text.contains("stopped during the supervised warm-up"),
         "the stop does not say where it stopped:\n{text}"
@@ -92,66 +135,25 @@ fn sigint_during_an_evaluation_stops_it_within_10_s_and_writes_nothing() {
         dir.path().join("report.json"),
         dir.path().join("dump.jsonl"),
     );
-    let mut learner = Command::new(env!("CARGO_BIN_EXE_learner"))
-        .args(["eval", "--preset", "tiny", "--suite", "checkmate-in-one"])
-        .arg("--out")
-        .arg(&out)
-        .arg("--dump")
-        .arg(&dump)
-        .env("RUST_LOG", "info")
-        .env_remove("ROOKWORLD_CONFIG")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let (lines, log) = mpsc::channel();
-    let stderr = learner.stderr.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if lines.send(line).is_err() {
-                break;
-            }
-        }
-    });
+    let mut learner = Learner::start(&[
+        "eval".as_ref(),
+        "--preset".as_ref(),
+        "tiny".as_ref(),
+        "--suite".as_ref(),
+        "checkmate-in-one".as_ref(),
+        "--out".as_ref(),
+        out.as_os_str(),
+        "--dump".as_ref(),
+        dump.as_os_str(),
+    ]);
     // The suite's first progress line in the log: samples done, rate, time left.
-    let mut seen = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let line = log
-            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-            .unwrap_or_else(|_| panic!("no eval progress within 120 s:\n{}", seen.join("\n")));
-        let progress = line.contains("eval 1/1: checkmate-in-one")
-            && line.contains("samples=3500")
-            && line.contains("rate=")
-            && line.contains("left=");
-        seen.push(line);
-        if progress {
-            break;
-        }
-    }
-
-    let sent = Instant::now();
-    let status = Command::new("kill")
-        .args(["-INT", &learner.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let exited = loop {
-        if let Some(status) = learner.try_wait().unwrap() {
-            break Some(status);
-        }
-        if sent.elapsed() > Duration::from_secs(10) {
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    if exited.is_none() {
-        learner.kill().unwrap();
-    }
-    learner.wait().unwrap();
-    std::thread::sleep(Duration::from_millis(100)); // the reader's last lines
-    seen.extend(log.try_iter());
-    let text = seen.join("\n");
+    learner.wait_for("eval progress", |l| {
+        l.contains("eval 1/1: checkmate-in-one")
+            && l.contains("samples=3500")
+            && l.contains("rate=")
+            && l.contains("left=")
+    });
+    let (exited, text) = learner.signal("-INT");
     let status = exited.unwrap_or_else(|| panic!("still running 10 s after SIGINT:\n{text}"));
     assert!(status.success(), "exit {status}:\n{text}");
     assert!(
