@@ -221,20 +221,13 @@ impl Scheduler {
     /// Steps until every request is done; returns the samples by (request, prompt,
     /// sample) and the summed step statistics. A failed request is an error.
     pub fn run_to_completion(&mut self) -> Result<(Vec<FinishedSample>, StepStats), EngineError> {
-        self.run_until_done_or(|| false)
+        self.run_reporting(|| false, |_| {})
     }
 
-    /// [`Self::run_to_completion`], checking `stop` before every step: once it says
-    /// stop, the work left is abandoned and the run fails with [`EngineError::Failed`].
-    pub fn run_until_done_or(
-        &mut self,
-        stop: impl Fn() -> bool,
-    ) -> Result<(Vec<FinishedSample>, StepStats), EngineError> {
-        self.run_reporting(stop, |_| {})
-    }
-
-    /// [`Self::run_until_done_or`], telling `progress` how many samples have finished
-    /// after every step that finished one.
+    /// [`Self::run_to_completion`], checking `stop` before every step — once it says
+    /// stop, the work left is abandoned and the run fails with [`EngineError::Failed`] —
+    /// and telling `progress` how many samples have finished after every step that
+    /// finished one.
     pub fn run_reporting(
         &mut self,
         stop: impl Fn() -> bool,

@@ -175,6 +175,14 @@ fn keep_pool_memory(device: &candle_core::CudaDevice) {
     }
 }
 
+/// How logs and errors name `device`: `cuda:N` as `--device` takes it.
+pub fn name(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        other => format!("{other:?}"),
+    }
+}
+
 /// The start-up check of this crate's kernels ([`crate::kernels`]) on `device`, of the
 /// families `choice` leaves on: a kernel that fails it is off in the verdict returned
 /// (or, strict, the open fails). A fault that poisons the CUDA context ends the process
@@ -183,10 +191,7 @@ fn keep_pool_memory(device: &candle_core::CudaDevice) {
 #[cfg(feature = "cuda")]
 fn startup_check(device: &Device, choice: &KernelChoice) -> Result<Kernels> {
     use crate::kernels::Family;
-    let name = match device.location() {
-        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
-        other => format!("{other:?}"),
-    };
+    let name = name(device);
     let kernels = Kernels::chosen(choice);
     let started = std::time::Instant::now();
     let families = kernels.to_check(&crate::kernels::CHECKED_FAMILIES);

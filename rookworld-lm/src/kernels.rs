@@ -175,11 +175,6 @@ impl KernelChoice {
         })
     }
 
-    /// Whether a failed start-up check is an error (`--strict-kernels`).
-    pub fn strict(&self) -> bool {
-        self.strict
-    }
-
     /// The families of `F` turned on (`--enable-kernels`).
     pub fn enabled<F: Family>(&self) -> Vec<F> {
         Self::families(&self.enable)
@@ -201,7 +196,7 @@ impl KernelChoice {
 
 /// The names `value` (of `flag`: a comma-separated list, or `all`) gives, each one of
 /// `known`; `all` is every one.
-pub fn parse_names(flag: &str, value: &str, known: &[&'static str]) -> Result<Vec<&'static str>> {
+fn parse_names(flag: &str, value: &str, known: &[&'static str]) -> Result<Vec<&'static str>> {
     let mut out = Vec::new();
     for name in value.split(',').map(str::trim).filter(|n| !n.is_empty()) {
         if name == "all" {

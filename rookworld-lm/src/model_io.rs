@@ -417,12 +417,17 @@ fn build(root: VarBuilder, prefixed: bool, cfg: &Config) -> Result<Gpt2> {
     Ok(Gpt2::load(vb, root, cfg)?)
 }
 
-/// Writes `bytes` to `path` through a temporary file and a rename.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+/// Where [`write_atomic`] writes `path` before renaming it: `.NAME.tmp` beside it.
+pub fn temporary(path: &Path) -> PathBuf {
     let name = path
         .file_name()
         .map_or("file".into(), |n| n.to_string_lossy());
-    let tmp = path.with_file_name(format!(".{name}.tmp"));
+    path.with_file_name(format!(".{name}.tmp"))
+}
+
+/// Writes `bytes` to `path` through a temporary file ([`temporary`]) and a rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = temporary(path);
     std::fs::write(&tmp, bytes).map_err(|e| Error::io(&tmp, e))?;
     std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
 }

@@ -203,7 +203,13 @@ impl Trainable {
     /// precision is set, with the step's CUDA kernels `kernels` chooses. `fused` where the
     /// fused pass does not apply is refused with the reason, in one line.
     pub fn set_step_path(&mut self, path: StepPath, kernels: &KernelChoice) -> Result<(), String> {
-        self.step_kernels = StepKernels::chosen(kernels);
+        // Judged on CUDA only: no CUDA kernel of the step runs elsewhere, so the CPU's
+        // verdict turns nothing on or off (and says nothing), as the model's does.
+        self.step_kernels = if self.model.device().is_cuda() {
+            StepKernels::chosen(kernels)
+        } else {
+            StepKernels::cpu()
+        };
         if path == StepPath::Fused {
             let pass = self
                 .fused_pass()
@@ -217,7 +223,7 @@ impl Trainable {
                     let device = self.model.device();
                     let findings = crate::fused::cuda::startup_check(device, &self.step_kernels);
                     self.step_kernels
-                        .apply(&format!("{:?}", device.location()), &findings)
+                        .apply(&rookworld_lm::device::name(device), &findings)
                         .map_err(|e| format!("--step-path fused: {e}"))?;
                 }
             }

@@ -237,11 +237,7 @@ impl Whole {
     }
 
     fn temporary(&self) -> PathBuf {
-        let name = self
-            .path
-            .file_name()
-            .map_or("out".into(), |n| n.to_string_lossy());
-        self.path.with_file_name(format!(".{name}.tmp"))
+        rookworld_lm::model_io::temporary(&self.path)
     }
 
     fn error(&self, source: std::io::Error) -> EvalError {

@@ -163,11 +163,7 @@ pub fn settle<F: Family>(
                     .unwrap_or_default()
             ),
         });
-    let name = match device.location() {
-        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
-        other => format!("{other:?}"),
-    };
-    after_synchronize(&name, family, fault)
+    after_synchronize(&crate::device::name(device), family, fault)
 }
 
 impl KernelCheck {

@@ -601,7 +601,7 @@ impl Gpt2 {
                         problem: format!("a captured decode step failed: {e}"),
                     };
                     self.kernels
-                        .apply(&format!("{:?}", self.device().location()), &[finding])?;
+                        .apply(&crate::device::name(self.device()), &[finding])?;
                     Ok(None)
                 }
             }
