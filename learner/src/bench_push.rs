@@ -8,6 +8,7 @@
 //! /dev/shm that the worker shares; only the header is sent). The floor is a `memcpy` of the same bytes and a
 //! raw loopback TCP transfer of them. One JSON line on stdout.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -154,7 +155,14 @@ pub fn run(args: &BenchPushArgs) -> Result<(), BenchPushError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let report = runtime.block_on(bench(args))?;
+    // The pushes' files go into a directory of this process's: a signal removes it and ends
+    // the benchmark at once, exit 0.
+    let shared_dir = rookworld_weights::export::process_dir("rookworld-bench-push");
+    let left = shared_dir.clone();
+    rookworld_service::serve::exit_on_signal("learner bench-push", move || {
+        let _ = std::fs::remove_dir_all(left);
+    })?;
+    let report = runtime.block_on(bench(args, shared_dir))?;
     println!(
         "{}",
         serde_json::to_string(&report).expect("report serialises")
@@ -162,7 +170,7 @@ pub fn run(args: &BenchPushArgs) -> Result<(), BenchPushError> {
     Ok(())
 }
 
-async fn bench(args: &BenchPushArgs) -> Result<Report, BenchPushError> {
+async fn bench(args: &BenchPushArgs, shared_dir: PathBuf) -> Result<Report, BenchPushError> {
     let cfg = Config::preset(&args.preset)?;
     let learner_model = model_io::init_random(&cfg, 1, DType::F32, &Device::Cpu)?;
     let t = Instant::now();
@@ -187,7 +195,6 @@ async fn bench(args: &BenchPushArgs) -> Result<Report, BenchPushError> {
     let floor = floor(&set.bytes).await?;
 
     // The worker, as `rollout-worker serve` runs it.
-    let shared_dir = rookworld_weights::export::process_dir("rookworld-bench-push");
     std::fs::create_dir_all(&shared_dir)?;
     let (device, kernels) = args
         .worker_device

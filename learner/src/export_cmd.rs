@@ -82,10 +82,17 @@ pub enum ExportError {
     Model(#[from] rookworld_lm::Error),
 }
 
-/// Checks `--out`, loads the model and writes the export.
+/// Checks `--out`, loads the model and writes the export: every file into a staging
+/// directory beside `--out` ([`model_io::temporary`]), moved into `--out` once all are
+/// written. Ctrl-C or SIGTERM before that ends the command (exit 0) with nothing written.
 pub fn run(args: &ExportArgs) -> Result<(), ExportError> {
     check_out(&args.out, args.overwrite)?;
     let dtype = parse_dtype(&args.dtype)?;
+    let stop = rookworld_service::serve::stop_on_signal().map_err(|source| ExportError::Io {
+        path: "signal handlers".into(),
+        source,
+    })?;
+    let stopped = || stop.load(std::sync::atomic::Ordering::Relaxed);
     let stored = ModelArgs {
         device: "cpu".into(),
         weight_dtype: "f32".into(),
@@ -93,16 +100,32 @@ pub fn run(args: &ExportArgs) -> Result<(), ExportError> {
     };
     let loaded = stored.load()?;
     let cfg = loaded.model.config();
-    model_io::save(&loaded.model, &args.out, dtype)?;
-    write_json(
-        &args.out.join(GENERATION_CONFIG_FILE),
-        &generation_config(cfg),
-    )?;
-    write_json(
-        &args.out.join(TOKENIZER_CONFIG_FILE),
-        &tokenizer_config(cfg),
-    )?;
-    write_tokenizer(&loaded.tokenizer, &args.out.join(TOKENIZER_FILE))?;
+    let stage = model_io::temporary(&args.out);
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| ExportError::Io { path, source }
+    };
+    // A stage left by an export that was killed.
+    if stage.exists() {
+        std::fs::remove_dir_all(&stage).map_err(io(&stage))?;
+    }
+    let written = (|| {
+        model_io::save(&loaded.model, &stage, dtype)?;
+        write_json(&stage.join(GENERATION_CONFIG_FILE), &generation_config(cfg))?;
+        write_json(&stage.join(TOKENIZER_CONFIG_FILE), &tokenizer_config(cfg))?;
+        write_tokenizer(&loaded.tokenizer, &stage.join(TOKENIZER_FILE))
+    })();
+    if written.is_err() || stopped() {
+        let _ = std::fs::remove_dir_all(&stage);
+        if written.is_ok() {
+            eprintln!(
+                "export: stopped by a signal; nothing written to {}",
+                args.out.display()
+            );
+        }
+        return written;
+    }
+    publish(&stage, &args.out).map_err(io(&args.out))?;
     tracing::info!(
         source = %loaded.source,
         out = %args.out.display(),
@@ -111,6 +134,20 @@ pub fn run(args: &ExportArgs) -> Result<(), ExportError> {
         "export written (load it with transformers' AutoModelForCausalLM.from_pretrained)"
     );
     Ok(())
+}
+
+/// Moves a complete export from `stage` into `out`: the directory renamed whole when `out`
+/// is missing or empty, else each file renamed over the earlier export's (and that
+/// export's leftover temporaries removed).
+fn publish(stage: &Path, out: &Path) -> std::io::Result<()> {
+    if !out.exists() || std::fs::remove_dir(out).is_ok() {
+        return std::fs::rename(stage, out);
+    }
+    for file in FILES {
+        std::fs::rename(stage.join(file), out.join(file))?;
+        let _ = std::fs::remove_file(model_io::temporary(&out.join(file)));
+    }
+    std::fs::remove_dir(stage)
 }
 
 /// Refuses an `out` that is a file, or a directory with entries (with `overwrite`: with

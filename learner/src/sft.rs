@@ -444,7 +444,33 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
     };
     let mut out = Vec::new();
     let mut progress = Progress::new("sft step", start, s.steps, true);
+    // From here a signal ends the run after the step in progress, with a checkpoint.
+    let stop = rookworld_service::serve::stop_on_signal().map_err(SftError::Runtime)?;
+    let mut saved = start;
     for step in start..s.steps {
+        if stop.load(std::sync::atomic::Ordering::Relaxed) {
+            progress.finish();
+            let checkpoint = if saved < step {
+                let dir = save(
+                    &args.run_dir,
+                    &policy,
+                    &opt,
+                    &docs,
+                    schedule,
+                    &settings,
+                    step,
+                )?;
+                format!("checkpoint {} written", dir.display())
+            } else {
+                "no checkpoint written (nothing new to save)".into()
+            };
+            eprintln!(
+                "sft: stopped by a signal after step {step} of {}; {checkpoint}; \
+                 `--start resume` continues it",
+                s.steps
+            );
+            return Ok(out);
+        }
         let record = sft_step(&policy, &mut opt, &schedule, &mut docs, s, step)?;
         if progress.on_terminal() {
             let detail = format!("loss {:.4}  grad norm {:.3}", record.loss, record.grad_norm);
@@ -452,9 +478,10 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
         } else {
             tracing::info!(
                 step = record.step,
-                loss = record.loss,
-                grad_norm = record.grad_norm,
-                lr = record.lr,
+                loss = format!("{:.4}", record.loss),
+                grad_norm = format!("{:.3}", record.grad_norm),
+                lr = format!("{:.3e}", record.lr),
+                seconds = format!("{:.2}", record.seconds),
                 "sft step"
             );
         }
@@ -472,23 +499,45 @@ pub fn run(args: &SftArgs) -> Result<Vec<SftStep>, SftError> {
         out.push(record);
         let done = step + 1;
         if done % args.checkpoint_every.max(1) == 0 || done == s.steps {
-            let state = TrainerState {
-                step: done,
-                version: 0,
-                adamw: opt.cfg,
-                optimizer_steps: opt.steps,
+            let dir = save(
+                &args.run_dir,
+                &policy,
+                &opt,
+                &docs,
                 schedule,
-                cursor: docs.source.cursor(),
-                settings: settings.clone(),
-                queue: None,
-                eval: None,
-                record: None,
-            };
-            let dir = checkpoint::save(&args.run_dir, &policy, &opt, &state)?;
+                &settings,
+                done,
+            )?;
             tracing::info!(dir = %dir.display(), "checkpoint written");
+            saved = done;
         }
     }
     Ok(out)
+}
+
+/// Writes the checkpoint of `learner sft` after `done` steps; returns its directory.
+fn save(
+    run_dir: &std::path::Path,
+    policy: &Trainable,
+    opt: &AdamW,
+    docs: &Documents,
+    schedule: Schedule,
+    settings: &serde_json::Value,
+    done: u64,
+) -> Result<PathBuf, SftError> {
+    let state = TrainerState {
+        step: done,
+        version: 0,
+        adamw: opt.cfg,
+        optimizer_steps: opt.steps,
+        schedule,
+        cursor: docs.source.cursor(),
+        settings: settings.clone(),
+        queue: None,
+        eval: None,
+        record: None,
+    };
+    Ok(checkpoint::save(run_dir, policy, opt, &state)?)
 }
 
 #[cfg(test)]

@@ -54,16 +54,29 @@ pub fn main() -> std::process::ExitCode {
                 let scorer = args.scoring.scorer().await?;
                 let stdout = std::io::stdout();
                 let mut out = std::io::BufWriter::new(stdout.lock());
-                if args.input == "-" {
-                    cli::score(&scorer, std::io::stdin().lock(), &mut out).await?;
+                let stop = rookworld_service::serve::shutdown_signal();
+                let scored = if args.input == "-" {
+                    let stdin = std::io::BufReader::new(std::io::stdin());
+                    cli::score(&scorer, stdin, &mut out, stop).await?
                 } else {
                     let file = std::fs::File::open(&args.input)
                         .map_err(|e| format!("{}: {e}", args.input))?;
-                    cli::score(&scorer, std::io::BufReader::new(file), &mut out).await?;
+                    cli::score(&scorer, std::io::BufReader::new(file), &mut out, stop).await?
+                };
+                if scored.stopped {
+                    eprintln!(
+                        "score: stopped by a signal after {} lines (each written whole); \
+                         the rest of the input was not scored",
+                        scored.lines
+                    );
                 }
                 Ok(())
             }
-            Command::Bench(args) => Ok(bench::run(args, &mut std::io::stdout().lock())?),
+            Command::Bench(args) => {
+                // Its unfinished work is worth nothing: a signal ends it at once, exit 0.
+                rookworld_service::serve::exit_on_signal("reward-server bench", || {})?;
+                Ok(bench::run(args, &mut std::io::stdout().lock())?)
+            }
             Command::Health(args) => Ok(args.check().await?),
         }
     });

@@ -119,12 +119,12 @@ pub fn run(args: &BenchArgs, out: &mut impl Write) -> std::io::Result<()> {
         .map_err(|e| std::io::Error::other(e.to_string()))?;
     let (env, pol) = generate_items(args.items, args.seed);
     if let Some(path) = &args.write_items {
-        let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
+        let mut text = Vec::new();
         for it in env.iter().chain(&pol) {
             let line = serde_json::json!({"task": it.task.label(), "prompt": it.prompt, "completion": it.completion});
-            writeln!(f, "{line}")?;
+            writeln!(text, "{line}")?;
         }
-        f.flush()?;
+        rookworld_service::files::write_atomic(path, &text)?;
     }
     let scorer = Scorer::new(RewardConfig::default(), None);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());

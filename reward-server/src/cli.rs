@@ -255,39 +255,53 @@ fn read_line_bounded<R: BufRead>(
     }
 }
 
+/// How `reward-server score` ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scored {
+    /// Input lines whose results were written.
+    pub lines: usize,
+    /// Whether `stop` ended it before the end of the input.
+    pub stopped: bool,
+}
+
 /// `reward-server score`: one JSON line out per line in, in order. A bad line gets
-/// `{"error": …}` and never stops the rest; only I/O errors end the command.
-pub async fn score<R: BufRead, W: Write>(
+/// `{"error": …}` and never stops the rest; only I/O errors end the command. The input is
+/// read on a thread of its own, so `stop` (Ctrl-C or SIGTERM) ends the command at once
+/// even while it waits for input; the results of a batch being scored then are dropped,
+/// and every line written before is whole.
+pub async fn score<R: BufRead + Send + 'static, W: Write>(
     scorer: &Scorer,
-    mut input: R,
+    input: R,
     out: &mut W,
-) -> std::io::Result<()> {
-    let mut line_no = 0usize;
+    stop: impl std::future::Future<Output = ()>,
+) -> std::io::Result<Scored> {
+    let (batches, mut next) = tokio::sync::mpsc::channel(1);
+    std::thread::Builder::new()
+        .name("score input".into())
+        .spawn(move || read_batches(input, batches))?;
+    tokio::pin!(stop);
+    let mut lines = 0;
+    let stopped = Scored {
+        lines,
+        stopped: true,
+    };
     loop {
-        let mut parsed: Vec<Result<Item, String>> = Vec::with_capacity(CHUNK);
-        let mut buf = Vec::new();
-        while parsed.len() < CHUNK {
-            buf.clear();
-            let Some(fits) = read_line_bounded(&mut input, &mut buf, MAX_LINE_BYTES)? else {
-                break;
-            };
-            line_no += 1;
-            parsed.push(if fits {
-                parse_line(&buf).map_err(|e| format!("line {line_no}: {e}"))
-            } else {
-                Err(format!(
-                    "line {line_no}: longer than {MAX_LINE_BYTES} bytes"
-                ))
-            });
-        }
-        if parsed.is_empty() {
-            return Ok(());
-        }
+        let parsed = tokio::select! {
+            batch = next.recv() => match batch {
+                None => return Ok(Scored { lines, stopped: false }),
+                Some(batch) => batch?,
+            },
+            _ = &mut stop => return Ok(Scored { lines, ..stopped }),
+        };
         let items: Vec<Item> = parsed
             .iter()
             .filter_map(|p| p.as_ref().ok().cloned())
             .collect();
-        let mut scores = scorer.score_each(&items).await.into_iter();
+        let scores = tokio::select! {
+            scores = scorer.score_each(&items) => scores,
+            _ = &mut stop => return Ok(Scored { lines, ..stopped }),
+        };
+        let mut scores = scores.into_iter();
         for p in &parsed {
             let json = match p {
                 Err(e) => serde_json::json!({ "error": e }),
@@ -299,6 +313,46 @@ pub async fn score<R: BufRead, W: Write>(
             writeln!(out, "{json}")?;
         }
         out.flush()?;
+        lines += parsed.len();
+    }
+}
+
+/// A batch of parsed input lines (each an item or why it is not one).
+type Batch = Vec<Result<Item, String>>;
+
+/// Reads `input` into batches of at most [`CHUNK`] lines and sends them until the end of
+/// the input, a read error (sent, then the end) or a receiver that went away.
+fn read_batches<R: BufRead>(
+    mut input: R,
+    batches: tokio::sync::mpsc::Sender<std::io::Result<Batch>>,
+) {
+    let mut line_no = 0usize;
+    let mut buf = Vec::new();
+    loop {
+        let mut parsed: Batch = Vec::with_capacity(CHUNK);
+        while parsed.len() < CHUNK {
+            buf.clear();
+            let fits = match read_line_bounded(&mut input, &mut buf, MAX_LINE_BYTES) {
+                Ok(Some(fits)) => fits,
+                Ok(None) => break,
+                Err(e) => {
+                    let _ = batches.blocking_send(Err(e));
+                    return;
+                }
+            };
+            line_no += 1;
+            parsed.push(if fits {
+                parse_line(&buf).map_err(|e| format!("line {line_no}: {e}"))
+            } else {
+                Err(format!(
+                    "line {line_no}: longer than {MAX_LINE_BYTES} bytes"
+                ))
+            });
+        }
+        let end = parsed.len() < CHUNK;
+        if (!parsed.is_empty() && batches.blocking_send(Ok(parsed)).is_err()) || end {
+            return;
+        }
     }
 }
 

@@ -63,6 +63,17 @@ pub fn main() -> std::process::ExitCode {
         },
         Err(e) => return rookworld_lm::cli::exit_with(Err(e)),
     }
+    // A benchmark's unfinished work is worth nothing: a signal ends it at once, exit 0.
+    let bench = match &cli.command {
+        Command::Bench(_) => Some("rollout-worker bench"),
+        Command::Parity(_) => Some("rollout-worker parity"),
+        _ => None,
+    };
+    if let Some(command) = bench
+        && let Err(e) = rookworld_service::serve::exit_on_signal(command, || {})
+    {
+        return rookworld_lm::cli::exit_with(Err(format!("signal handlers: {e}")));
+    }
     let result: Result<(), Box<dyn std::error::Error + Send + Sync>> = match &cli.command {
         Command::Generate(args) => {
             generate_cmd::run(args, &mut std::io::stdout().lock()).map_err(Into::into)

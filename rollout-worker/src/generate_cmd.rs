@@ -9,6 +9,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use rookworld_service::logging::Progress;
 
 use rookworld_lm::cli::{ModelArgs, SamplingArgs};
 use rookworld_lm::{Error, Result};
@@ -144,14 +147,37 @@ pub fn run(args: &GenerateArgs, out: &mut impl Write) -> std::result::Result<(),
         seed: args.seed,
         ignore_eos: false,
     })?;
+    // From here Ctrl-C or SIGTERM ends the run: the prompts whose completions are all
+    // finished are written, the rest abandoned.
+    let stop = rookworld_service::serve::stop_on_signal()
+        .map_err(|e| EngineError::Failed(format!("signal handlers: {e}")))?;
+    let total = (prompts.len() * args.n) as u64;
+    let mut progress = Progress::new("generate", 0, total, true);
     let started = Instant::now();
-    let (samples, stats) = engine.run_to_completion()?;
+    let (samples, stats) = engine.run_reporting(
+        || stop.load(Ordering::Relaxed),
+        |done| {
+            let rate = done as f64 / started.elapsed().as_secs_f64().max(1e-9);
+            progress.update(done as u64, &format!("completions  {rate:.1}/s"));
+        },
+    )?;
+    progress.finish();
     let seconds = started.elapsed().as_secs_f64();
+    let stopped = engine.has_work();
+    let mut counts = vec![0; prompts.len()];
+    for s in &samples {
+        counts[s.prompt_index as usize] += 1;
+    }
+    let whole: Vec<bool> = counts.iter().map(|&c| c == args.n).collect();
+    let written = whole.iter().filter(|&&w| w).count();
     let total_tokens: usize = samples.iter().map(|s| s.completion.ids.len()).sum();
     let mut samples = samples.into_iter().peekable();
     for (i, (prompt, prompt_ids)) in prompts.iter().zip(encoded).enumerate() {
         let mut completions = Vec::with_capacity(args.n);
         while let Some(s) = samples.next_if(|s| s.prompt_index as usize == i) {
+            if !whole[i] {
+                continue;
+            }
             completions.push(CompletionJson {
                 text: loaded.tokenizer.decode(&s.completion.ids)?,
                 ids: s.completion.ids,
@@ -159,6 +185,9 @@ pub fn run(args: &GenerateArgs, out: &mut impl Write) -> std::result::Result<(),
                 finish_reason: s.completion.finish_reason.as_str(),
                 weight_version: s.weight_version,
             });
+        }
+        if !whole[i] {
+            continue;
         }
         let line = PromptJson {
             prompt: prompt.clone(),
@@ -173,6 +202,13 @@ pub fn run(args: &GenerateArgs, out: &mut impl Write) -> std::result::Result<(),
         };
         let json = serde_json::to_string(&line).expect("output serialises");
         writeln!(out, "{json}").map_err(|e| io_error(std::path::Path::new("<stdout>"), e))?;
+    }
+    if stopped {
+        eprintln!(
+            "generate: stopped by a signal; {written} of {} prompts finished and written, \
+             the rest abandoned",
+            prompts.len()
+        );
     }
     Ok(())
 }

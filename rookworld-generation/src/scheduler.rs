@@ -225,9 +225,9 @@ impl Scheduler {
     }
 
     /// [`Self::run_to_completion`], checking `stop` before every step — once it says
-    /// stop, the work left is abandoned and the run fails with [`EngineError::Failed`] —
-    /// and telling `progress` how many samples have finished after every step that
-    /// finished one.
+    /// stop, the run returns the samples finished so far and leaves the rest of the work
+    /// where it is ([`Self::has_work`] tells the two endings apart) — and telling
+    /// `progress` how many samples have finished after every step that finished one.
     pub fn run_reporting(
         &mut self,
         stop: impl Fn() -> bool,
@@ -236,7 +236,7 @@ impl Scheduler {
         let (mut samples, mut total) = (Vec::new(), StepStats::default());
         while self.has_work() {
             if stop() {
-                return Err(EngineError::Failed("stopped".into()));
+                break;
             }
             let (events, stats) = self.step(true);
             total.prefill_tokens += stats.prefill_tokens;

@@ -17,6 +17,7 @@
 
 pub mod auth;
 pub mod env;
+pub mod files;
 pub mod http2;
 pub mod logging;
 pub mod metrics_http;

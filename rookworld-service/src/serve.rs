@@ -82,13 +82,36 @@ pub async fn shutdown_signal() {
     tracing::info!("shutting down");
 }
 
-/// For a command without an async runtime (`learner eval`, …): a flag that turns true on
-/// Ctrl-C or SIGTERM, set by a thread of its own. The handlers are installed before this
-/// returns — also over a SIGINT that the launching shell ignores (a background job) — so
-/// from then on a signal stops the command through the flag instead of killing it.
+/// For a command without an async runtime (`learner eval`, `learner sft`, …): a flag that
+/// turns true on Ctrl-C or SIGTERM, for the command to ask between its units of work. The
+/// handlers are installed before this returns — also over a SIGINT that the launching shell
+/// ignores (a background job) — so from then on a signal stops the command through the
+/// flag instead of killing it.
 pub fn stop_on_signal() -> std::io::Result<Arc<std::sync::atomic::AtomicBool>> {
     use std::sync::atomic::{AtomicBool, Ordering};
     let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    on_signal(move || flag.store(true, Ordering::Relaxed))?;
+    Ok(stop)
+}
+
+/// For a command whose unfinished work is worth nothing (a benchmark printing its report
+/// at the end): on Ctrl-C or SIGTERM, `cleanup` removes what it leaves behind, one line on
+/// stderr says that `command` stopped, and the process exits 0 at once.
+pub fn exit_on_signal(
+    command: &'static str,
+    cleanup: impl FnOnce() + Send + 'static,
+) -> std::io::Result<()> {
+    on_signal(move || {
+        cleanup();
+        eprintln!("{command}: stopped by a signal; no report (what finished is shown above)");
+        std::process::exit(0)
+    })
+}
+
+/// Installs Ctrl-C and SIGTERM handlers (before it returns) and runs `action` on a thread
+/// of its own when the first of them arrives.
+fn on_signal(action: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -108,15 +131,14 @@ pub fn stop_on_signal() -> std::io::Result<Arc<std::sync::atomic::AtomicBool>> {
             let _ = tokio::signal::ctrl_c().await;
         }
     };
-    let flag = stop.clone();
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
             runtime.block_on(signalled);
             tracing::info!("stopping: a signal arrived");
-            flag.store(true, Ordering::Relaxed);
+            action();
         })?;
-    Ok(stop)
+    Ok(())
 }
 
 /// Interval of the server's HTTP/2 pings, and how long it waits for the answer.

@@ -387,6 +387,9 @@ impl Evaluation<'_> {
                 progress(done);
             }
         })?;
+        if engine.has_work() {
+            return Err(EvalError::Stopped);
+        }
         drop(engine);
         let mut by_item: Vec<Vec<(u32, String)>> = vec![Vec::new(); items.len()];
         for s in samples {

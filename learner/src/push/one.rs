@@ -80,7 +80,7 @@ pub async fn push_over(
         .increment(1);
     match &o.error {
         None => {
-            tracing::debug!(worker = %o.worker, version = o.version, seconds = o.seconds, "weights pushed")
+            tracing::debug!(worker = %o.worker, version = o.version, seconds = format!("{:.3}", o.seconds), "weights pushed")
         }
         Some(e) => {
             tracing::warn!(worker = %o.worker, version = o.version, error = %e, "weight push failed; worker marked stale, retried after a back-off")

@@ -29,6 +29,7 @@ mod local;
 mod plan;
 mod prepare;
 mod report;
+mod resources;
 mod services;
 mod settings;
 mod state;

@@ -50,6 +50,7 @@ pub(super) fn prepare(
     if fresh {
         check_context(s, &source, model.start.config()?.n_positions)?;
     }
+    log_resources(plan, &device)?;
     let opened = run_dir::open(
         &out.run_dir,
         &out.start,
@@ -176,6 +177,41 @@ pub(super) fn prepare(
         record: None,
         _lock: opened.lock,
     }))
+}
+
+/// Logs what the run will hold in memory and write to disk ([`Resources::estimate`]).
+fn log_resources(plan: &Plan, device: &candle_core::Device) -> Result<(), TrainError> {
+    use super::resources::{Resources, size};
+    use rookworld_lm::cpu_gemm::PanelDtype;
+    let n = plan.model.start.config()?.num_parameters() as u64;
+    let worker = if plan.services.local {
+        let (dtype, panels) = plan.services.rollout_weight_dtype.resolve(device)?;
+        let panels = match panels {
+            PanelDtype::F32 => 0,
+            PanelDtype::Bf16 => 2,
+            PanelDtype::Int8 => 1,
+        };
+        Some(dtype.size_in_bytes() as u64 + panels)
+    } else {
+        None
+    };
+    let s = &plan.settings;
+    let r = Resources::estimate(
+        n,
+        s.objective.beta > 0.0,
+        worker,
+        s.steps,
+        plan.schedule.checkpoint_every,
+    );
+    tracing::info!(
+        memory = %size(r.memory),
+        disk = %size(r.disk()),
+        checkpoint = %size(r.checkpoint),
+        checkpoints = r.checkpoints,
+        "resources, estimated (memory before the step's activations and KV caches; disk at \
+         the run's end, every checkpoint kept)"
+    );
+    Ok(())
 }
 
 /// The weight version a run resumed from weights of version `saved` goes on with. When the

@@ -22,7 +22,6 @@ mod queue_load;
 mod resume;
 mod run_dir;
 mod shared_push;
-mod signals;
 mod stall;
 mod step_path;
 mod train_ops;

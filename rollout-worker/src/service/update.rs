@@ -100,7 +100,12 @@ impl RolloutServer {
         if run != current_run {
             tracing::info!(run = %run, previous_run = %current_run, previous_version = current, "weights of a new run replace the previous run's");
         }
-        tracing::debug!(version, bytes, seconds, "weights updated");
+        tracing::debug!(
+            version,
+            bytes,
+            seconds = format!("{seconds:.3}"),
+            "weights updated"
+        );
         Ok(pb::UpdateWeightsResponse {
             version,
             bytes: bytes as u64,

@@ -356,7 +356,7 @@ where
             return result;
         };
         peer.unreachable(what, &chain);
-        tracing::debug!(call = what, error = %chain, retry_in = ?wait, "retrying");
+        tracing::debug!(call = what, error = %chain, retry_in = format!("{:.1} s", wait.as_secs_f64()), "retrying");
         tokio::time::sleep(wait).await;
         wait = (wait * 2).min(max);
     }

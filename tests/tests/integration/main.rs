@@ -4,7 +4,8 @@
 //! - `cluster`: a training cluster of real processes that a test can kill, stop and probe.
 //! - `faults`: faults survived with nothing lost; `wiring`: wiring mistakes named;
 //!   `hostile`: hostile input to the learner's queue and the worker; `tls`: TLS and
-//!   mutual TLS; `grpcurl`: the book's grpcurl commands; `logs`: what the logs say.
+//!   mutual TLS; `grpcurl`: the book's grpcurl commands; `logs`: what the logs say;
+//!   `stops`: every command ended by a signal.
 //! - `parity`, `hf_roundtrip`, `checkpoints`, `hub`, `tokenizer_data`: the model against
 //!   Hugging Face's stored numbers, checkpoints and the tokenizer's data; `export`:
 //!   `learner export` against what transformers writes and loaded.
@@ -37,6 +38,7 @@ mod logs;
 mod parity;
 mod run_file;
 mod separate_processes;
+mod stops;
 mod tensorboard;
 mod tls;
 mod tokenizer_data;
