@@ -15,6 +15,8 @@ use rookworld_service::logging::Progress;
 use serde::Serialize;
 
 use crate::settings::{BatchArgs, ConfigError, ObjectiveArgs};
+
+mod desk;
 use rookworld_train::batch::GrpoBatch;
 use rookworld_train::loss::LossConfig;
 use rookworld_train::optim::{AdamW, AdamWConfig};
@@ -80,6 +82,13 @@ pub struct BenchArgs {
     /// CUDA): the report's `kernels`, and a table on stderr.
     #[arg(long)]
     pub profile: bool,
+    /// Print the desk estimate of this step on a GPU instead of running it: the pass
+    /// counted over a backend that computes nothing (FLOPs, bytes, calls by operation)
+    /// and the least time each takes on an H100 and an H200 — as the CUDA backend runs it
+    /// today and with BF16 operands and the head kept — beside a decode step of the same
+    /// rows. One JSON line, and a table on stderr.
+    #[arg(long)]
+    pub desk: bool,
     /// Which CUDA kernels the device runs: the binary's kernel flags, parsed once.
     #[arg(skip)]
     pub kernels: rookworld_lm::kernels::KernelChoice,
@@ -226,6 +235,9 @@ pub enum BenchError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Model(#[from] rookworld_lm::Error),
+    /// The desk estimate's pass refused the shape.
+    #[error(transparent)]
+    Pass(#[from] rookworld_train::backend::Error),
 }
 
 impl From<candle_core::Error> for BenchError {
@@ -237,6 +249,9 @@ impl From<candle_core::Error> for BenchError {
 /// Runs the benchmark and prints its JSON line (and, profiled, the kernels' table on
 /// stderr).
 pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
+    if args.desk {
+        return desk::run(args);
+    }
     let report = bench(args)?;
     if let Some(kernels) = &report.kernels {
         eprint!("{}", kernels.table(20));

@@ -47,6 +47,7 @@ pub mod compare;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod desk;
 pub mod fused;
 pub mod gemm;
 pub mod grpo;

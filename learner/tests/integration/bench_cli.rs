@@ -56,6 +56,33 @@ fn bench_prints_one_json_line_with_the_step_split() {
     assert!(v["grad_norm"].as_f64().unwrap() > 0.0);
 }
 
+/// `--desk`: the step counted, not run — one JSON line with both configurations and the
+/// decode step, the planned one (BF16, head kept) bound below today's, and a table on
+/// stderr.
+#[test]
+fn desk_prints_the_counted_step_and_its_bounds() {
+    let out = bench(&["--desk", "--preset", "gpt2-124m", "-p", "32", "-n", "8"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("step, today: operation, calls, GFLOP, GB"),
+        "{stderr}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (today, planned) = (&v["today"], &v["bf16_kept_head"]);
+    for device in ["seconds_h100", "seconds_h200"] {
+        let (t, p) = (
+            today[device].as_f64().unwrap(),
+            planned[device].as_f64().unwrap(),
+        );
+        assert!(p > 0.0 && p < t, "{device}: {p} vs {t}");
+    }
+    // 4 micro-batches of 8 groups; 4 products a layer, each 3 calls and the reference's 1.
+    assert_eq!(today["operations"]["products"]["calls"], 4 * 12 * 4 * 4);
+    assert_eq!(v["decode"]["rows"], 256);
+    assert!(v["decode"]["work"]["bytes"].as_f64().unwrap() > 2.49e8);
+}
+
 #[test]
 fn bf16_precision_runs_the_fused_step_with_bf16_matmuls() {
     let out = bench(&[
