@@ -14,7 +14,9 @@ use rookworld_lm::{Gpt2, model_io};
 use rookworld_service::logging::Progress;
 use serde::Serialize;
 
-use crate::settings::{BatchArgs, ConfigError, ObjectiveArgs};
+use crate::settings::{
+    BatchArgs, ConfigError, GPU_MICRO_BATCH_GROUPS, MicroBatchGroups, ObjectiveArgs,
+};
 
 mod desk;
 use rookworld_train::batch::GrpoBatch;
@@ -250,7 +252,24 @@ impl From<candle_core::Error> for BenchError {
 /// stderr).
 pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
     if args.desk {
-        return desk::run(args);
+        args.validate()?;
+        let cfg = Config::preset(&args.preset)?;
+        let shape = rookworld_train::desk::StepShape {
+            prompts: args.batch.prompts_per_step,
+            group: args.batch.group_size as usize,
+            prompt: args.prompt_tokens,
+            completion: args.completion_tokens,
+            // As on a GPU.
+            micro_batch_groups: match args.batch.micro_batch_groups {
+                MicroBatchGroups::Auto => GPU_MICRO_BATCH_GROUPS,
+                MicroBatchGroups::Groups(n) => n,
+            },
+            reference: args.objective.beta > 0.0,
+        };
+        let (table, json) = desk::report(&cfg, shape, &args.preset)?;
+        eprint!("{table}");
+        println!("{json}");
+        return Ok(());
     }
     let report = bench(args)?;
     if let Some(kernels) = &report.kernels {

@@ -1,37 +1,27 @@
 //! `learner bench --desk`: what the step asks of a GPU, estimated at the desk
 //! ([`rookworld_train::desk`]) instead of measured.
 
-use super::{BenchArgs, BenchError};
 use rookworld_lm::config::Config;
+use rookworld_train::desk::{self, H100, H200, StepShape, Tally};
 
-/// The desk estimate of the step on a GPU ([`rookworld_train::desk`])
-/// in two configurations — today's CUDA backend (f32 operands, the head's logits
-/// recomputed in its backward) and BF16 operands with the head kept — and of a decode step
-/// of P × G rows at the completions' middle position.
-pub(super) fn run(args: &BenchArgs) -> Result<(), BenchError> {
-    use rookworld_train::desk::{self, H100, H200, StepShape, Tally};
-    args.validate()?;
-    let cfg = Config::preset(&args.preset)?;
-    let shape = StepShape {
-        prompts: args.batch.prompts_per_step,
-        group: args.batch.group_size as usize,
-        prompt: args.prompt_tokens,
-        completion: args.completion_tokens,
-        // As on a GPU.
-        micro_batch_groups: match args.batch.micro_batch_groups {
-            crate::settings::MicroBatchGroups::Auto => crate::settings::GPU_MICRO_BATCH_GROUPS,
-            crate::settings::MicroBatchGroups::Groups(n) => n,
-        },
-        reference: args.objective.beta > 0.0,
-    };
-    let today = desk::step(&cfg, shape, &Tally::new(4, None))?;
+/// The desk estimate of a step of `shape` on a model of `cfg` on a GPU
+/// ([`rookworld_train::desk`]) in two configurations — today's CUDA backend (f32 operands,
+/// the head's logits recomputed in its backward) and BF16 operands with the head kept —
+/// and of a decode step of P × G rows at the completions' middle position: the table for
+/// stderr and the JSON line.
+pub fn report(
+    cfg: &Config,
+    shape: StepShape,
+    preset: &str,
+) -> Result<(String, serde_json::Value), rookworld_train::backend::Error> {
+    let today = desk::step(cfg, shape, &Tally::new(4, None))?;
     let planned = desk::step(
-        &cfg,
+        cfg,
         shape,
         &Tally::new(2, Some(rookworld_train::launch::keep_rows(cfg.vocab_size))),
     )?;
     let rows = shape.prompts * shape.group;
-    let decode = desk::decode_step(&cfg, rows, shape.prompt + shape.completion / 2);
+    let decode = desk::decode_step(cfg, rows, shape.prompt + shape.completion / 2);
     let mut table = String::new();
     let mut json = serde_json::Map::new();
     for (name, work) in [("today", &today), ("bf16_kept_head", &planned)] {
@@ -85,11 +75,10 @@ pub(super) fn run(args: &BenchArgs) -> Result<(), BenchError> {
         decode.seconds(&H200) * 1e6,
         H200.name
     ));
-    eprint!("{table}");
     json.insert(
         "shape".into(),
         serde_json::json!({
-            "preset": args.preset,
+            "preset": preset,
             "prompts": shape.prompts,
             "group": shape.group,
             "prompt_tokens": shape.prompt,
@@ -108,8 +97,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<(), BenchError> {
             "seconds_h200": decode.seconds(&H200),
         }),
     );
-    println!("{}", serde_json::Value::Object(json));
-    Ok(())
+    Ok((table, serde_json::Value::Object(json)))
 }
 
 fn desk_json(w: &rookworld_train::desk::Work) -> serde_json::Value {
