@@ -6,7 +6,9 @@
 //! and at the default chunk size while it generates; and through the same-host path (the
 //! payload written, as the optimizer writes it, into its file in a directory under
 //! /dev/shm that the worker shares; only the header is sent). The floor is a `memcpy` of the same bytes and a
-//! raw loopback TCP transfer of them. One JSON line on stdout.
+//! raw loopback TCP transfer of them. Beside them, what a delta against the previous
+//! version would send instead, after one AdamW step at each of a few learning rates
+//! ([`deltas`]). One JSON line on stdout.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -30,6 +32,7 @@ use floor::{Floor, floor};
 use rookworld_train::optim::{AdamW, AdamWConfig};
 use rookworld_train::policy::Trainable;
 
+mod deltas;
 mod floor;
 
 /// Options of `learner bench-push`.
@@ -106,6 +109,8 @@ struct Report {
     generating: Option<Pushes>,
     /// A push of a version the worker already passed: refused on its header.
     stale_refusal_seconds: f64,
+    /// One AdamW step's delta against the payload before it, by learning rate.
+    deltas: Vec<deltas::Delta>,
 }
 
 const TOKEN: &str = "bench-push";
@@ -130,6 +135,8 @@ pub enum BenchPushError {
         what: &'static str,
         status: tonic::Status,
     },
+    #[error(transparent)]
+    Deltas(#[from] deltas::DeltaBenchError),
     /// What the benchmark measures did not happen as it must.
     #[error("{0}")]
     Unexpected(&'static str),
@@ -172,6 +179,7 @@ pub fn run(args: &BenchPushArgs) -> Result<(), BenchPushError> {
 
 async fn bench(args: &BenchPushArgs, shared_dir: PathBuf) -> Result<Report, BenchPushError> {
     let cfg = Config::preset(&args.preset)?;
+    let deltas = deltas::measure(&cfg)?;
     let learner_model = model_io::init_random(&cfg, 1, DType::F32, &Device::Cpu)?;
     let t = Instant::now();
     let generic = model_io::to_bytes(&learner_model, DType::BF16)?;
@@ -320,6 +328,7 @@ async fn bench(args: &BenchPushArgs, shared_dir: PathBuf) -> Result<Report, Benc
         shared,
         generating,
         stale_refusal_seconds,
+        deltas,
     })
 }
 

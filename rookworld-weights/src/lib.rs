@@ -10,7 +10,9 @@
 //!   files in the shared directory on the same-host path), hashed and published off the
 //!   training thread, newest first.
 //! - [`refill`]: a worker's next weights written into a retired model's memory, in place.
+//! - [`delta`]: a payload sent against one the worker holds, only what changed.
 
+pub mod delta;
 pub mod export;
 pub mod refill;
 pub mod set;
