@@ -344,19 +344,10 @@ struct TrainingThread {
 /// `n` AdamW steps of `policy`'s parameters (fixed pseudo-random gradients) without
 /// export, then `n` writing the payload and publishing it; the medians.
 fn training_thread(policy: &Trainable, n: usize) -> Result<TrainingThread, BenchPushError> {
-    let grads = || {
-        let buffers = policy
-            .vars
-            .iter()
-            .map(|(_, v)| {
-                (0..v.elem_count())
-                    .map(|i| (i % 97) as f32 * 1e-3 - 0.05)
-                    .collect()
-            })
-            .collect();
-        policy.host_gradients(buffers)
-    };
-    let (grads, mut opt) = (grads(), AdamW::new(AdamWConfig::default()));
+    let (grads, mut opt) = (
+        deltas::gradients(policy),
+        AdamW::new(AdamWConfig::default()),
+    );
     let (tx, rx) = tokio::sync::watch::channel(None);
     let exporter = Exporter::new(&policy.vars, Arc::new(tx), None);
     let median = |mut v: Vec<f64>| {

@@ -9,7 +9,7 @@ use std::time::Instant;
 use candle_core::{DType, Device};
 use rookworld_lm::config::Config;
 use rookworld_lm::model_io;
-use rookworld_train::optim::{AdamW, AdamWConfig};
+use rookworld_train::optim::{AdamW, AdamWConfig, Gradients};
 use rookworld_train::policy::Trainable;
 use rookworld_weights::delta;
 use serde::Serialize;
@@ -54,12 +54,9 @@ pub fn measure(cfg: &Config) -> Result<Vec<Delta>, DeltaBenchError> {
     LRS.iter().map(|&lr| one(cfg, lr)).collect()
 }
 
-fn one(cfg: &Config, lr: f64) -> Result<Delta, DeltaBenchError> {
-    let model = model_io::init_random(cfg, 1, DType::F32, &Device::Cpu)?;
-    let base = model_io::to_bf16_payload(&model)?;
-    let policy = Trainable::from_model(&model)?;
-    drop(model);
-    let grads = policy.host_gradients(
+/// Fixed pseudo-random gradients for every parameter of `policy` (the benchmark's steps).
+pub fn gradients(policy: &Trainable) -> Gradients {
+    policy.host_gradients(
         policy
             .vars
             .iter()
@@ -69,7 +66,15 @@ fn one(cfg: &Config, lr: f64) -> Result<Delta, DeltaBenchError> {
                     .collect()
             })
             .collect(),
-    );
+    )
+}
+
+fn one(cfg: &Config, lr: f64) -> Result<Delta, DeltaBenchError> {
+    let model = model_io::init_random(cfg, 1, DType::F32, &Device::Cpu)?;
+    let base = model_io::to_bf16_payload(&model)?;
+    let policy = Trainable::from_model(&model)?;
+    drop(model);
+    let grads = gradients(&policy);
     let mut opt = AdamW::new(AdamWConfig::default());
     opt.step(&policy.vars, &grads, lr, policy.model.kernels())?;
     let payload = model_io::to_bf16_payload(&policy.model)?;
