@@ -8,7 +8,8 @@
 //! /dev/shm that the worker shares; only the header is sent). The floor is a `memcpy` of the same bytes and a
 //! raw loopback TCP transfer of them. Beside them, what a delta against the previous
 //! version would send instead, after one AdamW step at each of a few learning rates
-//! ([`deltas`]). One JSON line on stdout.
+//! ([`deltas`]), and pushes that send one end to end (the training thread's last payload
+//! and the first, each a delta of the other). One JSON line on stdout.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -67,7 +68,8 @@ pub struct BenchPushArgs {
 /// One measurement: the median push and where the worker spent it.
 #[derive(Debug, Serialize)]
 struct Pushes {
-    /// "stream" (gRPC chunks) or "shared" (the same-host file).
+    /// "stream" (gRPC chunks), "shared" (the same-host file) or "delta" (gRPC chunks of a
+    /// delta against the worker's version).
     path: &'static str,
     chunk_kib: usize,
     /// End to end, as the learner sees it: first chunk sent to the worker's answer.
@@ -111,6 +113,12 @@ struct Report {
     stale_refusal_seconds: f64,
     /// One AdamW step's delta against the payload before it, by learning rate.
     deltas: Vec<deltas::Delta>,
+    /// Idle worker, deltas between the first payload and the training thread's last
+    /// (2 × (pushes + 1) AdamW steps at lr 1e-5 apart): the push's payload bytes a second
+    /// in `gb_per_second`, the delta's size in `delta_push_bytes`, and the worker's
+    /// applying and hashing it in `verify_seconds`.
+    delta_push: Pushes,
+    delta_push_bytes: usize,
 }
 
 const TOKEN: &str = "bench-push";
@@ -235,7 +243,7 @@ async fn bench(args: &BenchPushArgs, shared_dir: PathBuf) -> Result<Report, Benc
     let mut client = RolloutServiceClient::new(channel);
 
     let generating_runs = usize::from(!args.idle_only);
-    let total = (args.chunk_kib.len() + 1 + generating_runs) * args.pushes;
+    let total = (args.chunk_kib.len() + 2 + generating_runs) * args.pushes;
     let mut progress = Progress::new("bench push", 0, total as u64, true);
     // The first two versions a worker receives are built in fresh memory (the model it
     // started with is never written over); from then on each goes into the memory of the
@@ -265,6 +273,14 @@ async fn bench(args: &BenchPushArgs, shared_dir: PathBuf) -> Result<Report, Benc
             .await?,
         );
     }
+    let (delta_push, delta_push_bytes) = delta_pushes(
+        &mut client,
+        (&set, &training.set),
+        &mut version,
+        args.pushes,
+        &mut progress,
+    )
+    .await?;
     let shared = shared_pushes(
         &mut client,
         &policy,
@@ -329,6 +345,8 @@ async fn bench(args: &BenchPushArgs, shared_dir: PathBuf) -> Result<Report, Benc
         generating,
         stale_refusal_seconds,
         deltas,
+        delta_push,
+        delta_push_bytes,
     })
 }
 
@@ -413,6 +431,42 @@ async fn pushes(
         all.push((seconds, answer));
     }
     Ok(median_push(all, "stream", kib, set.bytes.len()))
+}
+
+/// `n` pushes of new versions that alternate between the payloads of `a` and `b`, each sent
+/// as a delta against the one before (an XOR delta turns either into the other), the
+/// median one, and the delta's size. The worker's last streamed payload must be `a`'s,
+/// at `version`; after an even `n` it holds `a`'s again.
+async fn delta_pushes(
+    client: &mut RolloutServiceClient<tonic::transport::Channel>,
+    (a, b): (&WeightSet, &WeightSet),
+    version: &mut u64,
+    n: usize,
+    progress: &mut Progress,
+) -> Result<(Pushes, usize), BenchPushError> {
+    let delta = rookworld_weights::delta::encode(&a.bytes, &b.bytes)
+        .map_err(|e| BenchPushError::Deltas(e.into()))?;
+    let delta = bytes::Bytes::from(delta);
+    let mut all = vec![];
+    for i in 0..n.max(2).next_multiple_of(2) {
+        let base = *version;
+        *version += 1;
+        let next = WeightSet {
+            run_id: a.run_id.clone(),
+            version: *version,
+            ..(if i % 2 == 0 { b } else { a }).clone()
+        };
+        let t = Instant::now();
+        let answer = weights::push_delta(client, (&next, base, delta.clone()), TOKEN, CHUNK_BYTES);
+        let answer = answer.await.map_err(refused("delta push"))?;
+        let seconds = t.elapsed().as_secs_f64();
+        if i < n {
+            progress.tick(&format!("delta of {} bytes: {seconds:.3} s", delta.len()));
+            all.push((seconds, answer));
+        }
+    }
+    let kib = CHUNK_BYTES >> 10;
+    Ok((median_push(all, "delta", kib, a.bytes.len()), delta.len()))
 }
 
 /// `n` pushes of new versions through the same-host path, the median one: each version's

@@ -130,16 +130,16 @@ pub fn describe() {
     describe_histogram!(
         names::WEIGHT_PUSH_SECONDS,
         Unit::Seconds,
-        "One weight push to one worker, by `path` (shared: the same-host file; stream)."
+        "One weight push to one worker, by `path` (shared: the same-host file; delta: what changed since the worker's version; stream: the payload)."
     );
     describe_counter!(
         names::WEIGHT_PUSH_BYTES_TOTAL,
         Unit::Bytes,
-        "Weight bytes pushed, by `path` (a shared-file push counts the bytes the worker reads)."
+        "Weight bytes pushed, by `path` (shared, delta, stream; a shared-file push counts the bytes the worker reads)."
     );
     describe_counter!(
         names::WEIGHT_PUSHES_TOTAL,
-        "Weight pushes by `result` (ok, failed) and `path` (shared, stream)."
+        "Weight pushes by `result` (ok, failed) and `path` (shared, delta, stream)."
     );
     describe_counter!(
         names::QUEUE_SUBMISSIONS_INVALID_TOTAL,

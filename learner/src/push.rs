@@ -15,6 +15,10 @@
 //! offered to each worker by its file name first: one header, no body. A worker that
 //! cannot read it (another host, no `--shared-dir`) answers FAILED_PRECONDITION; it is
 //! streamed that push and every later one.
+//!
+//! A worker known to run the version before the newest is streamed only what changed
+//! since ([`delta`]); one that cannot apply it is streamed the payload in the same push.
+//! The bytes each kind of push sent are counted for the step log ([`Fleet::take_pushed`]).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -26,12 +30,15 @@ use tokio::sync::{mpsc, watch};
 use crate::checkpoint::CheckpointError;
 use crate::queue::QueueHandle;
 
+mod delta;
 mod one;
 mod outcome;
 use crate::metrics::names;
+pub use delta::DeltaOffer;
+use delta::Deltas;
 use one::note_reachability;
-pub use one::{push_over, push_to, worker_answers};
-pub use outcome::{Blocked, LearnerModel, PushOutcome};
+pub use one::{Via, push_over, push_to, worker_answers};
+pub use outcome::{Blocked, LearnerModel, PushBytes, PushOutcome};
 
 /// Publishes `model`'s weights as `version` of run `run_id`: recorded in `run_dir` first
 /// (so a crash never reuses the number), converted to BF16 once, handed to the weight sync
@@ -99,6 +106,10 @@ pub struct Fleet {
     members: BTreeMap<String, Member>,
     /// Longest wait between retries of a failing worker.
     max_backoff: Duration,
+    /// The newest set, the one before it (while a worker is streamed) and their delta.
+    deltas: Deltas,
+    /// Bytes sent since the last [`Fleet::take_pushed`].
+    pushed: PushBytes,
 }
 
 impl Fleet {
@@ -107,7 +118,26 @@ impl Fleet {
         Self {
             members: BTreeMap::new(),
             max_backoff,
+            ..Self::default()
         }
+    }
+
+    /// Takes `set` as the newest to push; the set it replaces is kept as the base of
+    /// deltas while some worker is streamed (no shared file, or a worker that cannot read
+    /// it).
+    pub fn advance(&mut self, set: &Arc<WeightSet>) {
+        let streamed = set.shared_file.is_none() || self.members.values().any(|m| !m.shared);
+        self.deltas.advance(set, streamed);
+    }
+
+    /// What a push of the newest set to `address` may send instead of the payload.
+    pub fn delta_offer(&self, address: &str) -> Option<DeltaOffer> {
+        self.deltas.offer(self.members.get(address)?.known)
+    }
+
+    /// Bytes the pushes sent since the last call, by kind.
+    pub fn take_pushed(&mut self) -> PushBytes {
+        std::mem::take(&mut self.pushed)
     }
 
     /// Adds a worker (idempotent); it is stale until a push reaches it.
@@ -240,6 +270,7 @@ impl Fleet {
 
     /// Records the outcome of a push started by [`Fleet::due`].
     pub fn finish(&mut self, outcome: &PushOutcome, now: Instant) {
+        self.pushed.add(outcome);
         let Some(m) = self.members.get_mut(&outcome.worker) else {
             return; // forgotten meanwhile
         };
@@ -276,13 +307,18 @@ impl Fleet {
         token: &str,
         deadline: Duration,
     ) -> Vec<PushOutcome> {
+        self.advance(&Arc::new(set.clone()));
+        let tls = rookworld_service::tls::ClientTlsArgs::default();
         let calls: Vec<_> = self
             .due(set.version, Instant::now())
             .into_iter()
             .map(|address| {
-                let shared = self.shared(&address);
-                let (set, token) = (set.clone(), token.to_owned());
-                tokio::spawn(push_to(address, set, token, deadline, shared))
+                let (shared, delta) = (self.shared(&address), self.delta_offer(&address));
+                let (set, token, tls) = (set.clone(), token.to_owned(), tls.clone());
+                tokio::spawn(async move {
+                    let how = one::Via { shared, delta };
+                    push_over(address, set, token, deadline, how, &tls).await
+                })
             })
             .collect();
         let mut outcomes = Vec::with_capacity(calls.len());
@@ -376,22 +412,25 @@ pub async fn run(
         let due = {
             let mut fleet = lock_fleet();
             observe(&workers, &mut fleet, set.version);
+            fleet.advance(&set);
             let due = fleet.due(set.version, now);
             fleet.publish_metrics(set.version);
             due.into_iter()
                 .map(|a| {
-                    let shared = fleet.shared(&a);
-                    (a, shared)
+                    let how = one::Via {
+                        shared: fleet.shared(&a),
+                        delta: fleet.delta_offer(&a),
+                    };
+                    (a, how)
                 })
                 .collect::<Vec<_>>()
         };
-        for (address, shared) in due {
+        for (address, how) in due {
             in_flight += 1;
             let (set, token, done) = (set.clone(), token.clone(), done_tx.clone());
             let (deadline, tls) = (cfg.deadline, cfg.tls.clone());
             tokio::spawn(async move {
-                let outcome =
-                    push_over(address, (*set).clone(), token, deadline, shared, &tls).await;
+                let outcome = push_over(address, (*set).clone(), token, deadline, how, &tls).await;
                 let _ = done.send(outcome);
             });
         }

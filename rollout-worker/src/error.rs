@@ -43,6 +43,7 @@ impl ServiceError {
             Self::Weights(WeightError::Stale { .. }) => "stale",
             Self::Weights(WeightError::Shared(_)) => "shared_unreadable",
             Self::Weights(WeightError::SharedBusy(_)) => "shared_busy",
+            Self::Weights(WeightError::DeltaBase(_)) => "delta_base",
             Self::Weights(_) => "invalid",
             Self::Interrupted(_) => "interrupted",
             Self::Engine(_) | Self::Internal(_) => "failed",
@@ -59,9 +60,9 @@ impl From<ServiceError> for Status {
             ServiceError::Overloaded(_) => Status::resource_exhausted(message),
             ServiceError::Token(e) => e.into(),
             ServiceError::Weights(WeightError::Checksum { .. }) => Status::data_loss(message),
-            ServiceError::Weights(WeightError::Stale { .. } | WeightError::Shared(_)) => {
-                Status::failed_precondition(message)
-            }
+            ServiceError::Weights(
+                WeightError::Stale { .. } | WeightError::Shared(_) | WeightError::DeltaBase(_),
+            ) => Status::failed_precondition(message),
             ServiceError::Weights(WeightError::SharedBusy(_)) => Status::unavailable(message),
             ServiceError::Weights(_) => Status::invalid_argument(message),
             ServiceError::Interrupted(_) => Status::aborted(message),

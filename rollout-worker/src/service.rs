@@ -106,6 +106,26 @@ impl ServedModel {
     }
 }
 
+/// The buffer the last streamed payload arrived in, and which payload it holds.
+#[derive(Debug, Default)]
+struct Held {
+    bytes: Vec<u8>,
+    /// The run and version whose verified payload `bytes` is, while it is the one in use
+    /// (a delta's base); `None` once it is only memory.
+    of: Option<(String, u64)>,
+}
+
+impl Held {
+    /// Whether this is the payload of version `version` of `run`, `len` bytes long.
+    fn is(&self, run: &str, version: u64, len: u64) -> bool {
+        self.bytes.len() as u64 == len
+            && self
+                .of
+                .as_ref()
+                .is_some_and(|(r, v)| r == run && *v == version)
+    }
+}
+
 /// The `RolloutService` implementation.
 #[derive(Debug)]
 pub(crate) struct RolloutServer {
@@ -121,8 +141,9 @@ pub(crate) struct RolloutServer {
     /// The model the last update retired: the memory of the next version
     /// ([`update`](self::update)).
     spare: std::sync::Mutex<Option<rookworld_lm::Gpt2>>,
-    /// The buffer the last streamed payload arrived in: the next one's.
-    received: std::sync::Mutex<Option<Vec<u8>>>,
+    /// The buffer the last streamed payload arrived in (the next one's), and the base of
+    /// the next delta while it holds the payload in use.
+    received: std::sync::Mutex<Held>,
     /// The run and version the worker started with.
     initial: (String, u64),
 }
@@ -141,7 +162,7 @@ impl RolloutServer {
             cfg,
             updating: Mutex::new(()),
             spare: std::sync::Mutex::new(None),
-            received: std::sync::Mutex::new(None),
+            received: std::sync::Mutex::new(Held::default()),
             initial: {
                 let status = engine.status();
                 (status.weight_run, status.weight_version)

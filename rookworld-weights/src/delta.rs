@@ -21,6 +21,8 @@ use rayon::prelude::*;
 
 /// Words (16-bit values) per block: 2 MiB of payload.
 pub const BLOCK_WORDS: usize = 1 << 20;
+/// The delta format's name in a push's header (`WeightSetHeader.delta_format`).
+pub const FORMAT: &str = "xor-bf16-zstd";
 /// The delta format's first bytes.
 pub const MAGIC: &[u8; 8] = b"RWXD0001";
 /// zstd's level: the fastest; higher levels gained under 2% on BF16 deltas.

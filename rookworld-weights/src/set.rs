@@ -34,6 +34,14 @@ pub enum WeightError {
     /// opened: this push goes over the stream, the path stays for the next.
     #[error("shared payload busy: {0}")]
     SharedBusy(String),
+    /// A delta ([`crate::delta`]) this worker cannot turn into the payload: it holds no
+    /// copy of the base it is against, or the result fails the header's hash (its copy
+    /// differs from the sender's). Nothing changed here; the sender streams the payload.
+    #[error("delta base unusable: {0}")]
+    DeltaBase(String),
+    /// A delta that does not decode.
+    #[error("{0}")]
+    Delta(#[from] crate::delta::DeltaError),
     /// The version is not newer than the one in use, of the same run.
     #[error("version {offered} is not above the version in use ({current}) of run `{run}`")]
     Stale {
@@ -89,7 +97,18 @@ impl WeightSet {
             blake3: self.blake3.to_vec(),
             format: FORMAT.into(),
             run_id: self.run_id.clone(),
-            shared_file: String::new(),
+            ..Default::default()
+        }
+    }
+
+    /// The header of a push of this set as `delta`, made against version `base_version`
+    /// of the same run ([`crate::delta::encode`]).
+    pub fn delta_header(&self, base_version: u64, delta: &[u8]) -> pb::WeightSetHeader {
+        pb::WeightSetHeader {
+            delta_format: crate::delta::FORMAT.into(),
+            base_version,
+            delta_bytes: delta.len() as u64,
+            ..self.header()
         }
     }
 
@@ -110,23 +129,54 @@ impl WeightSet {
     /// The chunks of this set, header on the first: slices of the shared payload, made
     /// as they are sent.
     pub fn chunks(&self, chunk_bytes: usize) -> impl Iterator<Item = pb::WeightChunk> + use<> {
-        let step = chunk_bytes.max(1);
-        let (bytes, header) = (self.bytes.clone(), self.header());
-        let count = bytes.len().div_ceil(step).max(1);
-        (0..count).map(move |i| {
-            let start = i * step;
-            let end = (start + step).min(bytes.len());
-            pb::WeightChunk {
-                header: (i == 0).then(|| header.clone()),
-                offset: start as u64,
-                data: bytes.slice(start.min(end)..end),
-            }
-        })
+        chunks_of(self.header(), self.bytes.clone(), chunk_bytes)
+    }
+
+    /// The chunks of a push of this set as `delta` against version `base_version`.
+    pub fn delta_chunks(
+        &self,
+        base_version: u64,
+        delta: Bytes,
+        chunk_bytes: usize,
+    ) -> impl Iterator<Item = pb::WeightChunk> + use<> {
+        chunks_of(self.delta_header(base_version, &delta), delta, chunk_bytes)
     }
 }
 
+/// `bytes` cut into chunks of `chunk_bytes`, `header` on the first (one chunk when empty).
+fn chunks_of(
+    header: pb::WeightSetHeader,
+    bytes: Bytes,
+    chunk_bytes: usize,
+) -> impl Iterator<Item = pb::WeightChunk> {
+    let step = chunk_bytes.max(1);
+    let count = bytes.len().div_ceil(step).max(1);
+    (0..count).map(move |i| {
+        let start = i * step;
+        let end = (start + step).min(bytes.len());
+        pb::WeightChunk {
+            header: (i == 0).then(|| header.clone()),
+            offset: start as u64,
+            data: bytes.slice(start.min(end)..end),
+        }
+    })
+}
+
+/// What a chunk stream held, put back together.
+#[derive(Debug)]
+pub enum Received {
+    /// The payload, its hash checked.
+    Payload(WeightSet),
+    /// A delta against a payload the receiver holds ([`apply_delta`] checks the result).
+    Delta {
+        header: pb::WeightSetHeader,
+        delta: Vec<u8>,
+    },
+}
+
 /// Puts a chunk stream back together, refusing anything out of order or over size; each
-/// chunk is hashed as it arrives, so the checksum is ready when the last one is in.
+/// chunk of a payload is hashed as it arrives, so the checksum is ready when the last one
+/// is in (a delta's result is hashed once applied).
 #[derive(Debug)]
 pub struct Assembler {
     max_bytes: usize,
@@ -172,13 +222,14 @@ impl Assembler {
             (None, Some(h)) => {
                 check_header(&h, self.max_bytes)?;
                 if h.shared_file.is_empty() {
-                    self.bytes.reserve_exact(h.total_bytes as usize);
+                    self.bytes.reserve_exact(body_bytes(&h) as usize);
                 }
                 self.header = Some(h);
             }
             (Some(_), None) => {}
         }
-        let total = self.header.as_ref().expect("set above").total_bytes;
+        let h = self.header.as_ref().expect("set above");
+        let (total, delta) = (body_bytes(h), is_delta(h));
         if chunk.offset != self.bytes.len() as u64 {
             return bad(format!(
                 "chunk at offset {} but {} bytes received so far",
@@ -189,25 +240,93 @@ impl Assembler {
         if self.bytes.len() as u64 + chunk.data.len() as u64 > total {
             return bad(format!("chunks exceed the announced {total} bytes"));
         }
-        self.hasher.update(&chunk.data);
+        if !delta {
+            self.hasher.update(&chunk.data);
+        }
         self.bytes.extend_from_slice(&chunk.data);
         Ok(())
     }
 
-    /// The complete payload, after the size and checksum checks.
-    pub fn finish(self) -> Result<WeightSet, WeightError> {
+    /// The complete payload after the size and checksum checks, or the complete delta
+    /// after the size check.
+    pub fn finish(self) -> Result<Received, WeightError> {
         let Some(h) = self.header else {
             return Err(WeightError::Malformed("empty stream: no chunks".into()));
         };
-        if self.bytes.len() as u64 != h.total_bytes {
+        if self.bytes.len() as u64 != body_bytes(&h) {
             return Err(WeightError::Malformed(format!(
                 "stream ended after {} of {} bytes",
                 self.bytes.len(),
-                h.total_bytes
+                body_bytes(&h)
             )));
         }
-        verified(h, self.bytes, self.hasher.finalize().into())
+        if is_delta(&h) {
+            return Ok(Received::Delta {
+                header: h,
+                delta: self.bytes,
+            });
+        }
+        verified(h, self.bytes, self.hasher.finalize().into()).map(Received::Payload)
     }
+}
+
+/// Whether a header announces a delta rather than the payload.
+pub fn is_delta(h: &pb::WeightSetHeader) -> bool {
+    !h.delta_format.is_empty()
+}
+
+/// The bytes the chunks after header `h` carry: the delta's, or the payload's.
+fn body_bytes(h: &pb::WeightSetHeader) -> u64 {
+    if is_delta(h) {
+        h.delta_bytes
+    } else {
+        h.total_bytes
+    }
+}
+
+/// Turns `base`, the payload of version `h.base_version` of run `h.run_id`, into the one
+/// header `h` announces by applying `delta`, in place, and checks the result against the
+/// header's size and BLAKE3 hash. On an error the base's memory comes back with it (its
+/// bytes no longer a payload when the delta was applied).
+pub fn apply_delta(
+    mut base: Vec<u8>,
+    h: pb::WeightSetHeader,
+    delta: &[u8],
+) -> Result<WeightSet, (WeightError, Vec<u8>)> {
+    let made = match crate::delta::payload_len(delta) {
+        Ok(len) if len as u64 == h.total_bytes => len,
+        Ok(len) => {
+            let e = WeightError::Malformed(format!(
+                "the delta makes {len} bytes, the header says {}",
+                h.total_bytes
+            ));
+            return Err((e, base));
+        }
+        Err(e) => return Err((e.into(), base)),
+    };
+    if base.len() != made {
+        let e = WeightError::DeltaBase(format!(
+            "this worker's copy of version {} holds {} bytes, the delta makes {made}",
+            h.base_version,
+            base.len()
+        ));
+        return Err((e, base));
+    }
+    if let Err(e) = crate::delta::apply(&mut base, delta) {
+        return Err((e.into(), base));
+    }
+    let actual = hash(&base);
+    if actual[..] != h.blake3[..] {
+        let e = WeightError::DeltaBase(format!(
+            "the payload made from this worker's copy of version {} hashes to {}, the header \
+             says {}: the copy differs from the sender's",
+            h.base_version,
+            hex(&actual),
+            hex(&h.blake3)
+        ));
+        return Err((e, base));
+    }
+    verified(h, base, actual).map_err(|e| (e, Vec::new()))
 }
 
 /// The header's own checks: the format, a 32-byte hash, a size within `max_bytes`, and
@@ -231,6 +350,30 @@ fn check_header(h: &pb::WeightSetHeader, max_bytes: usize) -> Result<(), WeightE
             "payload of {} bytes exceeds this worker's limit of {max_bytes} bytes",
             h.total_bytes
         ));
+    }
+    if is_delta(h) {
+        if h.delta_format != crate::delta::FORMAT {
+            return bad(format!(
+                "delta format `{}` is not supported (use `{}`)",
+                h.delta_format,
+                crate::delta::FORMAT
+            ));
+        }
+        if !h.shared_file.is_empty() {
+            return bad("a delta names a shared file: a shared payload is whole".into());
+        }
+        if h.base_version >= h.version {
+            return bad(format!(
+                "a delta to version {} against version {}: its base must be older",
+                h.version, h.base_version
+            ));
+        }
+        if h.delta_bytes > max_bytes as u64 {
+            return bad(format!(
+                "delta of {} bytes exceeds this worker's limit of {max_bytes} bytes",
+                h.delta_bytes
+            ));
+        }
     }
     let f = &h.shared_file;
     let bare = f.len() <= 255
@@ -430,6 +573,21 @@ pub async fn push(
     chunk_bytes: usize,
 ) -> Result<pb::UpdateWeightsResponse, tonic::Status> {
     let mut request = tonic::Request::new(tokio_stream::iter(set.chunks(chunk_bytes)));
+    rookworld_service::auth::set_token(request.metadata_mut(), token)?;
+    Ok(client.update_weights(request).await?.into_inner())
+}
+
+/// Pushes `set` as `delta` against version `base_version`, which the worker must hold:
+/// it answers FAILED_PRECONDITION ("delta base unusable") when it does not, or when the
+/// result fails the check, and keeps its weights.
+pub async fn push_delta(
+    client: &mut pb::rollout_service_client::RolloutServiceClient<tonic::transport::Channel>,
+    (set, base_version, delta): (&WeightSet, u64, Bytes),
+    token: &str,
+    chunk_bytes: usize,
+) -> Result<pb::UpdateWeightsResponse, tonic::Status> {
+    let chunks = set.delta_chunks(base_version, delta, chunk_bytes);
+    let mut request = tonic::Request::new(tokio_stream::iter(chunks));
     rookworld_service::auth::set_token(request.metadata_mut(), token)?;
     Ok(client.update_weights(request).await?.into_inner())
 }

@@ -1,5 +1,6 @@
 //! One push of a weight set to one worker: the same-host file first where it may work,
-//! else (or then) the stream; bounded by a deadline, logged and counted.
+//! else (or then) a delta against the version the worker runs where one is offered, else
+//! (or then) the payload streamed; bounded by a deadline, logged and counted.
 
 use std::time::{Duration, Instant};
 
@@ -9,6 +10,7 @@ use rookworld_service::probe::{cause_chain, error_chain};
 use rookworld_service::tls::{ClientTlsArgs, TlsProblem};
 use rookworld_weights::set::{self as weights, CHUNK_BYTES, WeightSet};
 
+use super::delta::DeltaOffer;
 use super::outcome::{Blocked, LearnerModel, PushOutcome};
 use crate::metrics::names;
 use crate::queue::{Queue, QueueHandle};
@@ -24,33 +26,49 @@ pub async fn push_to(
     deadline: Duration,
     shared: bool,
 ) -> PushOutcome {
+    let via = Via {
+        shared,
+        delta: None,
+    };
     push_over(
         address,
         set,
         token,
         deadline,
-        shared,
+        via,
         &ClientTlsArgs::default(),
     )
     .await
 }
 
-/// [`push_to`] with the client TLS `tls` for `https://` workers (its files are read for
-/// each push, so a rotated client certificate is used from the next push on).
+/// The ways a push may take before streaming the payload.
+#[derive(Debug, Clone, Default)]
+pub struct Via {
+    /// Try the same-host file first (when the set has one).
+    pub shared: bool,
+    /// Send this delta against the version the worker runs.
+    pub delta: Option<DeltaOffer>,
+}
+
+/// [`push_to`] through `via` (see [`Via`]), with the client TLS `tls` for `https://`
+/// workers (its files are read for each push, so a rotated client certificate is used from
+/// the next push on).
 pub async fn push_over(
     address: String,
     set: WeightSet,
     token: String,
     deadline: Duration,
-    shared: bool,
+    via: Via,
     tls: &ClientTlsArgs,
 ) -> PushOutcome {
     let started = Instant::now();
     let mut how = How {
         path: "stream",
+        bytes: set.bytes.len() as u64,
         shared_refused: false,
+        delta_refused: None,
     };
-    let push = push_one(&address, &set, &token, (deadline, shared, tls), &mut how);
+    let push = push_one(&address, &set, &token, (deadline, via, tls), &mut how);
     let result = tokio::time::timeout(deadline, push).await;
     let (error, blocked) = match result {
         Ok(Ok(())) => (None, None),
@@ -61,15 +79,12 @@ pub async fn push_over(
         worker: address,
         version: set.version,
         seconds: started.elapsed().as_secs_f64(),
-        bytes: if error.is_none() {
-            set.bytes.len() as u64
-        } else {
-            0
-        },
+        bytes: if error.is_none() { how.bytes } else { 0 },
         error,
         blocked,
         path: how.path,
         shared_refused: how.shared_refused,
+        delta_refused: how.delta_refused,
     };
     // No per-worker label: worker addresses come and go (pods, replicas); each worker's
     // own metrics carry its view, and the push logs name it.
@@ -109,17 +124,19 @@ impl PushError {
     }
 }
 
-/// Which path a push took.
+/// Which path a push took, the bytes it sent, and what refused another path.
 struct How {
     path: &'static str,
+    bytes: u64,
     shared_refused: bool,
+    delta_refused: Option<String>,
 }
 
 async fn push_one(
     address: &str,
     set: &WeightSet,
     token: &str,
-    (deadline, shared, tls): (Duration, bool, &ClientTlsArgs),
+    (deadline, via, tls): (Duration, Via, &ClientTlsArgs),
     how: &mut How,
 ) -> Result<(), PushError> {
     let endpoint = match tls.endpoint(address) {
@@ -149,7 +166,7 @@ async fn push_one(
         .await
         .map_err(|e| PushError::unreachable(address, format!("connect: {}", error_chain(&e))))?;
     let mut client = RolloutServiceClient::new(channel);
-    if shared && set.shared_file.is_some() {
+    if via.shared && set.shared_file.is_some() {
         match weights::push_shared(&mut client, set, token).await {
             Ok(answer) => {
                 how.path = "shared";
@@ -167,6 +184,25 @@ async fn push_one(
                     && s.message().contains("shared payload busy") =>
             {
                 tracing::debug!(worker = %address, why = %s.message(), "the shared payload is busy; this push is streamed");
+            }
+            Err(s) => return Err(refused(&mut client, address, token, s).await),
+        }
+    }
+    if let Some(offer) = via.delta
+        && let Some(delta) = offer.bytes(set).await
+    {
+        let (base, sent) = (offer.base_version(), delta.len() as u64);
+        match weights::push_delta(&mut client, (set, base, delta), token, CHUNK_BYTES).await {
+            Ok(answer) => {
+                (how.path, how.bytes) = ("delta", sent);
+                return check_answer(&answer, set);
+            }
+            Err(s)
+                if s.code() == tonic::Code::FailedPrecondition
+                    && s.message().contains("delta base unusable") =>
+            {
+                tracing::info!(worker = %address, why = %s.message(), "the worker cannot apply the delta against version {base}; the payload is streamed");
+                how.delta_refused = Some(s.message().to_owned());
             }
             Err(s) => return Err(refused(&mut client, address, token, s).await),
         }
@@ -325,6 +361,7 @@ mod tests {
             blocked,
             path: "stream",
             shared_refused: false,
+            delta_refused: None,
         }
     }
 

@@ -7,15 +7,92 @@ pub struct PushOutcome {
     pub worker: String,
     pub version: u64,
     pub seconds: f64,
+    /// Bytes sent (the delta's, on the delta path; a shared push counts the bytes the
+    /// worker reads); 0 when the push failed.
     pub bytes: u64,
     /// `None` when the worker now runs `version`.
     pub error: Option<String>,
     /// What blocks every push to this worker until something changes there or here.
     pub blocked: Option<Blocked>,
-    /// How the payload went: "shared" (the worker read the shared file) or "stream".
+    /// How the payload went: "shared" (the worker read the shared file), "delta" (only
+    /// what changed since the version it ran) or "stream".
     pub path: &'static str,
     /// The worker could not read the shared file: stream to it from now on.
     pub shared_refused: bool,
+    /// Why the worker refused a delta, when it did (the payload was then streamed).
+    pub delta_refused: Option<String>,
+}
+
+/// Bytes the pushes that reached workers sent, by kind, since the last count was taken
+/// (the step log's `pushed`, TensorBoard's `push/*`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PushBytes {
+    /// Pushes that reached a worker.
+    pub pushes: u64,
+    /// Whole payloads streamed.
+    pub full: u64,
+    /// Deltas streamed.
+    pub delta: u64,
+    /// Payloads workers on this host read from the shared file.
+    pub shared: u64,
+}
+
+impl PushBytes {
+    /// Counts one push's outcome.
+    pub fn add(&mut self, o: &PushOutcome) {
+        if o.error.is_some() {
+            return;
+        }
+        self.pushes += 1;
+        match o.path {
+            "delta" => self.delta += o.bytes,
+            "shared" => self.shared += o.bytes,
+            _ => self.full += o.bytes,
+        }
+    }
+
+    /// Mean bytes a push sent.
+    pub fn per_push(&self) -> u64 {
+        (self.full + self.delta + self.shared) / self.pushes.max(1)
+    }
+}
+
+/// `none`, or `3 pushes, 15.6 MB each: 46.8 MB delta` (kinds that sent nothing left out).
+impl std::fmt::Display for PushBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.pushes == 0 {
+            return f.write_str("none");
+        }
+        let plural = if self.pushes == 1 { "" } else { "es" };
+        write!(
+            f,
+            "{} push{plural}, {} each",
+            self.pushes,
+            bytes_text(self.per_push())
+        )?;
+        let kinds = [
+            ("full", self.full),
+            ("delta", self.delta),
+            ("shared", self.shared),
+        ];
+        let mut sep = ": ";
+        for (kind, bytes) in kinds.into_iter().filter(|(_, b)| *b > 0) {
+            write!(f, "{sep}{} {kind}", bytes_text(bytes))?;
+            sep = ", ";
+        }
+        Ok(())
+    }
+}
+
+/// `512 B`, `15.6 MB` (decimal units).
+fn bytes_text(bytes: u64) -> String {
+    let b = bytes as f64;
+    match bytes {
+        0..1_000 => format!("{bytes} B"),
+        1_000..1_000_000 => format!("{:.1} kB", b / 1e3),
+        1_000_000..1_000_000_000 => format!("{:.1} MB", b / 1e6),
+        _ => format!("{:.2} GB", b / 1e9),
+    }
 }
 
 /// Why no push reaches or fits a worker until something changes, at the worker or here:

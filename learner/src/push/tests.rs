@@ -10,6 +10,7 @@ fn outcome(worker: &str, version: u64, error: Option<&str>) -> PushOutcome {
         blocked: None,
         path: "stream",
         shared_refused: false,
+        delta_refused: None,
     }
 }
 

@@ -96,6 +96,10 @@ pub struct StepRecord {
     pub mfu: f64,
     /// Generated completion tokens per second of the step's wall time.
     pub tokens_per_second: f64,
+    /// Bytes the weight pushes that reached workers sent since the previous step, by kind
+    /// (whole payloads, deltas, shared files).
+    #[serde(default)]
+    pub pushed: crate::push::PushBytes,
 }
 
 impl StepRecord {
@@ -177,6 +181,17 @@ impl StepRecord {
         }
         for (name, v) in &self.reward_components {
             out.push((format!("train/reward_component/{name}"), *v));
+        }
+        let p = &self.pushed;
+        if p.pushes > 0 {
+            for (name, v) in [
+                ("full", p.full),
+                ("delta", p.delta),
+                ("shared", p.shared),
+                ("per_push", p.per_push()),
+            ] {
+                out.push((format!("push/bytes_{name}"), v as f64));
+            }
         }
         out
     }
@@ -386,6 +401,7 @@ impl Reporter {
                 seconds = format!("{:.2}", r.step_seconds.total),
                 wait = format!("{:.2}", r.step_seconds.wait),
                 staleness = format!("{:.2}", r.staleness_mean),
+                pushed = %r.pushed,
                 "step"
             );
         }
@@ -621,6 +637,29 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(tags(&r)["train/sampler_logp_diff_mean"], 0.03);
+        assert!(
+            !t.contains_key("push/bytes_delta"),
+            "no push, no push curves"
+        );
+        r.pushed = crate::push::PushBytes {
+            pushes: 2,
+            full: 1000,
+            delta: 100,
+            shared: 0,
+        };
+        let t = tags(&r);
+        assert_eq!(
+            (
+                t["push/bytes_full"],
+                t["push/bytes_delta"],
+                t["push/bytes_per_push"]
+            ),
+            (1000.0, 100.0, 550.0)
+        );
+        assert_eq!(
+            r.pushed.to_string(),
+            "2 pushes, 550 B each: 1.0 kB full, 100 B delta"
+        );
     }
 
     #[test]

@@ -118,6 +118,11 @@ impl Trainer<'_> {
         };
         record.mfu = self.mfu(&report, &batch);
         record.generated_tokens = batch.completions.iter().flatten().map(Vec::len).sum();
+        record.pushed = self
+            .fleet
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take_pushed();
         record.tokens_per_second =
             record.generated_tokens as f64 / record.step_seconds.total.max(1e-9);
         Ok(Stepped::Trained(Box::new(record)))

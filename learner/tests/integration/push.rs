@@ -111,3 +111,105 @@ async fn a_dead_worker_never_blocks_the_others_and_is_resynced() {
     );
     assert_eq!(fleet.stale(2).len(), 3);
 }
+
+/// Version `version` of run `run`: `base`'s payload with every `every`-th value of its
+/// tensors moved in its last bit (`salt` picks which bit pattern).
+fn moved(base: &WeightSet, run: &str, version: u64, every: usize, salt: u8) -> WeightSet {
+    let mut bytes = base.bytes.to_vec();
+    let header = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    for w in bytes[header..].chunks_exact_mut(2).step_by(every) {
+        w[0] ^= salt;
+    }
+    WeightSet::from_bytes(run, version, bytes)
+}
+
+/// A worker known to run the version before the newest is sent only what changed; one
+/// that holds another base, or a copy of the base that differs from the learner's, is
+/// sent the payload in the same push, the refusal named; the bytes of each kind are
+/// counted for the step log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_on_the_version_before_is_sent_only_what_changed() {
+    let mut fleet = Fleet::new(Duration::from_secs(1));
+    let mut workers = Vec::new();
+    for _ in 0..2 {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        fleet.register(&url);
+        serve(listener).await;
+        workers.push(url);
+    }
+    let model = init_random(&Config::tiny(), 2, DType::F32, &Device::Cpu).unwrap();
+    let v1 = WeightSet::from_model(&model, "run", 1).unwrap();
+    let full = v1.bytes.len() as u64;
+    let outcomes = fleet.push(&v1, TOKEN, Duration::from_secs(10)).await;
+    assert!(
+        outcomes
+            .iter()
+            .all(|o| o.path == "stream" && o.bytes == full),
+        "{outcomes:?}"
+    );
+
+    let v2 = moved(&v1, "run", 2, 20, 1);
+    let outcomes = fleet.push(&v2, TOKEN, Duration::from_secs(10)).await;
+    for o in &outcomes {
+        assert_eq!((o.path, o.error.as_deref()), ("delta", None), "{o:?}");
+        assert!(o.bytes < full / 4, "a delta of {} bytes of {full}", o.bytes);
+    }
+    let delta = outcomes[0].bytes;
+    let pushed = fleet.take_pushed();
+    assert_eq!(
+        (pushed.pushes, pushed.full, pushed.delta),
+        (4, 2 * full, 2 * delta)
+    );
+    assert_eq!(fleet.take_pushed(), learner::push::PushBytes::default());
+
+    // The first worker is given another version 3 behind the fleet's back: it holds no
+    // base for a delta against version 2, and is streamed version 4 whole.
+    let (a, b) = (workers[0].clone(), workers[1].clone());
+    let aside = moved(&v2, "run", 3, 7, 2);
+    let o = learner::push::push_to(
+        a.clone(),
+        aside,
+        TOKEN.into(),
+        Duration::from_secs(10),
+        false,
+    )
+    .await;
+    assert_eq!(o.error, None);
+    let v4 = moved(&v2, "run", 4, 30, 4);
+    let outcomes = fleet.push(&v4, TOKEN, Duration::from_secs(10)).await;
+    let of = |w: &str| outcomes.iter().find(|o| o.worker == w).unwrap().clone();
+    let (oa, ob) = (of(&a), of(&b));
+    assert_eq!(
+        (oa.path, oa.bytes, oa.error.as_deref()),
+        ("stream", full, None)
+    );
+    let why = oa.delta_refused.expect("the refusal named");
+    assert!(
+        why.contains("delta against version 2") && why.contains("holds the payload of version 3"),
+        "{why}"
+    );
+    assert_eq!((ob.path, ob.delta_refused), ("delta", None));
+
+    // A learner that knows the second worker runs version 4, but whose version 4 is not
+    // the one it holds (a learner restarted from another history): the payload the delta
+    // makes fails the hash, the worker keeps its weights, and is streamed version 5 whole.
+    let mut other = Fleet::new(Duration::from_secs(1));
+    other.mark(&b, 4, Instant::now());
+    let v4_elsewhere = moved(&v1, "run", 4, 11, 8);
+    assert!(
+        other
+            .push(&v4_elsewhere, TOKEN, Duration::from_secs(5))
+            .await
+            .is_empty()
+    );
+    let v5 = moved(&v4_elsewhere, "run", 5, 40, 1);
+    let o = other
+        .push(&v5, TOKEN, Duration::from_secs(10))
+        .await
+        .remove(0);
+    assert_eq!((o.path, o.error.as_deref()), ("stream", None), "{o:?}");
+    let why = o.delta_refused.expect("the refusal named");
+    assert!(why.contains("differs from the sender's"), "{why}");
+    assert_eq!(other.state(&b, 5), Some(SyncState::Current));
+}

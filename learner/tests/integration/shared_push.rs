@@ -187,7 +187,8 @@ async fn a_worker_that_cannot_read_the_file_is_streamed_the_weights() {
     let mut files = Publisher::new(&model, dir.path());
 
     // No shared directory at the worker (another host): refused, streamed, and streamed
-    // from then on without asking again.
+    // from then on without asking again (the next version as a delta: the same weights,
+    // nothing changed).
     let elsewhere = worker(None).await;
     client(&elsewhere).await;
     let mut fleet = Fleet::new(Duration::from_secs(1));
@@ -205,9 +206,10 @@ async fn a_worker_that_cannot_read_the_file_is_streamed_the_weights() {
     let o = &fleet.push(&set, TOKEN, Duration::from_secs(10)).await[0];
     assert_eq!(
         (o.error.as_deref(), o.path, o.shared_refused),
-        (None, "stream", false),
+        (None, "delta", false),
         "{o:?}"
     );
+    assert!(o.bytes < 1000, "{o:?}");
 
     // A shared directory without the file (another directory; or the file was removed
     // before the worker opened it).

@@ -12,6 +12,14 @@
 //! next version is copied into the retired one's buffer from page-locked memory in one
 //! transfer (`rookworld_weights::refill`), else each version is built afresh. The buffer
 //! a streamed payload arrived in is kept for the next stream likewise.
+//!
+//! That buffer is also the base of deltas ([`rookworld_weights::delta`]): while it holds
+//! the payload of the version in use (one streamed, or made from a delta), a push may send
+//! only what changed since. The delta is applied to the buffer in place and the result
+//! checked against the header's hash, so a delta costs no second payload's memory; a
+//! worker without that base, or whose result fails the check, keeps its weights and
+//! answers FAILED_PRECONDITION (one log line says why), and the learner streams the whole
+//! payload instead.
 
 use std::time::{Duration, Instant};
 
@@ -21,14 +29,14 @@ use rookworld_proto::rollout::v1 as pb;
 use tokio_stream::StreamExt;
 use tonic::Streaming;
 
-use super::{RolloutServer, ServedModel};
+use super::{Held, RolloutServer, ServedModel};
 use crate::engine::Retired;
 use crate::error::ServiceError;
-use rookworld_weights::set::{self as weights, Assembler, WeightError, WeightSet};
+use rookworld_weights::set::{self as weights, Assembler, Received, WeightError, WeightSet};
 
 /// Where the payload's body is, once the header has been accepted.
 enum Body {
-    /// Streamed in full.
+    /// Streamed: the payload, or a delta against the held one.
     Streamed(Box<Assembler>),
     /// A file in the shared directory, named by this header.
     Shared(pb::WeightSetHeader),
@@ -53,39 +61,48 @@ impl RolloutServer {
         let status = self.engine.status();
         let (current, current_run) = (status.weight_version, status.weight_run);
         // A payload may be somewhat larger than bf16 weights (header, an untied head).
-        let expected = self.model.config.num_parameters() * 2;
-        let buffer = self.received.lock().expect("buffer lock").take();
-        let mut assembler =
-            Assembler::with_buffer(expected * 2 + (1 << 20), buffer.unwrap_or_default());
-        let mut shared = None;
-        while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|s| stream_error(&s, assembler.received()))?;
-            let first = assembler.header().is_none();
-            assembler.push(chunk)?;
-            if first {
-                // The header decides before the body is sent: a stale version is refused,
-                // and a retry of a push that landed (its answer was lost) is answered.
-                let h = assembler.header().expect("the first chunk's header");
-                if h.version == current && h.run_id == current_run {
-                    tracing::debug!(version = current, "weights already in use; nothing to swap");
-                    return Ok(pb::UpdateWeightsResponse {
-                        version: current,
-                        bytes: assembler.received() as u64,
-                        seconds: started.elapsed().as_secs_f64(),
-                        ..Default::default()
-                    });
-                }
-                weights::supersedes(&h.run_id, h.version, &current_run, current)?;
-                if !h.shared_file.is_empty() {
-                    // The same-host path: the body is a file here, not the stream.
-                    shared = Some(h.clone());
-                    break;
-                }
-            }
+        let max_bytes = self.model.config.num_parameters() * 4 + (1 << 20);
+        let Some(first) = stream.next().await else {
+            return Err(WeightError::Malformed("empty stream: no chunks".into()).into());
+        };
+        let first = first.map_err(|s| stream_error(&s, 0))?;
+        let Some(h) = first.header.clone() else {
+            return Err(WeightError::Malformed("the first chunk carries no header".into()).into());
+        };
+        // The header decides before the body is sent: a retry of a push that landed (its
+        // answer was lost) is answered, a stale version is refused, and a delta needs its
+        // base here.
+        if h.version == current && h.run_id == current_run {
+            tracing::debug!(version = current, "weights already in use; nothing to swap");
+            return Ok(pb::UpdateWeightsResponse {
+                version: current,
+                bytes: first.data.len() as u64,
+                seconds: started.elapsed().as_secs_f64(),
+                ..Default::default()
+            });
         }
-        let body = match shared {
-            Some(h) => Body::Shared(h),
-            None => Body::Streamed(Box::new(assembler)),
+        weights::supersedes(&h.run_id, h.version, &current_run, current)?;
+        let whole_payload = h.shared_file.is_empty() && !weights::is_delta(&h);
+        let mut assembler = if whole_payload {
+            // The payload lands in the last one's memory.
+            let held = std::mem::take(&mut *self.received.lock().expect("buffer lock"));
+            Assembler::with_buffer(max_bytes, held.bytes)
+        } else {
+            Assembler::new(max_bytes)
+        };
+        assembler.push(first)?;
+        let body = if !h.shared_file.is_empty() {
+            // The same-host path: the body is a file here, not the stream.
+            Body::Shared(h)
+        } else {
+            if weights::is_delta(&h) {
+                self.check_base(&h)?;
+            }
+            while let Some(chunk) = stream.next().await {
+                let chunk = chunk.map_err(|s| stream_error(&s, assembler.received()))?;
+                assembler.push(chunk)?;
+            }
+            Body::Streamed(Box::new(assembler))
         };
         let (built, bytes, received) = self.build(body, started).await?;
         let (version, run) = (built.set.version, built.set.run_id.clone());
@@ -93,8 +110,12 @@ impl RolloutServer {
         let retired = self.engine.swap(built.model, version, &run).await?;
         self.keep_spare(retired);
         if let Ok(streamed) = built.set.bytes.try_into_mut() {
-            // The next stream lands in this memory (a mapped file is not kept).
-            *self.received.lock().expect("buffer lock") = Some(streamed.into());
+            // The next stream lands in this memory (a mapped file is not kept), and the
+            // next delta is made against it.
+            *self.received.lock().expect("buffer lock") = Held {
+                bytes: streamed.into(),
+                of: Some((run.clone(), version)),
+            };
         }
         let seconds = started.elapsed().as_secs_f64();
         if run != current_run {
@@ -130,13 +151,16 @@ impl RolloutServer {
         let (built, bytes, received) = match body {
             Body::Streamed(assembler) => {
                 let (bytes, received) = (assembler.received(), started.elapsed());
-                let set = assembler.finish()?;
+                let (set, verify) = match assembler.finish()? {
+                    Received::Payload(set) => (set, Duration::ZERO),
+                    Received::Delta { header, delta } => self.apply_delta(header, delta).await?,
+                };
                 let built = blocking(move || {
                     let (model, convert) = target.build(&set.bytes, spare);
                     Ok(Built {
                         model: model?,
                         set,
-                        verify: Duration::ZERO,
+                        verify,
                         convert,
                     })
                 });
@@ -166,6 +190,57 @@ impl RolloutServer {
             }
         };
         Ok((built, bytes, received))
+    }
+
+    /// Refuses a delta whose base this worker does not hold (said in one line).
+    fn check_base(&self, h: &pb::WeightSetHeader) -> Result<(), WeightError> {
+        let held = self.received.lock().expect("buffer lock");
+        if held.is(&h.run_id, h.base_version, h.total_bytes) {
+            return Ok(());
+        }
+        let holds = match &held.of {
+            Some((run, version)) => format!("the payload of version {version} of run `{run}`"),
+            None => "no streamed payload of the version in use".into(),
+        };
+        let why = format!(
+            "a delta against version {} of run `{}`, and this worker holds {holds}",
+            h.base_version, h.run_id
+        );
+        tracing::info!(
+            version = h.version,
+            "weight delta refused ({why}); the sender streams the payload"
+        );
+        Err(WeightError::DeltaBase(why))
+    }
+
+    /// The payload `delta` makes of the held one (in its memory), its hash checked, and
+    /// how long that took. A result that fails the check is said in one line; the held
+    /// memory then serves the next stream, no longer as a base.
+    async fn apply_delta(
+        &self,
+        header: pb::WeightSetHeader,
+        delta: Vec<u8>,
+    ) -> Result<(WeightSet, Duration), ServiceError> {
+        let held = std::mem::take(&mut *self.received.lock().expect("buffer lock"));
+        let clock = Instant::now();
+        let version = header.version;
+        let applied =
+            tokio::task::spawn_blocking(move || weights::apply_delta(held.bytes, header, &delta))
+                .await
+                .map_err(|e| {
+                    ServiceError::Internal(format!("applying a weight delta panicked: {e}"))
+                })?;
+        match applied {
+            Ok(set) => Ok((set, clock.elapsed())),
+            Err((e, memory)) => {
+                tracing::warn!(version, error = %e, "weight delta not applied; the old weights stay and the sender streams the payload");
+                *self.received.lock().expect("buffer lock") = Held {
+                    bytes: memory,
+                    of: None,
+                };
+                Err(e.into())
+            }
+        }
     }
 
     /// Keeps a model the engine retired as the memory of the next version, if this

@@ -9,12 +9,127 @@ fn set() -> WeightSet {
     WeightSet::from_model(&m, "run-a", 3).unwrap()
 }
 
-fn assemble(chunks: Vec<pb::WeightChunk>) -> Result<WeightSet, WeightError> {
+fn receive(chunks: impl IntoIterator<Item = pb::WeightChunk>) -> Result<Received, WeightError> {
     let mut a = Assembler::new(1 << 30);
     for c in chunks {
         a.push(c)?;
     }
     a.finish()
+}
+
+fn assemble(chunks: Vec<pb::WeightChunk>) -> Result<WeightSet, WeightError> {
+    match receive(chunks)? {
+        Received::Payload(set) => Ok(set),
+        Received::Delta { .. } => panic!("a delta where a payload was sent"),
+    }
+}
+
+/// Version 4 of `base`'s run: every 50th value of the tensors moved in its last bit.
+fn next(base: &WeightSet) -> WeightSet {
+    let mut bytes = base.bytes.to_vec();
+    let header = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    for w in bytes[header..].chunks_exact_mut(2).step_by(50) {
+        w[0] ^= 1;
+    }
+    WeightSet::from_bytes(&base.run_id, base.version + 1, bytes)
+}
+
+/// A delta travels in chunks like a payload, is put back together unhashed, and applied
+/// to the base it was made against gives the new payload, its hash checked; applied to
+/// another base it is refused as `DeltaBase`, the memory handed back.
+#[test]
+fn a_delta_rebuilds_the_payload_from_its_base_and_only_from_it() {
+    let (base, new) = (set(), next(&set()));
+    let delta = crate::delta::encode(&base.bytes, &new.bytes).unwrap();
+    assert!(delta.len() < new.bytes.len() / 4, "{} bytes", delta.len());
+    let chunks = new.delta_chunks(base.version, delta.clone().into(), 1000);
+    let Received::Delta { header, delta: got } = receive(chunks).unwrap() else {
+        panic!("a delta was sent")
+    };
+    assert_eq!(got, delta);
+    assert_eq!(
+        (header.base_version, header.delta_bytes, header.total_bytes),
+        (3, delta.len() as u64, new.bytes.len() as u64)
+    );
+    let made = apply_delta(base.bytes.to_vec(), header.clone(), &got).unwrap();
+    assert_eq!((made.version, made.blake3), (4, new.blake3));
+    assert_eq!(made.bytes, new.bytes);
+
+    // Another base of the same size: the result's hash is not the header's.
+    let mut other = base.bytes.to_vec();
+    let last = other.len() - 2;
+    other[last] ^= 1;
+    let (err, memory) = apply_delta(other, header.clone(), &got).unwrap_err();
+    assert!(matches!(err, WeightError::DeltaBase(_)), "{err}");
+    assert!(
+        err.to_string().contains("differs from the sender's"),
+        "{err}"
+    );
+    assert_eq!(memory.len(), base.bytes.len());
+    // A base of another size, and a delta cut short.
+    let (err, _) = apply_delta(vec![0; 10], header.clone(), &got).unwrap_err();
+    assert!(err.to_string().starts_with("delta base unusable"), "{err}");
+    let (err, _) = apply_delta(base.bytes.to_vec(), header, &got[..got.len() - 1]).unwrap_err();
+    assert!(matches!(err, WeightError::Delta(_)), "{err}");
+}
+
+/// A delta header must name the one format, an older base, no shared file, and a size
+/// within the limit.
+#[test]
+fn a_delta_header_is_checked_before_its_body() {
+    let new = next(&set());
+    let first = |h: pb::WeightSetHeader| pb::WeightChunk {
+        header: Some(h),
+        offset: 0,
+        data: Bytes::new(),
+    };
+    let ok = new.delta_header(3, &[0; 100]);
+    for (h, says) in [
+        (
+            pb::WeightSetHeader {
+                delta_format: "gzip".into(),
+                ..ok.clone()
+            },
+            "delta format `gzip`",
+        ),
+        (
+            pb::WeightSetHeader {
+                base_version: 4,
+                ..ok.clone()
+            },
+            "its base must be older",
+        ),
+        (
+            pb::WeightSetHeader {
+                shared_file: "weights.safetensors".into(),
+                ..ok.clone()
+            },
+            "a shared payload is whole",
+        ),
+        (
+            pb::WeightSetHeader {
+                delta_bytes: 1 << 31,
+                ..ok.clone()
+            },
+            "delta of 2147483648 bytes exceeds",
+        ),
+    ] {
+        let err = Assembler::new(1 << 30).push(first(h)).unwrap_err();
+        assert!(err.to_string().contains(says), "{err}");
+    }
+    let mut a = Assembler::new(1 << 30);
+    a.push(first(ok)).unwrap();
+    let err = a
+        .push(pb::WeightChunk {
+            header: None,
+            offset: 0,
+            data: vec![0; 101].into(),
+        })
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("exceed the announced 100 bytes"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -388,6 +388,7 @@ async fn the_worker_survives_hostile_messages_and_keeps_its_weights() {
             format: "bf16-safetensors".into(),
             run_id: "hostile".into(),
             shared_file: shared.into(),
+            ..Default::default()
         }),
         offset: 0,
         data: Vec::new().into(),
