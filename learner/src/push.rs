@@ -34,8 +34,8 @@ mod delta;
 mod one;
 mod outcome;
 use crate::metrics::names;
-pub use delta::DeltaOffer;
 use delta::Deltas;
+pub use delta::{DeltaOffer, Link};
 use one::note_reachability;
 pub use one::{Via, push_over, push_to, worker_answers};
 pub use outcome::{Blocked, LearnerModel, PushBytes, PushOutcome};
@@ -98,6 +98,8 @@ struct Member {
     last_error: Option<String>,
     /// Whether the same-host path is tried (until the worker says it cannot read it).
     shared: bool,
+    /// What its pushes measured: whether a delta reaches it sooner than the payload.
+    link: Link,
 }
 
 /// The workers the learner pushes to, and the version each is known to run.
@@ -130,9 +132,15 @@ impl Fleet {
         self.deltas.advance(set, streamed);
     }
 
-    /// What a push of the newest set to `address` may send instead of the payload.
-    pub fn delta_offer(&self, address: &str) -> Option<DeltaOffer> {
-        self.deltas.offer(self.members.get(address)?.known)
+    /// How a push of the newest set to `address` goes: the same-host file first or not, a
+    /// delta against the version it runs where one is kept, and its link as measured.
+    pub fn via(&self, address: &str) -> Via {
+        let m = self.members.get(address);
+        Via {
+            shared: m.is_some_and(|m| m.shared),
+            delta: m.and_then(|m| self.deltas.offer(m.known)),
+            link: m.map(|m| m.link).unwrap_or_default(),
+        }
     }
 
     /// Bytes the pushes sent since the last call, by kind.
@@ -155,6 +163,7 @@ impl Fleet {
                     mismatch_at: None,
                     last_error: None,
                     shared: true,
+                    link: Link::default(),
                 },
             );
         }
@@ -280,6 +289,9 @@ impl Fleet {
         }
         match outcome.error {
             None => {
+                let o = outcome;
+                m.link
+                    .measured(o.path, o.bytes, o.receive_seconds, o.verify_seconds);
                 m.known = Some(outcome.version);
                 m.failures = 0;
                 m.retry_at = None;
@@ -313,12 +325,11 @@ impl Fleet {
             .due(set.version, Instant::now())
             .into_iter()
             .map(|address| {
-                let (shared, delta) = (self.shared(&address), self.delta_offer(&address));
+                let via = self.via(&address);
                 let (set, token, tls) = (set.clone(), token.to_owned(), tls.clone());
-                tokio::spawn(async move {
-                    let how = one::Via { shared, delta };
-                    push_over(address, set, token, deadline, how, &tls).await
-                })
+                tokio::spawn(
+                    async move { push_over(address, set, token, deadline, via, &tls).await },
+                )
             })
             .collect();
         let mut outcomes = Vec::with_capacity(calls.len());
@@ -417,11 +428,8 @@ pub async fn run(
             fleet.publish_metrics(set.version);
             due.into_iter()
                 .map(|a| {
-                    let how = one::Via {
-                        shared: fleet.shared(&a),
-                        delta: fleet.delta_offer(&a),
-                    };
-                    (a, how)
+                    let via = fleet.via(&a);
+                    (a, via)
                 })
                 .collect::<Vec<_>>()
         };

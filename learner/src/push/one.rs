@@ -10,7 +10,7 @@ use rookworld_service::probe::{cause_chain, error_chain};
 use rookworld_service::tls::{ClientTlsArgs, TlsProblem};
 use rookworld_weights::set::{self as weights, CHUNK_BYTES, WeightSet};
 
-use super::delta::DeltaOffer;
+use super::delta::{DeltaOffer, Link};
 use super::outcome::{Blocked, LearnerModel, PushOutcome};
 use crate::metrics::names;
 use crate::queue::{Queue, QueueHandle};
@@ -28,7 +28,7 @@ pub async fn push_to(
 ) -> PushOutcome {
     let via = Via {
         shared,
-        delta: None,
+        ..Via::default()
     };
     push_over(
         address,
@@ -46,8 +46,10 @@ pub async fn push_to(
 pub struct Via {
     /// Try the same-host file first (when the set has one).
     pub shared: bool,
-    /// Send this delta against the version the worker runs.
+    /// Send this delta against the version the worker runs, where it arrives sooner than
+    /// the payload over the link as last measured ([`Link::delta_pays`]).
     pub delta: Option<DeltaOffer>,
+    pub link: Link,
 }
 
 /// [`push_to`] through `via` (see [`Via`]), with the client TLS `tls` for `https://`
@@ -67,6 +69,8 @@ pub async fn push_over(
         bytes: set.bytes.len() as u64,
         shared_refused: false,
         delta_refused: None,
+        receive_seconds: 0.0,
+        verify_seconds: 0.0,
     };
     let push = push_one(&address, &set, &token, (deadline, via, tls), &mut how);
     let result = tokio::time::timeout(deadline, push).await;
@@ -85,6 +89,8 @@ pub async fn push_over(
         path: how.path,
         shared_refused: how.shared_refused,
         delta_refused: how.delta_refused,
+        receive_seconds: how.receive_seconds,
+        verify_seconds: how.verify_seconds,
     };
     // No per-worker label: worker addresses come and go (pods, replicas); each worker's
     // own metrics carry its view, and the push logs name it.
@@ -124,12 +130,15 @@ impl PushError {
     }
 }
 
-/// Which path a push took, the bytes it sent, and what refused another path.
+/// Which path a push took, the bytes it sent, what refused another path, and the
+/// worker's receive and verify phases.
 struct How {
     path: &'static str,
     bytes: u64,
     shared_refused: bool,
     delta_refused: Option<String>,
+    receive_seconds: f64,
+    verify_seconds: f64,
 }
 
 async fn push_one(
@@ -170,7 +179,7 @@ async fn push_one(
         match weights::push_shared(&mut client, set, token).await {
             Ok(answer) => {
                 how.path = "shared";
-                return check_answer(&answer, set);
+                return check_answer(&answer, set, how);
             }
             Err(s)
                 if s.code() == tonic::Code::FailedPrecondition
@@ -190,12 +199,13 @@ async fn push_one(
     }
     if let Some(offer) = via.delta
         && let Some(delta) = offer.bytes(set).await
+        && via.link.delta_pays(delta.len(), set.bytes.len())
     {
         let (base, sent) = (offer.base_version(), delta.len() as u64);
         match weights::push_delta(&mut client, (set, base, delta), token, CHUNK_BYTES).await {
             Ok(answer) => {
                 (how.path, how.bytes) = ("delta", sent);
-                return check_answer(&answer, set);
+                return check_answer(&answer, set, how);
             }
             Err(s)
                 if s.code() == tonic::Code::FailedPrecondition
@@ -208,7 +218,7 @@ async fn push_one(
         }
     }
     match weights::push(&mut client, set, token, CHUNK_BYTES).await {
-        Ok(answer) => check_answer(&answer, set),
+        Ok(answer) => check_answer(&answer, set, how),
         Err(s) => Err(refused(&mut client, address, token, s).await),
     }
 }
@@ -286,7 +296,9 @@ const OTHER_MODEL: &str = "not a model of this worker's shape";
 fn check_answer(
     answer: &rookworld_proto::rollout::v1::UpdateWeightsResponse,
     set: &WeightSet,
+    how: &mut How,
 ) -> Result<(), PushError> {
+    (how.receive_seconds, how.verify_seconds) = (answer.receive_seconds, answer.verify_seconds);
     if answer.version != set.version {
         return Err(PushError {
             blocked: None,
@@ -362,6 +374,8 @@ mod tests {
             path: "stream",
             shared_refused: false,
             delta_refused: None,
+            receive_seconds: 0.0,
+            verify_seconds: 0.0,
         }
     }
 

@@ -21,6 +21,10 @@ pub struct PushOutcome {
     pub shared_refused: bool,
     /// Why the worker refused a delta, when it did (the payload was then streamed).
     pub delta_refused: Option<String>,
+    /// The worker's phases of the push that reached it: receiving the bytes, and (for a
+    /// delta) applying and hashing it; 0 when it failed.
+    pub receive_seconds: f64,
+    pub verify_seconds: f64,
 }
 
 /// Bytes the pushes that reached workers sent, by kind, since the last count was taken
