@@ -35,7 +35,7 @@ mod one;
 mod outcome;
 use crate::metrics::names;
 use delta::Deltas;
-pub use delta::{DeltaOffer, Link};
+pub use delta::{DeltaOffer, DeltaPolicy, Link};
 use one::note_reachability;
 pub use one::{Via, push_over, push_to, worker_answers};
 pub use outcome::{Blocked, LearnerModel, PushBytes, PushOutcome};
@@ -112,6 +112,8 @@ pub struct Fleet {
     deltas: Deltas,
     /// Bytes sent since the last [`Fleet::take_pushed`].
     pushed: PushBytes,
+    /// When a push sends a delta.
+    delta_policy: DeltaPolicy,
 }
 
 impl Fleet {
@@ -124,11 +126,18 @@ impl Fleet {
         }
     }
 
+    /// Sends deltas as `policy` says (by default `auto`).
+    pub fn with_deltas(mut self, policy: DeltaPolicy) -> Self {
+        self.delta_policy = policy;
+        self
+    }
+
     /// Takes `set` as the newest to push; the set it replaces is kept as the base of
     /// deltas while some worker is streamed (no shared file, or a worker that cannot read
     /// it).
     pub fn advance(&mut self, set: &Arc<WeightSet>) {
         let streamed = set.shared_file.is_none() || self.members.values().any(|m| !m.shared);
+        let streamed = streamed && self.delta_policy != DeltaPolicy::Never;
         self.deltas.advance(set, streamed);
     }
 
@@ -140,6 +149,7 @@ impl Fleet {
             shared: m.is_some_and(|m| m.shared),
             delta: m.and_then(|m| self.deltas.offer(m.known)),
             link: m.map(|m| m.link).unwrap_or_default(),
+            policy: self.delta_policy,
         }
     }
 

@@ -64,6 +64,41 @@ impl Deltas {
     }
 }
 
+/// When a push sends a delta (`learner train --push-deltas`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeltaPolicy {
+    /// Where it arrives sooner than the payload over the worker's link as measured
+    /// ([`Link::delta_pays`]).
+    #[default]
+    Auto,
+    /// To every worker that holds the base, whatever its link.
+    Always,
+    /// Never: every push streams the payload.
+    Never,
+}
+
+impl DeltaPolicy {
+    /// Whether a delta is worth making for a push of `payload` bytes over `link`: under
+    /// `auto`, not where even an empty delta's apply and hash would outlast the payload's
+    /// transfer, `payload / rate ≤ apply` (on loopback).
+    pub fn worth_making(self, link: &Link, payload: usize) -> bool {
+        match self {
+            Self::Auto => link.delta_pays(0, payload),
+            Self::Always => true,
+            Self::Never => false,
+        }
+    }
+
+    /// Whether a delta of `delta` bytes, made, is sent instead of the `payload`.
+    pub fn sends(self, link: &Link, delta: usize, payload: usize) -> bool {
+        match self {
+            Self::Auto => link.delta_pays(delta, payload),
+            Self::Always => true,
+            Self::Never => false,
+        }
+    }
+}
+
 /// What the pushes to one worker measured: how fast its link carries a push's bytes, and
 /// how long the worker takes to apply a delta and hash the result.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -219,6 +254,11 @@ mod tests {
         };
         assert!(gigabit.delta_pays(delta, payload));
         assert!(Link::default().delta_pays(delta, payload));
+        // Where even an empty delta cannot pay, none is made under `auto`.
+        assert!(!DeltaPolicy::Auto.worth_making(&loopback, payload));
+        assert!(DeltaPolicy::Auto.worth_making(&gigabit, payload));
+        assert!(DeltaPolicy::Always.sends(&loopback, delta, payload));
+        assert!(!DeltaPolicy::Never.worth_making(&gigabit, payload));
         let mut l = Link::default();
         l.measured("stream", payload as u64, 0.089, 0.0);
         assert!(l.delta_pays(delta, payload), "no delta applied there yet");

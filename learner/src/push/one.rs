@@ -10,7 +10,7 @@ use rookworld_service::probe::{cause_chain, error_chain};
 use rookworld_service::tls::{ClientTlsArgs, TlsProblem};
 use rookworld_weights::set::{self as weights, CHUNK_BYTES, WeightSet};
 
-use super::delta::{DeltaOffer, Link};
+use super::delta::{DeltaOffer, DeltaPolicy, Link};
 use super::outcome::{Blocked, LearnerModel, PushOutcome};
 use crate::metrics::names;
 use crate::queue::{Queue, QueueHandle};
@@ -46,10 +46,13 @@ pub async fn push_to(
 pub struct Via {
     /// Try the same-host file first (when the set has one).
     pub shared: bool,
-    /// Send this delta against the version the worker runs, where it arrives sooner than
-    /// the payload over the link as last measured ([`Link::delta_pays`]).
+    /// Send this delta against the version the worker runs, where `policy` says (by
+    /// default where it arrives sooner than the payload over the link as last measured,
+    /// [`Link::delta_pays`]).
     pub delta: Option<DeltaOffer>,
     pub link: Link,
+    /// When a delta is sent (`--push-deltas`).
+    pub policy: DeltaPolicy,
 }
 
 /// [`push_to`] through `via` (see [`Via`]), with the client TLS `tls` for `https://`
@@ -197,9 +200,12 @@ async fn push_one(
             Err(s) => return Err(refused(&mut client, address, token, s).await),
         }
     }
-    if let Some(offer) = via.delta
+    let payload = set.bytes.len();
+    if let Some(offer) = via
+        .delta
+        .filter(|_| via.policy.worth_making(&via.link, payload))
         && let Some(delta) = offer.bytes(set).await
-        && via.link.delta_pays(delta.len(), set.bytes.len())
+        && via.policy.sends(&via.link, delta.len(), payload)
     {
         let (base, sent) = (offer.base_version(), delta.len() as u64);
         match weights::push_delta(&mut client, (set, base, delta), token, CHUNK_BYTES).await {

@@ -126,6 +126,12 @@ pub struct TrainArgs {
     /// default is a directory under /dev/shm.
     #[arg(long, env = "LEARNER_SHARED_DIR")]
     pub shared_dir: Option<PathBuf>,
+    /// When a weight push sends only what changed since the worker's version: `auto`
+    /// where that arrives sooner than the whole payload over the worker's link as its
+    /// pushes measured it, `always` to every worker that holds the version before,
+    /// `never`.
+    #[arg(long, value_enum, env = "LEARNER_PUSH_DELTAS", default_value = "auto")]
+    pub push_deltas: crate::push::DeltaPolicy,
     /// Deadline of one weight push to one worker, in seconds.
     #[arg(
         long,

@@ -91,6 +91,8 @@ pub struct ServicesPlan {
     pub push_tls: ClientTlsArgs,
     /// The deadline of one push to one worker.
     pub push_timeout: Duration,
+    /// When a push sends a delta.
+    pub push_deltas: crate::push::DeltaPolicy,
     /// The reward server the learner waits for at start, and how long (not with
     /// `--local`, which starts its own).
     pub reward: Option<(String, Duration)>,
@@ -184,6 +186,7 @@ impl Plan {
                     ..args.client_tls.clone()
                 },
                 push_timeout: args.push_timeout(),
+                push_deltas: args.push_deltas,
                 reward,
                 shared_dir: args.shared_dir.clone(),
                 rollout_weight_dtype: args.rollout_weight_dtype()?,

@@ -119,7 +119,8 @@ impl Services {
         // The weight sync: every registered worker gets the newest published weights.
         let (latest, latest_rx) = watch::channel(None);
         let latest = Arc::new(latest);
-        let fleet = Arc::new(Mutex::new(Fleet::new(Duration::from_secs(30))));
+        let fleet = Fleet::new(Duration::from_secs(30)).with_deltas(services.push_deltas);
+        let fleet = Arc::new(Mutex::new(fleet));
         let (sync_stop, sync_stopped) = watch::channel(false);
         let sync_task = tokio::spawn(push::run(
             run.queue.clone(),

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
-use learner::push::{Fleet, SyncState};
+use learner::push::{DeltaPolicy, Fleet, SyncState};
 use rollout_worker::{ServiceConfig, Worker, WorkerConfig};
 use rookworld_lm::Config;
 use rookworld_lm::model_io::init_random;
@@ -129,7 +129,9 @@ fn moved(base: &WeightSet, run: &str, version: u64, every: usize, salt: u8) -> W
 /// counted for the step log.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_on_the_version_before_is_sent_only_what_changed() {
-    let mut fleet = Fleet::new(Duration::from_secs(1));
+    // `always`: on loopback `auto` would measure the link and stream payloads instead
+    // (push::delta::tests::a_delta_goes_only_where_it_arrives_sooner).
+    let mut fleet = Fleet::new(Duration::from_secs(1)).with_deltas(DeltaPolicy::Always);
     let mut workers = Vec::new();
     for _ in 0..2 {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -194,18 +196,16 @@ async fn a_worker_on_the_version_before_is_sent_only_what_changed() {
         why.contains("delta against version 2") && why.contains("holds the payload of version 3"),
         "{why}"
     );
-    // The second worker is sent a delta or the payload, whichever its link as measured
-    // delivers sooner (on loopback the payload can win): either way nothing is refused.
     assert_eq!(
-        (ob.error.as_deref(), ob.delta_refused.as_deref()),
-        (None, None),
+        (ob.path, ob.error.as_deref(), ob.delta_refused.as_deref()),
+        ("delta", None, None),
         "{ob:?}"
     );
 
     // A learner that knows the second worker runs version 4, but whose version 4 is not
     // the one it holds (a learner restarted from another history): the payload the delta
     // makes fails the hash, the worker keeps its weights, and is streamed version 5 whole.
-    let mut other = Fleet::new(Duration::from_secs(1));
+    let mut other = Fleet::new(Duration::from_secs(1)).with_deltas(DeltaPolicy::Always);
     other.mark(&b, 4, Instant::now());
     let v4_elsewhere = moved(&v1, "run", 4, 11, 8);
     assert!(
