@@ -160,6 +160,10 @@ async fn a_short_local_run_raises_the_reward() {
         assert!(r.step_seconds.total >= r.step_seconds.forward_backward);
         assert!(r.reward_components.contains_key("format"));
     }
+    // The local worker reads the versions from the shared file (a push that finds the
+    // file busy is streamed instead).
+    let shared: u64 = steps.iter().map(|r| r.pushed.shared).sum();
+    assert!(shared > 0, "no push read the shared file");
     // Every consumed group is in the dump once.
     let dumped = std::fs::read_to_string(&dump).unwrap();
     let ids: BTreeSet<u64> = dumped
@@ -303,4 +307,64 @@ async fn shutdown_keeps_every_prompt_and_resume_continues() {
         first.iter().all(|id| unfinished.contains(id)),
         "{first:?} not from {unfinished:?}"
     );
+}
+
+/// `--no-shared-dir`: the local worker is streamed its weights as a worker on another
+/// host would be, deltas included (`--push-deltas always`: on loopback `auto` would
+/// stream payloads). Untrained, every group scores alike, so the steps change nothing and
+/// each delta after the first push is a few hundred bytes; the step log counts them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_local_worker_is_sent_deltas_and_the_step_log_counts_them() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("steps.jsonl");
+    let a = args(
+        dir.path(),
+        &[
+            "--sft-steps",
+            "0",
+            "--steps",
+            "6",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--no-shared-dir",
+            "--push-deltas",
+            "always",
+            "--log-jsonl",
+            log.to_str().unwrap(),
+        ],
+    );
+    let summary = train::run(a, listener().await, std::future::pending())
+        .await
+        .unwrap();
+    assert_eq!(summary.steps.len(), 6);
+    let steps = jsonl(&log);
+    let sum = |f: fn(&StepRecord) -> u64| steps.iter().map(f).sum::<u64>();
+    let (full, delta, shared) = (
+        sum(|r| r.pushed.full),
+        sum(|r| r.pushed.delta),
+        sum(|r| r.pushed.shared),
+    );
+    let deltas = sum(|r| u64::from(r.pushed.delta > 0));
+    eprintln!("pushed: {full} B full, {delta} B in deltas over {deltas} steps");
+    assert_eq!(shared, 0, "no shared file");
+    assert!(
+        full > 0,
+        "the first push is the payload (the worker holds no base)"
+    );
+    assert!(
+        delta > 0 && deltas >= 2,
+        "later pushes are deltas: {steps:?}"
+    );
+    if steps.iter().all(|r| r.tokens == 0) {
+        let most = steps.iter().map(|r| r.pushed.delta).max().unwrap();
+        assert!(
+            most < 10_000,
+            "steps that changed nothing send almost nothing: {most} B"
+        );
+    }
 }

@@ -293,8 +293,14 @@ impl RolloutService for RolloutServer {
             Err(e) => (e.label(), 0),
         };
         metrics::record_weight_update(label, bytes, started.elapsed().as_secs_f64());
-        if let Err(e) = &result {
-            tracing::warn!(error = %e, "weight update refused; the old weights stay");
+        match &result {
+            // A delta without its base here: ordinary (a worker that just started, or
+            // took the last version from the shared file); the payload follows.
+            Err(e) if e.label() == "delta_base" => {
+                tracing::info!(error = %e, "weight delta not applied; the old weights stay and the sender streams the payload")
+            }
+            Err(e) => tracing::warn!(error = %e, "weight update refused; the old weights stay"),
+            Ok(_) => {}
         }
         Ok(Response::new(result?))
     }

@@ -126,6 +126,11 @@ pub struct TrainArgs {
     /// default is a directory under /dev/shm.
     #[arg(long, env = "LEARNER_SHARED_DIR")]
     pub shared_dir: Option<PathBuf>,
+    /// No same-host weight path: every worker is streamed its weights, `--local`'s too
+    /// (as a worker on another host would be: the network path, deltas included, on one
+    /// machine).
+    #[arg(long, env = "LEARNER_NO_SHARED_DIR", conflicts_with = "shared_dir")]
+    pub no_shared_dir: bool,
     /// When a weight push sends only what changed since the worker's version: `auto`
     /// where that arrives sooner than the whole payload over the worker's link as its
     /// pushes measured it, `always` to every worker that holds the version before,

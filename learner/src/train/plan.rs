@@ -98,6 +98,8 @@ pub struct ServicesPlan {
     pub reward: Option<(String, Duration)>,
     /// `--shared-dir`, as given (with `--local` a directory of the process by default).
     pub shared_dir: Option<PathBuf>,
+    /// `--no-shared-dir`: every push streams, `--local`'s worker's too.
+    pub no_shared_dir: bool,
     /// `--local`'s worker's weight dtype.
     pub rollout_weight_dtype: WeightDtype,
 }
@@ -189,6 +191,7 @@ impl Plan {
                 push_deltas: args.push_deltas,
                 reward,
                 shared_dir: args.shared_dir.clone(),
+                no_shared_dir: args.no_shared_dir,
                 rollout_weight_dtype: args.rollout_weight_dtype()?,
             },
             outputs: OutputsPlan {

@@ -206,8 +206,11 @@ impl Services {
 
 /// The directory of the same-host weight path: `--shared-dir` (created if missing), or for
 /// `--local` a directory of this process under /dev/shm (the system's temporary directory
-/// where there is none); `None` when pushes only stream.
+/// where there is none); `None` when pushes only stream (`--no-shared-dir`, or neither).
 fn shared_dir(services: &ServicesPlan) -> Result<Option<std::path::PathBuf>, TrainError> {
+    if services.no_shared_dir {
+        return Ok(None);
+    }
     let dir = match (&services.shared_dir, services.local) {
         (Some(dir), _) => dir.clone(),
         (None, true) => rookworld_weights::export::process_dir("rookworld-weights"),

@@ -180,7 +180,15 @@ impl TrainSettings {
             non_negative("--max-grad-norm", self.max_grad_norm),
             fraction("--policy-fraction", self.policy_fraction),
         ];
-        checks.into_iter().collect::<Result<(), _>>()
+        checks.into_iter().collect::<Result<(), _>>()?;
+        if self.min_lr > self.lr {
+            return Err(ConfigError::Value(format!(
+                "--min-lr {} is above --lr {}: the cosine schedule would raise the rate over \
+                 the run; give --min-lr at most --lr (equal for a constant rate)",
+                self.min_lr, self.lr
+            )));
+        }
+        Ok(())
     }
 
     /// The objective at the workers' temperature and token budget, checked.

@@ -192,7 +192,7 @@ impl RolloutServer {
         Ok((built, bytes, received))
     }
 
-    /// Refuses a delta whose base this worker does not hold (said in one line).
+    /// Refuses a delta whose base this worker does not hold.
     fn check_base(&self, h: &pb::WeightSetHeader) -> Result<(), WeightError> {
         let held = self.received.lock().expect("buffer lock");
         if held.is(&h.run_id, h.base_version, h.total_bytes) {
@@ -202,20 +202,15 @@ impl RolloutServer {
             Some((run, version)) => format!("the payload of version {version} of run `{run}`"),
             None => "no streamed payload of the version in use".into(),
         };
-        let why = format!(
+        Err(WeightError::DeltaBase(format!(
             "a delta against version {} of run `{}`, and this worker holds {holds}",
             h.base_version, h.run_id
-        );
-        tracing::info!(
-            version = h.version,
-            "weight delta refused ({why}); the sender streams the payload"
-        );
-        Err(WeightError::DeltaBase(why))
+        )))
     }
 
     /// The payload `delta` makes of the held one (in its memory), its hash checked, and
-    /// how long that took. A result that fails the check is said in one line; the held
-    /// memory then serves the next stream, no longer as a base.
+    /// how long that took. On a result that fails the check the held memory serves the
+    /// next stream, no longer as a base.
     async fn apply_delta(
         &self,
         header: pb::WeightSetHeader,
@@ -223,7 +218,6 @@ impl RolloutServer {
     ) -> Result<(WeightSet, Duration), ServiceError> {
         let held = std::mem::take(&mut *self.received.lock().expect("buffer lock"));
         let clock = Instant::now();
-        let version = header.version;
         let applied =
             tokio::task::spawn_blocking(move || weights::apply_delta(held.bytes, header, &delta))
                 .await
@@ -233,7 +227,6 @@ impl RolloutServer {
         match applied {
             Ok(set) => Ok((set, clock.elapsed())),
             Err((e, memory)) => {
-                tracing::warn!(version, error = %e, "weight delta not applied; the old weights stay and the sender streams the payload");
                 *self.received.lock().expect("buffer lock") = Held {
                     bytes: memory,
                     of: None,

@@ -43,6 +43,11 @@ fn every_refused_value_is_one_line_and_exit_1() {
         (LEARNER, train(&["--lr", "-1"]), "--lr must be > 0 (got -1)"),
         (
             LEARNER,
+            train(&["--lr", "1e-6"]),
+            "--min-lr 0.0001 is above --lr 0.000001: the cosine schedule would raise the rate",
+        ),
+        (
+            LEARNER,
             train(&["--temperature", "-1"]),
             "--temperature must be ≥ 0, 0 meaning greedy (got -1)",
         ),
