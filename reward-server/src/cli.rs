@@ -281,17 +281,13 @@ pub async fn score<R: BufRead + Send + 'static, W: Write>(
         .spawn(move || read_batches(input, batches))?;
     tokio::pin!(stop);
     let mut lines = 0;
-    let stopped = Scored {
-        lines,
-        stopped: true,
-    };
     loop {
         let parsed = tokio::select! {
             batch = next.recv() => match batch {
                 None => return Ok(Scored { lines, stopped: false }),
                 Some(batch) => batch?,
             },
-            _ = &mut stop => return Ok(Scored { lines, ..stopped }),
+            _ = &mut stop => return Ok(Scored { lines, stopped: true }),
         };
         let items: Vec<Item> = parsed
             .iter()
@@ -299,7 +295,7 @@ pub async fn score<R: BufRead + Send + 'static, W: Write>(
             .collect();
         let scores = tokio::select! {
             scores = scorer.score_each(&items) => scores,
-            _ = &mut stop => return Ok(Scored { lines, ..stopped }),
+            _ = &mut stop => return Ok(Scored { lines, stopped: true }),
         };
         let mut scores = scores.into_iter();
         for p in &parsed {
