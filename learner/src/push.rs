@@ -299,9 +299,8 @@ impl Fleet {
         }
         match outcome.error {
             None => {
-                let o = outcome;
-                m.link
-                    .measured(o.path, o.bytes, o.receive_seconds, o.verify_seconds);
+                let (o, link) = (outcome, &mut m.link);
+                link.measured(o.path, o.bytes, o.receive_seconds, o.verify_seconds);
                 m.known = Some(outcome.version);
                 m.failures = 0;
                 m.retry_at = None;
@@ -443,12 +442,12 @@ pub async fn run(
                 })
                 .collect::<Vec<_>>()
         };
-        for (address, how) in due {
+        for (address, via) in due {
             in_flight += 1;
             let (set, token, done) = (set.clone(), token.clone(), done_tx.clone());
             let (deadline, tls) = (cfg.deadline, cfg.tls.clone());
             tokio::spawn(async move {
-                let outcome = push_over(address, (*set).clone(), token, deadline, how, &tls).await;
+                let outcome = push_over(address, (*set).clone(), token, deadline, via, &tls).await;
                 let _ = done.send(outcome);
             });
         }

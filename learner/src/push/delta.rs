@@ -82,11 +82,7 @@ impl DeltaPolicy {
     /// `auto`, not where even an empty delta's apply and hash would outlast the payload's
     /// transfer, `payload / rate ≤ apply` (on loopback).
     pub fn worth_making(self, link: &Link, payload: usize) -> bool {
-        match self {
-            Self::Auto => link.delta_pays(0, payload),
-            Self::Always => true,
-            Self::Never => false,
-        }
+        self.sends(link, 0, payload)
     }
 
     /// Whether a delta of `delta` bytes, made, is sent instead of the `payload`.
