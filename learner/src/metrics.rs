@@ -135,11 +135,11 @@ pub fn describe() {
     describe_counter!(
         names::WEIGHT_PUSH_BYTES_TOTAL,
         Unit::Bytes,
-        "Weight bytes pushed, by `path` (shared, delta, stream; a shared-file push counts the bytes the worker reads)."
+        "Weight bytes pushed, by `path` (shared, delta, stream; a shared-file push counts the bytes the worker reads; relayed: what relays forwarded to the workers below them, not the learner's egress)."
     );
     describe_counter!(
         names::WEIGHT_PUSHES_TOTAL,
-        "Weight pushes by `result` (ok, failed) and `path` (shared, delta, stream)."
+        "Weight pushes by `result` (ok, failed) and `path` (shared, delta, stream; relayed: a push a relay made, as its answer reported it)."
     );
     describe_counter!(
         names::QUEUE_SUBMISSIONS_INVALID_TOTAL,

@@ -19,11 +19,20 @@
 //! A worker known to run the version before the newest is streamed only what changed
 //! since ([`delta`]); one that cannot apply it is streamed the payload in the same push.
 //! The bytes each kind of push sent are counted for the step log ([`Fleet::take_pushed`]).
+//!
+//! With a fan-out (`learner train --push-fanout`), streamed workers relay: the learner
+//! streams each version to a few of them, and each forwards the chunks to its children
+//! while it receives them ([`Fleet::plan`]), so the learner's egress per version does not
+//! grow with the workers. A relay answers with how every worker below it fared; a worker
+//! below a relay that failed or stalled is served again at once — below another relay,
+//! or from the learner — while the relay waits out its back-off and then takes its
+//! pushes alone. `ListWorkers` names each worker's parent, and each change is a log line.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use rookworld_weights::relay::{self, Route};
 use rookworld_weights::set::WeightSet;
 use tokio::sync::{mpsc, watch};
 
@@ -114,6 +123,11 @@ pub struct Fleet {
     pushed: PushBytes,
     /// When a push sends a delta.
     delta_policy: DeltaPolicy,
+    /// Workers each sender (the learner, a relay) streams to; 0: the learner streams to
+    /// each worker itself.
+    fanout: u32,
+    /// Whether the newest set has a same-host file.
+    shared_file: bool,
 }
 
 impl Fleet {
@@ -132,10 +146,18 @@ impl Fleet {
         self
     }
 
+    /// Relays streamed pushes through the workers, `fanout` children per sender (the
+    /// learner too); 0 streams to each worker from the learner.
+    pub fn with_fanout(mut self, fanout: u32) -> Self {
+        self.fanout = fanout;
+        self
+    }
+
     /// Takes `set` as the newest to push; the set it replaces is kept as the base of
     /// deltas while some worker is streamed (no shared file, or a worker that cannot read
     /// it).
     pub fn advance(&mut self, set: &Arc<WeightSet>) {
+        self.shared_file = set.shared_file.is_some();
         let streamed = set.shared_file.is_none() || self.members.values().any(|m| !m.shared);
         let streamed = streamed && self.delta_policy != DeltaPolicy::Never;
         self.deltas.advance(set, streamed);
@@ -150,7 +172,43 @@ impl Fleet {
             delta: m.and_then(|m| self.deltas.offer(m.known)),
             link: m.map(|m| m.link).unwrap_or_default(),
             policy: self.delta_policy,
+            route: Route::default(),
         }
+    }
+
+    /// The pushes that bring the workers `due` (from [`Fleet::due`]) the newest set: with a
+    /// fan-out, the streamed workers as trees of relays ([`rookworld_weights::relay`]) —
+    /// one per kind of push (a delta against one base, or the payload), the learner
+    /// calling `fanout` roots of each — and alone the workers on the same-host path and
+    /// those whose last push failed (the learner sees their cause itself).
+    pub fn plan(&self, due: Vec<String>) -> Vec<(String, Via)> {
+        let mut out = Vec::new();
+        let mut trees: BTreeMap<Option<u64>, Vec<String>> = BTreeMap::new();
+        for address in due {
+            let Some(m) = self.members.get(&address) else {
+                continue;
+            };
+            let alone = self.fanout == 0 || (m.shared && self.shared_file) || m.failures > 0;
+            if alone {
+                let via = self.via(&address);
+                out.push((address, via));
+            } else {
+                let base = self.deltas.offer(m.known).map(|o| o.base_version());
+                trees.entry(base).or_default().push(address);
+            }
+        }
+        for workers in trees.into_values() {
+            for (root, relay_to) in relay::tree(&workers, self.fanout as usize) {
+                let mut via = self.via(&root);
+                via.route = Route {
+                    relay_to,
+                    fanout: self.fanout,
+                    deadline: None,
+                };
+                out.push((root, via));
+            }
+        }
+        out
     }
 
     /// Bytes the pushes sent since the last call, by kind.
@@ -287,13 +345,25 @@ impl Fleet {
         self.members.get(address).is_some_and(|m| m.shared)
     }
 
-    /// Records the outcome of a push started by [`Fleet::due`].
+    /// Records the outcome of a push started by [`Fleet::due`], and of every push it
+    /// relayed.
     pub fn finish(&mut self, outcome: &PushOutcome, now: Instant) {
+        self.finish_one(outcome, now);
+        for relayed in &outcome.relayed {
+            self.finish_one(relayed, now);
+        }
+    }
+
+    fn finish_one(&mut self, outcome: &PushOutcome, now: Instant) {
         self.pushed.add(outcome);
         let Some(m) = self.members.get_mut(&outcome.worker) else {
             return; // forgotten meanwhile
         };
         m.pushing = false;
+        if outcome.unreached {
+            // Not its failure: due again at once, below another relay or from here.
+            return;
+        }
         if outcome.shared_refused {
             m.shared = false;
         }
@@ -320,8 +390,9 @@ impl Fleet {
         }
     }
 
-    /// Pushes `set` to every worker due now, all at once, each bounded by `deadline`, and
-    /// waits for them; returns one outcome per worker tried.
+    /// Pushes `set` to every worker due now, all at once (through relays with a fan-out),
+    /// each bounded by `deadline`, and waits for them; returns one outcome per push the
+    /// learner made (a relay's lists the workers below it).
     pub async fn push(
         &mut self,
         set: &WeightSet,
@@ -330,11 +401,11 @@ impl Fleet {
     ) -> Vec<PushOutcome> {
         self.advance(&Arc::new(set.clone()));
         let tls = rookworld_service::tls::ClientTlsArgs::default();
+        let due = self.due(set.version, Instant::now());
         let calls: Vec<_> = self
-            .due(set.version, Instant::now())
+            .plan(due)
             .into_iter()
-            .map(|address| {
-                let via = self.via(&address);
+            .map(|(address, via)| {
                 let (set, token, tls) = (set.clone(), token.to_owned(), tls.clone());
                 tokio::spawn(
                     async move { push_over(address, set, token, deadline, via, &tls).await },
@@ -435,12 +506,7 @@ pub async fn run(
             fleet.advance(&set);
             let due = fleet.due(set.version, now);
             fleet.publish_metrics(set.version);
-            due.into_iter()
-                .map(|a| {
-                    let via = fleet.via(&a);
-                    (a, via)
-                })
-                .collect::<Vec<_>>()
+            fleet.plan(due)
         };
         for (address, via) in due {
             in_flight += 1;

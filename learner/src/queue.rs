@@ -51,6 +51,8 @@ pub struct Queue {
     /// Push addresses a push has reached: one that stops answering has stopped, not been
     /// advertised wrongly.
     pushes_reached: std::collections::BTreeSet<String>,
+    /// Who sent each push address its current weights: `learner` or a relay's address.
+    weight_parents: BTreeMap<String, String>,
     /// Worker calls refused before they reached the queue ([`problems`]).
     refused: BTreeMap<(String, String, String), Refused>,
 }
@@ -73,6 +75,7 @@ impl Queue {
             run_id: String::new(),
             push_problems: BTreeMap::new(),
             pushes_reached: std::collections::BTreeSet::new(),
+            weight_parents: BTreeMap::new(),
             refused: BTreeMap::new(),
         }
     }

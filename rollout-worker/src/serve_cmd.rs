@@ -27,7 +27,8 @@ pub struct ServeArgs {
     pub token: rookworld_service::auth::TokenArgs,
     #[command(flatten)]
     pub tls: rookworld_service::tls::ServerTlsArgs,
-    /// TLS towards the learner and the reward server (their `https://` URLs).
+    /// TLS towards the learner, the reward server and the workers this one relays weight
+    /// pushes to (their `https://` URLs).
     #[command(flatten)]
     pub client_tls: rookworld_service::tls::ClientTlsArgs,
     /// Version number of the weights loaded at start.
@@ -190,6 +191,10 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
             tls,
             max_queued_samples: args.max_queued_samples,
             shared_dir: args.shared_dir.clone(),
+            relay: crate::service::RelayConfig {
+                tls: args.client_tls.clone(),
+                ..Default::default()
+            },
             ..ServiceConfig::default()
         },
         pull,

@@ -23,7 +23,10 @@ use crate::engine::{Engine, Event, Request as EngineRequest};
 use crate::error::ServiceError;
 use crate::metrics;
 
+mod relay;
 mod update;
+
+pub use relay::RelayConfig;
 
 /// Settings of the service around the engine.
 #[derive(Debug, Clone)]
@@ -41,6 +44,8 @@ pub struct ServiceConfig {
     /// Where a learner on this host leaves payloads for the same-host path; `None`
     /// refuses that path (the learner then streams).
     pub shared_dir: Option<std::path::PathBuf>,
+    /// How weight pushes are relayed to the workers a push names ([`RelayConfig`]).
+    pub relay: RelayConfig,
 }
 
 impl Default for ServiceConfig {
@@ -51,6 +56,7 @@ impl Default for ServiceConfig {
             max_queued_samples: 1 << 16,
             max_message_bytes: 16 * 1024 * 1024,
             shared_dir: None,
+            relay: RelayConfig::default(),
         }
     }
 }

@@ -11,10 +11,12 @@
 //!   training thread, newest first.
 //! - [`refill`]: a worker's next weights written into a retired model's memory, in place.
 //! - [`delta`]: a payload sent against one the worker holds, only what changed.
+//! - [`relay`]: a push that the worker forwards to others while it receives it.
 
 pub mod delta;
 pub mod export;
 pub mod refill;
+pub mod relay;
 pub mod set;
 
 pub use set::{WeightError, WeightSet};

@@ -572,7 +572,17 @@ pub async fn push(
     token: &str,
     chunk_bytes: usize,
 ) -> Result<pb::UpdateWeightsResponse, tonic::Status> {
-    let mut request = tonic::Request::new(tokio_stream::iter(set.chunks(chunk_bytes)));
+    send(client, set.chunks(chunk_bytes), token).await
+}
+
+/// Sends `chunks` (header first) to a worker with the shared `token` and returns its
+/// answer.
+pub async fn send(
+    client: &mut pb::rollout_service_client::RolloutServiceClient<tonic::transport::Channel>,
+    chunks: impl Iterator<Item = pb::WeightChunk> + Send + 'static,
+    token: &str,
+) -> Result<pb::UpdateWeightsResponse, tonic::Status> {
+    let mut request = tonic::Request::new(tokio_stream::iter(chunks));
     rookworld_service::auth::set_token(request.metadata_mut(), token)?;
     Ok(client.update_weights(request).await?.into_inner())
 }
@@ -586,10 +596,12 @@ pub async fn push_delta(
     token: &str,
     chunk_bytes: usize,
 ) -> Result<pb::UpdateWeightsResponse, tonic::Status> {
-    let chunks = set.delta_chunks(base_version, delta, chunk_bytes);
-    let mut request = tonic::Request::new(tokio_stream::iter(chunks));
-    rookworld_service::auth::set_token(request.metadata_mut(), token)?;
-    Ok(client.update_weights(request).await?.into_inner())
+    send(
+        client,
+        set.delta_chunks(base_version, delta, chunk_bytes),
+        token,
+    )
+    .await
 }
 
 /// The BLAKE3 hash of a payload, on every core (a 249 MB payload is 57 ms on one core

@@ -4,10 +4,11 @@
 
 use std::time::{Duration, Instant};
 
-use rookworld_proto::rollout::v1::StatusRequest;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
+use rookworld_proto::rollout::v1::{RelayedPush, StatusRequest};
 use rookworld_service::probe::{cause_chain, error_chain};
 use rookworld_service::tls::{ClientTlsArgs, TlsProblem};
+use rookworld_weights::relay::{self, Route};
 use rookworld_weights::set::{self as weights, CHUNK_BYTES, WeightSet};
 
 use super::delta::{DeltaOffer, DeltaPolicy, Link};
@@ -53,6 +54,8 @@ pub struct Via {
     pub link: Link,
     /// When a delta is sent (`--push-deltas`).
     pub policy: DeltaPolicy,
+    /// The workers the worker relays a streamed push to (none: a push of its own).
+    pub route: Route,
 }
 
 /// [`push_to`] through `via` (see [`Via`]), with the client TLS `tls` for `https://`
@@ -74,7 +77,13 @@ pub async fn push_over(
         delta_refused: None,
         receive_seconds: 0.0,
         verify_seconds: 0.0,
+        relayed: Vec::new(),
     };
+    let mut via = via;
+    if !via.route.relay_to.is_empty() {
+        via.route.deadline = Some(deadline);
+    }
+    let route = via.route.clone();
     let push = push_one(&address, &set, &token, (deadline, via, tls), &mut how);
     let result = tokio::time::timeout(deadline, push).await;
     let (error, blocked) = match result {
@@ -94,6 +103,13 @@ pub async fn push_over(
         delta_refused: how.delta_refused,
         receive_seconds: how.receive_seconds,
         verify_seconds: how.verify_seconds,
+        parent: None,
+        unreached: false,
+        relayed: Vec::new(),
+    };
+    let o = PushOutcome {
+        relayed: relayed_outcomes(&o, &route, how.relayed),
+        ..o
     };
     // No per-worker label: worker addresses come and go (pods, replicas); each worker's
     // own metrics carry its view, and the push logs name it.
@@ -104,13 +120,62 @@ pub async fn push_over(
         .increment(1);
     match &o.error {
         None => {
-            tracing::debug!(worker = %o.worker, version = o.version, seconds = format!("{:.3}", o.seconds), "weights pushed")
+            tracing::debug!(worker = %o.worker, version = o.version, seconds = format!("{:.3}", o.seconds), relayed = o.relayed.len(), "weights pushed")
         }
-        Some(e) => {
+        Some(e) if o.relayed.is_empty() => {
             tracing::warn!(worker = %o.worker, version = o.version, error = %e, "weight push failed; worker marked stale, retried after a back-off")
         }
+        Some(e) => {
+            tracing::warn!(worker = %o.worker, version = o.version, error = %e, below = o.relayed.len(), "a relayed weight push failed; the relay is retried after a back-off, the workers below it are served again at once")
+        }
+    }
+    for r in &o.relayed {
+        metrics::counter!(names::WEIGHT_PUSH_BYTES_TOTAL, "path" => "relayed").increment(r.bytes);
+        let result = if r.error.is_none() { "ok" } else { "failed" };
+        metrics::counter!(names::WEIGHT_PUSHES_TOTAL, "result" => result, "path" => "relayed")
+            .increment(1);
     }
     o
+}
+
+/// The outcome of each worker below `root` on its `route`, from the relays' answers
+/// (`listed`): a worker no answer lists (the root failed, or a relay above it did) was
+/// not reached.
+fn relayed_outcomes(
+    root: &PushOutcome,
+    route: &Route,
+    listed: Vec<RelayedPush>,
+) -> Vec<PushOutcome> {
+    let parents = relay::parents(&route.relay_to, route.fanout as usize);
+    let mut listed: std::collections::HashMap<String, RelayedPush> =
+        listed.into_iter().map(|r| (r.worker.clone(), r)).collect();
+    parents
+        .into_iter()
+        .map(|(worker, parent)| {
+            let parent = parent.unwrap_or_else(|| root.worker.clone());
+            let r = listed.remove(&worker).unwrap_or_else(|| RelayedPush {
+                error: match &root.error {
+                    Some(e) => format!("not reached: its relay {} failed: {e}", root.worker),
+                    None => format!("not reached: its relay {} did not list it", root.worker),
+                },
+                ..Default::default()
+            });
+            let error = (!r.error.is_empty()).then_some(r.error);
+            PushOutcome {
+                worker,
+                version: root.version,
+                seconds: r.seconds,
+                bytes: if error.is_none() { r.bytes } else { 0 },
+                unreached: error.as_ref().is_some_and(|e| e.starts_with("not reached")),
+                error,
+                path: root.path,
+                receive_seconds: r.receive_seconds,
+                verify_seconds: r.verify_seconds,
+                parent: Some(parent),
+                ..Default::default()
+            }
+        })
+        .collect()
 }
 
 /// Why a push failed, and what blocks every push to that worker until something changes.
@@ -142,6 +207,8 @@ struct How {
     delta_refused: Option<String>,
     receive_seconds: f64,
     verify_seconds: f64,
+    /// The relays' answers for the workers below.
+    relayed: Vec<RelayedPush>,
 }
 
 async fn push_one(
@@ -208,7 +275,8 @@ async fn push_one(
         && via.policy.sends(&via.link, delta.len(), payload)
     {
         let (base, sent) = (offer.base_version(), delta.len() as u64);
-        match weights::push_delta(&mut client, (set, base, delta), token, CHUNK_BYTES).await {
+        let chunks = (via.route.clone()).apply(set.delta_chunks(base, delta, CHUNK_BYTES));
+        match weights::send(&mut client, chunks, token).await {
             Ok(answer) => {
                 (how.path, how.bytes) = ("delta", sent);
                 return check_answer(&answer, set, how);
@@ -223,7 +291,8 @@ async fn push_one(
             Err(s) => return Err(refused(&mut client, address, token, s).await),
         }
     }
-    match weights::push(&mut client, set, token, CHUNK_BYTES).await {
+    let chunks = via.route.apply(set.chunks(CHUNK_BYTES));
+    match weights::send(&mut client, chunks, token).await {
         Ok(answer) => check_answer(&answer, set, how),
         Err(s) => Err(refused(&mut client, address, token, s).await),
     }
@@ -305,6 +374,7 @@ fn check_answer(
     how: &mut How,
 ) -> Result<(), PushError> {
     (how.receive_seconds, how.verify_seconds) = (answer.receive_seconds, answer.verify_seconds);
+    how.relayed.clone_from(&answer.relayed);
     if answer.version != set.version {
         return Err(PushError {
             blocked: None,
@@ -320,7 +390,13 @@ fn check_answer(
 /// with the same text until a push reaches it.
 pub(super) async fn note_reachability(queue: &QueueHandle, o: PushOutcome, model: &LearnerModel) {
     let model = model.clone();
-    queue.run(move |q| note(q, &o, &model)).await;
+    queue
+        .run(move |q| {
+            for o in std::iter::once(&o).chain(&o.relayed) {
+                note(q, o, &model);
+            }
+        })
+        .await;
 }
 
 fn note(q: &mut Queue, o: &PushOutcome, model: &LearnerModel) {
@@ -338,6 +414,18 @@ fn note(q: &mut Queue, o: &PushOutcome, model: &LearnerModel) {
         }
         None if o.error.is_none() => {
             q.set_push_problem(&o.worker, None);
+            let parent = o.parent.as_deref().unwrap_or("learner");
+            match q.set_weight_parent(&o.worker, parent) {
+                // The first push, straight from the learner: nothing to say.
+                Some(None) if o.parent.is_none() => {}
+                Some(None) => {
+                    tracing::info!(worker = %o.worker, parent, "worker takes its weights from a relay")
+                }
+                Some(Some(before)) => {
+                    tracing::info!(worker = %o.worker, parent, was = %before, "worker takes its weights from another parent")
+                }
+                None => {}
+            }
         }
         None => {}
     }
@@ -380,8 +468,7 @@ mod tests {
             path: "stream",
             shared_refused: false,
             delta_refused: None,
-            receive_seconds: 0.0,
-            verify_seconds: 0.0,
+            ..Default::default()
         }
     }
 

@@ -2,7 +2,7 @@
 //! ([`super`]) and one worker's push ([`super::one`]) speak in.
 
 /// What happened to one worker in one push.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct PushOutcome {
     pub worker: String,
     pub version: u64,
@@ -25,6 +25,13 @@ pub struct PushOutcome {
     /// delta) applying and hashing it; 0 when it failed.
     pub receive_seconds: f64,
     pub verify_seconds: f64,
+    /// The worker that relayed the push to this one (`None`: the learner sent it).
+    pub parent: Option<String>,
+    /// A relayed push its stream never reached (a relay above it failed): no failure of
+    /// its own, and it is served again at once.
+    pub unreached: bool,
+    /// The pushes this worker relayed: every worker of its tree.
+    pub relayed: Vec<PushOutcome>,
 }
 
 /// Bytes the pushes that reached workers sent, by kind, since the last count was taken
@@ -39,6 +46,9 @@ pub struct PushBytes {
     pub delta: u64,
     /// Payloads workers on this host read from the shared file.
     pub shared: u64,
+    /// Payloads and deltas relays forwarded to other workers (not the learner's egress).
+    #[serde(default)]
+    pub relayed: u64,
 }
 
 impl PushBytes {
@@ -48,16 +58,17 @@ impl PushBytes {
             return;
         }
         self.pushes += 1;
-        match o.path {
-            "delta" => self.delta += o.bytes,
-            "shared" => self.shared += o.bytes,
-            _ => self.full += o.bytes,
+        match (o.parent.is_some(), o.path) {
+            (true, _) => self.relayed += o.bytes,
+            (false, "delta") => self.delta += o.bytes,
+            (false, "shared") => self.shared += o.bytes,
+            (false, _) => self.full += o.bytes,
         }
     }
 
-    /// Mean bytes a push sent.
+    /// Mean bytes a push sent (the learner's or a relay's).
     pub fn per_push(&self) -> u64 {
-        (self.full + self.delta + self.shared) / self.pushes.max(1)
+        (self.full + self.delta + self.shared + self.relayed) / self.pushes.max(1)
     }
 }
 
@@ -78,6 +89,7 @@ impl std::fmt::Display for PushBytes {
             ("full", self.full),
             ("delta", self.delta),
             ("shared", self.shared),
+            ("relayed", self.relayed),
         ];
         let mut sep = ": ";
         for (kind, bytes) in kinds.into_iter().filter(|(_, b)| *b > 0) {

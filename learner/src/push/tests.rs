@@ -11,8 +11,7 @@ fn outcome(worker: &str, version: u64, error: Option<&str>) -> PushOutcome {
         path: "stream",
         shared_refused: false,
         delta_refused: None,
-        receive_seconds: 0.0,
-        verify_seconds: 0.0,
+        ..Default::default()
     }
 }
 

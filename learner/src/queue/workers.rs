@@ -122,6 +122,23 @@ impl Queue {
         }
     }
 
+    /// Records who sent the worker at `address` its current weights (`learner`, or the
+    /// address of the worker that relayed them); returns the one before, when it differs.
+    pub fn set_weight_parent(&mut self, address: &str, parent: &str) -> Option<Option<String>> {
+        let before = self.weight_parents.get(address).cloned();
+        if before.as_deref() == Some(parent) {
+            return None;
+        }
+        self.weight_parents
+            .insert(address.to_owned(), parent.to_owned());
+        Some(before)
+    }
+
+    /// Who sent the worker at `address` its current weights ([`Queue::set_weight_parent`]).
+    pub fn weight_parent(&self, address: &str) -> Option<&str> {
+        self.weight_parents.get(address).map(String::as_str)
+    }
+
     /// Whether a push has reached the worker at `address` in this run.
     pub fn push_reached(&self, address: &str) -> bool {
         self.pushes_reached.contains(address)

@@ -202,6 +202,7 @@ fn worker_to_pb(id: &str, w: &WorkerStats, now: Instant, started: Instant) -> pb
             .as_ref()
             .and_then(|p| p.at)
             .map_or(0.0, |t| now.saturating_duration_since(t).as_secs_f64()),
+        weight_parent: String::new(),
     }
 }
 
@@ -431,7 +432,13 @@ impl RolloutQueue for QueueServer {
             .run(move |q| {
                 q.workers()
                     .iter()
-                    .map(|(id, w)| worker_to_pb(id, w, now, started))
+                    .map(|(id, w)| {
+                        let parent = q.weight_parent(&w.push_address);
+                        pb::WorkerInfo {
+                            weight_parent: parent.unwrap_or_default().to_owned(),
+                            ..worker_to_pb(id, w, now, started)
+                        }
+                    })
                     .collect()
             })
             .await;

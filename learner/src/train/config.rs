@@ -137,6 +137,12 @@ pub struct TrainArgs {
     /// `never`.
     #[arg(long, value_enum, env = "LEARNER_PUSH_DELTAS", default_value = "auto")]
     pub push_deltas: crate::push::DeltaPolicy,
+    /// Streamed workers relay weight pushes: the learner streams each version to this
+    /// many of them, and each forwards the chunks to as many others while it receives
+    /// them, so the learner's egress per version does not grow with the workers. 0: the
+    /// learner streams to every worker itself.
+    #[arg(long, env = "LEARNER_PUSH_FANOUT", default_value_t = 2)]
+    pub push_fanout: u32,
     /// Deadline of one weight push to one worker, in seconds.
     #[arg(
         long,

@@ -93,6 +93,8 @@ pub struct ServicesPlan {
     pub push_timeout: Duration,
     /// When a push sends a delta.
     pub push_deltas: crate::push::DeltaPolicy,
+    /// Children per sender of a relayed push (0: none relay).
+    pub push_fanout: u32,
     /// The reward server the learner waits for at start, and how long (not with
     /// `--local`, which starts its own).
     pub reward: Option<(String, Duration)>,
@@ -189,6 +191,7 @@ impl Plan {
                 },
                 push_timeout: args.push_timeout(),
                 push_deltas: args.push_deltas,
+                push_fanout: args.push_fanout,
                 reward,
                 shared_dir: args.shared_dir.clone(),
                 no_shared_dir: args.no_shared_dir,

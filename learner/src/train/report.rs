@@ -188,6 +188,7 @@ impl StepRecord {
                 ("full", p.full),
                 ("delta", p.delta),
                 ("shared", p.shared),
+                ("relayed", p.relayed),
                 ("per_push", p.per_push()),
             ] {
                 out.push((format!("push/bytes_{name}"), v as f64));
@@ -646,6 +647,7 @@ mod tests {
             full: 1000,
             delta: 100,
             shared: 0,
+            relayed: 0,
         };
         let t = tags(&r);
         assert_eq!(

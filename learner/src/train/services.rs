@@ -119,7 +119,9 @@ impl Services {
         // The weight sync: every registered worker gets the newest published weights.
         let (latest, latest_rx) = watch::channel(None);
         let latest = Arc::new(latest);
-        let fleet = Fleet::new(Duration::from_secs(30)).with_deltas(services.push_deltas);
+        let fleet = Fleet::new(Duration::from_secs(30))
+            .with_deltas(services.push_deltas)
+            .with_fanout(services.push_fanout);
         let fleet = Arc::new(Mutex::new(fleet));
         let (sync_stop, sync_stopped) = watch::channel(false);
         let sync_task = tokio::spawn(push::run(

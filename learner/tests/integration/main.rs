@@ -19,6 +19,7 @@ mod mixed_precision;
 mod push;
 mod queue_grpc;
 mod queue_load;
+mod relay;
 mod resume;
 mod run_dir;
 mod shared_push;

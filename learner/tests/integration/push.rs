@@ -10,10 +10,10 @@ use rookworld_lm::Config;
 use rookworld_lm::model_io::init_random;
 use rookworld_weights::set::WeightSet;
 
-const TOKEN: &str = "push-token";
+pub(crate) const TOKEN: &str = "push-token";
 
 /// A worker on `listener`, served until the test ends.
-async fn serve(listener: tokio::net::TcpListener) {
+pub(crate) async fn serve(listener: tokio::net::TcpListener) {
     let model = init_random(&Config::tiny(), 1, DType::F32, &Device::Cpu).unwrap();
     let config = WorkerConfig {
         service: ServiceConfig {
@@ -114,7 +114,13 @@ async fn a_dead_worker_never_blocks_the_others_and_is_resynced() {
 
 /// Version `version` of run `run`: `base`'s payload with every `every`-th value of its
 /// tensors moved in its last bit (`salt` picks which bit pattern).
-fn moved(base: &WeightSet, run: &str, version: u64, every: usize, salt: u8) -> WeightSet {
+pub(crate) fn moved(
+    base: &WeightSet,
+    run: &str,
+    version: u64,
+    every: usize,
+    salt: u8,
+) -> WeightSet {
     let mut bytes = base.bytes.to_vec();
     let header = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     for w in bytes[header..].chunks_exact_mut(2).step_by(every) {

@@ -29,6 +29,7 @@ use rookworld_proto::rollout::v1 as pb;
 use tokio_stream::StreamExt;
 use tonic::Streaming;
 
+use super::relay::Relay;
 use super::{Held, RolloutServer, ServedModel};
 use crate::engine::Retired;
 use crate::error::ServiceError;
@@ -72,16 +73,33 @@ impl RolloutServer {
         // The header decides before the body is sent: a retry of a push that landed (its
         // answer was lost) is answered, a stale version is refused, and a delta needs its
         // base here.
+        if !h.relay_to.is_empty() && !h.shared_file.is_empty() {
+            return Err(WeightError::Malformed(
+                "relay_to with shared_file: a same-host push is not relayed".into(),
+            )
+            .into());
+        }
         if h.version == current && h.run_id == current_run {
             tracing::debug!(version = current, "weights already in use; nothing to swap");
+            // A relay still passes the stream on to the workers below it.
+            let relayed = match Relay::start(&first, self.guard.token(), &self.cfg.relay) {
+                Some(relay) => self.relay_only(relay, &first, stream).await?,
+                None => Vec::new(),
+            };
             return Ok(pb::UpdateWeightsResponse {
                 version: current,
                 bytes: first.data.len() as u64,
                 seconds: started.elapsed().as_secs_f64(),
+                relayed,
                 ..Default::default()
             });
         }
         weights::supersedes(&h.run_id, h.version, &current_run, current)?;
+        if weights::is_delta(&h) {
+            self.check_base(&h)?;
+        }
+        // Every check the header allows is made: the children are fed from here on.
+        let mut relay = Relay::start(&first, self.guard.token(), &self.cfg.relay);
         let whole_payload = h.shared_file.is_empty() && !weights::is_delta(&h);
         let mut assembler = if whole_payload {
             // The payload lands in the last one's memory.
@@ -95,11 +113,11 @@ impl RolloutServer {
             // The same-host path: the body is a file here, not the stream.
             Body::Shared(h)
         } else {
-            if weights::is_delta(&h) {
-                self.check_base(&h)?;
-            }
             while let Some(chunk) = stream.next().await {
                 let chunk = chunk.map_err(|s| stream_error(&s, assembler.received()))?;
+                if let Some(relay) = relay.as_mut() {
+                    relay.forward(&chunk).await;
+                }
                 assembler.push(chunk)?;
             }
             Body::Streamed(Box::new(assembler))
@@ -117,6 +135,11 @@ impl RolloutServer {
                 of: Some((run.clone(), version)),
             };
         }
+        let swapped = started.elapsed();
+        let relayed = match relay {
+            Some(relay) => relay.finish().await,
+            None => Vec::new(),
+        };
         let seconds = started.elapsed().as_secs_f64();
         if run != current_run {
             tracing::info!(run = %run, previous_run = %current_run, previous_version = current, "weights of a new run replace the previous run's");
@@ -134,8 +157,26 @@ impl RolloutServer {
             receive_seconds: received.as_secs_f64(),
             verify_seconds: built.verify.as_secs_f64(),
             convert_seconds: built.convert.as_secs_f64(),
-            swap_seconds: (started.elapsed() - ready).as_secs_f64(),
+            swap_seconds: (swapped - ready).as_secs_f64(),
+            relayed,
         })
+    }
+
+    /// Passes a stream this worker needs nothing of (it runs that version) on to the
+    /// workers below it, and lists how they fared.
+    async fn relay_only(
+        &self,
+        mut relay: Relay,
+        first: &pb::WeightChunk,
+        mut stream: Streaming<pb::WeightChunk>,
+    ) -> Result<Vec<pb::RelayedPush>, ServiceError> {
+        let mut received = first.data.len();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|s| stream_error(&s, received))?;
+            received += chunk.data.len();
+            relay.forward(&chunk).await;
+        }
+        Ok(relay.finish().await)
     }
 
     /// The verified model of `body`, its size and when it had arrived. A streamed body
