@@ -7,9 +7,12 @@
 //! the rest of the run the child's own `relay_to`. Both ends cut it with this one
 //! function, so the learner knows every worker's parent without being told.
 
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use rookworld_proto::rollout::v1 as pb;
+use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
 
 /// Where a streamed push goes beyond the worker it is sent to.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -83,6 +86,74 @@ pub fn parents(workers: &[String], fanout: usize) -> Vec<(String, Option<String>
         }
     }
     out
+}
+
+/// How long a stream may take no chunk before its sender gives up on the receiver (a
+/// relay on a child, the learner on a worker): the receiver stalls, and a deadline of a
+/// minute is no reason to keep a tree of workers waiting.
+pub const STALL: Duration = Duration::from_secs(2);
+
+/// Sends `chunks` (header first) with the shared `token` as [`crate::set::send`] does,
+/// and gives up with DEADLINE_EXCEEDED ("took no chunk for …") when the receiver takes
+/// none for `stall` before the last is taken. (Once every chunk is taken the answer is
+/// bounded by the caller's deadline alone.)
+pub async fn send_watched(
+    client: &mut RolloutServiceClient<tonic::transport::Channel>,
+    chunks: impl Iterator<Item = pb::WeightChunk> + Send + 'static,
+    token: &str,
+    stall: Duration,
+) -> Result<pb::UpdateWeightsResponse, tonic::Status> {
+    let progress = Arc::new(Progress {
+        last: Mutex::new(Instant::now()),
+        done: AtomicBool::new(false),
+    });
+    let watched = Watched {
+        chunks,
+        progress: progress.clone(),
+    };
+    let watch = async {
+        loop {
+            tokio::time::sleep(stall / 4).await;
+            let last = *progress.last.lock().unwrap_or_else(PoisonError::into_inner);
+            if !progress.done.load(Ordering::Relaxed) && last.elapsed() > stall {
+                return tonic::Status::deadline_exceeded(format!(
+                    "took no chunk for {stall:?}: the receiver stalls"
+                ));
+            }
+        }
+    };
+    tokio::select! {
+        answer = crate::set::send(client, watched, token) => answer,
+        stalled = watch => Err(stalled),
+    }
+}
+
+/// When a watched stream last had a chunk taken, and whether it has no more.
+struct Progress {
+    last: Mutex<Instant>,
+    done: AtomicBool,
+}
+
+struct Watched<I> {
+    chunks: I,
+    progress: Arc<Progress>,
+}
+
+impl<I: Iterator<Item = pb::WeightChunk>> Iterator for Watched<I> {
+    type Item = pb::WeightChunk;
+
+    fn next(&mut self) -> Option<pb::WeightChunk> {
+        let next = self.chunks.next();
+        *self
+            .progress
+            .last
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Instant::now();
+        if next.is_none() {
+            self.progress.done.store(true, Ordering::Relaxed);
+        }
+        next
+    }
 }
 
 /// The relay's deadline for a child: what is left of its own, less a margin (a tenth, at

@@ -276,7 +276,7 @@ async fn push_one(
     {
         let (base, sent) = (offer.base_version(), delta.len() as u64);
         let chunks = (via.route.clone()).apply(set.delta_chunks(base, delta, CHUNK_BYTES));
-        match weights::send(&mut client, chunks, token).await {
+        match relay::send_watched(&mut client, chunks, token, relay::STALL).await {
             Ok(answer) => {
                 (how.path, how.bytes) = ("delta", sent);
                 return check_answer(&answer, set, how);
@@ -292,7 +292,7 @@ async fn push_one(
         }
     }
     let chunks = via.route.apply(set.chunks(CHUNK_BYTES));
-    match weights::send(&mut client, chunks, token).await {
+    match relay::send_watched(&mut client, chunks, token, relay::STALL).await {
         Ok(answer) => check_answer(&answer, set, how),
         Err(s) => Err(refused(&mut client, address, token, s).await),
     }

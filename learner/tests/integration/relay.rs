@@ -309,3 +309,42 @@ async fn the_sync_loop_relays_and_list_workers_names_each_parent() {
         assert_eq!(version_of(w).await, 1, "{w}");
     }
 }
+
+/// A relay that hangs (it takes the connection and no chunks) is given up on after the
+/// stall limit, not the push's minute-long deadline, and the workers below it are served
+/// at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_relay_is_given_up_on_after_the_stall_limit() {
+    let mut fleet = Fleet::new(Duration::from_secs(8)).with_fanout(1);
+    // Sorted first, so the root: bound and never served.
+    let hung_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hung = format!("http://{}", hung_listener.local_addr().unwrap());
+    fleet.register(&hung);
+    let live = [worker_at("127.0.0.2").await, worker_at("127.0.0.2").await];
+    for w in &live {
+        fleet.register(w);
+    }
+    let model = init_random(&Config::tiny(), 2, DType::F32, &Device::Cpu).unwrap();
+    let v1 = WeightSet::from_model(&model, "run", 1).unwrap();
+
+    let started = Instant::now();
+    let outcomes = fleet.push(&v1, TOKEN, Duration::from_secs(60)).await;
+    let took = started.elapsed();
+    assert!(
+        took < relay::STALL + Duration::from_secs(2),
+        "given up after {took:?}"
+    );
+    let why = outcomes[0].error.clone().unwrap();
+    assert!(why.contains("took no chunk for 2s"), "{why}");
+    assert!(outcomes[0].relayed.iter().all(|o| o.unreached));
+
+    let outcomes = fleet.push(&v1, TOKEN, Duration::from_secs(60)).await;
+    assert!(
+        every(&outcomes).iter().all(|o| o.error.is_none()),
+        "{outcomes:?}"
+    );
+    for w in &live {
+        assert_eq!(version_of(w).await, 1, "{w}");
+    }
+    drop(hung_listener);
+}

@@ -34,7 +34,7 @@ impl Default for RelayConfig {
     fn default() -> Self {
         Self {
             tls: ClientTlsArgs::default(),
-            stall: Duration::from_secs(2),
+            stall: rookworld_weights::relay::STALL,
             deadline: Duration::from_secs(60),
         }
     }
