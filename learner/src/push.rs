@@ -109,6 +109,13 @@ struct Member {
     shared: bool,
     /// What its pushes measured: whether a delta reaches it sooner than the payload.
     link: Link,
+    /// The version whose payload it holds, streamed to it (whole, as a delta, relayed):
+    /// what it can send to workers that join.
+    holds: Option<u64>,
+    /// Relayed pushes in a row that did not bring it the version (its relay failed, or
+    /// its own push from the relay did): at two it takes its pushes alone, from the
+    /// learner, which then sees the cause itself.
+    missed: u32,
 }
 
 /// The workers the learner pushes to, and the version each is known to run.
@@ -128,6 +135,8 @@ pub struct Fleet {
     fanout: u32,
     /// Whether the newest set has a same-host file.
     shared_file: bool,
+    /// The newest set's version.
+    newest: u64,
 }
 
 impl Fleet {
@@ -158,6 +167,7 @@ impl Fleet {
     /// it).
     pub fn advance(&mut self, set: &Arc<WeightSet>) {
         self.shared_file = set.shared_file.is_some();
+        self.newest = set.version;
         let streamed = set.shared_file.is_none() || self.members.values().any(|m| !m.shared);
         let streamed = streamed && self.delta_policy != DeltaPolicy::Never;
         self.deltas.advance(set, streamed);
@@ -173,6 +183,7 @@ impl Fleet {
             link: m.map(|m| m.link).unwrap_or_default(),
             policy: self.delta_policy,
             route: Route::default(),
+            peer: false,
         }
     }
 
@@ -180,21 +191,54 @@ impl Fleet {
     /// fan-out, the streamed workers as trees of relays ([`rookworld_weights::relay`]) —
     /// one per kind of push (a delta against one base, or the payload), the learner
     /// calling `fanout` roots of each — and alone the workers on the same-host path and
-    /// those whose last push failed (the learner sees their cause itself).
-    pub fn plan(&self, due: Vec<String>) -> Vec<(String, Via)> {
+    /// those whose last push failed (the learner sees their cause itself). Workers that
+    /// join (new, or restarted: no version known) are sent the payload by a peer that
+    /// holds it ([`Via::peer`]) where one does, so that the learner's link carries nothing
+    /// for them; that peer is busy (marked as pushing) until it has.
+    pub fn plan(&mut self, mut due: Vec<String>) -> Vec<(String, Via)> {
         let mut out = Vec::new();
+        // Workers whose relayed pushes failed last time go last: leaves, not relays.
+        due.sort_by_key(|a| (self.members.get(a).map_or(0, |m| m.missed), a.clone()));
         let mut trees: BTreeMap<Option<u64>, Vec<String>> = BTreeMap::new();
+        let mut joiners = Vec::new();
         for address in due {
             let Some(m) = self.members.get(&address) else {
                 continue;
             };
-            let alone = self.fanout == 0 || (m.shared && self.shared_file) || m.failures > 0;
+            let alone = self.fanout == 0
+                || (m.shared && self.shared_file)
+                || m.failures > 0
+                || m.missed >= 2;
             if alone {
                 let via = self.via(&address);
                 out.push((address, via));
+            } else if m.known.is_none() {
+                joiners.push(address);
             } else {
                 let base = self.deltas.offer(m.known).map(|o| o.base_version());
                 trees.entry(base).or_default().push(address);
+            }
+        }
+        if !joiners.is_empty() {
+            let newest = self.newest;
+            let peer = self.members.iter_mut().find(|(_, m)| {
+                m.known == Some(newest) && m.holds == Some(newest) && !m.pushing && m.failures == 0
+            });
+            match peer {
+                Some((peer, m)) => {
+                    m.pushing = true;
+                    let via = Via {
+                        peer: true,
+                        route: Route {
+                            relay_to: joiners,
+                            fanout: self.fanout,
+                            deadline: None,
+                        },
+                        ..Via::default()
+                    };
+                    out.push((peer.clone(), via));
+                }
+                None => trees.entry(None).or_default().extend(joiners),
             }
         }
         for workers in trees.into_values() {
@@ -232,6 +276,8 @@ impl Fleet {
                     last_error: None,
                     shared: true,
                     link: Link::default(),
+                    holds: None,
+                    missed: 0,
                 },
             );
         }
@@ -269,6 +315,7 @@ impl Fleet {
                 Some(first) if at > first => {
                     tracing::warn!(worker = %address, reports = version, pushed = ?m.known, "worker runs other weights than were pushed to it (restarted?); re-syncing");
                     m.known = None;
+                    m.holds = None;
                     m.mismatch_at = None;
                 }
                 Some(_) => {}
@@ -355,13 +402,35 @@ impl Fleet {
     }
 
     fn finish_one(&mut self, outcome: &PushOutcome, now: Instant) {
+        if outcome.path == "peer" {
+            // A peer that sent joining workers the payload: free again; one that could
+            // not is not asked again until a push gives it a payload.
+            if let Some(m) = self.members.get_mut(&outcome.worker) {
+                m.pushing = false;
+                if outcome.error.is_some() {
+                    m.holds = None;
+                }
+            }
+            return;
+        }
         self.pushed.add(outcome);
         let Some(m) = self.members.get_mut(&outcome.worker) else {
             return; // forgotten meanwhile
         };
         m.pushing = false;
-        if outcome.unreached {
-            // Not its failure: due again at once, below another relay or from here.
+        if outcome.parent.is_some() && outcome.error.is_some() {
+            // A relayed push that did not reach it (a relay above failed), or that failed
+            // there: no failure with a back-off (its relay may be the cause), so it is due
+            // again at once — a leaf at the end of the next tree after a failure of its
+            // own, alone after two in a row. One that lacks the delta's base is sent the
+            // payload, as a worker that joins.
+            if !outcome.unreached {
+                m.missed += 1;
+            }
+            let error = outcome.error.as_deref().unwrap_or_default();
+            if error.contains("delta base unusable") {
+                (m.known, m.holds) = (None, None);
+            }
             return;
         }
         if outcome.shared_refused {
@@ -371,6 +440,8 @@ impl Fleet {
             None => {
                 let (o, link) = (outcome, &mut m.link);
                 link.measured(o.path, o.bytes, o.receive_seconds, o.verify_seconds);
+                m.holds = matches!(o.path, "stream" | "delta").then_some(o.version);
+                m.missed = 0;
                 m.known = Some(outcome.version);
                 m.failures = 0;
                 m.retry_at = None;
@@ -381,6 +452,7 @@ impl Fleet {
             Some(ref error) => {
                 m.last_error = Some(error.clone());
                 m.known = None;
+                m.holds = None;
                 m.failures += 1;
                 let backoff = Duration::from_millis(500)
                     .saturating_mul(1 << m.failures.min(16))

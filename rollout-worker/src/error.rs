@@ -25,6 +25,9 @@ pub enum ServiceError {
     /// failed); the old weights stay.
     #[error("weight update interrupted: {0}")]
     Interrupted(String),
+    /// A peer was asked to send weights it does not hold.
+    #[error("no payload to send: {0}")]
+    NothingToSend(String),
     #[error(transparent)]
     Engine(#[from] EngineError),
     #[error("internal: {0}")]
@@ -46,6 +49,7 @@ impl ServiceError {
             Self::Weights(WeightError::DeltaBase(_)) => "delta_base",
             Self::Weights(_) => "invalid",
             Self::Interrupted(_) => "interrupted",
+            Self::NothingToSend(_) => "nothing_to_send",
             Self::Engine(_) | Self::Internal(_) => "failed",
         }
     }
@@ -66,6 +70,7 @@ impl From<ServiceError> for Status {
             ServiceError::Weights(WeightError::SharedBusy(_)) => Status::unavailable(message),
             ServiceError::Weights(_) => Status::invalid_argument(message),
             ServiceError::Interrupted(_) => Status::aborted(message),
+            ServiceError::NothingToSend(_) => Status::failed_precondition(message),
             ServiceError::Engine(EngineError::InvalidRequest(_)) => {
                 Status::invalid_argument(message)
             }

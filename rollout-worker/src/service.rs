@@ -119,6 +119,8 @@ struct Held {
     /// The run and version whose verified payload `bytes` is, while it is the one in use
     /// (a delta's base); `None` once it is only memory.
     of: Option<(String, u64)>,
+    /// Its BLAKE3 hash, while `of` is set.
+    blake3: [u8; 32],
 }
 
 impl Held {
@@ -307,6 +309,18 @@ impl RolloutService for RolloutServer {
             }
             Err(e) => tracing::warn!(error = %e, "weight update refused; the old weights stay"),
             Ok(_) => {}
+        }
+        Ok(Response::new(result?))
+    }
+
+    async fn send_weights(
+        &self,
+        request: Request<pb::SendWeightsRequest>,
+    ) -> Result<Response<pb::UpdateWeightsResponse>, Status> {
+        self.authorize(&request)?;
+        let result = self.send_held(request.into_inner()).await;
+        if let Err(e) = &result {
+            tracing::info!(error = %e, "weights not sent to joining workers; the sender serves them another way");
         }
         Ok(Response::new(result?))
     }

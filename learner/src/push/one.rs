@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
-use rookworld_proto::rollout::v1::{RelayedPush, StatusRequest};
+use rookworld_proto::rollout::v1::{RelayedPush, SendWeightsRequest, StatusRequest};
 use rookworld_service::probe::{cause_chain, error_chain};
 use rookworld_service::tls::{ClientTlsArgs, TlsProblem};
 use rookworld_weights::relay::{self, Route};
@@ -56,6 +56,9 @@ pub struct Via {
     pub policy: DeltaPolicy,
     /// The workers the worker relays a streamed push to (none: a push of its own).
     pub route: Route,
+    /// Not a push to the worker: it sends the payload it holds to the workers of
+    /// `route` (`SendWeights`), which join.
+    pub peer: bool,
 }
 
 /// [`push_to`] through `via` (see [`Via`]), with the client TLS `tls` for `https://`
@@ -79,10 +82,6 @@ pub async fn push_over(
         verify_seconds: 0.0,
         relayed: Vec::new(),
     };
-    let mut via = via;
-    if !via.route.relay_to.is_empty() {
-        via.route.deadline = Some(deadline);
-    }
     let route = via.route.clone();
     let push = push_one(&address, &set, &token, (deadline, via, tls), &mut how);
     let result = tokio::time::timeout(deadline, push).await;
@@ -121,6 +120,9 @@ pub async fn push_over(
     match &o.error {
         None => {
             tracing::debug!(worker = %o.worker, version = o.version, seconds = format!("{:.3}", o.seconds), relayed = o.relayed.len(), "weights pushed")
+        }
+        Some(e) if o.path == "peer" => {
+            tracing::info!(peer = %o.worker, version = o.version, error = %e, joining = o.relayed.len(), "a peer could not send joining workers the weights; they are served another way")
         }
         Some(e) if o.relayed.is_empty() => {
             tracing::warn!(worker = %o.worker, version = o.version, error = %e, "weight push failed; worker marked stale, retried after a back-off")
@@ -168,7 +170,12 @@ fn relayed_outcomes(
                 bytes: if error.is_none() { r.bytes } else { 0 },
                 unreached: error.as_ref().is_some_and(|e| e.starts_with("not reached")),
                 error,
-                path: root.path,
+                // A peer's send is a payload streamed.
+                path: if root.path == "peer" {
+                    "stream"
+                } else {
+                    root.path
+                },
                 receive_seconds: r.receive_seconds,
                 verify_seconds: r.verify_seconds,
                 parent: Some(parent),
@@ -218,6 +225,12 @@ async fn push_one(
     (deadline, via, tls): (Duration, Via, &ClientTlsArgs),
     how: &mut How,
 ) -> Result<(), PushError> {
+    let began = Instant::now();
+    // Each attempt tells a relay the time that is left of the push's deadline.
+    let route = |r: &Route| Route {
+        deadline: (!r.relay_to.is_empty()).then(|| deadline.saturating_sub(began.elapsed())),
+        ..r.clone()
+    };
     let endpoint = match tls.endpoint(address) {
         Ok(endpoint) => endpoint,
         Err(e) if tls.enabled() && address.starts_with("http://") => {
@@ -245,6 +258,29 @@ async fn push_one(
         .await
         .map_err(|e| PushError::unreachable(address, format!("connect: {}", error_chain(&e))))?;
     let mut client = RolloutServiceClient::new(channel);
+    if via.peer {
+        how.path = "peer";
+        let r = route(&via.route);
+        let mut request = tonic::Request::new(SendWeightsRequest {
+            version: set.version,
+            run_id: set.run_id.clone(),
+            relay_to: r.relay_to,
+            relay_fanout: r.fanout,
+            deadline_ms: r.deadline.map_or(0, |d| d.as_millis() as u64),
+        });
+        let _ = rookworld_service::auth::set_token(request.metadata_mut(), token);
+        return match client.send_weights(request).await {
+            Ok(answer) => {
+                let answer = answer.into_inner();
+                how.bytes = 0; // the learner's link carried none of it
+                check_answer(&answer, set, how)
+            }
+            Err(s) => Err(PushError {
+                blocked: None,
+                why: format!("{:?}: {}", s.code(), cause_chain(&s)),
+            }),
+        };
+    }
     if via.shared && set.shared_file.is_some() {
         match weights::push_shared(&mut client, set, token).await {
             Ok(answer) => {
@@ -275,7 +311,7 @@ async fn push_one(
         && via.policy.sends(&via.link, delta.len(), payload)
     {
         let (base, sent) = (offer.base_version(), delta.len() as u64);
-        let chunks = (via.route.clone()).apply(set.delta_chunks(base, delta, CHUNK_BYTES));
+        let chunks = route(&via.route).apply(set.delta_chunks(base, delta, CHUNK_BYTES));
         match relay::send_watched(&mut client, chunks, token, relay::STALL).await {
             Ok(answer) => {
                 (how.path, how.bytes) = ("delta", sent);
@@ -291,7 +327,7 @@ async fn push_one(
             Err(s) => return Err(refused(&mut client, address, token, s).await),
         }
     }
-    let chunks = via.route.apply(set.chunks(CHUNK_BYTES));
+    let chunks = route(&via.route).apply(set.chunks(CHUNK_BYTES));
     match relay::send_watched(&mut client, chunks, token, relay::STALL).await {
         Ok(answer) => check_answer(&answer, set, how),
         Err(s) => Err(refused(&mut client, address, token, s).await),
@@ -392,7 +428,9 @@ pub(super) async fn note_reachability(queue: &QueueHandle, o: PushOutcome, model
     let model = model.clone();
     queue
         .run(move |q| {
-            for o in std::iter::once(&o).chain(&o.relayed) {
+            // A peer's send says nothing of the peer's own weights.
+            let own = Some(&o).filter(|o| o.path != "peer");
+            for o in own.into_iter().chain(&o.relayed) {
                 note(q, o, &model);
             }
         })

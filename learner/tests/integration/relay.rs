@@ -195,17 +195,35 @@ async fn a_relay_gives_up_on_a_hung_child_and_its_subtree_is_served_next() {
     let of = |w: &str| *all.iter().find(|o| o.worker == w).unwrap();
     assert_eq!(of(&first).error, None);
     let why = of(&hung).error.clone().unwrap();
-    assert!(why.contains("no answer within"), "{why}");
+    assert!(why.contains("took no chunk for 2s: cut off"), "{why}");
     assert!(!of(&hung).unreached);
     for w in &below {
         assert!(of(w).unreached, "{:?}", of(w));
     }
-    assert_eq!(fleet.state(&hung, 1), Some(SyncState::Failing));
+    // Not a failure with a back-off (its relay might have been the cause): due again.
+    assert_eq!(fleet.state(&hung, 1), Some(SyncState::Stale));
 
+    // They never ran a version: joiners, sent it by the peer that has it, the hung worker
+    // last in the chain (a leaf) after its failure.
     let outcomes = fleet.push(&v1, TOKEN, Duration::from_secs(3)).await;
+    assert_eq!(
+        (outcomes.len(), outcomes[0].path),
+        (1, "peer"),
+        "{outcomes:?}"
+    );
     let all = every(&outcomes);
-    assert_eq!(all.len(), 2, "{outcomes:?}");
-    assert!(all.iter().all(|o| o.error.is_none()), "{outcomes:?}");
+    assert_eq!(all.len(), 4, "{outcomes:?}");
+    let failed: Vec<_> = all.iter().filter(|o| o.error.is_some()).collect();
+    assert_eq!(failed.len(), 1, "{outcomes:?}");
+    assert_eq!(failed[0].worker, hung);
+    // Twice in a row: from now on it is pushed alone, and fails there with a back-off.
+    let outcomes = fleet.push(&v1, TOKEN, Duration::from_secs(3)).await;
+    assert_eq!(
+        (outcomes.len(), outcomes[0].worker.as_str()),
+        (1, hung.as_str())
+    );
+    assert!(outcomes[0].relayed.is_empty());
+    assert_eq!(fleet.state(&hung, 1), Some(SyncState::Failing));
     for w in [&first, &below[0], &below[1]] {
         assert_eq!(version_of(w).await, 1, "{w}");
     }
@@ -347,4 +365,84 @@ async fn a_hung_relay_is_given_up_on_after_the_stall_limit() {
         assert_eq!(version_of(w).await, 1, "{w}");
     }
     drop(hung_listener);
+}
+
+/// A worker that joins is sent the current version by a peer that holds it, not by the
+/// learner: the learner's link carries none of it. A peer that no longer holds it says so,
+/// and the next round serves the joiner through another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joining_worker_is_sent_the_version_by_a_peer() {
+    let mut fleet = Fleet::new(Duration::from_secs(1)).with_fanout(2);
+    for _ in 0..2 {
+        fleet.register(&worker_at("127.0.0.1").await);
+    }
+    let model = init_random(&Config::tiny(), 2, DType::F32, &Device::Cpu).unwrap();
+    let v1 = WeightSet::from_model(&model, "run", 1).unwrap();
+    let full = v1.bytes.len() as u64;
+    let outcomes = fleet.push(&v1, TOKEN, Duration::from_secs(10)).await;
+    assert!(every(&outcomes).iter().all(|o| o.error.is_none()));
+    fleet.take_pushed();
+
+    let joiner = worker_at("127.0.0.1").await;
+    let peers = fleet.addresses();
+    fleet.register(&joiner);
+    let outcomes = fleet.push(&v1, TOKEN, Duration::from_secs(10)).await;
+    assert_eq!(outcomes.len(), 1, "{outcomes:?}");
+    let send = &outcomes[0];
+    assert_eq!(
+        (send.path, send.error.as_deref()),
+        ("peer", None),
+        "{send:?}"
+    );
+    assert_eq!(send.worker, peers[0]);
+    let o = &send.relayed[0];
+    assert_eq!(
+        (
+            o.worker.as_str(),
+            o.parent.as_deref(),
+            o.error.as_deref(),
+            o.bytes
+        ),
+        (joiner.as_str(), Some(peers[0].as_str()), None, full)
+    );
+    let pushed = fleet.take_pushed();
+    assert_eq!(
+        (pushed.pushes, pushed.full, pushed.relayed),
+        (1, 0, full),
+        "the learner sent nothing"
+    );
+    assert_eq!(version_of(&joiner).await, 1);
+    assert_eq!(fleet.state(&peers[0], 1), Some(SyncState::Current));
+
+    // The peer the learner would ask is given another version behind its back: it holds
+    // no payload of version 1, says so, and the next round serves the joiner otherwise.
+    let holders = fleet.addresses();
+    let aside = moved(&v1, "run", 3, 7, 2);
+    let o = learner::push::push_to(
+        holders[0].clone(),
+        aside,
+        TOKEN.into(),
+        Duration::from_secs(10),
+        false,
+    )
+    .await;
+    assert_eq!(o.error, None);
+    let late = worker_at("127.0.0.1").await;
+    fleet.register(&late);
+    let outcomes = fleet.push(&v1, TOKEN, Duration::from_secs(10)).await;
+    assert_eq!(outcomes[0].worker, holders[0]);
+    let why = outcomes[0].error.clone().unwrap();
+    assert!(
+        why.contains("no payload to send") && why.contains("runs version 3"),
+        "{why}"
+    );
+    assert!(outcomes[0].relayed[0].unreached);
+    let outcomes = fleet.push(&v1, TOKEN, Duration::from_secs(10)).await;
+    let o = &outcomes[0].relayed[0];
+    assert_eq!(
+        (o.worker.as_str(), o.error.as_deref()),
+        (late.as_str(), None)
+    );
+    assert_ne!(o.parent.as_deref(), Some(holders[0].as_str()));
+    assert_eq!(version_of(&late).await, 1);
 }

@@ -57,6 +57,7 @@ impl RolloutServer {
         &self,
         mut stream: Streaming<pb::WeightChunk>,
     ) -> Result<pb::UpdateWeightsResponse, ServiceError> {
+        let arrived = Instant::now();
         let _one_at_a_time = self.updating.lock().await;
         let started = Instant::now();
         let status = self.engine.status();
@@ -82,7 +83,7 @@ impl RolloutServer {
         if h.version == current && h.run_id == current_run {
             tracing::debug!(version = current, "weights already in use; nothing to swap");
             // A relay still passes the stream on to the workers below it.
-            let relayed = match Relay::start(&first, self.guard.token(), &self.cfg.relay) {
+            let relayed = match Relay::start(&first, self.guard.token(), &self.cfg.relay, arrived) {
                 Some(relay) => self.relay_only(relay, &first, stream).await?,
                 None => Vec::new(),
             };
@@ -99,7 +100,7 @@ impl RolloutServer {
             self.check_base(&h)?;
         }
         // Every check the header allows is made: the children are fed from here on.
-        let mut relay = Relay::start(&first, self.guard.token(), &self.cfg.relay);
+        let mut relay = Relay::start(&first, self.guard.token(), &self.cfg.relay, arrived);
         let whole_payload = h.shared_file.is_empty() && !weights::is_delta(&h);
         let mut assembler = if whole_payload {
             // The payload lands in the last one's memory.
@@ -113,12 +114,15 @@ impl RolloutServer {
             // The same-host path: the body is a file here, not the stream.
             Body::Shared(h)
         } else {
-            while let Some(chunk) = stream.next().await {
-                let chunk = chunk.map_err(|s| stream_error(&s, assembler.received()))?;
+            while let Some(chunk) = next_chunk(&mut stream, assembler.received()).await? {
                 if let Some(relay) = relay.as_mut() {
-                    relay.forward(&chunk).await;
+                    relay.forward(&chunk);
                 }
                 assembler.push(chunk)?;
+            }
+            // The children have it all: they check and swap while this worker does.
+            if let Some(relay) = relay.as_mut() {
+                relay.close();
             }
             Body::Streamed(Box::new(assembler))
         };
@@ -133,6 +137,7 @@ impl RolloutServer {
             *self.received.lock().expect("buffer lock") = Held {
                 bytes: streamed.into(),
                 of: Some((run.clone(), version)),
+                blake3: built.set.blake3,
             };
         }
         let swapped = started.elapsed();
@@ -171,10 +176,9 @@ impl RolloutServer {
         mut stream: Streaming<pb::WeightChunk>,
     ) -> Result<Vec<pb::RelayedPush>, ServiceError> {
         let mut received = first.data.len();
-        while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|s| stream_error(&s, received))?;
+        while let Some(chunk) = next_chunk(&mut stream, received).await? {
             received += chunk.data.len();
-            relay.forward(&chunk).await;
+            relay.forward(&chunk);
         }
         Ok(relay.finish().await)
     }
@@ -270,7 +274,7 @@ impl RolloutServer {
             Err((e, memory)) => {
                 *self.received.lock().expect("buffer lock") = Held {
                     bytes: memory,
-                    of: None,
+                    ..Held::default()
                 };
                 Err(e.into())
             }
@@ -345,6 +349,23 @@ async fn blocking<T: Send + 'static>(
         .await
         .map_err(|e| ServiceError::Internal(format!("a weight update task panicked: {e}")))?
         .map_err(ServiceError::from)
+}
+
+/// The stream's next chunk; a sender that sends none for twice the stall limit
+/// ([`rookworld_weights::relay::STALL`]) has stalled (a relay above that hangs), and the
+/// update is given up (ABORTED) rather than hold the worker until the connection dies.
+async fn next_chunk(
+    stream: &mut Streaming<pb::WeightChunk>,
+    received: usize,
+) -> Result<Option<pb::WeightChunk>, ServiceError> {
+    let limit = 2 * rookworld_weights::relay::STALL;
+    match tokio::time::timeout(limit, stream.next()).await {
+        Ok(Some(chunk)) => chunk.map(Some).map_err(|s| stream_error(&s, received)),
+        Ok(None) => Ok(None),
+        Err(_) => Err(ServiceError::Interrupted(format!(
+            "after {received} bytes: the sender sent nothing for {limit:?}"
+        ))),
+    }
 }
 
 /// A failed read of the weight stream: a chunk that does not decode, or is past the message
