@@ -439,7 +439,10 @@ impl Fleet {
         match outcome.error {
             None => {
                 let (o, link) = (outcome, &mut m.link);
-                link.measured(o.path, o.bytes, o.receive_seconds, o.verify_seconds);
+                if o.parent.is_none() {
+                    // The learner's own link to it (a relayed push timed a relay's).
+                    link.measured(o.path, o.bytes, o.receive_seconds, o.verify_seconds);
+                }
                 m.holds = matches!(o.path, "stream" | "delta").then_some(o.version);
                 m.missed = 0;
                 m.known = Some(outcome.version);

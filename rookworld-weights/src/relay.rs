@@ -123,6 +123,9 @@ pub async fn send_watched(
         }
     };
     tokio::select! {
+        // The send first: a sender that was itself held up (a busy machine) sees the
+        // chunks taken meanwhile before it blames the receiver.
+        biased;
         answer = crate::set::send(client, watched, token) => answer,
         stalled = watch => Err(stalled),
     }

@@ -312,7 +312,7 @@ async fn push_one(
     {
         let (base, sent) = (offer.base_version(), delta.len() as u64);
         let chunks = route(&via.route).apply(set.delta_chunks(base, delta, CHUNK_BYTES));
-        match relay::send_watched(&mut client, chunks, token, relay::STALL).await {
+        match send(&mut client, chunks, token, &via.route).await {
             Ok(answer) => {
                 (how.path, how.bytes) = ("delta", sent);
                 return check_answer(&answer, set, how);
@@ -328,9 +328,25 @@ async fn push_one(
         }
     }
     let chunks = route(&via.route).apply(set.chunks(CHUNK_BYTES));
-    match relay::send_watched(&mut client, chunks, token, relay::STALL).await {
+    match send(&mut client, chunks, token, &via.route).await {
         Ok(answer) => check_answer(&answer, set, how),
         Err(s) => Err(refused(&mut client, address, token, s).await),
+    }
+}
+
+/// Sends `chunks`: to a relay watched for stalls ([`relay::send_watched`]: a hung relay
+/// must not hold its tree for the whole deadline); to a worker alone bounded by the
+/// deadline only, so that a slow link (many pushes at once on a thin one) is no failure.
+async fn send(
+    client: &mut RolloutServiceClient<tonic::transport::Channel>,
+    chunks: impl Iterator<Item = rookworld_proto::rollout::v1::WeightChunk> + Send + 'static,
+    token: &str,
+    route: &Route,
+) -> Result<rookworld_proto::rollout::v1::UpdateWeightsResponse, tonic::Status> {
+    if route.relay_to.is_empty() {
+        weights::send(client, chunks, token).await
+    } else {
+        relay::send_watched(client, chunks, token, relay::STALL).await
     }
 }
 
