@@ -99,7 +99,9 @@ impl RolloutServer {
         if weights::is_delta(&h) {
             self.check_base(&h)?;
         }
-        // Every check the header allows is made: the children are fed from here on.
+        // The version and the delta's base are checked: the children are fed from here on.
+        // (The header's form is checked with the first chunk below, after they started;
+        // each child checks it again itself.)
         let mut relay = Relay::start(&first, self.guard.token(), &self.cfg.relay, arrived);
         let whole_payload = h.shared_file.is_empty() && !weights::is_delta(&h);
         let mut assembler = if whole_payload {
