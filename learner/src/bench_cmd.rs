@@ -104,6 +104,8 @@ pub struct BenchReport {
     pub device: String,
     /// The matmuls' input dtype: "f32" or "bf16".
     pub matmul_dtype: &'static str,
+    /// The CPU kernels the products take ([`rookworld_lm::cpu_gemm::kernels_line`]).
+    pub cpu_kernels: String,
     /// Whether the autograd path ran the training ops (`--train-ops`).
     pub train_ops: bool,
     pub threads: usize,
@@ -467,6 +469,7 @@ fn bench(args: &BenchArgs) -> Result<BenchReport, BenchError> {
         } else {
             "f32"
         },
+        cpu_kernels: rookworld_lm::cpu_gemm::kernels_line(),
         train_ops: !fused && policy.model.train_ops(),
         threads,
         prompts: args.batch.prompts_per_step,

@@ -99,6 +99,10 @@ pub fn render(settings: &toml::Table, origin: Option<&Origin>) -> String {
             record.insert("weights_blake3".into(), h.clone().into());
         }
         record.insert("device".into(), o.device.clone().into());
+        record.insert(
+            "cpu_kernels".into(),
+            rookworld_lm::cpu_gemm::kernels_line().into(),
+        );
     }
     let mut wrapper = toml::Table::new();
     wrapper.insert("record".into(), toml::Value::Table(record));

@@ -191,6 +191,7 @@ pub fn run(args: &BenchArgs, out: &mut impl Write) -> Result<(), EngineError> {
         "device": format!("{:?}", loaded.device),
         "dtype": format!("{:?}", model.dtype()),
         "panels": format!("{:?}", model.panel_dtype()),
+        "cpu_kernels": rookworld_lm::cpu_gemm::kernels_line(),
         "prompt_tokens": prompt.len(),
         "sampling": args.sampling,
         "batch": measure(&model, &prompt, args.prompts, args.n, args, Path::Engine, &mut runs)?,

@@ -61,7 +61,11 @@ fn main() {
         (768, 1),
     ));
 
-    println!("threads {}", rayon::current_num_threads());
+    println!(
+        "threads {}; kernels {}",
+        rayon::current_num_threads(),
+        cpu_gemm::kernels_line()
+    );
     println!(
         "{:<16} {:>6} {:>6} {:>6} {:>9} {:>9}",
         "product", "M", "K", "N", "ms", "GFLOP/s"

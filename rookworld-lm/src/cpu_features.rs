@@ -33,7 +33,8 @@ pub struct Avx512 {
 
 /// What of [`Avx512`] the packed kernels use on this CPU (detected once). Setting
 /// `ROOKWORLD_CPU_KERNELS=avx2` keeps them to AVX2: to compare the two in one run, or for
-/// BF16 panels whose product is the f32 panels' to the bit (the widening kernel).
+/// BF16 panels whose product is the f32 panels' to the bit (the widening kernel);
+/// `ROOKWORLD_CPU_KERNELS=avx512` keeps them off AMX tiles ([`crate::cpu_gemm::amx`]).
 pub fn avx512() -> Avx512 {
     static FOUND: std::sync::OnceLock<Avx512> = std::sync::OnceLock::new();
     *FOUND.get_or_init(|| {

@@ -27,7 +27,9 @@ use rayon::prelude::*;
 use crate::cpu_features::supported_cached;
 pub use crate::cpu_features::{Avx512, avx512, supported};
 use crate::simd;
+pub use amx::{Amx, amx, status as amx_status};
 
+mod amx;
 mod bf16;
 mod general;
 mod int8;
@@ -67,13 +69,48 @@ pub enum PanelDtype {
 /// there run the learner's step 1.3× faster than f32 ones); a 2-core Intel Xeon (Emerald
 /// Rapids, AMX not exposed) measured 0.48–0.50×, and its learner step took 16.8 s in
 /// BF16 against 10.3 s in f32.
+///
+/// Where AMX tiles multiply ([`amx`]), the rate weighed is `tdpbf16ps`'s instead (on a
+/// 2-core Xeon that exposes AMX: TODO× the FMA's).
 pub fn bf16_products_pay() -> bool {
     static PAYS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *PAYS.get_or_init(|| {
-        let ratio = bf16::dot_to_fma_rate();
-        tracing::debug!(ratio, "vdpbf16ps FLOP rate over vfmadd231ps's");
+        let (ratio, what) = if amx().bf16 {
+            (amx::tile_to_fma_rate(), "tdpbf16ps")
+        } else {
+            (bf16::dot_to_fma_rate(), "vdpbf16ps")
+        };
+        tracing::debug!(ratio, "{what} FLOP rate over vfmadd231ps's");
         ratio >= 1.3
     })
+}
+
+/// The CPU kernels the products take here, one line for bench reports and run records:
+/// the AMX tiles in use (`amx-bf16 amx-int8`), then AVX-512's dot products, then `avx2`
+/// (or `scalar` without AVX2 and FMA); without tiles, why (`AMX off: …`).
+pub fn kernels_line() -> String {
+    if !supported() {
+        return "scalar".into();
+    }
+    let (tiles, dots) = (amx(), avx512());
+    let names = [
+        (tiles.bf16, "amx-bf16"),
+        (tiles.int8, "amx-int8"),
+        (dots.bf16, "avx512-bf16"),
+        (dots.vnni, "avx512-vnni"),
+        (true, "avx2"),
+    ];
+    let line: Vec<&str> = names
+        .iter()
+        .filter(|(on, _)| *on)
+        .map(|(_, n)| *n)
+        .collect();
+    let line = line.join(" ");
+    if tiles.bf16 || tiles.int8 {
+        line
+    } else {
+        format!("{line} (AMX {})", amx_status())
+    }
 }
 
 /// The panels' values.
@@ -115,7 +152,7 @@ impl Panels {
             Self::Bf16(panels) => fill_panels_bf16(panels, w, k, n, transposed),
             Self::Bf16Pairs(panels) => {
                 let b = if transposed { (w, 1, k) } else { (w, n, 1) };
-                general::fill_pair_panels(panels, b, k, n)
+                general::fill_pair_panels(panels, b, k, n, k.div_ceil(2))
             }
             Self::Int8(panels) => panels.fill(w, k, n, transposed),
         }
@@ -136,7 +173,8 @@ impl Panels {
             }
             Self::Bf16Pairs(panels) => {
                 let len = general::pair_panels_len(k, NR); // one panel
-                general::fill_pair_panels(&mut panels[at * len..end * len], (rows, 1, k), k, n)
+                let panels = &mut panels[at * len..end * len];
+                general::fill_pair_panels(panels, (rows, 1, k), k, n, k.div_ceil(2))
             }
             Self::Int8(panels) => panels.fill_transposed_rows(rows, k, first),
         }
@@ -181,6 +219,8 @@ pub enum TestFeature {
     Avx512Bf16,
     /// AVX512-VNNI (`vpdpbusd`): the INT8 kernel's VNNI form.
     Avx512Vnni,
+    /// AMX tiles, granted by the kernel and checked ([`amx`]): the tile products.
+    Amx,
 }
 
 impl TestFeature {
@@ -190,6 +230,7 @@ impl TestFeature {
             Self::Avx2 => supported(),
             Self::Avx512Bf16 => avx512().bf16,
             Self::Avx512Vnni => avx512().vnni,
+            Self::Amx => amx().bf16 && amx().int8,
         }
     }
 
@@ -199,6 +240,7 @@ impl TestFeature {
             Self::Avx2 => "ROOKWORLD_REQUIRE_AVX2",
             Self::Avx512Bf16 => "ROOKWORLD_REQUIRE_AVX512_BF16",
             Self::Avx512Vnni => "ROOKWORLD_REQUIRE_AVX512_VNNI",
+            Self::Amx => "ROOKWORLD_REQUIRE_AMX",
         }
     }
 
@@ -210,11 +252,15 @@ impl TestFeature {
             return true;
         }
         let var = self.require_var();
+        let why = match self {
+            Self::Amx => format!("AMX tiles are {}", amx_status()),
+            _ => format!("this CPU lacks {self:?} (or ROOKWORLD_CPU_KERNELS=avx2 turned it off)"),
+        };
         assert!(
             std::env::var_os(var).is_none(),
-            "{what}: {var} is set and this CPU lacks {self:?} (or ROOKWORLD_CPU_KERNELS=avx2 turned it off)"
+            "{what}: {var} is set and {why}"
         );
-        eprintln!("SKIPPED: {what}: this CPU lacks {self:?}");
+        eprintln!("SKIPPED: {what}: {why}");
         false
     }
 }
@@ -369,6 +415,21 @@ impl PackedMatrix {
         match &self.panels {
             Panels::F32(panels) => self.float_product(x, m, panels, target, kernel),
             Panels::Bf16(panels) => self.float_product(x, m, panels, target, kernel_bf16),
+            Panels::Bf16Pairs(panels) if amx().bf16 && k.is_multiple_of(32) => {
+                // Whole AMX k-steps in every panel: multiplied in place.
+                let (a, stride) = amx::pack_bf16((x, k, 1), m, k);
+                let b = (&panels[..], k / 2);
+                amx::bf16_product(&mut out, (m, n), false, (&a, stride), b, |col, row| {
+                    self.finish_row(col, row)
+                });
+            }
+            Panels::Int8(panels) if amx().int8 && k.is_multiple_of(64) => {
+                let a = int8::quantize_rows_flat(x, m, k);
+                let (a, scales) = (&a.0[..], &a.1[..]);
+                amx::int8_product(&mut out, (m, n, k), (a, scales), panels, |col, row| {
+                    self.finish_row(col, row)
+                });
+            }
             Panels::Bf16Pairs(panels) => {
                 let kp = k.div_ceil(2);
                 let a = general::pack_rows((x, k, 1), m, k);
@@ -427,6 +488,18 @@ impl PackedMatrix {
                     kernel(&a[blk * block..(blk + 1) * block], panel, tile, k)
                 })
             })
+    }
+
+    /// Bias and epilogue on the outputs of one row, columns `col..col + row.len()`.
+    fn finish_row(&self, col: usize, row: &mut [f32]) {
+        if let Some(bias) = &self.bias {
+            for (v, b) in row.iter_mut().zip(&bias[col..]) {
+                *v += b;
+            }
+        }
+        if self.epilogue == Epilogue::GeluNew {
+            simd::gelu_new_inplace(row);
+        }
     }
 
     /// Columns p·NR.. of `out` (M, N) for panel p: each row block's tile from `product`

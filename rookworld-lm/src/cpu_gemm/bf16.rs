@@ -8,26 +8,40 @@ use super::tile::{MR, NR};
 
 /// The FLOP rate of `vdpbf16ps` over that of `vfmadd231ps`, both 512-bit on register
 /// operands with twelve independent sums (enough to hide either's latency), best of three
-/// alternating timings of about a tenth of a millisecond each; 0 without AVX512-BF16.
-/// Each `vdpbf16ps` sums two products per f32 lane (64 FLOP), each FMA one (32 FLOP).
+/// timings of about a tenth of a millisecond each; 0 without AVX512-BF16. Each
+/// `vdpbf16ps` sums two products per f32 lane (64 FLOP), each FMA one (32 FLOP).
 pub(super) fn dot_to_fma_rate() -> f64 {
     #[cfg(target_arch = "x86_64")]
     if crate::cpu_features::avx512().bf16 {
         const ITERS: usize = 20_000;
-        let (mut dot, mut fma) = (f64::MAX, f64::MAX);
+        let mut dot = f64::MAX;
         for _ in 0..3 {
             let start = std::time::Instant::now();
             // SAFETY: AVX512F and AVX512-BF16 are present (checked above).
             std::hint::black_box(unsafe { dot_sums(ITERS) });
             dot = dot.min(start.elapsed().as_secs_f64());
+        }
+        return (ITERS * 12 * 64) as f64 / dot.max(1e-9) / fma_rate();
+    }
+    0.0
+}
+
+/// FLOP a second of 512-bit `vfmadd231ps` on register operands, twelve independent sums,
+/// best of three timings of about a tenth of a millisecond; 1 without AVX-512F.
+pub(super) fn fma_rate() -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        const ITERS: usize = 20_000;
+        let mut fma = f64::MAX;
+        for _ in 0..3 {
             let start = std::time::Instant::now();
-            // SAFETY: as above.
+            // SAFETY: AVX512F is present (checked above).
             std::hint::black_box(unsafe { fma_sums(ITERS) });
             fma = fma.min(start.elapsed().as_secs_f64());
         }
-        return (64.0 / dot.max(1e-9)) / (32.0 / fma.max(1e-9));
+        return (ITERS * 12 * 32) as f64 / fma.max(1e-9);
     }
-    0.0
+    1.0
 }
 
 /// `iters` rounds of twelve independent `vdpbf16ps`, summed at the end.

@@ -52,9 +52,11 @@ pub fn gemm_bf16(
 /// operands (an LM head's weight, block after block of rows).
 #[derive(Debug, Clone)]
 pub struct PackedRhs {
-    panels: Vec<u16>, // (⌈N/NR⌉, ⌈K/2⌉, NR, 2)
+    panels: Vec<u16>, // (⌈N/NR⌉, kps, NR, 2)
     k: usize,
     n: usize,
+    /// Pairs a panel: ⌈K/2⌉, or whole AMX k-steps of them ([`panel_pairs`]).
+    kps: usize,
 }
 
 impl PackedRhs {
@@ -63,13 +65,14 @@ impl PackedRhs {
     /// # Panics
     /// When `b` is too short for its shape and strides.
     pub fn new(b: Strided, k: usize, n: usize) -> Self {
+        let kps = panel_pairs(k);
         if k == 0 || n == 0 {
             let panels = Vec::new(); // nothing to multiply by
-            return Self { panels, k, n };
+            return Self { panels, k, n, kps };
         }
-        let mut panels = spare_panels(pair_panels_len(k, n));
-        fill_pair_panels(&mut panels, b, k, n); // checks b's extent
-        Self { panels, k, n }
+        let mut panels = spare_panels(n.div_ceil(NR) * kps * 2 * NR);
+        fill_pair_panels(&mut panels, b, k, n, kps); // checks b's extent
+        Self { panels, k, n, kps }
     }
 }
 
@@ -94,6 +97,9 @@ pub fn gemm_bf16_packed(dst: &mut [f32], m: usize, accumulate: bool, a: Strided,
         a.0.len() > (m - 1) * a.1 + (k - 1) * a.2,
         "gemm lhs too short"
     );
+    if super::amx::amx().bf16 && b.kps.is_multiple_of(super::amx::TILE_ROWS) {
+        return in_row_tiles_amx(dst, m, accumulate, a, b);
+    }
     // Rows a tile at a time, so that the packed rows stay within ROWS_PACKED (at least a
     // chunk of them): each row of the result is the same sum whatever the tile.
     let chunk_rows = CHUNK_BLOCKS * MR;
@@ -121,6 +127,24 @@ fn in_row_tiles(
     SPARE_ROWS.set(rows);
 }
 
+/// [`gemm_bf16_packed`] on AMX tiles ([`super::amx`]), rows a tile at a time as
+/// [`in_row_tiles`] takes them (at least 64, packed into whole tiles of 16).
+fn in_row_tiles_amx(dst: &mut [f32], m: usize, accumulate: bool, a: Strided, b: &PackedRhs) {
+    let (n, k) = (b.n, b.k);
+    let row_bytes = 2 * k.next_multiple_of(32);
+    let tile = (ROWS_PACKED / row_bytes).max(64) / 16 * 16;
+    let mut rows = SPARE_TILE_ROWS.take(); // (⌈tile/16⌉·16, K rounded up to 32)
+    for start in (0..m).step_by(tile) {
+        let height = tile.min(m - start);
+        let a = (&a.0[start * a.1..], a.1, a.2);
+        let stride = super::amx::pack_bf16_into(&mut rows, a, height, k);
+        let dst = &mut dst[start * n..(start + height) * n];
+        let b = (&b.panels[..], b.kps);
+        super::amx::bf16_product(dst, (height, n), accumulate, (&rows, stride), b, |_, _| {});
+    }
+    SPARE_TILE_ROWS.set(rows);
+}
+
 /// Bytes of packed rows of the left operand that [`gemm_bf16_packed`] holds at a time: a
 /// row of the LM head's ∂hidden product is 50,257 values, and all 512 rows of a chunk
 /// would be 51 MB.
@@ -136,7 +160,7 @@ fn multiply_rows(
     rows: &mut Vec<u32>,
 ) {
     let (n, k) = (b.n, b.k);
-    let kp = k.div_ceil(2);
+    let (kp, kps) = (k.div_ceil(2), b.kps);
     let panels = &b.panels;
     pack_rows_into(rows, a, m, k);
     let (blocks, panel_count) = (m.div_ceil(MR), n.div_ceil(NR));
@@ -156,7 +180,7 @@ fn multiply_rows(
         // Panels two at a time: twelve sums in flight per row block instead of six.
         for p in panel_range.step_by(2) {
             let pair = if p + 1 < panel_end { 2 } else { 1 };
-            let panel = |q: usize| &panels[q * kp * 2 * NR..(q + 1) * kp * 2 * NR];
+            let panel = |q: usize| &panels[q * kps * 2 * NR..][..kp * 2 * NR];
             for blk in block_range.clone() {
                 let a = &rows[blk * kp * MR..(blk + 1) * kp * MR];
                 if pair == 2 {
@@ -181,7 +205,7 @@ fn multiply_rows(
 /// `src` rounded to the nearest BF16 (ties to even) into `dst`, as bits: 32 values per
 /// `vcvtne2ps2bf16` where the CPU has AVX512-BF16 (which reads subnormal inputs as zero, as
 /// `vdpbf16ps` does anyway), the rest value by value.
-fn round_into(src: &[f32], dst: &mut [u16]) {
+pub(super) fn round_into(src: &[f32], dst: &mut [u16]) {
     assert_eq!(src.len(), dst.len());
     #[allow(unused_mut)]
     let mut done = 0;
@@ -222,17 +246,46 @@ pub(super) fn pair_panels_len(k: usize, n: usize) -> usize {
     n.div_ceil(NR) * k.div_ceil(2) * 2 * NR
 }
 
-/// `b` (K, N) rounded to BF16 into `panels`, pair panels (⌈N/NR⌉, ⌈K/2⌉, NR, 2): panel p
-/// holds columns p·NR.., `[pair][c][2]`, each column's k = 2·pair, 2·pair + 1 adjacent;
-/// columns past N and an odd K's last high halves are written zero. Where the CPU has
+/// Pairs of k a [`PackedRhs`]'s panel holds: ⌈K/2⌉, rounded up to whole AMX k-steps (16
+/// pairs) where the tiles multiply ([`super::amx`]).
+fn panel_pairs(k: usize) -> usize {
+    let kp = k.div_ceil(2);
+    if super::amx::amx().bf16 {
+        kp.next_multiple_of(super::amx::TILE_ROWS)
+    } else {
+        kp
+    }
+}
+
+/// `b` (K, N) rounded to BF16 into `panels`, pair panels (⌈N/NR⌉, kps, NR, 2), `kps` ≥
+/// ⌈K/2⌉ pairs each: panel p holds columns p·NR.., `[pair][c][2]`, each column's k =
+/// 2·pair, 2·pair + 1 adjacent; columns past N, an odd K's last high halves and pairs past
+/// ⌈K/2⌉ are written zero. Where the CPU has
 /// AVX512-BF16 and one of b's dimensions is contiguous, a panel is rounded and placed 32
 /// values at a time ([`fill_panel_from_rows`], [`fill_panel_from_columns`]); otherwise it
 /// is gathered into f32 (K × NR), rounded in one pass and placed value by value.
-pub(super) fn fill_pair_panels(panels: &mut [u16], (b, rs, cs): Strided, k: usize, n: usize) {
+pub(super) fn fill_pair_panels(
+    panels: &mut [u16],
+    (b, rs, cs): Strided,
+    k: usize,
+    n: usize,
+    kps: usize,
+) {
     let kp = k.div_ceil(2);
-    assert_eq!(panels.len(), pair_panels_len(k, n), "panels of {k}×{n}");
+    assert!(kps >= kp, "{kps} pairs a panel for {k} k");
+    assert_eq!(
+        panels.len(),
+        n.div_ceil(NR) * kps * 2 * NR,
+        "panels of {k}×{n}"
+    );
     if k == 0 || n == 0 {
         return;
+    }
+    if kps > kp {
+        // Pairs past K: zero, whatever fills the rest.
+        for panel in panels.chunks_exact_mut(kps * 2 * NR) {
+            panel[kp * 2 * NR..].fill(0);
+        }
     }
     assert!(b.len() > (k - 1) * rs + (n - 1) * cs, "gemm rhs too short");
     #[cfg(target_arch = "x86_64")]
@@ -241,7 +294,7 @@ pub(super) fn fill_pair_panels(panels: &mut [u16], (b, rs, cs): Strided, k: usiz
         && std::arch::is_x86_feature_detected!("avx512bw")
     {
         panels
-            .par_chunks_mut(kp * 2 * NR)
+            .par_chunks_mut(kps * 2 * NR)
             .enumerate()
             .for_each(|(p, panel)| {
                 let cols = NR.min(n - p * NR);
@@ -258,14 +311,21 @@ pub(super) fn fill_pair_panels(panels: &mut [u16], (b, rs, cs): Strided, k: usiz
             });
         return;
     }
-    fill_pair_panels_gathered(panels, (b, rs, cs), k, n)
+    fill_pair_panels_gathered(panels, (b, rs, cs), k, n, kps)
 }
 
-/// [`fill_pair_panels`] through an f32 gather of each panel: any strides, any CPU.
-fn fill_pair_panels_gathered(panels: &mut [u16], (b, rs, cs): Strided, k: usize, n: usize) {
+/// [`fill_pair_panels`] through an f32 gather of each panel: any strides, any CPU (pairs
+/// past ⌈K/2⌉ left as they are).
+fn fill_pair_panels_gathered(
+    panels: &mut [u16],
+    (b, rs, cs): Strided,
+    k: usize,
+    n: usize,
+    kps: usize,
+) {
     let kp = k.div_ceil(2);
     panels
-        .par_chunks_mut(kp * 2 * NR)
+        .par_chunks_mut(kps * 2 * NR)
         .enumerate()
         .for_each_init(
             || (Vec::new(), Vec::new()),
@@ -462,6 +522,7 @@ thread_local! {
     /// already: a fresh allocation of this size is mostly the kernel zeroing pages).
     static SPARE_PANELS: std::cell::RefCell<Vec<Vec<u16>>> = const { std::cell::RefCell::new(Vec::new()) };
     static SPARE_ROWS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+    static SPARE_TILE_ROWS: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// A zeroed buffer of `len` values: a spare one of this thread's when one is big enough
@@ -600,13 +661,14 @@ mod tests {
                 } else {
                     (&stored, n, 1)
                 };
+                let kp = k.div_ceil(2);
                 let mut want = vec![0u16; pair_panels_len(k, n)];
-                fill_pair_panels_gathered(&mut want, b, k, n);
+                fill_pair_panels_gathered(&mut want, b, k, n, kp);
                 let mut got = vec![0x7fc0u16; pair_panels_len(k, n)];
-                fill_pair_panels(&mut got, b, k, n);
+                fill_pair_panels(&mut got, b, k, n, kp);
                 assert_eq!(got, want, "{k}×{n} transposed: {transposed}");
                 let mut again = vec![0x3f80u16; pair_panels_len(k, n)];
-                fill_pair_panels_gathered(&mut again, b, k, n);
+                fill_pair_panels_gathered(&mut again, b, k, n, kp);
                 assert_eq!(again, want, "{k}×{n} gathered over old values");
             }
         }

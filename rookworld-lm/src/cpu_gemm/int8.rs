@@ -144,6 +144,45 @@ impl Int8Panels {
         gather_and_quantize(panels, rows, k, n, 0, true);
     }
 
+    /// `w` (K, N) row-major quantized into new panels.
+    pub(super) fn new_filled(w: &[f32], k: usize, n: usize) -> Self {
+        let mut panels = Self::new(k, n);
+        panels.fill(w, k, n, false);
+        panels
+    }
+
+    /// The bytes of all panels ((⌈N/NR⌉, ⌈K/4⌉, 64)), the columns' scales and
+    /// corrections (⌈N/NR⌉ · NR each).
+    pub(super) fn parts(&self) -> (&[i8], &[f32], &[i32]) {
+        (&self.q, &self.scales, &self.corrections)
+    }
+
+    /// `x` (M, K) times these (K, N) panels by the row-block kernels ([`quantize_rows`],
+    /// [`kernel`], [`dequantize`]): what the tiles' product must equal to the bit.
+    pub(super) fn reference_product(
+        &self,
+        x: &[f32],
+        (m, n, k): (usize, usize, usize),
+    ) -> Vec<f32> {
+        let (a, row_scales) = quantize_rows(x, m, k);
+        let kq = groups(k);
+        let mut out = vec![0f32; m * n];
+        for (p, (q, s, c)) in self.panels(k).collect::<Vec<_>>().into_iter().enumerate() {
+            for blk in 0..m.div_ceil(MR) {
+                let mut sums = [0i32; MR * NR];
+                kernel(&a[blk * kq * MR * 4..][..kq * MR * 4], q, &mut sums, kq);
+                let mut tile = [0f32; MR * NR];
+                dequantize(&mut tile, &sums, &row_scales[blk * MR..], (s, c));
+                let cols = NR.min(n - p * NR);
+                for r in 0..MR.min(m - blk * MR) {
+                    let row = blk * MR + r;
+                    out[row * n + p * NR..][..cols].copy_from_slice(&tile[r * NR..][..cols]);
+                }
+            }
+        }
+        out
+    }
+
     /// Every panel's bytes, scales and corrections.
     pub(super) fn panels(&self, k: usize) -> impl IndexedParallelIterator<Item = Panel<'_>> {
         self.q
@@ -274,18 +313,8 @@ pub(super) fn quantize_rows(x: &[f32], m: usize, k: usize) -> (Vec<u8>, Vec<f32>
 /// One row block of [`quantize_rows`]: MR rows (fewer in the last block).
 fn quantize_block(a: &mut [u8], scales: &mut [f32], rows: &[f32], k: usize) {
     for (r, (xs, scale)) in rows.chunks_exact(k).zip(scales.iter_mut()).enumerate() {
-        let max = xs
-            .chunks(8) // eight running maxima: vectorised
-            .fold([0f32; 8], |mut m, c| {
-                for (m, v) in m.iter_mut().zip(c) {
-                    *m = m.max(v.abs());
-                }
-                m
-            })
-            .into_iter()
-            .fold(0f32, f32::max);
         let inv;
-        (*scale, inv) = scale_and_inverse(max, INPUT_LEVELS);
+        (*scale, inv) = row_scale(xs);
         for (g, four) in xs.chunks(4).enumerate() {
             let dst = &mut a[(g * MR + r) * 4..][..four.len()];
             for (d, &v) in dst.iter_mut().zip(four) {
@@ -293,6 +322,40 @@ fn quantize_block(a: &mut [u8], scales: &mut [f32], rows: &[f32], k: usize) {
             }
         }
     }
+}
+
+/// An input row's scale and its inverse ([`INPUT_LEVELS`] either side of zero).
+fn row_scale(xs: &[f32]) -> (f32, f32) {
+    let max = xs
+        .chunks(8) // eight running maxima: vectorised
+        .fold([0f32; 8], |mut m, c| {
+            for (m, v) in m.iter_mut().zip(c) {
+                *m = m.max(v.abs());
+            }
+            m
+        })
+        .into_iter()
+        .fold(0f32, f32::max);
+    scale_and_inverse(max, INPUT_LEVELS)
+}
+
+/// [`quantize_rows`] row-major, for AMX tiles: (⌈M/16⌉·16, 4·⌈K/4⌉) offset bytes (the
+/// input's zero past K and past M) and M row scales; the same bytes and scales.
+pub(super) fn quantize_rows_flat(x: &[f32], m: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
+    let (stride, rows) = (groups(k) * 4, m.div_ceil(16) * 16);
+    let mut a = vec![INPUT_ZERO as u8; rows * stride];
+    let mut scales = vec![0f32; m];
+    a.par_chunks_mut(stride)
+        .zip(scales.par_iter_mut())
+        .zip(x.par_chunks(k))
+        .for_each(|((a, scale), xs)| {
+            let inv;
+            (*scale, inv) = row_scale(xs);
+            for (d, &v) in a.iter_mut().zip(xs) {
+                *d = (level(v, inv) + INPUT_ZERO) as u8;
+            }
+        });
+    (a, scales)
 }
 
 /// The i32 sums of one row block `a` (⌈K/4⌉ groups of MR × 4 offset bytes) times one panel

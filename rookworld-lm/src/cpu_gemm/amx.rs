@@ -1,0 +1,683 @@
+//! AMX tiles (Intel Xeons since Sapphire Rapids): the BF16 and INT8 products of
+//! [`gemm_bf16`](super::gemm_bf16) and of [`PackedMatrix`](super::PackedMatrix)'s BF16 pair
+//! and INT8 panels, where the CPU has AMX and the kernel lets this process use it.
+//!
+//! A tile register holds 16 rows of 64 bytes. `tdpbf16ps C, A, B` adds to each f32 of the
+//! 16 × 16 tile C the dot products of a row of A (32 BF16 values of k) with a column of B
+//! (16 rows of k-pairs, each column's pair adjacent): 8,192 multiply-adds in one
+//! instruction, summed in f32 as `vdpbf16ps` sums (both inputs BF16, subnormals flushed).
+//! `tdpbusd` does the same for unsigned × signed bytes in groups of four k into i32: the
+//! INT8 panels' `vpdpbusd`, to the same sums. The B layouts are the panels' own: a BF16
+//! pair panel (⌈K/2⌉, 16, 2) and an INT8 panel (⌈K/4⌉, 16 × 4) are B tiles of 16 k-steps
+//! stacked (64 bytes a row), so a panel whose k-groups fill whole tiles is multiplied in
+//! place. The left operand is packed row-major ([`pack_bf16`], the INT8 quantizer's
+//! [`super::int8::quantize_rows_flat`]), K padded with zeros to whole tiles, rows to
+//! whole tiles.
+//!
+//! A block is at most 2 × 2 output tiles (32 × 32): tiles 0–3 hold its sums, 4–5 the two
+//! row tiles of A, 6–7 the two panels' B tiles, every k-step 4 loads and 4 products. The
+//! work is split like [`gemm_bf16`](super::gemm_bf16)'s: items of a chunk of row tiles times
+//! a group of panels, each configured for tiles on its own thread.
+//!
+//! Use needs three things: the CPU says AMX-TILE (with AMX-BF16 or AMX-INT8) in CPUID leaf
+//! 7; Linux grants this process the tile data's state (`arch_prctl(ARCH_REQ_XCOMP_PERM,
+//! XFEATURE_XTILEDATA)`, refused by kernels before 5.16 and by some sandboxes); and a
+//! product of each kind agrees with its reference once, at first use. A refusal or a
+//! disagreement leaves the AVX-512 kernels in charge, said once in the log ([`status`]).
+//! `ROOKWORLD_CPU_KERNELS=avx512` (or `avx2`) turns the tiles off.
+
+use rayon::prelude::*;
+
+/// Rows of a tile (and of a block of the left operand).
+pub(super) const TILE_ROWS: usize = 16;
+/// Bytes of a tile row: 32 BF16 or 64 INT8 values of k; one k-step.
+const ROW_BYTES: usize = 64;
+/// Bytes of one k-step of a panel: 16 rows of 64 bytes.
+const STEP_BYTES: usize = TILE_ROWS * ROW_BYTES;
+/// Row tiles per work item: 64 rows, whose packed values (K ≤ 3,520 in BF16: ≤ 450 KiB)
+/// stay in a core's L2 across the item's panels.
+const CHUNK_TILES: usize = 4;
+/// Panels per work item at most: 192 columns.
+const PANEL_GROUP: usize = 12;
+
+/// The AMX products this process uses.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Amx {
+    /// `tdpbf16ps`: BF16 pair panels and [`gemm_bf16`](super::gemm_bf16).
+    pub bf16: bool,
+    /// `tdpbusd`: INT8 panels.
+    pub int8: bool,
+}
+
+/// What of [`Amx`] the products use here: detected, granted and checked once.
+pub fn amx() -> Amx {
+    state().0
+}
+
+/// One line on the tiles here: `"amx-bf16 amx-int8"` (those in use), or `"off: "` and why
+/// (no AMX on this CPU, the kernel's refusal, a failed check, the environment).
+pub fn status() -> &'static str {
+    &state().1
+}
+
+fn state() -> &'static (Amx, String) {
+    static STATE: std::sync::OnceLock<(Amx, String)> = std::sync::OnceLock::new();
+    STATE.get_or_init(|| {
+        let found = match granted() {
+            Ok(found) => found,
+            Err(why) => {
+                if why.starts_with("the kernel") {
+                    tracing::info!("AMX tiles unused, AVX-512 kernels instead: {why}");
+                }
+                return (Amx::default(), format!("off: {why}"));
+            }
+        };
+        // On a pool of its own: the check's products use threads, and every thread of the
+        // global pool may be waiting here for this very value.
+        let checked = match rayon::ThreadPoolBuilder::new().num_threads(2).build() {
+            Ok(pool) => pool.install(|| check(found)),
+            Err(e) => {
+                return (
+                    Amx::default(),
+                    format!("off: no threads for its check: {e}"),
+                );
+            }
+        };
+        let mut names = Vec::new();
+        if checked.bf16 {
+            names.push("amx-bf16");
+        }
+        if checked.int8 {
+            names.push("amx-int8");
+        }
+        let line = if names.is_empty() {
+            "off: its products disagreed with the reference".to_string()
+        } else {
+            names.join(" ")
+        };
+        (checked, line)
+    })
+}
+
+/// What the CPU offers and the kernel grants, or why nothing.
+fn granted() -> Result<Amx, String> {
+    if let Ok(v) = std::env::var("ROOKWORLD_CPU_KERNELS")
+        && (v == "avx2" || v == "avx512")
+    {
+        return Err(format!("turned off by ROOKWORLD_CPU_KERNELS={v}"));
+    }
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    {
+        // CPUID leaf 7, sub-leaf 0, EDX: AMX-BF16 (bit 22), AMX-TILE (24), AMX-INT8 (25).
+        let edx = std::arch::x86_64::__cpuid_count(7, 0).edx;
+        let has = |bit: u32| edx >> bit & 1 == 1;
+        if !has(24) || !crate::cpu_features::avx512().bf16 {
+            return Err("this CPU has no AMX tiles".into());
+        }
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: arch_prctl with an integer argument reads and writes no memory of ours.
+        let refused = unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_REQ_XCOMP_PERM,
+                XFEATURE_XTILEDATA,
+            )
+        } != 0;
+        if refused {
+            return Err(format!(
+                "the kernel refuses this process the tile data (arch_prctl \
+                 ARCH_REQ_XCOMP_PERM: {})",
+                std::io::Error::last_os_error()
+            ));
+        }
+        Ok(Amx {
+            bf16: has(22),
+            int8: has(25),
+        })
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+    Err("AMX is used on x86-64 Linux only".into())
+}
+
+/// `found` less any product that disagrees with its reference on a product with edge
+/// tiles in every dimension (each such disagreement a WARN line).
+fn check(found: Amx) -> Amx {
+    let (m, n, k) = (37, 40, 256); // INT8 panels of whole tiles: K a multiple of 64
+    let value = |i: usize, seed: usize| ((i * 7 + seed * 13) % 23) as f32 / 11.0 - 1.0;
+    let a: Vec<f32> = (0..m * k).map(|i| value(i, 1)).collect();
+    let b: Vec<f32> = (0..k * n).map(|i| value(i, 2)).collect();
+    let mut out = found;
+    if found.bf16 {
+        let (rows, stride) = pack_bf16((&a, k, 1), m, k);
+        let kps = k.div_ceil(2).next_multiple_of(TILE_ROWS);
+        let mut panels = vec![0u16; n.div_ceil(16) * kps * 32];
+        super::general::fill_pair_panels(&mut panels, (&b, n, 1), k, n, kps);
+        let mut got = vec![0f32; m * n];
+        bf16_product(
+            &mut got,
+            (m, n),
+            false,
+            (&rows, stride),
+            (&panels, kps),
+            |_, _| {},
+        );
+        let round = |v: f32| f64::from(half::bf16::from_f32(v).to_f32());
+        let worst = max_error(&got, m, n, |i, j| {
+            (0..k)
+                .map(|kk| round(a[i * k + kk]) * round(b[kk * n + j]))
+                .sum()
+        });
+        if worst > 1e-4 {
+            tracing::warn!(
+                worst,
+                "AMX BF16 products disagree with the reference: turned off"
+            );
+            out.bf16 = false;
+        }
+    }
+    if found.int8 {
+        let (rows, scales) = super::int8::quantize_rows_flat(&a, m, k);
+        let panels = super::int8::Int8Panels::new_filled(&b, k, n);
+        let mut got = vec![0f32; m * n];
+        int8_product(&mut got, (m, n, k), (&rows, &scales), &panels, |_, _| {});
+        let want = panels.reference_product(&a, (m, n, k));
+        let worst = max_error(&got, m, n, |i, j| f64::from(want[i * n + j]));
+        if worst != 0.0 {
+            tracing::warn!(
+                worst,
+                "AMX INT8 products disagree with the reference: turned off"
+            );
+            out.int8 = false;
+        }
+    }
+    out
+}
+
+/// The largest |got − want(i, j)| over an (m, n) result.
+fn max_error(got: &[f32], m: usize, n: usize, want: impl Fn(usize, usize) -> f64) -> f64 {
+    (0..m * n)
+        .map(|i| (f64::from(got[i]) - want(i / n, i % n)).abs())
+        .fold(0.0, f64::max)
+}
+
+/// `a` (M, K) rounded to BF16 into whole row tiles: (⌈M/16⌉·16, stride) row-major with
+/// `stride` = K rounded up to whole k-steps (32), zero past K and past M. Returns the values
+/// and the stride.
+pub(super) fn pack_bf16(a: super::Strided, m: usize, k: usize) -> (Vec<u16>, usize) {
+    let mut rows = Vec::new();
+    let stride = pack_bf16_into(&mut rows, a, m, k);
+    (rows, stride)
+}
+
+/// [`pack_bf16`] into `rows` (resized; its memory reused); returns the stride.
+pub(super) fn pack_bf16_into(
+    rows: &mut Vec<u16>,
+    (a, rs, cs): super::Strided,
+    m: usize,
+    k: usize,
+) -> usize {
+    let stride = k.next_multiple_of(32);
+    rows.clear();
+    rows.resize(m.div_ceil(TILE_ROWS) * TILE_ROWS * stride, 0);
+    rows.par_chunks_mut(TILE_ROWS * stride)
+        .enumerate()
+        .for_each_init(Vec::new, |wide: &mut Vec<f32>, (t, tile)| {
+            let height = TILE_ROWS.min(m - t * TILE_ROWS);
+            let first = t * TILE_ROWS;
+            if cs != 1 && rs == 1 {
+                // A transposed operand: the tile's rows are adjacent at each k, so read k
+                // after k (one short run per k) rather than each row down its stride.
+                wide.clear();
+                wide.resize(height * k, 0.0); // (height, K)
+                for kk in 0..k {
+                    let run = &a[first + kk * cs..][..height];
+                    for (r, &v) in run.iter().enumerate() {
+                        wide[r * k + kk] = v;
+                    }
+                }
+                for (r, row) in wide.chunks_exact(k).enumerate() {
+                    super::general::round_into(row, &mut tile[r * stride..r * stride + k]);
+                }
+                return;
+            }
+            for r in 0..height {
+                let start = (first + r) * rs;
+                let dst = &mut tile[r * stride..r * stride + k];
+                if cs == 1 {
+                    super::general::round_into(&a[start..start + k], dst);
+                } else {
+                    wide.clear();
+                    wide.extend((0..k).map(|kk| a[start + kk * cs]));
+                    super::general::round_into(wide, dst);
+                }
+            }
+        });
+    stride
+}
+
+/// `dst` (M, N) [+]= `a` · `b` over BF16 tiles: `a` from [`pack_bf16`] (values, stride),
+/// `b` pair panels of `kps` pairs each (a multiple of 16), zero past K; `finish(first
+/// column, values)` on each row of a block's results (bias, epilogue) before it is written.
+///
+/// # Panics
+/// When an operand is too short for the shape, or `kps` is not a whole number of k-steps.
+pub(super) fn bf16_product(
+    dst: &mut [f32],
+    (m, n): (usize, usize),
+    accumulate: bool,
+    (a, stride): (&[u16], usize),
+    (b, kps): (&[u16], usize),
+    finish: impl Fn(usize, &mut [f32]) + Sync,
+) {
+    assert!(
+        kps.is_multiple_of(TILE_ROWS) && dst.len() >= m * n,
+        "gemm dst too short"
+    );
+    let target = super::tile::SharedOut(dst.as_mut_ptr());
+    drive::<false>(
+        (m, n, kps / TILE_ROWS),
+        (a.as_ptr().cast(), 2 * stride, a.len() * 2),
+        (b.as_ptr().cast(), kps * 64, b.len() * 2),
+        &|row, col, (rows, cols), tile: &Tile| {
+            let mut line = [0f32; 32];
+            for (r, sums) in tile.iter().enumerate().take(rows) {
+                line[..cols].copy_from_slice(&as_f32(sums)[..cols]);
+                finish(col, &mut line[..cols]);
+                // SAFETY: the block (row.., col..) is this item's alone, inside (m, n).
+                unsafe { target.put((row + r) * n + col, &line[..cols], accumulate) };
+            }
+        },
+    );
+}
+
+/// `dst` (M, N) = the INT8 product of quantized rows (`a`: [`quantize_rows_flat`]'s bytes
+/// and row scales) and `panels`, dequantized; then `finish(first row, block)` on each
+/// block of results (bias, epilogue) before it is written.
+///
+/// [`quantize_rows_flat`]: super::int8::quantize_rows_flat
+pub(super) fn int8_product(
+    dst: &mut [f32],
+    (m, n, k): (usize, usize, usize),
+    (a, row_scales): (&[u8], &[f32]),
+    panels: &super::int8::Int8Panels,
+    finish: impl Fn(usize, &mut [f32]) + Sync,
+) {
+    let kq = super::int8::groups(k);
+    assert!(kq.is_multiple_of(TILE_ROWS) && dst.len() >= m * n);
+    let (q, col_scales, corrections) = panels.parts();
+    let stride = kq * 4;
+    let target = super::tile::SharedOut(dst.as_mut_ptr());
+    drive::<true>(
+        (m, n, kq / TILE_ROWS),
+        (a.as_ptr(), stride, a.len()),
+        (q.as_ptr().cast(), kq * 64, q.len()),
+        &|row, col, (rows, cols), tile: &Tile| {
+            let mut line = [0f32; 32];
+            for (r, sums) in tile.iter().enumerate().take(rows) {
+                let sums = as_i32(sums);
+                let scale = row_scales[row + r];
+                for (c, out) in line[..cols].iter_mut().enumerate() {
+                    let j = col + c;
+                    *out = (sums[c] - corrections[j]) as f32 * (scale * col_scales[j]);
+                }
+                finish(col, &mut line[..cols]);
+                // SAFETY: the block (row.., col..) is this item's alone, inside (m, n).
+                unsafe { target.write((row + r) * n + col, &line[..cols]) };
+            }
+        },
+    );
+}
+
+/// A block's results as stored from its tiles: 32 rows of 32 four-byte values (f32 or i32).
+type Tile = [[u32; 32]; 32];
+
+fn as_f32(row: &[u32; 32]) -> &[f32; 32] {
+    // SAFETY: u32 and f32 have the same size and alignment, and every bit pattern is an f32.
+    unsafe { &*(row as *const [u32; 32]).cast::<[f32; 32]>() }
+}
+
+fn as_i32(row: &[u32; 32]) -> &[i32; 32] {
+    // SAFETY: u32 and i32 have the same size and alignment, and every bit pattern is an i32.
+    unsafe { &*(row as *const [u32; 32]).cast::<[i32; 32]>() }
+}
+
+/// What a block's results go to: `(first row, first column, (rows, columns), tile)`, the
+/// rows and columns those of the tile inside the result.
+type Sink<'a> = dyn Fn(usize, usize, (usize, usize), &Tile) + Sync + 'a;
+
+/// Runs every block of an (m, n) product of `steps` k-steps on the threads, handing each
+/// block's results to `sink`: `a` (pointer, row stride in bytes, length in bytes) holds
+/// ⌈m/16⌉ whole row tiles; `b` (pointer, bytes a panel, length in bytes) ⌈n/16⌉ panels.
+fn drive<const INT8: bool>(
+    (m, n, steps): (usize, usize, usize),
+    (a, a_stride, a_len): (*const u8, usize, usize),
+    (b, b_panel, b_len): (*const u8, usize, usize),
+    sink: &Sink,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let (tiles, panels) = (m.div_ceil(TILE_ROWS), n.div_ceil(16));
+    assert!(a_stride >= steps * ROW_BYTES && a_len >= tiles * TILE_ROWS * a_stride);
+    assert!(b_panel == steps * STEP_BYTES && b_len >= panels * b_panel);
+    let chunks = tiles.div_ceil(CHUNK_TILES);
+    let wanted = (2 * rayon::current_num_threads()).div_ceil(chunks);
+    let per_group = PANEL_GROUP.min(panels.div_ceil(wanted)).max(2);
+    let groups = panels.div_ceil(per_group);
+    let (a, b) = (Shared(a), Shared(b));
+    (0..chunks * groups).into_par_iter().for_each(|item| {
+        let (chunk, group) = (item / groups, item % groups);
+        let tile_end = tiles.min((chunk + 1) * CHUNK_TILES);
+        let panel_end = panels.min((group + 1) * per_group);
+        let mut out: Tile = [[0; 32]; 32];
+        let _tiles = Configured::new();
+        for p in (group * per_group..panel_end).step_by(2) {
+            let two_panels = p + 1 < panel_end;
+            for t in (chunk * CHUNK_TILES..tile_end).step_by(2) {
+                let two_rows = t + 1 < tile_end;
+                let (a_at, b_at) = (a.at(t * TILE_ROWS * a_stride), b.at(p * b_panel));
+                let c = out.as_mut_ptr().cast::<u8>();
+                // SAFETY: tiles are configured on this thread (`_tiles`); the row tiles
+                // t, t + 1 and panels p, p + 1 used lie inside `a` and `b` (asserted above:
+                // whole tiles and panels of `steps` k-steps), and `out` holds 2 × 2 tiles.
+                unsafe {
+                    match (two_rows, two_panels) {
+                        (true, true) => {
+                            block::<2, 2, INT8>(a_at, a_stride, b_at, b_panel, steps, c)
+                        }
+                        (true, false) => {
+                            block::<2, 1, INT8>(a_at, a_stride, b_at, b_panel, steps, c)
+                        }
+                        (false, true) => {
+                            block::<1, 2, INT8>(a_at, a_stride, b_at, b_panel, steps, c)
+                        }
+                        (false, false) => {
+                            block::<1, 1, INT8>(a_at, a_stride, b_at, b_panel, steps, c)
+                        }
+                    }
+                }
+                let (row, col) = (t * TILE_ROWS, p * 16);
+                let rows = (m - row).min(if two_rows { 32 } else { 16 });
+                let cols = (n - col).min(if two_panels { 32 } else { 16 });
+                sink(row, col, (rows, cols), &out);
+            }
+        }
+    });
+}
+
+/// A pointer the threads share, read only.
+#[derive(Clone, Copy)]
+struct Shared(*const u8);
+// SAFETY: the threads only read through it, while the operand it points into is borrowed.
+unsafe impl Send for Shared {}
+// SAFETY: as for Send.
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    /// The pointer `offset` bytes on (a method, so that closures capture the whole `Shared`).
+    fn at(self, offset: usize) -> *const u8 {
+        self.0.wrapping_add(offset)
+    }
+}
+
+/// The tile configuration of this thread while it lives: all eight tiles 16 rows of 64
+/// bytes (palette 1); released when dropped.
+struct Configured(());
+
+impl Configured {
+    fn new() -> Self {
+        #[repr(C, align(64))]
+        struct Config([u8; 64]);
+        const CONFIG: Config = {
+            let mut c = [0u8; 64];
+            c[0] = 1; // palette 1
+            let mut t = 0;
+            while t < 8 {
+                c[16 + 2 * t] = ROW_BYTES as u8; // bytes a row (u16, little-endian)
+                c[48 + t] = TILE_ROWS as u8; // rows
+                t += 1;
+            }
+            Config(c)
+        };
+        // SAFETY: the caller of any tile product established AMX (state()); the config is
+        // 64 readable bytes.
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            std::arch::asm!("ldtilecfg [{}]", in(reg) CONFIG.0.as_ptr(), options(nostack, readonly))
+        };
+        Self(())
+    }
+}
+
+impl Drop for Configured {
+    fn drop(&mut self) {
+        // SAFETY: tiles are configured on this thread (new).
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            std::arch::asm!("tilerelease", options(nostack, nomem))
+        };
+    }
+}
+
+/// One block of R × C output tiles (R, C ≤ 2) over `steps` k-steps: row tile i of A at
+/// `a + 16·i·a_stride` (k-step s 64·s bytes on), panel j of B at `b + j·b_panel` (k-step s
+/// 1,024·s bytes on, rows 64 bytes apart); result tile (i, j) stored at `c + 16·i·128 +
+/// 64·j` with rows 128 bytes apart (a [`Tile`]).
+///
+/// # Safety
+/// AMX is usable and tiles are configured on this thread ([`Configured`]); every byte
+/// named above is readable (A, B) or writable (C).
+#[inline(always)]
+unsafe fn block<const R: usize, const C: usize, const INT8: bool>(
+    a: *const u8,
+    a_stride: usize,
+    b: *const u8,
+    b_panel: usize,
+    steps: usize,
+    c: *mut u8,
+) {
+    const C_STRIDE: usize = 128;
+    // SAFETY: (the whole body) the caller's guarantees.
+    unsafe {
+        zero::<0>();
+        if C == 2 {
+            zero::<1>();
+        }
+        if R == 2 {
+            zero::<2>();
+            if C == 2 {
+                zero::<3>();
+            }
+        }
+        let a1 = a.add(TILE_ROWS * a_stride);
+        let b1 = b.add(b_panel);
+        for s in 0..steps {
+            load::<4>(a.add(s * ROW_BYTES), a_stride);
+            load::<6>(b.add(s * STEP_BYTES), ROW_BYTES);
+            dot::<INT8, 0, 4, 6>();
+            if C == 2 {
+                load::<7>(b1.add(s * STEP_BYTES), ROW_BYTES);
+                dot::<INT8, 1, 4, 7>();
+            }
+            if R == 2 {
+                load::<5>(a1.add(s * ROW_BYTES), a_stride);
+                dot::<INT8, 2, 5, 6>();
+                if C == 2 {
+                    dot::<INT8, 3, 5, 7>();
+                }
+            }
+        }
+        store::<0>(c, C_STRIDE);
+        if C == 2 {
+            store::<1>(c.add(64), C_STRIDE);
+        }
+        if R == 2 {
+            let c1 = c.add(TILE_ROWS * C_STRIDE);
+            store::<2>(c1, C_STRIDE);
+            if C == 2 {
+                store::<3>(c1.add(64), C_STRIDE);
+            }
+        }
+    }
+}
+
+/// Tile T = 16 rows of 64 bytes from `p`, `stride` bytes apart.
+#[inline(always)]
+unsafe fn load<const T: u8>(p: *const u8, stride: usize) {
+    // SAFETY: the caller's (block's) guarantees.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        std::arch::asm!("tileloadd tmm{t}, [{p} + {s}]", t = const T, p = in(reg) p,
+            s = in(reg) stride, options(nostack, readonly))
+    }
+}
+
+/// Tile T's 16 rows of 64 bytes to `p`, `stride` bytes apart.
+#[inline(always)]
+unsafe fn store<const T: u8>(p: *mut u8, stride: usize) {
+    // SAFETY: the caller's (block's) guarantees.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        std::arch::asm!("tilestored [{p} + {s}], tmm{t}", t = const T, p = in(reg) p,
+            s = in(reg) stride, options(nostack))
+    }
+}
+
+/// Tile T = 0.
+#[inline(always)]
+unsafe fn zero<const T: u8>() {
+    // SAFETY: the caller's (block's) guarantees.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        std::arch::asm!("tilezero tmm{t}", t = const T, options(nostack, nomem))
+    }
+}
+
+/// Tile C += tile A · tile B: `tdpbf16ps`, or `tdpbusd` (unsigned A × signed B) for INT8.
+#[inline(always)]
+unsafe fn dot<const INT8: bool, const C: u8, const A: u8, const B: u8>() {
+    // SAFETY: the caller's (block's) guarantees.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        if INT8 {
+            std::arch::asm!("tdpbusd tmm{c}, tmm{a}, tmm{b}", c = const C, a = const A,
+                b = const B, options(nostack, nomem))
+        } else {
+            std::arch::asm!("tdpbf16ps tmm{c}, tmm{a}, tmm{b}", c = const C, a = const A,
+                b = const B, options(nostack, nomem))
+        }
+    }
+}
+
+/// The FLOP rate of `tdpbf16ps` over that of `vfmadd231ps` (512-bit), both on register
+/// operands, best of three timings: what [`super::bf16_products_pay`] weighs where the
+/// tiles are in use; 0 where they are not. A `tdpbf16ps` is 16 · 16 · 32 · 2 = 16,384 FLOP.
+pub(super) fn tile_to_fma_rate() -> f64 {
+    if !amx().bf16 {
+        return 0.0;
+    }
+    const ITERS: usize = 2_000;
+    let mut best = f64::MAX;
+    let _tiles = Configured::new();
+    for _ in 0..3 {
+        let start = std::time::Instant::now();
+        for _ in 0..ITERS {
+            // SAFETY: AMX is usable and configured here; register operands only.
+            unsafe {
+                dot::<false, 0, 4, 6>();
+                dot::<false, 1, 4, 7>();
+                dot::<false, 2, 5, 6>();
+                dot::<false, 3, 5, 7>();
+            }
+        }
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    let tile_rate = (ITERS * 4 * 16_384) as f64 / best.max(1e-9);
+    tile_rate / super::bf16::fma_rate()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{TestFeature, values};
+    use super::*;
+
+    #[test]
+    fn tile_products_equal_the_reference_over_the_models_shapes() {
+        if !TestFeature::Amx.test_runs("the AMX BF16 tile product") {
+            return;
+        }
+        // gpt2-124m's products (E = 768, 3E, 4E; rows of a step and of a decode batch),
+        // and edge tiles in every dimension.
+        for (m, n, k) in [
+            (110, 2304, 768),
+            (7, 768, 3072),
+            (768, 768, 110),
+            (33, 17, 70),
+        ] {
+            let (a, b) = (values(m * k, 21), values(k * n, 22));
+            let (rows, stride) = pack_bf16((&a, k, 1), m, k);
+            let kps = k.div_ceil(2).next_multiple_of(TILE_ROWS);
+            let mut panels = vec![0u16; n.div_ceil(16) * kps * 32];
+            super::super::general::fill_pair_panels(&mut panels, (&b, n, 1), k, n, kps);
+            for accumulate in [false, true] {
+                let start = values(m * n, 23);
+                let mut got = start.clone();
+                bf16_product(
+                    &mut got,
+                    (m, n),
+                    accumulate,
+                    (&rows, stride),
+                    (&panels, kps),
+                    |_, _| {},
+                );
+                let round = |v: f32| f64::from(half::bf16::from_f32(v).to_f32());
+                let worst = max_error(&got, m, n, |i, j| {
+                    let base = if accumulate {
+                        f64::from(start[i * n + j])
+                    } else {
+                        0.0
+                    };
+                    base + (0..k)
+                        .map(|kk| round(a[i * k + kk]) * round(b[kk * n + j]))
+                        .sum::<f64>()
+                });
+                assert!(
+                    worst < 1e-4 * (k as f64).sqrt(),
+                    "{m}×{n}×{k} {accumulate}: {worst}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn int8_tile_products_equal_the_vnni_sums_to_the_bit() {
+        if !TestFeature::Amx.test_runs("the AMX INT8 tile product") {
+            return;
+        }
+        for (m, n, k) in [(32, 2304, 768), (5, 768, 3072), (17, 40, 64)] {
+            let (a, b) = (values(m * k, 24), values(k * n, 25));
+            let (rows, scales) = super::super::int8::quantize_rows_flat(&a, m, k);
+            let panels = super::super::int8::Int8Panels::new_filled(&b, k, n);
+            let mut got = vec![0f32; m * n];
+            int8_product(&mut got, (m, n, k), (&rows, &scales), &panels, |_, _| {});
+            assert_eq!(got, panels.reference_product(&a, (m, n, k)), "{m}×{n}×{k}");
+        }
+    }
+
+    #[test]
+    fn the_tiles_are_on_exactly_where_the_cpu_and_the_kernel_allow_them() {
+        let line = status();
+        assert_eq!(
+            line.starts_with("off: "),
+            !amx().bf16 && !amx().int8,
+            "{line}"
+        );
+        if amx().bf16 {
+            let rate = tile_to_fma_rate();
+            assert!(rate.is_finite() && rate > 0.0, "{rate}");
+        } else {
+            assert_eq!(tile_to_fma_rate(), 0.0);
+        }
+    }
+}
