@@ -102,10 +102,12 @@ def ours_generate(args, model_dir, config):
 
 
 def ours_env(args, config):
-    """Our environment for `config`: a precision, with `@avx2` to keep the CPU kernels to AVX2."""
+    """Our environment for `config`: a precision, with `@avx2` to keep the CPU kernels to AVX2,
+    `@avx512` to keep them off AMX tiles."""
     env = {**os.environ, "RUST_LOG": "warn", "RAYON_NUM_THREADS": str(args.threads)}
-    if config.endswith("@avx2"):
-        env["ROOKWORLD_CPU_KERNELS"] = "avx2"
+    for kernels in ("avx2", "avx512"):
+        if config.endswith("@" + kernels):
+            env["ROOKWORLD_CPU_KERNELS"] = kernels
     return env
 
 
@@ -115,7 +117,7 @@ def cpu_features():
         name = next(line for line in open("/proc/cpuinfo") if line.startswith("model name")).split(":", 1)[1]
     except (OSError, StopIteration):
         return "unknown CPU"
-    wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8"]
+    wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8"]
     return f"{name.strip()}: {' '.join(f for f in wanted if f in flags)}"
 
 
@@ -129,7 +131,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--precisions", default="f32,bf16",
                     help="rollout-worker --weight-dtype values to run; PRECISION@avx2 runs one with "
-                         "ROOKWORLD_CPU_KERNELS=avx2 (no AVX-512 dot products), to compare in the same run")
+                         "ROOKWORLD_CPU_KERNELS=avx2 (no AVX-512 dot products), PRECISION@avx512 with "
+                         "ROOKWORLD_CPU_KERNELS=avx512 (no AMX tiles), to compare in the same run")
     ap.add_argument("--skip-single", action="store_true", help="only the P x G batch")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -67,27 +67,35 @@ fn main() {
         cpu_gemm::kernels_line()
     );
     println!(
-        "{:<16} {:>6} {:>6} {:>6} {:>9} {:>9}",
-        "product", "M", "K", "N", "ms", "GFLOP/s"
+        "{:<16} {:>6} {:>6} {:>6} {:>9} {:>9} {:>11}",
+        "product", "M", "K", "N", "ms", "GFLOP/s", "rhs pack ms"
     );
     let (mut flops, mut seconds) = (0.0, 0.0);
     for (name, m, k, n, (ars, acs), (brs, bcs)) in shapes {
         let a = values((m - 1) * ars + (k - 1) * acs + 1, 1);
         let b = values((k - 1) * brs + (n - 1) * bcs + 1, 2);
         let mut dst = vec![0f32; m * n];
-        let mut best = f64::INFINITY;
+        let (mut best, mut pack) = (f64::INFINITY, f64::INFINITY);
         for _ in 0..repeats {
             let start = Instant::now();
             gemm_bf16(&mut dst, (m, n, k), false, (&a, ars, acs), (&b, brs, bcs));
             best = best.min(start.elapsed().as_secs_f64());
+            let start = Instant::now();
+            drop(std::hint::black_box(cpu_gemm::PackedRhs::new(
+                (&b, brs, bcs),
+                k,
+                n,
+            )));
+            pack = pack.min(start.elapsed().as_secs_f64());
         }
         let f = 2.0 * (m * n * k) as f64;
         flops += f;
         seconds += best;
         println!(
-            "{name:<16} {m:>6} {k:>6} {n:>6} {:>9.2} {:>9.1}",
+            "{name:<16} {m:>6} {k:>6} {n:>6} {:>9.2} {:>9.1} {:>11.2}",
             best * 1e3,
-            f / best / 1e9
+            f / best / 1e9,
+            pack * 1e3
         );
     }
     println!(

@@ -33,6 +33,7 @@ mod amx;
 mod bf16;
 mod general;
 mod int8;
+mod lines;
 mod pack;
 mod tile;
 use bf16::kernel_bf16_pairs;
@@ -120,7 +121,7 @@ enum Panels {
     Bf16(Vec<u16>), // (⌈N/NR⌉, K, NR), rows in BF16_COLUMNS order
     /// BF16 for `vdpbf16ps`: (⌈N/NR⌉, ⌈K/2⌉, NR, 2), each column's two k adjacent (the
     /// even k first), zero past K.
-    Bf16Pairs(Vec<u16>),
+    Bf16Pairs(lines::Lines<u16>),
     Int8(Int8Panels),
 }
 
@@ -131,7 +132,7 @@ impl Panels {
         match dtype {
             PanelDtype::F32 => Self::F32(vec![0f32; len]),
             PanelDtype::Bf16 if isa.bf16 => {
-                Self::Bf16Pairs(vec![0u16; general::pair_panels_len(k, n)])
+                Self::Bf16Pairs(lines::Lines::zeroed(general::pair_panels_len(k, n)))
             }
             PanelDtype::Bf16 => Self::Bf16(vec![0u16; len]),
             PanelDtype::Int8 => Self::Int8(Int8Panels::new(k, n)),
@@ -419,16 +420,16 @@ impl PackedMatrix {
                 // Whole AMX k-steps in every panel: multiplied in place.
                 let (a, stride) = amx::pack_bf16((x, k, 1), m, k);
                 let b = (&panels[..], k / 2);
-                amx::bf16_product(&mut out, (m, n), false, (&a, stride), b, |col, row| {
-                    self.finish_row(col, row)
-                });
+                let finish = |col: usize, row: &mut [f32]| self.finish_row(col, row);
+                let finish = self.finishes().then_some(&finish as amx::Finish);
+                amx::bf16_product(&mut out, (m, n), false, (&a, stride), b, finish);
             }
             Panels::Int8(panels) if amx().int8 && k.is_multiple_of(64) => {
                 let a = int8::quantize_rows_flat(x, m, k);
                 let (a, scales) = (&a.0[..], &a.1[..]);
-                amx::int8_product(&mut out, (m, n, k), (a, scales), panels, |col, row| {
-                    self.finish_row(col, row)
-                });
+                let finish = |col: usize, row: &mut [f32]| self.finish_row(col, row);
+                let finish = self.finishes().then_some(&finish as amx::Finish);
+                amx::int8_product(&mut out, (m, n, k), (a, scales), panels, finish);
             }
             Panels::Bf16Pairs(panels) => {
                 let kp = k.div_ceil(2);
@@ -488,6 +489,11 @@ impl PackedMatrix {
                     kernel(&a[blk * block..(blk + 1) * block], panel, tile, k)
                 })
             })
+    }
+
+    /// Whether outputs take a bias or an epilogue ([`Self::finish_row`] does something).
+    fn finishes(&self) -> bool {
+        self.bias.is_some() || self.epilogue != Epilogue::None
     }
 
     /// Bias and epilogue on the outputs of one row, columns `col..col + row.len()`.
@@ -978,12 +984,14 @@ mod tests {
                 assert!(direct.repack_bf16(&bits, transposed, Some(&bias)));
                 let mut widened = pack(&values(k * n, 4));
                 assert!(widened.repack(&w, transposed, Some(&bias)));
-                let (Panels::Bf16(a) | Panels::Bf16Pairs(a)) = &direct.panels else {
-                    panic!("BF16 panels");
+                let bits_of = |p: &Panels| -> Vec<u16> {
+                    match p {
+                        Panels::Bf16(v) => v.clone(),
+                        Panels::Bf16Pairs(v) => v.to_vec(),
+                        _ => panic!("BF16 panels"),
+                    }
                 };
-                let (Panels::Bf16(b) | Panels::Bf16Pairs(b)) = &widened.panels else {
-                    panic!("BF16 panels");
-                };
+                let (a, b) = (bits_of(&direct.panels), bits_of(&widened.panels));
                 assert_eq!(a, b, "{isa:?} {k}×{n} transposed {transposed}");
                 assert_eq!(direct.bias, widened.bias);
             }

@@ -516,8 +516,8 @@ pub fn step_flops(model: &Gpt2, batch: &GrpoBatch, reference: bool) -> f64 {
 
 /// The peak a step's MFU is measured against: on the CPU [`cpu_peak_flops`], twice that
 /// for BF16 products (`vdpbf16ps` sums two products per f32 lane where an f32 FMA does
-/// one), and for BF16 products on AMX tiles 1,024 multiply-adds a cycle per core (2,048
-/// FLOP, 3 GHz); on CUDA the dense peak of an H100/H200 SXM in the matmuls' dtype — 989 TFLOP/s in
+/// one), and for BF16 products on AMX tiles 1,024 FLOP a cycle per core (a `tdpbf16ps`,
+/// 16,384 FLOP, every 16 cycles; 3 GHz); on CUDA the dense peak of an H100/H200 SXM in the matmuls' dtype — 989 TFLOP/s in
 /// BF16, 495 in TF32 (f32 matmuls).
 pub fn device_peak_flops(
     device: &candle_core::Device,
@@ -526,7 +526,7 @@ pub fn device_peak_flops(
     match (device.is_cpu(), matmul_dtype) {
         (true, Some(candle_core::DType::BF16)) if rookworld_lm::cpu_gemm::amx().bf16 => {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            cores as f64 * 2048.0 * 3e9
+            cores as f64 * 1024.0 * 3e9
         }
         (true, Some(candle_core::DType::BF16)) => 2.0 * cpu_peak_flops(),
         (true, _) => cpu_peak_flops(),

@@ -28,15 +28,17 @@
 
 use rayon::prelude::*;
 
+use super::lines::Lines;
+
 /// Rows of a tile (and of a block of the left operand).
 pub(super) const TILE_ROWS: usize = 16;
 /// Bytes of a tile row: 32 BF16 or 64 INT8 values of k; one k-step.
 const ROW_BYTES: usize = 64;
 /// Bytes of one k-step of a panel: 16 rows of 64 bytes.
 const STEP_BYTES: usize = TILE_ROWS * ROW_BYTES;
-/// Row tiles per work item: 64 rows, whose packed values (K ≤ 3,520 in BF16: ≤ 450 KiB)
+/// Row tiles per work item: 256 rows, whose packed values (K ≤ 3,520 in BF16: ≤ 1.8 MiB)
 /// stay in a core's L2 across the item's panels.
-const CHUNK_TILES: usize = 4;
+const CHUNK_TILES: usize = 16;
 /// Panels per work item at most: 192 columns.
 const PANEL_GROUP: usize = 12;
 
@@ -160,7 +162,7 @@ fn check(found: Amx) -> Amx {
             false,
             (&rows, stride),
             (&panels, kps),
-            |_, _| {},
+            None,
         );
         let round = |v: f32| f64::from(half::bf16::from_f32(v).to_f32());
         let worst = max_error(&got, m, n, |i, j| {
@@ -180,7 +182,7 @@ fn check(found: Amx) -> Amx {
         let (rows, scales) = super::int8::quantize_rows_flat(&a, m, k);
         let panels = super::int8::Int8Panels::new_filled(&b, k, n);
         let mut got = vec![0f32; m * n];
-        int8_product(&mut got, (m, n, k), (&rows, &scales), &panels, |_, _| {});
+        int8_product(&mut got, (m, n, k), (&rows, &scales), &panels, None);
         let want = panels.reference_product(&a, (m, n, k));
         let worst = max_error(&got, m, n, |i, j| f64::from(want[i * n + j]));
         if worst != 0.0 {
@@ -204,22 +206,21 @@ fn max_error(got: &[f32], m: usize, n: usize, want: impl Fn(usize, usize) -> f64
 /// `a` (M, K) rounded to BF16 into whole row tiles: (⌈M/16⌉·16, stride) row-major with
 /// `stride` = K rounded up to whole k-steps (32), zero past K and past M. Returns the values
 /// and the stride.
-pub(super) fn pack_bf16(a: super::Strided, m: usize, k: usize) -> (Vec<u16>, usize) {
-    let mut rows = Vec::new();
+pub(super) fn pack_bf16(a: super::Strided, m: usize, k: usize) -> (Lines<u16>, usize) {
+    let mut rows = Lines::default();
     let stride = pack_bf16_into(&mut rows, a, m, k);
     (rows, stride)
 }
 
 /// [`pack_bf16`] into `rows` (resized; its memory reused); returns the stride.
 pub(super) fn pack_bf16_into(
-    rows: &mut Vec<u16>,
+    rows: &mut Lines<u16>,
     (a, rs, cs): super::Strided,
     m: usize,
     k: usize,
 ) -> usize {
     let stride = k.next_multiple_of(32);
-    rows.clear();
-    rows.resize(m.div_ceil(TILE_ROWS) * TILE_ROWS * stride, 0);
+    rows.reset(m.div_ceil(TILE_ROWS) * TILE_ROWS * stride);
     rows.par_chunks_mut(TILE_ROWS * stride)
         .enumerate()
         .for_each_init(Vec::new, |wide: &mut Vec<f32>, (t, tile)| {
@@ -228,6 +229,16 @@ pub(super) fn pack_bf16_into(
             if cs != 1 && rs == 1 {
                 // A transposed operand: the tile's rows are adjacent at each k, so read k
                 // after k (one short run per k) rather than each row down its stride.
+                #[cfg(target_arch = "x86_64")]
+                if std::arch::is_x86_feature_detected!("avx512bw") {
+                    // The operand's extent: a value per (row < height, k < K) from `first`.
+                    assert!(a.len() >= first + height + (k - 1) * cs);
+                    // SAFETY: AVX512F, BW and BF16 are present (BF16 where tiles are in use,
+                    // checked before any is packed; BW above); reads stay inside `a`
+                    // (asserted), writes inside the tile (16 rows of `stride` ≥ K values).
+                    unsafe { tile_from_columns(tile, stride, a[first..].as_ptr(), cs, height, k) };
+                    return;
+                }
                 wide.clear();
                 wide.resize(height * k, 0.0); // (height, K)
                 for kk in 0..k {
@@ -256,9 +267,72 @@ pub(super) fn pack_bf16_into(
     stride
 }
 
+/// One row tile of [`pack_bf16`] from a transposed operand (row r, k at `a + r + k·cs`):
+/// per pair of k, the two runs of `height` values rounded together (`vcvtne2ps2bf16`),
+/// interleaved into each row's pair (`vpermw`) and scattered to the rows (`vpscatterdd`),
+/// instead of a scalar store per value.
+///
+/// # Safety
+/// The CPU has AVX512F, AVX512BW and AVX512-BF16; `a + r + kk·cs` is readable for r <
+/// height ≤ 16, kk < k; `tile` holds 16 rows of `stride` ≥ k values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn tile_from_columns(
+    tile: &mut [u16],
+    stride: usize,
+    a: *const f32,
+    cs: usize,
+    height: usize,
+    k: usize,
+) {
+    use std::arch::x86_64::*;
+    const INTERLEAVE: [u16; 32] = {
+        let mut idx = [0u16; 32];
+        let mut r = 0;
+        while r < 16 {
+            idx[2 * r] = r as u16; // row r's even k: the low half
+            idx[2 * r + 1] = 16 + r as u16; // its odd k
+            r += 1;
+        }
+        idx
+    };
+    assert!(tile.len() >= TILE_ROWS * stride && stride >= k && height <= TILE_ROWS);
+    // SAFETY: (the whole body) the caller guarantees the features and extents: loads are
+    // masked to `height` rows, scattered stores to the same rows, at k < K of each.
+    unsafe {
+        let mask: __mmask16 = if height >= 16 {
+            !0
+        } else {
+            (1u16 << height) - 1
+        };
+        let idx = _mm512_loadu_si512(INTERLEAVE.as_ptr().cast());
+        let rows = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32((2 * stride) as i32), // bytes a row
+        );
+        let out = tile.as_mut_ptr().cast::<u8>();
+        for pair in 0..k.div_ceil(2) {
+            let even = _mm512_maskz_loadu_ps(mask, a.add(2 * pair * cs));
+            let odd = if 2 * pair + 1 < k {
+                _mm512_maskz_loadu_ps(mask, a.add((2 * pair + 1) * cs))
+            } else {
+                _mm512_setzero_ps()
+            };
+            let both: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(odd, even));
+            let placed = _mm512_permutexvar_epi16(idx, both);
+            _mm512_mask_i32scatter_epi32::<1>(out.add(4 * pair).cast(), mask, rows, placed);
+        }
+    }
+}
+
+/// What is done to each row of results before it is written (bias, epilogue):
+/// `finish(first column, values)`.
+pub(super) type Finish<'a> = &'a (dyn Fn(usize, &mut [f32]) + Sync);
+
 /// `dst` (M, N) [+]= `a` · `b` over BF16 tiles: `a` from [`pack_bf16`] (values, stride),
-/// `b` pair panels of `kps` pairs each (a multiple of 16), zero past K; `finish(first
-/// column, values)` on each row of a block's results (bias, epilogue) before it is written.
+/// `b` pair panels of `kps` pairs each (a multiple of 16), zero past K, starting a cache
+/// line. Without `finish`, whole tiles of sums are kept in `dst` itself (loaded from it
+/// when accumulating or on a later pass, stored straight back).
 ///
 /// # Panics
 /// When an operand is too short for the shape, or `kps` is not a whole number of k-steps.
@@ -268,32 +342,41 @@ pub(super) fn bf16_product(
     accumulate: bool,
     (a, stride): (&[u16], usize),
     (b, kps): (&[u16], usize),
-    finish: impl Fn(usize, &mut [f32]) + Sync,
+    finish: Option<Finish>,
 ) {
     assert!(
         kps.is_multiple_of(TILE_ROWS) && dst.len() >= m * n,
         "gemm dst too short"
     );
     let target = super::tile::SharedOut(dst.as_mut_ptr());
+    let direct = finish.is_none().then_some(Direct {
+        c: target,
+        stride: 4 * n,
+        accumulate,
+    });
     drive::<false>(
         (m, n, kps / TILE_ROWS),
         (a.as_ptr().cast(), 2 * stride, a.len() * 2),
         (b.as_ptr().cast(), kps * 64, b.len() * 2),
-        &|row, col, (rows, cols), tile: &Tile| {
-            let mut line = [0f32; 32];
-            for (r, sums) in tile.iter().enumerate().take(rows) {
-                line[..cols].copy_from_slice(&as_f32(sums)[..cols]);
-                finish(col, &mut line[..cols]);
-                // SAFETY: the block (row.., col..) is this item's alone, inside (m, n).
-                unsafe { target.put((row + r) * n + col, &line[..cols], accumulate) };
+        direct,
+        &|(row, col), sums: &[u32]| {
+            let mut line = [0f32; 16];
+            let line = &mut line[..sums.len()];
+            for (l, &s) in line.iter_mut().zip(sums) {
+                *l = f32::from_bits(s);
             }
+            if let Some(finish) = finish {
+                finish(col, line);
+            }
+            // SAFETY: the item (row, col..) is this thread's alone, inside (m, n).
+            unsafe { target.put(row * n + col, line, accumulate) };
         },
     );
 }
 
 /// `dst` (M, N) = the INT8 product of quantized rows (`a`: [`quantize_rows_flat`]'s bytes
-/// and row scales) and `panels`, dequantized; then `finish(first row, block)` on each
-/// block of results (bias, epilogue) before it is written.
+/// and row scales) and `panels`, dequantized; then `finish(first column, values)` on each
+/// row of results (bias, epilogue) before it is written.
 ///
 /// [`quantize_rows_flat`]: super::int8::quantize_rows_flat
 pub(super) fn int8_product(
@@ -301,58 +384,66 @@ pub(super) fn int8_product(
     (m, n, k): (usize, usize, usize),
     (a, row_scales): (&[u8], &[f32]),
     panels: &super::int8::Int8Panels,
-    finish: impl Fn(usize, &mut [f32]) + Sync,
+    finish: Option<Finish>,
 ) {
     let kq = super::int8::groups(k);
     assert!(kq.is_multiple_of(TILE_ROWS) && dst.len() >= m * n);
     let (q, col_scales, corrections) = panels.parts();
-    let stride = kq * 4;
     let target = super::tile::SharedOut(dst.as_mut_ptr());
     drive::<true>(
         (m, n, kq / TILE_ROWS),
-        (a.as_ptr(), stride, a.len()),
+        (a.as_ptr(), kq * 4, a.len()),
         (q.as_ptr().cast(), kq * 64, q.len()),
-        &|row, col, (rows, cols), tile: &Tile| {
-            let mut line = [0f32; 32];
-            for (r, sums) in tile.iter().enumerate().take(rows) {
-                let sums = as_i32(sums);
-                let scale = row_scales[row + r];
-                for (c, out) in line[..cols].iter_mut().enumerate() {
-                    let j = col + c;
-                    *out = (sums[c] - corrections[j]) as f32 * (scale * col_scales[j]);
-                }
-                finish(col, &mut line[..cols]);
-                // SAFETY: the block (row.., col..) is this item's alone, inside (m, n).
-                unsafe { target.write((row + r) * n + col, &line[..cols]) };
+        None,
+        &|(row, col), sums: &[u32]| {
+            let mut line = [0f32; 16];
+            let line = &mut line[..sums.len()];
+            let scale = row_scales[row];
+            for (c, (out, &s)) in line.iter_mut().zip(sums).enumerate() {
+                let j = col + c;
+                *out = (s as i32 - corrections[j]) as f32 * (scale * col_scales[j]);
             }
+            if let Some(finish) = finish {
+                finish(col, line);
+            }
+            // SAFETY: the item (row, col..) is this thread's alone, inside (m, n).
+            unsafe { target.write(row * n + col, line) };
         },
     );
 }
 
-/// A block's results as stored from its tiles: 32 rows of 32 four-byte values (f32 or i32).
-type Tile = [[u32; 32]; 32];
+/// Where a run of at most 16 sums of a row goes: `((row, first column), sums)` (f32 or
+/// i32 bit patterns), the columns those inside the result.
+type Sink<'a> = dyn Fn((usize, usize), &[u32]) + Sync + 'a;
 
-fn as_f32(row: &[u32; 32]) -> &[f32; 32] {
-    // SAFETY: u32 and f32 have the same size and alignment, and every bit pattern is an f32.
-    unsafe { &*(row as *const [u32; 32]).cast::<[f32; 32]>() }
+/// K-steps per pass over an item's blocks: 512 BF16 values of k, so that a pair of panels'
+/// part (32 KiB) stays in L1 while every row tile of the item passes by it.
+const STEPS_A_PASS: usize = 16;
+
+/// The result itself as the sums of whole tiles: f32 values, rows `stride` bytes apart
+/// from `c`, the product added to what is there when `accumulate`.
+#[derive(Clone, Copy)]
+struct Direct {
+    c: super::tile::SharedOut,
+    stride: usize,
+    accumulate: bool,
 }
 
-fn as_i32(row: &[u32; 32]) -> &[i32; 32] {
-    // SAFETY: u32 and i32 have the same size and alignment, and every bit pattern is an i32.
-    unsafe { &*(row as *const [u32; 32]).cast::<[i32; 32]>() }
-}
-
-/// What a block's results go to: `(first row, first column, (rows, columns), tile)`, the
-/// rows and columns those of the tile inside the result.
-type Sink<'a> = dyn Fn(usize, usize, (usize, usize), &Tile) + Sync + 'a;
-
-/// Runs every block of an (m, n) product of `steps` k-steps on the threads, handing each
-/// block's results to `sink`: `a` (pointer, row stride in bytes, length in bytes) holds
-/// ⌈m/16⌉ whole row tiles; `b` (pointer, bytes a panel, length in bytes) ⌈n/16⌉ panels.
+/// Runs an (m, n) product of `steps` k-steps on the threads: `a` (pointer, row stride in
+/// bytes, length in bytes) holds ⌈m/16⌉ whole row tiles, `b` (pointer, bytes a panel,
+/// length in bytes) ⌈n/16⌉ panels, both starting a cache line (tile rows that straddle two
+/// lines halve the rate). Whole tiles of the result sum in `direct` where given; every
+/// other result goes to `sink` 16 columns at a time.
+///
+/// An item — a chunk of row tiles times a group of panels — runs [`STEPS_A_PASS`] k-steps
+/// a pass: panel pair by panel pair, each pair's part of the pass in L1 while every
+/// row-tile pair of the chunk (in L2) is multiplied by it. Sums that do not go to `direct`
+/// wait between passes in a buffer of the item's own.
 fn drive<const INT8: bool>(
     (m, n, steps): (usize, usize, usize),
     (a, a_stride, a_len): (*const u8, usize, usize),
     (b, b_panel, b_len): (*const u8, usize, usize),
+    direct: Option<Direct>,
     sink: &Sink,
 ) {
     if m == 0 || n == 0 {
@@ -365,45 +456,99 @@ fn drive<const INT8: bool>(
     let wanted = (2 * rayon::current_num_threads()).div_ceil(chunks);
     let per_group = PANEL_GROUP.min(panels.div_ceil(wanted)).max(2);
     let groups = panels.div_ceil(per_group);
+    // Tiles and panels below these are whole: inside the result in every row and column.
+    let (whole_tiles, whole_panels) = (m / TILE_ROWS, n / 16);
     let (a, b) = (Shared(a), Shared(b));
     (0..chunks * groups).into_par_iter().for_each(|item| {
         let (chunk, group) = (item / groups, item % groups);
-        let tile_end = tiles.min((chunk + 1) * CHUNK_TILES);
-        let panel_end = panels.min((group + 1) * per_group);
-        let mut out: Tile = [[0; 32]; 32];
-        let _tiles = Configured::new();
-        for p in (group * per_group..panel_end).step_by(2) {
-            let two_panels = p + 1 < panel_end;
-            for t in (chunk * CHUNK_TILES..tile_end).step_by(2) {
-                let two_rows = t + 1 < tile_end;
-                let (a_at, b_at) = (a.at(t * TILE_ROWS * a_stride), b.at(p * b_panel));
-                let c = out.as_mut_ptr().cast::<u8>();
-                // SAFETY: tiles are configured on this thread (`_tiles`); the row tiles
-                // t, t + 1 and panels p, p + 1 used lie inside `a` and `b` (asserted above:
-                // whole tiles and panels of `steps` k-steps), and `out` holds 2 × 2 tiles.
-                unsafe {
-                    match (two_rows, two_panels) {
-                        (true, true) => {
-                            block::<2, 2, INT8>(a_at, a_stride, b_at, b_panel, steps, c)
-                        }
-                        (true, false) => {
-                            block::<2, 1, INT8>(a_at, a_stride, b_at, b_panel, steps, c)
-                        }
-                        (false, true) => {
-                            block::<1, 2, INT8>(a_at, a_stride, b_at, b_panel, steps, c)
-                        }
-                        (false, false) => {
-                            block::<1, 1, INT8>(a_at, a_stride, b_at, b_panel, steps, c)
+        let tile_range = chunk * CHUNK_TILES..tiles.min((chunk + 1) * CHUNK_TILES);
+        let panel_range = group * per_group..panels.min((group + 1) * per_group);
+        // Whether tile t, panel p of the result sums in `direct`.
+        let in_place = |t: usize, p: usize| direct.is_some() && t < whole_tiles && p < whole_panels;
+        // The item's other sums: (rows, 16 · panels) four-byte values, 64 bytes a panel.
+        let c_stride = panel_range.len() * ROW_BYTES;
+        let mut sums = ITEM_SUMS.take();
+        sums.fit(tile_range.len() * TILE_ROWS * c_stride / 4); // every value written first
+        {
+            let _tiles = Configured::new();
+            for first in (0..steps).step_by(STEPS_A_PASS) {
+                let pass = first..steps.min(first + STEPS_A_PASS);
+                for (p, two_panels) in pairs(panel_range.clone(), whole_panels) {
+                    for (t, two_rows) in pairs(tile_range.clone(), whole_tiles) {
+                        let (c, c_stride, load_c) = match direct {
+                            Some(d) if in_place(t, p) => {
+                                let at = t * TILE_ROWS * d.stride + p * ROW_BYTES;
+                                (
+                                    d.c.0.cast::<u8>().wrapping_add(at),
+                                    d.stride,
+                                    first > 0 || d.accumulate,
+                                )
+                            }
+                            _ => {
+                                let at = (t - tile_range.start) * TILE_ROWS * c_stride
+                                    + (p - panel_range.start) * ROW_BYTES;
+                                (
+                                    sums.as_mut_ptr().cast::<u8>().wrapping_add(at),
+                                    c_stride,
+                                    first > 0,
+                                )
+                            }
+                        };
+                        let operands = Block {
+                            a: a.at(t * TILE_ROWS * a_stride + first * ROW_BYTES),
+                            a_stride,
+                            b: b.at(p * b_panel + first * STEP_BYTES),
+                            b_panel,
+                            steps: pass.len(),
+                            c,
+                            c_stride,
+                            load_c,
+                        };
+                        // SAFETY: tiles are configured on this thread (`_tiles`); row tiles
+                        // t, t + 1 and panels p, p + 1 lie inside `a` and `b` (asserted
+                        // above: whole tiles and panels of `steps` k-steps, `pass` among
+                        // them); the sums lie in `sums` (every tile of the item) or, for a
+                        // block of whole tiles (`pairs` pairs no whole tile with another),
+                        // in this item's rows and columns of `direct`'s result.
+                        unsafe {
+                            match (two_rows, two_panels) {
+                                (true, true) => block::<2, 2, INT8>(&operands),
+                                (true, false) => block::<2, 1, INT8>(&operands),
+                                (false, true) => block::<1, 2, INT8>(&operands),
+                                (false, false) => block::<1, 1, INT8>(&operands),
+                            }
                         }
                     }
                 }
-                let (row, col) = (t * TILE_ROWS, p * 16);
-                let rows = (m - row).min(if two_rows { 32 } else { 16 });
-                let cols = (n - col).min(if two_panels { 32 } else { 16 });
-                sink(row, col, (rows, cols), &out);
             }
         }
+        for t in tile_range.clone() {
+            for p in panel_range.clone().filter(|&p| !in_place(t, p)) {
+                let col = p * 16;
+                for r in 0..TILE_ROWS.min(m - t * TILE_ROWS) {
+                    let at = ((t - tile_range.start) * TILE_ROWS + r) * c_stride / 4
+                        + (p - panel_range.start) * 16;
+                    sink((t * TILE_ROWS + r, col), &sums[at..at + 16.min(n - col)]);
+                }
+            }
+        }
+        ITEM_SUMS.set(sums);
     });
+}
+
+/// The blocks of `range` (tiles or panels): `(first, two)`, pairs of whole ones (below
+/// `whole`) and then each other alone, so that no block mixes a whole tile with a part one.
+fn pairs(range: std::ops::Range<usize>, whole: usize) -> impl Iterator<Item = (usize, bool)> {
+    let split = range.end.min(whole).max(range.start);
+    let whole_pairs = (range.start..split)
+        .step_by(2)
+        .map(move |i| (i, i + 1 < split));
+    whole_pairs.chain((split..range.end).map(|i| (i, false)))
+}
+
+thread_local! {
+    /// An item's sums, kept for the thread's next item (its pages mapped already).
+    static ITEM_SUMS: std::cell::Cell<Lines<u32>> = std::cell::Cell::new(Lines::default());
 }
 
 /// A pointer the threads share, read only.
@@ -460,63 +605,83 @@ impl Drop for Configured {
     }
 }
 
-/// One block of R × C output tiles (R, C ≤ 2) over `steps` k-steps: row tile i of A at
-/// `a + 16·i·a_stride` (k-step s 64·s bytes on), panel j of B at `b + j·b_panel` (k-step s
-/// 1,024·s bytes on, rows 64 bytes apart); result tile (i, j) stored at `c + 16·i·128 +
-/// 64·j` with rows 128 bytes apart (a [`Tile`]).
-///
-/// # Safety
-/// AMX is usable and tiles are configured on this thread ([`Configured`]); every byte
-/// named above is readable (A, B) or writable (C).
-#[inline(always)]
-unsafe fn block<const R: usize, const C: usize, const INT8: bool>(
+/// One block's operands: row tile i of A at `a + 16·i·a_stride` (k-step s 64·s bytes on),
+/// panel j of B at `b + j·b_panel` (k-step s 1,024·s bytes on, rows 64 bytes apart), sum
+/// tile (i, j) at `c + 16·i·c_stride + 64·j` (rows `c_stride` apart), loaded first when
+/// `load_c` (a later pass), else zero.
+struct Block {
     a: *const u8,
     a_stride: usize,
     b: *const u8,
     b_panel: usize,
     steps: usize,
     c: *mut u8,
-) {
-    const C_STRIDE: usize = 128;
+    c_stride: usize,
+    load_c: bool,
+}
+
+/// Block `o` of R × C sum tiles (R, C ≤ 2) over its k-steps: tiles 0–3 the sums, 4–5 A's
+/// row tiles, 6–7 B's.
+///
+/// # Safety
+/// AMX is usable and tiles are configured on this thread ([`Configured`]); every byte `o`
+/// names is readable (A, B) and writable (C).
+#[inline(always)]
+unsafe fn block<const R: usize, const C: usize, const INT8: bool>(o: &Block) {
+    let (a1, b1) = (
+        o.a.wrapping_add(TILE_ROWS * o.a_stride),
+        o.b.wrapping_add(o.b_panel),
+    );
+    let c1 = o.c.wrapping_add(TILE_ROWS * o.c_stride);
     // SAFETY: (the whole body) the caller's guarantees.
     unsafe {
-        zero::<0>();
-        if C == 2 {
-            zero::<1>();
-        }
-        if R == 2 {
-            zero::<2>();
+        if o.load_c {
+            load::<0>(o.c, o.c_stride);
             if C == 2 {
-                zero::<3>();
+                load::<1>(o.c.add(64), o.c_stride);
+            }
+            if R == 2 {
+                load::<2>(c1, o.c_stride);
+                if C == 2 {
+                    load::<3>(c1.add(64), o.c_stride);
+                }
+            }
+        } else {
+            zero::<0>();
+            if C == 2 {
+                zero::<1>();
+            }
+            if R == 2 {
+                zero::<2>();
+                if C == 2 {
+                    zero::<3>();
+                }
             }
         }
-        let a1 = a.add(TILE_ROWS * a_stride);
-        let b1 = b.add(b_panel);
-        for s in 0..steps {
-            load::<4>(a.add(s * ROW_BYTES), a_stride);
-            load::<6>(b.add(s * STEP_BYTES), ROW_BYTES);
+        for s in 0..o.steps {
+            load::<4>(o.a.add(s * ROW_BYTES), o.a_stride);
+            load::<6>(o.b.add(s * STEP_BYTES), ROW_BYTES);
             dot::<INT8, 0, 4, 6>();
             if C == 2 {
                 load::<7>(b1.add(s * STEP_BYTES), ROW_BYTES);
                 dot::<INT8, 1, 4, 7>();
             }
             if R == 2 {
-                load::<5>(a1.add(s * ROW_BYTES), a_stride);
+                load::<5>(a1.add(s * ROW_BYTES), o.a_stride);
                 dot::<INT8, 2, 5, 6>();
                 if C == 2 {
                     dot::<INT8, 3, 5, 7>();
                 }
             }
         }
-        store::<0>(c, C_STRIDE);
+        store::<0>(o.c, o.c_stride);
         if C == 2 {
-            store::<1>(c.add(64), C_STRIDE);
+            store::<1>(o.c.add(64), o.c_stride);
         }
         if R == 2 {
-            let c1 = c.add(TILE_ROWS * C_STRIDE);
-            store::<2>(c1, C_STRIDE);
+            store::<2>(c1, o.c_stride);
             if C == 2 {
-                store::<3>(c1.add(64), C_STRIDE);
+                store::<3>(c1.add(64), o.c_stride);
             }
         }
     }
@@ -629,7 +794,7 @@ mod tests {
                     accumulate,
                     (&rows, stride),
                     (&panels, kps),
-                    |_, _| {},
+                    None,
                 );
                 let round = |v: f32| f64::from(half::bf16::from_f32(v).to_f32());
                 let worst = max_error(&got, m, n, |i, j| {
@@ -660,8 +825,56 @@ mod tests {
             let (rows, scales) = super::super::int8::quantize_rows_flat(&a, m, k);
             let panels = super::super::int8::Int8Panels::new_filled(&b, k, n);
             let mut got = vec![0f32; m * n];
-            int8_product(&mut got, (m, n, k), (&rows, &scales), &panels, |_, _| {});
+            int8_product(&mut got, (m, n, k), (&rows, &scales), &panels, None);
             assert_eq!(got, panels.reference_product(&a, (m, n, k)), "{m}×{n}×{k}");
+        }
+    }
+
+    #[test]
+    fn packed_matrices_on_tiles_add_their_bias_and_epilogue_to_every_output() {
+        if !TestFeature::Amx.test_runs("the AMX products of packed matrices") {
+            return;
+        }
+        use super::super::{Epilogue, PackedMatrix, PanelDtype};
+        // Whole and part tiles in both dimensions (through the result and the item's
+        // buffer), with and without a bias and an epilogue.
+        let (m, n, k) = (37, 40, 256);
+        let (x, w, bias) = (values(m * k, 26), values(k * n, 27), values(n, 28));
+        let finished = |mut y: Vec<f32>, with: bool| {
+            if with {
+                for row in y.chunks_exact_mut(n) {
+                    row.iter_mut().zip(&bias).for_each(|(v, b)| *v += b);
+                    crate::simd::gelu_new_inplace(row);
+                }
+            }
+            y
+        };
+        for with in [false, true] {
+            let pack = |dtype| {
+                let p = PackedMatrix::pack_as(dtype, &w, k, n, false, with.then(|| bias.clone()));
+                p.with_epilogue(if with {
+                    Epilogue::GeluNew
+                } else {
+                    Epilogue::None
+                })
+            };
+            let int8 = pack(PanelDtype::Int8).matmul(&x, m);
+            let panels = super::super::int8::Int8Panels::new_filled(&w, k, n);
+            let want = finished(panels.reference_product(&x, (m, n, k)), with);
+            assert_eq!(int8, want, "INT8, bias and epilogue: {with}");
+            let bf16 = pack(PanelDtype::Bf16).matmul(&x, m);
+            let round = |v: f32| f64::from(half::bf16::from_f32(v).to_f32());
+            let exact: Vec<f32> = (0..m * n)
+                .map(|i| {
+                    let (r, c) = (i / n, i % n);
+                    (0..k)
+                        .map(|kk| round(x[r * k + kk]) * round(w[kk * n + c]))
+                        .sum::<f64>() as f32
+                })
+                .collect();
+            let want = finished(exact, with);
+            let worst = max_error(&bf16, m, n, |i, j| f64::from(want[i * n + j]));
+            assert!(worst < 1e-3, "BF16, bias and epilogue {with}: {worst}");
         }
     }
 

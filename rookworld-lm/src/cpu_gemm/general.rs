@@ -16,6 +16,7 @@
 use rayon::prelude::*;
 
 use super::bf16::{kernel_bf16_pairs, kernel_bf16_pairs_x2};
+use super::lines::Lines;
 use super::tile::{MR, NR, SharedOut};
 
 /// Row blocks per work item: 96 rows, whose packed pairs (K ≤ 3,072: ≤ 576 KiB) fit a
@@ -52,7 +53,7 @@ pub fn gemm_bf16(
 /// operands (an LM head's weight, block after block of rows).
 #[derive(Debug, Clone)]
 pub struct PackedRhs {
-    panels: Vec<u16>, // (⌈N/NR⌉, kps, NR, 2)
+    panels: Lines<u16>, // (⌈N/NR⌉, kps, NR, 2)
     k: usize,
     n: usize,
     /// Pairs a panel: ⌈K/2⌉, or whole AMX k-steps of them ([`panel_pairs`]).
@@ -67,7 +68,7 @@ impl PackedRhs {
     pub fn new(b: Strided, k: usize, n: usize) -> Self {
         let kps = panel_pairs(k);
         if k == 0 || n == 0 {
-            let panels = Vec::new(); // nothing to multiply by
+            let panels = Lines::new(); // nothing to multiply by
             return Self { panels, k, n, kps };
         }
         let mut panels = spare_panels(n.div_ceil(NR) * kps * 2 * NR);
@@ -140,7 +141,7 @@ fn in_row_tiles_amx(dst: &mut [f32], m: usize, accumulate: bool, a: Strided, b: 
         let stride = super::amx::pack_bf16_into(&mut rows, a, height, k);
         let dst = &mut dst[start * n..(start + height) * n];
         let b = (&b.panels[..], b.kps);
-        super::amx::bf16_product(dst, (height, n), accumulate, (&rows, stride), b, |_, _| {});
+        super::amx::bf16_product(dst, (height, n), accumulate, (&rows, stride), b, None);
     }
     SPARE_TILE_ROWS.set(rows);
 }
@@ -520,14 +521,14 @@ fn pack_rows_into(rows: &mut Vec<u32>, (a, rs, cs): Strided, m: usize, k: usize)
 thread_local! {
     /// Buffers of finished products, kept for the next on this thread (their pages mapped
     /// already: a fresh allocation of this size is mostly the kernel zeroing pages).
-    static SPARE_PANELS: std::cell::RefCell<Vec<Vec<u16>>> = const { std::cell::RefCell::new(Vec::new()) };
+    static SPARE_PANELS: std::cell::RefCell<Vec<Lines<u16>>> = const { std::cell::RefCell::new(Vec::new()) };
     static SPARE_ROWS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
-    static SPARE_TILE_ROWS: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
+    static SPARE_TILE_ROWS: std::cell::RefCell<Lines<u16>> = const { std::cell::RefCell::new(Lines::new()) };
 }
 
 /// A zeroed buffer of `len` values: a spare one of this thread's when one is big enough
 /// (the smallest such), else a new one.
-fn spare_panels(len: usize) -> Vec<u16> {
+fn spare_panels(len: usize) -> Lines<u16> {
     let found = SPARE_PANELS.with_borrow_mut(|spare| {
         let best = (0..spare.len())
             .filter(|&i| spare[i].capacity() >= len)
@@ -535,8 +536,7 @@ fn spare_panels(len: usize) -> Vec<u16> {
         Some(spare.swap_remove(best))
     });
     let mut v = found.unwrap_or_default();
-    v.clear();
-    v.resize(len, 0);
+    v.reset(len);
     v
 }
 

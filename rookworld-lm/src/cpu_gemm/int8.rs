@@ -24,6 +24,7 @@
 
 use rayon::prelude::*;
 
+use super::lines::Lines;
 use super::pack::fill_panel;
 use super::tile::{MR, NR};
 
@@ -68,7 +69,7 @@ fn scale_and_inverse(max: f32, levels: f32) -> (f32, f32) {
 /// correction `c_j`.
 #[derive(Debug, Clone)]
 pub(super) struct Int8Panels {
-    q: Vec<i8>,            // (⌈N/NR⌉, ⌈K/4⌉, 64), see `position`
+    q: Lines<i8>,          // (⌈N/NR⌉, ⌈K/4⌉, 64), see `position`
     scales: Vec<f32>,      // (⌈N/NR⌉ · NR), zero past N
     corrections: Vec<i32>, // (⌈N/NR⌉ · NR): 128 · Σ_k q_kj, zero past N
 }
@@ -105,7 +106,7 @@ impl Int8Panels {
     pub(super) fn new(k: usize, n: usize) -> Self {
         let panels = n.div_ceil(NR);
         Self {
-            q: vec![0; panels * groups(k) * 4 * NR],
+            q: Lines::zeroed(panels * groups(k) * 4 * NR),
             scales: vec![0.0; panels * NR],
             corrections: vec![0; panels * NR],
         }
@@ -341,9 +342,10 @@ fn row_scale(xs: &[f32]) -> (f32, f32) {
 
 /// [`quantize_rows`] row-major, for AMX tiles: (⌈M/16⌉·16, 4·⌈K/4⌉) offset bytes (the
 /// input's zero past K and past M) and M row scales; the same bytes and scales.
-pub(super) fn quantize_rows_flat(x: &[f32], m: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
+pub(super) fn quantize_rows_flat(x: &[f32], m: usize, k: usize) -> (Lines<u8>, Vec<f32>) {
     let (stride, rows) = (groups(k) * 4, m.div_ceil(16) * 16);
-    let mut a = vec![INPUT_ZERO as u8; rows * stride];
+    let mut a = Lines::zeroed(rows * stride);
+    a.fill(INPUT_ZERO as u8);
     let mut scales = vec![0f32; m];
     a.par_chunks_mut(stride)
         .zip(scales.par_iter_mut())
