@@ -221,8 +221,9 @@ def main():
                          "(default: f32,bf16,compile-bf16 on the CPU; bf16 on CUDA, f32 with --no-autocast)")
     ap.add_argument("--precision",
                     help="learner bench's --matmul-precision: auto, f32 or bf16, or several comma-separated, each "
-                         "its own row (the fastest is the one compared); default: auto on the CPU, on CUDA "
-                         "PyTorch's")
+                         "its own row (the fastest is the one compared); PRECISION@avx512 keeps the CPU kernels "
+                         "off AMX tiles, PRECISION@avx2 to AVX2 (ROOKWORLD_CPU_KERNELS); default: auto on the "
+                         "CPU, on CUDA PyTorch's")
     ap.add_argument("--paths", default="auto",
                     help="learner bench's --path: auto, fused or autograd, or several comma-separated, each "
                          "its own row (the fastest is the one compared; one that fails is reported and left out)")
@@ -249,9 +250,11 @@ def main():
             precisions = ["bf16" if args.autocast else "f32"]
         else:
             precisions = [None]
-        bad = [p for p in precisions if p not in (None, "auto", "f32", "bf16")]
+        bad = [p for p in precisions if p is not None and p.split("@")[0] not in ("auto", "f32", "bf16")
+               or p is not None and p.split("@")[1:] not in ([], ["avx2"], ["avx512"])]
         if bad:
-            sys.exit(f"unknown --precision {bad}: use auto, f32, bf16")
+            sys.exit(f"unknown --precision {bad}: use auto, f32, bf16 (each with @avx512 or @avx2 to keep the "
+                     "CPU kernels off AMX tiles or to AVX2)")
         paths = args.paths.split(",")
         bad = [p for p in paths if p not in ("auto", "fused", "autograd")]
         if bad:
@@ -265,9 +268,11 @@ def main():
                        "--device", args.device, "--path", path]
                 if args.peak_tflops:
                     cmd += ["--peak-tflops", str(args.peak_tflops)]
-                if precision:
-                    cmd += ["--matmul-precision", precision]
                 env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
+                if precision:
+                    cmd += ["--matmul-precision", precision.split("@")[0]]
+                    if "@" in precision:
+                        env["ROOKWORLD_CPU_KERNELS"] = precision.split("@")[1]
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 label = f"{precision or 'auto'} {path}"
                 if out.returncode != 0:

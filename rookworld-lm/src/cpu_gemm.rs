@@ -19,6 +19,12 @@
 //! panels' product to the bit), INT8 panels keep their layout and sum each group of four k
 //! in one `vpdpbusd` (VNNI) instead of three AVX2 instructions, to the same i32 sums.
 //!
+//! Where the CPU has AMX and the kernel grants this process its tiles ([`amx`]: Intel
+//! Xeons since Sapphire Rapids), BF16 pair panels whose K fills whole tile steps (32) and
+//! INT8 panels whose K fills whole steps (64) are multiplied by `tdpbf16ps` / `tdpbusd`
+//! instead, the panels read as laid out: the same BF16 operands and f32 sums, the same
+//! INT8 bytes and i32 sums (to the bit); so is [`gemm_bf16`], the learner's.
+//!
 //! Letters: M rows of `x`, K inputs, N outputs.
 
 use rayon::prelude::*;
@@ -72,7 +78,7 @@ pub enum PanelDtype {
 /// BF16 against 10.3 s in f32.
 ///
 /// Where AMX tiles multiply ([`amx`]), the rate weighed is `tdpbf16ps`'s instead (on a
-/// 2-core Xeon that exposes AMX: TODO× the FMA's).
+/// 2-core Xeon that exposes AMX: 14.2–14.7× the FMA's, where its `vdpbf16ps` is 0.49×).
 pub fn bf16_products_pay() -> bool {
     static PAYS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *PAYS.get_or_init(|| {
