@@ -286,16 +286,6 @@ unsafe fn tile_from_columns(
     k: usize,
 ) {
     use std::arch::x86_64::*;
-    const INTERLEAVE: [u16; 32] = {
-        let mut idx = [0u16; 32];
-        let mut r = 0;
-        while r < 16 {
-            idx[2 * r] = r as u16; // row r's even k: the low half
-            idx[2 * r + 1] = 16 + r as u16; // its odd k
-            r += 1;
-        }
-        idx
-    };
     assert!(tile.len() >= TILE_ROWS * stride && stride >= k && height <= TILE_ROWS);
     // SAFETY: (the whole body) the caller guarantees the features and extents: loads are
     // masked to `height` rows, scattered stores to the same rows, at k < K of each.
@@ -305,21 +295,14 @@ unsafe fn tile_from_columns(
         } else {
             (1u16 << height) - 1
         };
-        let idx = _mm512_loadu_si512(INTERLEAVE.as_ptr().cast());
         let rows = _mm512_mullo_epi32(
             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
             _mm512_set1_epi32((2 * stride) as i32), // bytes a row
         );
         let out = tile.as_mut_ptr().cast::<u8>();
         for pair in 0..k.div_ceil(2) {
-            let even = _mm512_maskz_loadu_ps(mask, a.add(2 * pair * cs));
-            let odd = if 2 * pair + 1 < k {
-                _mm512_maskz_loadu_ps(mask, a.add((2 * pair + 1) * cs))
-            } else {
-                _mm512_setzero_ps()
-            };
-            let both: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(odd, even));
-            let placed = _mm512_permutexvar_epi16(idx, both);
+            let odd = (2 * pair + 1 < k).then(|| a.add((2 * pair + 1) * cs));
+            let placed = super::general::rounded_pairs(mask, a.add(2 * pair * cs), odd);
             _mm512_mask_i32scatter_epi32::<1>(out.add(4 * pair).cast(), mask, rows, placed);
         }
     }

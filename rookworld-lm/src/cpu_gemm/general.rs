@@ -379,33 +379,51 @@ fn fill_pair_panels_gathered(
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn fill_panel_from_rows(panel: &mut [u16], b: *const f32, rs: usize, k: usize, cols: usize) {
     use std::arch::x86_64::*;
-    const INTERLEAVE: [u16; 32] = {
-        let mut idx = [0u16; 32];
-        let mut c = 0;
-        while c < 16 {
-            idx[2 * c] = c as u16; // row 2·pair, column c: the low half
-            idx[2 * c + 1] = 16 + c as u16; // row 2·pair + 1
-            c += 1;
-        }
-        idx
-    };
     assert!(panel.len() >= k.div_ceil(2) * 2 * NR);
     // SAFETY: (the whole body) the caller guarantees the features and extents; loads are
     // masked to `cols` columns, stores stay within the panel (asserted above).
     unsafe {
         let mask: __mmask16 = if cols >= 16 { !0 } else { (1u16 << cols) - 1 };
-        let idx = _mm512_loadu_si512(INTERLEAVE.as_ptr().cast());
         for pair in 0..k.div_ceil(2) {
-            let even = _mm512_maskz_loadu_ps(mask, b.add(2 * pair * rs));
-            let odd = if 2 * pair + 1 < k {
-                _mm512_maskz_loadu_ps(mask, b.add((2 * pair + 1) * rs))
-            } else {
-                _mm512_setzero_ps()
-            };
-            let both: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(odd, even));
-            let placed = _mm512_permutexvar_epi16(idx, both);
+            let odd = (2 * pair + 1 < k).then(|| b.add((2 * pair + 1) * rs));
+            let placed = rounded_pairs(mask, b.add(2 * pair * rs), odd);
             _mm512_storeu_si512(panel.as_mut_ptr().add(pair * 2 * NR).cast(), placed);
         }
+    }
+}
+
+/// Two runs of 16 f32 — `even`, and `odd` or zeros — masked to `mask`'s lanes, rounded to
+/// BF16 together (`vcvtne2ps2bf16`) and interleaved lane by lane (`vpermw`): lane i's pair
+/// (even in the low half, odd in the high) as one 32-bit value.
+///
+/// # Safety
+/// The CPU has AVX512F, AVX512BW and AVX512-BF16; `mask`'s lanes of each run are readable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[inline]
+pub(super) unsafe fn rounded_pairs(
+    mask: std::arch::x86_64::__mmask16,
+    even: *const f32,
+    odd: Option<*const f32>,
+) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    const INTERLEAVE: [u16; 32] = {
+        let mut idx = [0u16; 32];
+        let mut i = 0;
+        while i < 16 {
+            idx[2 * i] = i as u16; // lane i's even value: the low half
+            idx[2 * i + 1] = 16 + i as u16; // its odd value
+            i += 1;
+        }
+        idx
+    };
+    // SAFETY: the caller guarantees the features and the masked lanes' extent.
+    unsafe {
+        let idx = _mm512_loadu_si512(INTERLEAVE.as_ptr().cast());
+        let even = _mm512_maskz_loadu_ps(mask, even);
+        let odd = odd.map_or(_mm512_setzero_ps(), |odd| _mm512_maskz_loadu_ps(mask, odd));
+        let both: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(odd, even));
+        _mm512_permutexvar_epi16(idx, both)
     }
 }
 
