@@ -41,12 +41,13 @@ mod general;
 mod int8;
 mod lines;
 mod pack;
+mod round;
 mod tile;
 use bf16::kernel_bf16_pairs;
-pub use general::{PackedRhs, Strided, gemm_bf16, gemm_bf16_packed};
+pub use general::{PackedRhs, gemm_bf16, gemm_bf16_packed};
 use int8::Int8Panels;
 use pack::{fill_panels, fill_panels_bf16};
-pub use tile::{BF16_COLUMNS, NR};
+pub use tile::{BF16_COLUMNS, NR, Strided};
 use tile::{MR, SharedOut};
 
 /// What is applied to each output after the bias, while it is still in cache.

@@ -153,8 +153,7 @@ fn check(found: Amx) -> Amx {
     if found.bf16 {
         let (rows, stride) = pack_bf16((&a, k, 1), m, k);
         let kps = k.div_ceil(2).next_multiple_of(TILE_ROWS);
-        let mut panels = vec![0u16; n.div_ceil(16) * kps * 32];
-        super::general::fill_pair_panels(&mut panels, (&b, n, 1), k, n, kps);
+        let panels = pair_panels(&b, k, n, kps);
         let mut got = vec![0f32; m * n];
         bf16_product(
             &mut got,
@@ -196,6 +195,21 @@ fn check(found: Amx) -> Amx {
     out
 }
 
+/// `b` (K, N) row-major in pair panels of `kps` pairs, value by value: (⌈N/16⌉, kps, 16,
+/// 2), each column's k = 2·pair, 2·pair + 1 adjacent, zero past K and N. The check's own
+/// packing, apart from the packers it checks the tiles for.
+fn pair_panels(b: &[f32], k: usize, n: usize, kps: usize) -> Vec<u16> {
+    let mut panels = vec![0u16; n.div_ceil(16) * kps * 32];
+    for kk in 0..k {
+        for c in 0..n {
+            let (p, col) = (c / 16, c % 16);
+            let at = (p * kps + kk / 2) * 32 + col * 2 + kk % 2;
+            panels[at] = half::bf16::from_f32(b[kk * n + c]).to_bits();
+        }
+    }
+    panels
+}
+
 /// The largest |got − want(i, j)| over an (m, n) result.
 fn max_error(got: &[f32], m: usize, n: usize, want: impl Fn(usize, usize) -> f64) -> f64 {
     (0..m * n)
@@ -206,7 +220,7 @@ fn max_error(got: &[f32], m: usize, n: usize, want: impl Fn(usize, usize) -> f64
 /// `a` (M, K) rounded to BF16 into whole row tiles: (⌈M/16⌉·16, stride) row-major with
 /// `stride` = K rounded up to whole k-steps (32), zero past K and past M. Returns the values
 /// and the stride.
-pub(super) fn pack_bf16(a: super::Strided, m: usize, k: usize) -> (Lines<u16>, usize) {
+pub(super) fn pack_bf16(a: super::tile::Strided, m: usize, k: usize) -> (Lines<u16>, usize) {
     let mut rows = Lines::default();
     let stride = pack_bf16_into(&mut rows, a, m, k);
     (rows, stride)
@@ -215,7 +229,7 @@ pub(super) fn pack_bf16(a: super::Strided, m: usize, k: usize) -> (Lines<u16>, u
 /// [`pack_bf16`] into `rows` (resized; its memory reused); returns the stride.
 pub(super) fn pack_bf16_into(
     rows: &mut Lines<u16>,
-    (a, rs, cs): super::Strided,
+    (a, rs, cs): super::tile::Strided,
     m: usize,
     k: usize,
 ) -> usize {
@@ -248,7 +262,7 @@ pub(super) fn pack_bf16_into(
                     }
                 }
                 for (r, row) in wide.chunks_exact(k).enumerate() {
-                    super::general::round_into(row, &mut tile[r * stride..r * stride + k]);
+                    super::round::round_into(row, &mut tile[r * stride..r * stride + k]);
                 }
                 return;
             }
@@ -256,11 +270,11 @@ pub(super) fn pack_bf16_into(
                 let start = (first + r) * rs;
                 let dst = &mut tile[r * stride..r * stride + k];
                 if cs == 1 {
-                    super::general::round_into(&a[start..start + k], dst);
+                    super::round::round_into(&a[start..start + k], dst);
                 } else {
                     wide.clear();
                     wide.extend((0..k).map(|kk| a[start + kk * cs]));
-                    super::general::round_into(wide, dst);
+                    super::round::round_into(wide, dst);
                 }
             }
         });
@@ -302,7 +316,7 @@ unsafe fn tile_from_columns(
         let out = tile.as_mut_ptr().cast::<u8>();
         for pair in 0..k.div_ceil(2) {
             let odd = (2 * pair + 1 < k).then(|| a.add((2 * pair + 1) * cs));
-            let placed = super::general::rounded_pairs(mask, a.add(2 * pair * cs), odd);
+            let placed = super::round::rounded_pairs(mask, a.add(2 * pair * cs), odd);
             _mm512_mask_i32scatter_epi32::<1>(out.add(4 * pair).cast(), mask, rows, placed);
         }
     }

@@ -1,6 +1,9 @@
 //! The geometry every packed kernel shares: panels of [`NR`] columns, register tiles of
 //! [`MR`] rows, the column order of a BF16 panel row, and the output the threads write.
 
+/// An operand: (values, row stride, column stride).
+pub type Strided<'a> = (&'a [f32], usize, usize);
+
 /// Output columns per panel: two 8-lane AVX registers.
 pub const NR: usize = 16;
 /// Rows per register tile (12 accumulators + 2 weight vectors + 1 broadcast ≤ 16 YMM).
