@@ -2,6 +2,7 @@
 //! [`main`], so every launcher of this code runs exactly the same thing.
 
 use crate::bench_cmd::{self, BenchArgs};
+use crate::bench_fleet::{self, BenchFleetArgs};
 use crate::bench_push::{self, BenchPushArgs};
 use crate::compare_cmd::{self, CompareArgs};
 use crate::export_cmd::{self, ExportArgs};
@@ -72,6 +73,10 @@ enum Command {
     /// Time weight pushes to a real worker on loopback, phase by phase, beside the floor
     /// (memcpy, raw TCP); prints one JSON line.
     BenchPush(BenchPushArgs),
+    /// Time weight pushes to N real worker processes, each in a network namespace behind a
+    /// link shaped with tc: the star against relays, the payload against a delta (root;
+    /// prints one JSON line).
+    BenchFleet(BenchFleetArgs),
     /// Evaluate a checkpoint on chess benchmarks (checkmate-in-one, policy, environment):
     /// a table on a terminal, else one JSON object.
     #[command(mut_arg("temperature", |a| a.default_value("0")))]
@@ -103,7 +108,7 @@ impl Command {
             Command::BenchPush(a) => a.kernels = kernels,
             Command::Eval(a) => a.model.kernels = kernels,
             // The CPU only, or no model.
-            Command::Loss(_) | Command::Health(_) => {}
+            Command::Loss(_) | Command::Health(_) | Command::BenchFleet(_) => {}
         }
     }
 }
@@ -141,6 +146,7 @@ pub fn main() -> std::process::ExitCode {
         Command::Train(args) => train_cmd(args).map_err(|e| e.to_string()),
         Command::Bench(args) => bench_cmd::run(args).map_err(|e| e.to_string()),
         Command::BenchPush(args) => bench_push::run(args).map_err(|e| e.to_string()),
+        Command::BenchFleet(args) => bench_fleet::run(args).map_err(|e| e.to_string()),
         Command::CompareBackends(args) => compare_cmd::run(args),
         Command::Eval(args) => crate::eval::run(args).map_err(|e| e.to_string()),
         Command::Health(args) => args.run(),

@@ -33,7 +33,7 @@ use floor::{Floor, floor};
 use rookworld_train::optim::{AdamW, AdamWConfig};
 use rookworld_train::policy::Trainable;
 
-mod deltas;
+pub(crate) mod deltas;
 mod floor;
 
 /// Options of `learner bench-push`.

@@ -21,14 +21,16 @@
 //! - [`train`]: `learner train`, the GRPO loop against the rollout queue (`--local`: with
 //!   a reward server and a worker in-process).
 //! - [`bench_cmd`]: `learner bench`, one timed GRPO step; [`bench_push`]: `learner
-//!   bench-push`, timed weight pushes beside their floor; [`compare_cmd`]: `learner
-//!   compare-backends`.
+//!   bench-push`, timed weight pushes beside their floor; [`bench_fleet`]: `learner
+//!   bench-fleet`, pushes to worker processes behind shaped links; [`compare_cmd`]:
+//!   `learner compare-backends`.
 //! - [`eval`]: `learner eval`, a checkpoint on checkmate-in-one, held-out policy lines and
 //!   environment prompts (rollout engine to generate, the reward server's code to grade).
 //! - [`tensorboard`]: TensorBoard event files, the run's curves (`learner train --tensorboard`).
 
 pub mod app;
 pub mod bench_cmd;
+pub mod bench_fleet;
 pub mod bench_push;
 pub mod checkpoint;
 pub mod compare_cmd;

@@ -90,8 +90,11 @@ pub fn parents(workers: &[String], fanout: usize) -> Vec<(String, Option<String>
 
 /// How long a stream may take no chunk before its sender gives up on the receiver (a
 /// relay on a child, the learner on a worker): the receiver stalls, and a deadline of a
-/// minute is no reason to keep a tree of workers waiting.
-pub const STALL: Duration = Duration::from_secs(2);
+/// minute is no reason to keep a tree of workers waiting. Above TCP's own pauses on a
+/// lossy link (its retransmission timer doubles on each loss of the same segment: a link
+/// dropping 5% of its packets each way paused a stream for up to 2.1 s in `learner
+/// bench-fleet`'s lab), so that a slow, lossy link is no stall.
+pub const STALL: Duration = Duration::from_secs(5);
 
 /// Sends `chunks` (header first) with the shared `token` as [`crate::set::send`] does,
 /// and gives up with DEADLINE_EXCEEDED ("took no chunk for …") when the receiver takes

@@ -69,7 +69,9 @@ pub fn gradients(policy: &Trainable) -> Gradients {
     )
 }
 
-fn one(cfg: &Config, lr: f64) -> Result<Delta, DeltaBenchError> {
+/// The BF16 payload of a fresh model of `cfg` (seed 1), and the payload after one AdamW
+/// step at `lr` on [`gradients`].
+pub fn stepped(cfg: &Config, lr: f64) -> Result<(Vec<u8>, Vec<u8>), DeltaBenchError> {
     let model = model_io::init_random(cfg, 1, DType::F32, &Device::Cpu)?;
     let base = model_io::to_bf16_payload(&model)?;
     let policy = Trainable::from_model(&model)?;
@@ -78,7 +80,11 @@ fn one(cfg: &Config, lr: f64) -> Result<Delta, DeltaBenchError> {
     let mut opt = AdamW::new(AdamWConfig::default());
     opt.step(&policy.vars, &grads, lr, policy.model.kernels())?;
     let payload = model_io::to_bf16_payload(&policy.model)?;
-    drop((policy, grads, opt));
+    Ok((base, payload))
+}
+
+fn one(cfg: &Config, lr: f64) -> Result<Delta, DeltaBenchError> {
+    let (base, payload) = stepped(cfg, lr)?;
     let changed = base
         .chunks_exact(2)
         .zip(payload.chunks_exact(2))

@@ -5,7 +5,8 @@
 //! - `faults`: faults survived with nothing lost; `wiring`: wiring mistakes named;
 //!   `hostile`: hostile input to the learner's queue and the worker; `tls`: TLS and
 //!   mutual TLS; `grpcurl`: the book's grpcurl commands; `logs`: what the logs say;
-//!   `stops`: every command ended by a signal.
+//!   `stops`: every command ended by a signal; `fleet`: weight pushes to worker processes
+//!   behind shaped links, in network namespaces.
 //! - `parity`, `hf_roundtrip`, `checkpoints`, `hub`, `tokenizer_data`: the model against
 //!   Hugging Face's stored numbers, checkpoints and the tokenizer's data; `export`:
 //!   `learner export` against what transformers writes and loaded.
@@ -26,6 +27,7 @@ mod deploy;
 mod docs;
 mod export;
 mod faults;
+mod fleet;
 mod gpu_check;
 mod grpcurl;
 mod hf_roundtrip;
