@@ -11,9 +11,9 @@
 //!   [lab-w1: eth0 10.77.0.3] ─p2──┘
 //! ```
 //!
-//! Addresses exist only inside the namespaces. Names carry this process's id, so labs of
-//! two processes never meet; a lab whose process died (SIGKILL) is removed by the next
-//! one. Dropping the lab (or [`Cleanup`], from a signal handler) kills what it started and
+//! Addresses exist only inside the namespaces. Names carry this process's id and its
+//! count of labs, so no two labs meet; a lab whose process died (SIGKILL) is removed by
+//! the next one. Dropping the lab (or [`Cleanup`], from a signal handler) kills what it started and
 //! deletes its namespaces.
 
 use std::fs::File;
@@ -160,7 +160,10 @@ impl Lab {
     pub fn new() -> Result<Lab, LabError> {
         Self::check()?;
         remove_orphans();
-        let name = format!("{PREFIX}{}", std::process::id());
+        // Process id, then this process's count of labs (tests make several at once).
+        static LABS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = LABS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("{PREFIX}{}x{n}", std::process::id());
         let hub = format!("{name}-hub");
         let mut lab = Lab {
             name,
@@ -425,7 +428,7 @@ fn remove_orphans() {
         let ns = line.split_whitespace().next().unwrap_or("");
         let Some(pid) = ns
             .strip_prefix(PREFIX)
-            .and_then(|rest| rest.split('-').next())
+            .and_then(|rest| rest.split(['x', '-']).next())
             .and_then(|p| p.parse::<u32>().ok())
         else {
             continue;

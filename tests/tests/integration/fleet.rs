@@ -2,12 +2,13 @@
 //! processes, each in a network namespace behind a `tc`-shaped link) and the faults a
 //! push must survive there. Namespaces need root and iproute2: without them each test
 //! says SKIPPED, unless `ROOKWORLD_REQUIRE_NETNS` is set (CI sets it where it runs as
-//! root).
+//! root). Each test holds [`SERIAL`], as the clusters do.
 
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use crate::cluster::{LEARNER, SERIAL, WORKER};
 use candle_core::{DType, Device};
 use learner::bench_fleet::lab::{Lab, Shape};
 use learner::push::{DeltaPolicy, Fleet};
@@ -35,10 +36,10 @@ pub fn netns_usable(test: &str) -> bool {
 }
 
 fn bench_fleet(args: &[&str]) -> serde_json::Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_rw-learner"))
+    let out = Command::new(LEARNER)
         .arg("bench-fleet")
         .args(["--preset", "tiny", "--worker-bin"])
-        .arg(env!("CARGO_BIN_EXE_rw-rollout-worker"))
+        .arg(WORKER)
         .args(args)
         .output()
         .unwrap();
@@ -65,6 +66,8 @@ fn relays_take_the_copies_off_the_learners_link() {
     if !netns_usable("relays_take_the_copies_off_the_learners_link") {
         return;
     }
+    // One cluster or lab at a time: the machine has few cores, and the timings count.
+    let _serial = SERIAL.blocking_lock();
     let report = bench_fleet(&[
         "--workers",
         "4",
@@ -108,6 +111,8 @@ fn links_that_drop_five_percent_still_bring_every_worker_each_version() {
     if !netns_usable("links_that_drop_five_percent_still_bring_every_worker_each_version") {
         return;
     }
+    // One cluster or lab at a time: the machine has few cores, and the timings count.
+    let _serial = SERIAL.blocking_lock();
     let report = bench_fleet(&[
         "--workers",
         "3",
@@ -135,6 +140,8 @@ fn a_relay_killed_mid_push_is_bypassed_within_two_seconds() {
     if !netns_usable("a_relay_killed_mid_push_is_bypassed_within_two_seconds") {
         return;
     }
+    // One cluster or lab at a time: the machine has few cores, and the timings count.
+    let _serial = SERIAL.blocking_lock();
     let shape = Shape {
         rate_bits: 100_000_000,
         delay_ms: 0.0,
@@ -161,7 +168,7 @@ fn a_relay_killed_mid_push_is_bypassed_within_two_seconds() {
         let pid = lab
             .spawn(
                 &at,
-                Path::new(env!("CARGO_BIN_EXE_rw-rollout-worker")),
+                Path::new(WORKER),
                 &args,
                 &[("ROOKWORLD_TOKEN", TOKEN)],
                 &logs.path().join(format!("w{i}.log")),
