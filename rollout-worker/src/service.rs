@@ -264,6 +264,7 @@ impl RolloutService for RolloutServer {
                             ids: s.completion.ids,
                             logprobs: s.completion.logprobs,
                             weight_version: s.weight_version,
+                            token_versions: s.token_versions,
                         }),
                     }),
                     Event::Done(_) => break,

@@ -326,6 +326,7 @@ async fn group(
             ids: s.completion.ids,
             text,
             logprobs: s.completion.logprobs,
+            token_versions: s.token_versions,
             reward: r.reward as f32,
             components: r
                 .components

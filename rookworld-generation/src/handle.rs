@@ -4,7 +4,9 @@
 //! Commands are handled between steps, so a swap always lands between two decode steps.
 //! With [`SwapPolicy::Drain`] the engine stops admitting work once a swap is staged,
 //! finishes the sequences in flight on the old weights, then swaps; with
-//! [`SwapPolicy::Restart`] it swaps at once and restarts the sequences in flight.
+//! [`SwapPolicy::Restart`] it swaps at once and restarts the sequences in flight; with
+//! [`SwapPolicy::Continue`] it swaps at once and the sequences in flight go on under the
+//! new weights, each token tagged with the version that sampled it.
 
 use std::collections::HashMap;
 use std::sync::mpsc as std_mpsc;
@@ -331,12 +333,17 @@ impl EngineLoop {
 
     fn maybe_swap(&mut self) {
         let ready = match self.cfg.swap_policy {
-            SwapPolicy::Restart => true,
+            SwapPolicy::Restart | SwapPolicy::Continue => true,
             SwapPolicy::Drain => self.scheduler.live_rows() == 0,
         };
         if ready && let Some(staged) = self.staged.take() {
             let version = staged.version;
-            let old = self.scheduler.set_model(staged.model, version);
+            let old = match self.cfg.swap_policy {
+                SwapPolicy::Continue => self.scheduler.continue_with(staged.model, version),
+                SwapPolicy::Drain | SwapPolicy::Restart => {
+                    self.scheduler.set_model(staged.model, version)
+                }
+            };
             let (old_version, old_run) = {
                 let mut status = self.status.lock().expect("status lock");
                 let old_version = std::mem::replace(&mut status.weight_version, version);

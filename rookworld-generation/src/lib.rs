@@ -57,6 +57,10 @@ pub enum SwapPolicy {
     /// Swap at the next step; sequences in flight restart from their prompt on the new
     /// weights (their partial tokens are discarded).
     Restart,
+    /// Swap at the next step; sequences in flight go on under the new weights with the
+    /// keys and values the old ones cached (PipelineRL's in-flight update). Each token is
+    /// tagged with the version that sampled it ([`FinishedSample::token_versions`]).
+    Continue,
 }
 
 /// Limits of the engine.
@@ -172,8 +176,12 @@ pub struct FinishedSample {
     pub prompt_index: u32,
     pub sample_index: u32,
     pub completion: Completion,
-    /// The weights that produced every token of the completion.
+    /// The weights that sampled the completion's first token: its oldest.
     pub weight_version: u64,
+    /// The version that sampled each token, where they differ (a swap under
+    /// [`SwapPolicy::Continue`] came mid-completion); empty when `weight_version` sampled
+    /// them all.
+    pub token_versions: Vec<u64>,
 }
 
 /// What the engine reports.

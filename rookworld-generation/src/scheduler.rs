@@ -38,6 +38,8 @@ struct Group {
     work: PromptWork,
     /// Next-token logits after the prompt: every sample's first draw.
     first_logits: Vec<f32>,
+    /// The version whose weights prefilled the prompt (made `first_logits`).
+    prefilled_by: u64,
     live: usize,
 }
 
@@ -49,6 +51,8 @@ struct Row {
     sample: u32,
     sampler: Sampler,
     completion: Completion,
+    /// `versions[i]`: the weight version that sampled `completion.ids[i]`.
+    versions: Vec<u64>,
     budget: usize,
 }
 
@@ -190,6 +194,16 @@ impl Scheduler {
         self.drop_idle_groups()
     }
 
+    /// Replaces the model for the steps to come and leaves the work in flight as it is:
+    /// live rows go on from their cached keys and values, prompts prefilled by the old
+    /// weights keep their first logits, and each token sampled from now on is tagged
+    /// with `version` ([`SwapPolicy::Continue`](crate::SwapPolicy::Continue)). Returns the
+    /// model replaced.
+    pub fn continue_with(&mut self, model: Arc<Gpt2>, version: u64) -> Arc<Gpt2> {
+        self.version = version;
+        std::mem::replace(&mut self.model, model)
+    }
+
     /// Replaces the model. Work not finished restarts from its prompt under the new
     /// weights (its completions so far are discarded, never mixed); finished completions
     /// keep the version they were made with. Returns the model replaced.
@@ -329,6 +343,7 @@ impl Scheduler {
             self.groups.push(Group {
                 work,
                 first_logits,
+                prefilled_by: self.version,
                 live: 0,
             });
             self.fill_rows(self.groups.len() - 1, events, stats)?;
@@ -416,6 +431,7 @@ impl Scheduler {
                 logprobs: vec![first.logprob],
                 finish_reason: FinishReason::Length,
             },
+            versions: vec![group.prefilled_by],
             budget,
         };
         if let Some(reason) = self.finished(&row, &request) {
@@ -487,8 +503,13 @@ impl Scheduler {
             request: row.request,
             prompt_index: row.prompt_index,
             sample_index: row.sample,
+            weight_version: row.versions[0],
+            token_versions: if row.versions.iter().all(|&v| v == row.versions[0]) {
+                Vec::new()
+            } else {
+                row.versions
+            },
             completion: row.completion,
-            weight_version: self.version,
         }));
         if done {
             self.requests.remove(&row.request);

@@ -326,6 +326,7 @@ fn dynamic_sampling_consumes_groups_without_signal_and_keeps_the_others() {
                 logprobs: vec![-1.0],
                 reward,
                 components: BTreeMap::new(),
+                token_versions: vec![],
             })
             .collect(),
         ..group(id, 0)

@@ -71,6 +71,9 @@ pub struct ScoredCompletion {
     pub reward: f32,
     /// Reward components by name (format, legality, …).
     pub components: BTreeMap<String, f32>,
+    /// The weight version that sampled each id, where they differ (an update mid-
+    /// completion); empty when the group's `weight_version` sampled them all.
+    pub token_versions: Vec<u64>,
 }
 
 /// A prompt's G scored completions, as a worker submits them.
@@ -83,7 +86,9 @@ pub struct ScoredGroup {
     pub worker: String,
     /// The run of the weights it was sampled with (versions count within a run).
     pub run_id: String,
-    /// Weight version every completion was sampled with.
+    /// The oldest weight version that sampled a token of the group (the staleness limit
+    /// counts from it, so no token older than the limit is trained on); each token's own
+    /// in its completion's `token_versions`.
     pub weight_version: u64,
     pub seed: u64,
     pub generate_seconds: f64,
@@ -108,6 +113,7 @@ impl ScoredGroup {
             .iter()
             .map(|c| {
                 8 * c.ids.len()
+                    + 8 * c.token_versions.len()
                     + c.text.len()
                     + c.components.keys().map(|k| k.len() + 4).sum::<usize>()
             })

@@ -151,6 +151,15 @@ pub fn group(
                 c.logprobs.len()
             )));
         }
+        let versions_fit = c.token_versions.is_empty()
+            || (c.token_versions.len() == c.ids.len()
+                && c.token_versions.iter().all(|&v| v >= r.weight_version));
+        if !versions_fit {
+            return Err(invalid(format!(
+                "completion {i}: token_versions must be empty or one per id, none below the group's weight_version {}",
+                r.weight_version
+            )));
+        }
         let finite = c.reward.is_finite()
             && c.logprobs.iter().all(|l| l.is_finite() && *l <= 0.0)
             && c.components.values().all(|v| v.is_finite());

@@ -213,6 +213,7 @@ fn completion_to_pb(c: &ScoredCompletion) -> pb::ScoredCompletion {
         logprobs: c.logprobs.clone(),
         reward: c.reward,
         components: c.components.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+        token_versions: c.token_versions.clone(),
     }
 }
 
@@ -224,6 +225,7 @@ fn completion_from_pb(c: pb::ScoredCompletion) -> ScoredCompletion {
         logprobs: c.logprobs,
         reward: c.reward,
         components: c.components.into_iter().collect(),
+        token_versions: c.token_versions,
     }
 }
 

@@ -126,6 +126,7 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
         logprobs: vec![-1.0, -2.0, -0.5],
         reward,
         components: HashMap::from([("format".to_owned(), 1.0f32)]),
+        token_versions: vec![],
     };
     let check = GroupCheck::for_model(&rookworld_lm::Config::tiny());
     let submit = |lease_id, prompt_id| pb::SubmitRequest {
@@ -183,6 +184,14 @@ async fn workers_lease_and_submit_and_people_can_look_inside() {
             r.completions[3].text = "x".repeat(1 << 20)
         }),
         ("a bad worker id", |r| r.worker_id = "w1\n".into()),
+        ("token versions not one per id", |r| {
+            r.completions[0].token_versions = vec![r.weight_version; 2]
+        }),
+        ("a token older than the group", |r| {
+            let n = r.completions[1].ids.len();
+            r.completions[1].token_versions = vec![r.weight_version; n];
+            r.completions[1].token_versions[0] = r.weight_version.wrapping_sub(1);
+        }),
     ];
     for (what, breaks) in broken {
         let mut r = submit(first.lease_id, first.prompt_id);

@@ -78,6 +78,7 @@ async fn worker(id: usize, channel: Channel, check: GroupCheck, tally: Arc<Tally
                 logprobs: vec![-1.0; MAX_NEW_TOKENS as usize],
                 reward: 0.5,
                 components: HashMap::from([("format".to_owned(), 1.0)]),
+                token_versions: vec![],
             };
             let submit = pb::SubmitRequest {
                 worker_id: worker_id.clone(),

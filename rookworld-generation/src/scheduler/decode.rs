@@ -31,6 +31,7 @@ impl Scheduler {
         for (row, s) in self.rows.iter_mut().zip(sampled) {
             row.completion.ids.push(s.token);
             row.completion.logprobs.push(s.logprob);
+            row.versions.push(self.version);
         }
         stats.decode_seconds += started.elapsed().as_secs_f64();
         stats.decode_rows = ids.len();

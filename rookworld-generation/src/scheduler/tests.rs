@@ -283,6 +283,78 @@ fn a_swap_mid_generation_restarts_work_on_the_new_weights_without_mixing() {
     }
 }
 
+/// An in-flight update (`continue_with`): nothing restarts. Samples finished before it
+/// are the old weights' throughout; samples in flight keep their tokens so far (the old
+/// weights' stream, token for token) and go on under the new ones, each token tagged with
+/// the version that sampled it; a sample started later from a prompt the old weights
+/// prefilled has its first token tagged old.
+#[test]
+fn an_in_flight_update_continues_every_sample_and_tags_each_token_with_its_version() {
+    let (old, new) = (model(6), model(7));
+    let prompts = vec![prompt(1, 8), prompt(2, 12)];
+    let mut s = Scheduler::new(
+        old.clone(),
+        1,
+        EngineConfig {
+            max_seqs: 5,
+            ..EngineConfig::default()
+        },
+    );
+    s.submit(request(prompts.clone(), 4, 12, 9)).unwrap();
+    let mut got = Vec::new();
+    let mut swapped_after = None;
+    for step in 0.. {
+        if step == 14 {
+            let retired = s.continue_with(new.clone(), 2);
+            assert!(Arc::ptr_eq(&retired, &old));
+            swapped_after = Some(got.len());
+        }
+        let (events, _) = s.step(true);
+        got.extend(events.into_iter().filter_map(|e| match e {
+            Event::Sample(x) => Some(x),
+            _ => None,
+        }));
+        if !s.has_work() {
+            break;
+        }
+    }
+    let finished_before = swapped_after.expect("the swap came before the end");
+    assert!(finished_before > 0, "some samples finished before the swap");
+    assert_eq!(got.len(), 8, "nothing restarted, nothing lost");
+    let want_old = reference(&old, &prompts, 4, 12, 9, sampling());
+    let mut mixed = 0;
+    for (i, x) in got.iter().enumerate() {
+        let k = (x.prompt_index * 4 + x.sample_index) as usize;
+        let versions = if x.token_versions.is_empty() {
+            vec![x.weight_version; x.completion.ids.len()]
+        } else {
+            x.token_versions.clone()
+        };
+        assert_eq!(versions.len(), x.completion.ids.len(), "{x:?}");
+        assert!(versions.windows(2).all(|w| w[0] <= w[1]), "{x:?}");
+        assert_eq!(x.weight_version, versions[0]);
+        if i < finished_before {
+            assert_eq!(versions, vec![1; versions.len()], "{x:?}");
+            assert_eq!(x.completion.ids, want_old[k].ids, "sample {k}");
+        }
+        // The old weights' tokens are the old stream's, up to the swap.
+        let old_part = versions.iter().filter(|&&v| v == 1).count();
+        assert_eq!(
+            x.completion.ids[..old_part],
+            want_old[k].ids[..old_part],
+            "sample {k}"
+        );
+        if versions.contains(&1) && versions.contains(&2) {
+            mixed += 1;
+            assert!(!x.token_versions.is_empty());
+        }
+    }
+    assert!(
+        mixed > 0,
+        "some samples were in flight at the swap: {got:?}"
+    );
+}
+
 #[test]
 fn cancel_frees_everything_and_bad_requests_are_refused() {
     let m = model(8);
