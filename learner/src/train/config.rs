@@ -60,6 +60,16 @@ pub struct TrainArgs {
         default_value_if("local", "true", "auto")
     )]
     pub rollout_weight_dtype: Option<String>,
+    /// With --local: what the local rollout worker does with the sequences in flight when
+    /// new weights arrive (see `rollout-worker serve --swap-policy`); a separate worker
+    /// takes its own `--swap-policy`. (Default with --local: drain.)
+    #[arg(
+        long,
+        value_enum,
+        env = "LEARNER_ROLLOUT_SWAP_POLICY",
+        default_value_if("local", "true", "drain")
+    )]
+    pub rollout_swap_policy: Option<rookworld_generation::SwapPolicy>,
     /// The old names of --matmul-precision and --rollout-weight-dtype, refused with a line
     /// naming the new ones.
     #[command(flatten)]
@@ -249,6 +259,11 @@ impl TrainArgs {
         if !self.local && self.rollout_weight_dtype.is_some() {
             return Err(ConfigError::Conflict(
                 "--rollout-weight-dtype is the weight dtype of --local's worker; a separate worker takes its own (`rollout-worker serve --weight-dtype`)".into(),
+            ));
+        }
+        if !self.local && self.rollout_swap_policy.is_some() {
+            return Err(ConfigError::Conflict(
+                "--rollout-swap-policy is what --local's worker does on a swap; a separate worker takes its own (`rollout-worker serve --swap-policy`)".into(),
             ));
         }
         if self.reward.is_none() && self.reward_wait.is_some() {

@@ -10,6 +10,7 @@ use candle_core::{Device, DeviceLocation};
 use rollout_worker::{LoopConfig, ServiceConfig, Worker, WorkerConfig};
 use rookworld_chess::score::RewardConfig;
 use rookworld_chess::scorer::Scorer;
+use rookworld_generation::{EngineConfig, SwapPolicy};
 use rookworld_lm::device::{DeviceChoice, WeightDtype};
 use rookworld_lm::kernels::Kernels;
 use rookworld_lm::{Gpt2, model_io};
@@ -33,14 +34,20 @@ impl LocalServices {
     /// Starts the reward server and a worker that runs `weights` (the BF16 set the
     /// learner would push, so worker and learner agree from the first step) on a device of
     /// its own beside `learner_device` ([`worker_device`]) in `weight_dtype`
-    /// (`--rollout-weight-dtype`) and pulls from the queue at `queue`. With `tls` (the
+    /// (`--rollout-weight-dtype`), swapping new weights in as `swap_policy` says
+    /// (`--rollout-swap-policy`), and pulls from the queue at `queue`. With `tls` (the
     /// learner's: its certificate must name 127.0.0.1), every local port serves TLS and the
     /// worker calls out with `client`.
     pub async fn start(
         queue: SocketAddr,
         weights: &WeightSet,
         config: &rookworld_lm::Config,
-        (learner_device, learner_kernels, weight_dtype): (&Device, &Kernels, WeightDtype),
+        (learner_device, learner_kernels, weight_dtype, swap_policy): (
+            &Device,
+            &Kernels,
+            WeightDtype,
+            SwapPolicy,
+        ),
         token: &str,
         shared_dir: Option<std::path::PathBuf>,
         (tls, client): (Option<Arc<ServerTls>>, ClientTlsArgs),
@@ -96,6 +103,10 @@ impl LocalServices {
                     ..ServiceConfig::default()
                 },
                 pull: Some(pull),
+                engine: EngineConfig {
+                    swap_policy,
+                    ..EngineConfig::default()
+                },
                 ..WorkerConfig::new(model)
             },
             worker_listener,

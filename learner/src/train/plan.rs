@@ -104,6 +104,8 @@ pub struct ServicesPlan {
     pub no_shared_dir: bool,
     /// `--local`'s worker's weight dtype.
     pub rollout_weight_dtype: WeightDtype,
+    /// `--local`'s worker's swap policy.
+    pub rollout_swap_policy: rookworld_generation::SwapPolicy,
 }
 
 /// Where the run writes.
@@ -196,6 +198,9 @@ impl Plan {
                 shared_dir: args.shared_dir.clone(),
                 no_shared_dir: args.no_shared_dir,
                 rollout_weight_dtype: args.rollout_weight_dtype()?,
+                rollout_swap_policy: args
+                    .rollout_swap_policy
+                    .unwrap_or(rookworld_generation::SwapPolicy::Drain),
             },
             outputs: OutputsPlan {
                 run_dir: args.run_dir.clone(),

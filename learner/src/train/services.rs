@@ -105,6 +105,7 @@ impl Services {
                         run.policy.model.device(),
                         run.policy.model.kernels(),
                         services.rollout_weight_dtype,
+                        services.rollout_swap_policy,
                     ),
                     &token,
                     shared_dir.clone(),
