@@ -176,6 +176,10 @@ struct Report {
     /// version, in the first push that sends it).
     delta_encode_seconds: f64,
     runs: Vec<Run>,
+    /// The largest peak resident memory of a worker process over the whole benchmark: its
+    /// model, the version it receives into beside it, and the payload it keeps to relay
+    /// and to apply deltas to.
+    worker_peak_rss_bytes: u64,
 }
 
 /// Runs the benchmark and prints its JSON line.
@@ -281,6 +285,11 @@ pub fn run(args: &BenchFleetArgs) -> Result<(), BenchFleetError> {
         .join()
         .expect("the pushing thread panicked")
     });
+    let worker_peak_rss_bytes = workers
+        .iter()
+        .filter_map(|w| Lab::peak_rss_bytes(w.pid))
+        .max()
+        .unwrap_or(0);
     let runs = match measured {
         Ok(runs) => runs,
         Err(e) => {
@@ -302,6 +311,7 @@ pub fn run(args: &BenchFleetArgs) -> Result<(), BenchFleetError> {
         delta_lr: args.delta_lr,
         delta_encode_seconds,
         runs,
+        worker_peak_rss_bytes,
     };
     println!(
         "{}",

@@ -338,6 +338,14 @@ impl Lab {
             .is_none_or(|c| !matches!(c.try_wait(), Ok(None)))
     }
 
+    /// The peak resident memory of a process [`Lab::spawn`] started (`VmHWM`), if it runs.
+    pub fn peak_rss_bytes(pid: u32) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib * 1024)
+    }
+
     /// Bytes `at` has sent on its link since it was made (Ethernet frames, every header).
     pub fn sent_bytes(&self, at: &Endpoint) -> Result<u64, LabError> {
         let command = format!("ip -n {} -j -s link show dev {}", at.netns, at.device);
