@@ -143,10 +143,47 @@ struct Job {
     version: u64,
 }
 
-#[derive(Debug, Default)]
+/// The thread's jobs: the one it runs next (asked for while it was idle, so never
+/// replaced) and the one waiting behind it (replaced by a newer request).
+#[derive(Debug)]
 struct State {
+    next: Option<Job>,
     waiting: Option<Job>,
+    /// The thread has nothing to run: neither running, nor a job taken.
+    idle: bool,
     closed: bool,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        Self {
+            next: None,
+            waiting: None,
+            idle: true,
+            closed: false,
+        }
+    }
+}
+
+impl State {
+    /// Adds `job`: the next to run when the thread is idle (even before it has started),
+    /// else the waiting one; returns the waiting job it replaced.
+    fn push(&mut self, job: Job) -> Option<Job> {
+        if self.idle {
+            self.idle = false;
+            self.next = Some(job);
+            None
+        } else {
+            self.waiting.replace(job)
+        }
+    }
+
+    /// The job to run now, or `None` (and the thread idle) when there is none.
+    fn take(&mut self) -> Option<Job> {
+        let job = self.next.take().or_else(|| self.waiting.take());
+        self.idle = job.is_none();
+        job
+    }
 }
 
 struct Shared {
@@ -206,11 +243,12 @@ impl Evaluator {
         }
     }
 
-    /// Asks for the evaluation of `version`, published after `step`; a request still
-    /// waiting for the thread is replaced (and counted as skipped).
+    /// Asks for the evaluation of `version`, published after `step`: it runs next when
+    /// the thread is idle, else waits, replacing a request still waiting (counted as
+    /// skipped).
     pub fn request(&self, step: u64, version: u64) {
         let mut state = lock(&self.shared.state);
-        if let Some(old) = state.waiting.replace(Job { step, version }) {
+        if let Some(old) = state.push(Job { step, version }) {
             tracing::warn!(
                 step = old.step,
                 "evaluation skipped: the one before it still runs (raise --eval-every or lower --eval-limit)"
@@ -270,7 +308,7 @@ fn next_job(shared: &Shared) -> Option<Job> {
         if shared.stop.load(Ordering::Relaxed) {
             return None;
         }
-        if let Some(job) = state.waiting.take() {
+        if let Some(job) = state.take() {
             return Some(job);
         }
         if state.closed {
@@ -376,6 +414,23 @@ mod tests {
     struct Cli {
         #[command(flatten)]
         args: PeriodicArgs,
+    }
+
+    #[test]
+    fn a_request_made_while_idle_runs_and_only_the_waiting_one_is_replaced() {
+        let job = |step| Job { step, version: step + 1 };
+        let mut state = State::default();
+        // Asked before the thread took anything (it may not have started): it runs.
+        assert!(state.push(job(0)).is_none());
+        assert!(state.push(job(2)).is_none());
+        // A third while the first has not even been taken replaces only the second.
+        assert_eq!(state.push(job(4)).map(|j| j.step), Some(2));
+        assert_eq!(state.take().map(|j| j.step), Some(0));
+        assert_eq!(state.take().map(|j| j.step), Some(4));
+        assert!(state.take().is_none());
+        // Idle again: the next request runs next.
+        assert!(state.push(job(6)).is_none());
+        assert_eq!(state.take().map(|j| j.step), Some(6));
     }
 
     #[test]
