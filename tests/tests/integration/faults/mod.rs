@@ -157,6 +157,26 @@ async fn a_killed_learner_resumes_and_the_workers_get_its_weights() {
     trains_on(&c, 0, 5, "at start").await;
 
     learner.kill9();
+    let (mut learner, step, resumed) = resume(&c).await;
+    c.wait_until(
+        Duration::from_secs(60),
+        "both workers on the resumed weights",
+        || async {
+            worker_version(a.listen).await >= Some(resumed)
+                && worker_version(b.listen).await >= Some(resumed)
+        },
+    )
+    .await;
+    trains_on(&c, step, 3, "after the resume").await;
+
+    let books = stop_and_check(&c, &mut learner);
+    assert!(books.steps >= step + 3, "{books:?}");
+}
+
+/// Restarts a killed learner with `--resume` and waits for its `resumed` line: the
+/// learner, the step of its last checkpoint and the version the resumed weights take —
+/// past any version it published after that checkpoint, which workers may hold.
+async fn resume(c: &Cluster) -> (Proc, u64, u64) {
     let published: u64 = std::fs::read_to_string(c.path("run/published_version"))
         .unwrap()
         .trim()
@@ -180,14 +200,12 @@ async fn a_killed_learner_resumes_and_the_workers_get_its_weights() {
         published >= saved,
         "published {published}, checkpoint {saved}"
     );
-    // The resumed weights take a version past anything the workers may hold.
     let resumed = if published > saved {
         published + 1
     } else {
         saved
     };
-
-    let mut learner = c.learner(true);
+    let learner = c.learner(true);
     c.wait_until(
         Duration::from_secs(60),
         "the learner's 'resumed' line",
@@ -200,6 +218,54 @@ async fn a_killed_learner_resumes_and_the_workers_get_its_weights() {
         },
     )
     .await;
+    (learner, step, resumed)
+}
+
+/// The learner killed (kill -9) while a push to worker-a is under way — its first
+/// 256 KiB through, the rest stuck on the link: worker-a keeps the weights it ran and
+/// names the broken push in one log line, and the resumed learner brings both workers
+/// its weights; nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_learner_killed_mid_push_resumes_and_the_half_pushed_worker_gets_its_weights() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::new();
+    let _reward = c.reward_server();
+    let mut learner = c.learner(false);
+    let mut a = c.direct();
+    let to_a = Proxy::start(a.listen).await;
+    a.advertise = to_a.url();
+    let b = c.direct();
+    let worker_a = c.worker("worker-a", &a);
+    let _worker_b = c.worker("worker-b", &b);
+    // Past the first checkpoint (every 2 steps), with worker-a on trained weights.
+    trains_on(&c, 0, 3, "at start").await;
+    c.wait_until(PROGRESS, "worker-a on trained weights", || async {
+        worker_version(a.listen).await >= Some(2)
+    })
+    .await;
+
+    to_a.set(Mode::HoldAfter(256 << 10));
+    c.wait_until(PROGRESS, "a push to worker-a under way", || async {
+        to_a.holds() >= 1
+    })
+    .await;
+    let before = worker_version(a.listen).await;
+    learner.kill9();
+    c.wait_until(
+        Duration::from_secs(30),
+        "worker-a to name the broken push",
+        || async {
+            worker_a.log().lines().any(|l| {
+                l.contains("weight update refused; the old weights stay")
+                    && l.contains("weight update interrupted")
+            })
+        },
+    )
+    .await;
+    assert_eq!(worker_version(a.listen).await, before, "worker-a's weights");
+
+    to_a.set(Mode::Pass);
+    let (mut learner, step, resumed) = resume(&c).await;
     c.wait_until(
         Duration::from_secs(60),
         "both workers on the resumed weights",
@@ -210,9 +276,62 @@ async fn a_killed_learner_resumes_and_the_workers_get_its_weights() {
     )
     .await;
     trains_on(&c, step, 3, "after the resume").await;
+    stop_and_check(&c, &mut learner);
+}
 
-    let books = stop_and_check(&c, &mut learner);
-    assert!(books.steps >= step + 3, "{books:?}");
+/// A worker that joins while a push to another is stuck halfway is served the learner's
+/// weights at once, not after the stuck push; that push ends at its deadline, named in
+/// the learner's log, and the stuck worker catches up once its link heals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_joins_during_a_stuck_push_is_served_at_once() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::new();
+    let _reward = c.reward_server();
+    let mut learner = c.learner(false);
+    let mut a = c.direct();
+    let to_a = Proxy::start(a.listen).await;
+    a.advertise = to_a.url();
+    let b = c.direct();
+    let _worker_a = c.worker("worker-a", &a);
+    let _worker_b = c.worker("worker-b", &b);
+    trains_on(&c, 0, 2, "at start").await;
+
+    to_a.set(Mode::HoldAfter(256 << 10));
+    c.wait_until(PROGRESS, "a push to worker-a under way", || async {
+        to_a.holds() >= 1
+    })
+    .await;
+    let at_join = c.depths().await.unwrap().learner_version;
+    let joiner = c.direct();
+    let _worker_c = c.worker("worker-c", &joiner);
+    c.wait_until(
+        Duration::from_secs(60),
+        "worker-c on the learner's weights",
+        || async { worker_version(joiner.listen).await >= Some(at_join) },
+    )
+    .await;
+    c.wait_until(
+        Duration::from_secs(30),
+        "the stuck push to worker-a given up at its deadline",
+        || async {
+            learner.log().lines().any(|l| {
+                l.contains("weight push failed") && l.contains(&to_a.addr.to_string())
+            })
+        },
+    )
+    .await;
+
+    to_a.set(Mode::Pass);
+    let now = c.depths().await.unwrap().learner_version;
+    c.wait_until(
+        Duration::from_secs(60),
+        "worker-a caught up once its link healed",
+        || async { worker_version(a.listen).await >= Some(now) },
+    )
+    .await;
+    let at = c.steps();
+    trains_on(&c, at, 2, "with three workers").await;
+    stop_and_check(&c, &mut learner);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

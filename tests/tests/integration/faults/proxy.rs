@@ -1,7 +1,8 @@
 //! A TCP proxy on loopback that plays the network between two services: it passes bytes,
 //! holds them (a partition: nothing moves either way, connections stay open, as when
-//! packets are dropped, and everything flows again when it heals), or cuts connections
-//! once they have carried some bytes from the client (transfers interrupted halfway).
+//! packets are dropped, and everything flows again when it heals), cuts connections once
+//! they have carried some bytes from the client (transfers interrupted halfway), or from
+//! then on drops the client's bytes (a transfer stuck halfway until a side goes away).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -19,6 +20,16 @@ pub enum Mode {
     Partition,
     /// Every connection is cut once its client has sent this many bytes.
     CutAfter(u64),
+    /// Every new connection passes this many of its client's bytes and drops the rest
+    /// (read, never delivered) until one side closes it.
+    HoldAfter(u64),
+}
+
+/// What a connection does once its client has sent a number of bytes.
+#[derive(Debug, Clone, Copy)]
+enum Limit {
+    Cut(u64),
+    Hold(u64),
 }
 
 /// A running proxy; it stops when dropped.
@@ -26,6 +37,7 @@ pub struct Proxy {
     pub addr: SocketAddr,
     mode: watch::Sender<Mode>,
     cuts: Arc<AtomicU64>,
+    holds: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -36,24 +48,29 @@ impl Proxy {
         let addr = listener.local_addr().unwrap();
         let (mode, modes) = watch::channel(Mode::Pass);
         let cuts = Arc::new(AtomicU64::new(0));
-        let cut_count = cuts.clone();
+        let holds = Arc::new(AtomicU64::new(0));
+        let counts = Counts {
+            cuts: cuts.clone(),
+            holds: holds.clone(),
+        };
         let task = tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
                     continue;
                 };
-                let cut_after = match *modes.borrow() {
-                    Mode::CutAfter(n) => Some(n),
+                let limit = match *modes.borrow() {
+                    Mode::CutAfter(n) => Some(Limit::Cut(n)),
+                    Mode::HoldAfter(n) => Some(Limit::Hold(n)),
                     _ => None,
                 };
-                let (modes, cuts) = (modes.clone(), cut_count.clone());
+                let (modes, counts) = (modes.clone(), counts.clone());
                 tokio::spawn(async move {
                     // A partitioned network answers no new connection either.
                     wait_open(&modes).await;
                     let Ok(server) = TcpStream::connect(target).await else {
                         return;
                     };
-                    relay(client, server, modes, cut_after, cuts).await;
+                    relay(client, server, modes, limit, counts).await;
                 });
             }
         });
@@ -61,6 +78,7 @@ impl Proxy {
             addr,
             mode,
             cuts,
+            holds,
             task,
         }
     }
@@ -77,6 +95,18 @@ impl Proxy {
     pub fn cuts(&self) -> u64 {
         self.cuts.load(Ordering::SeqCst)
     }
+
+    /// Connections that reached their [`Mode::HoldAfter`] limit so far.
+    pub fn holds(&self) -> u64 {
+        self.holds.load(Ordering::SeqCst)
+    }
+}
+
+/// The proxy's tallies, shared with its connections.
+#[derive(Clone)]
+struct Counts {
+    cuts: Arc<AtomicU64>,
+    holds: Arc<AtomicU64>,
 }
 
 impl Drop for Proxy {
@@ -85,14 +115,14 @@ impl Drop for Proxy {
     }
 }
 
-/// Copies both ways until either side closes; holds while partitioned; cuts after
-/// `cut_after` client bytes.
+/// Copies both ways until either side closes; holds while partitioned; cuts after, or
+/// drops what follows, the `limit`'s client bytes.
 async fn relay(
     client: TcpStream,
     server: TcpStream,
     modes: watch::Receiver<Mode>,
-    cut_after: Option<u64>,
-    cuts: Arc<AtomicU64>,
+    limit: Option<Limit>,
+    counts: Counts,
 ) {
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
@@ -107,15 +137,26 @@ async fn relay(
                     Ok(0) | Err(_) => return,
                     Ok(n) => n,
                 };
-                let total = sent.fetch_add(n as u64, Ordering::SeqCst) + n as u64;
-                if cut_after.is_some_and(|limit| total >= limit) {
-                    // Counted before the sockets close, so a caller that sees its call
-                    // fail also sees the cut.
-                    cuts.fetch_add(1, Ordering::SeqCst);
-                    return; // cut: both directions end, the sockets close
+                let before = sent.fetch_add(n as u64, Ordering::SeqCst);
+                let total = before + n as u64;
+                let mut pass = n;
+                match limit {
+                    Some(Limit::Cut(limit)) if total >= limit => {
+                        // Counted before the sockets close, so a caller that sees its call
+                        // fail also sees the cut.
+                        counts.cuts.fetch_add(1, Ordering::SeqCst);
+                        return; // cut: both directions end, the sockets close
+                    }
+                    Some(Limit::Hold(limit)) if total >= limit => {
+                        if before < limit {
+                            counts.holds.fetch_add(1, Ordering::SeqCst);
+                        }
+                        pass = usize::try_from(limit.saturating_sub(before)).unwrap_or(n);
+                    }
+                    _ => {}
                 }
                 wait_open(&modes).await;
-                if server_write.write_all(&buf[..n]).await.is_err() {
+                if server_write.write_all(&buf[..pass]).await.is_err() {
                     return;
                 }
             }
@@ -190,5 +231,14 @@ mod tests {
         assert_eq!(proxy.cuts(), 1);
         proxy.set(Mode::Pass);
         assert_eq!(push(4).await.error, None);
+        // Held: the push gets 1 MiB through, then nothing until its deadline ends it.
+        proxy.set(Mode::HoldAfter(1 << 20));
+        let set = WeightSet::from_model(&model, "proxy-test", 5).unwrap();
+        let o = learner::push::push_to(proxy.url(), set, "t".into(), Duration::from_secs(1), true)
+            .await;
+        assert!(o.error.is_some(), "{o:?}");
+        assert_eq!((proxy.holds(), proxy.cuts()), (1, 1));
+        proxy.set(Mode::Pass);
+        assert_eq!(push(5).await.error, None);
     }
 }
