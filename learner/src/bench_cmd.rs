@@ -325,6 +325,7 @@ pub fn synthetic_batch(args: &BenchArgs, vocab: usize) -> GrpoBatch {
         rewards,
         old_logprobs: Some(old),
         proximal_logprobs: None,
+        stale_prefix: None,
     }
 }
 

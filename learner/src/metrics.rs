@@ -281,6 +281,11 @@ pub fn describe() {
         Unit::Count,
         "Completions cut off at --max-new-tokens left out of the loss (--mask-truncated)."
     );
+    describe_counter!(
+        names::TOKENS_MASKED_STALE_TOTAL,
+        Unit::Count,
+        "Completion tokens left out of the loss as sampled by weights past --max-version-lag (an update mid-completion)."
+    );
     describe_gauge!(
         names::CLIPPED_TOKENS_RATIO,
         "Share of completion tokens whose ratio was clipped, latest step."

@@ -274,19 +274,46 @@ impl Queue {
     }
 
     /// The version lag of a group for a learner at `version`, or `None` when the group is
-    /// not to be trained on: of another run's weights, too many versions behind, retired,
-    /// or ahead of the learner (weights it never published).
+    /// not to be trained on: of another run's weights, or its newest token's version too
+    /// many versions behind, retired, or ahead of the learner (weights it never published).
     fn lag(&self, version: u64, group: &ScoredGroup) -> Option<u64> {
         if group.run_id != self.run_id {
             return None;
         }
-        let group_version = group.weight_version;
-        let lag = version.checked_sub(group_version)?;
+        self.version_lag(version, group.newest_version())
+    }
+
+    /// How far weight version `v` of this run is behind a learner at `version`, when its
+    /// tokens are trained on: at most `max_version_lag`, not retired, not ahead.
+    fn version_lag(&self, version: u64, v: u64) -> Option<u64> {
+        let lag = version.checked_sub(v)?;
         let retired = self
             .retired
             .iter()
-            .any(|&(from, to)| (from..=to).contains(&group_version));
+            .any(|&(from, to)| (from..=to).contains(&v));
         (!retired && lag <= self.cfg.max_version_lag).then_some(lag)
+    }
+
+    /// Sets each completion's `stale_prefix` for a learner at `version`: its ids up to the
+    /// last one whose version is not trained on (an update reached the worker mid-
+    /// completion, so its first ids may be older than the limit). Returns the lag of the
+    /// oldest version the group is trained on.
+    fn mark_stale(&self, version: u64, group: &mut ScoredGroup) -> u64 {
+        let mut oldest = None;
+        for c in &mut group.completions {
+            c.stale_prefix = c
+                .token_versions
+                .iter()
+                .rposition(|&v| self.version_lag(version, v).is_none())
+                .map_or(0, |i| i + 1);
+            let first = match c.token_versions.get(c.stale_prefix) {
+                Some(&v) => v,
+                None if c.token_versions.is_empty() => group.weight_version,
+                None => continue, // every id stale
+            };
+            oldest = oldest.max(Some(version.saturating_sub(first)));
+        }
+        oldest.unwrap_or(version.saturating_sub(group.weight_version))
     }
 
     /// Drops (and counts) every waiting group a learner at `version` would not train on,
@@ -330,19 +357,21 @@ impl Queue {
             .count()
     }
 
-    /// Up to `max` scored groups for a learner at weight version `version`, oldest first.
-    /// Groups it would not train on (see [`Queue::purge`]) are dropped and counted instead.
+    /// Up to `max` scored groups for a learner at weight version `version`, oldest first,
+    /// each completion's ids past the staleness limit marked (`stale_prefix`). Groups it
+    /// would not train on (see [`Queue::purge`]) are dropped and counted instead.
     pub fn take(&mut self, max: usize, version: u64) -> Vec<ScoredGroup> {
         let mut out = Vec::new();
         while out.len() < max {
-            let Some((_, group)) = self.scored.pop_front() else {
+            let Some((_, mut group)) = self.scored.pop_front() else {
                 break;
             };
             self.scored_bytes -= group.size_bytes();
-            let Some(lag) = self.lag(version, &group) else {
+            if self.lag(version, &group).is_none() {
                 self.counters.groups_dropped_stale += 1;
                 continue;
-            };
+            }
+            let lag = self.mark_stale(version, &mut group);
             self.staleness[(lag as usize).min(self.staleness.len() - 1)] += 1;
             self.counters.groups_consumed += 1;
             out.push(group);

@@ -323,10 +323,15 @@ async fn group(
         .zip(texts)
         .zip(scores)
         .map(|((s, text), r)| queue::ScoredCompletion {
+            // Each id's version wherever one is not the group's.
+            token_versions: if s.token_versions.is_empty() && s.weight_version != version {
+                vec![s.weight_version; s.completion.ids.len()]
+            } else {
+                s.token_versions
+            },
             ids: s.completion.ids,
             text,
             logprobs: s.completion.logprobs,
-            token_versions: s.token_versions,
             reward: r.reward as f32,
             components: r
                 .components

@@ -25,6 +25,19 @@ pub struct GrpoBatch {
     /// [`crate::offpolicy`]); absent = the policy's own detached log-probs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub proximal_logprobs: Option<Vec<Vec<Vec<f32>>>>,
+    /// `stale_prefix[p][g]`: the leading tokens of completion g left out of the loss,
+    /// sampled by weights past the learner's staleness limit (an update reached the
+    /// worker mid-completion, and the versions along a completion never fall); absent =
+    /// none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stale_prefix: Option<Vec<Vec<usize>>>,
+}
+
+impl GrpoBatch {
+    /// The leading tokens of completion `g` of prompt `p` left out of the loss.
+    pub fn stale(&self, p: usize, g: usize) -> usize {
+        self.stale_prefix.as_ref().map_or(0, |s| s[p][g])
+    }
 }
 
 /// Why a batch cannot be trained on.
@@ -60,6 +73,18 @@ impl GrpoBatch {
                 });
             if !fits {
                 return bad("proximal log-probs do not match the completions".into());
+            }
+        }
+        if let Some(stale) = &self.stale_prefix {
+            let fits = stale.len() == p
+                && self.completions.iter().zip(stale).all(|(group, s)| {
+                    group.len() == s.len() && group.iter().zip(s).all(|(c, &n)| n <= c.len())
+                });
+            if !fits {
+                return bad(
+                    "stale_prefix does not match the completions (one per completion, at most its length)"
+                        .into(),
+                );
             }
         }
         for i in 0..p {
@@ -116,6 +141,8 @@ impl GrpoBatch {
 struct Row<'a> {
     prompt: &'a [u32],
     completion: &'a [u32],
+    /// Leading tokens left out of the loss as stale.
+    stale: usize,
     old: Option<&'a [f32]>,
     proximal: Option<&'a [f32]>,
     advantage: f32,
@@ -151,6 +178,8 @@ pub struct Layout {
     pub tokens: usize,
     /// Completions left out of the loss as cut off (`mask_truncated`).
     pub masked_truncated: usize,
+    /// Completions with a token counted in the loss.
+    pub sequences: usize,
 }
 
 impl Layout {
@@ -176,6 +205,7 @@ impl Layout {
                 rows.push(Row {
                     prompt,
                     completion: c,
+                    stale: batch.stale(p, g),
                     old,
                     proximal,
                     advantage: adv[g],
@@ -195,13 +225,14 @@ impl Layout {
         let (mut ids, mut targets) = (vec![pad; n * t], vec![pad; n * (t - 1)]);
         let (mut mask, mut behaviour) = (vec![0f32; n * (t - 1)], vec![0f32; n * (t - 1)]);
         let mut proximal_lp = vec![0f32; n * (t - 1)];
-        let (mut tokens, mut truncated) = (0, 0);
+        let (mut tokens, mut truncated, mut sequences) = (0, 0, 0);
         let mut slots = Vec::new();
         for (
             r,
             Row {
                 prompt,
                 completion,
+                stale,
                 old,
                 proximal,
                 ..
@@ -218,7 +249,7 @@ impl Layout {
                 truncated += 1;
             }
             for j in 0..completion.len() {
-                mask[r * (t - 1) + first + j] = f32::from(u8::from(counted));
+                mask[r * (t - 1) + first + j] = f32::from(u8::from(counted && j >= *stale));
                 slots.push((r * (t - 1) + first + j) as u32);
                 if let Some(old) = old {
                     behaviour[r * (t - 1) + first + j] = old[j];
@@ -227,8 +258,9 @@ impl Layout {
                     proximal_lp[r * (t - 1) + first + j] = prox[j];
                 }
             }
-            if counted {
-                tokens += completion.len();
+            if counted && completion.len() > *stale {
+                tokens += completion.len() - stale;
+                sequences += 1;
             }
         }
         let advantages: Vec<f32> = rows.iter().map(|row| row.advantage).collect();
@@ -250,6 +282,7 @@ impl Layout {
             skipped_groups: skipped,
             tokens,
             masked_truncated: truncated,
+            sequences,
         }))
     }
 }

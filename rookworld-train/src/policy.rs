@@ -424,6 +424,7 @@ pub fn own_logprobs(
             rewards: vec![(0..group.len()).map(|g| g as f32).collect()],
             old_logprobs: None,
             proximal_logprobs: None,
+            stale_prefix: None,
         };
         let scale = crate::grpo::Scale::Fixed(1.0);
         let first = prompt.len() - 1;

@@ -81,11 +81,12 @@ pub fn accumulate(
 }
 
 /// A micro-batch's part of the step: its completions, those of them masked as cut off,
-/// and the tokens its loss counts.
+/// those with a token counted in the loss, and the tokens its loss counts.
 #[derive(Debug, Clone, Copy)]
 struct Share {
     completions: usize,
     masked_truncated: usize,
+    sequences: usize,
     tokens: usize,
 }
 
@@ -95,7 +96,7 @@ impl Share {
     /// by the token budget), or its tokens (token).
     fn size(self, aggregation: Aggregation) -> f64 {
         match aggregation {
-            Aggregation::Sequence => (self.completions - self.masked_truncated) as f64,
+            Aggregation::Sequence => self.sequences as f64,
             Aggregation::Constant => self.completions as f64,
             Aggregation::Token => self.tokens as f64,
         }
@@ -191,6 +192,7 @@ pub fn accumulate_autograd(
             let share = Share {
                 completions,
                 masked_truncated: l.masked_truncated,
+                sequences: l.sequences,
                 tokens: l.tokens,
             };
             (share, l.group_advantages.len())
@@ -354,6 +356,7 @@ fn fused_micro_batches<B: Backend, G: DerefMut<Target = B::Buf>>(
             let share = Share {
                 completions: m.completions(),
                 masked_truncated: m.masked_truncated(),
+                sequences: m.sequences(),
                 tokens: m.counted_tokens,
             };
             (share, m.group_advantages.len())
@@ -484,6 +487,7 @@ fn slice(batch: &GrpoBatch, start: usize, len: usize) -> GrpoBatch {
             .proximal_logprobs
             .as_ref()
             .map(|o| o[start..end].to_vec()),
+        stale_prefix: batch.stale_prefix.as_ref().map(|s| s[start..end].to_vec()),
     }
 }
 

@@ -418,7 +418,10 @@ mod tests {
 
     #[test]
     fn a_request_made_while_idle_runs_and_only_the_waiting_one_is_replaced() {
-        let job = |step| Job { step, version: step + 1 };
+        let job = |step| Job {
+            step,
+            version: step + 1,
+        };
         let mut state = State::default();
         // Asked before the thread took anything (it may not have started): it runs.
         assert!(state.push(job(0)).is_none());

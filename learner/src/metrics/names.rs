@@ -4,6 +4,7 @@ pub const CLIPPED_HIGH_RATIO: &str = "learner_clipped_high_ratio";
 pub const CLIPPED_LOW_RATIO: &str = "learner_clipped_low_ratio";
 pub const CLIPPED_TOKENS_RATIO: &str = "learner_clipped_tokens_ratio";
 pub const COMPLETIONS_MASKED_TRUNCATED_TOTAL: &str = "learner_completions_masked_truncated_total";
+pub const TOKENS_MASKED_STALE_TOTAL: &str = "learner_tokens_masked_stale_total";
 pub const EVAL: &str = "learner_eval";
 pub const EVAL_SECONDS: &str = "learner_eval_seconds";
 pub const EVAL_STEP: &str = "learner_eval_step";

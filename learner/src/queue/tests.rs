@@ -247,6 +247,61 @@ fn retired_and_unpublished_versions_are_dropped() {
     assert_eq!(c.prompts_added, ids.len() as u64);
 }
 
+/// An update that reached the worker mid-completion: the group is kept while its newest
+/// token is within the limit, and the ids sampled by versions past it (or retired) are
+/// marked as the completion's stale prefix; a group whose every id is past it is dropped.
+#[test]
+fn tokens_past_the_staleness_limit_are_marked_and_the_group_kept_while_one_is_within() {
+    let t0 = Instant::now();
+    let mut q = Queue::new(QueueConfig {
+        max_scored: 8,
+        max_version_lag: 1,
+        ..cfg()
+    });
+    let completion = |versions: &[u64]| ScoredCompletion {
+        ids: vec![1; versions.len()],
+        text: String::new(),
+        logprobs: vec![-1.0; versions.len()],
+        reward: 0.0,
+        components: BTreeMap::new(),
+        token_versions: versions.to_vec(),
+        stale_prefix: 0,
+    };
+    let submit = |q: &mut Queue, completions: Vec<ScoredCompletion>| {
+        let id = q.add(prompt(0), 0).unwrap();
+        let lease = q.lease("w", 1, t0).unwrap()[0].lease;
+        let oldest = completions
+            .iter()
+            .flat_map(|c| c.token_versions.iter().copied())
+            .min()
+            .unwrap();
+        let group = ScoredGroup {
+            completions,
+            ..group(id, oldest)
+        };
+        q.submit("w", lease, group, t0).unwrap();
+    };
+    // A learner at version 4 with a lag of 1 trains on versions 3 and 4.
+    submit(
+        &mut q,
+        vec![completion(&[2, 2, 3, 4]), completion(&[3, 3, 3])],
+    );
+    submit(&mut q, vec![completion(&[1, 2]), completion(&[2, 2])]);
+    submit(&mut q, vec![completion(&[2, 3, 4, 4])]);
+    q.retire(3, 3);
+    let taken = q.take(10, 4);
+    let prefixes: Vec<Vec<usize>> = taken
+        .iter()
+        .map(|g| g.completions.iter().map(|c| c.stale_prefix).collect())
+        .collect();
+    // The retired version 3 is stale too.
+    assert_eq!(prefixes, [vec![3, 3], vec![2]]);
+    let c = q.depths().counters;
+    assert_eq!((c.groups_consumed, c.groups_dropped_stale), (2, 1));
+    // Each kept group counts at the lag of the oldest version it is trained on.
+    assert_eq!(&q.staleness()[..2], &[2, 0]);
+}
+
 #[test]
 fn counters_and_retired_versions_continue_after_a_restore() {
     let t0 = Instant::now();
@@ -327,6 +382,7 @@ fn dynamic_sampling_consumes_groups_without_signal_and_keeps_the_others() {
                 reward,
                 components: BTreeMap::new(),
                 token_versions: vec![],
+                stale_prefix: 0,
             })
             .collect(),
         ..group(id, 0)

@@ -74,6 +74,14 @@ pub struct ScoredCompletion {
     /// The weight version that sampled each id, where they differ (an update mid-
     /// completion); empty when the group's `weight_version` sampled them all.
     pub token_versions: Vec<u64>,
+    /// Leading ids the learner leaves out of the loss, sampled by weights past its
+    /// staleness limit (set when the learner takes the group; 0 before).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub stale_prefix: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// A prompt's G scored completions, as a worker submits them.
@@ -86,9 +94,9 @@ pub struct ScoredGroup {
     pub worker: String,
     /// The run of the weights it was sampled with (versions count within a run).
     pub run_id: String,
-    /// The oldest weight version that sampled a token of the group (the staleness limit
-    /// counts from it, so no token older than the limit is trained on); each token's own
-    /// in its completion's `token_versions`.
+    /// The oldest weight version that sampled a token of the group; each token's own in
+    /// its completion's `token_versions`. The staleness limit keeps the group while its
+    /// newest token is within it, and leaves the tokens past it out of the loss.
     pub weight_version: u64,
     pub seed: u64,
     pub generate_seconds: f64,
@@ -98,6 +106,14 @@ pub struct ScoredGroup {
 }
 
 impl ScoredGroup {
+    /// The newest weight version that sampled a token of the group.
+    pub fn newest_version(&self) -> u64 {
+        self.completions
+            .iter()
+            .flat_map(|c| c.token_versions.iter().copied())
+            .fold(self.weight_version, u64::max)
+    }
+
     /// Whether its rewards differ (equal rewards give every completion advantage 0).
     pub fn has_signal(&self) -> bool {
         self.completions

@@ -226,6 +226,7 @@ fn completion_from_pb(c: pb::ScoredCompletion) -> ScoredCompletion {
         reward: c.reward,
         components: c.components.into_iter().collect(),
         token_versions: c.token_versions,
+        stale_prefix: 0,
     }
 }
 

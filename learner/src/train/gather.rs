@@ -119,7 +119,7 @@ pub(super) async fn gather(
 }
 
 /// The groups as a batch: the worker's prompt ids, sampled ids, rewards and behaviour
-/// log-probs.
+/// log-probs, and the ids left out of the loss as stale.
 pub(super) fn to_batch(groups: &[ScoredGroup]) -> GrpoBatch {
     GrpoBatch {
         prompts: groups.iter().map(|g| g.prompt_ids.clone()).collect(),
@@ -138,6 +138,15 @@ pub(super) fn to_batch(groups: &[ScoredGroup]) -> GrpoBatch {
                 .collect(),
         ),
         proximal_logprobs: None,
+        stale_prefix: groups
+            .iter()
+            .any(|g| g.completions.iter().any(|c| c.stale_prefix > 0))
+            .then(|| {
+                groups
+                    .iter()
+                    .map(|g| g.completions.iter().map(|c| c.stale_prefix).collect())
+                    .collect()
+            }),
     }
 }
 

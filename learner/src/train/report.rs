@@ -76,6 +76,10 @@ pub struct StepRecord {
     /// Completions left out of the loss as cut off (`--mask-truncated`).
     #[serde(default)]
     pub masked_truncated: usize,
+    /// Completion tokens left out of the loss as sampled by weights past the staleness
+    /// limit (`--max-version-lag`; an update that reached a worker mid-completion).
+    #[serde(default)]
+    pub masked_stale_tokens: usize,
     /// The workers' sampling log-probs against the learner's on the step's tokens.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mismatch: Option<rookworld_train::offpolicy::Mismatch>,
@@ -121,6 +125,11 @@ impl StepRecord {
             clip_high: report.clip_high,
             mismatch: report.mismatch,
             masked_truncated: report.masked_truncated,
+            masked_stale_tokens: groups
+                .iter()
+                .flat_map(|g| &g.completions)
+                .map(|c| c.stale_prefix)
+                .sum(),
             entropy: report.entropy,
             tokens: report.tokens,
             groups: groups.len(),
@@ -464,6 +473,7 @@ fn record_metrics(r: &StepRecord) {
     counter!(names::TOKENS_TOTAL).increment(r.tokens as u64);
     counter!(names::GROUPS_SKIPPED_TOTAL).increment((r.skipped_groups + r.dynamic_skipped) as u64);
     counter!(names::COMPLETIONS_MASKED_TRUNCATED_TOTAL).increment(r.masked_truncated as u64);
+    counter!(names::TOKENS_MASKED_STALE_TOTAL).increment(r.masked_stale_tokens as u64);
     let s = r.step_seconds;
     for (phase, v) in [
         ("wait", s.wait),

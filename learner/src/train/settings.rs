@@ -120,7 +120,8 @@ pub struct TrainSettings {
         default_value_t = 0.0
     )]
     pub policy_fraction: f64,
-    /// Groups sampled more than this many weight versions behind are dropped (counted).
+    /// Tokens sampled more than this many weight versions behind are left out of the loss
+    /// (counted); a group whose every token is, is dropped (counted).
     #[arg(
         long,
         allow_negative_numbers = true,

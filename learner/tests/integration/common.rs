@@ -30,6 +30,26 @@ pub fn batch_of_four() -> GrpoBatch {
     batch
 }
 
+/// Stale prefixes for every completion of `batch`: none for the first of each group, the
+/// whole of the second, two tokens (or all but the last) of the others.
+pub fn stale_prefixes(batch: &GrpoBatch) -> Vec<Vec<usize>> {
+    batch
+        .completions
+        .iter()
+        .map(|group| {
+            group
+                .iter()
+                .enumerate()
+                .map(|(g, c)| match g {
+                    0 => 0,
+                    1 => c.len(),
+                    _ => 2.min(c.len() - 1),
+                })
+                .collect()
+        })
+        .collect()
+}
+
 /// Largest |x| of a tensor of any shape.
 pub fn max_abs(t: &Tensor) -> f32 {
     t.abs()

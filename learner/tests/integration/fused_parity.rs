@@ -3,8 +3,9 @@
 //! forward the rollout worker samples with): loss parts and every parameter's gradient,
 //! with and without behaviour log-probs, every aggregation and policy loss, the batch's
 //! std over micro-batches, three temperatures, with a completion of one token (fed
-//! nowhere, predicted from the prompt's last row), the LM head's rows in one chunk and in
-//! several (the objective between each chunk's forward and backward).
+//! nowhere, predicted from the prompt's last row), completions cut off or with a stale
+//! prefix left out, the LM head's rows in one chunk and in several (the objective between
+//! each chunk's forward and backward).
 
 use crate::common;
 
@@ -31,6 +32,7 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
         advantage_norm,
         correction,
         mask_truncated,
+        stale,
     ) in [
         (
             true,
@@ -40,6 +42,7 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             PolicyLoss::Clip,
             AdvantageNorm::Unbiased,
             Correction::Off,
+            false,
             false,
         ),
         (
@@ -51,6 +54,7 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             AdvantageNorm::Unbiased,
             Correction::Off,
             false,
+            false,
         ),
         (
             true,
@@ -60,6 +64,7 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             PolicyLoss::Clip,
             AdvantageNorm::Unbiased,
             Correction::Off,
+            false,
             false,
         ),
         // The objectives users switch on, over micro-batches: the batch's std and Dr.
@@ -73,6 +78,7 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             AdvantageNorm::Batch,
             Correction::Off,
             false,
+            false,
         ),
         (
             true,
@@ -82,6 +88,7 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             PolicyLoss::Gspo,
             AdvantageNorm::None,
             Correction::Off,
+            false,
             false,
         ),
         (
@@ -93,6 +100,7 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             AdvantageNorm::Population,
             Correction::Off,
             false,
+            false,
         ),
         (
             true,
@@ -102,6 +110,7 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             PolicyLoss::Cispo,
             AdvantageNorm::Batch,
             Correction::Off,
+            false,
             false,
         ),
         // Decoupled off-policy correction.
@@ -114,6 +123,7 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             AdvantageNorm::Unbiased,
             Correction::TokenTruncate,
             false,
+            false,
         ),
         (
             true,
@@ -124,6 +134,7 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             AdvantageNorm::Batch,
             Correction::SequenceMask,
             false,
+            false,
         ),
         (
             true,
@@ -133,6 +144,7 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             PolicyLoss::Gspo,
             AdvantageNorm::Unbiased,
             Correction::TokenMask,
+            false,
             false,
         ),
         // Completions cut off at the budget left out, over micro-batches.
@@ -145,6 +157,7 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             AdvantageNorm::Unbiased,
             Correction::Off,
             true,
+            false,
         ),
         (
             true,
@@ -155,11 +168,50 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
             AdvantageNorm::Unbiased,
             Correction::Off,
             true,
+            false,
+        ),
+        // Tokens sampled by versions past the staleness limit left out (a prefix of
+        // some completions, the whole of one), with and without the sampler's log-probs.
+        (
+            true,
+            Aggregation::Sequence,
+            1.0,
+            1,
+            PolicyLoss::Clip,
+            AdvantageNorm::Unbiased,
+            Correction::TokenTruncate,
+            false,
+            true,
+        ),
+        (
+            true,
+            Aggregation::Token,
+            0.9,
+            2,
+            PolicyLoss::Clip,
+            AdvantageNorm::Unbiased,
+            Correction::Off,
+            false,
+            true,
+        ),
+        (
+            false,
+            Aggregation::Constant,
+            1.0,
+            3,
+            PolicyLoss::Cispo,
+            AdvantageNorm::Batch,
+            Correction::Off,
+            false,
+            true,
         ),
     ] {
         let mut batch = common::batch_of_four();
         if !with_old {
             batch.old_logprobs = None;
+        }
+        if stale {
+            batch.stale_prefix = Some(common::stale_prefixes(&batch));
         }
         let cfg = StepConfig {
             loss: LossConfig {
@@ -214,4 +266,52 @@ fn fused_pass_equals_autograd_on_the_plain_model() {
         }
     }
     println!("largest relative gradient difference: {worst:.2e}");
+}
+
+/// A stale prefix is out of the loss on both passes: moving its tokens' sampler log-probs
+/// changes neither the loss nor a gradient, and the tokens counted fall by its length.
+#[test]
+fn the_tokens_of_a_stale_prefix_change_nothing_and_are_not_counted() {
+    let dir = common::grpo_fixture();
+    let policy = Trainable::load(&dir.join("policy"), &Device::Cpu).unwrap();
+    let reference = model_io::load(&dir.join("reference"), DType::F32, &Device::Cpu).unwrap();
+    let cfg = StepConfig {
+        loss: LossConfig {
+            aggregation: Aggregation::Token,
+            max_new_tokens: 16,
+            ..LossConfig::default()
+        },
+        micro_batch_groups: 2,
+        max_grad_norm: 1.0,
+    };
+    let whole = common::batch_of_four();
+    let prefixes = common::stale_prefixes(&whole);
+    let stale = rookworld_train::batch::GrpoBatch {
+        stale_prefix: Some(prefixes.clone()),
+        ..whole.clone()
+    };
+    let mut moved = stale.clone();
+    for (group, lps) in prefixes.iter().zip(moved.old_logprobs.as_mut().unwrap()) {
+        for (&n, lp) in group.iter().zip(lps) {
+            lp[..n].iter_mut().for_each(|x| *x -= 1.0);
+        }
+    }
+    let with_signal: usize = prefixes
+        .iter()
+        .zip(&whole.rewards)
+        .filter(|(_, r)| r.iter().any(|x| *x != r[0]))
+        .map(|(p, _)| p.iter().sum::<usize>())
+        .sum();
+    for pass in [accumulate, accumulate_autograd] {
+        let (_, all) = pass(&policy, Some(&reference), &whole, &cfg).unwrap();
+        let (g, a) = pass(&policy, Some(&reference), &stale, &cfg).unwrap();
+        let (h, b) = pass(&policy, Some(&reference), &moved, &cfg).unwrap();
+        assert_eq!(all.tokens - a.tokens, with_signal);
+        assert_eq!((a.loss, a.tokens), (b.loss, b.tokens));
+        assert_ne!(a.loss, all.loss);
+        for (name, _) in &policy.vars {
+            let d = common::max_abs(&(g.get(name).unwrap() - h.get(name).unwrap()).unwrap());
+            assert_eq!(d, 0.0, "{name}");
+        }
+    }
 }

@@ -33,6 +33,8 @@ pub struct MicroBatch {
     pub tokens: usize,
     /// Per completion, whether its tokens count in the loss (not cut off, or not masked).
     counted: Vec<bool>,
+    /// Per completion, its leading tokens left out of the loss as stale.
+    stale: Vec<usize>,
     /// Completion tokens counted in the loss.
     pub counted_tokens: usize,
 }
@@ -44,7 +46,7 @@ impl MicroBatch {
     pub fn new(batch: &GrpoBatch, scale: Scale, truncated_without: Option<u32>) -> Option<Self> {
         let mut inputs = Vec::new();
         let (mut advantages, mut behaviour, mut kept) = (Vec::new(), Vec::new(), Vec::new());
-        let mut proximal = Vec::new();
+        let (mut proximal, mut stale) = (Vec::new(), Vec::new());
         for (p, prompt) in batch.prompts.iter().enumerate() {
             let Some(adv) = group_advantages(&batch.rewards[p], scale) else {
                 continue;
@@ -54,6 +56,7 @@ impl MicroBatch {
                 completions: &batch.completions[p],
             });
             advantages.extend_from_slice(&adv);
+            stale.extend((0..adv.len()).map(|g| batch.stale(p, g)));
             if let Some(old) = &batch.old_logprobs {
                 behaviour.extend(old[p].iter().flatten());
             }
@@ -71,9 +74,12 @@ impl MicroBatch {
             .flat_map(|g| g.completions.iter())
             .map(|c| truncated_without.is_none_or(|eot| c.last() == Some(&eot)))
             .collect();
-        let counted_tokens = counted_ranges(&packed, &counted).map(|r| r.len()).sum();
+        let counted_tokens = counted_ranges(&packed, &counted, &stale)
+            .map(|r| r.len())
+            .sum();
         Some(Self {
             counted,
+            stale,
             counted_tokens,
             tokens: packed.targets.len(),
             packed,
@@ -92,6 +98,13 @@ impl MicroBatch {
     /// Completions left out of the loss as cut off.
     pub fn masked_truncated(&self) -> usize {
         self.counted.iter().filter(|c| !**c).count()
+    }
+
+    /// Completions with a token counted in the loss.
+    pub fn sequences(&self) -> usize {
+        (0..self.counted.len())
+            .filter(|&k| self.counted_tokens(k) > 0)
+            .count()
     }
 
     /// Per-token values (N) of completions `ks` as a (K, L) f64 tensor, L the longest of
@@ -131,12 +144,19 @@ impl MicroBatch {
         first..end.max(first)
     }
 
-    /// Completion k's tokens counted in the loss.
+    /// Completion k's tokens counted in the loss: those after its stale prefix, unless it
+    /// was cut off.
     fn counted_tokens(&self, k: usize) -> usize {
+        self.counted_within(k).len()
+    }
+
+    /// The positions within completion k of its tokens counted in the loss.
+    fn counted_within(&self, k: usize) -> Range<usize> {
+        let len = self.packed.tokens[k].len();
         if self.counted[k] {
-            self.packed.tokens[k].len()
+            self.stale[k].min(len)..len
         } else {
-            0
+            0..0
         }
     }
 
@@ -155,7 +175,8 @@ impl MicroBatch {
         let logp_var = Var::from_tensor(&self.per_completion(&ks, logp)?)?;
         let mut mask = vec![0f64; c * l];
         for (j, k) in ks.clone().enumerate() {
-            mask[j * l..][..self.counted_tokens(k)].fill(1.0);
+            let within = self.counted_within(k);
+            mask[j * l + within.start..j * l + within.end].fill(1.0);
         }
         let mask = Tensor::from_vec(mask, (c, l), &Device::Cpu)?;
         let of = |v: Option<&[f32]>| v.map(|v| self.per_completion(&ks, v)).transpose();
@@ -212,17 +233,20 @@ pub struct MicroReport {
     pub activation_bytes: usize,
 }
 
-/// The token ranges (into the packed targets) of the completions counted in the loss.
+/// The token ranges (into the packed targets) counted in the loss: of each completion not
+/// cut off, the tokens after its stale prefix.
 fn counted_ranges<'a>(
     packed: &'a Packed,
     counted: &'a [bool],
+    stale: &'a [usize],
 ) -> impl Iterator<Item = std::ops::Range<usize>> + 'a {
     packed
         .tokens
         .iter()
         .zip(counted)
-        .filter(|(_, c)| **c)
-        .map(|(r, _)| r.clone())
+        .zip(stale)
+        .filter(|((_, c), _)| **c)
+        .map(|((r, _), &s)| (r.start + s).min(r.end)..r.end)
 }
 
 /// The reference's log-probs of every predicted token of `micro` (N), in one forward
@@ -293,7 +317,7 @@ pub fn micro_step<B: Backend, G: DerefMut<Target = B::Buf>>(
     report.backward_seconds = started.elapsed().as_secs_f64() - trained.forward_seconds;
     report.activation_bytes = acts.bytes(b);
     let entropy = b.read(acts.entropy()).map_err(wrap)?;
-    report.entropy_sum = counted_ranges(&micro.packed, &micro.counted)
+    report.entropy_sum = counted_ranges(&micro.packed, &micro.counted, &micro.stale)
         .flat_map(|r| &entropy[r])
         .map(|&h| f64::from(h))
         .sum();

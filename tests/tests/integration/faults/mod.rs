@@ -314,9 +314,10 @@ async fn a_worker_that_joins_during_a_stuck_push_is_served_at_once() {
         Duration::from_secs(30),
         "the stuck push to worker-a given up at its deadline",
         || async {
-            learner.log().lines().any(|l| {
-                l.contains("weight push failed") && l.contains(&to_a.addr.to_string())
-            })
+            learner
+                .log()
+                .lines()
+                .any(|l| l.contains("weight push failed") && l.contains(&to_a.addr.to_string()))
         },
     )
     .await;
