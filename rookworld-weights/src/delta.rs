@@ -81,21 +81,45 @@ fn encode_block(block: usize, base: &[u8], payload: &[u8]) -> Result<Vec<u8>, De
         return Ok(Vec::new());
     }
     let words = base.len() / 2;
-    let mut planes = vec![0u8; 2 * words];
-    let (high, low) = planes.split_at_mut(words);
-    for (i, (b, p)) in base
-        .chunks_exact(2)
-        .zip(payload.chunks_exact(2))
-        .enumerate()
-    {
-        // Little-endian words: byte 1 is the high byte (sign, exponent, top mantissa bit).
-        low[i] = b[0] ^ p[0];
-        high[i] = b[1] ^ p[1];
-    }
-    zstd::bulk::compress(&planes, LEVEL).map_err(|e| DeltaError::Block {
-        block,
-        detail: e.to_string(),
+    SCRATCH.with_borrow_mut(|scratch| {
+        let Scratch {
+            planes,
+            compressed,
+            zstd,
+            ..
+        } = scratch;
+        planes.resize(2 * words, 0);
+        let (high, low) = planes.split_at_mut(words);
+        split_xor(base, payload, high, low);
+        compressed.resize(zstd::zstd_safe::compress_bound(planes.len()), 0);
+        let fail = |e: std::io::Error| DeltaError::Block {
+            block,
+            detail: e.to_string(),
+        };
+        let compressor = match zstd {
+            Some(c) => c,
+            None => zstd.insert(zstd::bulk::Compressor::new(LEVEL).map_err(fail)?),
+        };
+        let n = compressor
+            .compress_to_buffer(&planes[..], &mut compressed[..])
+            .map_err(fail)?;
+        Ok(compressed[..n].to_vec())
     })
+}
+
+/// What a thread encoding or applying blocks keeps between them: the planes, the
+/// compressed block and zstd's contexts (made once, not once a block; with the planes'
+/// memory, about a third of the encode's time).
+#[derive(Default)]
+struct Scratch {
+    planes: Vec<u8>,
+    compressed: Vec<u8>,
+    zstd: Option<zstd::bulk::Compressor<'static>>,
+    unzstd: Option<zstd::bulk::Decompressor<'static>>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
 }
 
 /// The size of the payload `delta` makes, from its header (checked).
@@ -159,24 +183,89 @@ pub fn apply(base: &mut [u8], delta: &[u8]) -> Result<(), DeltaError> {
             if compressed.is_empty() {
                 return Ok(());
             }
-            let planes =
-                zstd::bulk::decompress(compressed, out.len()).map_err(|e| DeltaError::Block {
+            SCRATCH.with_borrow_mut(|scratch| {
+                let fail = |e: std::io::Error| DeltaError::Block {
                     block,
                     detail: e.to_string(),
-                })?;
-            if planes.len() != out.len() {
-                return Err(DeltaError::Block {
-                    block,
-                    detail: format!("{} bytes for a block of {}", planes.len(), out.len()),
-                });
-            }
-            let (high, low) = planes.split_at(out.len() / 2);
-            for (i, word) in out.chunks_exact_mut(2).enumerate() {
-                word[0] ^= low[i];
-                word[1] ^= high[i];
-            }
-            Ok(())
+                };
+                let planes = &mut scratch.planes;
+                // One byte more than the block: a block that decompresses to more is
+                // refused, not cut to fit.
+                planes.resize(out.len() + 1, 0);
+                let unzstd = match &mut scratch.unzstd {
+                    Some(d) => d,
+                    None => scratch
+                        .unzstd
+                        .insert(zstd::bulk::Decompressor::new().map_err(fail)?),
+                };
+                let n = unzstd
+                    .decompress_to_buffer(compressed, &mut planes[..])
+                    .map_err(fail)?;
+                if n != out.len() {
+                    return Err(DeltaError::Block {
+                        block,
+                        detail: format!("{n} bytes for a block of {}", out.len()),
+                    });
+                }
+                let (high, low) = planes[..n].split_at(n / 2);
+                merge_xor(out, high, low);
+                Ok(())
+            })
         })
+}
+
+/// The XOR of `base` and `payload` (little-endian 16-bit words) as two planes: `high[i]`
+/// the high byte of word i's XOR (sign, exponent, top mantissa bit), `low[i]` its low
+/// byte. Four words at a time in one 64-bit XOR, so that it runs at memory speed (a
+/// byte at a time took as long as zstd).
+fn split_xor(base: &[u8], payload: &[u8], high: &mut [u8], low: &mut [u8]) {
+    let quads = base.len() / 8;
+    for (i, (b, p)) in base
+        .chunks_exact(8)
+        .zip(payload.chunks_exact(8))
+        .enumerate()
+    {
+        let x = u64::from_le_bytes(b.try_into().expect("8 bytes"))
+            ^ u64::from_le_bytes(p.try_into().expect("8 bytes"));
+        // Bytes 0, 2, 4, 6 are the words' low bytes; 1, 3, 5, 7 their high bytes.
+        let (lo, hi) = (gather_even(x), gather_even(x >> 8));
+        low[4 * i..4 * i + 4].copy_from_slice(&lo.to_le_bytes());
+        high[4 * i..4 * i + 4].copy_from_slice(&hi.to_le_bytes());
+    }
+    for w in 4 * quads..base.len() / 2 {
+        low[w] = base[2 * w] ^ payload[2 * w];
+        high[w] = base[2 * w + 1] ^ payload[2 * w + 1];
+    }
+}
+
+/// XORs the planes of [`split_xor`] back into `out`'s words.
+fn merge_xor(out: &mut [u8], high: &[u8], low: &[u8]) {
+    let quads = out.len() / 8;
+    for (i, o) in out.chunks_exact_mut(8).enumerate() {
+        let lo = u32::from_le_bytes(low[4 * i..4 * i + 4].try_into().expect("4 bytes"));
+        let hi = u32::from_le_bytes(high[4 * i..4 * i + 4].try_into().expect("4 bytes"));
+        let x = spread(lo) | (spread(hi) << 8);
+        let v = u64::from_le_bytes((&*o).try_into().expect("8 bytes")) ^ x;
+        o.copy_from_slice(&v.to_le_bytes());
+    }
+    for w in 4 * quads..out.len() / 2 {
+        out[2 * w] ^= low[w];
+        out[2 * w + 1] ^= high[w];
+    }
+}
+
+/// Bytes 0, 2, 4 and 6 of `x` as a 32-bit value (byte 0 lowest).
+fn gather_even(x: u64) -> u32 {
+    let x = x & 0x00ff_00ff_00ff_00ff;
+    let x = (x | (x >> 8)) & 0x0000_ffff_0000_ffff;
+    ((x | (x >> 16)) & 0xffff_ffff) as u32
+}
+
+/// The inverse of [`gather_even`]: `v`'s bytes at bytes 0, 2, 4 and 6, zeros between.
+fn spread(v: u32) -> u64 {
+    let x = u64::from(v);
+    let x = (x | (x << 16)) & 0x0000_ffff_0000_ffff;
+    (x | (x << 8)) & 0x00ff_00ff_00ff_00ff
 }
 
 #[cfg(test)]
@@ -206,6 +295,37 @@ mod tests {
         let mut out = base.clone();
         apply(&mut out, &delta).unwrap();
         assert_eq!(out, payload);
+    }
+
+    /// The planes are the format's at every length (a whole number of four-word groups or
+    /// not): each word's XOR, high bytes then low bytes, so deltas read as before; and
+    /// changes in high bytes come back.
+    #[test]
+    fn the_planes_are_the_xor_s_high_bytes_then_low_bytes_at_every_length() {
+        for words in [1, 3, 4, 5, 11, BLOCK_WORDS + 3] {
+            let base: Vec<u8> = (0..2 * words).map(|i| (i * 7 % 251) as u8).collect();
+            let payload: Vec<u8> = base
+                .iter()
+                .enumerate()
+                .map(|(i, b)| if i % 3 == 0 { b ^ (i as u8 | 1) } else { *b })
+                .collect();
+            let (mut high, mut low) = (vec![0u8; words], vec![0u8; words]);
+            split_xor(&base, &payload, &mut high, &mut low);
+            for w in 0..words {
+                assert_eq!(
+                    low[w],
+                    base[2 * w] ^ payload[2 * w],
+                    "{words} words, low {w}"
+                );
+                assert_eq!(high[w], base[2 * w + 1] ^ payload[2 * w + 1], "high {w}");
+            }
+            let mut out = base.clone();
+            merge_xor(&mut out, &high, &low);
+            assert_eq!(out, payload, "{words} words");
+            let mut out = base.clone();
+            apply(&mut out, &encode(&base, &payload).unwrap()).unwrap();
+            assert_eq!(out, payload, "{words} words through a delta");
+        }
     }
 
     #[test]
