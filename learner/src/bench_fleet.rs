@@ -129,6 +129,10 @@ struct Push {
     /// Pushes that failed on the way (the worker and why); each worker was served again
     /// in a later round.
     failures: Vec<String>,
+    /// From the learner's first call until the last worker's last chunk arrived, and until
+    /// the last worker had the version in use, by the workers' clocks (one host here).
+    last_received_seconds: f64,
+    last_in_use_seconds: f64,
 }
 
 /// What one worker's push did, in the median push of a configuration.
@@ -143,6 +147,10 @@ struct Hop {
     receive_seconds: f64,
     verify_seconds: f64,
     bytes: u64,
+    /// From the learner's first call until its last chunk arrived, and until it had the
+    /// version in use (its clock).
+    received_after_seconds: f64,
+    in_use_after_seconds: f64,
 }
 
 /// One configuration: a fan-out and a kind.
@@ -156,6 +164,10 @@ struct Run {
     line_seconds: f64,
     /// The median push; every push in order.
     seconds: f64,
+    /// The median push's last receive end and last worker with the version in use (see
+    /// [`Push`]).
+    last_received_seconds: f64,
+    last_in_use_seconds: f64,
     pushes: Vec<Push>,
     /// The median push's learner bytes over `bytes`: how many copies left its link.
     learner_sends: f64,
@@ -397,6 +409,7 @@ async fn measure(
                 version += 1;
                 let sent = lab.sent_bytes(learner)?;
                 let t = Instant::now();
+                let started = std::time::SystemTime::now();
                 let (outcomes, failures) =
                     push_all(&mut fleet, &sets[version % 2], version, deadline, workers).await?;
                 let seconds = t.elapsed().as_secs_f64();
@@ -424,13 +437,24 @@ async fn measure(
                 for o in &outcomes {
                     *paths.entry(o.path).or_default() += 1;
                 }
+                let after = |ns: u64| after_seconds(started, ns);
+                let last = |f: fn(&PushOutcome) -> u64| {
+                    outcomes.iter().map(|o| after(f(o))).fold(0.0, f64::max)
+                };
                 pushes.push(Push {
                     seconds,
                     learner_sent,
                     paths,
                     failures,
+                    last_received_seconds: last(|o| o.received_unix_ns),
+                    last_in_use_seconds: last(|o| o.in_use_unix_ns),
                 });
-                hops.push(outcomes);
+                hops.push(
+                    outcomes
+                        .into_iter()
+                        .map(|o| hop(o, started))
+                        .collect::<Vec<_>>(),
+                );
             }
             let median = median_index(&pushes);
             runs.push(Run {
@@ -439,8 +463,10 @@ async fn measure(
                 bytes,
                 line_seconds: bytes as f64 * 8.0 / args.rate as f64,
                 seconds: pushes[median].seconds,
+                last_received_seconds: pushes[median].last_received_seconds,
+                last_in_use_seconds: pushes[median].last_in_use_seconds,
                 learner_sends: pushes[median].learner_sent as f64 / bytes as f64,
-                hops: hops.swap_remove(median).into_iter().map(hop).collect(),
+                hops: hops.swap_remove(median),
                 pushes,
             });
         }
@@ -548,8 +574,11 @@ fn median_index(pushes: &[Push]) -> usize {
     order[order.len() / 2]
 }
 
-fn hop(o: PushOutcome) -> Hop {
+/// One worker's push, its ends timed from `started`.
+fn hop(o: PushOutcome, started: std::time::SystemTime) -> Hop {
     Hop {
+        received_after_seconds: after_seconds(started, o.received_unix_ns),
+        in_use_after_seconds: after_seconds(started, o.in_use_unix_ns),
         worker: o.worker,
         parent: o.parent,
         seconds: o.seconds,
@@ -557,4 +586,13 @@ fn hop(o: PushOutcome) -> Hop {
         verify_seconds: o.verify_seconds,
         bytes: o.bytes,
     }
+}
+
+/// Seconds from `started` to `unix_ns` (a worker's clock; 0 when unknown or earlier).
+fn after_seconds(started: std::time::SystemTime, unix_ns: u64) -> f64 {
+    let at = std::time::UNIX_EPOCH + Duration::from_nanos(unix_ns);
+    if unix_ns == 0 {
+        return 0.0;
+    }
+    at.duration_since(started).map_or(0.0, |d| d.as_secs_f64())
 }

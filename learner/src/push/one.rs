@@ -80,6 +80,7 @@ pub async fn push_over(
         delta_refused: None,
         receive_seconds: 0.0,
         verify_seconds: 0.0,
+        ends_unix_ns: (0, 0),
         relayed: Vec::new(),
     };
     let route = via.route.clone();
@@ -102,6 +103,8 @@ pub async fn push_over(
         delta_refused: how.delta_refused,
         receive_seconds: how.receive_seconds,
         verify_seconds: how.verify_seconds,
+        received_unix_ns: how.ends_unix_ns.0,
+        in_use_unix_ns: how.ends_unix_ns.1,
         parent: None,
         unreached: false,
         relayed: Vec::new(),
@@ -178,6 +181,8 @@ fn relayed_outcomes(
                 },
                 receive_seconds: r.receive_seconds,
                 verify_seconds: r.verify_seconds,
+                received_unix_ns: r.received_unix_ns,
+                in_use_unix_ns: r.in_use_unix_ns,
                 parent: Some(parent),
                 ..Default::default()
             }
@@ -214,6 +219,8 @@ struct How {
     delta_refused: Option<String>,
     receive_seconds: f64,
     verify_seconds: f64,
+    /// The worker's clock when its last chunk arrived and when the version went into use.
+    ends_unix_ns: (u64, u64),
     /// The relays' answers for the workers below.
     relayed: Vec<RelayedPush>,
 }
@@ -426,6 +433,7 @@ fn check_answer(
     how: &mut How,
 ) -> Result<(), PushError> {
     (how.receive_seconds, how.verify_seconds) = (answer.receive_seconds, answer.verify_seconds);
+    how.ends_unix_ns = (answer.received_unix_ns, answer.in_use_unix_ns);
     how.relayed.clone_from(&answer.relayed);
     if answer.version != set.version {
         return Err(PushError {

@@ -25,6 +25,11 @@ pub struct PushOutcome {
     /// delta) applying and hashing it; 0 when it failed.
     pub receive_seconds: f64,
     pub verify_seconds: f64,
+    /// The worker's clock when its last chunk arrived and when the version went into use,
+    /// nanoseconds since the Unix epoch (0: unknown): a push's end across workers where
+    /// the clocks agree.
+    pub received_unix_ns: u64,
+    pub in_use_unix_ns: u64,
     /// The worker that relayed the push to this one (`None`: the learner sent it).
     pub parent: Option<String>,
     /// A relayed push its stream never reached (a relay above it failed): no failure of

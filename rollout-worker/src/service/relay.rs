@@ -213,6 +213,8 @@ impl Relay {
                         bytes: a.bytes,
                         receive_seconds: a.receive_seconds,
                         verify_seconds: a.verify_seconds,
+                        received_unix_ns: a.received_unix_ns,
+                        in_use_unix_ns: a.in_use_unix_ns,
                     });
                     let why = format!("not reached: its relay {} did not list it", c.address);
                     let missing: Vec<_> = (c.subtree.iter())

@@ -60,6 +60,7 @@ impl RolloutServer {
         let arrived = Instant::now();
         let _one_at_a_time = self.updating.lock().await;
         let started = Instant::now();
+        let started_wall = std::time::SystemTime::now();
         let status = self.engine.status();
         let (current, current_run) = (status.weight_version, status.weight_run);
         // A payload may be somewhat larger than bf16 weights (header, an untied head).
@@ -166,6 +167,8 @@ impl RolloutServer {
             convert_seconds: built.convert.as_secs_f64(),
             swap_seconds: (swapped - ready).as_secs_f64(),
             relayed,
+            received_unix_ns: unix_ns(started_wall + received),
+            in_use_unix_ns: unix_ns(started_wall + swapped),
         })
     }
 
@@ -384,4 +387,10 @@ fn stream_error(s: &tonic::Status, received: usize) -> ServiceError {
     } else {
         ServiceError::Interrupted(format!("after {received} bytes: {}", s.message()))
     }
+}
+
+/// Nanoseconds since the Unix epoch at `t` (0 before it).
+fn unix_ns(t: std::time::SystemTime) -> u64 {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
 }

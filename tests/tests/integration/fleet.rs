@@ -100,6 +100,15 @@ fn relays_take_the_copies_off_the_learners_link() {
                 sends >= copies * 0.98 && sends <= copies * slack,
                 "fan-out {fanout}, {kind}: {sends} copies left the learner's link: {r}"
             );
+            // The workers' clocks (this host's): the last chunk arrives, then the version
+            // goes into use, before the learner hears the last answer.
+            let at = |k: &str| r[k].as_f64().unwrap();
+            assert!(
+                0.0 < at("last_received_seconds")
+                    && at("last_received_seconds") <= at("last_in_use_seconds")
+                    && at("last_in_use_seconds") <= at("seconds"),
+                "{r}"
+            );
         }
     }
 }
