@@ -253,29 +253,16 @@ pub fn run(args: &BenchFleetArgs) -> Result<(), BenchFleetError> {
     let mut workers = Vec::with_capacity(args.workers);
     for i in 0..args.workers {
         let at = lab.endpoint(&format!("w{i}"), &link)?;
-        let listen = format!("{}:{PORT}", at.address);
-        let metrics = format!("{}:9093", at.address);
-        let serve = [
-            "serve",
-            "--preset",
-            &args.preset,
-            "--listen",
-            &listen,
-            "--metrics",
-            &metrics,
-            "--weight-dtype",
-            &args.worker_weight_dtype,
-        ]
-        .map(String::from);
+        let dtype = ["--weight-dtype", &args.worker_weight_dtype];
         let log = logs.join(format!("w{i}.log"));
-        let pid = lab.spawn(
-            &at,
+        workers.push(Worker::spawn(
+            &lab,
+            at,
             &worker_bin,
-            &serve,
-            &[("ROOKWORLD_TOKEN", TOKEN)],
-            &log,
-        )?;
-        workers.push(Worker { at, pid, log });
+            (&args.preset, &dtype),
+            TOKEN,
+            log,
+        )?);
     }
     tracing::info!(
         workers = args.workers,
@@ -332,16 +319,76 @@ pub fn run(args: &BenchFleetArgs) -> Result<(), BenchFleetError> {
     Ok(())
 }
 
-/// A worker process and where it runs.
-struct Worker {
-    at: Endpoint,
-    pid: u32,
-    log: PathBuf,
+/// A `rollout-worker serve` process in a lab's namespace, and where it listens.
+pub struct Worker {
+    pub at: Endpoint,
+    pub pid: u32,
+    /// Its standard output and error.
+    pub log: PathBuf,
 }
 
 impl Worker {
-    fn url(&self) -> String {
+    /// Starts `bin serve --preset PRESET` with `extra` flags at `at` (its gRPC port and
+    /// its metrics on the endpoint's address), taking control calls with `token`, its
+    /// output in `log`.
+    pub fn spawn(
+        lab: &Lab,
+        at: Endpoint,
+        bin: &Path,
+        (preset, extra): (&str, &[&str]),
+        token: &str,
+        log: PathBuf,
+    ) -> Result<Self, BenchFleetError> {
+        let listen = format!("{}:{PORT}", at.address);
+        let metrics = format!("{}:9093", at.address);
+        let serve: Vec<String> = [
+            "serve",
+            "--preset",
+            preset,
+            "--listen",
+            &listen,
+            "--metrics",
+            &metrics,
+        ]
+        .iter()
+        .chain(extra)
+        .map(|a| a.to_string())
+        .collect();
+        let pid = lab.spawn(&at, bin, &serve, &[("ROOKWORLD_TOKEN", token)], &log)?;
+        Ok(Self { at, pid, log })
+    }
+
+    /// Its push address.
+    pub fn url(&self) -> String {
         format!("http://{}:{PORT}", self.at.address)
+    }
+
+    /// Waits (up to 5 minutes) until it answers its status call; an error names a worker
+    /// that exited or never answered, with the end of its log.
+    pub async fn ready(&self, lab: &Lab) -> Result<(), BenchFleetError> {
+        let until = Instant::now() + Duration::from_secs(300);
+        loop {
+            if lab.exited(self.pid) {
+                return Err(BenchFleetError::Fleet(format!(
+                    "the worker at {} exited at start{}",
+                    self.url(),
+                    tail(&self.log)
+                )));
+            }
+            if let Ok(mut client) = RolloutServiceClient::connect(self.url()).await
+                && client.status(StatusRequest {}).await.is_ok()
+            {
+                return Ok(());
+            }
+            if Instant::now() > until {
+                return Err(BenchFleetError::Fleet(format!(
+                    "the worker at {} did not answer within 5 minutes{}",
+                    self.url(),
+                    tail(&self.log)
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     }
 }
 
@@ -381,7 +428,7 @@ async fn measure(
     sets: &[WeightSet; 2],
 ) -> Result<Vec<Run>, BenchFleetError> {
     for w in workers {
-        ready(lab, w).await?;
+        w.ready(lab).await?;
     }
     let deadline = Duration::from_secs(args.deadline_s);
     let payload = sets[0].bytes.len() as u64;
@@ -527,33 +574,6 @@ async fn push_all(
         }
     }
     Ok((done, failures))
-}
-
-/// Waits (up to 5 minutes) until the worker answers its status call.
-async fn ready(lab: &Lab, w: &Worker) -> Result<(), BenchFleetError> {
-    let until = Instant::now() + Duration::from_secs(300);
-    loop {
-        if lab.exited(w.pid) {
-            return Err(BenchFleetError::Fleet(format!(
-                "the worker at {} exited at start{}",
-                w.url(),
-                tail(&w.log)
-            )));
-        }
-        if let Ok(mut client) = RolloutServiceClient::connect(w.url()).await
-            && client.status(StatusRequest {}).await.is_ok()
-        {
-            return Ok(());
-        }
-        if Instant::now() > until {
-            return Err(BenchFleetError::Fleet(format!(
-                "the worker at {} did not answer within 5 minutes{}",
-                w.url(),
-                tail(&w.log)
-            )));
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 /// `; its log ends: …` with the last lines of `log`, or nothing.

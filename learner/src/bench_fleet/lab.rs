@@ -397,34 +397,12 @@ fn drop_share(ns: &str, dev: &str, loss: f64) -> Result<(), LabError> {
     let rules = format!(
         "table netdev lab {{\n chain loss {{\n  type filter hook ingress device \"{dev}\" priority 0; policy accept;\n  numgen random mod 1000000 < {per_million} drop\n }}\n}}\n"
     );
-    let command = format!("ip netns exec {ns} nft -f -");
-    let mut child = Command::new("ip")
-        .args(["netns", "exec", ns, "nft", "-f", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| LabError::Io {
-            what: command.clone(),
-            source: e,
-        })?;
-    use std::io::Write;
-    let written = child
-        .stdin
-        .take()
-        .expect("piped stdin")
-        .write_all(rules.as_bytes());
-    let out = child.wait_with_output().map_err(|e| LabError::Io {
-        what: command.clone(),
-        source: e,
-    })?;
-    if !out.status.success() || written.is_err() {
-        return Err(LabError::Command {
-            command,
-            said: first_line(&out.stderr),
-        });
-    }
-    Ok(())
+    feed(
+        "ip",
+        &["netns", "exec", ns, "nft", "-f", "-"],
+        rules.as_bytes(),
+    )
+    .map(drop)
 }
 
 /// Deletes the namespaces of labs whose process no longer runs.
@@ -460,16 +438,28 @@ fn on_path(tool: &str) -> bool {
 /// Runs `program args…`; its standard output, or an error naming the command and the
 /// first line it wrote to stderr.
 fn output(program: &str, args: &[&str]) -> Result<Vec<u8>, LabError> {
+    feed(program, args, &[])
+}
+
+/// Runs `program` with `args`, `input` on its standard input; its standard output, or the
+/// command and the first line it said when it failed.
+fn feed(program: &str, args: &[&str], input: &[u8]) -> Result<Vec<u8>, LabError> {
+    use std::io::Write;
     let command = format!("{program} {}", args.join(" "));
-    let out = Command::new(program)
+    let io = |source| LabError::Io {
+        what: command.clone(),
+        source,
+    };
+    let mut child = Command::new(program)
         .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| LabError::Io {
-            what: command.clone(),
-            source: e,
-        })?;
-    if !out.status.success() {
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(io)?;
+    let written = child.stdin.take().expect("piped stdin").write_all(input);
+    let out = child.wait_with_output().map_err(io)?;
+    if !out.status.success() || written.is_err() {
         return Err(LabError::Command {
             command,
             said: first_line(&out.stderr),

@@ -231,8 +231,22 @@ fn out_of_memory_while_sampling_takes_the_step_back_and_the_output_is_unchanged(
     recovers_from_injected_oom(|s| s.fail_sampling_above_rows = Some(5));
 }
 
-#[test]
-fn a_swap_mid_generation_restarts_work_on_the_new_weights_without_mixing() {
+/// What [`generate_through_a_swap`] ran and got.
+struct ThroughASwap {
+    old: Arc<Gpt2>,
+    new: Arc<Gpt2>,
+    prompts: Vec<Vec<u32>>,
+    /// The samples in the order they finished.
+    got: Vec<FinishedSample>,
+    /// How many finished before the swap.
+    finished_before: usize,
+}
+
+/// Generation of 4 samples of two prompts on `old` (version 1), `swap` called at step 14
+/// with `new` (version 2) and giving back the model it retired (`old`).
+fn generate_through_a_swap(
+    swap: impl FnOnce(&mut Scheduler, Arc<Gpt2>) -> Arc<Gpt2>,
+) -> ThroughASwap {
     let (old, new) = (model(6), model(7));
     let prompts = vec![prompt(1, 8), prompt(2, 12)];
     let mut s = Scheduler::new(
@@ -244,10 +258,13 @@ fn a_swap_mid_generation_restarts_work_on_the_new_weights_without_mixing() {
         },
     );
     s.submit(request(prompts.clone(), 4, 12, 9)).unwrap();
-    let mut got = Vec::new();
+    let (mut got, mut swap) = (Vec::new(), Some(swap));
+    let mut swapped_after = None;
     for step in 0.. {
         if step == 14 {
-            s.set_model(new.clone(), 2);
+            let retired = (swap.take().expect("one swap"))(&mut s, new.clone());
+            assert!(Arc::ptr_eq(&retired, &old));
+            swapped_after = Some(got.len());
         }
         let (events, _) = s.step(true);
         got.extend(events.into_iter().filter_map(|e| match e {
@@ -258,6 +275,24 @@ fn a_swap_mid_generation_restarts_work_on_the_new_weights_without_mixing() {
             break;
         }
     }
+    ThroughASwap {
+        old,
+        new,
+        prompts,
+        got,
+        finished_before: swapped_after.expect("the swap came before the end"),
+    }
+}
+
+#[test]
+fn a_swap_mid_generation_restarts_work_on_the_new_weights_without_mixing() {
+    let ThroughASwap {
+        old,
+        new,
+        prompts,
+        mut got,
+        ..
+    } = generate_through_a_swap(|s, new| s.set_model(new, 2));
     got.sort_by_key(|x| (x.prompt_index, x.sample_index));
     assert_eq!(got.len(), 8);
     let versions: std::collections::BTreeSet<u64> = got.iter().map(|x| x.weight_version).collect();
@@ -290,35 +325,13 @@ fn a_swap_mid_generation_restarts_work_on_the_new_weights_without_mixing() {
 /// prefilled has its first token tagged old.
 #[test]
 fn an_in_flight_update_continues_every_sample_and_tags_each_token_with_its_version() {
-    let (old, new) = (model(6), model(7));
-    let prompts = vec![prompt(1, 8), prompt(2, 12)];
-    let mut s = Scheduler::new(
-        old.clone(),
-        1,
-        EngineConfig {
-            max_seqs: 5,
-            ..EngineConfig::default()
-        },
-    );
-    s.submit(request(prompts.clone(), 4, 12, 9)).unwrap();
-    let mut got = Vec::new();
-    let mut swapped_after = None;
-    for step in 0.. {
-        if step == 14 {
-            let retired = s.continue_with(new.clone(), 2);
-            assert!(Arc::ptr_eq(&retired, &old));
-            swapped_after = Some(got.len());
-        }
-        let (events, _) = s.step(true);
-        got.extend(events.into_iter().filter_map(|e| match e {
-            Event::Sample(x) => Some(x),
-            _ => None,
-        }));
-        if !s.has_work() {
-            break;
-        }
-    }
-    let finished_before = swapped_after.expect("the swap came before the end");
+    let ThroughASwap {
+        old,
+        prompts,
+        got,
+        finished_before,
+        ..
+    } = generate_through_a_swap(|s, new| s.continue_with(new, 2));
     assert!(finished_before > 0, "some samples finished before the swap");
     assert_eq!(got.len(), 8, "nothing restarted, nothing lost");
     let want_old = reference(&old, &prompts, 4, 12, 9, sampling());

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use crate::cluster::{LEARNER, SERIAL, WORKER};
 use candle_core::{DType, Device};
+use learner::bench_fleet::Worker;
 use learner::bench_fleet::lab::{Lab, Shape};
 use learner::push::{DeltaPolicy, Fleet};
 use rookworld_lm::Config;
@@ -21,7 +22,7 @@ use rookworld_weights::set::WeightSet;
 
 /// Whether this machine can make namespaces; a reason to skip, or a failure where they
 /// are required.
-pub fn netns_usable(test: &str) -> bool {
+fn netns_usable(test: &str) -> bool {
     match Lab::check() {
         Ok(()) => true,
         Err(e) => {
@@ -33,6 +34,13 @@ pub fn netns_usable(test: &str) -> bool {
             false
         }
     }
+}
+
+/// The lock held by a test that makes namespaces — one cluster or lab at a time: the
+/// machine has few cores, and the timings count — or `None` (skip) where namespaces
+/// cannot be made.
+fn lab_lock(test: &str) -> Option<tokio::sync::MutexGuard<'static, ()>> {
+    netns_usable(test).then(|| SERIAL.blocking_lock())
 }
 
 fn bench_fleet(args: &[&str]) -> serde_json::Value {
@@ -63,11 +71,9 @@ fn run<'a>(report: &'a serde_json::Value, fanout: u64, kind: &str) -> &'a serde_
 /// parent, and a delta is smaller than the payload — every worker runs every version.
 #[test]
 fn relays_take_the_copies_off_the_learners_link() {
-    if !netns_usable("relays_take_the_copies_off_the_learners_link") {
+    let Some(_serial) = lab_lock("relays_take_the_copies_off_the_learners_link") else {
         return;
-    }
-    // One cluster or lab at a time: the machine has few cores, and the timings count.
-    let _serial = SERIAL.blocking_lock();
+    };
     let report = bench_fleet(&[
         "--workers",
         "4",
@@ -117,11 +123,11 @@ fn relays_take_the_copies_off_the_learners_link() {
 /// every worker still runs every version, relayed and as deltas.
 #[test]
 fn links_that_drop_five_percent_still_bring_every_worker_each_version() {
-    if !netns_usable("links_that_drop_five_percent_still_bring_every_worker_each_version") {
+    let Some(_serial) =
+        lab_lock("links_that_drop_five_percent_still_bring_every_worker_each_version")
+    else {
         return;
-    }
-    // One cluster or lab at a time: the machine has few cores, and the timings count.
-    let _serial = SERIAL.blocking_lock();
+    };
     let report = bench_fleet(&[
         "--workers",
         "3",
@@ -146,11 +152,9 @@ fn links_that_drop_five_percent_still_bring_every_worker_each_version() {
 /// them the version straight away — within 2 s of the kill, over 100 Mbit/s links.
 #[test]
 fn a_relay_killed_mid_push_is_bypassed_within_two_seconds() {
-    if !netns_usable("a_relay_killed_mid_push_is_bypassed_within_two_seconds") {
+    let Some(_serial) = lab_lock("a_relay_killed_mid_push_is_bypassed_within_two_seconds") else {
         return;
-    }
-    // One cluster or lab at a time: the machine has few cores, and the timings count.
-    let _serial = SERIAL.blocking_lock();
+    };
     let shape = Shape {
         rate_bits: 100_000_000,
         delay_ms: 0.0,
@@ -162,28 +166,9 @@ fn a_relay_killed_mid_push_is_bypassed_within_two_seconds() {
     let mut workers = Vec::new();
     for i in 0..3 {
         let at = lab.endpoint(&format!("w{i}"), &shape).unwrap();
-        let listen = format!("{}:50053", at.address);
-        let metrics = format!("{}:9093", at.address);
-        let args = [
-            "serve",
-            "--preset",
-            "tiny",
-            "--listen",
-            &listen,
-            "--metrics",
-            &metrics,
-        ]
-        .map(String::from);
-        let pid = lab
-            .spawn(
-                &at,
-                Path::new(WORKER),
-                &args,
-                &[("ROOKWORLD_TOKEN", TOKEN)],
-                &logs.path().join(format!("w{i}.log")),
-            )
-            .unwrap();
-        workers.push((format!("http://{listen}"), pid));
+        let log = logs.path().join(format!("w{i}.log"));
+        let worker = Worker::spawn(&lab, at, Path::new(WORKER), ("tiny", &[]), TOKEN, log);
+        workers.push(worker.unwrap());
     }
     let lab = lab;
     std::thread::scope(|s| {
@@ -202,16 +187,16 @@ fn a_relay_killed_mid_push_is_bypassed_within_two_seconds() {
 
 const TOKEN: &str = "fleet-faults";
 
-async fn kill_a_relay(lab: &Lab, workers: &[(String, u32)]) {
-    for (url, _) in workers {
-        wait_until_serving(url).await;
+async fn kill_a_relay(lab: &Lab, workers: &[Worker]) {
+    for w in workers {
+        w.ready(lab).await.unwrap();
     }
     // The payload each time, so that the push lasts long enough to be cut.
     let mut fleet = Fleet::new(Duration::from_secs(1))
         .with_fanout(1)
         .with_deltas(DeltaPolicy::Never);
-    for (url, _) in workers {
-        fleet.register(url);
+    for w in workers {
+        fleet.register(&w.url());
     }
     let model = init_random(&Config::tiny(), 2, DType::F32, &Device::Cpu).unwrap();
     let v1 = WeightSet::from_model(&model, "run", 1).unwrap();
@@ -220,12 +205,12 @@ async fn kill_a_relay(lab: &Lab, workers: &[(String, u32)]) {
         assert!(o.error.is_none(), "{o:?}");
     }
     // The chain's root, as the tree cuts the sorted list.
-    let urls: Vec<String> = workers.iter().map(|(u, _)| u.clone()).collect();
+    let urls: Vec<String> = workers.iter().map(Worker::url).collect();
     let (root, _) = relay::parents(&urls, 1)
         .into_iter()
         .find(|(_, parent)| parent.is_none())
         .unwrap();
-    let root_pid = workers.iter().find(|(u, _)| *u == root).unwrap().1;
+    let root_pid = workers.iter().find(|w| w.url() == root).unwrap().pid;
 
     let v2 = WeightSet {
         version: 2,
@@ -249,22 +234,13 @@ async fn kill_a_relay(lab: &Lab, workers: &[(String, u32)]) {
     // The next round, as the sync loop runs it at once: the children from a new tree.
     let outcomes = fleet.push(&v2, TOKEN, deadline).await;
     let served = killed.elapsed();
-    for (url, _) in workers.iter().filter(|(u, _)| *u != root) {
+    for url in urls.iter().filter(|u| **u != root) {
         assert_eq!(version_of(url).await, 2, "{url}: {outcomes:?}");
     }
     assert!(
         served < Duration::from_secs(2),
         "the workers below the killed relay ran the version {served:?} after the kill: {outcomes:?}"
     );
-}
-
-/// Waits (up to 2 minutes) until the worker at `url` answers.
-async fn wait_until_serving(url: &str) {
-    let until = Instant::now() + Duration::from_secs(120);
-    while version_reported(url).await.is_none() {
-        assert!(Instant::now() < until, "{url} did not come up");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 async fn version_reported(url: &str) -> Option<u64> {
