@@ -221,6 +221,54 @@ async fn resume(c: &Cluster) -> (Proc, u64, u64) {
     (learner, step, resumed)
 }
 
+/// A training cluster whose worker-a takes its pushes through a proxy (`to_a`) and
+/// worker-b directly (fields drop in order: the processes before their directory; a test
+/// that takes it apart binds every field, the cluster first).
+struct PushedThroughAProxy {
+    learner: Proc,
+    worker_a: Proc,
+    _worker_b: Proc,
+    _reward: Proc,
+    a: WorkerAddrs,
+    b: WorkerAddrs,
+    to_a: Proxy,
+    c: Cluster,
+}
+
+impl PushedThroughAProxy {
+    async fn start() -> Self {
+        let c = Cluster::new();
+        let _reward = c.reward_server();
+        let learner = c.learner(false);
+        let mut a = c.direct();
+        let to_a = Proxy::start(a.listen).await;
+        a.advertise = to_a.url();
+        let b = c.direct();
+        let worker_a = c.worker("worker-a", &a);
+        let _worker_b = c.worker("worker-b", &b);
+        Self {
+            learner,
+            worker_a,
+            _worker_b,
+            _reward,
+            a,
+            b,
+            to_a,
+            c,
+        }
+    }
+}
+
+/// Holds the pushes through `to_a` after their first 256 KiB, and waits until one is
+/// under way.
+async fn hold_a_push(c: &Cluster, to_a: &Proxy) {
+    to_a.set(Mode::HoldAfter(256 << 10));
+    c.wait_until(PROGRESS, "a push to worker-a under way", || async {
+        to_a.holds() >= 1
+    })
+    .await;
+}
+
 /// The learner killed (kill -9) while a push to worker-a is under way — its first
 /// 256 KiB through, the rest stuck on the link: worker-a keeps the weights it ran and
 /// names the broken push in one log line, and the resumed learner brings both workers
@@ -228,27 +276,25 @@ async fn resume(c: &Cluster) -> (Proc, u64, u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_learner_killed_mid_push_resumes_and_the_half_pushed_worker_gets_its_weights() {
     let _serial = SERIAL.lock().await;
-    let c = Cluster::new();
-    let _reward = c.reward_server();
-    let mut learner = c.learner(false);
-    let mut a = c.direct();
-    let to_a = Proxy::start(a.listen).await;
-    a.advertise = to_a.url();
-    let b = c.direct();
-    let worker_a = c.worker("worker-a", &a);
-    let _worker_b = c.worker("worker-b", &b);
+    // Every field bound (none dropped here), the cluster first so that it is dropped
+    // last.
+    let PushedThroughAProxy {
+        c,
+        to_a,
+        a,
+        b,
+        _reward,
+        _worker_b,
+        worker_a,
+        mut learner,
+    } = PushedThroughAProxy::start().await;
     // Past the first checkpoint (every 2 steps), with worker-a on trained weights.
     trains_on(&c, 0, 3, "at start").await;
     c.wait_until(PROGRESS, "worker-a on trained weights", || async {
         worker_version(a.listen).await >= Some(2)
     })
     .await;
-
-    to_a.set(Mode::HoldAfter(256 << 10));
-    c.wait_until(PROGRESS, "a push to worker-a under way", || async {
-        to_a.holds() >= 1
-    })
-    .await;
+    hold_a_push(&c, &to_a).await;
     let before = worker_version(a.listen).await;
     learner.kill9();
     c.wait_until(
@@ -285,22 +331,18 @@ async fn a_learner_killed_mid_push_resumes_and_the_half_pushed_worker_gets_its_w
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_joins_during_a_stuck_push_is_served_at_once() {
     let _serial = SERIAL.lock().await;
-    let c = Cluster::new();
-    let _reward = c.reward_server();
-    let mut learner = c.learner(false);
-    let mut a = c.direct();
-    let to_a = Proxy::start(a.listen).await;
-    a.advertise = to_a.url();
-    let b = c.direct();
-    let _worker_a = c.worker("worker-a", &a);
-    let _worker_b = c.worker("worker-b", &b);
+    let PushedThroughAProxy {
+        c,
+        to_a,
+        a,
+        b: _b,
+        _reward,
+        _worker_b,
+        worker_a: _worker_a,
+        mut learner,
+    } = PushedThroughAProxy::start().await;
     trains_on(&c, 0, 2, "at start").await;
-
-    to_a.set(Mode::HoldAfter(256 << 10));
-    c.wait_until(PROGRESS, "a push to worker-a under way", || async {
-        to_a.holds() >= 1
-    })
-    .await;
+    hold_a_push(&c, &to_a).await;
     let at_join = c.depths().await.unwrap().learner_version;
     let joiner = c.direct();
     let _worker_c = c.worker("worker-c", &joiner);
