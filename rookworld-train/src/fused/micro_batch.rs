@@ -74,20 +74,19 @@ impl MicroBatch {
             .flat_map(|g| g.completions.iter())
             .map(|c| truncated_without.is_none_or(|eot| c.last() == Some(&eot)))
             .collect();
-        let counted_tokens = counted_ranges(&packed, &counted, &stale)
-            .map(|r| r.len())
-            .sum();
-        Some(Self {
+        let mut micro = Self {
             counted,
             stale,
-            counted_tokens,
+            counted_tokens: 0,
             tokens: packed.targets.len(),
             packed,
             advantages,
             behaviour: batch.old_logprobs.as_ref().map(|_| behaviour),
             proximal: batch.proximal_logprobs.as_ref().map(|_| proximal),
             group_advantages: kept,
-        })
+        };
+        micro.counted_tokens = micro.counted_ranges().map(|r| r.len()).sum();
+        Some(micro)
     }
 
     /// Completions.
@@ -148,6 +147,15 @@ impl MicroBatch {
     /// was cut off.
     fn counted_tokens(&self, k: usize) -> usize {
         self.counted_within(k).len()
+    }
+
+    /// The token ranges (into the packed targets) counted in the loss, completion by
+    /// completion.
+    fn counted_ranges(&self) -> impl Iterator<Item = Range<usize>> + '_ {
+        self.packed.tokens.iter().enumerate().map(|(k, r)| {
+            let within = self.counted_within(k);
+            r.start + within.start..r.start + within.end
+        })
     }
 
     /// The positions within completion k of its tokens counted in the loss.
@@ -233,22 +241,6 @@ pub struct MicroReport {
     pub activation_bytes: usize,
 }
 
-/// The token ranges (into the packed targets) counted in the loss: of each completion not
-/// cut off, the tokens after its stale prefix.
-fn counted_ranges<'a>(
-    packed: &'a Packed,
-    counted: &'a [bool],
-    stale: &'a [usize],
-) -> impl Iterator<Item = std::ops::Range<usize>> + 'a {
-    packed
-        .tokens
-        .iter()
-        .zip(counted)
-        .zip(stale)
-        .filter(|((_, c), _)| **c)
-        .map(|((r, _), &s)| (r.start + s).min(r.end)..r.end)
-}
-
 /// The reference's log-probs of every predicted token of `micro` (N), in one forward
 /// without activations (one pass over several micro-batches is cheaper than one each:
 /// its products are larger and it keeps nothing).
@@ -317,7 +309,8 @@ pub fn micro_step<B: Backend, G: DerefMut<Target = B::Buf>>(
     report.backward_seconds = started.elapsed().as_secs_f64() - trained.forward_seconds;
     report.activation_bytes = acts.bytes(b);
     let entropy = b.read(acts.entropy()).map_err(wrap)?;
-    report.entropy_sum = counted_ranges(&micro.packed, &micro.counted, &micro.stale)
+    report.entropy_sum = micro
+        .counted_ranges()
         .flat_map(|r| &entropy[r])
         .map(|&h| f64::from(h))
         .sum();

@@ -157,20 +157,32 @@ async fn a_killed_learner_resumes_and_the_workers_get_its_weights() {
     trains_on(&c, 0, 5, "at start").await;
 
     learner.kill9();
-    let (mut learner, step, resumed) = resume(&c).await;
+    let (mut learner, step) = resume_on(&c, [&a, &b]).await;
+
+    let books = stop_and_check(&c, &mut learner);
+    assert!(books.steps >= step + 3, "{books:?}");
+}
+
+/// Restarts a killed learner with `--resume` and waits until it says it resumed, every
+/// worker of `workers` runs its weights, and it has trained 3 more steps: the learner and
+/// the step of its last checkpoint.
+async fn resume_on(c: &Cluster, workers: [&WorkerAddrs; 2]) -> (Proc, u64) {
+    let (learner, step, resumed) = resume(c).await;
     c.wait_until(
         Duration::from_secs(60),
         "both workers on the resumed weights",
         || async {
-            worker_version(a.listen).await >= Some(resumed)
-                && worker_version(b.listen).await >= Some(resumed)
+            for w in workers {
+                if worker_version(w.listen).await < Some(resumed) {
+                    return false;
+                }
+            }
+            true
         },
     )
     .await;
-    trains_on(&c, step, 3, "after the resume").await;
-
-    let books = stop_and_check(&c, &mut learner);
-    assert!(books.steps >= step + 3, "{books:?}");
+    trains_on(c, step, 3, "after the resume").await;
+    (learner, step)
 }
 
 /// Restarts a killed learner with `--resume` and waits for its `resumed` line: the
@@ -311,17 +323,7 @@ async fn a_learner_killed_mid_push_resumes_and_the_half_pushed_worker_gets_its_w
     assert_eq!(worker_version(a.listen).await, before, "worker-a's weights");
 
     to_a.set(Mode::Pass);
-    let (mut learner, step, resumed) = resume(&c).await;
-    c.wait_until(
-        Duration::from_secs(60),
-        "both workers on the resumed weights",
-        || async {
-            worker_version(a.listen).await >= Some(resumed)
-                && worker_version(b.listen).await >= Some(resumed)
-        },
-    )
-    .await;
-    trains_on(&c, step, 3, "after the resume").await;
+    let (mut learner, _) = resume_on(&c, [&a, &b]).await;
     stop_and_check(&c, &mut learner);
 }
 
