@@ -6,7 +6,9 @@
 //! each block's high bytes then its low bytes (two planes: the high plane almost all zero)
 //! are compressed with zstd at level 1, and a block with no change is a length of zero. A
 //! payload of N bytes and its base must have the same length; the receiver XORs each block
-//! back into its copy of the base. Blocks are encoded and applied in parallel.
+//! back into its copy of the base. Blocks are encoded and applied in parallel, and a delta
+//! can be sent while it is made ([`encode_streamed`]): its header says nothing that needs
+//! the blocks, and each block's length comes before it, so its size is known at its end.
 //!
 //! ```text
 //! delta  = MAGIC  u64 payload bytes  u32 block words  u32 blocks  (u32 length, bytes)*
@@ -47,6 +49,21 @@ pub enum DeltaError {
 
 /// The delta that turns `base` into `payload` (equal sizes, whole 16-bit words).
 pub fn encode(base: &[u8], payload: &[u8]) -> Result<Vec<u8>, DeltaError> {
+    let mut out = Vec::new();
+    encode_streamed(base, payload, |piece| out.extend_from_slice(&piece))?;
+    Ok(out)
+}
+
+/// [`encode`], handed to `sink` piece by piece as it is made, in the format's order: the
+/// header first (everything in it is known before any block is made), then each block's
+/// length and bytes. Blocks are encoded a few at a time on every core and passed on in
+/// order, so that a sender streams the delta while the rest is still being made. Returns
+/// the delta's size.
+pub fn encode_streamed(
+    base: &[u8],
+    payload: &[u8],
+    mut sink: impl FnMut(Vec<u8>),
+) -> Result<usize, DeltaError> {
     if base.len() != payload.len() {
         return Err(DeltaError::Sizes {
             base: base.len(),
@@ -57,28 +74,47 @@ pub fn encode(base: &[u8], payload: &[u8]) -> Result<Vec<u8>, DeltaError> {
         return Err(DeltaError::Odd(payload.len()));
     }
     let block_bytes = 2 * BLOCK_WORDS;
-    let blocks: Vec<Vec<u8>> = base
-        .par_chunks(block_bytes)
-        .zip(payload.par_chunks(block_bytes))
-        .enumerate()
-        .map(|(block, (b, p))| encode_block(block, b, p))
-        .collect::<Result<_, _>>()?;
-    let mut out = Vec::with_capacity(HEADER + blocks.iter().map(|b| 4 + b.len()).sum::<usize>());
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    out.extend_from_slice(&(BLOCK_WORDS as u32).to_le_bytes());
-    out.extend_from_slice(&(blocks.len() as u32).to_le_bytes());
-    for b in &blocks {
-        out.extend_from_slice(&(b.len() as u32).to_le_bytes());
-        out.extend_from_slice(b);
+    let blocks = payload.len().div_ceil(block_bytes);
+    let mut header = Vec::with_capacity(HEADER);
+    header.extend_from_slice(MAGIC);
+    header.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    header.extend_from_slice(&(BLOCK_WORDS as u32).to_le_bytes());
+    header.extend_from_slice(&(blocks as u32).to_le_bytes());
+    let mut size = header.len();
+    sink(header);
+    // Two blocks a core per round: enough that a round's slowest block idles little, few
+    // enough that the first bytes leave early.
+    let round = 2 * rayon::current_num_threads().max(1);
+    let (base, payload) = (base.chunks(block_bytes), payload.chunks(block_bytes));
+    let pairs: Vec<(&[u8], &[u8])> = base.zip(payload).collect();
+    for (r, pairs) in pairs.chunks(round).enumerate() {
+        let pieces: Vec<Vec<u8>> = pairs
+            .par_iter()
+            .enumerate()
+            .map(|(i, (b, p))| encode_block(r * round + i, b, p))
+            .collect::<Result<_, _>>()?;
+        for piece in pieces {
+            size += piece.len();
+            sink(piece);
+        }
     }
-    Ok(out)
+    Ok(size)
 }
 
-/// One block's XOR as two planes, compressed; empty when nothing changed.
+/// The most bytes a delta of a `payload`-byte payload can take (every block
+/// incompressible): a receiver of a delta whose size is not announced refuses more.
+pub fn bound(payload: usize) -> usize {
+    let block_bytes = 2 * BLOCK_WORDS;
+    let (whole, rest) = (payload / block_bytes, payload % block_bytes);
+    let block = |bytes: usize| 4 + zstd::zstd_safe::compress_bound(bytes);
+    HEADER + whole * block(block_bytes) + if rest > 0 { block(rest) } else { 0 }
+}
+
+/// One block of the format: its length (u32) then its XOR as two planes, compressed
+/// (nothing when nothing changed).
 fn encode_block(block: usize, base: &[u8], payload: &[u8]) -> Result<Vec<u8>, DeltaError> {
     if base == payload {
-        return Ok(Vec::new());
+        return Ok(0u32.to_le_bytes().to_vec());
     }
     let words = base.len() / 2;
     SCRATCH.with_borrow_mut(|scratch| {
@@ -103,7 +139,10 @@ fn encode_block(block: usize, base: &[u8], payload: &[u8]) -> Result<Vec<u8>, De
         let n = compressor
             .compress_to_buffer(&planes[..], &mut compressed[..])
             .map_err(fail)?;
-        Ok(compressed[..n].to_vec())
+        let mut piece = Vec::with_capacity(4 + n);
+        piece.extend_from_slice(&(n as u32).to_le_bytes());
+        piece.extend_from_slice(&compressed[..n]);
+        Ok(piece)
     })
 }
 
@@ -326,6 +365,44 @@ mod tests {
             apply(&mut out, &encode(&base, &payload).unwrap()).unwrap();
             assert_eq!(out, payload, "{words} words through a delta");
         }
+    }
+
+    /// Streamed, a delta comes as its header and then one piece a block, in order, which
+    /// together are the delta [`encode`] makes; no delta outgrows [`bound`], not even
+    /// one of noise.
+    #[test]
+    fn a_streamed_delta_comes_header_first_then_a_block_at_a_time_in_order() {
+        let (base, payload) = pair(5 * BLOCK_WORDS + 99, 7);
+        let mut pieces = Vec::new();
+        let size = encode_streamed(&base, &payload, |p| pieces.push(p)).unwrap();
+        assert_eq!(pieces.len(), 1 + 6, "the header and six blocks");
+        assert_eq!(pieces[0].len(), HEADER);
+        assert_eq!(&pieces[0][..8], MAGIC);
+        let joined = pieces.concat();
+        assert_eq!(joined.len(), size);
+        assert_eq!(joined, encode(&base, &payload).unwrap());
+        let (_, _, blocks) = parse(&joined).unwrap();
+        for (block, piece) in blocks.iter().zip(&pieces[1..]) {
+            assert_eq!(&piece[4..], *block, "each piece is its block, in order");
+        }
+
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let noise: Vec<u8> = (0..base.len())
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 24) as u8
+            })
+            .collect();
+        let worst = encode(&base, &noise).unwrap();
+        assert!(worst.len() > base.len(), "noise does not compress");
+        assert!(
+            worst.len() <= bound(base.len()),
+            "{} > {}",
+            worst.len(),
+            bound(base.len())
+        );
     }
 
     #[test]

@@ -102,7 +102,7 @@ pub const STALL: Duration = Duration::from_secs(5);
 /// bounded by the caller's deadline alone.)
 pub async fn send_watched(
     client: &mut RolloutServiceClient<tonic::transport::Channel>,
-    chunks: impl Iterator<Item = pb::WeightChunk> + Send + 'static,
+    chunks: impl tokio_stream::Stream<Item = pb::WeightChunk> + Send + 'static,
     token: &str,
     stall: Duration,
 ) -> Result<pb::UpdateWeightsResponse, tonic::Status> {
@@ -111,7 +111,7 @@ pub async fn send_watched(
         done: AtomicBool::new(false),
     });
     let watched = Watched {
-        chunks,
+        chunks: Box::pin(chunks),
         progress: progress.clone(),
     };
     let watch = async {
@@ -140,16 +140,23 @@ struct Progress {
     done: AtomicBool,
 }
 
-struct Watched<I> {
-    chunks: I,
+struct Watched {
+    chunks: std::pin::Pin<Box<dyn tokio_stream::Stream<Item = pb::WeightChunk> + Send>>,
     progress: Arc<Progress>,
 }
 
-impl<I: Iterator<Item = pb::WeightChunk>> Iterator for Watched<I> {
+impl tokio_stream::Stream for Watched {
     type Item = pb::WeightChunk;
 
-    fn next(&mut self) -> Option<pb::WeightChunk> {
-        let next = self.chunks.next();
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<pb::WeightChunk>> {
+        let std::task::Poll::Ready(next) = self.chunks.as_mut().poll_next(cx) else {
+            // A stream made as it is sent (a delta) may have nothing yet; its maker's
+            // pauses are far shorter than a stall.
+            return std::task::Poll::Pending;
+        };
         *self
             .progress
             .last
@@ -158,7 +165,7 @@ impl<I: Iterator<Item = pb::WeightChunk>> Iterator for Watched<I> {
         if next.is_none() {
             self.progress.done.store(true, Ordering::Relaxed);
         }
-        next
+        std::task::Poll::Ready(next)
     }
 }
 

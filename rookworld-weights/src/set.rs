@@ -112,6 +112,18 @@ impl WeightSet {
         }
     }
 
+    /// The header of a push of this set as a delta against version `base_version` that is
+    /// streamed while it is made: its size is not known yet (`delta_bytes` 0), and the
+    /// receiver takes its end from the delta's own blocks.
+    pub fn streamed_delta_header(&self, base_version: u64) -> pb::WeightSetHeader {
+        pb::WeightSetHeader {
+            delta_format: crate::delta::FORMAT.into(),
+            base_version,
+            delta_bytes: 0,
+            ..self.header()
+        }
+    }
+
     /// The one chunk of a same-host push: the header naming the shared file, no data.
     /// `None` when no shared file was written.
     pub fn shared_chunk(&self) -> Option<pb::WeightChunk> {
@@ -149,17 +161,48 @@ fn chunks_of(
     bytes: Bytes,
     chunk_bytes: usize,
 ) -> impl Iterator<Item = pb::WeightChunk> {
-    let step = chunk_bytes.max(1);
-    let count = bytes.len().div_ceil(step).max(1);
-    (0..count).map(move |i| {
-        let start = i * step;
-        let end = (start + step).min(bytes.len());
-        pb::WeightChunk {
-            header: (i == 0).then(|| header.clone()),
-            offset: start as u64,
-            data: bytes.slice(start.min(end)..end),
+    Chunker::new(header, chunk_bytes).cut(bytes)
+}
+
+/// Cuts a body that comes in pieces (a delta streamed while it is made) into chunks of at
+/// most `chunk_bytes`, each at its offset in the body, the header on the first.
+#[derive(Debug)]
+pub struct Chunker {
+    header: Option<pb::WeightSetHeader>,
+    offset: usize,
+    step: usize,
+}
+
+impl Chunker {
+    pub fn new(header: pb::WeightSetHeader, chunk_bytes: usize) -> Self {
+        Self {
+            header: Some(header),
+            offset: 0,
+            step: chunk_bytes.max(1),
         }
-    })
+    }
+
+    /// The next `piece` of the body as chunks (one, empty, when the header has not gone
+    /// and the piece is empty), made as they are taken.
+    pub fn cut(&mut self, piece: Bytes) -> impl Iterator<Item = pb::WeightChunk> + use<> {
+        let (step, base) = (self.step, self.offset);
+        let header = self.header.take();
+        let count = piece
+            .len()
+            .div_ceil(step)
+            .max(usize::from(header.is_some()));
+        self.offset += piece.len();
+        let mut header = header;
+        (0..count).map(move |i| {
+            let start = i * step;
+            let end = (start + step).min(piece.len());
+            pb::WeightChunk {
+                header: header.take(),
+                offset: (base + start) as u64,
+                data: piece.slice(start.min(end)..end),
+            }
+        })
+    }
 }
 
 /// What a chunk stream held, put back together.
@@ -221,8 +264,8 @@ impl Assembler {
             (Some(_), Some(_)) => return bad("a header in a chunk after the first".into()),
             (None, Some(h)) => {
                 check_header(&h, self.max_bytes)?;
-                if h.shared_file.is_empty() {
-                    self.bytes.reserve_exact(body_bytes(&h) as usize);
+                if let (true, Body::Exact(n)) = (h.shared_file.is_empty(), body_bytes(&h)) {
+                    self.bytes.reserve_exact(n as usize);
                 }
                 self.header = Some(h);
             }
@@ -237,8 +280,19 @@ impl Assembler {
                 self.bytes.len()
             ));
         }
-        if self.bytes.len() as u64 + chunk.data.len() as u64 > total {
-            return bad(format!("chunks exceed the announced {total} bytes"));
+        let after = self.bytes.len() as u64 + chunk.data.len() as u64;
+        match total {
+            Body::Exact(n) if after > n => {
+                return bad(format!("chunks exceed the announced {n} bytes"));
+            }
+            Body::AtMost(n) if after > n => {
+                return bad(format!(
+                    "a streamed delta of more than {n} bytes, the most a delta of the \
+                     {}-byte payload can take",
+                    h.total_bytes
+                ));
+            }
+            _ => {}
         }
         if !delta {
             self.hasher.update(&chunk.data);
@@ -253,11 +307,12 @@ impl Assembler {
         let Some(h) = self.header else {
             return Err(WeightError::Malformed("empty stream: no chunks".into()));
         };
-        if self.bytes.len() as u64 != body_bytes(&h) {
+        if let Body::Exact(n) = body_bytes(&h)
+            && self.bytes.len() as u64 != n
+        {
             return Err(WeightError::Malformed(format!(
-                "stream ended after {} of {} bytes",
+                "stream ended after {} of {n} bytes",
                 self.bytes.len(),
-                body_bytes(&h)
             )));
         }
         if is_delta(&h) {
@@ -275,12 +330,20 @@ pub fn is_delta(h: &pb::WeightSetHeader) -> bool {
     !h.delta_format.is_empty()
 }
 
-/// The bytes the chunks after header `h` carry: the delta's, or the payload's.
-fn body_bytes(h: &pb::WeightSetHeader) -> u64 {
-    if is_delta(h) {
-        h.delta_bytes
-    } else {
-        h.total_bytes
+/// The bytes the chunks after header `h` carry: the payload's, or the delta's as
+/// announced (`Exact`), or at most a delta's [`crate::delta::bound`] for one streamed as
+/// it is made (`delta_bytes` 0: its own blocks say where it ends).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Body {
+    Exact(u64),
+    AtMost(u64),
+}
+
+fn body_bytes(h: &pb::WeightSetHeader) -> Body {
+    match (is_delta(h), h.delta_bytes) {
+        (false, _) => Body::Exact(h.total_bytes),
+        (true, 0) => Body::AtMost(crate::delta::bound(h.total_bytes as usize) as u64),
+        (true, n) => Body::Exact(n),
     }
 }
 
@@ -572,17 +635,17 @@ pub async fn push(
     token: &str,
     chunk_bytes: usize,
 ) -> Result<pb::UpdateWeightsResponse, tonic::Status> {
-    send(client, set.chunks(chunk_bytes), token).await
+    send(client, tokio_stream::iter(set.chunks(chunk_bytes)), token).await
 }
 
 /// Sends `chunks` (header first) to a worker with the shared `token` and returns its
 /// answer.
 pub async fn send(
     client: &mut pb::rollout_service_client::RolloutServiceClient<tonic::transport::Channel>,
-    chunks: impl Iterator<Item = pb::WeightChunk> + Send + 'static,
+    chunks: impl tokio_stream::Stream<Item = pb::WeightChunk> + Send + 'static,
     token: &str,
 ) -> Result<pb::UpdateWeightsResponse, tonic::Status> {
-    let mut request = tonic::Request::new(tokio_stream::iter(chunks));
+    let mut request = tonic::Request::new(chunks);
     rookworld_service::auth::set_token(request.metadata_mut(), token)?;
     Ok(client.update_weights(request).await?.into_inner())
 }
@@ -596,12 +659,8 @@ pub async fn push_delta(
     token: &str,
     chunk_bytes: usize,
 ) -> Result<pb::UpdateWeightsResponse, tonic::Status> {
-    send(
-        client,
-        set.delta_chunks(base_version, delta, chunk_bytes),
-        token,
-    )
-    .await
+    let chunks = set.delta_chunks(base_version, delta, chunk_bytes);
+    send(client, tokio_stream::iter(chunks), token).await
 }
 
 /// The BLAKE3 hash of a payload, on every core (a 249 MB payload is 57 ms on one core

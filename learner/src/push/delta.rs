@@ -4,21 +4,36 @@
 //! The learner keeps only what that needs: the set the newest replaced (the base), and
 //! only while some worker is streamed its weights (workers on this host that read the
 //! shared file need no delta). The delta is made by the first push that wants it, on the
-//! blocking pool, and shared by every other; a delta no smaller than the payload is not
-//! sent, nor one that would reach its worker later than the payload over the link as last
-//! measured ([`Link`]: on loopback the worker's applying and hashing it costs more than
-//! the bytes it saves take).
+//! blocking pool, and streamed while it is made: each push sends its pieces as they come,
+//! so making it overlaps sending it. A delta no smaller than the payload is not sent, nor
+//! one that would reach its worker later than the payload over the link as last measured
+//! ([`Link`]: on loopback the worker's applying and hashing it costs more than the bytes
+//! it saves take); until a version's delta is made, its size is taken to be the last
+//! one's.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use bytes::Bytes;
+use rookworld_proto::rollout::v1::WeightChunk;
 use rookworld_weights::WeightSet;
-use tokio::sync::OnceCell;
+use rookworld_weights::relay::Route;
+use rookworld_weights::set::Chunker;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
 
-/// A delta made once and shared: `None` when it could not be made, or was no smaller than
-/// the payload.
-type Made = Arc<OnceCell<Option<Bytes>>>;
+/// A version's delta, started by the first push that sends it and shared by every other.
+type Made = Arc<OnceLock<Making>>;
+
+/// A delta being made: its pieces so far, in order, and how it ended.
+type Making = Arc<watch::Sender<Progress>>;
+
+#[derive(Debug, Default)]
+struct Progress {
+    pieces: Vec<Bytes>,
+    /// `Ok(bytes)` once made, `Err(why)` if it could not be.
+    end: Option<Result<usize, String>>,
+}
 
 /// The newest set, the one before it and their delta, as the fleet knows them.
 #[derive(Debug, Default)]
@@ -26,6 +41,8 @@ pub(super) struct Deltas {
     newest: Option<Arc<WeightSet>>,
     base: Option<Arc<WeightSet>>,
     made: Made,
+    /// The size of the last delta made: what the next is expected to take until it is made.
+    last_bytes: Option<usize>,
 }
 
 impl Deltas {
@@ -44,6 +61,9 @@ impl Deltas {
                 && p.version < set.version
                 && p.bytes.len() == set.bytes.len()
         });
+        if let Some(Ok(bytes)) = self.made.get().and_then(|m| m.borrow().end.clone()) {
+            self.last_bytes = Some(bytes);
+        }
         self.made = Made::default();
     }
 
@@ -54,6 +74,7 @@ impl Deltas {
         (known == Some(base.version)).then(|| DeltaOffer {
             base: base.clone(),
             made: self.made.clone(),
+            last_bytes: self.last_bytes,
         })
     }
 
@@ -78,14 +99,8 @@ pub enum DeltaPolicy {
 }
 
 impl DeltaPolicy {
-    /// Whether a delta is worth making for a push of `payload` bytes over `link`: under
-    /// `auto`, not where even an empty delta's apply and hash would outlast the payload's
-    /// transfer, `payload / rate ≤ apply` (on loopback).
-    pub fn worth_making(self, link: &Link, payload: usize) -> bool {
-        self.sends(link, 0, payload)
-    }
-
-    /// Whether a delta of `delta` bytes, made, is sent instead of the `payload`.
+    /// Whether a delta of `delta` bytes (as made, or as expected) is sent instead of the
+    /// `payload` over `link`.
     pub fn sends(self, link: &Link, delta: usize, payload: usize) -> bool {
         match self {
             Self::Auto => link.delta_pays(delta, payload),
@@ -143,6 +158,7 @@ impl Link {
 pub struct DeltaOffer {
     base: Arc<WeightSet>,
     made: Made,
+    last_bytes: Option<usize>,
 }
 
 impl DeltaOffer {
@@ -151,44 +167,115 @@ impl DeltaOffer {
         self.base.version
     }
 
-    /// The delta that turns the base into `set`, made by the first caller and shared;
-    /// `None` when it cannot be made or is no smaller than the payload (the push then
-    /// streams the payload).
-    pub async fn bytes(&self, set: &WeightSet) -> Option<Bytes> {
-        let made = self.made.get_or_init(|| async {
-            let (base, target) = (self.base.bytes.clone(), set.bytes.clone());
-            let (from, to) = (self.base.version, set.version);
-            let clock = Instant::now();
-            let encoded =
-                tokio::task::spawn_blocking(move || rookworld_weights::delta::encode(&base, &target))
-                    .await;
-            match encoded {
-                Ok(Ok(delta)) if delta.len() < set.bytes.len() => {
-                    tracing::debug!(
-                        from,
-                        to,
-                        bytes = delta.len(),
-                        share = format!("{:.3}", delta.len() as f64 / set.bytes.len() as f64),
-                        seconds = format!("{:.3}", clock.elapsed().as_secs_f64()),
-                        "weight delta made"
-                    );
-                    Some(Bytes::from(delta))
+    /// Whether a push of a `payload`-byte set over `link` sends this delta under
+    /// `policy`: not once it failed or turned out no smaller than the payload; else as
+    /// [`DeltaPolicy::sends`] says of its size (made, or expected from the last one's;
+    /// unknown counts as empty).
+    pub fn sent(&self, policy: DeltaPolicy, link: &Link, payload: usize) -> bool {
+        let expected = match self.made.get().map(|m| m.borrow().end.clone()) {
+            Some(Some(Err(_))) => return false,
+            Some(Some(Ok(bytes))) => Some(bytes),
+            _ => self.last_bytes,
+        };
+        if expected.is_some_and(|bytes| bytes >= payload) {
+            return false;
+        }
+        policy.sends(link, expected.unwrap_or(0), payload)
+    }
+
+    /// The delta that turns the base into `set` as chunks of at most `chunk_bytes` with
+    /// `route` in the header, each sent as soon as its piece is made (the delta is made by
+    /// the first caller, and every other reads the same pieces). Its size is not known
+    /// before its end, so the header announces none. If making it fails, the stream ends
+    /// where it is; the worker refuses the delta as cut short, and later pushes send the
+    /// payload ([`Self::sent`]).
+    pub fn chunks(
+        &self,
+        set: &WeightSet,
+        route: &Route,
+        chunk_bytes: usize,
+    ) -> ReceiverStream<WeightChunk> {
+        let making = self.made.get_or_init(|| self.start(set)).clone();
+        let mut header = set.streamed_delta_header(self.base.version);
+        route.stamp(&mut header);
+        let mut chunker = Chunker::new(header, chunk_bytes);
+        let mut progress = making.subscribe();
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(async move {
+            let mut at = 0;
+            loop {
+                let (pieces, ended) = {
+                    let p = progress.borrow_and_update();
+                    (p.pieces[at..].to_vec(), p.end.is_some())
+                };
+                at += pieces.len();
+                for chunk in pieces.into_iter().flat_map(|p| chunker.cut(p)) {
+                    if tx.send(chunk).await.is_err() {
+                        return; // the push ended
+                    }
                 }
-                Ok(Ok(delta)) => {
-                    tracing::debug!(from, to, bytes = delta.len(), "the weight delta is no smaller than the payload; the payload is sent");
-                    None
-                }
-                Ok(Err(e)) => {
-                    tracing::warn!(from, to, error = %e, "no weight delta; the payload is sent");
-                    None
-                }
-                Err(e) => {
-                    tracing::warn!(from, to, error = %e, "making the weight delta failed; the payload is sent");
-                    None
+                if ended || progress.changed().await.is_err() {
+                    return;
                 }
             }
         });
-        made.await.clone()
+        ReceiverStream::new(rx)
+    }
+
+    /// The delta's size, once made.
+    pub fn made_bytes(&self) -> Option<usize> {
+        match self.made.get()?.borrow().end {
+            Some(Ok(bytes)) => Some(bytes),
+            _ => None,
+        }
+    }
+
+    /// Makes the delta that turns the base into `set` on the blocking pool, each piece
+    /// published as it is made.
+    fn start(&self, set: &WeightSet) -> Making {
+        let making: Making = Arc::new(watch::Sender::new(Progress::default()));
+        let (base, target) = (self.base.bytes.clone(), set.bytes.clone());
+        let (from, to) = (self.base.version, set.version);
+        let out = making.clone();
+        tokio::task::spawn_blocking(move || {
+            let clock = Instant::now();
+            let publish = |piece: Vec<u8>| out.send_modify(|p| p.pieces.push(piece.into()));
+            let end = rookworld_weights::delta::encode_streamed(&base, &target, publish);
+            let end = match end {
+                Ok(bytes) => {
+                    tracing::debug!(
+                        from,
+                        to,
+                        bytes,
+                        share = format!("{:.3}", bytes as f64 / target.len() as f64),
+                        seconds = format!("{:.3}", clock.elapsed().as_secs_f64()),
+                        "weight delta made"
+                    );
+                    Ok(bytes)
+                }
+                Err(e) => {
+                    tracing::warn!(from, to, error = %e, "no weight delta; the payload is sent");
+                    Err(e.to_string())
+                }
+            };
+            out.send_modify(|p| p.end = Some(end));
+        });
+        making
+    }
+
+    /// Waits until the delta is made (starting it if no push has): its size, or `None`
+    /// when it failed.
+    #[cfg(test)]
+    pub async fn made(&self, set: &WeightSet) -> Option<usize> {
+        let making = self.made.get_or_init(|| self.start(set)).clone();
+        let mut progress = making.subscribe();
+        let end = progress
+            .wait_for(|p| p.end.is_some())
+            .await
+            .ok()?
+            .end
+            .clone();
+        end?.ok()
     }
 }
 
@@ -198,6 +285,55 @@ mod tests {
 
     fn set(run: &str, version: u64, fill: u8) -> Arc<WeightSet> {
         Arc::new(WeightSet::from_bytes(run, version, vec![fill; 4096]))
+    }
+
+    /// The delta an offer streams for `set` in chunks of `chunk_bytes`, checked as a
+    /// receiver checks it: a header announcing a streamed delta against the offer's base
+    /// on the first chunk only, every chunk at its offset.
+    async fn streamed(offer: &DeltaOffer, set: &WeightSet, chunk_bytes: usize) -> Vec<u8> {
+        use tokio_stream::StreamExt;
+        let route = Route {
+            relay_to: vec!["http://w:1".into()],
+            fanout: 1,
+            deadline: None,
+        };
+        let chunks: Vec<WeightChunk> = offer.chunks(set, &route, chunk_bytes).collect().await;
+        let h = chunks[0].header.as_ref().expect("a header first");
+        assert_eq!((h.delta_bytes, h.base_version), (0, offer.base_version()));
+        assert_eq!((h.version, h.relay_to.len()), (set.version, 1));
+        let mut delta = Vec::new();
+        for c in &chunks {
+            assert_eq!(c.offset, delta.len() as u64);
+            assert!(c.data.len() <= chunk_bytes);
+            delta.extend_from_slice(&c.data);
+        }
+        assert!(chunks[1..].iter().all(|c| c.header.is_none()));
+        delta
+    }
+
+    /// A delta of several blocks streams, in any chunk size, as the delta of the two
+    /// payloads that the worker's apply turns the base into the payload with.
+    #[tokio::test]
+    async fn a_streamed_delta_is_the_delta_of_the_two_payloads() {
+        let words = 2 * rookworld_weights::delta::BLOCK_WORDS + 99;
+        let base: Vec<u8> = (0..2 * words).map(|i| (i % 251) as u8).collect();
+        let mut next = base.clone();
+        for b in next.iter_mut().step_by(13) {
+            *b ^= 1;
+        }
+        let mut d = Deltas::default();
+        d.advance(&Arc::new(WeightSet::from_bytes("a", 1, base.clone())), true);
+        let v2 = Arc::new(WeightSet::from_bytes("a", 2, next.clone()));
+        d.advance(&v2, true);
+        let offer = d.offer(Some(1)).unwrap();
+        let delta = streamed(&offer, &v2, 64 << 10).await;
+        assert_eq!(
+            delta,
+            rookworld_weights::delta::encode(&base, &next).unwrap()
+        );
+        let mut out = base;
+        rookworld_weights::delta::apply(&mut out, &delta).unwrap();
+        assert_eq!(out, next);
     }
 
     /// The base is the set the newest replaced, of the same run and size, kept only when
@@ -217,13 +353,12 @@ mod tests {
         assert!(d.offer(None).is_none() && d.offer(Some(0)).is_none());
         let offer = d.offer(Some(1)).expect("a worker on version 1");
         assert_eq!(offer.base_version(), 1);
-        let delta = offer
-            .bytes(&v2)
-            .await
-            .expect("nothing changed: a small delta");
-        assert!(delta.len() < 100, "{} bytes", delta.len());
-        let again = d.offer(Some(1)).unwrap().bytes(&v2).await.unwrap();
-        assert_eq!(again.as_ptr(), delta.as_ptr(), "made once, shared");
+        let delta = streamed(&offer, &v2, 1000).await;
+        assert!(delta.len() < 100, "nothing changed: {} bytes", delta.len());
+        assert_eq!(offer.made_bytes(), Some(delta.len()));
+        let again = d.offer(Some(1)).unwrap();
+        assert_eq!(again.made_bytes(), Some(delta.len()), "made once, shared");
+        assert_eq!(streamed(&again, &v2, 7).await, delta);
 
         d.advance(&set("a", 3, 0), false);
         assert!(!d.holds_base(), "no streamed worker: no base kept");
@@ -250,11 +385,11 @@ mod tests {
         };
         assert!(gigabit.delta_pays(delta, payload));
         assert!(Link::default().delta_pays(delta, payload));
-        // Where even an empty delta cannot pay, none is made under `auto`.
-        assert!(!DeltaPolicy::Auto.worth_making(&loopback, payload));
-        assert!(DeltaPolicy::Auto.worth_making(&gigabit, payload));
+        // Where even an empty delta cannot pay, none is sent under `auto`.
+        assert!(!DeltaPolicy::Auto.sends(&loopback, 0, payload));
+        assert!(DeltaPolicy::Auto.sends(&gigabit, 0, payload));
         assert!(DeltaPolicy::Always.sends(&loopback, delta, payload));
-        assert!(!DeltaPolicy::Never.worth_making(&gigabit, payload));
+        assert!(!DeltaPolicy::Never.sends(&gigabit, 0, payload));
         let mut l = Link::default();
         l.measured("stream", payload as u64, 0.089, 0.0);
         assert!(l.delta_pays(delta, payload), "no delta applied there yet");
@@ -267,22 +402,38 @@ mod tests {
     }
 
     /// A delta no smaller than the payload (every byte changed, nothing compresses) is
-    /// not sent.
+    /// not sent once it is known to be, and the next version's is expected to be as large
+    /// until it is made, so it is not sent either.
     #[tokio::test]
     async fn a_delta_no_smaller_than_the_payload_is_not_sent() {
         let mut d = Deltas::default();
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let noise: Vec<u8> = (0..4096)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 32) as u8
-            })
-            .collect();
+        let mut noise = || -> Vec<u8> {
+            (0..4096)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    (x >> 32) as u8
+                })
+                .collect()
+        };
+        let (anywhere, payload) = (Link::default(), 4096);
         d.advance(&set("a", 1, 0), true);
-        let v2 = Arc::new(WeightSet::from_bytes("a", 2, noise));
+        let v2 = Arc::new(WeightSet::from_bytes("a", 2, noise()));
         d.advance(&v2, true);
-        assert!(d.offer(Some(1)).unwrap().bytes(&v2).await.is_none());
+        let offer = d.offer(Some(1)).unwrap();
+        assert!(
+            offer.sent(DeltaPolicy::Always, &anywhere, payload),
+            "size unknown"
+        );
+        assert!(offer.made(&v2).await.unwrap() >= payload);
+        assert!(!offer.sent(DeltaPolicy::Always, &anywhere, payload));
+        d.advance(&Arc::new(WeightSet::from_bytes("a", 3, noise())), true);
+        let next = d.offer(Some(2)).unwrap();
+        assert!(
+            !next.sent(DeltaPolicy::Always, &anywhere, payload),
+            "expected as large"
+        );
     }
 }

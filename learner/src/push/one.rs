@@ -311,17 +311,14 @@ async fn push_one(
         }
     }
     let payload = set.bytes.len();
-    if let Some(offer) = via
-        .delta
-        .filter(|_| via.policy.worth_making(&via.link, payload))
-        && let Some(delta) = offer.bytes(set).await
-        && via.policy.sends(&via.link, delta.len(), payload)
-    {
-        let (base, sent) = (offer.base_version(), delta.len() as u64);
-        let chunks = route(&via.route).apply(set.delta_chunks(base, delta, CHUNK_BYTES));
+    if let Some(offer) = via.delta.filter(|o| o.sent(via.policy, &via.link, payload)) {
+        let base = offer.base_version();
+        let chunks = offer.chunks(set, &route(&via.route), CHUNK_BYTES);
         match send(&mut client, chunks, token, &via.route).await {
             Ok(answer) => {
-                (how.path, how.bytes) = ("delta", sent);
+                // The worker took the whole delta, so it is made.
+                how.path = "delta";
+                how.bytes = offer.made_bytes().unwrap_or_default() as u64;
                 return check_answer(&answer, set, how);
             }
             Err(s)
@@ -335,7 +332,7 @@ async fn push_one(
         }
     }
     let chunks = route(&via.route).apply(set.chunks(CHUNK_BYTES));
-    match send(&mut client, chunks, token, &via.route).await {
+    match send(&mut client, tokio_stream::iter(chunks), token, &via.route).await {
         Ok(answer) => check_answer(&answer, set, how),
         Err(s) => Err(refused(&mut client, address, token, s).await),
     }
@@ -346,7 +343,7 @@ async fn push_one(
 /// deadline only, so that a slow link (many pushes at once on a thin one) is no failure.
 async fn send(
     client: &mut RolloutServiceClient<tonic::transport::Channel>,
-    chunks: impl Iterator<Item = rookworld_proto::rollout::v1::WeightChunk> + Send + 'static,
+    chunks: impl tokio_stream::Stream<Item = rookworld_proto::rollout::v1::WeightChunk> + Send + 'static,
     token: &str,
     route: &Route,
 ) -> Result<rookworld_proto::rollout::v1::UpdateWeightsResponse, tonic::Status> {

@@ -73,6 +73,50 @@ fn a_delta_rebuilds_the_payload_from_its_base_and_only_from_it() {
     assert!(matches!(err, WeightError::Delta(_)), "{err}");
 }
 
+/// A delta streamed while it is made announces no size: its pieces, cut into chunks as
+/// they come, are taken up to the most a delta of the payload can take, and its end is
+/// its own blocks' (one cut short is refused when applied, naming it).
+#[test]
+fn a_streamed_delta_is_taken_without_its_size_and_bounded() {
+    let (base, new) = (set(), next(&set()));
+    let mut chunker = Chunker::new(new.streamed_delta_header(base.version), 700);
+    let mut chunks = Vec::new();
+    crate::delta::encode_streamed(&base.bytes, &new.bytes, |piece| {
+        chunks.extend(chunker.cut(piece.into()));
+    })
+    .unwrap();
+    assert!(chunks.len() > 2);
+    let Received::Delta { header, delta } = receive(chunks.clone()).unwrap() else {
+        panic!("a delta was sent")
+    };
+    assert_eq!(header.delta_bytes, 0);
+    let made = apply_delta(base.bytes.to_vec(), header.clone(), &delta).unwrap();
+    assert_eq!((made.version, made.blake3), (4, new.blake3));
+
+    let cut = receive(chunks[..chunks.len() - 1].to_vec()).unwrap();
+    let Received::Delta { delta: short, .. } = cut else {
+        panic!("a delta was sent")
+    };
+    let (err, _) = apply_delta(base.bytes.to_vec(), header.clone(), &short).unwrap_err();
+    assert!(err.to_string().contains("cut short"), "{err}");
+
+    let bound = crate::delta::bound(new.bytes.len());
+    let mut a = Assembler::new(1 << 30);
+    let first = pb::WeightChunk {
+        header: Some(header),
+        offset: 0,
+        data: vec![0; bound].into(),
+    };
+    a.push(first).unwrap();
+    let over = pb::WeightChunk {
+        header: None,
+        offset: bound as u64,
+        data: vec![0; 1].into(),
+    };
+    let err = a.push(over).unwrap_err();
+    assert!(err.to_string().contains("the most a delta of the"), "{err}");
+}
+
 /// A delta header must name the one format, an older base, no shared file, and a size
 /// within the limit.
 #[test]
