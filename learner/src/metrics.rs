@@ -39,6 +39,7 @@ pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
         )?;
     // … and the reward server's request latencies, with every service's latency buckets.
     let builder = rookworld_service::metrics_http::request_latency_buckets(builder)?;
+    let builder = rollout_worker::metrics::steps_buckets(builder)?;
     let bound = rookworld_service::metrics_http::install(builder, addr)?;
     describe();
     Ok(bound)

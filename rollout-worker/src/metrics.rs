@@ -36,7 +36,19 @@ pub use rookworld_generation::metrics::SECONDS_BUCKETS;
 pub fn install_exporter(addr: SocketAddr) -> Result<SocketAddr, MetricsError> {
     let builder = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)?;
-    rookworld_service::metrics_http::install(builder, addr)
+    rookworld_service::metrics_http::install(steps_buckets(builder)?, addr)
+}
+
+/// `builder` with the engine's histograms counted in decode steps in their buckets
+/// (`rookworld_generation::metrics::STEPS_BUCKETS`; a full name beats the prefix or
+/// suffix of a process's other buckets).
+pub fn steps_buckets(
+    builder: PrometheusBuilder,
+) -> Result<PrometheusBuilder, metrics_exporter_prometheus::BuildError> {
+    use rookworld_generation::metrics::{STEPS_BUCKETS, STEPS_HISTOGRAMS};
+    STEPS_HISTOGRAMS.iter().try_fold(builder, |b, name| {
+        b.set_buckets_for_metric(Matcher::Full((*name).into()), STEPS_BUCKETS)
+    })
 }
 
 /// The CUDA kernel families a device's verdict turned off (named: see

@@ -18,6 +18,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::{EngineConfig, EngineError, Event, Request, RequestId, Scheduler, SwapPolicy};
 use crate::metrics;
+use crate::swap_clock::{SwapClock, SwapTiming};
 
 enum Command {
     Submit {
@@ -49,6 +50,8 @@ pub struct EngineStatus {
     pub tokens_per_second: f64,
     /// A weight swap is waiting for the sequences in flight.
     pub swap_pending: bool,
+    /// What the last weight swap cost the decode loop (`None`: none yet).
+    pub last_swap: Option<SwapTiming>,
     pub device: String,
     pub dtype: String,
 }
@@ -110,6 +113,7 @@ impl Engine {
             tokens_generated: 0,
             tokens_per_second: 0.0,
             swap_pending: false,
+            last_swap: None,
             device: device_name(model.device()),
             dtype: format!("{:?}", model.dtype()).to_lowercase(),
         }));
@@ -242,6 +246,7 @@ struct EngineLoop {
     status: Arc<Mutex<EngineStatus>>,
     streams: HashMap<RequestId, mpsc::UnboundedSender<Event>>,
     staged: Option<Staged>,
+    swap_clock: SwapClock,
     tokens_generated: u64,
     window: (Instant, u64),
     tokens_per_second: f64,
@@ -261,6 +266,7 @@ impl EngineLoop {
             status,
             streams: HashMap::new(),
             staged: None,
+            swap_clock: SwapClock::default(),
             tokens_generated: 0,
             window: (Instant::now(), 0),
             tokens_per_second: 0.0,
@@ -291,9 +297,15 @@ impl EngineLoop {
             self.maybe_swap();
             if self.scheduler.has_work() {
                 let admit = self.staged.is_none();
+                let start = Instant::now();
                 let (events, stats) = self.scheduler.step(admit);
+                if let Some(t) = self.swap_clock.stepped(start, Instant::now(), !admit) {
+                    self.swap_done(t);
+                }
                 self.route(events);
                 self.account(stats.first_tokens + stats.decode_rows, &stats);
+            } else if let Some(t) = self.swap_clock.idle(Instant::now()) {
+                self.swap_done(t);
             }
             self.publish();
         }
@@ -320,6 +332,7 @@ impl EngineLoop {
                 }
             }
             Command::Swap(staged) => {
+                self.swap_clock.staged(Instant::now());
                 // A newer staged swap replaces an older one; its caller is told it landed
                 // (its version is superseded before any token used it).
                 if let Some(old) = self.staged.replace(staged) {
@@ -353,9 +366,24 @@ impl EngineLoop {
                 )
             };
             metrics::set_weight_version(version);
+            self.swap_clock.swapped(version, Instant::now());
             tracing::debug!(version, "weights swapped in");
             let _ = staged.reply.send(Retired::of(old, old_version, old_run));
         }
+    }
+
+    /// A swap's cost, complete: recorded, published and logged.
+    fn swap_done(&mut self, t: SwapTiming) {
+        metrics::record_swap(&t);
+        self.status.lock().expect("status lock").last_swap = Some(t);
+        tracing::debug!(
+            version = t.version,
+            wait_seconds = format!("{:.4}", t.wait_seconds),
+            held_steps = t.held_steps,
+            pause_seconds = format!("{:.5}", t.pause_seconds),
+            pause_steps = format!("{:.3}", t.pause_steps()),
+            "decoding through a weight swap"
+        );
     }
 
     fn route(&mut self, events: Vec<Event>) {
@@ -410,5 +438,80 @@ impl EngineLoop {
         status.tokens_per_second = self.tokens_per_second;
         status.swap_pending = self.staged.is_some();
         metrics::set_load(&status, s.model().device());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use candle_core::{DType, Device};
+    use rookworld_lm::Config;
+    use rookworld_lm::model_io::init_random;
+    use rookworld_lm::sampling::SamplingParams;
+
+    use super::*;
+
+    fn model(seed: u64) -> Gpt2 {
+        init_random(&Config::tiny(), seed, DType::F32, &Device::Cpu).unwrap()
+    }
+
+    /// Polls `engine`'s status until `done` holds (within 30 s).
+    async fn until(engine: &Engine, done: impl Fn(&EngineStatus) -> bool) -> EngineStatus {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let status = engine.status();
+            if done(&status) {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "not within 30 s: {status:?}");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    /// A swap staged while sequences decode, under each policy: it lands, and its cost to
+    /// the decode loop is recorded — under `Drain` the steps held while the sequences in
+    /// flight finished, under `Continue` none (the swap goes in at the next step).
+    #[tokio::test]
+    async fn a_swap_under_way_records_what_it_held_and_paused() {
+        for policy in [SwapPolicy::Drain, SwapPolicy::Continue] {
+            let cfg = EngineConfig {
+                max_seqs: 4,
+                swap_policy: policy,
+                ..EngineConfig::default()
+            };
+            let engine = Engine::start(model(6), 1, cfg);
+            let request = Request {
+                prompts: vec![(0..8).collect()],
+                n: 4,
+                max_new_tokens: 200,
+                sampling: SamplingParams {
+                    temperature: 1.0,
+                    top_k: 0,
+                    top_p: 1.0,
+                },
+                seed: 3,
+                ignore_eos: true,
+            };
+            let mut stream = engine.submit(request).await.unwrap();
+            until(&engine, |s| s.live_rows == 4).await;
+            engine.swap(model(7), 2, "run").await.unwrap();
+            let t = until(&engine, |s| s.last_swap.is_some())
+                .await
+                .last_swap
+                .unwrap();
+            assert_eq!(t.version, 2, "{policy:?}");
+            assert!(t.pause_seconds >= 0.0 && t.wait_seconds >= 0.0, "{t:?}");
+            match policy {
+                SwapPolicy::Drain => assert!(t.held_steps >= 1, "{t:?}"),
+                _ => assert_eq!(t.held_steps, 0, "{t:?}"),
+            }
+            while let Some(event) = stream.next().await {
+                assert!(!matches!(event, Event::Failed(..)), "{event:?}");
+                if matches!(event, Event::Done(_)) {
+                    break;
+                }
+            }
+        }
     }
 }

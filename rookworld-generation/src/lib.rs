@@ -12,9 +12,11 @@
 pub mod handle;
 pub mod metrics;
 pub mod scheduler;
+pub mod swap_clock;
 
 pub use handle::{Engine, EngineStatus, Retired};
 pub use scheduler::Scheduler;
+pub use swap_clock::SwapTiming;
 
 use rookworld_lm::Gpt2;
 use rookworld_lm::generate::{Completion, validate_prompt};

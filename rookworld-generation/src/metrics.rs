@@ -7,7 +7,7 @@ use metrics::{
 };
 use rookworld_lm::generate::FinishReason;
 
-use crate::{EngineStatus, StepStats};
+use crate::{EngineStatus, StepStats, SwapTiming};
 
 /// Every metric name the engine records, once.
 pub mod names {
@@ -24,6 +24,10 @@ pub mod names {
     pub const PREFILL_SECONDS: &str = "rollout_prefill_seconds";
     pub const PREFILL_TOKENS_TOTAL: &str = "rollout_prefill_tokens_total";
     pub const TOKENS_GENERATED_TOTAL: &str = "rollout_tokens_generated_total";
+    pub const WEIGHT_SWAP_HELD_STEPS: &str = "rollout_weight_swap_held_steps";
+    pub const WEIGHT_SWAP_PAUSE_SECONDS: &str = "rollout_weight_swap_pause_seconds";
+    pub const WEIGHT_SWAP_PAUSE_STEPS: &str = "rollout_weight_swap_pause_steps";
+    pub const WEIGHT_SWAP_WAIT_SECONDS: &str = "rollout_weight_swap_wait_seconds";
     pub const WEIGHT_VERSION: &str = "rollout_weight_version";
 }
 
@@ -31,6 +35,16 @@ pub mod names {
 /// use them too).
 pub const SECONDS_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+/// Buckets (decode steps) for what a weight swap held or paused, and the histograms
+/// counted in them.
+pub const STEPS_BUCKETS: &[f64] = &[
+    0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0,
+];
+pub const STEPS_HISTOGRAMS: [&str; 2] = [
+    names::WEIGHT_SWAP_HELD_STEPS,
+    names::WEIGHT_SWAP_PAUSE_STEPS,
 ];
 
 /// Descriptions of the engine's metrics.
@@ -94,11 +108,38 @@ pub fn describe() {
         Unit::Count,
         "New tokens sampled."
     );
+    describe_histogram!(
+        names::WEIGHT_SWAP_HELD_STEPS,
+        Unit::Count,
+        "Decode steps run on the old weights with no work admitted while a weight swap waited (drain policy)."
+    );
+    describe_histogram!(
+        names::WEIGHT_SWAP_PAUSE_SECONDS,
+        Unit::Seconds,
+        "Decoding stood still around a weight swap: from the last step on the old weights to the first on the new."
+    );
+    describe_histogram!(
+        names::WEIGHT_SWAP_PAUSE_STEPS,
+        Unit::Count,
+        "A weight swap's pause in decode steps (the pause over the last step's duration)."
+    );
+    describe_histogram!(
+        names::WEIGHT_SWAP_WAIT_SECONDS,
+        Unit::Seconds,
+        "From a weight swap being staged to the new weights in use."
+    );
     describe_gauge!(names::WEIGHT_VERSION, "Version of the weights in use.");
 }
 
 pub fn set_weight_version(version: u64) {
     gauge!(names::WEIGHT_VERSION).set(version as f64);
+}
+
+pub fn record_swap(t: &SwapTiming) {
+    histogram!(names::WEIGHT_SWAP_HELD_STEPS).record(f64::from(t.held_steps));
+    histogram!(names::WEIGHT_SWAP_PAUSE_SECONDS).record(t.pause_seconds);
+    histogram!(names::WEIGHT_SWAP_PAUSE_STEPS).record(t.pause_steps());
+    histogram!(names::WEIGHT_SWAP_WAIT_SECONDS).record(t.wait_seconds);
 }
 
 pub fn record_completion(reason: FinishReason) {
