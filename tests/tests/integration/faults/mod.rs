@@ -494,13 +494,21 @@ async fn an_interrupted_weight_push_keeps_the_old_weights_and_the_next_one_lands
     // says so.
     assert_eq!(worker_version(a.listen).await, Some(0));
     // (The learner counts pushes by result and path, not by worker: worker-b's all
-    // succeed, so the failures are worker-a's.)
-    let failed = metric(
-        c.learner_metrics,
-        "learner_weight_pushes_total",
-        &["result=\"failed\""],
-    );
-    assert!(failed >= Some(2.0), "learner push failures: {failed:?}");
+    // succeed, so the failures are worker-a's.) The learner counts a push once its call
+    // ends, which can come after the worker has counted the interruption: waited for.
+    c.wait_until(
+        Duration::from_secs(30),
+        "the learner counting two failed pushes",
+        || async {
+            metric(
+                c.learner_metrics,
+                "learner_weight_pushes_total",
+                &["result=\"failed\""],
+            )
+            .is_some_and(|n| n >= 2.0)
+        },
+    )
+    .await;
     c.wait_until(
         Duration::from_secs(30),
         "worker-a generating on its old weights",
