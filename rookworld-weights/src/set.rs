@@ -105,10 +105,8 @@ impl WeightSet {
     /// of the same run ([`crate::delta::encode`]).
     pub fn delta_header(&self, base_version: u64, delta: &[u8]) -> pb::WeightSetHeader {
         pb::WeightSetHeader {
-            delta_format: crate::delta::FORMAT.into(),
-            base_version,
             delta_bytes: delta.len() as u64,
-            ..self.header()
+            ..self.streamed_delta_header(base_version)
         }
     }
 
@@ -186,13 +184,12 @@ impl Chunker {
     /// and the piece is empty), made as they are taken.
     pub fn cut(&mut self, piece: Bytes) -> impl Iterator<Item = pb::WeightChunk> + use<> {
         let (step, base) = (self.step, self.offset);
-        let header = self.header.take();
+        let mut header = self.header.take();
         let count = piece
             .len()
             .div_ceil(step)
             .max(usize::from(header.is_some()));
         self.offset += piece.len();
-        let mut header = header;
         (0..count).map(move |i| {
             let start = i * step;
             let end = (start + step).min(piece.len());
