@@ -211,12 +211,110 @@ fn quantize_panels(
     corrections: &mut [i32],
 ) {
     #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX512F is present.
+        unsafe { quantize_panels_avx512(w, n, k, first, q, scales, corrections) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 is present.
         unsafe { quantize_panels_avx2(w, n, k, first, q, scales, corrections) };
         return;
     }
     quantize_panels_body(w, n, k, first, q, scales, corrections)
+}
+
+/// [`quantize_panels_body`] a panel (16 columns) to a register: the same scales, bytes
+/// and corrections. Each level is rounded as [`level`] rounds it (the same two additions),
+/// a NaN weight's level is zero as `as i32` makes it, and a group's four levels of a
+/// column become its four bytes by shifts, a lane each: the layout's 64 bytes in one store
+/// (the body moves them a byte at a time, four fifths of a load's time on a Xeon).
+///
+/// # Safety
+/// The CPU has AVX512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn quantize_panels_avx512(
+    w: &[f32],
+    n: usize,
+    k: usize,
+    first: usize,
+    q: &mut [i8],
+    scales: &mut [f32],
+    corrections: &mut [i32],
+) {
+    use std::arch::x86_64::*;
+    const { assert!(NR == 16, "a panel's group is one register of 64 bytes") };
+    let cols = scales.len();
+    assert!(cols <= BLOCK * NR && cols.is_multiple_of(NR) && first + cols <= n);
+    assert!(
+        w.len() >= (k.max(1) - 1) * n + first + cols,
+        "weight of {k}×{n}"
+    );
+    let (panels, bytes) = (cols / NR, groups(k) * 4 * NR);
+    assert!(q.len() >= panels * bytes && corrections.len() == cols);
+    // Panel j's columns of row kk, 16 floats (in `w`: asserted above).
+    let row = |kk: usize, j: usize| {
+        // SAFETY: kk < k and j < panels: within the extent asserted above.
+        unsafe { _mm512_loadu_ps(w.as_ptr().add(kk * n + first + j * NR)) }
+    };
+    let mut max = [_mm512_setzero_ps(); BLOCK];
+    for kk in 0..k {
+        for (j, m) in max.iter_mut().enumerate().take(panels) {
+            // max(|v|, m): a NaN |v| leaves m, as f32::max does.
+            *m = _mm512_max_ps(_mm512_abs_ps(row(kk, j)), *m);
+        }
+    }
+    let levels = _mm512_set1_ps(WEIGHT_LEVELS);
+    let mut inv = [_mm512_setzero_ps(); BLOCK];
+    for j in 0..panels {
+        let positive = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(max[j], _mm512_setzero_ps());
+        inv[j] = _mm512_maskz_div_ps(positive, levels, max[j]);
+        let scale = _mm512_maskz_div_ps(positive, max[j], levels);
+        // SAFETY: 16 scales of panel j lie in `scales` (cols = panels · 16).
+        unsafe { _mm512_storeu_ps(scales.as_mut_ptr().add(j * NR), scale) };
+    }
+    let shift = _mm512_set1_ps(12_582_912.0); // 1.5 · 2^23, as in `level`
+    let byte = _mm512_set1_epi32(0xff);
+    let mut sums = [_mm512_setzero_si512(); BLOCK];
+    for g in 0..groups(k) {
+        for j in 0..panels {
+            let mut four = [_mm512_setzero_si512(); 4];
+            for (r, l) in four.iter_mut().enumerate() {
+                if 4 * g + r < k {
+                    let t = _mm512_mul_ps(row(4 * g + r, j), inv[j]);
+                    let t = _mm512_sub_ps(_mm512_add_ps(t, shift), shift);
+                    let ordered = _mm512_cmp_ps_mask::<_CMP_ORD_Q>(t, t);
+                    *l = _mm512_maskz_cvttps_epi32(ordered, t);
+                }
+            }
+            sums[j] = _mm512_add_epi32(
+                sums[j],
+                _mm512_add_epi32(
+                    _mm512_add_epi32(four[0], four[1]),
+                    _mm512_add_epi32(four[2], four[3]),
+                ),
+            );
+            let packed = _mm512_or_si512(
+                _mm512_or_si512(
+                    _mm512_and_si512(four[0], byte),
+                    _mm512_slli_epi32::<8>(_mm512_and_si512(four[1], byte)),
+                ),
+                _mm512_or_si512(
+                    _mm512_slli_epi32::<16>(_mm512_and_si512(four[2], byte)),
+                    _mm512_slli_epi32::<24>(four[3]),
+                ),
+            );
+            // SAFETY: group g of panel j is 64 bytes inside `q` (asserted above).
+            unsafe { _mm512_storeu_si512(q.as_mut_ptr().add(j * bytes + g * 64).cast(), packed) };
+        }
+    }
+    for (j, sum) in sums.iter().enumerate().take(panels) {
+        let correction = _mm512_mullo_epi32(*sum, _mm512_set1_epi32(INPUT_ZERO));
+        // SAFETY: 16 corrections of panel j lie in `corrections` (asserted above).
+        unsafe { _mm512_storeu_si512(corrections.as_mut_ptr().add(j * NR).cast(), correction) };
+    }
 }
 
 /// [`quantize_panels_body`] compiled for AVX2.
@@ -586,6 +684,43 @@ mod tests {
             again.fill(&w, k, n, false);
             assert_eq!(again.q, direct.q);
         }
+    }
+
+    #[test]
+    fn the_avx512_quantizer_writes_the_bodys_bytes_scales_and_corrections() {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // Whole and partial blocks, K not a multiple of 4; ties, a zero column, a NaN.
+            for (k, n, cols) in [
+                (10, 16 * BLOCK, 16 * BLOCK),
+                (37, 16 * 5, 16 * 3),
+                (1, 16, 16),
+            ] {
+                let mut w: Vec<f32> = (0..k * n)
+                    .map(|i| ((i as f32 * 0.37).sin() * 3.0 * 16.0).round() / 16.0)
+                    .collect();
+                let first = n - cols;
+                for kk in 0..k {
+                    w[kk * n + first + 3] = 0.0;
+                }
+                w[(k - 1) * n + first + 5] = f32::NAN;
+                let run = |vector: bool| {
+                    let bytes = groups(k) * 4 * NR;
+                    let mut q = vec![0i8; cols / NR * bytes];
+                    let (mut s, mut c) = (vec![0f32; cols], vec![0i32; cols]);
+                    if vector {
+                        // SAFETY: AVX512F is present (checked above).
+                        unsafe { quantize_panels_avx512(&w, n, k, first, &mut q, &mut s, &mut c) };
+                    } else {
+                        quantize_panels_body(&w, n, k, first, &mut q, &mut s, &mut c);
+                    }
+                    (q, s.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), c)
+                };
+                assert_eq!(run(true), run(false), "{k}×{n}, {cols} columns");
+            }
+            return;
+        }
+        let _ = super::super::TestFeature::Avx512Vnni.test_runs("the AVX-512 quantizer");
     }
 
     #[test]

@@ -364,7 +364,7 @@ impl Gpt2 {
         with_values(&head, |w| self.pack_head(w))??;
         drop(head);
         if self.panel_dtype != PanelDtype::F32 {
-            self.wte = self.wte.to_dtype(DType::BF16)?;
+            self.wte = tensors::to_bf16(&self.wte)?;
         }
         self.pack_layers(true)?;
         self.packed_only = true;
