@@ -22,23 +22,6 @@ pub(crate) fn supported_cached() -> bool {
     *SUPPORTED.get_or_init(supported)
 }
 
-/// Whether [`crate::simd`]'s attention and elementwise kernels take AVX-512 registers:
-/// the CPU has AVX512F and `ROOKWORLD_CPU_KERNELS` is not `avx2` (detected once).
-pub fn avx512_f32() -> bool {
-    static FOUND: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *FOUND.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let avx2_only = std::env::var("ROOKWORLD_CPU_KERNELS").is_ok_and(|v| v == "avx2");
-            supported() && !avx2_only && std::arch::is_x86_feature_detected!("avx512f")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
-    })
-}
-
 /// The AVX-512 dot products this CPU lends the packed kernels.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Avx512 {

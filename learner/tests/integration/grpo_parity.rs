@@ -19,18 +19,10 @@ fn fixture() -> PathBuf {
 }
 
 fn close(name: &str, got: f64, want: f64) {
-    close_at_scale(name, got, want, 1e-12);
-}
-
-/// Relative error ≤ 1e-5 against `max(|want|, scale)`: a mean of terms of about `scale`
-/// that cancel (the policy loss: advantage-weighted ratios, advantages summing to zero in
-/// each group, as the advantages' own check judges them against 1) is held to the terms'
-/// f32 rounding, not to the small remainder's.
-fn close_at_scale(name: &str, got: f64, want: f64, scale: f64) {
-    let rel = (got - want).abs() / want.abs().max(scale);
+    let rel = (got - want).abs() / want.abs().max(1e-12);
     assert!(
         rel <= 1e-5,
-        "{name}: got {got}, PyTorch {want} (relative error {rel:.2e} at scale {scale})"
+        "{name}: got {got}, PyTorch {want} (relative error {rel:.2e})"
     );
 }
 
@@ -97,13 +89,11 @@ fn loss_parts_advantages_and_grad_norm_match_pytorch() {
         let got = evaluate(&policy, Some(&reference), &batch, &cfg).unwrap();
         let want = &case["expected"];
         let label = |n: &str| format!("{n} ({})", case["args"]);
-        let loss = |key: &str| want[key].as_f64().unwrap();
-        close_at_scale(&label("loss"), got.loss, loss("loss"), 1.0);
-        close_at_scale(
+        close(&label("loss"), got.loss, want["loss"].as_f64().unwrap());
+        close(
             &label("policy_loss"),
             got.policy_loss,
-            loss("policy_loss"),
-            1.0,
+            want["policy_loss"].as_f64().unwrap(),
         );
         if cfg.beta > 0.0 {
             close(&label("kl"), got.kl, want["kl"].as_f64().unwrap());
@@ -154,9 +144,11 @@ fn the_cli_prints_the_same_numbers() {
     );
     let got: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     for key in ["loss", "policy_loss", "kl", "grad_norm"] {
-        let scale = if key.ends_with("loss") { 1.0 } else { 1e-12 };
-        let (got, want) = (got[key].as_f64(), case["expected"][key].as_f64());
-        close_at_scale(key, got.unwrap(), want.unwrap(), scale);
+        close(
+            key,
+            got[key].as_f64().unwrap(),
+            case["expected"][key].as_f64().unwrap(),
+        );
     }
     assert!(got["advantages"].is_array());
 }
