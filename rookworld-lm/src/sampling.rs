@@ -204,9 +204,10 @@ impl Sampler {
     /// logprob = (l_i − max) / T − ln Σw. The same draw as the general path.
     ///
     /// No step waits on the one before it across the vocabulary: the maximum runs in 16
-    /// lanes, Σw is summed in f64 a [`RUN`] of weights at a time (eight lanes each), and the
-    /// draw finds its run by the runs' sums before walking that run's weights alone — a
-    /// chain of 50,257 dependent additions per row, twice, was a tenth of a decode step.
+    /// lanes, Σw is summed in f64 a [`RUN`] of weights at a time
+    /// ([`crate::simd::sum_f64`]), and the draw finds its run by the runs' sums before
+    /// walking that run's weights alone — a chain of 50,257 dependent additions per row,
+    /// twice, was a tenth of a decode step.
     fn sample_full(&mut self, logits: &[f32]) -> Result<Sampled> {
         let inv_t = 1.0 / self.params.temperature;
         let max = largest(logits);
@@ -223,7 +224,8 @@ impl Sampler {
         }));
         crate::simd::exp_inplace(&mut self.weights);
         self.run_sums.clear();
-        self.run_sums.extend(self.weights.chunks(RUN).map(sum_f64));
+        self.run_sums
+            .extend(self.weights.chunks(RUN).map(crate::simd::sum_f64));
         let total: f64 = self.run_sums.iter().sum();
         let target = self.rng.random::<f64>() * total;
         let chosen = pick(&self.weights, &self.run_sums, target).unwrap_or(logits.len() - 1);
@@ -252,19 +254,6 @@ fn largest(xs: &[f32]) -> f32 {
         .iter()
         .fold(f32::NEG_INFINITY, |m, &v| above(m, v));
     lanes.into_iter().fold(tail, above)
-}
-
-/// `Σ xs` in f64, in eight independent lanes.
-fn sum_f64(xs: &[f32]) -> f64 {
-    let mut lanes = [0f64; 8];
-    let mut chunks = xs.chunks_exact(8);
-    for c in &mut chunks {
-        for (s, &v) in lanes.iter_mut().zip(c) {
-            *s += v as f64;
-        }
-    }
-    let tail: f64 = chunks.remainder().iter().map(|&v| v as f64).sum();
-    lanes.iter().sum::<f64>() + tail
 }
 
 /// The first index whose cumulative weight passes `target`: the run whose sum takes the
@@ -415,7 +404,7 @@ mod tests {
                 }
             })
             .collect();
-        let run_sums: Vec<f64> = weights.chunks(RUN).map(sum_f64).collect();
+        let run_sums: Vec<f64> = weights.chunks(RUN).map(crate::simd::sum_f64).collect();
         let plain: f64 = weights.iter().map(|&w| w as f64).sum();
         let total: f64 = run_sums.iter().sum();
         assert!((total - plain).abs() <= plain * 1e-12);

@@ -86,6 +86,18 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     lanes.iter().sum::<f32>() + tail
 }
 
+/// `Σ xs` in f64, eight partial sums (element i into sum i mod 8): stable over a
+/// vocabulary's 50k terms, and no chain of dependent additions across them.
+pub fn sum_f64(xs: &[f32]) -> f64 {
+    let mut partial = [0f64; 8];
+    for chunk in xs.chunks(8) {
+        for (p, &x) in partial.iter_mut().zip(chunk) {
+            *p += f64::from(x);
+        }
+    }
+    partial.iter().sum()
+}
+
 /// y += a·x over the common length.
 pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     let n = x.len().min(y.len());

@@ -225,6 +225,16 @@ fn quantize_panels(
     quantize_panels_body(w, n, k, first, q, scales, corrections)
 }
 
+/// Panics unless columns `first..first + cols` are whole panels of at most a [`BLOCK`]
+/// inside a (K, N) weight of `len` values: what both forms of [`quantize_panels`] read.
+fn check_block(len: usize, n: usize, k: usize, first: usize, cols: usize) {
+    assert!(cols <= BLOCK * NR && cols.is_multiple_of(NR) && first + cols <= n);
+    assert!(
+        len >= (k.max(1) - 1) * n + first + cols,
+        "weight of {k}×{n}"
+    );
+}
+
 /// [`quantize_panels_body`] a panel (16 columns) to a register: the same scales, bytes
 /// and corrections. Each level is rounded as [`level`] rounds it (the same two additions),
 /// a NaN weight's level is zero as `as i32` makes it, and a group's four levels of a
@@ -247,11 +257,7 @@ unsafe fn quantize_panels_avx512(
     use std::arch::x86_64::*;
     const { assert!(NR == 16, "a panel's group is one register of 64 bytes") };
     let cols = scales.len();
-    assert!(cols <= BLOCK * NR && cols.is_multiple_of(NR) && first + cols <= n);
-    assert!(
-        w.len() >= (k.max(1) - 1) * n + first + cols,
-        "weight of {k}×{n}"
-    );
+    check_block(w.len(), n, k, first, cols);
     let (panels, bytes) = (cols / NR, groups(k) * 4 * NR);
     assert!(q.len() >= panels * bytes && corrections.len() == cols);
     // Panel j's columns of row kk, 16 floats (in `w`: asserted above).
@@ -350,11 +356,7 @@ fn quantize_panels_body(
 ) {
     const COLS: usize = BLOCK * NR;
     let cols = scales.len();
-    assert!(cols <= COLS && cols.is_multiple_of(NR) && first + cols <= n);
-    assert!(
-        w.len() >= (k.max(1) - 1) * n + first + cols,
-        "weight of {k}×{n}"
-    );
+    check_block(w.len(), n, k, first, cols);
     let row = |kk: usize| &w[kk * n + first..][..cols];
     let mut max = [0f32; COLS];
     for kk in 0..k {

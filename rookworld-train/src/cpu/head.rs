@@ -228,12 +228,5 @@ fn exp_shifted(x: &mut [f32]) -> (f32, f64) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     x.iter_mut().for_each(|a| *a -= max);
     rookworld_lm::simd::exp_inplace(x);
-    // Summed in f64 lanes of eight partial sums: stable over 50k terms.
-    let mut partial = [0f64; 8];
-    for chunk in x.chunks(8) {
-        for (p, &a) in partial.iter_mut().zip(chunk) {
-            *p += f64::from(a);
-        }
-    }
-    (max, partial.iter().sum::<f64>())
+    (max, rookworld_lm::simd::sum_f64(x))
 }
