@@ -234,12 +234,16 @@ pub(super) fn pack_bf16_into(
     k: usize,
 ) -> usize {
     let stride = k.next_multiple_of(32);
-    rows.reset(m.div_ceil(TILE_ROWS) * TILE_ROWS * stride);
+    // Every value is written below: the operand's, or zero past K and M.
+    rows.fit(m.div_ceil(TILE_ROWS) * TILE_ROWS * stride);
     rows.par_chunks_mut(TILE_ROWS * stride)
         .enumerate()
         .for_each_init(Vec::new, |wide: &mut Vec<f32>, (t, tile)| {
             let height = TILE_ROWS.min(m - t * TILE_ROWS);
             let first = t * TILE_ROWS;
+            for (r, row) in tile.chunks_exact_mut(stride).enumerate() {
+                row[if r < height { k } else { 0 }..].fill(0);
+            }
             if cs != 1 && rs == 1 {
                 // A transposed operand: the tile's rows are adjacent at each k, so read k
                 // after k (one short run per k) rather than each row down its stride.
@@ -809,6 +813,23 @@ mod tests {
                     "{m}×{n}×{k} {accumulate}: {worst}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn rows_packed_into_a_used_buffer_are_the_rows_packed_into_a_fresh_one() {
+        if !TestFeature::Amx.test_runs("packing rows for the AMX tiles") {
+            return;
+        }
+        // A buffer left full of an earlier, larger operand's values: every value of the
+        // smaller one's tiles is written again, zero past its K (odd) and its M.
+        let (m, k) = (21, 37);
+        let a = values(m * k, 31);
+        for op in [(&a[..], k, 1), (&a[..], 1, m)] {
+            let (fresh, stride) = pack_bf16(op, m, k);
+            let mut used = pack_bf16((&values(64 * 96, 32), 96, 1), 64, 96).0;
+            assert_eq!(pack_bf16_into(&mut used, op, m, k), stride);
+            assert_eq!(&used[..], &fresh[..], "strides {:?}", (op.1, op.2));
         }
     }
 

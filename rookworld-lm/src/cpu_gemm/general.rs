@@ -468,8 +468,8 @@ thread_local! {
     static SPARE_TILE_ROWS: std::cell::RefCell<Lines<u16>> = const { std::cell::RefCell::new(Lines::new()) };
 }
 
-/// A zeroed buffer of `len` values: a spare one of this thread's when one is big enough
-/// (the smallest such), else a new one.
+/// A buffer of `len` values, unspecified (every one is written by [`fill_pair_panels`]): a
+/// spare one of this thread's when one is big enough (the smallest such), else a new one.
 fn spare_panels(len: usize) -> Lines<u16> {
     let found = SPARE_PANELS.with_borrow_mut(|spare| {
         let best = (0..spare.len())
@@ -478,7 +478,7 @@ fn spare_panels(len: usize) -> Lines<u16> {
         Some(spare.swap_remove(best))
     });
     let mut v = found.unwrap_or_default();
-    v.reset(len);
+    v.fit(len);
     v
 }
 
@@ -559,6 +559,20 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn panels_packed_into_a_spare_buffer_are_the_panels_packed_into_a_fresh_one() {
+        // A finished product's panels become this thread's spare buffer, its values left
+        // in it: the next, smaller operand (odd K, a part-filled panel) overwrites every one.
+        let (k, n) = (37, 21);
+        let b = values(k * n, 41);
+        let kps = panel_pairs(k);
+        let mut fresh = vec![0u16; n.div_ceil(NR) * kps * 2 * NR];
+        fill_pair_panels(&mut fresh, (&b, n, 1), k, n, kps);
+        drop(PackedRhs::new((&values(96 * 64, 42), 64, 1), 96, 64));
+        let reused = PackedRhs::new((&b, n, 1), k, n);
+        assert_eq!(&reused.panels[..], &fresh[..]);
     }
 
     #[test]
