@@ -426,7 +426,7 @@ impl PackedMatrix {
             Panels::Bf16Pairs(panels) if amx().bf16 && k.is_multiple_of(32) => {
                 // Whole AMX k-steps in every panel: multiplied in place.
                 let (a, stride) = amx::pack_bf16((x, k, 1), m, k);
-                let b = (&panels[..], k / 2);
+                let b = (&panels[..], k / 2, 0..k / 32);
                 let finish = |col: usize, row: &mut [f32]| self.finish_row(col, row);
                 let finish = self.finishes().then_some(&finish as amx::Finish);
                 amx::bf16_product(&mut out, (m, n), false, (&a, stride), b, finish);

@@ -160,7 +160,7 @@ fn check(found: Amx) -> Amx {
             (m, n),
             false,
             (&rows, stride),
-            (&panels, kps),
+            (&panels, kps, 0..kps / TILE_ROWS),
             None,
         );
         let round = |v: f32| f64::from(half::bf16::from_f32(v).to_f32());
@@ -332,23 +332,31 @@ pub(super) type Finish<'a> = &'a (dyn Fn(usize, &mut [f32]) + Sync);
 
 /// `dst` (M, N) [+]= `a` · `b` over BF16 tiles: `a` from [`pack_bf16`] (values, stride),
 /// `b` pair panels of `kps` pairs each (a multiple of 16), zero past K, starting a cache
-/// line. Without `finish`, whole tiles of sums are kept in `dst` itself (loaded from it
-/// when accumulating or on a later pass, stored straight back).
+/// line, of which k-steps `steps` (32 values of k each) are multiplied: `a`'s columns are
+/// those steps' k. Without `finish`, whole tiles of sums are kept in `dst` itself (loaded
+/// from it when accumulating or on a later pass, stored straight back).
 ///
 /// # Panics
-/// When an operand is too short for the shape, or `kps` is not a whole number of k-steps.
+/// When an operand is too short for the shape, `kps` is not a whole number of k-steps, or
+/// `steps` are not among them.
 pub(super) fn bf16_product(
     dst: &mut [f32],
     (m, n): (usize, usize),
     accumulate: bool,
     (a, stride): (&[u16], usize),
-    (b, kps): (&[u16], usize),
+    (b, kps, steps): (&[u16], usize, std::ops::Range<usize>),
     finish: Option<Finish>,
 ) {
     assert!(
         kps.is_multiple_of(TILE_ROWS) && dst.len() >= m * n,
         "gemm dst too short"
     );
+    assert!(
+        steps.end <= kps / TILE_ROWS,
+        "k-steps {steps:?} of {kps} pairs"
+    );
+    // From the first step on: panel p's steps at p·kps pairs, each 512 values.
+    let b = &b[steps.start * TILE_ROWS * 32..];
     let target = super::tile::SharedOut(dst.as_mut_ptr());
     let direct = finish.is_none().then_some(Direct {
         c: target,
@@ -356,7 +364,7 @@ pub(super) fn bf16_product(
         accumulate,
     });
     drive::<false>(
-        (m, n, kps / TILE_ROWS),
+        (m, n, steps.len()),
         (a.as_ptr().cast(), 2 * stride, a.len() * 2),
         (b.as_ptr().cast(), kps * 64, b.len() * 2),
         direct,
@@ -431,8 +439,8 @@ struct Direct {
 }
 
 /// Runs an (m, n) product of `steps` k-steps on the threads: `a` (pointer, row stride in
-/// bytes, length in bytes) holds ⌈m/16⌉ whole row tiles, `b` (pointer, bytes a panel,
-/// length in bytes) ⌈n/16⌉ panels, both starting a cache line (tile rows that straddle two
+/// bytes, length in bytes) holds ⌈m/16⌉ whole row tiles, `b` (pointer, bytes from one
+/// panel to the next, length in bytes) ⌈n/16⌉ panels' first `steps` k-steps, both starting a cache line (tile rows that straddle two
 /// lines halve the rate). Whole tiles of the result sum in `direct` where given; every
 /// other result goes to `sink` 16 columns at a time.
 ///
@@ -452,7 +460,7 @@ fn drive<const INT8: bool>(
     }
     let (tiles, panels) = (m.div_ceil(TILE_ROWS), n.div_ceil(16));
     assert!(a_stride >= steps * ROW_BYTES && a_len >= tiles * TILE_ROWS * a_stride);
-    assert!(b_panel == steps * STEP_BYTES && b_len >= panels * b_panel);
+    assert!(b_panel >= steps * STEP_BYTES && b_len >= (panels - 1) * b_panel + steps * STEP_BYTES);
     let chunks = tiles.div_ceil(CHUNK_TILES);
     let wanted = (2 * rayon::current_num_threads()).div_ceil(chunks);
     let per_group = PANEL_GROUP.min(panels.div_ceil(wanted)).max(2);
@@ -794,7 +802,7 @@ mod tests {
                     (m, n),
                     accumulate,
                     (&rows, stride),
-                    (&panels, kps),
+                    (&panels, kps, 0..kps / TILE_ROWS),
                     None,
                 );
                 let round = |v: f32| f64::from(half::bf16::from_f32(v).to_f32());

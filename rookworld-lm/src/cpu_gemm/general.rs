@@ -126,11 +126,21 @@ fn in_row_tiles(
     SPARE_ROWS.set(rows);
 }
 
-/// [`gemm_bf16_packed`] on AMX tiles ([`super::amx`]), rows a tile at a time as
-/// [`in_row_tiles`] takes them (at least 64, packed into whole tiles of 16).
+/// [`gemm_bf16_packed`] on AMX tiles ([`super::amx`]), with at most [`ROWS_PACKED`] of
+/// the left operand packed at a time: rows a tile at a time as [`in_row_tiles`] takes them
+/// (at least 64, packed into whole tiles of 16), or, where every row fits beside a
+/// [`K_BLOCK`] of K, every row a block of K at a time ([`in_k_blocks`]: the LM head's
+/// ∂hidden, 50,257 values a row and 768 columns of result, whose right operand is far the
+/// larger and is read once instead of once per row tile).
 fn in_row_tiles_amx(dst: &mut [f32], m: usize, accumulate: bool, a: Strided, b: &PackedRhs) {
     let (n, k) = (b.n, b.k);
     let row_bytes = 2 * k.next_multiple_of(32);
+    let all_rows = 2 * m.next_multiple_of(16);
+    if m * row_bytes > ROWS_PACKED && all_rows * K_BLOCK <= ROWS_PACKED {
+        let block = ROWS_PACKED / all_rows / K_BLOCK * K_BLOCK;
+        return in_k_blocks(dst, m, accumulate, a, b, block);
+    }
+    let steps = b.kps / super::amx::TILE_ROWS;
     let tile = (ROWS_PACKED / row_bytes).max(64) / 16 * 16;
     let mut rows = SPARE_TILE_ROWS.take(); // (⌈tile/16⌉·16, K rounded up to 32)
     for start in (0..m).step_by(tile) {
@@ -138,11 +148,47 @@ fn in_row_tiles_amx(dst: &mut [f32], m: usize, accumulate: bool, a: Strided, b: 
         let a = (&a.0[start * a.1..], a.1, a.2);
         let stride = super::amx::pack_bf16_into(&mut rows, a, height, k);
         let dst = &mut dst[start * n..(start + height) * n];
-        let b = (&b.panels[..], b.kps);
+        let b = (&b.panels[..], b.kps, 0..steps);
         super::amx::bf16_product(dst, (height, n), accumulate, (&rows, stride), b, None);
     }
     SPARE_TILE_ROWS.set(rows);
 }
+
+/// [`gemm_bf16_packed`] on AMX tiles, all M rows at once a `block` of K at a time (a
+/// multiple of [`K_BLOCK`]), each block's products added to the result of those before.
+/// Whole tiles of the result sum exactly as over K in one go (the tiles keep their sums in
+/// the result between passes of [`K_BLOCK`] either way); the part-filled tiles at its
+/// edges add each block's sum in turn, the same values up to f32 rounding.
+fn in_k_blocks(
+    dst: &mut [f32],
+    m: usize,
+    accumulate: bool,
+    a: Strided,
+    b: &PackedRhs,
+    block: usize,
+) {
+    assert!(
+        block > 0 && block.is_multiple_of(K_BLOCK),
+        "a block of {block}"
+    );
+    let (n, k) = (b.n, b.k);
+    let steps = b.kps / super::amx::TILE_ROWS;
+    let mut rows = SPARE_TILE_ROWS.take(); // (⌈M/16⌉·16, the block)
+    for first in (0..k).step_by(block) {
+        let width = block.min(k - first);
+        let a = (&a.0[first * a.2..], a.1, a.2);
+        let stride = super::amx::pack_bf16_into(&mut rows, a, m, width);
+        let step = first / 32;
+        let b = (&b.panels[..], b.kps, step..steps.min(step + block / 32));
+        let accumulate = accumulate || first > 0;
+        super::amx::bf16_product(dst, (m, n), accumulate, (&rows, stride), b, None);
+    }
+    SPARE_TILE_ROWS.set(rows);
+}
+
+/// Values of K a pass of the tile products covers (16 k-steps of 32): the unit of
+/// [`in_k_blocks`].
+const K_BLOCK: usize = 512;
 
 /// Bytes of packed rows of the left operand that [`gemm_bf16_packed`] holds at a time: a
 /// row of the LM head's ∂hidden product is 50,257 values, and all 512 rows of a chunk
@@ -573,6 +619,34 @@ mod tests {
         drop(PackedRhs::new((&values(96 * 64, 42), 64, 1), 96, 64));
         let reused = PackedRhs::new((&b, n, 1), k, n);
         assert_eq!(&reused.panels[..], &fresh[..]);
+    }
+
+    #[test]
+    fn a_product_in_blocks_of_k_is_the_product_in_one() {
+        if !super::super::TestFeature::Amx.test_runs("the AMX BF16 tile product in blocks of K") {
+            return;
+        }
+        // Whole tiles sum as in one go, to the bit; part-filled ones (rows past 96,
+        // columns past 32) to f32 rounding. A K past a block, with a short last one.
+        let (m, n, k) = (100, 40, 1400);
+        let (a, b) = (values(m * k, 51), values(k * n, 52));
+        let packed = PackedRhs::new((&b, n, 1), k, n);
+        for a_op in [(&a[..], k, 1), (&a[..], 1, m)] {
+            for accumulate in [false, true] {
+                let start = values(m * n, 53);
+                let (mut whole, mut blocked) = (start.clone(), start);
+                in_row_tiles_amx(&mut whole, m, accumulate, a_op, &packed);
+                in_k_blocks(&mut blocked, m, accumulate, a_op, &packed, K_BLOCK);
+                for (i, (w, g)) in whole.iter().zip(&blocked).enumerate() {
+                    let (r, c) = (i / n, i % n);
+                    if r < 96 && c < 32 {
+                        assert_eq!(w.to_bits(), g.to_bits(), "({r}, {c})");
+                    } else {
+                        assert!((w - g).abs() <= 1e-5 * w.abs().max(1.0), "({r}, {c})");
+                    }
+                }
+            }
+        }
     }
 
     #[test]
