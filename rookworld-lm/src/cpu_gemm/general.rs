@@ -268,7 +268,7 @@ fn panel_pairs(k: usize) -> usize {
 /// 2·pair, 2·pair + 1 adjacent; columns past N, an odd K's last high halves and pairs past
 /// ⌈K/2⌉ are written zero. Where the CPU has
 /// AVX512-BF16 and one of b's dimensions is contiguous, a panel is rounded and placed 32
-/// values at a time ([`fill_panel_from_rows`], [`fill_panel_from_columns`]); otherwise it
+/// values at a time ([`fill_panels_from_rows`], [`fill_panel_from_columns`]); otherwise it
 /// is gathered into f32 (K × NR), rounded in one pass and placed value by value.
 pub(super) fn fill_pair_panels(
     panels: &mut [u16],
@@ -299,21 +299,37 @@ pub(super) fn fill_pair_panels(
         && crate::cpu_features::avx512().bf16
         && std::arch::is_x86_feature_detected!("avx512bw")
     {
+        let panel_len = kps * 2 * NR;
+        if cs == 1 {
+            panels
+                .par_chunks_mut(PANELS_A_SWEEP * panel_len)
+                .enumerate()
+                .for_each(|(g, group)| {
+                    let first = g * PANELS_A_SWEEP;
+                    // SAFETY: AVX512F, BW and BF16 are present (checked above); with b's
+                    // extent asserted above, every (kk, c) < (K, N − first·NR) of the
+                    // group lies in b from first·NR on, and `group` holds whole panels.
+                    unsafe {
+                        fill_panels_from_rows(
+                            (group, panel_len),
+                            b[first * NR..].as_ptr(),
+                            rs,
+                            k,
+                            n - first * NR,
+                        )
+                    }
+                });
+            return;
+        }
         panels
-            .par_chunks_mut(kps * 2 * NR)
+            .par_chunks_mut(panel_len)
             .enumerate()
             .for_each(|(p, panel)| {
                 let cols = NR.min(n - p * NR);
                 // SAFETY: AVX512F, BW and BF16 are present (checked above); with b's
                 // extent asserted above, every (kk, c) < (K, cols) of panel p lies in b
                 // from p·NR·cs on, and `panel` holds kp·2·NR values.
-                unsafe {
-                    if cs == 1 {
-                        fill_panel_from_rows(panel, b[p * NR..].as_ptr(), rs, k, cols)
-                    } else {
-                        fill_panel_from_columns(panel, b[p * NR * cs..].as_ptr(), cs, k, cols)
-                    }
-                }
+                unsafe { fill_panel_from_columns(panel, b[p * NR * cs..].as_ptr(), cs, k, cols) }
             });
         return;
     }
@@ -372,27 +388,44 @@ fn fill_pair_panels_gathered(
         );
 }
 
-/// One pair panel from a (K, cols) operand whose rows are contiguous (row kk at
-/// `b + kk·rs`): rows 2·pair and 2·pair + 1 rounded together (`vcvtne2ps2bf16`) and
-/// interleaved column by column (`vpermw`), 64 bytes per pair; columns past `cols` and a
-/// missing odd row zero.
+/// Pair panels a sweep of [`fill_panels_from_rows`] fills: 128 columns, 512 contiguous
+/// bytes of each row read at a time, where one panel at a time read a 64-byte line of
+/// every row, a page apart or more — a TLB miss a row.
+const PANELS_A_SWEEP: usize = 8;
+
+/// Consecutive pair panels (`group`, each `panel_len` values) from a (K, cols) operand
+/// whose rows are contiguous (row kk at `b + kk·rs`): per pair of rows, for each panel,
+/// rows 2·pair and 2·pair + 1 rounded together (`vcvtne2ps2bf16`) and interleaved column
+/// by column (`vpermw`), 64 bytes per pair; columns past `cols` and a missing odd row zero.
 ///
 /// # Safety
 /// The CPU has AVX512F, AVX512BW and AVX512-BF16; `b + kk·rs + c` is readable for every
-/// kk < k, c < cols ≤ NR; `panel` holds ⌈k/2⌉·2·NR values.
+/// kk < k, c < min(cols, 16 × panels of `group`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn fill_panel_from_rows(panel: &mut [u16], b: *const f32, rs: usize, k: usize, cols: usize) {
+unsafe fn fill_panels_from_rows(
+    (group, panel_len): (&mut [u16], usize),
+    b: *const f32,
+    rs: usize,
+    k: usize,
+    cols: usize,
+) {
     use std::arch::x86_64::*;
-    assert!(panel.len() >= k.div_ceil(2) * 2 * NR);
+    assert!(panel_len >= k.div_ceil(2) * 2 * NR && group.len().is_multiple_of(panel_len));
+    let count = group.len() / panel_len;
+    let out = group.as_mut_ptr();
     // SAFETY: (the whole body) the caller guarantees the features and extents; loads are
-    // masked to `cols` columns, stores stay within the panel (asserted above).
+    // masked to the columns below `cols`, stores stay within the group (asserted above).
     unsafe {
-        let mask: __mmask16 = if cols >= 16 { !0 } else { (1u16 << cols) - 1 };
         for pair in 0..k.div_ceil(2) {
+            let even = b.add(2 * pair * rs);
             let odd = (2 * pair + 1 < k).then(|| b.add((2 * pair + 1) * rs));
-            let placed = rounded_pairs(mask, b.add(2 * pair * rs), odd);
-            _mm512_storeu_si512(panel.as_mut_ptr().add(pair * 2 * NR).cast(), placed);
+            for q in 0..count {
+                let left = cols.saturating_sub(q * NR);
+                let mask: __mmask16 = if left >= 16 { !0 } else { (1u16 << left) - 1 };
+                let placed = rounded_pairs(mask, even.add(q * NR), odd.map(|o| o.add(q * NR)));
+                _mm512_storeu_si512(out.add(q * panel_len + pair * 2 * NR).cast(), placed);
+            }
         }
     }
 }
@@ -678,7 +711,7 @@ mod tests {
     fn panels_placed_32_values_at_a_time_are_the_gathered_panels() {
         // Both contiguous orientations, odd K, part-filled panels, a K past 32 with a tail,
         // and panels refilled over other values.
-        for (k, n) in [(1, 1), (5, 7), (33, 17), (70, 40), (64, 16)] {
+        for (k, n) in [(1, 1), (5, 7), (33, 17), (70, 40), (64, 16), (37, 150)] {
             let w = values(k * n, 5);
             for transposed in [false, true] {
                 let stored = if transposed {
