@@ -286,13 +286,15 @@ pub(super) fn pack_bf16_into(
 }
 
 /// One row tile of [`pack_bf16`] from a transposed operand (row r, k at `a + r + k·cs`):
-/// per pair of k, the two runs of `height` values rounded together (`vcvtne2ps2bf16`),
-/// interleaved into each row's pair (`vpermw`) and scattered to the rows (`vpscatterdd`),
-/// instead of a scalar store per value.
+/// per pair of k, the two runs of `height` values rounded together (`vcvtne2ps2bf16`) and
+/// interleaved into each row's pair (`vpermw`); 16 pairs at a time turned into the rows'
+/// 64-byte runs ([`transpose_16x16`](super::round::transpose_16x16)), one store a row,
+/// instead of a scatter per pair. Rows past `height` and pairs past K are written zero.
 ///
 /// # Safety
 /// The CPU has AVX512F, AVX512BW and AVX512-BF16; `a + r + kk·cs` is readable for r <
-/// height ≤ 16, kk < k; `tile` holds 16 rows of `stride` ≥ k values.
+/// height ≤ 16, kk < k; `tile` holds 16 rows of `stride` values, `stride` a multiple of 32
+/// at least k, starting a cache line.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn tile_from_columns(
@@ -305,23 +307,32 @@ unsafe fn tile_from_columns(
 ) {
     use std::arch::x86_64::*;
     assert!(tile.len() >= TILE_ROWS * stride && stride >= k && height <= TILE_ROWS);
+    assert!(stride.is_multiple_of(32));
+    let kp = k.div_ceil(2);
     // SAFETY: (the whole body) the caller guarantees the features and extents: loads are
-    // masked to `height` rows, scattered stores to the same rows, at k < K of each.
+    // masked to `height` rows at k < K, each store is 16 pairs of one of the 16 rows, below
+    // `stride` (a whole number of 32 values).
     unsafe {
         let mask: __mmask16 = if height >= 16 {
             !0
         } else {
             (1u16 << height) - 1
         };
-        let rows = _mm512_mullo_epi32(
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-            _mm512_set1_epi32((2 * stride) as i32), // bytes a row
-        );
-        let out = tile.as_mut_ptr().cast::<u8>();
-        for pair in 0..k.div_ceil(2) {
-            let odd = (2 * pair + 1 < k).then(|| a.add((2 * pair + 1) * cs));
-            let placed = super::round::rounded_pairs(mask, a.add(2 * pair * cs), odd);
-            _mm512_mask_i32scatter_epi32::<1>(out.add(4 * pair).cast(), mask, rows, placed);
+        let out = tile.as_mut_ptr();
+        for group in 0..kp.div_ceil(16) {
+            // pairs[p] lane r: row r's pair 16·group + p.
+            let mut pairs = [_mm512_setzero_si512(); 16];
+            for (p, lanes) in pairs.iter_mut().enumerate() {
+                let pair = 16 * group + p;
+                if pair < kp {
+                    let odd = (2 * pair + 1 < k).then(|| a.add((2 * pair + 1) * cs));
+                    *lanes = super::round::rounded_pairs(mask, a.add(2 * pair * cs), odd);
+                }
+            }
+            super::round::transpose_16x16(&mut pairs);
+            for (r, run) in pairs.iter().enumerate() {
+                _mm512_storeu_si512(out.add(r * stride + 32 * group).cast(), *run);
+            }
         }
     }
 }

@@ -17,7 +17,7 @@ use rayon::prelude::*;
 
 use super::bf16::{kernel_bf16_pairs, kernel_bf16_pairs_x2};
 use super::lines::Lines;
-use super::round::{round_into, rounded_pairs};
+use super::round::{round_into, rounded_pairs, transpose_16x16};
 use super::tile::{MR, NR, SharedOut, Strided};
 
 /// Row blocks per work item: 96 rows, whose packed pairs (K ≤ 3,072: ≤ 576 KiB) fit a
@@ -432,8 +432,9 @@ unsafe fn fill_panels_from_rows(
 
 /// One pair panel from a (K, cols) operand whose columns are contiguous (column c at
 /// `b + c·cs`, a transposed weight): a column's 32 values rounded at once are 16 of its
-/// pairs already in order, so each pair is one 32-bit move into its place; the last values
-/// of an odd K or a short tail value by value, columns past `cols` zero.
+/// pairs already in order; the 16 columns' runs turned into 16 pairs' rows of the panel
+/// ([`transpose_16x16`]), one 64-byte store each. The last values of an odd K or a short
+/// tail value by value, columns past `cols` zero.
 ///
 /// # Safety
 /// The CPU has AVX512F and AVX512-BF16; `b + c·cs + kk` is readable for every kk < k,
@@ -449,38 +450,42 @@ unsafe fn fill_panel_from_columns(
 ) {
     use std::arch::x86_64::*;
     let kp = k.div_ceil(2);
-    assert!(panel.len() >= kp * 2 * NR);
+    assert!(panel.len() >= kp * 2 * NR && cols <= NR);
     // (pair, c) as one u32: the even k in the low half.
     let out = panel.as_mut_ptr().cast::<u32>();
     let bits = |v: f32| u32::from(half::bf16::from_f32(v).to_bits());
+    let whole = k / 32;
     // SAFETY: (the whole body) the caller guarantees the features and extents: reads stay
-    // below k in each of the `cols` columns, writes below kp·NR u32 (2·kp·NR u16).
+    // below k in each of the `cols` columns, writes below kp·NR u32 (2·kp·NR u16); a
+    // __m512bh and a __m512i are the same 64 bytes.
     unsafe {
+        for g in 0..whole {
+            // runs[c] lane i: column c's pair 16·g + i (zero past `cols`).
+            let mut runs = [_mm512_setzero_si512(); NR];
+            for (c, run) in runs.iter_mut().enumerate().take(cols) {
+                let col = b.add(c * cs + g * 32);
+                let (low, high) = (_mm512_loadu_ps(col), _mm512_loadu_ps(col.add(16)));
+                *run = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(high, low));
+            }
+            transpose_16x16(&mut runs);
+            for (i, row) in runs.iter().enumerate() {
+                _mm512_storeu_si512(out.add((g * 16 + i) * NR).cast(), *row);
+            }
+        }
         for c in 0..NR {
-            if c >= cols {
-                for pair in 0..kp {
-                    *out.add(pair * NR + c) = 0;
-                }
-                continue;
-            }
-            let col = b.add(c * cs);
-            let whole = k / 32;
-            for g in 0..whole {
-                let low = _mm512_loadu_ps(col.add(g * 32));
-                let high = _mm512_loadu_ps(col.add(g * 32 + 16));
-                let both: [u32; 16] = std::mem::transmute(_mm512_cvtne2ps_pbh(high, low));
-                for (i, &two) in both.iter().enumerate() {
-                    *out.add((g * 16 + i) * NR + c) = two;
-                }
-            }
             for pair in whole * 16..kp {
-                let even = bits(*col.add(2 * pair));
-                let odd = if 2 * pair + 1 < k {
-                    bits(*col.add(2 * pair + 1))
-                } else {
+                *out.add(pair * NR + c) = if c >= cols {
                     0
+                } else {
+                    let col = b.add(c * cs);
+                    let even = bits(*col.add(2 * pair));
+                    let odd = if 2 * pair + 1 < k {
+                        bits(*col.add(2 * pair + 1))
+                    } else {
+                        0
+                    };
+                    even | odd << 16
                 };
-                *out.add(pair * NR + c) = even | odd << 16;
             }
         }
     }
