@@ -98,6 +98,18 @@ pub fn sum_f64(xs: &[f32]) -> f64 {
     partial.iter().sum()
 }
 
+/// `Σ x²` in f64, eight partial sums as [`sum_f64`]: a gradient's squared norm without a
+/// chain of dependent f64 additions (one every four cycles) through its millions of terms.
+pub fn sum_squares_f64(xs: &[f32]) -> f64 {
+    let mut partial = [0f64; 8];
+    for chunk in xs.chunks(8) {
+        for (p, &x) in partial.iter_mut().zip(chunk) {
+            *p += f64::from(x) * f64::from(x);
+        }
+    }
+    partial.iter().sum()
+}
+
 /// y += a·x over the common length.
 pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     let n = x.len().min(y.len());
@@ -450,6 +462,19 @@ mod tests {
             for i in 0..n {
                 assert!((y[i] - (b[i] + 0.5 * a[i])).abs() < 1e-6, "axpy, n = {n}");
             }
+        }
+    }
+
+    #[test]
+    fn sums_in_eight_lanes_match_plain_f64_sums_at_every_length() {
+        for n in [0, 1, 7, 8, 9, 100, 4099] {
+            let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+            let plain: f64 = x.iter().map(|&v| f64::from(v)).sum();
+            let squares: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+            // f64 rounding of n terms in another order: far below f32's.
+            let close = |got: f64, want: f64| (got - want).abs() <= 1e-12 * want.abs().max(1.0);
+            assert!(close(sum_f64(&x), plain), "sum, n = {n}");
+            assert!(close(sum_squares_f64(&x), squares), "squares, n = {n}");
         }
     }
 

@@ -199,7 +199,7 @@ const SQUARE_SUM_ROW: usize = 4096;
 fn sum_squares(x: &[f32]) -> f64 {
     use rayon::prelude::*;
     x.par_chunks(1 << 14)
-        .map(|c| c.iter().map(|&a| f64::from(a) * f64::from(a)).sum::<f64>())
+        .map(rookworld_lm::simd::sum_squares_f64)
         .sum()
 }
 
