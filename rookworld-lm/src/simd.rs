@@ -89,22 +89,22 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// `Σ xs` in f64, eight partial sums (element i into sum i mod 8): stable over a
 /// vocabulary's 50k terms, and no chain of dependent additions across them.
 pub fn sum_f64(xs: &[f32]) -> f64 {
-    let mut partial = [0f64; 8];
-    for chunk in xs.chunks(8) {
-        for (p, &x) in partial.iter_mut().zip(chunk) {
-            *p += f64::from(x);
-        }
-    }
-    partial.iter().sum()
+    sum_in_lanes(xs, f64::from)
 }
 
 /// `Σ x²` in f64, eight partial sums as [`sum_f64`]: a gradient's squared norm without a
 /// chain of dependent f64 additions (one every four cycles) through its millions of terms.
 pub fn sum_squares_f64(xs: &[f32]) -> f64 {
+    sum_in_lanes(xs, |x| f64::from(x) * f64::from(x))
+}
+
+/// `Σ term(x)` over `xs` in eight f64 partial sums, element i into sum i mod 8.
+#[inline]
+fn sum_in_lanes(xs: &[f32], term: impl Fn(f32) -> f64) -> f64 {
     let mut partial = [0f64; 8];
     for chunk in xs.chunks(8) {
         for (p, &x) in partial.iter_mut().zip(chunk) {
-            *p += f64::from(x) * f64::from(x);
+            *p += term(x);
         }
     }
     partial.iter().sum()

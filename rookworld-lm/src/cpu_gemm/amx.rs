@@ -451,8 +451,8 @@ struct Direct {
 
 /// Runs an (m, n) product of `steps` k-steps on the threads: `a` (pointer, row stride in
 /// bytes, length in bytes) holds ⌈m/16⌉ whole row tiles, `b` (pointer, bytes from one
-/// panel to the next, length in bytes) ⌈n/16⌉ panels' first `steps` k-steps, both starting a cache line (tile rows that straddle two
-/// lines halve the rate). Whole tiles of the result sum in `direct` where given; every
+/// panel to the next, length in bytes) ⌈n/16⌉ panels' first `steps` k-steps, both
+/// starting a cache line (tile rows that straddle two lines halve the rate). Whole tiles of the result sum in `direct` where given; every
 /// other result goes to `sink` 16 columns at a time.
 ///
 /// An item — a chunk of row tiles times a group of panels — runs [`STEPS_A_PASS`] k-steps
