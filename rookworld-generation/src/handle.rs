@@ -171,6 +171,7 @@ impl Engine {
         let (reply, done) = oneshot::channel();
         self.commands
             .send(Command::Swap(Staged {
+                sent: Instant::now(),
                 model: Arc::new(model),
                 version,
                 run: run.to_owned(),
@@ -212,6 +213,9 @@ const RATE_WINDOW_SECONDS: f64 = 2.0;
 
 /// Weights waiting to be swapped in, and who waits for it.
 struct Staged {
+    /// When [`Engine::swap`] sent them: their wait counts from here, the step the engine
+    /// was running then included.
+    sent: Instant,
     model: Arc<Gpt2>,
     version: u64,
     run: String,
@@ -332,7 +336,7 @@ impl EngineLoop {
                 }
             }
             Command::Swap(staged) => {
-                self.swap_clock.staged(Instant::now());
+                self.swap_clock.staged(staged.sent);
                 // A newer staged swap replaces an older one; its caller is told it landed
                 // (its version is superseded before any token used it).
                 if let Some(old) = self.staged.replace(staged) {

@@ -21,8 +21,9 @@ use std::time::Instant;
 pub struct SwapTiming {
     /// The weight version swapped in.
     pub version: u64,
-    /// From the (first) staging of a swap to the new weights in use, seconds (under
-    /// `Drain`, the sequences in flight finishing on the old weights).
+    /// From the (first) staging of a swap — the call, so the step the engine was running
+    /// then counts — to the new weights in use, seconds (under `Drain`, the sequences in
+    /// flight finishing on the old weights).
     pub wait_seconds: f64,
     /// Steps run on the old weights meanwhile with no new work admitted (`Drain` only).
     pub held_steps: u32,
@@ -57,8 +58,8 @@ pub struct SwapClock {
 }
 
 impl SwapClock {
-    /// A swap was staged at `now` (a newer one replacing a staged one keeps the first's
-    /// clock: the loop has been held since then).
+    /// A swap was staged at `now`, when it was sent (a newer one replacing a staged one
+    /// keeps the first's clock: the loop has been held since then).
     pub fn staged(&mut self, now: Instant) {
         self.staged.get_or_insert((now, 0));
     }

@@ -193,12 +193,7 @@ impl Panels {
     /// the panels hold f32 or INT8 values.
     fn fill_bf16(&mut self, w: &[u8], k: usize, n: usize, transposed: bool) -> bool {
         match self {
-            // BF16_COLUMNS swaps two blocks of four: its own inverse.
-            Self::Bf16(panels) => {
-                pack::place_bf16(panels, k * NR, w, (k, n), transposed, |kk, c| {
-                    kk * NR + BF16_COLUMNS[c]
-                })
-            }
+            Self::Bf16(panels) => pack::place_bf16(panels, w, (k, n), transposed),
             Self::Bf16Pairs(panels) => pack::place_bf16_pairs(panels, w, (k, n), transposed),
             Self::F32(_) | Self::Int8(_) => return false,
         }
@@ -960,8 +955,10 @@ mod tests {
     #[test]
     fn bf16_values_repack_straight_into_the_panels_their_widening_packs_into() {
         for isa in BF16_KERNELS {
-            // Even K, whole panels: through registers (for a transposed weight where K/2
-            // is a multiple of 8); odd K, a last panel of fewer columns: value by value.
+            // Whole panels through registers (pair panels: even K, and for a transposed
+            // weight K/2 a multiple of 8; column panels: any K, a transposed weight's
+            // last K % 16 values one by one); a last panel of fewer columns, and odd K
+            // for pair panels, value by value.
             for (k, n, transposed) in [
                 (300, 33, false),
                 (32, 37, true),
@@ -969,6 +966,9 @@ mod tests {
                 (301, 17, true),
                 (7, 16, false),
                 (9, 5, true),
+                (20, 16, true),
+                (768, 48, true),
+                (64, 48, false),
             ] {
                 let w = bf16_values(&values(k * n, 12));
                 let bits: Vec<u8> = w

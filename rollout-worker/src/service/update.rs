@@ -156,6 +156,10 @@ impl RolloutServer {
             version,
             bytes,
             seconds = format!("{seconds:.3}"),
+            received = format!("{:.3}", received.as_secs_f64()),
+            verify = format!("{:.3}", built.verify.as_secs_f64()),
+            convert = format!("{:.3}", built.convert.as_secs_f64()),
+            swap = format!("{:.3}", (swapped - ready).as_secs_f64()),
             "weights updated"
         );
         Ok(pb::UpdateWeightsResponse {

@@ -58,28 +58,38 @@ pub(super) fn fill_panels_bf16(
 }
 
 /// BF16 values `w` — little-endian bit patterns as a payload stores them, (K, N)
-/// row-major or (N, K) when `transposed` — placed into BF16 panels of `panel_len` values
-/// each: value (kk, c) of panel p at `panel[at(kk, c)]`, the rest of each panel zero. A
+/// row-major or (N, K) when `transposed` — placed into BF16 panels (K, NR) with each
+/// panel row in [`BF16_COLUMNS`] order, the padding columns of the last panel zero. A
 /// BF16 value rounds to itself, so this writes what packing the values' f32 widening
-/// writes, without the f32 copy (a push's BF16 payload into BF16 panels).
-pub(super) fn place_bf16(
-    panels: &mut [u16],
-    panel_len: usize,
-    w: &[u8],
-    (k, n): (usize, usize),
-    transposed: bool,
-    at: impl Fn(usize, usize) -> usize + Sync,
-) {
+/// writes, without the f32 copy (a push's BF16 payload into BF16 panels). With AVX2 a
+/// whole panel goes through registers: a row of 16 columns is one load and a lane
+/// permute; a transposed weight is read 16 values of 8 rows at a time and transposed as
+/// pairs of values, 8 × 8 like f32 values ([`avx2::transpose_bf16_rows`]).
+pub(super) fn place_bf16(panels: &mut [u16], w: &[u8], (k, n): (usize, usize), transposed: bool) {
     assert_eq!(w.len(), 2 * k * n, "BF16 weight of {k}×{n}");
-    assert_eq!(
-        panels.len(),
-        n.div_ceil(NR) * panel_len,
-        "panels of {k}×{n}"
-    );
+    assert_eq!(panels.len(), n.div_ceil(NR) * k * NR, "panels of {k}×{n}");
+    // BF16_COLUMNS swaps two blocks of four: its own inverse.
+    let at = |kk: usize, c: usize| kk * NR + BF16_COLUMNS[c];
     panels
-        .par_chunks_mut(panel_len)
+        .par_chunks_mut(k * NR)
         .enumerate()
-        .for_each(|(p, panel)| place_panel(panel, w, (k, n), p, transposed, &at));
+        .for_each(|(p, panel)| {
+            #[cfg(target_arch = "x86_64")]
+            if NR.min(n - p * NR) == NR && std::arch::is_x86_feature_detected!("avx2") {
+                let src = w.as_ptr().cast::<u16>();
+                // SAFETY: AVX2 is present; `w` holds the K × N values (asserted above),
+                // panel p has NR columns and `panel` K·NR values.
+                unsafe {
+                    if transposed {
+                        avx2::transpose_bf16_rows(panel, src.add(p * NR * k), k);
+                    } else {
+                        avx2::permute_bf16_rows(panel, src, k, n, p);
+                    }
+                }
+                return;
+            }
+            place_panel(panel, w, (k, n), p, transposed, &at)
+        });
 }
 
 /// [`place_bf16`] into `vdpbf16ps` pair panels ((⌈K/2⌉, NR, 2) each: column c's values k
@@ -290,6 +300,81 @@ mod avx2 {
                     dst.add(16).cast(),
                     _mm256_permute2x128_si256::<0x31>(lo, hi),
                 );
+            }
+        }
+    }
+
+    /// BF16 panel `p` of a (K, N) weight at `w` (row-major, any alignment): each row's
+    /// 16 columns loaded at once and stored with their middle two blocks of four swapped
+    /// ([`super::BF16_COLUMNS`]).
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `w` is valid for K·N reads, panel p's NR columns lie within N,
+    /// and `panel` holds K·NR values.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn permute_bf16_rows(
+        panel: &mut [u16],
+        w: *const u16,
+        k: usize,
+        n: usize,
+        p: usize,
+    ) {
+        assert!(panel.len() >= k * NR, "panel of {k} rows");
+        let out = panel.as_mut_ptr();
+        // SAFETY: (the whole body) rows kk < K, columns p·NR..p·NR + 16 ≤ N of `w`; panel
+        // values kk·16..kk·16 + 16 ≤ K·NR.
+        unsafe {
+            for kk in 0..k {
+                let row = _mm256_loadu_si256(w.add(kk * n + p * NR).cast());
+                let placed = _mm256_permute4x64_epi64::<0b11_01_10_00>(row);
+                _mm256_storeu_si256(out.add(kk * NR).cast(), placed);
+            }
+        }
+    }
+
+    /// BF16 panel of the 16 rows of K values from `base` (row c at `base + c·K`, any
+    /// alignment; a transposed weight's rows are the panel's columns), each panel row in
+    /// [`super::BF16_COLUMNS`] order. Sixteen values of K at a time: each half of the rows
+    /// as eight 32-bit pairs transposed 8 × 8, the pairs' first and second values parted
+    /// in each lane, and the two halves' blocks of four interleaved into two panel rows;
+    /// the last K % 16 values one by one.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `base` is valid for 16·K reads and `panel` holds K·NR values.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn transpose_bf16_rows(panel: &mut [u16], base: *const u16, k: usize) {
+        assert!(panel.len() >= k * NR, "panel of {k} rows");
+        let out = panel.as_mut_ptr();
+        let whole = k - k % 16;
+        // SAFETY: (the whole body) rows c < 16 and values kk < K of `base`; panel values
+        // kk·16..kk·16 + 16 ≤ K·NR.
+        unsafe {
+            // In each lane: the first values of four pairs, then their second values.
+            let part = _mm256_setr_epi8(
+                0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, //
+                0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+            );
+            for kk in (0..whole).step_by(16) {
+                let half = |h: usize| {
+                    transpose8(std::array::from_fn(|i| {
+                        _mm256_loadu_ps(base.add((8 * h + i) * k + kk).cast())
+                    }))
+                };
+                let (a, b) = (half(0), half(1));
+                for j in 0..8 {
+                    // Pair j of columns 0–7 and 8–15: values kk + 2j and kk + 2j + 1.
+                    let a = _mm256_shuffle_epi8(_mm256_castps_si256(a[j]), part);
+                    let b = _mm256_shuffle_epi8(_mm256_castps_si256(b[j]), part);
+                    // Columns 0–3 | 8–11 | 4–7 | 12–15: the BF16_COLUMNS order.
+                    let row = out.add((kk + 2 * j) * NR);
+                    _mm256_storeu_si256(row.cast(), _mm256_unpacklo_epi64(a, b));
+                    _mm256_storeu_si256(row.add(NR).cast(), _mm256_unpackhi_epi64(a, b));
+                }
+            }
+            for kk in whole..k {
+                for c in 0..NR {
+                    *out.add(kk * NR + super::BF16_COLUMNS[c]) = *base.add(c * k + kk);
+                }
             }
         }
     }
