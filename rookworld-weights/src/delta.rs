@@ -334,6 +334,9 @@ fn unpack(packed: &[u8], planes: &mut [u8]) -> Result<(), String> {
         // SAFETY: the CPU has the features (checked); the mask marks exactly the values
         // (counted above), and no vector is read past them.
         (done, n) = unsafe { simd::unpack(mask, values, planes) };
+    } else if shuffle::available() {
+        // SAFETY: as above, for SSSE3 and POPCNT.
+        (done, n) = unsafe { shuffle::unpack(mask, values, planes) };
     }
     unpack_groups(&mask[done / 8..], &values[n..], &mut planes[done..])
 }
@@ -420,6 +423,71 @@ mod simd {
             n += k.count_ones() as usize;
         }
         (64 * chunks, n)
+    }
+}
+
+/// [`unpack`] eight bytes at a time through one byte shuffle where the CPU has no
+/// AVX-512 VBMI2 (AVX2-only CPUs): a mask byte picks the shuffle that moves its values
+/// to their bytes, from a table of all 256; eight mask bytes of zero are 64 zero bytes at
+/// once (most of a delta's high plane).
+#[cfg(target_arch = "x86_64")]
+mod shuffle {
+    use std::arch::x86_64::*;
+
+    /// For each mask byte: the source of each of its eight bytes among the next values
+    /// (0x80, a zero, where its bit is clear); 16 bytes, a whole shuffle's control.
+    const EXPAND: [[u8; 16]; 256] = {
+        let mut table = [[0x80u8; 16]; 256];
+        let mut m = 0;
+        while m < 256 {
+            let (mut i, mut next) = (0, 0u8);
+            while i < 8 {
+                if m & (1 << i) != 0 {
+                    table[m][i] = next;
+                    next += 1;
+                }
+                i += 1;
+            }
+            m += 1;
+        }
+        table
+    };
+
+    pub fn available() -> bool {
+        is_x86_feature_detected!("ssse3") && is_x86_feature_detected!("popcnt")
+    }
+
+    /// Unpacks the whole eight-byte groups of `planes` while eight values are left to
+    /// read; returns the plane bytes done and the values read.
+    ///
+    /// # Safety
+    /// The CPU has SSSE3 and POPCNT; the mask marks no more bytes than `values` holds.
+    #[target_feature(enable = "ssse3,popcnt")]
+    pub unsafe fn unpack(mask: &[u8], values: &[u8], planes: &mut [u8]) -> (usize, usize) {
+        let groups = (planes.len() / 8).min(mask.len());
+        let (mut g, mut n) = (0, 0);
+        while g < groups {
+            if g + 8 <= groups && mask[g..g + 8] == [0; 8] {
+                planes[8 * g..8 * g + 64].fill(0);
+                g += 8;
+                continue;
+            }
+            if n + 8 > values.len() {
+                break;
+            }
+            let m = mask[g];
+            // SAFETY: eight bytes of `values` from `n` (checked) and group g of `planes`
+            // (g < planes.len() / 8); the table's rows are 16 bytes.
+            unsafe {
+                let v = _mm_loadl_epi64(values.as_ptr().add(n).cast());
+                let control = _mm_loadu_si128(EXPAND[m as usize].as_ptr().cast());
+                let placed = _mm_shuffle_epi8(v, control);
+                _mm_storel_epi64(planes.as_mut_ptr().add(8 * g).cast(), placed);
+            }
+            n += m.count_ones() as usize;
+            g += 1;
+        }
+        (8 * g, n)
     }
 }
 
@@ -630,6 +698,7 @@ mod tests {
             (64 * 33 + 17, 3),
             (1 << 16, 12),
             (4096, 1),
+            (64 * 40 + 24, 97),
         ] {
             let planes: Vec<u8> = (0..len)
                 .map(|_| {
@@ -652,6 +721,14 @@ mod tests {
             let mut back = vec![0xaa; len];
             unpack_groups(&mask, &values[..n], &mut back).unwrap();
             assert_eq!(back, planes, "{len} bytes");
+            #[cfg(target_arch = "x86_64")]
+            if shuffle::available() {
+                let mut back = vec![0xaa; len];
+                // SAFETY: the CPU has the features (checked); the mask marks the values.
+                let (done, read) = unsafe { shuffle::unpack(&mask, &values[..n], &mut back) };
+                unpack_groups(&mask[done / 8..], &values[read..n], &mut back[done..]).unwrap();
+                assert_eq!(back, planes, "{len} bytes, by shuffles");
+            }
         }
         let mut planes = vec![0u8; 9];
         assert!(
