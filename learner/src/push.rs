@@ -135,6 +135,8 @@ pub struct Fleet {
     fanout: u32,
     /// Whether the newest set has a same-host file.
     shared_file: bool,
+    /// Pushes ask each worker to answer once the version is staged, not in use.
+    answer_when_staged: bool,
     /// The newest set's version.
     newest: u64,
 }
@@ -162,6 +164,14 @@ impl Fleet {
         self
     }
 
+    /// Asks every worker to answer a push once the version is staged with its engine
+    /// (received, checked, built; in use at its next step boundary, or after the drain),
+    /// so that a push's time is the delivery's, not the engine's wait.
+    pub fn answering_when_staged(mut self) -> Self {
+        self.answer_when_staged = true;
+        self
+    }
+
     /// Takes `set` as the newest to push; the set it replaces is kept as the base of
     /// deltas while some worker is streamed (no shared file, or a worker that cannot read
     /// it).
@@ -182,7 +192,10 @@ impl Fleet {
             delta: m.and_then(|m| self.deltas.offer(m.known)),
             link: m.map(|m| m.link).unwrap_or_default(),
             policy: self.delta_policy,
-            route: Route::default(),
+            route: Route {
+                answer_when_staged: self.answer_when_staged,
+                ..Route::default()
+            },
             peer: false,
         }
     }
@@ -232,7 +245,7 @@ impl Fleet {
                         route: Route {
                             relay_to: joiners,
                             fanout: self.fanout,
-                            deadline: None,
+                            ..Route::default()
                         },
                         ..Via::default()
                     };
@@ -248,6 +261,7 @@ impl Fleet {
                     relay_to,
                     fanout: self.fanout,
                     deadline: None,
+                    answer_when_staged: self.answer_when_staged,
                 };
                 out.push((root, via));
             }

@@ -144,8 +144,9 @@ pub(crate) struct RolloutServer {
     model: ServedModel,
     cfg: ServiceConfig,
     guard: Guard,
-    /// One weight update at a time.
-    updating: Mutex<()>,
+    /// One weight update at a time, and the version the last one staged while it waits
+    /// to go into use (an update answered once staged: `answer_when_staged`).
+    updating: Mutex<Option<update::Pending>>,
     /// The model the last update retired: the memory of the next version
     /// ([`update`](self::update)).
     spare: std::sync::Mutex<Option<rookworld_lm::Gpt2>>,
@@ -168,7 +169,7 @@ impl RolloutServer {
             model,
             guard: cfg.guard.clone(),
             cfg,
-            updating: Mutex::new(()),
+            updating: Mutex::new(None),
             spare: std::sync::Mutex::new(None),
             received: std::sync::Mutex::new(Held::default()),
             initial: {

@@ -110,12 +110,14 @@ pub async fn run(
         let learner = clients.learner.clone();
         let want = slots.available_permits().max(1) as u32;
         let status = engine.status();
+        // The version it holds: a staged one (pushed, not yet swapped in) counts.
+        let (weight_version, run) = status.held();
         let request = queue::LeaseRequest {
             worker_id: cfg.worker_id.clone(),
             max_prompts: want,
-            weight_version: status.weight_version,
+            weight_version,
             push_address: cfg.push_address.clone(),
-            weight_run_id: status.weight_run,
+            weight_run_id: run.to_owned(),
         };
         let leased = tokio::select! {
             _ = &mut shutdown => break,

@@ -28,6 +28,10 @@ enum Command {
     },
     Cancel(RequestId),
     Swap(Staged),
+    /// Hands the staged version back for a newer one ([`Engine::reclaim`]).
+    Reclaim(u64),
+    /// The newer version will not come: the engine goes on as before the reclaim.
+    Release(u64),
     Shutdown,
 }
 
@@ -50,10 +54,24 @@ pub struct EngineStatus {
     pub tokens_per_second: f64,
     /// A weight swap is waiting for the sequences in flight.
     pub swap_pending: bool,
+    /// The version (and its run) handed to the engine and not yet in use: set the moment
+    /// [`Engine::stage`] returns, cleared when it goes into use or a newer one replaces it.
+    pub staged: Option<(u64, String)>,
     /// What the last weight swap cost the decode loop (`None`: none yet).
     pub last_swap: Option<SwapTiming>,
     pub device: String,
     pub dtype: String,
+}
+
+impl EngineStatus {
+    /// The newest version the engine holds and its run: the staged one, else the one in
+    /// use.
+    pub fn held(&self) -> (u64, &str) {
+        match &self.staged {
+            Some((version, run)) => (*version, run),
+            None => (self.weight_version, &self.weight_run),
+        }
+    }
 }
 
 /// The finished samples of one request, in the order they finish. Dropping it cancels
@@ -92,6 +110,8 @@ impl std::fmt::Debug for Command {
             Self::Submit { .. } => "Submit",
             Self::Cancel(_) => "Cancel",
             Self::Swap(_) => "Swap",
+            Self::Reclaim(_) => "Reclaim",
+            Self::Release(_) => "Release",
             Self::Shutdown => "Shutdown",
         })
     }
@@ -113,6 +133,7 @@ impl Engine {
             tokens_generated: 0,
             tokens_per_second: 0.0,
             swap_pending: false,
+            staged: None,
             last_swap: None,
             device: device_name(model.device()),
             dtype: format!("{:?}", model.dtype()).to_lowercase(),
@@ -168,7 +189,18 @@ impl Engine {
         version: u64,
         run: &str,
     ) -> Result<Option<Retired>, EngineError> {
+        self.stage(model, version, run)?.landed().await
+    }
+
+    /// Hands `model` to the engine as weight version `version` of run `run` and returns at
+    /// once: the engine swaps it in at its next step boundary (after the sequences in
+    /// flight under [`SwapPolicy::Drain`]); the ticket says when. From the return on, the
+    /// status's [`EngineStatus::held`] names this version, and every request submitted
+    /// after it runs on it (commands are handled in order, a swap before the work after
+    /// it).
+    pub fn stage(&self, model: Gpt2, version: u64, run: &str) -> Result<SwapTicket, EngineError> {
         let (reply, done) = oneshot::channel();
+        self.status.lock().expect("status lock").staged = Some((version, run.to_owned()));
         self.commands
             .send(Command::Swap(Staged {
                 sent: Instant::now(),
@@ -178,7 +210,35 @@ impl Engine {
                 reply,
             }))
             .map_err(|_| EngineError::Stopped)?;
-        done.await.map_err(|_| EngineError::Stopped)
+        Ok(SwapTicket(done))
+    }
+
+    /// Takes staged version `version` back before it goes into use, so that its memory
+    /// can hold a newer version: its ticket lands with its own model as the one retired
+    /// (or, when it went into use first, with the model that one retired), and the
+    /// engine admits no new work — as if the version were still staged — until the
+    /// returned guard is passed to [`Engine::stage_reclaimed`] or dropped.
+    pub fn reclaim(&self, version: u64) -> Result<Reclaimed<'_>, EngineError> {
+        self.commands
+            .send(Command::Reclaim(version))
+            .map_err(|_| EngineError::Stopped)?;
+        Ok(Reclaimed {
+            engine: self,
+            version,
+        })
+    }
+
+    /// [`Engine::stage`] in place of a reclaimed version.
+    pub fn stage_reclaimed(
+        &self,
+        reclaimed: Reclaimed<'_>,
+        model: Gpt2,
+        version: u64,
+        run: &str,
+    ) -> Result<SwapTicket, EngineError> {
+        let ticket = self.stage(model, version, run);
+        std::mem::forget(reclaimed);
+        ticket
     }
 
     pub fn status(&self) -> EngineStatus {
@@ -243,6 +303,50 @@ impl Retired {
     }
 }
 
+/// A staged version taken back ([`Engine::reclaim`]); dropped without a newer version
+/// staged in its place, the engine goes on with the version in use.
+#[derive(Debug)]
+pub struct Reclaimed<'a> {
+    engine: &'a Engine,
+    version: u64,
+}
+
+impl Drop for Reclaimed<'_> {
+    fn drop(&mut self) {
+        let mut status = self.engine.status.lock().expect("status lock");
+        if status
+            .staged
+            .as_ref()
+            .is_some_and(|(v, _)| *v == self.version)
+        {
+            status.staged = None;
+        }
+        drop(status);
+        let _ = self.engine.commands.send(Command::Release(self.version));
+    }
+}
+
+/// A staged swap ([`Engine::stage`]): resolves once its version is in use, or once a newer
+/// staged version superseded it before any token used it, with the model that left.
+#[derive(Debug)]
+pub struct SwapTicket(oneshot::Receiver<Option<Retired>>);
+
+impl SwapTicket {
+    /// Waits for the swap to land.
+    pub async fn landed(self) -> Result<Option<Retired>, EngineError> {
+        self.0.await.map_err(|_| EngineError::Stopped)
+    }
+
+    /// The swap's outcome if it has landed, without waiting.
+    pub fn try_landed(&mut self) -> Option<Result<Option<Retired>, EngineError>> {
+        match self.0.try_recv() {
+            Ok(retired) => Some(Ok(retired)),
+            Err(oneshot::error::TryRecvError::Empty) => None,
+            Err(oneshot::error::TryRecvError::Closed) => Some(Err(EngineError::Stopped)),
+        }
+    }
+}
+
 struct EngineLoop {
     scheduler: Scheduler,
     cfg: EngineConfig,
@@ -251,6 +355,8 @@ struct EngineLoop {
     streams: HashMap<RequestId, mpsc::UnboundedSender<Event>>,
     staged: Option<Staged>,
     swap_clock: SwapClock,
+    /// A staged version taken back for a newer one that is being built: work stays held.
+    reclaimed: Option<u64>,
     tokens_generated: u64,
     window: (Instant, u64),
     tokens_per_second: f64,
@@ -271,6 +377,7 @@ impl EngineLoop {
             streams: HashMap::new(),
             staged: None,
             swap_clock: SwapClock::default(),
+            reclaimed: None,
             tokens_generated: 0,
             window: (Instant::now(), 0),
             tokens_per_second: 0.0,
@@ -280,7 +387,10 @@ impl EngineLoop {
     fn run(mut self) {
         loop {
             // Idle: wait for a command. Busy: take whatever arrived, then step.
-            let idle = !self.scheduler.has_work() && self.staged.is_none();
+            // Idle too while a reclaimed version is rebuilt and no row decodes: its
+            // replacement or release wakes the loop.
+            let stalled = self.reclaimed.is_some() && self.scheduler.live_rows() == 0;
+            let idle = (!self.scheduler.has_work() || stalled) && self.staged.is_none();
             let first = if idle {
                 match self.inbox.recv() {
                     Ok(c) => Some(c),
@@ -299,8 +409,9 @@ impl EngineLoop {
                 }
             }
             self.maybe_swap();
-            if self.scheduler.has_work() {
-                let admit = self.staged.is_none();
+            let stalled = self.reclaimed.is_some() && self.scheduler.live_rows() == 0;
+            if self.scheduler.has_work() && !stalled {
+                let admit = self.staged.is_none() && self.reclaimed.is_none();
                 let start = Instant::now();
                 let (events, stats) = self.scheduler.step(admit);
                 if let Some(t) = self.swap_clock.stepped(start, Instant::now(), !admit) {
@@ -336,11 +447,25 @@ impl EngineLoop {
                 }
             }
             Command::Swap(staged) => {
+                self.reclaimed = None;
                 self.swap_clock.staged(staged.sent);
                 // A newer staged swap replaces an older one; its caller is told it landed
                 // (its version is superseded before any token used it).
                 if let Some(old) = self.staged.replace(staged) {
                     let _ = old.reply.send(Retired::of(old.model, old.version, old.run));
+                }
+            }
+            Command::Reclaim(version) => {
+                if self.staged.as_ref().is_some_and(|s| s.version == version) {
+                    let old = self.staged.take().expect("staged");
+                    self.reclaimed = Some(version);
+                    let _ = old.reply.send(Retired::of(old.model, old.version, old.run));
+                }
+            }
+            Command::Release(version) => {
+                if self.reclaimed == Some(version) {
+                    self.reclaimed = None;
+                    self.swap_clock.cancel();
                 }
             }
             Command::Shutdown => return false,
@@ -364,6 +489,9 @@ impl EngineLoop {
             let (old_version, old_run) = {
                 let mut status = self.status.lock().expect("status lock");
                 let old_version = std::mem::replace(&mut status.weight_version, version);
+                if status.staged.as_ref().is_some_and(|(v, _)| *v == version) {
+                    status.staged = None;
+                }
                 (
                     old_version,
                     std::mem::replace(&mut status.weight_run, staged.run),
@@ -440,7 +568,7 @@ impl EngineLoop {
         status.reserved_kv_tokens = s.reserved_kv_tokens();
         status.tokens_generated = self.tokens_generated;
         status.tokens_per_second = self.tokens_per_second;
-        status.swap_pending = self.staged.is_some();
+        status.swap_pending = self.staged.is_some() || self.reclaimed.is_some();
         metrics::set_load(&status, s.model().device());
     }
 }
@@ -471,6 +599,130 @@ mod tests {
             assert!(Instant::now() < deadline, "not within 30 s: {status:?}");
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
+    }
+
+    /// A version staged while a drain holds it back: `stage` returns at once with the
+    /// version named as held (not yet in use), a request submitted after it runs wholly
+    /// on it, and the ticket lands once the sequences in flight are done, with the model
+    /// it retired.
+    #[tokio::test]
+    async fn a_staged_version_is_held_at_once_and_lands_after_the_drain() {
+        let cfg = EngineConfig {
+            max_seqs: 4,
+            swap_policy: SwapPolicy::Drain,
+            ..EngineConfig::default()
+        };
+        let engine = Engine::start(model(6), 1, cfg).with_run("run");
+        let request = |seed| Request {
+            prompts: vec![(0..8).collect()],
+            n: 4,
+            max_new_tokens: 100,
+            sampling: SamplingParams {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 1.0,
+            },
+            seed,
+            ignore_eos: true,
+        };
+        let mut before = engine.submit(request(3)).await.unwrap();
+        until(&engine, |s| s.live_rows == 4).await;
+        let ticket = engine.stage(model(7), 2, "run").unwrap();
+        let status = engine.status();
+        assert_eq!(status.held(), (2, "run"), "{status:?}");
+        assert_eq!(status.weight_version, 1, "still draining: {status:?}");
+        let mut after = engine.submit(request(4)).await.unwrap();
+        let retired = ticket
+            .landed()
+            .await
+            .unwrap()
+            .expect("the old model retired");
+        assert_eq!((retired.version, retired.run.as_str()), (1, "run"));
+        let status = engine.status();
+        assert_eq!((status.weight_version, status.staged.clone()), (2, None));
+        for (stream, version) in [(&mut before, 1), (&mut after, 2)] {
+            let mut samples = 0;
+            while let Some(event) = stream.next().await {
+                match event {
+                    Event::Sample(s) => {
+                        assert_eq!(s.weight_version, version);
+                        assert!(s.token_versions.is_empty(), "{:?}", s.token_versions);
+                        samples += 1;
+                    }
+                    Event::Done(_) => break,
+                    Event::Failed(_, e) => panic!("{e}"),
+                }
+            }
+            assert_eq!(samples, 4);
+        }
+    }
+
+    /// A staged version taken back during a drain: its ticket lands with its own model,
+    /// a newer version staged in its place goes into use after the same drain (the old
+    /// model retired), and a reclaim released without a replacement leaves the version in
+    /// use held and the engine admitting work again.
+    #[tokio::test]
+    async fn a_reclaimed_version_gives_its_memory_to_the_next_or_is_released() {
+        let cfg = EngineConfig {
+            max_seqs: 4,
+            swap_policy: SwapPolicy::Drain,
+            ..EngineConfig::default()
+        };
+        let engine = Engine::start(model(6), 1, cfg).with_run("run");
+        let request = |seed, max_new_tokens| Request {
+            prompts: vec![(0..8).collect()],
+            n: 4,
+            max_new_tokens,
+            sampling: SamplingParams {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 1.0,
+            },
+            seed,
+            ignore_eos: true,
+        };
+        let mut stream = engine.submit(request(3, 100)).await.unwrap();
+        until(&engine, |s| s.live_rows == 4).await;
+        let ticket = engine.stage(model(7), 2, "run").unwrap();
+        let reclaimed = engine.reclaim(2).unwrap();
+        let back = ticket.landed().await.unwrap().expect("the staged model");
+        assert_eq!(back.version, 2);
+        let ticket = engine
+            .stage_reclaimed(reclaimed, back.model, 3, "run")
+            .unwrap();
+        assert_eq!(engine.status().held(), (3, "run"));
+        let retired = ticket
+            .landed()
+            .await
+            .unwrap()
+            .expect("the old model retired");
+        assert_eq!(retired.version, 1);
+        assert_eq!(engine.status().weight_version, 3);
+        while let Some(event) = stream.next().await {
+            match event {
+                Event::Sample(s) => assert_eq!(s.weight_version, 1),
+                Event::Done(_) => break,
+                Event::Failed(_, e) => panic!("{e}"),
+            }
+        }
+        // Released: nothing staged, and new work runs on the version in use.
+        let mut stream = engine.submit(request(5, 50)).await.unwrap();
+        until(&engine, |s| s.live_rows == 4).await;
+        let ticket = engine.stage(retired.model, 4, "run").unwrap();
+        drop(engine.reclaim(4).unwrap());
+        assert_eq!(ticket.landed().await.unwrap().unwrap().version, 4);
+        assert_eq!(engine.status().held(), (3, "run"));
+        let mut after = engine.submit(request(6, 10)).await.unwrap();
+        for s in [&mut stream, &mut after] {
+            while let Some(event) = s.next().await {
+                match event {
+                    Event::Sample(s) => assert_eq!(s.weight_version, 3),
+                    Event::Done(_) => break,
+                    Event::Failed(_, e) => panic!("{e}"),
+                }
+            }
+        }
+        assert!(!engine.status().swap_pending);
     }
 
     /// A swap staged while sequences decode, under each policy: it lands, and its cost to

@@ -14,7 +14,7 @@ pub mod metrics;
 pub mod scheduler;
 pub mod swap_clock;
 
-pub use handle::{Engine, EngineStatus, Retired};
+pub use handle::{Engine, EngineStatus, Reclaimed, Retired, SwapTicket};
 pub use scheduler::Scheduler;
 pub use swap_clock::SwapTiming;
 

@@ -64,6 +64,11 @@ impl SwapClock {
         self.staged.get_or_insert((now, 0));
     }
 
+    /// The staged swap was withdrawn and nothing replaced it: no swap waits.
+    pub fn cancel(&mut self) {
+        self.staged = None;
+    }
+
     /// A step ran from `start` to `end`, with work admitted or not (`held`: a swap
     /// waits). Returns the timing of a swap made before it, now complete.
     pub fn stepped(&mut self, start: Instant, end: Instant, held: bool) -> Option<SwapTiming> {

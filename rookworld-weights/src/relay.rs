@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
 
-/// Where a streamed push goes beyond the worker it is sent to.
+/// Where a streamed push goes beyond the worker it is sent to, and when the workers
+/// answer.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Route {
     /// The workers below, in tree order ([`tree`]); empty: none (a plain push).
@@ -23,6 +24,9 @@ pub struct Route {
     pub fanout: u32,
     /// The time the worker has to answer, its tree included (`None`: not given).
     pub deadline: Option<Duration>,
+    /// Each worker answers once the version is staged with its engine, not once it is in
+    /// use (the header's `answer_when_staged`).
+    pub answer_when_staged: bool,
 }
 
 impl Route {
@@ -35,6 +39,7 @@ impl Route {
             self.fanout.max(1)
         };
         h.deadline_ms = self.deadline.map_or(0, |d| d.as_millis().max(1) as u64);
+        h.answer_when_staged = self.answer_when_staged;
     }
 
     /// `chunks` with the route in the first one's header.
@@ -234,12 +239,14 @@ mod tests {
             relay_to: names("b c"),
             fanout: 0,
             deadline: Some(Duration::from_millis(1500)),
+            answer_when_staged: true,
         };
         let set = crate::WeightSet::from_bytes("r", 2, vec![7; 10]);
         let chunks: Vec<_> = route.apply(set.chunks(4)).collect();
         let h = chunks[0].header.as_ref().unwrap();
         assert_eq!((h.relay_to.clone(), h.relay_fanout), (names("b c"), 1));
         assert_eq!(h.deadline_ms, 1500);
+        assert!(h.answer_when_staged);
         assert!(chunks[1..].iter().all(|c| c.header.is_none()));
     }
 }

@@ -609,16 +609,21 @@ pub fn supersedes(
     Ok(())
 }
 
-/// Pushes `set` to a worker on the same host through its shared file (one header chunk);
-/// the worker answers FAILED_PRECONDITION when it cannot read it.
+/// Pushes `set` to a worker on the same host through its shared file (one header chunk,
+/// `route`'s answer mode stamped on it: a same-host push is not relayed); the worker
+/// answers FAILED_PRECONDITION when it cannot read it.
 pub async fn push_shared(
     client: &mut pb::rollout_service_client::RolloutServiceClient<tonic::transport::Channel>,
     set: &WeightSet,
     token: &str,
+    route: &crate::relay::Route,
 ) -> Result<pb::UpdateWeightsResponse, tonic::Status> {
-    let chunk = set
+    let mut chunk = set
         .shared_chunk()
         .ok_or_else(|| tonic::Status::internal("no shared file was written for this set"))?;
+    if let Some(h) = chunk.header.as_mut() {
+        route.stamp(h);
+    }
     let mut request = tonic::Request::new(tokio_stream::iter([chunk]));
     rookworld_service::auth::set_token(request.metadata_mut(), token)?;
     Ok(client.update_weights(request).await?.into_inner())

@@ -295,7 +295,7 @@ mod tests {
         let route = Route {
             relay_to: vec!["http://w:1".into()],
             fanout: 1,
-            deadline: None,
+            ..Route::default()
         };
         let chunks: Vec<WeightChunk> = offer.chunks(set, &route, chunk_bytes).collect().await;
         let h = chunks[0].header.as_ref().expect("a header first");

@@ -122,7 +122,10 @@ impl Services {
         let latest = Arc::new(latest);
         let fleet = Fleet::new(Duration::from_secs(30))
             .with_deltas(services.push_deltas)
-            .with_fanout(services.push_fanout);
+            .with_fanout(services.push_fanout)
+            // A push ends with the version delivered; the engine's wait for its step
+            // boundary (or its drain) is the worker's swap clock's.
+            .answering_when_staged();
         let fleet = Arc::new(Mutex::new(fleet));
         let (sync_stop, sync_stopped) = watch::channel(false);
         let sync_task = tokio::spawn(push::run(

@@ -16,6 +16,7 @@ use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
 use rookworld_train::policy::Trainable;
 use rookworld_weights::export::{Exporter, POOL};
+use rookworld_weights::relay::Route;
 use rookworld_weights::set::{self as weights, WeightSet};
 use tonic::transport::Channel;
 
@@ -234,7 +235,9 @@ async fn a_damaged_or_misnamed_file_is_refused_and_the_old_weights_serve() {
     let base = WeightSet::from_model(&model, "run-d", 1).unwrap();
     let mut files = Publisher::new(&model, dir.path());
     let good = files.set(&base.run_id, 1);
-    weights::push_shared(&mut c, &good, TOKEN).await.unwrap();
+    weights::push_shared(&mut c, &good, TOKEN, &Route::default())
+        .await
+        .unwrap();
     let before = greedy(&mut c).await;
     let path = |s: &WeightSet| dir.path().join(s.shared_file.as_ref().unwrap());
 
@@ -244,20 +247,26 @@ async fn a_damaged_or_misnamed_file_is_refused_and_the_old_weights_serve() {
     let at = bytes.len() / 2;
     bytes[at] ^= 0x10;
     std::fs::write(path(&set), &bytes).unwrap();
-    let err = weights::push_shared(&mut c, &set, TOKEN).await.unwrap_err();
+    let err = weights::push_shared(&mut c, &set, TOKEN, &Route::default())
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), tonic::Code::DataLoss, "{err:?}");
 
     // A short file: the size says so.
     let set = files.set(&base.run_id, 3);
     std::fs::write(path(&set), &bytes[..at]).unwrap();
-    let err = weights::push_shared(&mut c, &set, TOKEN).await.unwrap_err();
+    let err = weights::push_shared(&mut c, &set, TOKEN, &Route::default())
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
     assert!(err.message().contains("bytes"), "{err:?}");
 
     // A name that leaves the directory is refused before anything is opened.
     let mut set = files.set(&base.run_id, 4);
     set.shared_file = Some("../outside.safetensors".into());
-    let err = weights::push_shared(&mut c, &set, TOKEN).await.unwrap_err();
+    let err = weights::push_shared(&mut c, &set, TOKEN, &Route::default())
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
     assert!(err.message().contains("bare file name"), "{err:?}");
 
@@ -267,7 +276,7 @@ async fn a_damaged_or_misnamed_file_is_refused_and_the_old_weights_serve() {
         version: 0,
         ..files.set(&base.run_id, 5)
     };
-    let err = weights::push_shared(&mut c, &stale, TOKEN)
+    let err = weights::push_shared(&mut c, &stale, TOKEN, &Route::default())
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
@@ -299,14 +308,18 @@ async fn versions_built_into_retired_memory_serve_exactly_their_weights() {
             let at = bytes.len() - 7;
             bytes[at] ^= 0x40;
             std::fs::write(&path, &bytes).unwrap();
-            let err = weights::push_shared(&mut c, &set, TOKEN).await.unwrap_err();
+            let err = weights::push_shared(&mut c, &set, TOKEN, &Route::default())
+                .await
+                .unwrap_err();
             assert_eq!(err.code(), tonic::Code::DataLoss, "{err:?}");
         }
         if v % 2 == 0 {
             weights::push(&mut c, &base, TOKEN, 1 << 16).await.unwrap();
         } else {
             let set = files.set(&base.run_id, v);
-            weights::push_shared(&mut c, &set, TOKEN).await.unwrap();
+            weights::push_shared(&mut c, &set, TOKEN, &Route::default())
+                .await
+                .unwrap();
         }
         let served = greedy(&mut c).await;
         let direct = model_io::from_bytes(&base.bytes, &Config::tiny(), DType::F32, &Device::Cpu);

@@ -321,7 +321,8 @@ impl RolloutServer {
         let status = self.engine.status();
         let held = std::mem::take(&mut *self.received.lock().expect("buffer lock"));
         let holds = held.of.clone();
-        let runs = (status.weight_run.as_str(), status.weight_version);
+        let (version, run) = status.held();
+        let runs = (run, version);
         if holds.as_ref().map(|(run, v)| (run.as_str(), *v)) != Some((&r.run_id, r.version))
             || runs != (r.run_id.as_str(), r.version)
         {
@@ -346,6 +347,7 @@ impl RolloutServer {
             relay_to: r.relay_to,
             fanout: r.relay_fanout,
             deadline: (r.deadline_ms > 0).then(|| Duration::from_millis(r.deadline_ms)),
+            ..Route::default()
         };
         let mut chunks = route.apply(set.chunks(CHUNK_BYTES));
         let first = chunks.next().expect("a first chunk");
@@ -374,6 +376,7 @@ impl RolloutServer {
             bytes: bytes as u64,
             seconds: started.elapsed().as_secs_f64(),
             relayed,
+            in_use: status.staged.is_none(),
             ..Default::default()
         })
     }

@@ -20,6 +20,16 @@
 //! worker without that base, or whose result fails the check, keeps its weights and
 //! answers FAILED_PRECONDITION (one log line says why), and the learner streams the whole
 //! payload instead.
+//!
+//! An update answers once its version is in use, or — when the header asks
+//! (`answer_when_staged`) — once it is staged with the engine, which swaps it in at its
+//! next step boundary (under `drain`, after the sequences in flight). The staged
+//! version's ticket is kept ([`Pending`]). A newer update that finds it still staged takes
+//! it back from the engine ([`Engine::reclaim`](crate::engine::Engine::reclaim)) and is
+//! built into its memory, staged in its place: the drain under way is not waited for
+//! twice, the worker never holds more than two models, and the sender's push no longer
+//! includes the engine's wait. Should the newer one fail, the engine goes on with the
+//! version in use.
 
 use std::time::{Duration, Instant};
 
@@ -31,7 +41,7 @@ use tonic::Streaming;
 
 use super::relay::Relay;
 use super::{Held, RolloutServer, ServedModel};
-use crate::engine::Retired;
+use crate::engine::{Retired, SwapTicket};
 use crate::error::ServiceError;
 use rookworld_weights::set::{self as weights, Assembler, Received, WeightError, WeightSet};
 
@@ -42,6 +52,17 @@ enum Body {
     /// A file in the shared directory, named by this header.
     Shared(pb::WeightSetHeader),
 }
+
+/// The version an update staged and answered for before it went into use.
+#[derive(Debug)]
+pub(crate) struct Pending {
+    version: u64,
+    ticket: SwapTicket,
+}
+
+/// The longest an update waits for the version staged before it to go into use (a drain
+/// ends within one completion's decode; this bounds a stuck engine).
+const LANDING_LIMIT: Duration = Duration::from_secs(120);
 
 /// A verified payload's model and how long the steps took.
 struct Built {
@@ -58,11 +79,21 @@ impl RolloutServer {
         mut stream: Streaming<pb::WeightChunk>,
     ) -> Result<pb::UpdateWeightsResponse, ServiceError> {
         let arrived = Instant::now();
-        let _one_at_a_time = self.updating.lock().await;
+        let mut pending = self.updating.lock().await;
         let started = Instant::now();
         let started_wall = std::time::SystemTime::now();
+        if let Some(p) = pending.as_mut()
+            && let Some(landed) = p.ticket.try_landed()
+        {
+            *pending = None;
+            self.keep_spare(landed?);
+        }
         let status = self.engine.status();
-        let (current, current_run) = (status.weight_version, status.weight_run);
+        // The newest version held: a staged one counts.
+        let (current, current_run) = {
+            let (version, run) = status.held();
+            (version, run.to_owned())
+        };
         // A payload may be somewhat larger than bf16 weights (header, an untied head).
         let max_bytes = self.model.config.num_parameters() * 4 + (1 << 20);
         let Some(first) = stream.next().await else {
@@ -82,7 +113,7 @@ impl RolloutServer {
             .into());
         }
         if h.version == current && h.run_id == current_run {
-            tracing::debug!(version = current, "weights already in use; nothing to swap");
+            tracing::debug!(version = current, "weights already held; nothing to swap");
             // A relay still passes the stream on to the workers below it.
             let relayed = match Relay::start(&first, self.guard.token(), &self.cfg.relay, arrived) {
                 Some(relay) => self.relay_only(relay, &first, stream).await?,
@@ -93,6 +124,7 @@ impl RolloutServer {
                 bytes: first.data.len() as u64,
                 seconds: started.elapsed().as_secs_f64(),
                 relayed,
+                in_use: status.staged.is_none(),
                 ..Default::default()
             });
         }
@@ -105,6 +137,7 @@ impl RolloutServer {
         // each child checks it again itself.)
         let mut relay = Relay::start(&first, self.guard.token(), &self.cfg.relay, arrived);
         let whole_payload = h.shared_file.is_empty() && !weights::is_delta(&h);
+        let (answer_when_staged, h_version) = (h.answer_when_staged, h.version);
         let mut assembler = if whole_payload {
             // The payload lands in the last one's memory.
             let held = std::mem::take(&mut *self.received.lock().expect("buffer lock"));
@@ -129,11 +162,44 @@ impl RolloutServer {
             }
             Body::Streamed(Box::new(assembler))
         };
-        let (built, bytes, received) = self.build(body, started).await?;
+        // A version staged before this one and not yet in use is taken back: this one
+        // goes in its place (the engine stays held meanwhile, as for it), built into its
+        // memory. One that went into use meanwhile retired the model before it instead.
+        // (Either lands within the engine's step in flight; that wait is not this
+        // payload's receipt.)
+        let landing_clock = Instant::now();
+        let mut reclaimed = None;
+        if let Some(p) = pending.take() {
+            let staged = p.version;
+            reclaimed = Some(self.engine.reclaim(staged)?);
+            let retired = land(p).await?;
+            if let Some(r) = retired.as_ref().filter(|r| r.version == staged) {
+                tracing::debug!(
+                    version = r.version,
+                    by = h_version,
+                    "a staged version is replaced before it went into use"
+                );
+            }
+            self.keep_spare(retired);
+        }
+        let landing = landing_clock.elapsed();
+        let (built, bytes, received) = self.build(body, started + landing).await?;
         let (version, run) = (built.set.version, built.set.run_id.clone());
         let ready = started.elapsed();
-        let retired = self.engine.swap(built.model, version, &run).await?;
-        self.keep_spare(retired);
+        let ticket = match reclaimed {
+            Some(reclaimed) => {
+                self.engine
+                    .stage_reclaimed(reclaimed, built.model, version, &run)?
+            }
+            None => self.engine.stage(built.model, version, &run)?,
+        };
+        let in_use = if answer_when_staged {
+            *pending = Some(Pending { version, ticket });
+            false
+        } else {
+            self.keep_spare(ticket.landed().await?);
+            true
+        };
         if let Ok(streamed) = built.set.bytes.try_into_mut() {
             // The next stream lands in this memory (a mapped file is not kept), and the
             // next delta is made against it.
@@ -152,14 +218,24 @@ impl RolloutServer {
         if run != current_run {
             tracing::info!(run = %run, previous_run = %current_run, previous_version = current, "weights of a new run replace the previous run's");
         }
+        let swap = if in_use {
+            swapped - ready
+        } else {
+            Duration::ZERO
+        };
         tracing::debug!(
             version,
             bytes,
             seconds = format!("{seconds:.3}"),
+            landing = format!("{:.3}", landing.as_secs_f64()),
             received = format!("{:.3}", received.as_secs_f64()),
             verify = format!("{:.3}", built.verify.as_secs_f64()),
             convert = format!("{:.3}", built.convert.as_secs_f64()),
-            swap = format!("{:.3}", (swapped - ready).as_secs_f64()),
+            swap = if in_use {
+                format!("{:.3}", swap.as_secs_f64())
+            } else {
+                "staged".into()
+            },
             "weights updated"
         );
         Ok(pb::UpdateWeightsResponse {
@@ -169,10 +245,15 @@ impl RolloutServer {
             receive_seconds: received.as_secs_f64(),
             verify_seconds: built.verify.as_secs_f64(),
             convert_seconds: built.convert.as_secs_f64(),
-            swap_seconds: (swapped - ready).as_secs_f64(),
+            swap_seconds: swap.as_secs_f64(),
             relayed,
             received_unix_ns: unix_ns(started_wall + received),
-            in_use_unix_ns: unix_ns(started_wall + swapped),
+            in_use_unix_ns: if in_use {
+                unix_ns(started_wall + swapped)
+            } else {
+                0
+            },
+            in_use,
         })
     }
 
@@ -351,6 +432,19 @@ fn verify_while_building(
 }
 
 /// Runs `f` on tokio's blocking pool; a panic becomes an internal error.
+/// Waits (up to [`LANDING_LIMIT`]) for a staged version to go into use; the model it
+/// retired.
+async fn land(p: Pending) -> Result<Option<Retired>, ServiceError> {
+    match tokio::time::timeout(LANDING_LIMIT, p.ticket.landed()).await {
+        Ok(landed) => Ok(landed?),
+        Err(_) => Err(ServiceError::Internal(format!(
+            "version {} staged before this update did not go into use within {}s",
+            p.version,
+            LANDING_LIMIT.as_secs()
+        ))),
+    }
+}
+
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, WeightError> + Send + 'static,
 ) -> Result<T, ServiceError> {

@@ -18,6 +18,7 @@ use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
 use rookworld_proto::v1::SamplingParams as PbSampling;
 use rookworld_service::probe::{list_services, scrape_metrics};
+use rookworld_weights::relay::Route;
 use rookworld_weights::set::{self as weights, WeightSet};
 use tokio::sync::oneshot;
 use tokio_stream::StreamExt;
@@ -389,6 +390,82 @@ async fn a_swap_during_generation_never_mixes_versions_in_a_completion() {
         assert_eq!(versions.len(), 2, "{policy:?}: the swap landed mid-request");
         server.stop().await;
     }
+}
+
+/// Pushes that ask to be answered once staged, during a drain: each answer says whether
+/// its version was in use (and gives no in-use time when not), a second push takes the
+/// first's place while that one is still staged, the same version again is answered as
+/// held, no completion mixes versions, and the last version goes into use once the
+/// sequences in flight are done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushes_answered_once_staged_leave_the_drain_to_the_worker() {
+    let server = Server::start(EngineConfig {
+        max_seqs: 2,
+        swap_policy: SwapPolicy::Drain,
+        ..EngineConfig::default()
+    })
+    .await;
+    let mut client = server.client().await;
+    let staged = Route {
+        answer_when_staged: true,
+        ..Route::default()
+    };
+    let push = |client: &RolloutServiceClient<Channel>, version: u64| {
+        let (set, _) = bf16_set(&model(version), version);
+        let chunks = tokio_stream::iter(
+            staged
+                .clone()
+                .apply(set.chunks(64 * 1024))
+                .collect::<Vec<_>>(),
+        );
+        let mut c = client.clone();
+        async move { weights::send(&mut c, chunks, TOKEN).await.unwrap() }
+    };
+    let in_use = |client: &RolloutServiceClient<Channel>| {
+        let mut c = client.clone();
+        async move {
+            c.status(pb::StatusRequest {})
+                .await
+                .unwrap()
+                .into_inner()
+                .weight_version
+        }
+    };
+    let mut stream = client
+        .generate(authed(generate_request(4, 40, 9)))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.next().await.unwrap().unwrap();
+    // Version 8 takes 7's place if 7 is still staged: it may never run.
+    for (before, version) in [(0, 7), (0, 8)] {
+        let answer = push(&client, version).await;
+        assert_eq!(answer.version, version);
+        if !answer.in_use {
+            assert_eq!((answer.in_use_unix_ns, answer.swap_seconds), (0, 0.0));
+        }
+        let running = in_use(&client).await;
+        assert!(
+            running == before || running == 7 || running == version,
+            "{running}"
+        );
+    }
+    assert_eq!(push(&client, 8).await.version, 8, "the version held");
+    let mut completions = vec![first.completion.unwrap()];
+    while let Some(item) = stream.next().await {
+        completions.push(item.unwrap().completion.unwrap());
+    }
+    assert_eq!(completions.len(), 8);
+    assert!(completions.iter().all(|c| c.token_versions.is_empty()));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while in_use(&client).await != 8 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "version 8 never went into use"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    server.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
