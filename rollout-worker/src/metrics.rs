@@ -77,7 +77,7 @@ pub fn describe() {
     describe_histogram!(
         names::WEIGHT_UPDATE_SECONDS,
         Unit::Seconds,
-        "Duration of an UpdateWeights call, first chunk to swap."
+        "Duration of an UpdateWeights call, first chunk to the answer (the new weights in use, or staged when the header asks)."
     );
     describe_counter!(
         names::WEIGHT_UPDATE_BYTES_TOTAL,

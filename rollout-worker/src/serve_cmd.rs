@@ -199,6 +199,7 @@ pub async fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error + S
         },
         pull,
         model_source: loaded.source,
+        model_owned: true,
         ..WorkerConfig::new(loaded.model)
     };
     let worker = Worker::start(

@@ -153,8 +153,10 @@ pub(crate) struct RolloutServer {
     /// The buffer the last streamed payload arrived in (the next one's), and the base of
     /// the next delta while it holds the payload in use.
     received: std::sync::Mutex<Held>,
-    /// The run and version the worker started with.
-    initial: (String, u64),
+    /// The run and version the worker started with, while that model may share its
+    /// tensors with the worker's caller (its memory is then never written over); `None`:
+    /// the worker owns it.
+    initial: Option<(String, u64)>,
 }
 
 impl RolloutServer {
@@ -174,10 +176,17 @@ impl RolloutServer {
             received: std::sync::Mutex::new(Held::default()),
             initial: {
                 let status = engine.status();
-                (status.weight_run, status.weight_version)
+                Some((status.weight_run, status.weight_version))
             },
             engine,
         }
+    }
+
+    /// The model the worker started with is its own (nothing else holds its tensors): the
+    /// first version that retires it is built into its memory like any other.
+    pub fn owning_its_first_model(mut self) -> Self {
+        self.initial = None;
+        self
     }
 
     /// The request's prompts as token ids.

@@ -42,6 +42,9 @@ pub struct WorkerConfig {
     /// Where the model came from, as `Status` names it (e.g. `preset tiny (random
     /// weights, seed 0)`; empty: not known).
     pub model_source: String,
+    /// Nothing but the worker holds `model`'s tensors (it was loaded for the worker, not
+    /// cloned from a model its caller keeps), so its memory may take a later version.
+    pub model_owned: bool,
 }
 
 impl WorkerConfig {
@@ -57,6 +60,7 @@ impl WorkerConfig {
             pull: None,
             gpu_period: Duration::from_secs(5),
             model_source: String::new(),
+            model_owned: false,
         }
     }
 }
@@ -123,12 +127,15 @@ impl Worker {
         });
 
         let bos = server_model.config.bos_token_id;
-        let server = RolloutServer::new(
+        let mut server = RolloutServer::new(
             engine.clone(),
             config.tokenizer.clone(),
             server_model,
             config.service,
         );
+        if config.model_owned {
+            server = server.owning_its_first_model();
+        }
         let serving = tokio::spawn(service::run(server, listener, until(stopped.clone())));
         let pulling = config.pull.map(|cfg| {
             tracing::info!(learner = %cfg.learner, reward = %cfg.reward, worker = %cfg.worker_id, push_address = %cfg.push_address, "pulling work");

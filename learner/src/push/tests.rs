@@ -66,3 +66,28 @@ fn a_worker_that_reports_the_newest_version_needs_no_push() {
     assert_eq!(fleet.state("local", 6), None);
     assert!(fleet.due(6, t0).is_empty());
 }
+
+/// A fleet made to take staged answers asks for them in every push it plans — alone,
+/// and as the roots of relay trees (whose header the relays pass on) — and one made
+/// without does not.
+#[test]
+fn a_fleet_answering_when_staged_asks_it_of_every_push_it_plans() {
+    let t0 = Instant::now();
+    for (staged, fanout) in [(true, 0), (true, 2), (false, 2)] {
+        let mut fleet = Fleet::new(Duration::from_secs(8)).with_fanout(fanout);
+        if staged {
+            fleet = fleet.answering_when_staged();
+        }
+        for w in ["a", "b", "c", "d", "e"] {
+            fleet.mark(w, 1, t0);
+        }
+        fleet.advance(&Arc::new(WeightSet::from_bytes("r", 2, vec![1; 64])));
+        let due = fleet.due(2, t0);
+        assert_eq!(due.len(), 5);
+        let planned = fleet.plan(due);
+        assert!(!planned.is_empty());
+        for (worker, via) in planned {
+            assert_eq!(via.route.answer_when_staged, staged, "{worker} {fanout}");
+        }
+    }
+}

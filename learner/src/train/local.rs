@@ -103,6 +103,8 @@ impl LocalServices {
                     ..ServiceConfig::default()
                 },
                 pull: Some(pull),
+                // Built from the payload above for this worker alone.
+                model_owned: true,
                 engine: EngineConfig {
                     swap_policy,
                     ..EngineConfig::default()

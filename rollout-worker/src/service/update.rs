@@ -375,7 +375,10 @@ impl RolloutServer {
     /// service built it (not the model the worker started with) and it can be refilled.
     fn keep_spare(&self, retired: Option<Retired>) {
         let Some(r) = retired else { return };
-        let initial = (r.version == self.initial.1) && (r.run == self.initial.0);
+        let initial = self
+            .initial
+            .as_ref()
+            .is_some_and(|(run, version)| r.version == *version && r.run == *run);
         if !initial && rookworld_weights::refill::refillable(&r.model) {
             *self.spare.lock().expect("spare lock") = Some(r.model);
         }
