@@ -601,75 +601,19 @@ mod tests {
         }
     }
 
-    /// A version staged while a drain holds it back: `stage` returns at once with the
-    /// version named as held (not yet in use), a request submitted after it runs wholly
-    /// on it, and the ticket lands once the sequences in flight are done, with the model
-    /// it retired.
-    #[tokio::test]
-    async fn a_staged_version_is_held_at_once_and_lands_after_the_drain() {
+    /// An engine of the tiny model as version 1 of run `run`, under `Drain`, four rows.
+    fn draining_engine() -> Engine {
         let cfg = EngineConfig {
             max_seqs: 4,
             swap_policy: SwapPolicy::Drain,
             ..EngineConfig::default()
         };
-        let engine = Engine::start(model(6), 1, cfg).with_run("run");
-        let request = |seed| Request {
-            prompts: vec![(0..8).collect()],
-            n: 4,
-            max_new_tokens: 100,
-            sampling: SamplingParams {
-                temperature: 1.0,
-                top_k: 0,
-                top_p: 1.0,
-            },
-            seed,
-            ignore_eos: true,
-        };
-        let mut before = engine.submit(request(3)).await.unwrap();
-        until(&engine, |s| s.live_rows == 4).await;
-        let ticket = engine.stage(model(7), 2, "run").unwrap();
-        let status = engine.status();
-        assert_eq!(status.held(), (2, "run"), "{status:?}");
-        assert_eq!(status.weight_version, 1, "still draining: {status:?}");
-        let mut after = engine.submit(request(4)).await.unwrap();
-        let retired = ticket
-            .landed()
-            .await
-            .unwrap()
-            .expect("the old model retired");
-        assert_eq!((retired.version, retired.run.as_str()), (1, "run"));
-        let status = engine.status();
-        assert_eq!((status.weight_version, status.staged.clone()), (2, None));
-        for (stream, version) in [(&mut before, 1), (&mut after, 2)] {
-            let mut samples = 0;
-            while let Some(event) = stream.next().await {
-                match event {
-                    Event::Sample(s) => {
-                        assert_eq!(s.weight_version, version);
-                        assert!(s.token_versions.is_empty(), "{:?}", s.token_versions);
-                        samples += 1;
-                    }
-                    Event::Done(_) => break,
-                    Event::Failed(_, e) => panic!("{e}"),
-                }
-            }
-            assert_eq!(samples, 4);
-        }
+        Engine::start(model(6), 1, cfg).with_run("run")
     }
 
-    /// A staged version taken back during a drain: its ticket lands with its own model,
-    /// a newer version staged in its place goes into use after the same drain (the old
-    /// model retired), and a reclaim released without a replacement leaves the version in
-    /// use held and the engine admitting work again.
-    #[tokio::test]
-    async fn a_reclaimed_version_gives_its_memory_to_the_next_or_is_released() {
-        let cfg = EngineConfig {
-            max_seqs: 4,
-            swap_policy: SwapPolicy::Drain,
-            ..EngineConfig::default()
-        };
-        let engine = Engine::start(model(6), 1, cfg).with_run("run");
-        let request = |seed, max_new_tokens| Request {
+    /// One prompt of eight tokens, four samples of `max_new_tokens` each.
+    fn request(seed: u64, max_new_tokens: usize) -> Request {
+        Request {
             prompts: vec![(0..8).collect()],
             n: 4,
             max_new_tokens,
@@ -680,7 +624,59 @@ mod tests {
             },
             seed,
             ignore_eos: true,
-        };
+        }
+    }
+
+    /// Reads `stream` to its end; every sample was wholly version `version`'s. The count.
+    async fn samples_of(stream: &mut RequestStream, version: u64) -> usize {
+        let mut samples = 0;
+        while let Some(event) = stream.next().await {
+            match event {
+                Event::Sample(s) => {
+                    assert_eq!(s.weight_version, version);
+                    assert!(s.token_versions.is_empty(), "{:?}", s.token_versions);
+                    samples += 1;
+                }
+                Event::Done(_) => break,
+                Event::Failed(_, e) => panic!("{e}"),
+            }
+        }
+        samples
+    }
+
+    /// A version staged while a drain holds it back: `stage` returns at once with the
+    /// version named as held (not yet in use), a request submitted after it runs wholly
+    /// on it, and the ticket lands once the sequences in flight are done, with the model
+    /// it retired.
+    #[tokio::test]
+    async fn a_staged_version_is_held_at_once_and_lands_after_the_drain() {
+        let engine = draining_engine();
+        let mut before = engine.submit(request(3, 100)).await.unwrap();
+        until(&engine, |s| s.live_rows == 4).await;
+        let ticket = engine.stage(model(7), 2, "run").unwrap();
+        let status = engine.status();
+        assert_eq!(status.held(), (2, "run"), "{status:?}");
+        assert_eq!(status.weight_version, 1, "still draining: {status:?}");
+        let mut after = engine.submit(request(4, 100)).await.unwrap();
+        let retired = ticket
+            .landed()
+            .await
+            .unwrap()
+            .expect("the old model retired");
+        assert_eq!((retired.version, retired.run.as_str()), (1, "run"));
+        let status = engine.status();
+        assert_eq!((status.weight_version, status.staged.clone()), (2, None));
+        assert_eq!(samples_of(&mut before, 1).await, 4);
+        assert_eq!(samples_of(&mut after, 2).await, 4);
+    }
+
+    /// A staged version taken back during a drain: its ticket lands with its own model,
+    /// a newer version staged in its place goes into use after the same drain (the old
+    /// model retired), and a reclaim released without a replacement leaves the version in
+    /// use held and the engine admitting work again.
+    #[tokio::test]
+    async fn a_reclaimed_version_gives_its_memory_to_the_next_or_is_released() {
+        let engine = draining_engine();
         let mut stream = engine.submit(request(3, 100)).await.unwrap();
         until(&engine, |s| s.live_rows == 4).await;
         let ticket = engine.stage(model(7), 2, "run").unwrap();
@@ -698,13 +694,7 @@ mod tests {
             .expect("the old model retired");
         assert_eq!(retired.version, 1);
         assert_eq!(engine.status().weight_version, 3);
-        while let Some(event) = stream.next().await {
-            match event {
-                Event::Sample(s) => assert_eq!(s.weight_version, 1),
-                Event::Done(_) => break,
-                Event::Failed(_, e) => panic!("{e}"),
-            }
-        }
+        assert_eq!(samples_of(&mut stream, 1).await, 4);
         // Released: nothing staged, and new work runs on the version in use.
         let mut stream = engine.submit(request(5, 50)).await.unwrap();
         until(&engine, |s| s.live_rows == 4).await;
@@ -713,15 +703,8 @@ mod tests {
         assert_eq!(ticket.landed().await.unwrap().unwrap().version, 4);
         assert_eq!(engine.status().held(), (3, "run"));
         let mut after = engine.submit(request(6, 10)).await.unwrap();
-        for s in [&mut stream, &mut after] {
-            while let Some(event) = s.next().await {
-                match event {
-                    Event::Sample(s) => assert_eq!(s.weight_version, 3),
-                    Event::Done(_) => break,
-                    Event::Failed(_, e) => panic!("{e}"),
-                }
-            }
-        }
+        assert_eq!(samples_of(&mut stream, 3).await, 4);
+        assert_eq!(samples_of(&mut after, 3).await, 4);
         assert!(!engine.status().swap_pending);
     }
 
@@ -737,19 +720,7 @@ mod tests {
                 ..EngineConfig::default()
             };
             let engine = Engine::start(model(6), 1, cfg);
-            let request = Request {
-                prompts: vec![(0..8).collect()],
-                n: 4,
-                max_new_tokens: 200,
-                sampling: SamplingParams {
-                    temperature: 1.0,
-                    top_k: 0,
-                    top_p: 1.0,
-                },
-                seed: 3,
-                ignore_eos: true,
-            };
-            let mut stream = engine.submit(request).await.unwrap();
+            let mut stream = engine.submit(request(3, 200)).await.unwrap();
             until(&engine, |s| s.live_rows == 4).await;
             engine.swap(model(7), 2, "run").await.unwrap();
             let t = until(&engine, |s| s.last_swap.is_some())
