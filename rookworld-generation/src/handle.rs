@@ -337,6 +337,12 @@ impl SwapTicket {
         self.0.await.map_err(|_| EngineError::Stopped)
     }
 
+    /// Waits for the swap to land, the ticket kept: a wait cut short (its future dropped)
+    /// can be taken up again.
+    pub async fn wait(&mut self) -> Result<Option<Retired>, EngineError> {
+        (&mut self.0).await.map_err(|_| EngineError::Stopped)
+    }
+
     /// The swap's outcome if it has landed, without waiting.
     pub fn try_landed(&mut self) -> Option<Result<Option<Retired>, EngineError>> {
         match self.0.try_recv() {
@@ -419,7 +425,11 @@ impl EngineLoop {
                 }
                 self.route(events);
                 self.account(stats.first_tokens + stats.decode_rows, &stats);
-            } else if let Some(t) = self.swap_clock.idle(Instant::now()) {
+            } else if self.reclaimed.is_none()
+                && let Some(t) = self.swap_clock.idle(Instant::now())
+            {
+                // (Held for a reclaimed version's replacement, the loop is not idle: the
+                // swap to come still pauses from the last step on the old weights.)
                 self.swap_done(t);
             }
             self.publish();

@@ -28,8 +28,10 @@
 //! it back from the engine ([`Engine::reclaim`](crate::engine::Engine::reclaim)) and is
 //! built into its memory, staged in its place: the drain under way is not waited for
 //! twice, the worker never holds more than two models, and the sender's push no longer
-//! includes the engine's wait. Should the newer one fail, the engine goes on with the
-//! version in use.
+//! includes the engine's wait. The staged version is taken back only once the newer
+//! payload has been checked (a streamed one, or a delta applied, against its hash; a
+//! same-host file's hash runs beside the build, so a file that fails it then leaves the
+//! engine on the version in use, as does a build that fails).
 
 use std::time::{Duration, Instant};
 
@@ -51,6 +53,20 @@ enum Body {
     Streamed(Box<Assembler>),
     /// A file in the shared directory, named by this header.
     Shared(pb::WeightSetHeader),
+}
+
+/// A payload received and, where that needs no model memory, checked: a streamed one
+/// (or a delta applied) against its hash; a same-host file read (its hash runs beside the
+/// build).
+enum Checked {
+    Set {
+        set: WeightSet,
+        verify: Duration,
+    },
+    Shared {
+        h: pb::WeightSetHeader,
+        payload: Bytes,
+    },
 }
 
 /// The version an update staged and answered for before it went into use.
@@ -119,12 +135,24 @@ impl RolloutServer {
                 Some(relay) => self.relay_only(relay, &first, stream).await?,
                 None => Vec::new(),
             };
+            // Staged by an update answered before it went into use: a sender that asks for
+            // the version in use waits for it.
+            let mut in_use = status.staged.is_none();
+            if !in_use
+                && !h.answer_when_staged
+                && let Some(p) = pending.as_mut()
+            {
+                let retired = land(p).await?;
+                *pending = None;
+                self.keep_spare(retired);
+                in_use = true;
+            }
             return Ok(pb::UpdateWeightsResponse {
                 version: current,
                 bytes: first.data.len() as u64,
                 seconds: started.elapsed().as_secs_f64(),
                 relayed,
-                in_use: status.staged.is_none(),
+                in_use,
                 ..Default::default()
             });
         }
@@ -162,17 +190,19 @@ impl RolloutServer {
             }
             Body::Streamed(Box::new(assembler))
         };
-        // A version staged before this one and not yet in use is taken back: this one
-        // goes in its place (the engine stays held meanwhile, as for it), built into its
-        // memory. One that went into use meanwhile retired the model before it instead.
-        // (Either lands within the engine's step in flight; that wait is not this
-        // payload's receipt.)
+        let (checked, bytes, received) = self.check(body, started).await?;
+        // A version staged before this one and not yet in use is taken back — only now,
+        // with this payload checked — and this one goes in its place (the engine stays
+        // held meanwhile, as for it), built into its memory. One that went into use
+        // meanwhile retired the model before it instead. Either lands within the engine's
+        // step in flight.
         let landing_clock = Instant::now();
         let mut reclaimed = None;
-        if let Some(p) = pending.take() {
+        if let Some(p) = pending.as_mut() {
             let staged = p.version;
             reclaimed = Some(self.engine.reclaim(staged)?);
             let retired = land(p).await?;
+            *pending = None;
             if let Some(r) = retired.as_ref().filter(|r| r.version == staged) {
                 tracing::debug!(
                     version = r.version,
@@ -183,7 +213,7 @@ impl RolloutServer {
             self.keep_spare(retired);
         }
         let landing = landing_clock.elapsed();
-        let (built, bytes, received) = self.build(body, started + landing).await?;
+        let built = self.build(checked).await?;
         let (version, run) = (built.set.version, built.set.run_id.clone());
         let ready = started.elapsed();
         let ticket = match reclaimed {
@@ -193,11 +223,15 @@ impl RolloutServer {
             }
             None => self.engine.stage(built.model, version, &run)?,
         };
+        // Kept before any wait: an update cancelled while it waits leaves its version
+        // for the next to take back.
+        let p = pending.insert(Pending { version, ticket });
         let in_use = if answer_when_staged {
-            *pending = Some(Pending { version, ticket });
             false
         } else {
-            self.keep_spare(ticket.landed().await?);
+            let retired = land(p).await?;
+            *pending = None;
+            self.keep_spare(retired);
             true
         };
         if let Ok(streamed) = built.set.bytes.try_into_mut() {
@@ -273,33 +307,21 @@ impl RolloutServer {
         Ok(relay.finish().await)
     }
 
-    /// The verified model of `body`, its size and when it had arrived. A streamed body
-    /// was hashed as it came; a shared file is hashed while the model is built (two
-    /// cores at once; a payload that fails the check is never swapped in).
-    async fn build(
+    /// Takes the body in: a streamed payload (or a delta applied to the held one) checked
+    /// against its hash; a same-host file read. The payload's bytes and when it was in.
+    async fn check(
         &self,
         body: Body,
         started: Instant,
-    ) -> Result<(Built, usize, Duration), ServiceError> {
-        let target = self.model.clone();
-        let spare = self.spare.lock().expect("spare lock").take();
-        let (built, bytes, received) = match body {
+    ) -> Result<(Checked, usize, Duration), ServiceError> {
+        Ok(match body {
             Body::Streamed(assembler) => {
                 let (bytes, received) = (assembler.received(), started.elapsed());
                 let (set, verify) = match assembler.finish()? {
                     Received::Payload(set) => (set, Duration::ZERO),
                     Received::Delta { header, delta } => self.apply_delta(header, delta).await?,
                 };
-                let built = blocking(move || {
-                    let (model, convert) = target.build(&set.bytes, spare);
-                    Ok(Built {
-                        model: model?,
-                        set,
-                        verify,
-                        convert,
-                    })
-                });
-                (built.await?, bytes, received)
+                (Checked::Set { set, verify }, bytes, received)
             }
             Body::Shared(h) => {
                 let dir = self.cfg.shared_dir.clone().ok_or_else(|| {
@@ -314,6 +336,30 @@ impl RolloutServer {
                 };
                 let payload = read.await?;
                 let (bytes, received) = (payload.len(), started.elapsed());
+                (Checked::Shared { h, payload }, bytes, received)
+            }
+        })
+    }
+
+    /// Builds the checked payload's model, into the spare model's memory when there is
+    /// one (a same-host file's hash is checked beside it, on the same cores at once).
+    async fn build(&self, checked: Checked) -> Result<Built, ServiceError> {
+        let target = self.model.clone();
+        let spare = self.spare.lock().expect("spare lock").take();
+        match checked {
+            Checked::Set { set, verify } => {
+                blocking(move || {
+                    let (model, convert) = target.build(&set.bytes, spare);
+                    Ok(Built {
+                        model: model?,
+                        set,
+                        verify,
+                        convert,
+                    })
+                })
+                .await
+            }
+            Checked::Shared { h, payload } => {
                 let checked =
                     blocking(move || Ok(verify_while_building(&target, h, payload, spare)));
                 let (built, unverified) = checked.await?;
@@ -321,10 +367,9 @@ impl RolloutServer {
                     // Its memory still serves the next version.
                     *self.spare.lock().expect("spare lock") = Some(model);
                 }
-                (built?, bytes, received)
+                Ok(built?)
             }
-        };
-        Ok((built, bytes, received))
+        }
     }
 
     /// Refuses a delta whose base this worker does not hold.
@@ -437,8 +482,8 @@ fn verify_while_building(
 /// Runs `f` on tokio's blocking pool; a panic becomes an internal error.
 /// Waits (up to [`LANDING_LIMIT`]) for a staged version to go into use; the model it
 /// retired.
-async fn land(p: Pending) -> Result<Option<Retired>, ServiceError> {
-    match tokio::time::timeout(LANDING_LIMIT, p.ticket.landed()).await {
+async fn land(p: &mut Pending) -> Result<Option<Retired>, ServiceError> {
+    match tokio::time::timeout(LANDING_LIMIT, p.ticket.wait()).await {
         Ok(landed) => Ok(landed?),
         Err(_) => Err(ServiceError::Internal(format!(
             "version {} staged before this update did not go into use within {}s",

@@ -395,8 +395,9 @@ async fn a_swap_during_generation_never_mixes_versions_in_a_completion() {
 /// Pushes that ask to be answered once staged, during a drain: each answer says whether
 /// its version was in use (and gives no in-use time when not), a second push takes the
 /// first's place while that one is still staged, the same version again is answered as
-/// held, no completion mixes versions, and the last version goes into use once the
-/// sequences in flight are done.
+/// held, a corrupted third is refused without costing the staged one its place, no
+/// completion mixes versions, and the staged version goes into use once the sequences in
+/// flight are done.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pushes_answered_once_staged_leave_the_drain_to_the_worker() {
     let server = Server::start(EngineConfig {
@@ -451,6 +452,24 @@ async fn pushes_answered_once_staged_leave_the_drain_to_the_worker() {
         );
     }
     assert_eq!(push(&client, 8).await.version, 8, "the version held");
+    // A corrupted version 9 is refused before version 8 is taken back from the engine:
+    // 8 stays staged and goes into use after the drain.
+    let (set, _) = bf16_set(&model(9), 9);
+    let mut corrupted = set.bytes.to_vec();
+    corrupted[1000] ^= 1;
+    let corrupted = WeightSet {
+        bytes: corrupted.into(),
+        ..set
+    };
+    let chunks = staged.clone().apply(corrupted.chunks(64 * 1024));
+    let err = weights::send(
+        &mut client,
+        tokio_stream::iter(chunks.collect::<Vec<_>>()),
+        TOKEN,
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.code(), Code::DataLoss, "{err:?}");
     let mut completions = vec![first.completion.unwrap()];
     while let Some(item) = stream.next().await {
         completions.push(item.unwrap().completion.unwrap());
