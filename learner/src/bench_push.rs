@@ -25,7 +25,6 @@ use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
 use rookworld_service::logging::Progress;
 use rookworld_weights::export::{ExportError, Exporter, POOL};
-use rookworld_weights::relay::Route;
 use rookworld_weights::set::{self as weights, CHUNK_BYTES, WeightSet};
 use serde::Serialize;
 
@@ -505,7 +504,7 @@ async fn shared_pushes(
             ));
         }
         let t = Instant::now();
-        let answer = weights::push_shared(client, &set, TOKEN, &Route::default()).await;
+        let answer = weights::push_shared(client, &set, TOKEN, false).await;
         let answer = answer.map_err(refused("push"))?;
         let seconds = t.elapsed().as_secs_f64();
         if i >= warm_up {

@@ -19,7 +19,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::engine::{Engine, Event, Request as EngineRequest};
+use crate::engine::{Engine, Event, Request as EngineRequest, SwapTicket};
 use crate::error::ServiceError;
 use crate::metrics;
 
@@ -27,6 +27,14 @@ mod relay;
 mod update;
 
 pub use relay::RelayConfig;
+
+/// The version an update staged and answered for before it went into use
+/// ([`update`](self::update)).
+#[derive(Debug)]
+struct Pending {
+    version: u64,
+    ticket: SwapTicket,
+}
 
 /// Settings of the service around the engine.
 #[derive(Debug, Clone)]
@@ -146,7 +154,7 @@ pub(crate) struct RolloutServer {
     guard: Guard,
     /// One weight update at a time, and the version the last one staged while it waits
     /// to go into use (an update answered once staged: `answer_when_staged`).
-    updating: Mutex<Option<update::Pending>>,
+    updating: Mutex<Option<Pending>>,
     /// The model the last update retired: the memory of the next version
     /// ([`update`](self::update)).
     spare: std::sync::Mutex<Option<rookworld_lm::Gpt2>>,

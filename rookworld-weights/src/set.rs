@@ -609,20 +609,20 @@ pub fn supersedes(
     Ok(())
 }
 
-/// Pushes `set` to a worker on the same host through its shared file (one header chunk,
-/// `route`'s answer mode stamped on it: a same-host push is not relayed); the worker
-/// answers FAILED_PRECONDITION when it cannot read it.
+/// Pushes `set` to a worker on the same host through its shared file (one header chunk),
+/// answered once in use or, with `answer_when_staged`, once staged; the worker answers
+/// FAILED_PRECONDITION when it cannot read it.
 pub async fn push_shared(
     client: &mut pb::rollout_service_client::RolloutServiceClient<tonic::transport::Channel>,
     set: &WeightSet,
     token: &str,
-    route: &crate::relay::Route,
+    answer_when_staged: bool,
 ) -> Result<pb::UpdateWeightsResponse, tonic::Status> {
     let mut chunk = set
         .shared_chunk()
         .ok_or_else(|| tonic::Status::internal("no shared file was written for this set"))?;
     if let Some(h) = chunk.header.as_mut() {
-        route.stamp(h);
+        h.answer_when_staged = answer_when_staged;
     }
     let mut request = tonic::Request::new(tokio_stream::iter([chunk]));
     rookworld_service::auth::set_token(request.metadata_mut(), token)?;

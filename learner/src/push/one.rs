@@ -289,7 +289,7 @@ async fn push_one(
         };
     }
     if via.shared && set.shared_file.is_some() {
-        match weights::push_shared(&mut client, set, token, &via.route).await {
+        match weights::push_shared(&mut client, set, token, via.route.answer_when_staged).await {
             Ok(answer) => {
                 how.path = "shared";
                 return check_answer(&answer, set, how);

@@ -16,7 +16,6 @@ use rookworld_proto::rollout::v1 as pb;
 use rookworld_proto::rollout::v1::rollout_service_client::RolloutServiceClient;
 use rookworld_train::policy::Trainable;
 use rookworld_weights::export::{Exporter, POOL};
-use rookworld_weights::relay::Route;
 use rookworld_weights::set::{self as weights, WeightSet};
 use tonic::transport::Channel;
 
@@ -235,7 +234,7 @@ async fn a_damaged_or_misnamed_file_is_refused_and_the_old_weights_serve() {
     let base = WeightSet::from_model(&model, "run-d", 1).unwrap();
     let mut files = Publisher::new(&model, dir.path());
     let good = files.set(&base.run_id, 1);
-    weights::push_shared(&mut c, &good, TOKEN, &Route::default())
+    weights::push_shared(&mut c, &good, TOKEN, false)
         .await
         .unwrap();
     let before = greedy(&mut c).await;
@@ -247,7 +246,7 @@ async fn a_damaged_or_misnamed_file_is_refused_and_the_old_weights_serve() {
     let at = bytes.len() / 2;
     bytes[at] ^= 0x10;
     std::fs::write(path(&set), &bytes).unwrap();
-    let err = weights::push_shared(&mut c, &set, TOKEN, &Route::default())
+    let err = weights::push_shared(&mut c, &set, TOKEN, false)
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::DataLoss, "{err:?}");
@@ -255,7 +254,7 @@ async fn a_damaged_or_misnamed_file_is_refused_and_the_old_weights_serve() {
     // A short file: the size says so.
     let set = files.set(&base.run_id, 3);
     std::fs::write(path(&set), &bytes[..at]).unwrap();
-    let err = weights::push_shared(&mut c, &set, TOKEN, &Route::default())
+    let err = weights::push_shared(&mut c, &set, TOKEN, false)
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
@@ -264,7 +263,7 @@ async fn a_damaged_or_misnamed_file_is_refused_and_the_old_weights_serve() {
     // A name that leaves the directory is refused before anything is opened.
     let mut set = files.set(&base.run_id, 4);
     set.shared_file = Some("../outside.safetensors".into());
-    let err = weights::push_shared(&mut c, &set, TOKEN, &Route::default())
+    let err = weights::push_shared(&mut c, &set, TOKEN, false)
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
@@ -276,7 +275,7 @@ async fn a_damaged_or_misnamed_file_is_refused_and_the_old_weights_serve() {
         version: 0,
         ..files.set(&base.run_id, 5)
     };
-    let err = weights::push_shared(&mut c, &stale, TOKEN, &Route::default())
+    let err = weights::push_shared(&mut c, &stale, TOKEN, false)
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
@@ -308,7 +307,7 @@ async fn versions_built_into_retired_memory_serve_exactly_their_weights() {
             let at = bytes.len() - 7;
             bytes[at] ^= 0x40;
             std::fs::write(&path, &bytes).unwrap();
-            let err = weights::push_shared(&mut c, &set, TOKEN, &Route::default())
+            let err = weights::push_shared(&mut c, &set, TOKEN, false)
                 .await
                 .unwrap_err();
             assert_eq!(err.code(), tonic::Code::DataLoss, "{err:?}");
@@ -317,7 +316,7 @@ async fn versions_built_into_retired_memory_serve_exactly_their_weights() {
             weights::push(&mut c, &base, TOKEN, 1 << 16).await.unwrap();
         } else {
             let set = files.set(&base.run_id, v);
-            weights::push_shared(&mut c, &set, TOKEN, &Route::default())
+            weights::push_shared(&mut c, &set, TOKEN, false)
                 .await
                 .unwrap();
         }

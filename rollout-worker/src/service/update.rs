@@ -42,8 +42,8 @@ use tokio_stream::StreamExt;
 use tonic::Streaming;
 
 use super::relay::Relay;
-use super::{Held, RolloutServer, ServedModel};
-use crate::engine::{Retired, SwapTicket};
+use super::{Held, Pending, RolloutServer, ServedModel};
+use crate::engine::Retired;
 use crate::error::ServiceError;
 use rookworld_weights::set::{self as weights, Assembler, Received, WeightError, WeightSet};
 
@@ -67,13 +67,6 @@ enum Checked {
         h: pb::WeightSetHeader,
         payload: Bytes,
     },
-}
-
-/// The version an update staged and answered for before it went into use.
-#[derive(Debug)]
-pub(crate) struct Pending {
-    version: u64,
-    ticket: SwapTicket,
 }
 
 /// The longest an update waits for the version staged before it to go into use (a drain
