@@ -64,6 +64,13 @@ pub struct EngineStatus {
 }
 
 impl EngineStatus {
+    /// Version `version` is no longer staged (it went into use, or was taken back).
+    fn unstage(&mut self, version: u64) {
+        if self.staged.as_ref().is_some_and(|(v, _)| *v == version) {
+            self.staged = None;
+        }
+    }
+
     /// The newest version the engine holds and its run: the staged one, else the one in
     /// use.
     pub fn held(&self) -> (u64, &str) {
@@ -282,6 +289,16 @@ struct Staged {
     reply: oneshot::Sender<Option<Retired>>,
 }
 
+impl Staged {
+    /// Its version will not go into use: its caller is told so, its model handed back as
+    /// the one retired.
+    fn hand_back(self) {
+        let _ = self
+            .reply
+            .send(Retired::of(self.model, self.version, self.run));
+    }
+}
+
 /// A model the engine no longer uses, handed back by [`Engine::swap`] (its memory can
 /// hold the next version: `rookworld_weights::refill`).
 #[derive(Debug)]
@@ -313,15 +330,7 @@ pub struct Reclaimed<'a> {
 
 impl Drop for Reclaimed<'_> {
     fn drop(&mut self) {
-        let mut status = self.engine.status.lock().expect("status lock");
-        if status
-            .staged
-            .as_ref()
-            .is_some_and(|(v, _)| *v == self.version)
-        {
-            status.staged = None;
-        }
-        drop(status);
+        (self.engine.status.lock().expect("status lock")).unstage(self.version);
         let _ = self.engine.commands.send(Command::Release(self.version));
     }
 }
@@ -333,8 +342,8 @@ pub struct SwapTicket(oneshot::Receiver<Option<Retired>>);
 
 impl SwapTicket {
     /// Waits for the swap to land.
-    pub async fn landed(self) -> Result<Option<Retired>, EngineError> {
-        self.0.await.map_err(|_| EngineError::Stopped)
+    pub async fn landed(mut self) -> Result<Option<Retired>, EngineError> {
+        self.wait().await
     }
 
     /// Waits for the swap to land, the ticket kept: a wait cut short (its future dropped)
@@ -393,10 +402,8 @@ impl EngineLoop {
     fn run(mut self) {
         loop {
             // Idle: wait for a command. Busy: take whatever arrived, then step.
-            // Idle too while a reclaimed version is rebuilt and no row decodes: its
-            // replacement or release wakes the loop.
-            let stalled = self.reclaimed.is_some() && self.scheduler.live_rows() == 0;
-            let idle = (!self.scheduler.has_work() || stalled) && self.staged.is_none();
+            // Idle too while stalled: its replacement or release wakes the loop.
+            let idle = (!self.scheduler.has_work() || self.stalled()) && self.staged.is_none();
             let first = if idle {
                 match self.inbox.recv() {
                     Ok(c) => Some(c),
@@ -415,8 +422,7 @@ impl EngineLoop {
                 }
             }
             self.maybe_swap();
-            let stalled = self.reclaimed.is_some() && self.scheduler.live_rows() == 0;
-            if self.scheduler.has_work() && !stalled {
+            if self.scheduler.has_work() && !self.stalled() {
                 let admit = self.staged.is_none() && self.reclaimed.is_none();
                 let start = Instant::now();
                 let (events, stats) = self.scheduler.step(admit);
@@ -434,6 +440,11 @@ impl EngineLoop {
             }
             self.publish();
         }
+    }
+
+    /// Held for a reclaimed version's replacement with no row decoding: nothing to step.
+    fn stalled(&self) -> bool {
+        self.reclaimed.is_some() && self.scheduler.live_rows() == 0
     }
 
     /// Returns false on shutdown.
@@ -462,14 +473,13 @@ impl EngineLoop {
                 // A newer staged swap replaces an older one; its caller is told it landed
                 // (its version is superseded before any token used it).
                 if let Some(old) = self.staged.replace(staged) {
-                    let _ = old.reply.send(Retired::of(old.model, old.version, old.run));
+                    old.hand_back();
                 }
             }
             Command::Reclaim(version) => {
                 if self.staged.as_ref().is_some_and(|s| s.version == version) {
-                    let old = self.staged.take().expect("staged");
                     self.reclaimed = Some(version);
-                    let _ = old.reply.send(Retired::of(old.model, old.version, old.run));
+                    self.staged.take().expect("staged").hand_back();
                 }
             }
             Command::Release(version) => {
@@ -499,9 +509,7 @@ impl EngineLoop {
             let (old_version, old_run) = {
                 let mut status = self.status.lock().expect("status lock");
                 let old_version = std::mem::replace(&mut status.weight_version, version);
-                if status.staged.as_ref().is_some_and(|(v, _)| *v == version) {
-                    status.staged = None;
-                }
+                status.unstage(version);
                 (
                     old_version,
                     std::mem::replace(&mut status.weight_run, staged.run),

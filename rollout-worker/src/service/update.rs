@@ -131,13 +131,8 @@ impl RolloutServer {
             // Staged by an update answered before it went into use: a sender that asks for
             // the version in use waits for it.
             let mut in_use = status.staged.is_none();
-            if !in_use
-                && !h.answer_when_staged
-                && let Some(p) = pending.as_mut()
-            {
-                let retired = land(p).await?;
-                *pending = None;
-                self.keep_spare(retired);
+            if !in_use && !h.answer_when_staged && pending.is_some() {
+                self.land(&mut pending).await?;
                 in_use = true;
             }
             return Ok(pb::UpdateWeightsResponse {
@@ -191,19 +186,15 @@ impl RolloutServer {
         // step in flight.
         let landing_clock = Instant::now();
         let mut reclaimed = None;
-        if let Some(p) = pending.as_mut() {
-            let staged = p.version;
+        if let Some(staged) = pending.as_ref().map(|p| p.version) {
             reclaimed = Some(self.engine.reclaim(staged)?);
-            let retired = land(p).await?;
-            *pending = None;
-            if let Some(r) = retired.as_ref().filter(|r| r.version == staged) {
+            if self.land(&mut pending).await? == Some(staged) {
                 tracing::debug!(
-                    version = r.version,
+                    version = staged,
                     by = h_version,
                     "a staged version is replaced before it went into use"
                 );
             }
-            self.keep_spare(retired);
         }
         let landing = landing_clock.elapsed();
         let built = self.build(checked).await?;
@@ -218,15 +209,11 @@ impl RolloutServer {
         };
         // Kept before any wait: an update cancelled while it waits leaves its version
         // for the next to take back.
-        let p = pending.insert(Pending { version, ticket });
-        let in_use = if answer_when_staged {
-            false
-        } else {
-            let retired = land(p).await?;
-            *pending = None;
-            self.keep_spare(retired);
-            true
-        };
+        *pending = Some(Pending { version, ticket });
+        if !answer_when_staged {
+            self.land(&mut pending).await?;
+        }
+        let in_use = !answer_when_staged;
         if let Ok(streamed) = built.set.bytes.try_into_mut() {
             // The next stream lands in this memory (a mapped file is not kept), and the
             // next delta is made against it.
@@ -409,6 +396,30 @@ impl RolloutServer {
         }
     }
 
+    /// Waits (up to [`LANDING_LIMIT`]) for the pending staged version, if any, to land —
+    /// in use, or taken back — and keeps the model that left as the next version's
+    /// memory; the version that model held. The slot is cleared only once it has landed
+    /// (a wait cut short leaves it for the next update).
+    async fn land(&self, pending: &mut Option<Pending>) -> Result<Option<u64>, ServiceError> {
+        let Some(p) = pending.as_mut() else {
+            return Ok(None);
+        };
+        let retired = match tokio::time::timeout(LANDING_LIMIT, p.ticket.wait()).await {
+            Ok(landed) => landed?,
+            Err(_) => {
+                return Err(ServiceError::Internal(format!(
+                    "version {} staged before this update did not go into use within {}s",
+                    p.version,
+                    LANDING_LIMIT.as_secs()
+                )));
+            }
+        };
+        *pending = None;
+        let version = retired.as_ref().map(|r| r.version);
+        self.keep_spare(retired);
+        Ok(version)
+    }
+
     /// Keeps a model the engine retired as the memory of the next version, if this
     /// service built it (not the model the worker started with) and it can be refilled.
     fn keep_spare(&self, retired: Option<Retired>) {
@@ -473,19 +484,6 @@ fn verify_while_building(
 }
 
 /// Runs `f` on tokio's blocking pool; a panic becomes an internal error.
-/// Waits (up to [`LANDING_LIMIT`]) for a staged version to go into use; the model it
-/// retired.
-async fn land(p: &mut Pending) -> Result<Option<Retired>, ServiceError> {
-    match tokio::time::timeout(LANDING_LIMIT, p.ticket.wait()).await {
-        Ok(landed) => Ok(landed?),
-        Err(_) => Err(ServiceError::Internal(format!(
-            "version {} staged before this update did not go into use within {}s",
-            p.version,
-            LANDING_LIMIT.as_secs()
-        ))),
-    }
-}
-
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, WeightError> + Send + 'static,
 ) -> Result<T, ServiceError> {
