@@ -41,12 +41,15 @@
 # worker's NVML gauges scraped while it runs) beside TRL's GRPOTrainer with the same batch;
 # the worker's trials (captured decode step, split attention) at the headline shape; the
 # backend's pass timed; where the device time goes (the fused step's kernels by device
-# events, decode's by Nsight Compute); the push into the worker's own buffers; the step's
-# trials; the other rollout shapes; the learner's step with the training ops off.
+# events, decode's by Nsight Compute, and the fused step's with its attention on tensor
+# cores between them); the push into the worker's own buffers; the step's trials checked
+# and the tiles timed; the other rollout shapes; the learner's step with the training ops
+# off.
 #
 # ONLY="NAME ..." runs only the named sections (device, parity, copy_bandwidth,
 # worker_PxG_T, split_PxG_T, graphs_PxG_T, hf_PxG_T, graph_PxG_T, backend_compare,
-# backend_pass, learner_profile, tiles_compare, tiles_profile, decode_profile, learner_step,
+# backend_pass, learner_profile, mma_profile, mma_compare, tiles_compare, tiles_profile,
+# decode_profile, learner_step,
 # push, push_in_place, train, trl, learner_composed) and keeps the other sections of an
 # earlier run's archive (PREVIOUS, default OUT/check.tar.gz): a second run redoes what a
 # first one left failed or cut, and the table and the new archive cover both.
@@ -137,7 +140,8 @@ HEAD=${SHAPES[0]}
 HEADLINE=(device parity "worker_$HEAD" "graph_$HEAD" backend_compare learner_step push)
 # The rest, the most telling first: a deadline cuts from the end.
 EXTRAS=(copy_bandwidth "hf_$HEAD" train trl "graphs_$HEAD" "split_$HEAD" backend_pass
-  learner_profile decode_profile push_in_place tiles_compare tiles_profile)
+  learner_profile mma_profile decode_profile push_in_place mma_compare tiles_compare
+  tiles_profile)
 for shape in "${SHAPES[@]:1}"; do
   EXTRAS+=("worker_$shape" "graph_$shape" "hf_$shape" "graphs_$shape" "split_$shape")
 done
@@ -161,6 +165,8 @@ backend_pass      15    3
 learner_profile   15    0
 tiles_compare     30    0
 tiles_profile     15    0
+mma_compare       30    0
+mma_profile       15    0
 decode_profile    45    0
 learner_step     110   10
 push              10    5
@@ -187,7 +193,7 @@ chosen() {
 
 # gpu_only NAME: whether NAME profiles or tries CUDA kernels (recorded as not run on the CPU).
 gpu_only() {
-  case $1 in learner_profile | tiles_compare | tiles_profile | decode_profile) return 0 ;; esac
+  case $1 in learner_profile | tiles_* | mma_* | decode_profile) return 0 ;; esac
   return 1
 }
 
@@ -304,6 +310,14 @@ rollout() {
   esac
 }
 
+# step_trials NAME: the step's trial families a tiles_* or mma_* section turns on.
+step_trials() {
+  case $1 in
+    tiles_*) echo step_attention_tiles,step_head_kept ;;
+    mma_*) echo step_attention_mma,step_head_kept ;;
+  esac
+}
+
 # section_command NAME: sets CMD, section NAME's command line (its last stdout line is its JSON),
 # and CAP, its time limit.
 section_command() {
@@ -326,18 +340,19 @@ section_command() {
         --completion-tokens 64 --no-compare --time-passes 3) ;;
     # Where the fused step's device time goes: every kernel of one step timed by device
     # events; tiles_*: the same (and the buffers against the CPU backend's first) with the
-    # step's trials, the tiled attention and the kept head.
+    # step's trials, the tiled attention and the kept head; mma_*: with the attention on
+    # tensor cores and the kept head.
     learner_profile)
       CMD=("$LEARNER" bench --preset "$PRESET" --device "$DEVICE" --path fused
         -p "$STEP_PROMPTS" -n "$GROUP" --steps 1 --micro-batch-groups "$MICRO" --profile
         --peak-tflops "$PEAK_TFLOPS") ;;
-    tiles_compare)
-      CMD=(env ROOKWORLD_ENABLE_KERNELS=step_attention_tiles,step_head_kept "$LEARNER"
+    tiles_compare | mma_compare)
+      CMD=(env ROOKWORLD_ENABLE_KERNELS="$(step_trials "$1")" "$LEARNER"
         compare-backends --backend "$PASS_BACKEND" --preset "$PRESET"
         --prompts "$COMPARE_PROMPTS" --group-size "$GROUP" --prompt-tokens 46
         --completion-tokens "$COMPARE_TOKENS") ;;
-    tiles_profile)
-      CMD=(env ROOKWORLD_ENABLE_KERNELS=step_attention_tiles,step_head_kept "$LEARNER" bench
+    tiles_profile | mma_profile)
+      CMD=(env ROOKWORLD_ENABLE_KERNELS="$(step_trials "$1")" "$LEARNER" bench
         --preset "$PRESET" --device "$DEVICE" --path fused -p "$STEP_PROMPTS" -n "$GROUP"
         --steps 1 --micro-batch-groups "$MICRO" --profile --peak-tflops "$PEAK_TFLOPS") ;;
     # Decode's device time: Nsight Compute over a window of launches late in the headline

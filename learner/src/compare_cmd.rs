@@ -216,7 +216,7 @@ fn cuda(args: &CompareArgs, cfg: &Config) -> Result<(), String> {
     step.apply(&format!("cuda:{}", args.cuda_device), &findings)
         .map_err(|e| e.to_string())?;
     let backend = rookworld_train::cuda::Cuda::new(cuda.clone())
-        .with_tiled_attention(step.enabled(StepKernel::AttentionTiles))
+        .with_attention(rookworld_train::kernels::attention_form(&step))
         .with_kept_head(step.enabled(StepKernel::HeadKept));
     compare_on(&backend, args, cfg)
 }

@@ -48,6 +48,7 @@
 #define __noinline__
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
 // One block at a time: a block's shared memory is a static of the kernel (the loader
 // follows each declaration with ::emu::enter_shared, which fills it with 0xff bytes at the
 // start of each block).
@@ -163,6 +164,8 @@ struct Launch {
     int at_block;
     int at_warp[MAX_THREADS / WARP];
     uint64_t exchange[MAX_THREADS];
+    // Each warp's operands of a matrix product (mma.h's mma_sync), pooled from its lanes.
+    float mma[MAX_THREADS / WARP][2][256];
     void (*body)(void *);
     void *closure;
     char error[512];

@@ -2,8 +2,8 @@
 //! and compares them with their CPU references.
 //!
 //! [`Module::build`] compiles one kernel source (a CUDA module: one `.cu` file) unchanged as
-//! C++ against a small runtime (`include/cuda_emu.h`, `include/cuda_bf16.h`: the CUDA that
-//! the kernels use) into a shared library and loads it; [`Module::launch`] runs one kernel
+//! C++ against a small runtime (`include/cuda_emu.h`, `include/cuda_bf16.h`,
+//! `include/mma.h`: the CUDA that the kernels use, warp matrix products included) into a shared library and loads it; [`Module::launch`] runs one kernel
 //! on a grid, its arguments given as `cuLaunchKernel` takes them.
 //!
 //! How a launch runs: block after block; a block's threads are cooperative fibers that
@@ -38,6 +38,7 @@ const RTLD_NODELETE: i32 = libc::RTLD_NODELETE;
 
 const RUNTIME: &str = include_str!("../include/cuda_emu.h");
 const BF16: &str = include_str!("../include/cuda_bf16.h");
+const MMA: &str = include_str!("../include/mma.h");
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -114,6 +115,7 @@ impl Module {
         };
         write("cuda_emu.h", RUNTIME)?;
         write("cuda_bf16.h", BF16)?;
+        write("mma.h", MMA)?;
         let text = std::fs::read_to_string(source).map_err(|e| Error::Source {
             path: source.to_path_buf(),
             source: e,

@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 
 use rookworld_cuda_emu::{Arg, Error, Guarded, Module, build_for_test};
 
-const KERNELS: [&str; 7] = [
+const KERNELS: [&str; 9] = [
     "block_sum",
     "shuffles",
     "divergent_barrier",
@@ -14,6 +14,8 @@ const KERNELS: [&str; 7] = [
     "fill",
     "wide",
     "rotate",
+    "tile_product",
+    "misaligned_tile",
 ];
 
 /// The probe kernels, built once; `None` where no C++ compiler is installed (the tests
@@ -238,6 +240,85 @@ fn dynamic_shared_memory_is_shared_by_the_block_and_bounded_by_the_launch() {
     assert!(
         message.starts_with("kernel rotate, block (0, 0, 0), thread (32, 0, 0)")
             && message.contains("segmentation fault"),
+        "{message}"
+    );
+}
+
+/// `x` rounded to BF16 (to nearest, ties to even) and back.
+fn bf16(x: f32) -> f32 {
+    let u = x.to_bits();
+    f32::from_bits((u + 0x7fff + ((u >> 16) & 1)) & 0xffff_0000)
+}
+
+#[test]
+fn a_warp_matrix_product_is_the_product_of_its_bf16_operands() {
+    let Some(m) = module() else { return };
+    let mut values = rookworld_cuda_emu::Values(7);
+    let (a, b, c) = (values.take(256), values.take(256), values.take(256));
+    for a_col_major in [false, true] {
+        let mut out = Guarded::<f32>::zeros(256);
+        let (ga, gb, gc) = (
+            Guarded::from_slice(&a),
+            Guarded::from_slice(&b),
+            Guarded::from_slice(&c),
+        );
+        // SAFETY: one warp reads 256 values of each operand and writes 256.
+        unsafe {
+            m.launch(
+                "tile_product",
+                [1, 1, 1],
+                [32, 1, 1],
+                &[
+                    Arg::buf_mut(&mut out),
+                    Arg::buf(&ga),
+                    Arg::buf(&gb),
+                    Arg::buf(&gc),
+                    Arg::i32(a_col_major.into()),
+                ],
+            )
+        }
+        .unwrap();
+        let a_at = |i: usize, k: usize| {
+            bf16(if a_col_major {
+                a[k * 16 + i]
+            } else {
+                a[i * 16 + k]
+            })
+        };
+        let want: Vec<f32> = (0..256)
+            .map(|at| {
+                let (i, j) = (at / 16, at % 16);
+                let dot: f64 = (0..16)
+                    .map(|k| f64::from(a_at(i, k)) * f64::from(bf16(b[k * 16 + j])))
+                    .sum();
+                (dot + f64::from(c[at])) as f32
+            })
+            .collect();
+        rookworld_cuda_emu::assert_close(
+            &format!("tile product, a column-major: {a_col_major}"),
+            out.as_slice(),
+            &want,
+            1e-6,
+        );
+    }
+}
+
+#[test]
+fn a_warp_matrix_load_off_its_alignment_is_named() {
+    let Some(m) = module() else { return };
+    let mut out = Guarded::<f32>::zeros(32);
+    // SAFETY: one warp writes one value a lane.
+    let message = kernel_error(unsafe {
+        m.launch(
+            "misaligned_tile",
+            [1, 1, 1],
+            [32, 1, 1],
+            &[Arg::buf_mut(&mut out)],
+        )
+    });
+    assert!(
+        message.contains("kernel misaligned_tile")
+            && message.contains("load_matrix_sync: a pointer not 256-bit aligned"),
         "{message}"
     );
 }

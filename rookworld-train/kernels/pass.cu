@@ -15,7 +15,9 @@
 // [r, meta.q_end) (the rest of its group for a prompt row, of its completion otherwise).
 // qkv rows are [q | k | v], head h at columns h·D..(h+1)·D of each part.
 
+#include <cuda_bf16.h>
 #include <math.h>
+#include <mma.h>
 #include <stdint.h>
 
 #define WARP 32
@@ -419,6 +421,23 @@ __device__ __forceinline__ int tile_key(const RowMeta &m, int k) {
     return k < prefix ? m.p0 + k : m.o0 + (k - prefix);
 }
 
+// The block's tile (tiles[blockIdx.x]): rows first..first + n of one segment, their
+// metadata, and the keys they see (the prefix, then their own rows up to the last).
+struct TileRows {
+    int first, n;
+    RowMeta m;
+    int prefix, keys;
+};
+
+__device__ __forceinline__ TileRows tile_rows(const int4 *__restrict__ meta,
+                                              const int2 *__restrict__ tiles) {
+    const int2 t = tiles[blockIdx.x];
+    const int4 mv = meta[t.x];
+    const RowMeta m = {mv.x, mv.y, mv.z, mv.w};
+    const int prefix = m.p1 - m.p0;
+    return {t.x, t.y, m, prefix, prefix + (t.x + t.y - m.o0)};
+}
+
 template <int D>
 __device__ void attention_tile_fwd(float *__restrict__ y, float *__restrict__ lse,
                                    const float *__restrict__ qkv, const int4 *__restrict__ meta,
@@ -426,12 +445,9 @@ __device__ void attention_tile_fwd(float *__restrict__ y, float *__restrict__ ls
     constexpr int PER = D / WARP;
     __shared__ float sq[TILE * D], sk[CHUNK * (D + 1)], sv[CHUNK * D];
     __shared__ int rows[CHUNK];
-    const int2 tile = tiles[blockIdx.x];
-    const int h = blockIdx.y, E = H * D, first = tile.x, n = tile.y;
+    const auto [first, n, m, prefix, keys] = tile_rows(meta, tiles);
+    const int h = blockIdx.y, E = H * D;
     const int w = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    const int4 mv = meta[first];
-    const RowMeta m = {mv.x, mv.y, mv.z, mv.w};
-    const int prefix = m.p1 - m.p0, keys = prefix + (first + n - m.o0);
     const float scale = rsqrtf((float)D);
     if (threadIdx.x < TILE) rows[threadIdx.x] = first + threadIdx.x;
     __syncthreads();
@@ -498,12 +514,9 @@ __device__ void attention_tile_dq(float *__restrict__ dqkv, const float *__restr
     constexpr int PER = D / WARP;
     __shared__ float sq[TILE * D], sg[TILE * D], sk[CHUNK * (D + 1)], sv[CHUNK * (D + 1)];
     __shared__ int rows[CHUNK];
-    const int2 tile = tiles[blockIdx.x];
-    const int h = blockIdx.y, E = H * D, first = tile.x, n = tile.y;
+    const auto [first, n, m, prefix, keys] = tile_rows(meta, tiles);
+    const int h = blockIdx.y, E = H * D;
     const int w = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    const int4 mv = meta[first];
-    const RowMeta m = {mv.x, mv.y, mv.z, mv.w};
-    const int prefix = m.p1 - m.p0, keys = prefix + (first + n - m.o0);
     const float scale = rsqrtf((float)D);
     if (threadIdx.x < TILE) rows[threadIdx.x] = first + threadIdx.x;
     __syncthreads();
@@ -573,10 +586,9 @@ __device__ void attention_tile_dkv(float *__restrict__ dqkv, const float *__rest
     __shared__ float sk[TILE * D], sv[TILE * D], sq[CHUNK * (D + 1)], sg[CHUNK * (D + 1)];
     __shared__ float sl[CHUNK], sdelta[CHUNK];
     __shared__ int rows[CHUNK];
-    const int2 tile = tiles[blockIdx.x];
-    const int h = blockIdx.y, E = H * D, first = tile.x, n = tile.y;
+    const TileRows tile = tile_rows(meta, tiles);
+    const int h = blockIdx.y, E = H * D, first = tile.first, n = tile.n, q_end = tile.m.q_end;
     const int w = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    const int q_end = meta[first].w;
     const float scale = rsqrtf((float)D);
     if (threadIdx.x < TILE) rows[threadIdx.x] = first + threadIdx.x;
     __syncthreads();
@@ -669,6 +681,372 @@ __device__ void attention_tile_dkv(float *__restrict__ dqkv, const float *__rest
 
 TILE_KERNELS(32)
 TILE_KERNELS(64)
+
+// ---------------------------------------------------------------------------------------
+// Attention on tensor cores (the trial family step_attention_mma): the tiled kernels' walk
+// (a block per (tile, head), each chunk of keys — or, for the keys' gradients, of query
+// rows — read once for the tile), with every product a warp matrix product of BF16
+// operands and f32 sums (wmma, 16 × 16 × 16): Q·Kᵀ and dO·Vᵀ, P·V, dS·K, Pᵀ·dO and dSᵀ·Q.
+// The operands are rounded to BF16 as they are staged in shared memory (q already times
+// 1/√D; the probabilities P and the scores' gradients dS as they are written there); the
+// softmax, its running max and sum, Δ = dO · O, and every accumulator stay f32. The sum
+// of a row's probabilities is the sum of the rounded P that multiply V, so each output
+// row is a weighted mean of the values. D = 16, 32 or 64 (rookworld_train's
+// `launch::MMA_WIDTHS`: at 128 the forward's staging passes 48 KiB of shared memory).
+//
+// Fragments are read, multiplied and written whole, never element by element (CUDA
+// leaves their layout to the GPU): per-row work goes through shared memory. Every
+// fragment's address is 32-byte aligned and its leading dimension a multiple of 16 bytes:
+// bf16 rows of D + 8, f32 score rows of CHUNK + 4, bf16 probability rows of CHUNK + 8,
+// f32 output rows of D + 4 (the padding also spreads a fragment's rows across banks).
+// Needs sm_80 (BF16 wmma); built for an older GPU the kernels are absent, and the family's
+// start-up check turns the trial off.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define MMA_THREADS 128
+#define MMA_WARPS (MMA_THREADS / WARP)
+#define MMA_ROWS_PER_WARP (TILE / MMA_WARPS)
+static_assert(TILE == 32 && CHUNK == 32, "a tile and a chunk are two fragments of 16 rows");
+
+namespace mma_attention {
+
+using namespace nvcuda;
+using Bf16 = __nv_bfloat16;
+using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+using RowA = wmma::fragment<wmma::matrix_a, 16, 16, 16, Bf16, wmma::row_major>;
+using RowB = wmma::fragment<wmma::matrix_b, 16, 16, 16, Bf16, wmma::row_major>;
+using ColB = wmma::fragment<wmma::matrix_b, 16, 16, 16, Bf16, wmma::col_major>;
+
+constexpr int LS = CHUNK + 4;  // f32 rows of a (TILE, CHUNK) block of scores
+constexpr int LP = CHUNK + 8;  // bf16 rows of a (TILE, CHUNK) block of P or dS
+template <int D> __host__ __device__ constexpr int ld() { return D + 8; }  // bf16 rows of D values
+template <int D> __host__ __device__ constexpr int lo() { return D + 4; }  // f32 rows of D values
+// Output blocks of 16 × 16 of a (TILE, D) product, and how many each warp takes.
+template <int D> __host__ __device__ constexpr int blocks() { return (TILE / 16) * (D / 16); }
+template <int D> __host__ __device__ constexpr int per_warp() { return (blocks<D>() + MMA_WARPS - 1) / MMA_WARPS; }
+
+// `count` rows of D floats into shared memory as BF16, `LD` apart, row i being `src` row
+// rows[i] times `scale`, zeros from row `n` on. Every thread of the block takes a share.
+template <int D>
+__device__ __forceinline__ void stage(Bf16 *dst, const float *__restrict__ src, int src_stride,
+                                      const int *rows, int n, int count, float scale) {
+    for (int i = threadIdx.x; i < count * D; i += MMA_THREADS) {
+        const int r = i / D, d = i % D;
+        dst[r * ld<D>() + d] =
+            __float2bfloat16(r < n ? src[(size_t)rows[r] * src_stride + d] * scale : 0.f);
+    }
+}
+
+// The (TILE, CHUNK) block a·bᵀ of two (·, D) BF16 operands staged row by row, into `out`
+// (f32, LS apart): warp w the 16 × 16 block (w / 2, w % 2).
+template <int D>
+__device__ __forceinline__ void scores(float *out, const Bf16 *a, const Bf16 *b) {
+    const int w = threadIdx.x / WARP, i0 = (w / 2) * 16, j0 = (w % 2) * 16;
+    Acc s;
+    wmma::fill_fragment(s, 0.f);
+#pragma unroll
+    for (int k = 0; k < D; k += 16) {
+        RowA fa;
+        ColB fb;
+        wmma::load_matrix_sync(fa, a + i0 * ld<D>() + k, ld<D>());
+        wmma::load_matrix_sync(fb, b + j0 * ld<D>() + k, ld<D>());
+        wmma::mma_sync(s, fa, fb, s);
+    }
+    wmma::store_matrix_sync(out + i0 * LS + j0, s, LS, wmma::mem_row_major);
+}
+
+// acc[t] += p · v for the output blocks f = w + t · MMA_WARPS of the (TILE, D) product of
+// p (TILE, CHUNK; BF16, LP apart) and v (CHUNK, D; BF16, ld apart): block f is rows
+// (f % 2) · 16, columns (f / 2) · 16.
+template <int D>
+__device__ __forceinline__ void accumulate(Acc (&acc)[per_warp<D>()], const Bf16 *p,
+                                           const Bf16 *v) {
+    const int w = threadIdx.x / WARP;
+#pragma unroll
+    for (int t = 0; t < per_warp<D>(); ++t) {
+        const int f = w + t * MMA_WARPS;
+        if (f >= blocks<D>()) break;  // warp-uniform
+        const int i0 = (f % 2) * 16, d0 = (f / 2) * 16;
+#pragma unroll
+        for (int k = 0; k < CHUNK; k += 16) {
+            RowA fa;
+            RowB fb;
+            wmma::load_matrix_sync(fa, p + i0 * LP + k, LP);
+            wmma::load_matrix_sync(fb, v + k * ld<D>() + d0, ld<D>());
+            wmma::mma_sync(acc[t], fa, fb, acc[t]);
+        }
+    }
+}
+
+// The accumulators' blocks into `out` (f32, lo apart), as accumulate numbers them.
+template <int D>
+__device__ __forceinline__ void unload(float *out, const Acc (&acc)[per_warp<D>()]) {
+    const int w = threadIdx.x / WARP;
+#pragma unroll
+    for (int t = 0; t < per_warp<D>(); ++t) {
+        const int f = w + t * MMA_WARPS;
+        if (f >= blocks<D>()) break;
+        const int i0 = (f % 2) * 16, d0 = (f / 2) * 16;
+        wmma::store_matrix_sync(out + i0 * lo<D>() + d0, acc[t], lo<D>(), wmma::mem_row_major);
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void clear(Acc (&acc)[per_warp<D>()]) {
+#pragma unroll
+    for (int t = 0; t < per_warp<D>(); ++t) wmma::fill_fragment(acc[t], 0.f);
+}
+
+// y (R, E) and lse (R, H) of the tile's rows, as attention_tile_fwd. The output rows stay
+// in shared memory (f32), rescaled there by each chunk's change of its row's running max
+// before P·V is added: a fragment's rows are not a lane's to scale.
+template <int D>
+__device__ void fwd(float *__restrict__ y, float *__restrict__ lse, const float *__restrict__ qkv,
+                    const int4 *__restrict__ meta, const int2 *__restrict__ tiles, int H) {
+    __shared__ __align__(32) Bf16 sq[TILE * ld<D>()], sk[CHUNK * ld<D>()], sv[CHUNK * ld<D>()];
+    __shared__ __align__(32) Bf16 sp[TILE * LP];
+    __shared__ __align__(32) float ss[TILE * LS], so[TILE * lo<D>()];
+    __shared__ float scorr[TILE], ssum[TILE];
+    __shared__ int rows[CHUNK];
+    const auto [first, n, m, prefix, keys] = tile_rows(meta, tiles);
+    const int h = blockIdx.y, E = H * D;
+    const int w = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (threadIdx.x < TILE) rows[threadIdx.x] = first + threadIdx.x;
+    for (int i = threadIdx.x; i < TILE * lo<D>(); i += MMA_THREADS) so[i] = 0.f;
+    __syncthreads();
+    stage<D>(sq, qkv + h * D, 3 * E, rows, n, TILE, rsqrtf((float)D));
+    // Each warp's rows' running max and sum (the same on every lane).
+    float mx[MMA_ROWS_PER_WARP], sum[MMA_ROWS_PER_WARP];
+#pragma unroll
+    for (int a = 0; a < MMA_ROWS_PER_WARP; ++a) mx[a] = -INFINITY, sum[a] = 0.f;
+    for (int c0 = 0; c0 < keys; c0 += CHUNK) {
+        const int count = min(CHUNK, keys - c0);
+        __syncthreads();  // the last chunk's products are done (and sq is written)
+        if (threadIdx.x < CHUNK) rows[threadIdx.x] = tile_key(m, c0 + min((int)threadIdx.x, count - 1));
+        __syncthreads();
+        stage<D>(sk, qkv + E + h * D, 3 * E, rows, count, CHUNK, 1.f);
+        stage<D>(sv, qkv + 2 * E + h * D, 3 * E, rows, count, CHUNK, 1.f);
+        __syncthreads();
+        scores<D>(ss, sq, sk);
+        __syncthreads();
+        // The online softmax, a warp per row, lane j the chunk's key j.
+        const int key = c0 + lane;
+        const int key_row = lane < count ? tile_key(m, key) : 0;
+#pragma unroll
+        for (int a = 0; a < MMA_ROWS_PER_WARP; ++a) {
+            const int q = w * MMA_ROWS_PER_WARP + a, r = first + q;
+            const bool visible = q < n && lane < count && (key < prefix || key_row <= r);
+            const float s = visible ? ss[q * LS + lane] : -INFINITY;
+            const float nm = fmaxf(mx[a], warp_max(s));
+            float p = 0.f, corr = 1.f;
+            if (nm != -INFINITY) {  // warp-uniform: a row with no key yet keeps its zeros
+                p = visible ? __expf(s - nm) : 0.f;
+                corr = __expf(mx[a] - nm);  // 0 while mx is -inf
+                mx[a] = nm;
+            }
+            const Bf16 pb = __float2bfloat16(p);
+            sp[q * LP + lane] = pb;
+            sum[a] = sum[a] * corr + warp_sum(__bfloat162float(pb));
+            if (lane == 0) scorr[q] = corr;
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < TILE * D; i += MMA_THREADS)
+            so[(i / D) * lo<D>() + i % D] *= scorr[i / D];
+        __syncthreads();
+        Acc o[per_warp<D>()];
+#pragma unroll
+        for (int t = 0; t < per_warp<D>(); ++t) {
+            const int f = w + t * MMA_WARPS;
+            if (f >= blocks<D>()) break;
+            wmma::load_matrix_sync(o[t], so + (f % 2) * 16 * lo<D>() + (f / 2) * 16, lo<D>(),
+                                   wmma::mem_row_major);
+        }
+        accumulate<D>(o, sp, sv);
+        unload<D>(so, o);
+    }
+#pragma unroll
+    for (int a = 0; a < MMA_ROWS_PER_WARP; ++a) {
+        const int q = w * MMA_ROWS_PER_WARP + a;
+        if (lane == 0) ssum[q] = sum[a];
+        if (lane == 0 && q < n) lse[(size_t)(first + q) * H + h] = mx[a] + logf(sum[a]);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n * D; i += MMA_THREADS) {
+        const int q = i / D, d = i % D;
+        y[(size_t)(first + q) * E + h * D + d] = so[q * lo<D>() + d] / ssum[q];
+    }
+}
+
+// Each of `count` rows' lse and Δ = dO · O (f32, from device memory), a warp per row, into
+// sl and sdelta; rows from `count` on get zeros.
+template <int D>
+__device__ __forceinline__ void row_terms(float *sl, float *sdelta, const float *__restrict__ dy,
+                                          const float *__restrict__ y,
+                                          const float *__restrict__ lse, int first, int count,
+                                          int h, int H) {
+    const int w = threadIdx.x / WARP, lane = threadIdx.x % WARP, E = H * D;
+    for (int i = w; i < TILE; i += MMA_WARPS) {
+        float dl = 0.f;
+        if (i < count)
+            for (int d = lane; d < D; d += WARP) {
+                const size_t at = (size_t)(first + i) * E + h * D + d;
+                dl += dy[at] * y[at];
+            }
+        dl = warp_sum(dl);
+        if (lane == 0) {
+            sdelta[i] = dl;
+            sl[i] = i < count ? lse[(size_t)(first + i) * H + h] : 0.f;
+        }
+    }
+}
+
+// Rows [0, n) of a (TILE, D) f32 block (lo apart) times `scale` into dqkv's columns
+// `column`.. of rows first.., 3E apart.
+template <int D>
+__device__ __forceinline__ void write_rows(float *__restrict__ dqkv, const float *block, int first,
+                                           int n, int column, int E, float scale) {
+    for (int i = threadIdx.x; i < n * D; i += MMA_THREADS) {
+        const int q = i / D, d = i % D;
+        dqkv[(size_t)(first + q) * 3 * E + column + d] = block[q * lo<D>() + d] * scale;
+    }
+}
+
+// dq of the tile's rows, as attention_tile_dq: per chunk of keys S = Q·Kᵀ and dP = dO·Vᵀ,
+// dS = P ∘ (dP − Δ) with P = exp(S − lse) where visible, then dQ += dS·K (in registers).
+template <int D>
+__device__ void dq(float *__restrict__ dqkv, const float *__restrict__ dy,
+                   const float *__restrict__ y, const float *__restrict__ qkv,
+                   const float *__restrict__ lse, const int4 *__restrict__ meta,
+                   const int2 *__restrict__ tiles, int H) {
+    static_assert(TILE * lo<D>() <= 2 * TILE * LS, "the output's staging fits the scores'");
+    __shared__ __align__(32) Bf16 sq[TILE * ld<D>()], sg[TILE * ld<D>()], sk[CHUNK * ld<D>()],
+        sv[CHUNK * ld<D>()], sds[TILE * LP];
+    __shared__ __align__(32) float sf[2 * TILE * LS];  // S and dP, then the output's staging
+    __shared__ float sl[TILE], sdelta[TILE];
+    __shared__ int rows[CHUNK];
+    float *ss = sf, *sdp = sf + TILE * LS;
+    const auto [first, n, m, prefix, keys] = tile_rows(meta, tiles);
+    const int h = blockIdx.y, E = H * D;
+    const float scale = rsqrtf((float)D);
+    if (threadIdx.x < TILE) rows[threadIdx.x] = first + threadIdx.x;
+    __syncthreads();
+    stage<D>(sq, qkv + h * D, 3 * E, rows, n, TILE, scale);
+    stage<D>(sg, dy + h * D, E, rows, n, TILE, 1.f);
+    row_terms<D>(sl, sdelta, dy, y, lse, first, n, h, H);
+    Acc acc[per_warp<D>()];
+    clear<D>(acc);
+    for (int c0 = 0; c0 < keys; c0 += CHUNK) {
+        const int count = min(CHUNK, keys - c0);
+        __syncthreads();
+        if (threadIdx.x < CHUNK) rows[threadIdx.x] = tile_key(m, c0 + min((int)threadIdx.x, count - 1));
+        __syncthreads();
+        stage<D>(sk, qkv + E + h * D, 3 * E, rows, count, CHUNK, 1.f);
+        stage<D>(sv, qkv + 2 * E + h * D, 3 * E, rows, count, CHUNK, 1.f);
+        __syncthreads();
+        scores<D>(ss, sq, sk);
+        scores<D>(sdp, sg, sv);
+        __syncthreads();
+        for (int i = threadIdx.x; i < TILE * CHUNK; i += MMA_THREADS) {
+            const int q = i / CHUNK, j = i % CHUNK, key = c0 + j;
+            float ds = 0.f;
+            if (q < n && j < count && (key < prefix || tile_key(m, key) <= first + q))
+                ds = __expf(ss[q * LS + j] - sl[q]) * (sdp[q * LS + j] - sdelta[q]);
+            sds[q * LP + j] = __float2bfloat16(ds);
+        }
+        __syncthreads();
+        accumulate<D>(acc, sds, sk);
+    }
+    __syncthreads();  // the last chunk's scores are read: sf becomes the staging
+    unload<D>(sf, acc);
+    __syncthreads();
+    write_rows<D>(dqkv, sf, first, n, h * D, E, scale);
+}
+
+// dk and dv of the tile's rows as keys, as attention_tile_dkv: per chunk of the query
+// rows that see them (first..q_end), Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, Pᵀ = exp(Sᵀ − lse) where
+// visible and dSᵀ = Pᵀ ∘ (dPᵀ − Δ), then dV += Pᵀ·dO and dK += dSᵀ·Q (q already times
+// 1/√D), both in registers.
+template <int D>
+__device__ void dkv(float *__restrict__ dqkv, const float *__restrict__ dy,
+                    const float *__restrict__ y, const float *__restrict__ qkv,
+                    const float *__restrict__ lse, const int4 *__restrict__ meta,
+                    const int2 *__restrict__ tiles, int H) {
+    static_assert(TILE * lo<D>() <= 2 * TILE * LS, "the output's staging fits the scores'");
+    __shared__ __align__(32) Bf16 sk[TILE * ld<D>()], sv[TILE * ld<D>()], sq[CHUNK * ld<D>()],
+        sg[CHUNK * ld<D>()], sp[TILE * LP], sds[TILE * LP];
+    __shared__ __align__(32) float sf[2 * TILE * LS];  // Sᵀ and dPᵀ, then the staging
+    __shared__ float sl[CHUNK], sdelta[CHUNK];
+    __shared__ int rows[CHUNK];
+    float *ss = sf, *sdp = sf + TILE * LS;
+    const TileRows tile = tile_rows(meta, tiles);
+    const int h = blockIdx.y, E = H * D, first = tile.first, n = tile.n, q_end = tile.m.q_end;
+    const float scale = rsqrtf((float)D);
+    if (threadIdx.x < TILE) rows[threadIdx.x] = first + threadIdx.x;
+    __syncthreads();
+    stage<D>(sk, qkv + E + h * D, 3 * E, rows, n, TILE, 1.f);
+    stage<D>(sv, qkv + 2 * E + h * D, 3 * E, rows, n, TILE, 1.f);
+    Acc dk[per_warp<D>()], dv[per_warp<D>()];
+    clear<D>(dk);
+    clear<D>(dv);
+    for (int c0 = first; c0 < q_end; c0 += CHUNK) {
+        const int count = min(CHUNK, q_end - c0);
+        __syncthreads();
+        if (threadIdx.x < CHUNK) rows[threadIdx.x] = c0 + min((int)threadIdx.x, count - 1);
+        __syncthreads();
+        stage<D>(sq, qkv + h * D, 3 * E, rows, count, CHUNK, scale);
+        stage<D>(sg, dy + h * D, E, rows, count, CHUNK, 1.f);
+        row_terms<D>(sl, sdelta, dy, y, lse, c0, count, h, H);
+        __syncthreads();
+        scores<D>(ss, sk, sq);
+        scores<D>(sdp, sv, sg);
+        __syncthreads();
+        for (int i = threadIdx.x; i < TILE * CHUNK; i += MMA_THREADS) {
+            const int k = i / CHUNK, j = i % CHUNK;
+            float p = 0.f, ds = 0.f;
+            if (k < n && j < count && c0 + j >= first + k) {
+                p = __expf(ss[k * LS + j] - sl[j]);
+                ds = p * (sdp[k * LS + j] - sdelta[j]);
+            }
+            sp[k * LP + j] = __float2bfloat16(p);
+            sds[k * LP + j] = __float2bfloat16(ds);
+        }
+        __syncthreads();
+        accumulate<D>(dv, sp, sg);
+        accumulate<D>(dk, sds, sq);
+    }
+    __syncthreads();
+    unload<D>(sf, dk);
+    __syncthreads();
+    write_rows<D>(dqkv, sf, first, n, E + h * D, E, 1.f);
+    __syncthreads();
+    unload<D>(sf, dv);
+    __syncthreads();
+    write_rows<D>(dqkv, sf, first, n, 2 * E + h * D, E, 1.f);
+}
+
+}  // namespace mma_attention
+
+#define MMA_KERNELS(D)                                                                       \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                \
+        attention_mma_fwd_d##D(float *y, float *lse, const float *qkv, const int4 *meta,     \
+                               const int2 *tiles, int H) {                                   \
+        mma_attention::fwd<D>(y, lse, qkv, meta, tiles, H);                                  \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                \
+        attention_mma_dq_d##D(float *dqkv, const float *dy, const float *y, const float *qkv, \
+                              const float *lse, const int4 *meta, const int2 *tiles, int H) { \
+        mma_attention::dq<D>(dqkv, dy, y, qkv, lse, meta, tiles, H);                         \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                \
+        attention_mma_dkv_d##D(float *dqkv, const float *dy, const float *y,                 \
+                               const float *qkv, const float *lse, const int4 *meta,         \
+                               const int2 *tiles, int H) {                                   \
+        mma_attention::dkv<D>(dqkv, dy, y, qkv, lse, meta, tiles, H);                        \
+    }
+
+MMA_KERNELS(16)
+MMA_KERNELS(32)
+MMA_KERNELS(64)
+#endif
 
 // A block's sum and max of one value per thread (a multiple of 32 threads, at most
 // HEAD_THREADS); every thread gets the result.

@@ -21,6 +21,11 @@ pub enum StepKernel {
     /// checked like [`StepKernel::Backend`]; without it, a warp per row and head walks its
     /// keys from device memory.
     AttentionTiles,
+    /// The step backend's attention on tensor cores: the tiles' walk with every product a
+    /// warp matrix product of BF16 operands with f32 sums (`attention_mma_*`), heads of
+    /// width 16, 32 or 64. A trial ([`Family::trial`]), checked like
+    /// [`StepKernel::Backend`]; where it is on it runs instead of the tiles.
+    AttentionMma,
     /// The step backend's LM head keeping a chunk's probabilities from its forward for its
     /// backward (`head_probs`, `head_grad_kept`), chunks of at most 1 GiB: the backward's
     /// product that recomputes the logits is gone. A trial ([`Family::trial`]), checked
@@ -33,6 +38,7 @@ impl Family for StepKernel {
     const ALL: &'static [StepKernel] = &[
         StepKernel::Backend,
         StepKernel::AttentionTiles,
+        StepKernel::AttentionMma,
         StepKernel::HeadKept,
     ];
 
@@ -40,12 +46,16 @@ impl Family for StepKernel {
         match self {
             StepKernel::Backend => "step_backend",
             StepKernel::AttentionTiles => "step_attention_tiles",
+            StepKernel::AttentionMma => "step_attention_mma",
             StepKernel::HeadKept => "step_head_kept",
         }
     }
 
     fn trial(self) -> bool {
-        matches!(self, StepKernel::AttentionTiles | StepKernel::HeadKept)
+        matches!(
+            self,
+            StepKernel::AttentionTiles | StepKernel::AttentionMma | StepKernel::HeadKept
+        )
     }
 
     /// The trials run only inside the step backend.
@@ -59,6 +69,20 @@ impl Family for StepKernel {
 
 /// Which of the step's families a device runs.
 pub type StepKernels = Switches<StepKernel>;
+
+/// The attention's kernels that `kernels` turn on: the tensor cores' where
+/// `step_attention_mma` is on, else the tiles' where `step_attention_tiles` is, else a warp
+/// per row and head.
+pub fn attention_form(kernels: &StepKernels) -> crate::launch::AttentionForm {
+    use crate::launch::AttentionForm;
+    if kernels.enabled(StepKernel::AttentionMma) {
+        AttentionForm::Mma
+    } else if kernels.enabled(StepKernel::AttentionTiles) {
+        AttentionForm::Tiles
+    } else {
+        AttentionForm::Warp
+    }
+}
 
 /// Every kernel family's name of the learner's crates: the model's and the step's, for
 /// checking a command line's choice.
@@ -98,5 +122,22 @@ mod tests {
         assert!(kernels.enabled(Backend) && kernels.enabled(HeadKept));
         assert!(!kernels.enabled(AttentionTiles));
         assert_eq!(kernels.disabled(), [], "train_ops is the model's");
+    }
+
+    #[test]
+    fn the_tensor_cores_attention_runs_where_it_is_on_the_tiles_otherwise() {
+        use crate::launch::AttentionForm;
+        let all = names();
+        let form = |on: &str| {
+            let choice = KernelChoice::parse(Some(on), None, false, &all).unwrap();
+            attention_form(&StepKernels::chosen(&choice))
+        };
+        assert_eq!(form("step_head_kept"), AttentionForm::Warp);
+        assert_eq!(form("step_attention_tiles"), AttentionForm::Tiles);
+        assert_eq!(form("step_attention_mma"), AttentionForm::Mma);
+        assert_eq!(
+            form("step_attention_tiles,step_attention_mma"),
+            AttentionForm::Mma
+        );
     }
 }

@@ -33,6 +33,13 @@ pub const HEAD_KEEP_ELEMENTS: usize = 256 << 20;
 /// (`attention_*_d{D}`), and those the tiled kernels serve (`attention_tile_*_d{D}`).
 pub const ATTENTION_WIDTHS: [usize; 3] = [32, 64, 128];
 pub const TILE_WIDTHS: [usize; 2] = [32, 64];
+/// Widths of a head the tensor-core attention serves (`attention_mma_*_d{D}`, the trial
+/// family `step_attention_mma`: multiples of a fragment's 16 columns; at 128 its
+/// forward's staging would pass the 48 KiB of static shared memory a block may have).
+pub const MMA_WIDTHS: [usize; 3] = [16, 32, 64];
+/// Threads of a block of the tensor-core attention (`MMA_THREADS`: four warps, one per
+/// 16 × 16 block of a tile's scores).
+pub const MMA_THREADS: u32 = 128;
 
 pub use rookworld_lm::launch::Grid;
 
@@ -163,16 +170,36 @@ impl Part {
     pub const ALL: [Part; 3] = [Part::Fwd, Part::Dq, Part::Dkv];
 }
 
-/// `Err` unless the CUDA backend has attention kernels for `heads`: `H` heads that divide
-/// the width `E` (the kernels compute E as H·D), each of a width in [`ATTENTION_WIDTHS`].
-/// What gates the fused pass on CUDA before anything runs.
-pub fn serves(heads: Heads) -> Result<()> {
+/// Which kernels run the step's attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttentionForm {
+    /// A warp per (row, head), walking its keys from device memory (`attention_*`).
+    #[default]
+    Warp,
+    /// A block per (tile of rows, head), each chunk of keys staged in shared memory once
+    /// for the tile (`attention_tile_*`, the trial `step_attention_tiles`).
+    Tiles,
+    /// The tiles' walk with every product on tensor cores, BF16 operands and f32 sums
+    /// (`attention_mma_*`, the trial `step_attention_mma`).
+    Mma,
+}
+
+/// `Err` unless `H` heads divide the width `E` (the kernels compute E as H·D).
+fn divides(heads: Heads) -> Result<()> {
     if heads.h == 0 || !heads.e.is_multiple_of(heads.h) {
         return Err(launch_error(
             "attention",
             format!("{} heads do not divide a width of {}", heads.h, heads.e),
         ));
     }
+    Ok(())
+}
+
+/// `Err` unless the CUDA backend has attention kernels for `heads`: `H` heads that divide
+/// the width `E` (the kernels compute E as H·D), each of a width in [`ATTENTION_WIDTHS`].
+/// What gates the fused pass on CUDA before anything runs.
+pub fn serves(heads: Heads) -> Result<()> {
+    divides(heads)?;
     let d = heads.d();
     if !ATTENTION_WIDTHS.contains(&d) {
         return Err(launch_error(
@@ -207,6 +234,20 @@ pub fn attention(heads: Heads, part: Part, rows: usize) -> Result<(&'static str,
     Ok((name, warps("attention", rows.saturating_mul(heads.h))?))
 }
 
+/// A block of `threads` per (tile, head); `None` past the device's limits.
+fn per_tile(heads: Heads, tiles: usize, threads: u32) -> Option<Grid> {
+    let grid = Grid {
+        grid: (
+            u32::try_from(tiles.max(1)).ok()?,
+            u32::try_from(heads.h).ok()?,
+            1,
+        ),
+        block: (threads, 1, 1),
+        shared_bytes: 0,
+    };
+    checked(grid, "attention").ok()
+}
+
 /// The tiled attention's kernel `attention_tile_{part}_d{D}` and its grid, a block per
 /// (tile, head), where the heads' width has one ([`TILE_WIDTHS`]); `None`: the warp
 /// kernels serve it.
@@ -221,18 +262,51 @@ pub fn tiled_attention(heads: Heads, part: Part, tiles: usize) -> Option<(&'stat
         (64, Part::Dkv) => "attention_tile_dkv_d64",
         _ => return None,
     };
-    let grid = checked(
-        Grid {
-            grid: (
-                u32::try_from(tiles.max(1)).ok()?,
-                u32::try_from(heads.h).ok()?,
-                1,
-            ),
-            block: (TILE_THREADS, 1, 1),
-            shared_bytes: 0,
-        },
-        "attention",
-    )
-    .ok()?;
-    Some((name, grid))
+    Some((name, per_tile(heads, tiles, TILE_THREADS)?))
+}
+
+/// The tensor-core attention's kernel `attention_mma_{part}_d{D}` and its grid, a block of
+/// [`MMA_THREADS`] per (tile, head), where the heads' width has one ([`MMA_WIDTHS`]);
+/// `None`: another form serves it.
+pub fn mma_attention(heads: Heads, part: Part, tiles: usize) -> Option<(&'static str, Grid)> {
+    divides(heads).ok()?;
+    let name = match (heads.d(), part) {
+        (16, Part::Fwd) => "attention_mma_fwd_d16",
+        (32, Part::Fwd) => "attention_mma_fwd_d32",
+        (64, Part::Fwd) => "attention_mma_fwd_d64",
+        (16, Part::Dq) => "attention_mma_dq_d16",
+        (32, Part::Dq) => "attention_mma_dq_d32",
+        (64, Part::Dq) => "attention_mma_dq_d64",
+        (16, Part::Dkv) => "attention_mma_dkv_d16",
+        (32, Part::Dkv) => "attention_mma_dkv_d32",
+        (64, Part::Dkv) => "attention_mma_dkv_d64",
+        _ => return None,
+    };
+    Some((name, per_tile(heads, tiles, MMA_THREADS)?))
+}
+
+/// The kernel that runs `part` of the attention for `heads` when `form` is asked for: that
+/// form's where it serves the heads' width, else the tiled one's (asked for tiles or
+/// tensor cores), else the warp kernels' (`Err` where none serves). Returns the kernel, its
+/// grid over `rows` rows or `tiles` tiles, and the form it is: a warp kernel's arguments
+/// end with the rows and the heads, the others' with the tiles and the heads.
+pub fn attention_kernel(
+    heads: Heads,
+    part: Part,
+    rows: usize,
+    tiles: usize,
+    form: AttentionForm,
+) -> Result<(&'static str, Grid, AttentionForm)> {
+    if form == AttentionForm::Mma
+        && let Some((name, grid)) = mma_attention(heads, part, tiles)
+    {
+        return Ok((name, grid, AttentionForm::Mma));
+    }
+    if form != AttentionForm::Warp
+        && let Some((name, grid)) = tiled_attention(heads, part, tiles)
+    {
+        return Ok((name, grid, AttentionForm::Tiles));
+    }
+    let (name, grid) = attention(heads, part, rows)?;
+    Ok((name, grid, AttentionForm::Warp))
 }

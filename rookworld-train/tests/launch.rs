@@ -6,7 +6,9 @@
 
 use rookworld_lm::config::Config;
 use rookworld_train::compare::self_check_config;
-use rookworld_train::launch::{self, ATTENTION_WIDTHS, Part, TILE, TILE_WIDTHS};
+use rookworld_train::launch::{
+    self, ATTENTION_WIDTHS, AttentionForm, MMA_WIDTHS, Part, TILE, TILE_WIDTHS,
+};
 use rookworld_train::packed::synthetic;
 use rookworld_train::{Heads, Packed};
 
@@ -50,6 +52,36 @@ fn every_launch(cfg: &Config, packed: &Packed) {
                 assert_eq!(grid.grid.1 as usize, h.h, "{what}: {name}");
             }
             None => assert!(!TILE_WIDTHS.contains(&h.d()), "{what}: no tiled kernel"),
+        }
+        match launch::mma_attention(h, part, tiles.len()) {
+            Some((name, grid)) => {
+                assert!(MMA_WIDTHS.contains(&h.d()), "{what}: {name}");
+                assert!(name.ends_with(&format!("_d{}", h.d())), "{what}: {name}");
+                assert_eq!(grid.grid.0 as usize, tiles.len(), "{what}: {name}");
+                assert_eq!(grid.grid.1 as usize, h.h, "{what}: {name}");
+                assert_eq!(grid.block.0, launch::MMA_THREADS, "{what}: {name}");
+            }
+            None => assert!(
+                !MMA_WIDTHS.contains(&h.d()),
+                "{what}: no tensor-core kernel"
+            ),
+        }
+        // Each form asked for runs where it has the width, else the next one down.
+        for form in [
+            AttentionForm::Warp,
+            AttentionForm::Tiles,
+            AttentionForm::Mma,
+        ] {
+            let (name, _, got) = launch::attention_kernel(h, part, r, tiles.len(), form)
+                .unwrap_or_else(|e| panic!("{what}, {form:?}: {e}"));
+            let want = if form == AttentionForm::Mma && MMA_WIDTHS.contains(&h.d()) {
+                AttentionForm::Mma
+            } else if form != AttentionForm::Warp && TILE_WIDTHS.contains(&h.d()) {
+                AttentionForm::Tiles
+            } else {
+                AttentionForm::Warp
+            };
+            assert_eq!(got, want, "{what}: {form:?} ran {name}");
         }
     }
     // The element-wise kernels over every activation the pass writes.
@@ -118,15 +150,31 @@ fn heads_without_a_kernel_are_refused_naming_their_width() {
     );
     assert!(launch::attention(heads(&tiny), Part::Fwd, 10).is_err());
     assert!(launch::tiled_attention(heads(&tiny), Part::Fwd, 1).is_none());
+    // The tensor cores' kernels have heads of 16; the tiles asked for fall to the warp
+    // kernels, which refuse them.
+    for part in Part::ALL {
+        let (name, _, form) =
+            launch::attention_kernel(heads(&tiny), part, 10, 1, AttentionForm::Mma).unwrap();
+        assert_eq!(form, AttentionForm::Mma, "{name}");
+        assert!(name.ends_with("_d16"), "{name}");
+    }
+    assert!(
+        launch::attention_kernel(heads(&tiny), Part::Fwd, 10, 1, AttentionForm::Tiles).is_err()
+    );
     // Heads that do not divide the width, and widths between the kernels'.
     for (e, h) in [(64, 3), (64, 0), (96, 1), (256, 1)] {
         let err = launch::serves(Heads { e, h }).unwrap_err().to_string();
         assert!(err.contains("attention"), "{err}");
     }
-    // Heads of 128: the warp kernels, no tiled one.
+    // Heads of 128: the warp kernels, no tiled one and none on tensor cores.
     let wide = Heads { e: 256, h: 2 };
     assert!(launch::attention(wide, Part::Dkv, 10).is_ok());
     assert!(launch::tiled_attention(wide, Part::Dkv, 1).is_none());
+    assert!(launch::mma_attention(wide, Part::Dkv, 1).is_none());
+    let (_, _, form) =
+        launch::attention_kernel(wide, Part::Dkv, 10, 1, AttentionForm::Mma).unwrap();
+    assert_eq!(form, AttentionForm::Warp);
+    assert!(launch::mma_attention(Heads { e: 64, h: 3 }, Part::Fwd, 1).is_none());
 }
 
 #[test]
@@ -141,4 +189,39 @@ fn grids_past_the_devices_limits_are_errors_not_truncations() {
     assert_eq!(g.grid.0, 1 << 16);
     // An empty launch still has one block (the backends return before launching it).
     assert_eq!(launch::per_row(0).unwrap().grid.0, 1);
+}
+
+/// The launch constants are the `#define`s of `kernels/pass.cu` that fix a launch's shape.
+#[test]
+fn the_launch_constants_are_the_kernels_defines() {
+    let source = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/pass.cu"),
+    )
+    .unwrap();
+    let define = |name: &str| -> usize {
+        let line = source
+            .lines()
+            .find(|l| l.split_whitespace().take(2).eq(["#define", name]))
+            .unwrap_or_else(|| panic!("kernels/pass.cu defines no {name}"));
+        line.split_whitespace().nth(2).unwrap().parse().unwrap()
+    };
+    assert_eq!(define("ROWS_PER_BLOCK"), launch::ROWS_PER_BLOCK as usize);
+    assert_eq!(define("SUM_ROWS"), launch::SUM_ROWS);
+    assert_eq!(define("LN_CHUNK"), launch::LN_CHUNK);
+    assert_eq!(define("HEAD_THREADS"), launch::HEAD_THREADS as usize);
+    assert_eq!(define("TILE"), TILE);
+    assert_eq!(define("TILE_THREADS"), launch::TILE_THREADS as usize);
+    assert_eq!(define("MMA_THREADS"), launch::MMA_THREADS as usize);
+    for d in MMA_WIDTHS {
+        assert!(
+            source.contains(&format!("MMA_KERNELS({d})")),
+            "no kernels of width {d}"
+        );
+    }
+    for d in TILE_WIDTHS {
+        assert!(
+            source.contains(&format!("TILE_KERNELS({d})")),
+            "no kernels of width {d}"
+        );
+    }
 }

@@ -685,21 +685,27 @@ def cmd_table(args):
     def bench_profile(key):  # `learner bench --profile`: its report's `kernels`
         p = d.get(key, {})
         return dict(p["kernels"], step_seconds=p.get("step_seconds")) if p.get("kernels") else p
-    lp, tp = bench_profile("learner_profile"), bench_profile("tiles_profile")
-    tc = d.get("tiles_compare", {})
-    if tc:
-        first = tc.get("first_divergence")
-        add("step trials (tiled attention, kept head)", "buffers matched",
-            problem(tc) or (f"{tc['buffers_checked']} of {tc['buffers_checked']}" if tc.get("matched")
-                            else f"FAIL at {first['name'] if first else '?'}"),
-            f"{tc.get('shape', '')}; against the CPU backend")
-    if tp.get("step_seconds") and lp.get("step_seconds"):
-        add("step trials (tiled attention, kept head)", "× without them (step)",
-            fmt(lp["step_seconds"] / tp["step_seconds"]),
-            f"step {fmt(tp['step_seconds'] * 1e3)} ms against {fmt(lp['step_seconds'] * 1e3)} ms")
+    lp = bench_profile("learner_profile")
+    # The step's trials, each with the kept head: its buffers against the CPU backend's
+    # (*_compare) and its step against the step without trials (*_profile).
+    trials = (("tiles", "step trials (tiled attention, kept head)"),
+              ("mma", "step trials (tensor-core attention, kept head)"))
+    for prefix, label in trials:
+        tp, tc = bench_profile(f"{prefix}_profile"), d.get(f"{prefix}_compare", {})
+        if tc:
+            first = tc.get("first_divergence")
+            add(label, "buffers matched",
+                problem(tc) or (f"{tc['buffers_checked']} of {tc['buffers_checked']}" if tc.get("matched")
+                                else f"FAIL at {first['name'] if first else '?'}"),
+                f"{tc.get('shape', '')}; against the CPU backend")
+        if tp.get("step_seconds") and lp.get("step_seconds"):
+            add(label, "× without them (step)",
+                fmt(lp["step_seconds"] / tp["step_seconds"]),
+                f"step {fmt(tp['step_seconds'] * 1e3)} ms against {fmt(lp['step_seconds'] * 1e3)} ms")
     for key, label, top, prof in (
             ("learner_profile", "learner kernels (per step)", 8, lp),
-            ("tiles_profile", "learner kernels, step trials", 8, tp),
+            ("tiles_profile", "learner kernels, step trials", 8, bench_profile("tiles_profile")),
+            ("mma_profile", "learner kernels, tensor-core attention", 8, bench_profile("mma_profile")),
             ("decode_profile", "decode kernels (ncu)", 6, d.get("decode_profile", {}))):
         if problem(prof) or (prof and not prof.get("by_kernel")):
             add(label, "result", problem(prof) or "no kernels")
@@ -707,7 +713,7 @@ def cmd_table(args):
         if not prof:
             continue
         total_ms = prof.get("seconds", 0) * 1e3
-        if key in ("learner_profile", "tiles_profile"):
+        if key in ("learner_profile", "tiles_profile", "mma_profile"):
             gap = (prof.get("step_seconds") or 0) * 1e3 - total_ms
             add(label, "all kernels ms", fmt(total_ms),
                 f"{fmt(prof.get('launches'))} launches; step {fmt((prof.get('step_seconds') or 0) * 1e3)} ms, "

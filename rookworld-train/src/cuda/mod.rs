@@ -96,8 +96,8 @@ pub struct Cuda {
     /// The kernels launched so far, by name: a launch looks its kernel up here instead of
     /// in candle's module cache (a lock, a map and a driver call each time).
     functions: RefCell<HashMap<&'static str, CudaFunction>>,
-    /// The attention a tile of rows per block ([`Cuda::with_tiled_attention`]).
-    tiled_attention: bool,
+    /// The attention's kernels ([`Cuda::with_attention`]).
+    attention: launch::AttentionForm,
     /// The head's probabilities kept from its forward for its backward
     /// ([`Cuda::with_kept_head`]).
     kept_head: bool,
@@ -142,19 +142,21 @@ impl Cuda {
             device,
             scratch: RefCell::new(DeviceVec::default()),
             functions: RefCell::default(),
-            tiled_attention: false,
+            attention: launch::AttentionForm::Warp,
             kept_head: false,
             timing: None,
             _one_thread: std::marker::PhantomData,
         }
     }
 
-    /// The backend with attention a tile of rows per block (the trial family
-    /// `step_attention_tiles`, heads of width 32 or 64; others keep a warp per row and
-    /// head), or without. Set before its first [`Backend::rows`].
-    pub fn with_tiled_attention(self, on: bool) -> Self {
+    /// The backend with the attention's kernels of `form` where the heads' width has them
+    /// ([`launch::attention_kernel`]): a warp per row and head (the default), a tile of
+    /// rows per block (the trial family `step_attention_tiles`, heads of width 32 or 64),
+    /// or the tiles on tensor cores (`step_attention_mma`, heads of width 16, 32 or 64).
+    /// Set before its first [`Backend::rows`].
+    pub fn with_attention(self, form: launch::AttentionForm) -> Self {
         Self {
-            tiled_attention: on,
+            attention: form,
             ..self
         }
     }
@@ -436,7 +438,7 @@ impl Backend for Cuda {
             by_token: self.plan(&packed.ids)?,
             by_position: self.plan(&packed.positions)?,
             by_head_row: self.plan(&packed.head_rows)?,
-            tiles: if self.tiled_attention {
+            tiles: if self.attention != launch::AttentionForm::Warp {
                 let tiles = packed.row_tiles(launch::TILE);
                 let flat: Vec<i32> = tiles.iter().flatten().copied().collect();
                 Some((self.upload("rows", &flat)?, tiles.len()))

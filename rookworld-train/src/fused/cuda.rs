@@ -7,6 +7,7 @@
 
 use crate::cuda::{Cuda, DevF32, DeviceVec};
 use crate::kernels::{StepKernel, StepKernels};
+use crate::launch::AttentionForm;
 use crate::weights::Weights;
 use crate::{Activations, KernelProfile};
 use candle_core::{DType, Device, Result as CandleResult, Tensor};
@@ -82,7 +83,7 @@ pub fn with_pass<R>(
     }
     let mut grads = views(&work.grads)?;
     let mut b = Cuda::with_scratch(cuda.clone(), std::mem::take(&mut work.scratch))
-        .with_tiled_attention(kernels.enabled(StepKernel::AttentionTiles))
+        .with_attention(crate::kernels::attention_form(kernels))
         .with_kept_head(kernels.enabled(StepKernel::HeadKept));
     if work.profile.is_some() {
         b = b.profiled();
@@ -119,12 +120,13 @@ pub fn with_pass<R>(
 /// The CUDA backend of `device` against the CPU's on a small synthetic micro-batch
 /// ([`crate::compare::self_check`]): a finding for the `step_backend` kernel
 /// family when a buffer differs beyond tolerance (naming it) or the check cannot run;
-/// and, for each of the trials `step_attention_tiles` and `step_head_kept` turned on, the
-/// same with it, a finding for that family (so that it alone is turned off). Only the
-/// families `kernels` has on are checked ([`rookworld_lm::kernels::Switches::to_check`]:
-/// none when `step_backend` is turned off), each followed by a synchronisation of the
-/// device; a fault that poisons the CUDA context ends the process in one line naming the
-/// family whose check raised it (candle's autograd could not run in that context either).
+/// and, for each of the trials `step_attention_tiles`, `step_attention_mma` and
+/// `step_head_kept` turned on, the same with it, a finding for that family (so that it
+/// alone is turned off). Only the families `kernels` has on are checked
+/// ([`rookworld_lm::kernels::Switches::to_check`]: none when `step_backend` is turned
+/// off), each followed by a synchronisation of the device; a fault that poisons the CUDA
+/// context ends the process in one line naming the family whose check raised it (candle's
+/// autograd could not run in that context either).
 pub fn startup_check(device: &Device, kernels: &StepKernels) -> Vec<Finding<StepKernel>> {
     use rookworld_lm::kernels::end_process;
     let Device::Cuda(cuda) = device else {
@@ -149,7 +151,8 @@ pub fn startup_check(device: &Device, kernels: &StepKernels) -> Vec<Finding<Step
     for kernel in kernels.to_check(StepKernel::ALL) {
         let backend = Cuda::new(cuda.clone());
         let backend = match kernel {
-            StepKernel::AttentionTiles => backend.with_tiled_attention(true),
+            StepKernel::AttentionTiles => backend.with_attention(AttentionForm::Tiles),
+            StepKernel::AttentionMma => backend.with_attention(AttentionForm::Mma),
             StepKernel::HeadKept => backend.with_kept_head(true),
             StepKernel::Backend => backend,
         };

@@ -176,6 +176,8 @@ fn the_gpu_check_script_runs_every_section_on_the_cpu() {
         "learner_profile",
         "tiles_compare",
         "tiles_profile",
+        "mma_compare",
+        "mma_profile",
         "decode_profile",
         "learner_step",
         "learner_composed",
@@ -426,6 +428,12 @@ echo '==PROF== Disconnected from process 7'
         "seconds": 0.04, "launches": 3100.0, "by_kernel": [
             {"name": "gemm 2304×17600×768 TN", "launches": 24.0, "ms": 40.0, "share": 1.0}]}});
     std::fs::write(out.join("tiles_profile.json"), tiled.to_string()).unwrap();
+    // With the attention on tensor cores instead, four times as fast.
+    let mma = serde_json::json!({"step_seconds": 0.025, "kernels": {
+        "seconds": 0.02, "launches": 3100.0, "by_kernel": [
+            {"name": "attention_mma_dkv_d64", "launches": 12.0, "ms": 5.0, "share": 0.25},
+            {"name": "gemm 2304×17600×768 TN", "launches": 24.0, "ms": 15.0, "share": 0.75}]}});
+    std::fs::write(out.join("mma_profile.json"), mma.to_string()).unwrap();
     let table = Command::new(&py)
         .arg(&check)
         .arg("table")
@@ -446,6 +454,14 @@ echo '==PROF== Disconnected from process 7'
     );
     assert_eq!(
         summary["learner kernels, step trials"]["gemm 2304×17600×768 TN"], "100.0%",
+        "{summary:#}"
+    );
+    assert_eq!(
+        summary["step trials (tensor-core attention, kept head)"]["× without them (step)"], "4",
+        "{summary:#}"
+    );
+    assert_eq!(
+        summary["learner kernels, tensor-core attention"]["attention_mma_dkv_d64"], "25.0%",
         "{summary:#}"
     );
     let decode = &summary["decode kernels (ncu)"];
