@@ -282,44 +282,57 @@ pub fn self_check_config(d: usize) -> rookworld_lm::config::Config {
     }
 }
 
-/// The start-up check of a backend: one micro-batch (2 groups of 4 completions, 9-token
-/// prompts, 8-token completions, seeded weights) of each [`self_check_config`], one per
-/// head width the CUDA kernels serve, through `b` and through the CPU backend with the
-/// same BF16 products ([`Tolerance::SAME_PRODUCTS`]), every buffer compared; each buffer
-/// is named with its width (`heads of 64: block 0: attention output`). What a process
-/// runs before it trains on `b`: the first buffer beyond tolerance names the kernel that
-/// is wrong, and the process takes another path instead of wrong numbers.
+/// The micro-batches of the start-up check, (groups, completions per group) and (prompt,
+/// completion) tokens: a small one, and one whose 40-token prompt fills a tile of 32 rows
+/// and part of another and whose rows see up to 64 keys — two chunks of 32, so the tiled
+/// and tensor-core attentions run a second chunk (the forward's rescale by a later
+/// chunk's larger max) and a second block of 16 rows.
+pub const SELF_CHECK_BATCHES: [((usize, usize), (usize, usize)); 2] =
+    [((2, 4), (9, 8)), ((1, 2), (40, 24))];
+
+/// The start-up check of a backend: each of [`SELF_CHECK_BATCHES`] (seeded weights) of
+/// each [`self_check_config`], one per head width the CUDA kernels serve, through `b` and
+/// through the CPU backend with the same BF16 products ([`Tolerance::SAME_PRODUCTS`]),
+/// every buffer compared; each buffer is named with its width and batch (`heads of 64, 2 ×
+/// 4 × (9 + 8): block 0: attention output`). What a process runs before it trains on `b`:
+/// the first buffer beyond tolerance names the kernel that is wrong, and the process takes
+/// another path instead of wrong numbers.
 pub fn self_check<B: Backend>(b: &B) -> Result<Comparison> {
     let mut all = Comparison::default();
     for d in crate::launch::ATTENTION_WIDTHS {
         let cfg = self_check_config(d);
         let params = weights::synthetic(&cfg, 0);
-        let (prompts, completions) = crate::packed::synthetic((2, 4), (9, 8), cfg.vocab_size, 0);
-        let packed = Packed::of(&prompts, &completions);
         let held = upload(b, &params)?;
         let w = Weights::<B>::new(&cfg, held.iter().map(|h| &**h).collect())?;
-        let mut acts = Activations::<B>::default();
-        let mut grads = zeros(b, &weights::lengths(&cfg))?;
-        let left = Side {
-            backend: b,
-            weights: &w,
-            acts: &mut acts,
-            grads: &mut grads,
-        };
-        let matmuls = crate::cpu::ops::Matmuls::Bf16;
-        let c = against_cpu(
-            left,
-            &params,
-            matmuls,
-            (&packed, 1.0),
-            Tolerance::SAME_PRODUCTS,
-        )?;
-        let width = |name: String| format!("heads of {d}: {name}");
-        all.checked.extend(c.checked.into_iter().map(|mut c| {
-            c.name = width(c.name);
-            c
-        }));
-        all.skipped.extend(c.skipped.into_iter().map(width));
+        for ((groups, g), (prompt, completion)) in SELF_CHECK_BATCHES {
+            let (prompts, completions) =
+                crate::packed::synthetic((groups, g), (prompt, completion), cfg.vocab_size, 0);
+            let packed = Packed::of(&prompts, &completions);
+            let mut acts = Activations::<B>::default();
+            let mut grads = zeros(b, &weights::lengths(&cfg))?;
+            let left = Side {
+                backend: b,
+                weights: &w,
+                acts: &mut acts,
+                grads: &mut grads,
+            };
+            let matmuls = crate::cpu::ops::Matmuls::Bf16;
+            let c = against_cpu(
+                left,
+                &params,
+                matmuls,
+                (&packed, 1.0),
+                Tolerance::SAME_PRODUCTS,
+            )?;
+            let named = |name: String| {
+                format!("heads of {d}, {groups} × {g} × ({prompt} + {completion}): {name}")
+            };
+            all.checked.extend(c.checked.into_iter().map(|mut c| {
+                c.name = named(c.name);
+                c
+            }));
+            all.skipped.extend(c.skipped.into_iter().map(named));
+        }
     }
     Ok(all)
 }

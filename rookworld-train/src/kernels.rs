@@ -23,8 +23,10 @@ pub enum StepKernel {
     AttentionTiles,
     /// The step backend's attention on tensor cores: the tiles' walk with every product a
     /// warp matrix product of BF16 operands with f32 sums (`attention_mma_*`), heads of
-    /// width 16, 32 or 64. A trial ([`Family::trial`]), checked like
-    /// [`StepKernel::Backend`]; where it is on it runs instead of the tiles.
+    /// width 32 or 64 in the fused pass (its kernels also serve 16, which the pass refuses:
+    /// the warp kernels have no 16, and the start-up check does not run it). A trial
+    /// ([`Family::trial`]), checked like [`StepKernel::Backend`]; where it is on it runs
+    /// instead of the tiles.
     AttentionMma,
     /// The step backend's LM head keeping a chunk's probabilities from its forward for its
     /// backward (`head_probs`, `head_grad_kept`), chunks of at most 1 GiB: the backward's

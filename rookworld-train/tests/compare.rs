@@ -340,7 +340,7 @@ fn the_self_check_passes_a_right_backend_and_names_a_wrong_kernel() {
     let first = wrong.first_divergence().expect("the wrong kernel is found");
     assert_eq!(
         first.name,
-        "heads of 32: block 0: attention output",
+        "heads of 32, 2 × 4 × (9 + 8): block 0: attention output",
         "{}",
         wrong.summary()
     );

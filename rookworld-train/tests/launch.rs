@@ -5,7 +5,7 @@
 //! not on a GPU.
 
 use rookworld_lm::config::Config;
-use rookworld_train::compare::self_check_config;
+use rookworld_train::compare::{SELF_CHECK_BATCHES, self_check_config};
 use rookworld_train::launch::{
     self, ATTENTION_WIDTHS, AttentionForm, MMA_WIDTHS, Part, TILE, TILE_WIDTHS,
 };
@@ -118,8 +118,10 @@ fn the_start_up_check_runs_a_shape_every_kernel_serves() {
         let cfg = self_check_config(d);
         assert_eq!(cfg.head_dim(), d);
         launch::serves(heads(&cfg)).unwrap();
-        // The check's micro-batch: 2 groups of 4, 9-token prompts, 8-token completions.
-        every_launch(&cfg, &batch(&cfg, (2, 4), (9, 8)));
+        // The check's micro-batches.
+        for (groups, lens) in SELF_CHECK_BATCHES {
+            every_launch(&cfg, &batch(&cfg, groups, lens));
+        }
     }
 }
 

@@ -152,7 +152,8 @@ impl Cuda {
     /// The backend with the attention's kernels of `form` where the heads' width has them
     /// ([`launch::attention_kernel`]): a warp per row and head (the default), a tile of
     /// rows per block (the trial family `step_attention_tiles`, heads of width 32 or 64),
-    /// or the tiles on tensor cores (`step_attention_mma`, heads of width 16, 32 or 64).
+    /// or the tiles on tensor cores (`step_attention_mma`, heads of width 16, 32 or 64;
+    /// the fused pass takes 32 and 64 of those, the widths the start-up check runs).
     /// Set before its first [`Backend::rows`].
     pub fn with_attention(self, form: launch::AttentionForm) -> Self {
         Self {
