@@ -10,8 +10,11 @@
 //   top-k kept. The token is the first i, in index order, whose running sum of kept w
 //   exceeds u * sum(kept w), u the row's uniform draw from the host's seeded stream;
 //   its log-probability is z_c - log sum(kept w).
-// Sums are in f64, each thread over a contiguous chunk, combined in a fixed order, so a
-// row's result depends only on its logits and its draw.
+// Sums are in f64 and every scan reads coalesced: warp w owns a contiguous segment of the
+// row (a multiple of 32 tokens), its lanes reading 32 consecutive tokens at a time; the
+// lanes' sums are combined by shuffles and the warps' in warp order, so a row's result
+// depends only on its logits and its draw. The draw finds its warp by the warps' masses,
+// then walks that warp's segment 32 tokens a round, a scan across the lanes.
 //
 // The logits are f32 or BF16 (the head's output as it is: a BF16 value widens to f32
 // exactly, so both give the same draw on the same values), rows `ld` elements apart
@@ -20,8 +23,10 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-#define THREADS 1024
-#define WARPS (THREADS / 32)
+#define THREADS 256
+#define WARP 32
+#define WARPS (THREADS / WARP)
+#define FULL 0xffffffffu
 
 __device__ __forceinline__ float sanitize(float x) { return isnan(x) ? -INFINITY : x; }
 __device__ __forceinline__ float widen(float x) { return x; }
@@ -33,11 +38,21 @@ __device__ __forceinline__ uint32_t key_of(float x) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
+template <typename T> __device__ __forceinline__ T warp_total(T x) {
+    for (int o = WARP / 2; o > 0; o /= 2) x += __shfl_xor_sync(FULL, x, o);
+    return x;
+}
+
+__device__ __forceinline__ uint32_t warp_max(uint32_t x) {
+    for (int o = WARP / 2; o > 0; o /= 2) x = max(x, __shfl_xor_sync(FULL, x, o));
+    return x;
+}
+
 // Sum over the block, the same on every thread (warp sums combined in warp order).
 template <typename T>
 __device__ T block_total(T x, T *scratch) {
-    for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    x = warp_total(x);
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     __syncthreads();
     if (lane == 0) scratch[warp] = x;
     __syncthreads();
@@ -46,25 +61,14 @@ __device__ T block_total(T x, T *scratch) {
     return total;
 }
 
-__device__ uint32_t block_max(uint32_t x, uint32_t *scratch) {
-    for (int o = 16; o > 0; o /= 2) x = max(x, __shfl_xor_sync(0xffffffffu, x, o));
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    __syncthreads();
-    if (lane == 0) scratch[warp] = x;
-    __syncthreads();
-    uint32_t top = 0;
-    for (int w = 0; w < WARPS; ++w) top = max(top, scratch[w]);
-    return top;
-}
-
 // (value, index) of the largest value, the smallest index among equals.
 __device__ void block_argmax(float &v, uint32_t &i, float *sv, uint32_t *si) {
-    for (int o = 16; o > 0; o /= 2) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const uint32_t oi = __shfl_xor_sync(0xffffffffu, i, o);
+    for (int o = WARP / 2; o > 0; o /= 2) {
+        const float ov = __shfl_xor_sync(FULL, v, o);
+        const uint32_t oi = __shfl_xor_sync(FULL, i, o);
         if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
     }
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     __syncthreads();
     if (lane == 0) { sv[warp] = v; si[warp] = i; }
     __syncthreads();
@@ -72,21 +76,6 @@ __device__ void block_argmax(float &v, uint32_t &i, float *sv, uint32_t *si) {
     i = si[0];
     for (int w = 1; w < WARPS; ++w)
         if (sv[w] > v || (sv[w] == v && si[w] < i)) { v = sv[w]; i = si[w]; }
-}
-
-// Inclusive prefix sum over the block's threads, in thread order.
-__device__ double block_inclusive_scan(double x, double *scratch) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int o = 1; o < 32; o *= 2) {
-        const double y = __shfl_up_sync(0xffffffffu, x, o);
-        if (lane >= o) x += y;
-    }
-    __syncthreads();
-    if (lane == 31) scratch[warp] = x;
-    __syncthreads();
-    double before = 0.0;
-    for (int w = 0; w < warp; ++w) before += scratch[w];
-    return before + x;
 }
 
 // logits: (B, V), row r at r * ld; draws: (B, 4) temperature, top-k, top-p, uniform;
@@ -100,27 +89,29 @@ __device__ void sample_row(const T *__restrict__ logits, int V, long long ld,
     __shared__ float s_f[WARPS];
     __shared__ uint32_t s_chosen;
 
-    const int row = blockIdx.x, t = threadIdx.x, B = gridDim.x;
+    const int row = blockIdx.x, B = gridDim.x;
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     uint32_t *tokens = out, *status = out + 2 * B;
     float *logprobs = reinterpret_cast<float *>(out + B);
     const double *draw = draws + 4 * (size_t)row;
     const T *xs = logits + (size_t)row * (size_t)ld;
     auto x = [&](int i) { return widen(xs[i]); };
-    const int chunk = (V + THREADS - 1) / THREADS;
-    const int lo_i = min(V, t * chunk), hi_i = min(V, lo_i + chunk);
+    // The warp's segment [lo, hi): whole rounds of 32 tokens, the last segment's end V.
+    const int segment = (V + WARPS * WARP - 1) / (WARPS * WARP) * WARP;
+    const int lo = min(V, warp * segment), hi = min(V, lo + segment);
 
-    // Max and first argmax.
+    // Max and first argmax (a lane's tokens come in index order: its first maximum).
     float best = -INFINITY;
     uint32_t best_i = 0xffffffffu;
-    for (int i = lo_i; i < hi_i; ++i) {
+    for (int i = lo + lane; i < hi; i += WARP) {
         const float v = sanitize(x(i));
         if (v > best || best_i == 0xffffffffu) { best = v; best_i = i; }
     }
-    if (best == -INFINITY) best_i = 0xffffffffu;  // an all -inf chunk offers no candidate
+    if (best == -INFINITY) best_i = 0xffffffffu;  // all -inf: no candidate
     block_argmax(best, best_i, s_f, s_u);
     const float m = best;
     if (!isfinite(m)) {
-        if (t == 0) { tokens[row] = 0; logprobs[row] = NAN; status[row] = 1; }
+        if (threadIdx.x == 0) { tokens[row] = 0; logprobs[row] = NAN; status[row] = 1; }
         return;
     }
 
@@ -130,9 +121,9 @@ __device__ void sample_row(const T *__restrict__ logits, int V, long long ld,
     // log-softmax of the argmax.
     if (!isfinite(inv_t)) {
         double part = 0.0;
-        for (int i = lo_i; i < hi_i; ++i) part += exp((double)sanitize(x(i)) - (double)m);
+        for (int i = lo + lane; i < hi; i += WARP) part += exp((double)sanitize(x(i)) - (double)m);
         const double lse = (double)m + log(block_total(part, s_d));
-        if (t == 0) {
+        if (threadIdx.x == 0) {
             tokens[row] = best_i;
             logprobs[row] = (float)((double)m - lse);
             status[row] = 0;
@@ -147,72 +138,93 @@ __device__ void sample_row(const T *__restrict__ logits, int V, long long ld,
     uint32_t tau = 0;
     const uint32_t k = (uint32_t)draw[1];
     if (k > 0 && k < (uint32_t)V) {
-        uint32_t lo = 0;
+        uint32_t floor = 0;
         for (int bit = 31; bit >= 0; --bit) {
-            const uint32_t cand = lo | (1u << bit);
+            const uint32_t cand = floor | (1u << bit);
             uint32_t n = 0;
-            for (int i = lo_i; i < hi_i; ++i) n += key_of(sanitize(x(i))) >= cand;
-            if (block_total(n, s_u) >= k) lo = cand;
+            for (int i = lo + lane; i < hi; i += WARP) n += key_of(sanitize(x(i))) >= cand;
+            if (block_total(n, s_u) >= k) floor = cand;
         }
-        tau = lo;
+        tau = floor;
     }
     // Top-p: the largest key whose kept mass reaches p of top-k's mass.
     const float p = (float)draw[2];
     if (p < 1.f) {
         double part = 0.0;
-        for (int i = lo_i; i < hi_i; ++i)
+        for (int i = lo + lane; i < hi; i += WARP)
             if (key_of(sanitize(x(i))) >= tau) part += (double)weight(i);
         const double target = (double)p * block_total(part, s_d);
-        uint32_t lo = 0;
+        uint32_t floor = 0;
         for (int bit = 31; bit >= 0; --bit) {
-            const uint32_t cand = lo | (1u << bit);
-            const uint32_t floor = cand > tau ? cand : tau;
+            const uint32_t cand = floor | (1u << bit);
+            const uint32_t at_least = cand > tau ? cand : tau;
             double mass = 0.0;
-            for (int i = lo_i; i < hi_i; ++i)
-                if (key_of(sanitize(x(i))) >= floor) mass += (double)weight(i);
-            if (block_total(mass, s_d) >= target) lo = cand;
+            for (int i = lo + lane; i < hi; i += WARP)
+                if (key_of(sanitize(x(i))) >= at_least) mass += (double)weight(i);
+            if (block_total(mass, s_d) >= target) floor = cand;
         }
-        tau = lo > tau ? lo : tau;
+        tau = floor > tau ? floor : tau;
     }
 
-    // The draw: first token whose running kept mass exceeds u * total.
+    // The draw: the first token whose running kept mass exceeds u * total. Each warp's
+    // kept mass (and last kept token); warp w owns [before_w, before_w + mass_w) of
+    // [0, total), the masses summed in warp order, so the intervals tile it exactly.
     double part = 0.0;
-    uint32_t last_kept = 0;
-    bool any = false;
-    for (int i = lo_i; i < hi_i; ++i) {
+    uint32_t last = 0;  // 1 + the lane's last token of positive weight, 0 for none
+    for (int i = lo + lane; i < hi; i += WARP) {
         if (key_of(sanitize(x(i))) < tau) continue;
         const float w = weight(i);
         part += (double)w;
-        if (w > 0.f) { last_kept = i; any = true; }
+        if (w > 0.f) last = i + 1;
     }
-    // Thread t owns [incl[t - 1], incl[t]) of [0, total): the intervals tile it exactly.
-    __shared__ double s_incl[THREADS];
-    const double incl = block_inclusive_scan(part, s_d);
-    s_incl[t] = incl;
-    if (t == 0) s_chosen = 0xffffffffu;
+    const double mass = warp_total(part);
+    last = warp_max(last);
+    __syncthreads();  // every warp has read the last block_total's s_d
+    if (lane == 0) s_d[warp] = mass;
+    if (threadIdx.x == 0) s_chosen = 0xffffffffu;
     __syncthreads();
-    const double total = s_incl[THREADS - 1];
+    double before = 0.0, total = 0.0;
+    for (int w = 0; w < WARPS; ++w) {
+        if (w == warp) before = total;
+        total += s_d[w];
+    }
     const double target = draw[3] * total;
-    const double excl = t > 0 ? s_incl[t - 1] : 0.0;
-    if (any && excl <= target && target < incl) {
-        double cum = excl;
-        uint32_t chosen = last_kept;
-        for (int i = lo_i; i < hi_i; ++i) {
-            if (key_of(sanitize(x(i))) < tau) continue;
-            cum += (double)weight(i);
-            if (target < cum) { chosen = i; break; }
+    if (last > 0 && before <= target && target < before + mass) {  // warp-uniform
+        // The segment a round of 32 tokens at a time: each lane's running sum within the
+        // round (a scan across the lanes), the first lane past the target chosen.
+        double cum = before;
+        uint32_t chosen = last - 1;  // rounding put the target past the segment's sums
+        for (int base = lo; base < hi; base += WARP) {
+            const int i = base + lane;
+            double incl = i < hi && key_of(sanitize(x(i))) >= tau ? (double)weight(i) : 0.0;
+            for (int o = 1; o < WARP; o *= 2) {
+                const double y = __shfl_up_sync(FULL, incl, o);
+                if (lane >= o) incl += y;
+            }
+            uint32_t first = target < cum + incl ? (uint32_t)lane : (uint32_t)WARP;
+            for (int o = WARP / 2; o > 0; o /= 2) first = min(first, __shfl_xor_sync(FULL, first, o));
+            if (first < WARP) {  // warp-uniform
+                chosen = base + first;
+                break;
+            }
+            cum += __shfl_sync(FULL, incl, WARP - 1);
         }
-        atomicMin(&s_chosen, chosen);
+        if (lane == 0) s_chosen = chosen;
     }
     __syncthreads();
     if (s_chosen == 0xffffffffu) {  // rounding put the target past the last token
-        const uint32_t last = block_max(any ? last_kept + 1 : 0, s_u);
         // m is finite and 1/T is, so the argmax has w = 1; should no weight be kept all the
         // same, the argmax, never an index before the row.
-        if (t == 0) s_chosen = last > 0 ? last - 1 : best_i;
+        if (lane == 0) s_u[warp] = last;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            uint32_t top = 0;
+            for (int w = 0; w < WARPS; ++w) top = max(top, s_u[w]);
+            s_chosen = top > 0 ? top - 1 : best_i;
+        }
         __syncthreads();
     }
-    if (t == 0) {
+    if (threadIdx.x == 0) {
         const uint32_t c = s_chosen;
         tokens[row] = c;
         logprobs[row] = (float)((double)((sanitize(x(c)) - m) * inv_t) - log(total));

@@ -140,6 +140,10 @@ pub fn row_attention_grid(bucket_rows: usize, heads: usize) -> Grid {
 /// Threads of a block of `add_layer_norm` (`NORM_THREADS`).
 pub const NORM_THREADS: u32 = 256;
 
+/// Threads of a block of `sample_rows_*`, one block per row (`THREADS` in
+/// `kernels/sample.cu`: eight warps, each scanning a contiguous segment of the row).
+pub const SAMPLE_THREADS: u32 = 256;
+
 /// `add_layer_norm`'s grid over `m` rows of width `e`: a block per row, the row and the
 /// block's partial sums (`e + 32` floats) in dynamic shared memory; `Err` where that passes
 /// what a block may hold without opting in (a width over 12,256).

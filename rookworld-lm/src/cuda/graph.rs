@@ -51,11 +51,9 @@ use super::{ATTENTION_PTX, DECODE_OPS_PTX, SAMPLE_PTX, elementwise, kernel};
 use crate::device::PerDevice;
 use crate::error::{Error, Result};
 use crate::grouped::{GraphLayout, GroupedCache};
+use crate::launch::{NORM_THREADS, SAMPLE_THREADS};
 use crate::sampling::RowDraw;
 
-/// Threads of a layer-norm block and of a sampling block (`NORM_THREADS`, `THREADS`).
-const NORM_THREADS: u32 = 256;
-const SAMPLE_THREADS: u32 = 1024;
 /// Every arena buffer starts on this many bytes.
 const ALIGN: usize = 256;
 /// cuBLAS's workspace for captured products (what NVIDIA advises for Hopper).

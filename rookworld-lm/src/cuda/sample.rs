@@ -7,10 +7,8 @@ use candle_core::{DType, Layout, Storage, Tensor};
 
 use super::{SAMPLE_PTX, cuda_device, kernel};
 use crate::error::Result;
+use crate::launch::SAMPLE_THREADS;
 use crate::sampling::{RowDraw, Sampled, not_finite};
-
-/// Threads per row (`THREADS` in the kernel).
-const THREADS: u32 = 1024;
 
 /// Draws row r's token from `logits[r]` (B, V) on their CUDA device with `draws[r]`.
 /// The logits are f32 or BF16, contiguous or a view of the first V columns of wider rows
@@ -58,7 +56,7 @@ pub fn sample_rows(logits: &Tensor, draws: &[RowDraw]) -> Result<Vec<Sampled>> {
         let (v_arg, ld_arg) = (v as i32, ld as i64);
         let cfg = LaunchConfig {
             grid_dim: (b as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
+            block_dim: (SAMPLE_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         macro_rules! launch {

@@ -43,12 +43,15 @@ fn sample_rows_match<P: Precision>(v: usize, ld: usize, rows: &[(Vec<f32>, RowDr
         .collect();
     let draws = Guarded::from_slice(&draws);
     let mut out = Guarded::<u32>::zeros(3 * b);
-    // As `cuda::sample::sample_rows` (and `DecodeGraphs::enqueue`): grid (B) of THREADS =
-    // 1024, (logits, V, ld, draws, out).
+    // As `cuda::sample::sample_rows` (and `DecodeGraphs::enqueue`): grid (B) of
+    // SAMPLE_THREADS, (logits, V, ld, draws, out).
     launch(
         module,
         &P::kernel("sample_rows"),
-        ([b as u32, 1, 1], [1024, 1, 1]),
+        (
+            [b as u32, 1, 1],
+            [rookworld_lm::launch::SAMPLE_THREADS, 1, 1],
+        ),
         &[
             Arg::buf(&logits),
             int(v),
@@ -82,8 +85,8 @@ fn sample_rows_match<P: Precision>(v: usize, ld: usize, rows: &[(Vec<f32>, RowDr
     }
 }
 
-/// Rows of 3001 logits (threads take three each; the last thousand-odd none) under every
-/// kind of draw, rows 3072 apart.
+/// Rows of 3001 logits (each warp a segment of 384 tokens, twelve rounds of 32; the last
+/// warp's segment part-filled) under every kind of draw, rows 3072 apart.
 fn sampling_rows(values: &mut Values, v: usize) -> Vec<(Vec<f32>, RowDraw)> {
     let settings = [
         // Greedy, and greedy where 1/T overflows.
@@ -105,8 +108,9 @@ fn sampling_rows(values: &mut Values, v: usize) -> Vec<(Vec<f32>, RowDraw)> {
         .map(|(i, &(t, k, p))| {
             let mut row = values.scaled(v, 6.0);
             match i {
-                // A tie for the maximum within a warp (threads 3 and 13) and across warps
-                // (thread 666): the first wins; NaNs lose.
+                // A tie for the maximum within a warp (tokens 10 and 40, two rounds of warp
+                // 0's segment) and across warps (token 2000, warp 5's): the first wins; NaNs
+                // lose.
                 0 => {
                     row.iter_mut()
                         .skip(3)
@@ -143,9 +147,9 @@ fn sample_rows_draws_the_reference_token_in_bf16_from_padded_rows() {
     sample_rows_match::<Bf16>(v, v.next_multiple_of(64), &rows);
 }
 
-/// A vocabulary under a block's 1024 threads (one logit a thread), contiguous rows: a row
-/// of NaNs and one of −∞ (no finite logit: status 1), a row with a single finite logit,
-/// and a tempered draw.
+/// A vocabulary of 1000 (segments of 128 tokens, the last warp's 104), contiguous rows: a
+/// row of NaNs and one of −∞ (no finite logit: status 1), a row with a single finite
+/// logit (the last token), and a tempered draw.
 #[test]
 fn sample_rows_reports_rows_with_no_finite_logit_and_draws_the_rest() {
     let v = 1000;
@@ -159,4 +163,15 @@ fn sample_rows_reports_rows_with_no_finite_logit_and_draws_the_rest() {
         (single, draw(1.0, 0, 0.5, 0.999)),
     ];
     sample_rows_match::<F32>(v, v, &rows);
+}
+
+/// The launch's threads are the kernel's `THREADS`.
+#[test]
+fn the_samplers_block_is_the_kernels() {
+    let source = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/sample.cu"),
+    )
+    .unwrap();
+    let define = format!("#define THREADS {}", rookworld_lm::launch::SAMPLE_THREADS);
+    assert!(source.lines().any(|l| l.trim() == define), "{define}");
 }
