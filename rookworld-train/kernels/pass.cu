@@ -1088,15 +1088,16 @@ __device__ void head_row_stats(const float *__restrict__ row, int V, float inv_t
     if (want_sz) sz = block_sum(sz, shared);
 }
 
-// One block of rows of the head: logits (m, V) (h · Wᵀ, before the temperature) → for each
-// row n, logp[n] = z_y − lse and (entropy ≠ null) entropy[n] = lse − Σ p z, z = logits / τ.
-// A block per row. Grid m, block HEAD_THREADS.
+// One block of rows of the head: logits (m, V; rows ld apart) (h · Wᵀ, before the
+// temperature) → for each row n, logp[n] = z_y − lse and (entropy ≠ null) entropy[n] =
+// lse − Σ p z, z = logits / τ. A block per row. Grid m, block HEAD_THREADS.
 extern "C" __global__ void __launch_bounds__(HEAD_THREADS)
     head_logprobs(const float *__restrict__ logits, const uint32_t *__restrict__ targets,
-                  float *__restrict__ logp, float *__restrict__ entropy, int V, float inv_t) {
+                  float *__restrict__ logp, float *__restrict__ entropy, int V, int ld,
+                  float inv_t) {
     __shared__ float shared[HEAD_THREADS / WARP];
     const int n = blockIdx.x;
-    const float *row = logits + (size_t)n * V;
+    const float *row = logits + (size_t)n * ld;
     float mx, s, sz;
     head_row_stats(row, V, inv_t, shared, mx, s, sz, entropy != nullptr);
     if (threadIdx.x == 0) {
@@ -1111,10 +1112,10 @@ extern "C" __global__ void __launch_bounds__(HEAD_THREADS)
 // HEAD_THREADS.
 extern "C" __global__ void __launch_bounds__(HEAD_THREADS)
     head_probs(float *__restrict__ logits, const uint32_t *__restrict__ targets,
-               float *__restrict__ logp, float *__restrict__ entropy, int V, float inv_t) {
+               float *__restrict__ logp, float *__restrict__ entropy, int V, int ld, float inv_t) {
     __shared__ float shared[HEAD_THREADS / WARP];
     const int n = blockIdx.x;
-    float *row = logits + (size_t)n * V;
+    float *row = logits + (size_t)n * ld;
     float mx, s, sz;
     head_row_stats(row, V, inv_t, shared, mx, s, sz, entropy != nullptr);
     const float target = row[targets[n]];
@@ -1128,14 +1129,15 @@ extern "C" __global__ void __launch_bounds__(HEAD_THREADS)
     for (int v = threadIdx.x; v < V; v += HEAD_THREADS) row[v] = __expf(row[v] * inv_t - mx) * inv;
 }
 
-// In place, one block of rows: logits (m, V) → d_{n,v} = g_n (1[v = y_n] − p_{n,v}) / τ,
-// p = softmax(logits / τ) recomputed. A block per row. Grid m, block HEAD_THREADS.
+// In place, one block of rows: logits (m, V; rows ld apart) → d_{n,v} = g_n (1[v = y_n] −
+// p_{n,v}) / τ, p = softmax(logits / τ) recomputed. A block per row. Grid m, block
+// HEAD_THREADS.
 extern "C" __global__ void __launch_bounds__(HEAD_THREADS)
     head_grad(float *__restrict__ logits, const uint32_t *__restrict__ targets,
-              const float *__restrict__ g, int V, float inv_t) {
+              const float *__restrict__ g, int V, int ld, float inv_t) {
     __shared__ float shared[HEAD_THREADS / WARP];
     const int n = blockIdx.x;
-    float *row = logits + (size_t)n * V;
+    float *row = logits + (size_t)n * ld;
     float mx, s, sz;
     head_row_stats(row, V, inv_t, shared, mx, s, sz, false);
     const float inv = 1.f / s, gn = g[n] * inv_t;
@@ -1146,17 +1148,18 @@ extern "C" __global__ void __launch_bounds__(HEAD_THREADS)
     }
 }
 
-// In place, rows of probabilities kept by head_probs (m, V) → d_{n,v} = g_n (1[v = y_n] −
-// p_{n,v}) / τ: one read and one write of each, nothing recomputed. Grid-stride over the
-// m·V elements: grid ceil(m·V / 256) (at most 65,536), block 256.
+// In place, rows of probabilities kept by head_probs (m, V; rows ld apart) → d_{n,v} =
+// g_n (1[v = y_n] − p_{n,v}) / τ: one read and one write of each, nothing recomputed.
+// Grid-stride over the m·V elements: grid ceil(m·V / 256) (at most 65,536), block 256.
 extern "C" __global__ void head_grad_kept(float *__restrict__ probs,
                                           const uint32_t *__restrict__ targets,
-                                          const float *__restrict__ g, int m, int V,
+                                          const float *__restrict__ g, int m, int V, int ld,
                                           float inv_t) {
     GRID_STRIDE(i, (size_t)m * V) {
         const size_t n = i / V;
         const int v = (int)(i % V);
         const float gn = g[n] * inv_t;
-        probs[i] = gn * ((v == (int)targets[n] ? 1.f : 0.f) - probs[i]);
+        float *p = probs + n * ld + v;
+        *p = gn * ((v == (int)targets[n] ? 1.f : 0.f) - *p);
     }
 }

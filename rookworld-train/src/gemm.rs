@@ -104,6 +104,12 @@ pub fn row_major(
 }
 
 impl Gemm {
+    /// The same call with C's rows (the row-major result's) `ldc` elements apart: a
+    /// result written into rows wider than it (the head's logits, [`crate::launch::head_ld`]).
+    pub fn with_ldc(self, ldc: usize) -> Self {
+        Self { ldc, ..self }
+    }
+
     /// Checks what cuBLAS requires (each leading dimension at least its stored matrix's
     /// row count) and that every element the call touches lies in its buffer.
     pub fn check(&self, a_len: usize, b_len: usize, c_len: usize) -> Result<()> {
@@ -214,12 +220,14 @@ mod tests {
 
     proptest! {
         /// The mapped call computes the row-major product, whatever the transposes,
-        /// offsets and padding, and passes cuBLAS's checks; its strided form (what the
-        /// CPU runs) is the same product.
+        /// offsets and padding (of the operands' rows, and of the result's with
+        /// `with_ldc`, whose padding stays as it was), and passes cuBLAS's checks; its
+        /// strided form (what the CPU runs) is the same product.
         #[test]
         fn the_mapped_call_is_the_row_major_product(
             rows in 1usize..7, cols in 1usize..7, inner in 1usize..7,
             ta: bool, tb: bool, pad in 0usize..3, off in 0usize..5, acc: bool,
+            c_pad in 0usize..3,
         ) {
             let view = |r: usize, c: usize, t: bool| {
                 let stored_cols = if t { r } else { c };
@@ -229,8 +237,9 @@ mod tests {
             let len = |r: usize, c: usize, v: RowMajor| off + v.stride * if v.transposed { c } else { r };
             let a = values(len(rows, inner, va), 1);
             let b = values(len(inner, cols, vb), 2);
-            let c0 = values(off + rows * cols, 3);
-            let g = row_major((rows, cols, inner), va, vb, off, acc);
+            let ldc = cols + c_pad;
+            let c0 = values(off + rows * ldc, 3);
+            let g = row_major((rows, cols, inner), va, vb, off, acc).with_ldc(ldc);
             g.check(b.len(), a.len(), c0.len()).unwrap();
 
             let mut want = c0.clone();
@@ -239,7 +248,7 @@ mod tests {
                     let s: f32 = (0..inner)
                         .map(|l| row_major_at(&a, va, i, l) * row_major_at(&b, vb, l, j))
                         .sum();
-                    let d = &mut want[off + i * cols + j];
+                    let d = &mut want[off + i * ldc + j];
                     *d = if acc { *d + s } else { s };
                 }
             }

@@ -146,16 +146,29 @@ pub fn per_row(m: usize) -> Result<Grid> {
     )
 }
 
-/// Rows of the head per block when its logits are recomputed: at most
-/// [`HEAD_BLOCK_ELEMENTS`] logits, at least one row, at most the `n` rows there are.
-pub fn head_block(vocab: usize, n: usize) -> usize {
-    (HEAD_BLOCK_ELEMENTS / vocab.max(1)).clamp(1, n.max(1))
+/// Columns of a row of the head's logits on the device are a multiple of this.
+pub const HEAD_ROW_ALIGN: usize = 64;
+
+/// Elements between rows of the head's logits (and probabilities, and their gradient) on
+/// the device: the vocabulary rounded up to [`HEAD_ROW_ALIGN`] (50,257 → 50,304), so every
+/// row starts 256-byte aligned and cuBLAS can take its vectorised kernels for the head's
+/// three products (rows of 50,257 f32 leave all but every fourth row 4-byte aligned
+/// only). The padding columns are never read or written.
+pub fn head_ld(vocab: usize) -> usize {
+    vocab.max(1).next_multiple_of(HEAD_ROW_ALIGN)
 }
 
-/// Rows of a chunk whose probabilities are kept: at most [`HEAD_KEEP_ELEMENTS`], at least
-/// one.
+/// Rows of the head per block when its logits are recomputed: at most
+/// [`HEAD_BLOCK_ELEMENTS`] elements of rows [`head_ld`] apart, at least one row, at most the
+/// `n` rows there are.
+pub fn head_block(vocab: usize, n: usize) -> usize {
+    (HEAD_BLOCK_ELEMENTS / head_ld(vocab)).clamp(1, n.max(1))
+}
+
+/// Rows of a chunk whose probabilities are kept: at most [`HEAD_KEEP_ELEMENTS`] elements of
+/// rows [`head_ld`] apart, at least one.
 pub fn keep_rows(vocab: usize) -> usize {
-    (HEAD_KEEP_ELEMENTS / vocab.max(1)).max(1)
+    (HEAD_KEEP_ELEMENTS / head_ld(vocab)).max(1)
 }
 
 /// A part of the attention: the forward, the queries' gradient, the keys' and values'.

@@ -106,7 +106,7 @@ fn every_launch(cfg: &Config, packed: &Packed) {
     // The head: blocks of recomputed logits and kept chunks, each within an int.
     for rows in [launch::head_block(v, n), launch::keep_rows(v).min(n.max(1))] {
         assert!((1..=n.max(1)).contains(&rows), "{what}: {rows} head rows");
-        launch::int("head", rows * v).unwrap_or_else(|e| panic!("{what}: {e}"));
+        launch::int("head", rows * launch::head_ld(v)).unwrap_or_else(|e| panic!("{what}: {e}"));
         launch::per_row(rows).unwrap_or_else(|e| panic!("{what}: {e}"));
         launch::elementwise("head", rows * v).unwrap_or_else(|e| panic!("{what}: {e}"));
     }
@@ -226,4 +226,20 @@ fn the_launch_constants_are_the_kernels_defines() {
             "no kernels of width {d}"
         );
     }
+}
+
+/// The head's rows on the device are padded to whole lines: every row of f32 starts
+/// 256-byte aligned, and the padding is what the vocabulary lacks of the next multiple.
+#[test]
+fn the_heads_rows_are_padded_to_aligned_rows() {
+    assert_eq!(launch::head_ld(50_257), 50_304);
+    for v in [1, 63, 64, 65, 1000, 50_257, 50_304] {
+        let ld = launch::head_ld(v);
+        assert!(ld >= v && ld - v < launch::HEAD_ROW_ALIGN, "{v} -> {ld}");
+        assert_eq!((ld * 4) % 256, 0, "{v} -> {ld}");
+    }
+    // The blocks and kept chunks count padded rows against their budgets.
+    let v = 50_257;
+    assert_eq!(launch::keep_rows(v), launch::HEAD_KEEP_ELEMENTS / 50_304);
+    assert!(launch::head_block(v, 1 << 20) * launch::head_ld(v) <= launch::HEAD_BLOCK_ELEMENTS);
 }

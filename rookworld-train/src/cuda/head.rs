@@ -2,7 +2,9 @@
 //! [`launch::HEAD_BLOCK_ELEMENTS`]), each block's log-probs, or its gradient and the two products
 //! of the backward, without a (rows, vocabulary) buffer; or, with the head kept
 //! ([`Cuda::with_kept_head`]), a chunk's probabilities (at most [`launch::HEAD_KEEP_ELEMENTS`])
-//! from its forward to its backward.
+//! from its forward to its backward. Rows of logits, probabilities and their gradient are
+//! [`launch::head_ld`] elements apart (the vocabulary rounded up to 64: aligned rows for
+//! cuBLAS), their padding never read or written.
 
 use candle_core::cuda::cudarc::driver::sys::CUdeviceptr;
 use candle_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -28,9 +30,13 @@ impl Cuda {
         if span.is_empty() {
             return Ok(());
         }
-        let block = head_block(v, span.len());
-        let mut logits = self.scratch(block * v)?;
-        let (vi, inv_t) = (int("head", v)?, (1.0 / f.temperature) as f32);
+        let (block, ld) = (head_block(v, span.len()), launch::head_ld(v));
+        let mut logits = self.scratch(block * ld)?;
+        let (vi, ldi, inv_t) = (
+            int("head", v)?,
+            int("head", ld)?,
+            (1.0 / f.temperature) as f32,
+        );
         let targets = self.ptr(&rows.targets);
         let entropy = f.entropy.as_ref().map_or(0, |h| h.ptr);
         for start in span.clone().step_by(block) {
@@ -51,6 +57,7 @@ impl Cuda {
                 &logp,
                 &h,
                 &vi,
+                &ldi,
                 &inv_t
             )?;
         }
@@ -69,9 +76,13 @@ impl Cuda {
         if span.is_empty() {
             return Ok(());
         }
-        let block = head_block(v, span.len());
-        let mut logits = self.scratch(block * v)?;
-        let (vi, inv_t) = (int("head", v)?, (1.0 / b.temperature) as f32);
+        let (block, ld) = (head_block(v, span.len()), launch::head_ld(v));
+        let mut logits = self.scratch(block * ld)?;
+        let (vi, ldi, inv_t) = (
+            int("head", v)?,
+            int("head", ld)?,
+            (1.0 / b.temperature) as f32,
+        );
         let targets = self.ptr(&rows.targets);
         for start in span.clone().step_by(block) {
             let m = block.min(span.end - start);
@@ -85,6 +96,7 @@ impl Cuda {
                 &t,
                 &up,
                 &vi,
+                &ldi,
                 &inv_t
             )?;
             let grads = (&mut *b.dhidden, &mut *b.dhead);
@@ -104,14 +116,18 @@ impl Cuda {
         let (span, e) = (f.span, f.e);
         let v = f.head.len / e.max(1);
         check_span("head", &span, rows.predicted)?;
-        let m = span.len();
-        self.fit(f.scratch, m * v)?;
+        let (m, ld) = (span.len(), launch::head_ld(v));
+        self.fit(f.scratch, m * ld)?;
         if m == 0 {
             return Ok(());
         }
         let probs: &mut DevF32 = f.scratch;
         self.block_logits(probs, f.hidden, f.head, (span.start, m, v, e))?;
-        let (vi, inv_t) = (int("head", v)?, (1.0 / f.temperature) as f32);
+        let (vi, ldi, inv_t) = (
+            int("head", v)?,
+            int("head", ld)?,
+            (1.0 / f.temperature) as f32,
+        );
         let t = u32_at(self.ptr(&rows.targets), span.start);
         let logp = f.logp.at(span.start);
         let h = f.entropy.as_ref().map_or(0, |h| h.at(span.start));
@@ -124,6 +140,7 @@ impl Cuda {
             &logp,
             &h,
             &vi,
+            &ldi,
             &inv_t
         )
     }
@@ -146,9 +163,11 @@ impl Cuda {
         if m == 0 {
             return Ok(());
         }
-        let (mi, vi, inv_t) = (
+        let ld = launch::head_ld(v);
+        let (mi, vi, ldi, inv_t) = (
             int("head", m)?,
             int("head", v)?,
+            int("head", ld)?,
             (1.0 / b.temperature) as f32,
         );
         let (t, up) = (u32_at(self.ptr(&rows.targets), start), b.dlogp.at(start));
@@ -161,6 +180,7 @@ impl Cuda {
             &up,
             &mi,
             &vi,
+            &ldi,
             &inv_t
         )?;
         self.backward_products(
@@ -171,17 +191,18 @@ impl Cuda {
     }
 
     /// The head's backward products for the rows `start..start + m`, from their logits'
-    /// gradient `d` (m, V): ∂hidden[start..] (m, E) += d · W (V, E), and ∂W (V, E) +=
-    /// dᵀ (V, m) · hidden[start..] (m, E).
+    /// gradient `d` (m, V; rows [`launch::head_ld`] apart): ∂hidden[start..] (m, E) += d ·
+    /// W (V, E), and ∂W (V, E) += dᵀ (V, m) · hidden[start..] (m, E).
     fn backward_products(
         &self,
         (dhidden, dhead): (&mut DevF32, &mut DevF32),
         (hidden, head, d): (&DevF32, &DevF32, &DevF32),
         (start, m, v, e): (usize, usize, usize, usize),
     ) -> Result<()> {
+        let ld = launch::head_ld(v);
         let g = row_major(
             (m, e, v),
-            RowMajor::plain(v),
+            RowMajor::plain(ld),
             RowMajor::plain(e),
             start * e,
             true,
@@ -189,7 +210,7 @@ impl Cuda {
         self.gemm(dhidden, &g, head, d)?;
         let g = row_major(
             (v, e, m),
-            RowMajor::transposed(v),
+            RowMajor::transposed(ld),
             RowMajor::plain(e).at(start * e),
             0,
             true,
@@ -197,8 +218,8 @@ impl Cuda {
         self.gemm(dhead, &g, hidden, d)
     }
 
-    /// `out` (m, V) = hidden rows `start..start + m` (·, E) · Wᵀ, W (V, E) the head: one
-    /// block of the head's logits, before the temperature.
+    /// `out` (m, V; rows [`launch::head_ld`] apart) = hidden rows `start..start + m` (·, E)
+    /// · Wᵀ, W (V, E) the head: one block of the head's logits, before the temperature.
     fn block_logits(
         &self,
         out: &mut DevF32,
@@ -212,7 +233,8 @@ impl Cuda {
             RowMajor::transposed(e),
             0,
             false,
-        );
+        )
+        .with_ldc(launch::head_ld(v));
         // cuBLAS's A is the right operand (W), its B the left (the hidden rows).
         self.gemm(out, &g, head, hidden)
     }
