@@ -10,11 +10,12 @@
 //   top-k kept. The token is the first i, in index order, whose running sum of kept w
 //   exceeds u * sum(kept w), u the row's uniform draw from the host's seeded stream;
 //   its log-probability is z_c - log sum(kept w).
-// Sums are in f64 and every scan reads coalesced: warp w owns a contiguous segment of the
-// row (a multiple of 32 tokens), its lanes reading 32 consecutive tokens at a time; the
-// lanes' sums are combined by shuffles and the warps' in warp order, so a row's result
-// depends only on its logits and its draw. The draw finds its warp by the warps' masses,
-// then walks that warp's segment 32 tokens a round, a scan across the lanes.
+// Sums are in f64 and every pass over the row reads coalesced: warp w owns a contiguous
+// segment of the row (a multiple of 32 tokens), its lanes reading 32 consecutive tokens at
+// a time; the lanes' sums are combined by shuffles and the warps' in warp order, so a
+// row's result depends only on its logits and its draw. The draw finds its warp by the
+// warps' masses, then its lane by a scan of 32 runs of that warp's segment (read again,
+// from cache), and its token by that lane's walk of its run.
 //
 // The logits are f32 or BF16 (the head's output as it is: a BF16 value widens to f32
 // exactly, so both give the same draw on the same values), rows `ld` elements apart
@@ -23,7 +24,7 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-#define THREADS 256
+#define THREADS 1024
 #define WARP 32
 #define WARPS (THREADS / WARP)
 #define FULL 0xffffffffu
@@ -190,26 +191,38 @@ __device__ void sample_row(const T *__restrict__ logits, int V, long long ld,
     }
     const double target = draw[3] * total;
     if (last > 0 && before <= target && target < before + mass) {  // warp-uniform
-        // The segment a round of 32 tokens at a time: each lane's running sum within the
-        // round (a scan across the lanes), the first lane past the target chosen.
-        double cum = before;
-        uint32_t chosen = last - 1;  // rounding put the target past the segment's sums
-        for (int base = lo; base < hi; base += WARP) {
-            const int i = base + lane;
-            double incl = i < hi && key_of(sanitize(x(i))) >= tau ? (double)weight(i) : 0.0;
-            for (int o = 1; o < WARP; o *= 2) {
-                const double y = __shfl_up_sync(FULL, incl, o);
-                if (lane >= o) incl += y;
-            }
-            uint32_t first = target < cum + incl ? (uint32_t)lane : (uint32_t)WARP;
-            for (int o = WARP / 2; o > 0; o /= 2) first = min(first, __shfl_xor_sync(FULL, first, o));
-            if (first < WARP) {  // warp-uniform
-                chosen = base + first;
-                break;
-            }
-            cum += __shfl_sync(FULL, incl, WARP - 1);
+        // That warp's segment split into 32 runs of consecutive tokens, a lane each (read
+        // again from cache): each run's kept mass, a scan across the lanes, and the one
+        // lane whose share [before + excl, before + incl) holds the target walks its run
+        // token by token. Lane l's upper end and lane l + 1's lower end are the same sum,
+        // so the shares tile the warp's; only a token of positive weight is chosen.
+        const int run = (hi - lo + WARP - 1) / WARP;
+        const int r0 = min(hi, lo + lane * run), r1 = min(hi, r0 + run);
+        double incl = 0.0;
+        for (int i = r0; i < r1; ++i)
+            if (key_of(sanitize(x(i))) >= tau) incl += (double)weight(i);
+        for (int o = 1; o < WARP; o *= 2) {
+            const double y = __shfl_up_sync(FULL, incl, o);
+            if (lane >= o) incl += y;
         }
-        if (lane == 0) s_chosen = chosen;
+        const double up = __shfl_up_sync(FULL, incl, 1);
+        const double excl = lane > 0 ? up : 0.0;
+        if (before + excl <= target && target < before + incl) {
+            double cum = before + excl;
+            uint32_t chosen = last - 1;  // rounding put the target past the run's sums
+            for (int i = r0; i < r1; ++i) {
+                if (key_of(sanitize(x(i))) < tau) continue;
+                const float w = weight(i);
+                cum += (double)w;
+                if (w > 0.f && target < cum) {
+                    chosen = i;
+                    break;
+                }
+            }
+            s_chosen = chosen;
+        } else if (lane == WARP - 1 && target >= before + incl) {
+            s_chosen = last - 1;  // rounding: the lanes' sum fell short of the warp's mass
+        }
     }
     __syncthreads();
     if (s_chosen == 0xffffffffu) {  // rounding put the target past the last token

@@ -141,8 +141,9 @@ pub fn row_attention_grid(bucket_rows: usize, heads: usize) -> Grid {
 pub const NORM_THREADS: u32 = 256;
 
 /// Threads of a block of `sample_rows_*`, one block per row (`THREADS` in
-/// `kernels/sample.cu`: eight warps, each scanning a contiguous segment of the row).
-pub const SAMPLE_THREADS: u32 = 256;
+/// `kernels/sample.cu`: 32 warps, each scanning a contiguous segment of the row, so that
+/// enough loads are in flight on a pass over logits not yet in cache).
+pub const SAMPLE_THREADS: u32 = 1024;
 
 /// `add_layer_norm`'s grid over `m` rows of width `e`: a block per row, the row and the
 /// block's partial sums (`e + 32` floats) in dynamic shared memory; `Err` where that passes

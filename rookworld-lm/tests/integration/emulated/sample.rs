@@ -85,8 +85,9 @@ fn sample_rows_match<P: Precision>(v: usize, ld: usize, rows: &[(Vec<f32>, RowDr
     }
 }
 
-/// Rows of 3001 logits (each warp a segment of 384 tokens, twelve rounds of 32; the last
-/// warp's segment part-filled) under every kind of draw, rows 3072 apart.
+/// Rows of 3001 logits (each warp a segment of 96 tokens, three rounds of 32, the draw's
+/// runs three tokens a lane; the last warp's segment part-filled) under every kind of
+/// draw, rows 3072 apart.
 fn sampling_rows(values: &mut Values, v: usize) -> Vec<(Vec<f32>, RowDraw)> {
     let settings = [
         // Greedy, and greedy where 1/T overflows.
@@ -109,7 +110,7 @@ fn sampling_rows(values: &mut Values, v: usize) -> Vec<(Vec<f32>, RowDraw)> {
             let mut row = values.scaled(v, 6.0);
             match i {
                 // A tie for the maximum within a warp (tokens 10 and 40, two rounds of warp
-                // 0's segment) and across warps (token 2000, warp 5's): the first wins; NaNs
+                // 0's segment) and across warps (token 2000, warp 20's): the first wins; NaNs
                 // lose.
                 0 => {
                     row.iter_mut()
@@ -147,7 +148,7 @@ fn sample_rows_draws_the_reference_token_in_bf16_from_padded_rows() {
     sample_rows_match::<Bf16>(v, v.next_multiple_of(64), &rows);
 }
 
-/// A vocabulary of 1000 (segments of 128 tokens, the last warp's 104), contiguous rows: a
+/// A vocabulary of 1000 (segments of 32 tokens, the last warp's 8), contiguous rows: a
 /// row of NaNs and one of −∞ (no finite logit: status 1), a row with a single finite
 /// logit (the last token), and a tempered draw.
 #[test]
@@ -163,6 +164,32 @@ fn sample_rows_reports_rows_with_no_finite_logit_and_draws_the_rest() {
         (single, draw(1.0, 0, 0.5, 0.999)),
     ];
     sample_rows_match::<F32>(v, v, &rows);
+}
+
+/// Vocabularies under a block's threads, so that most warps' segments are empty: every
+/// kind of draw on rows of 5 and 100 logits (3 and 29 warps with none).
+#[test]
+fn sample_rows_draws_from_rows_shorter_than_the_block() {
+    let mut values = Values(79);
+    for v in [5usize, 100] {
+        let mut rows = Vec::new();
+        for (i, &(t, k, p)) in [
+            (0.0f32, 0u32, 1.0f32),
+            (1.0, 0, 1.0),
+            (0.8, 3, 1.0),
+            (1.0, 0, 0.5),
+            (0.7, 4, 0.9),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let uniform = (i as f64 * 0.618_033_988_749_895 + 0.3).fract();
+            rows.push((values.scaled(v, 6.0), draw(t, k, p, uniform)));
+        }
+        rows.push((values.scaled(v, 6.0), draw(1.0, 0, 1.0, 0.999_999)));
+        rows.push((values.scaled(v, 6.0), draw(1.0, 0, 1.0, 0.0)));
+        sample_rows_match::<F32>(v, v, &rows);
+    }
 }
 
 /// The launch's threads are the kernel's `THREADS`.
