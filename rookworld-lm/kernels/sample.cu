@@ -207,21 +207,27 @@ __device__ void sample_row(const T *__restrict__ logits, int V, long long ld,
         }
         const double up = __shfl_up_sync(FULL, incl, 1);
         const double excl = lane > 0 ? up : 0.0;
-        if (before + excl <= target && target < before + incl) {
-            double cum = before + excl;
+        // The scan's sums need not rise lane by lane in floating point, so shares may
+        // overlap by a rounding: the first lane that claims is the one writer; none (the
+        // lanes' sum short of the warp's mass) leaves it to lane 31 and the fallback.
+        const bool claims = before + excl <= target && target < before + incl;
+        uint32_t owner = claims ? (uint32_t)lane : (uint32_t)WARP;
+        for (int o = WARP / 2; o > 0; o /= 2) owner = min(owner, __shfl_xor_sync(FULL, owner, o));
+        if (lane == (owner < WARP ? (int)owner : WARP - 1)) {
             uint32_t chosen = last - 1;  // rounding put the target past the run's sums
-            for (int i = r0; i < r1; ++i) {
-                if (key_of(sanitize(x(i))) < tau) continue;
-                const float w = weight(i);
-                cum += (double)w;
-                if (w > 0.f && target < cum) {
-                    chosen = i;
-                    break;
+            if (claims) {
+                double cum = before + excl;
+                for (int i = r0; i < r1; ++i) {
+                    if (key_of(sanitize(x(i))) < tau) continue;
+                    const float w = weight(i);
+                    cum += (double)w;
+                    if (w > 0.f && target < cum) {
+                        chosen = i;
+                        break;
+                    }
                 }
             }
             s_chosen = chosen;
-        } else if (lane == WARP - 1 && target >= before + incl) {
-            s_chosen = last - 1;  // rounding: the lanes' sum fell short of the warp's mass
         }
     }
     __syncthreads();

@@ -158,6 +158,12 @@ pub fn head_ld(vocab: usize) -> usize {
     vocab.max(1).next_multiple_of(HEAD_ROW_ALIGN)
 }
 
+/// Elements of `rows` rows of the head's logits (or probabilities) on the device, rows
+/// [`head_ld`] apart: what a kept chunk is fitted to, and what its backward recognises.
+pub fn head_rows_len(rows: usize, vocab: usize) -> usize {
+    rows * head_ld(vocab)
+}
+
 /// Rows of the head per block when its logits are recomputed: at most
 /// [`HEAD_BLOCK_ELEMENTS`] elements of rows [`head_ld`] apart, at least one row, at most the
 /// `n` rows there are.

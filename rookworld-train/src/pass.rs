@@ -99,7 +99,7 @@ pub struct Activations<B: Backend> {
     lnf_mean: B::Owned,
     lnf_rstd: B::Owned,
     hidden: B::Owned,     // (N, E) ln_f rows that predict
-    head_probs: B::Owned, // (rows, V) of the head rows last run, when kept
+    head_probs: B::Owned, // (rows, V) of the head rows last run, when kept (laid out by B)
     head_kept: bool,
     logp: B::Owned,    // (N)
     entropy: B::Owned, // (N) with gradients kept

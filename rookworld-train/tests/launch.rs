@@ -238,6 +238,8 @@ fn the_heads_rows_are_padded_to_aligned_rows() {
         assert!(ld >= v && ld - v < launch::HEAD_ROW_ALIGN, "{v} -> {ld}");
         assert_eq!((ld * 4) % 256, 0, "{v} -> {ld}");
     }
+    // A kept chunk is fitted to, and recognised by, its padded rows.
+    assert_eq!(launch::head_rows_len(3, 50_257), 3 * 50_304);
     // The blocks and kept chunks count padded rows against their budgets.
     let v = 50_257;
     assert_eq!(launch::keep_rows(v), launch::HEAD_KEEP_ELEMENTS / 50_304);

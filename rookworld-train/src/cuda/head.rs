@@ -116,13 +116,14 @@ impl Cuda {
         let (span, e) = (f.span, f.e);
         let v = f.head.len / e.max(1);
         check_span("head", &span, rows.predicted)?;
-        let (m, ld) = (span.len(), launch::head_ld(v));
-        self.fit(f.scratch, m * ld)?;
+        let m = span.len();
+        self.fit(f.scratch, launch::head_rows_len(m, v))?;
         if m == 0 {
             return Ok(());
         }
         let probs: &mut DevF32 = f.scratch;
         self.block_logits(probs, f.hidden, f.head, (span.start, m, v, e))?;
+        let ld = launch::head_ld(v);
         let (vi, ldi, inv_t) = (
             int("head", v)?,
             int("head", ld)?,
@@ -160,6 +161,12 @@ impl Cuda {
         let Some(probs) = b.probs else {
             return Err(fail("head", "no kept probabilities"));
         };
+        if probs.len != launch::head_rows_len(m, v) {
+            return Err(fail(
+                "head",
+                format!("{} kept probabilities for {m} rows of {v}", probs.len),
+            ));
+        }
         if m == 0 {
             return Ok(());
         }

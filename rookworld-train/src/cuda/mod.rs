@@ -799,7 +799,8 @@ impl Backend for Cuda {
 
     fn head_backward(&self, b: HeadBackward<'_, Self>, rows: &CudaRows) -> Result<()> {
         let v = b.head.len / b.e.max(1);
-        let kept = b.probs.as_ref().is_some_and(|p| p.len == b.span.len() * v);
+        let kept =
+            (b.probs.as_ref()).is_some_and(|p| p.len == launch::head_rows_len(b.span.len(), v));
         if self.kept_head && kept {
             self.head_backward_kept(b, rows)
         } else {
