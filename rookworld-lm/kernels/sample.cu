@@ -170,10 +170,11 @@ __device__ void sample_row(const T *__restrict__ logits, int V, long long ld,
     // The draw: the first token whose running kept mass exceeds u * total. Each warp's
     // kept mass (and last kept token); warp w owns [before_w, before_w + mass_w) of
     // [0, total), the masses summed in warp order, so the intervals tile it exactly.
+    auto kept = [&](int i) { return key_of(sanitize(x(i))) >= tau; };
     double part = 0.0;
     uint32_t last = 0;  // 1 + the lane's last token of positive weight, 0 for none
     for (int i = lo + lane; i < hi; i += WARP) {
-        if (key_of(sanitize(x(i))) < tau) continue;
+        if (!kept(i)) continue;
         const float w = weight(i);
         part += (double)w;
         if (w > 0.f) last = i + 1;
@@ -200,7 +201,7 @@ __device__ void sample_row(const T *__restrict__ logits, int V, long long ld,
         const int r0 = min(hi, lo + lane * run), r1 = min(hi, r0 + run);
         double incl = 0.0;
         for (int i = r0; i < r1; ++i)
-            if (key_of(sanitize(x(i))) >= tau) incl += (double)weight(i);
+            if (kept(i)) incl += (double)weight(i);
         for (int o = 1; o < WARP; o *= 2) {
             const double y = __shfl_up_sync(FULL, incl, o);
             if (lane >= o) incl += y;
@@ -218,7 +219,7 @@ __device__ void sample_row(const T *__restrict__ logits, int V, long long ld,
             if (claims) {
                 double cum = before + excl;
                 for (int i = r0; i < r1; ++i) {
-                    if (key_of(sanitize(x(i))) < tau) continue;
+                    if (!kept(i)) continue;
                     const float w = weight(i);
                     cum += (double)w;
                     if (w > 0.f && target < cum) {

@@ -736,6 +736,24 @@ __device__ __forceinline__ void stage(Bf16 *dst, const float *__restrict__ src, 
     }
 }
 
+// The chunk of the tile's visible keys from key c0 (of `keys`): their rows into rows[]
+// and their K and V (qkv's columns E.. and 2E.. from `head`, the head's q columns) staged
+// into sk and sv, with a barrier before (the last chunk's readers are done) and after.
+// Returns the chunk's keys.
+template <int D>
+__device__ __forceinline__ int stage_keys(Bf16 *sk, Bf16 *sv, int *rows,
+                                          const float *__restrict__ head, const RowMeta &m,
+                                          int c0, int keys, int E) {
+    const int count = min(CHUNK, keys - c0);
+    __syncthreads();
+    if (threadIdx.x < CHUNK) rows[threadIdx.x] = tile_key(m, c0 + min((int)threadIdx.x, count - 1));
+    __syncthreads();
+    stage<D>(sk, head + E, 3 * E, rows, count, CHUNK, 1.f);
+    stage<D>(sv, head + 2 * E, 3 * E, rows, count, CHUNK, 1.f);
+    __syncthreads();
+    return count;
+}
+
 // The (TILE, CHUNK) block a·bᵀ of two (·, D) BF16 operands staged row by row, into `out`
 // (f32, LS apart): warp w the 16 × 16 block (w / 2, w % 2).
 template <int D>
@@ -819,13 +837,7 @@ __device__ void fwd(float *__restrict__ y, float *__restrict__ lse, const float 
 #pragma unroll
     for (int a = 0; a < MMA_ROWS_PER_WARP; ++a) mx[a] = -INFINITY, sum[a] = 0.f;
     for (int c0 = 0; c0 < keys; c0 += CHUNK) {
-        const int count = min(CHUNK, keys - c0);
-        __syncthreads();  // the last chunk's products are done (and sq is written)
-        if (threadIdx.x < CHUNK) rows[threadIdx.x] = tile_key(m, c0 + min((int)threadIdx.x, count - 1));
-        __syncthreads();
-        stage<D>(sk, qkv + E + h * D, 3 * E, rows, count, CHUNK, 1.f);
-        stage<D>(sv, qkv + 2 * E + h * D, 3 * E, rows, count, CHUNK, 1.f);
-        __syncthreads();
+        const int count = stage_keys<D>(sk, sv, rows, qkv + h * D, m, c0, keys, E);
         scores<D>(ss, sq, sk);
         __syncthreads();
         // The online softmax, a warp per row, lane j the chunk's key j.
@@ -935,13 +947,7 @@ __device__ void dq(float *__restrict__ dqkv, const float *__restrict__ dy,
     Acc acc[per_warp<D>()];
     clear<D>(acc);
     for (int c0 = 0; c0 < keys; c0 += CHUNK) {
-        const int count = min(CHUNK, keys - c0);
-        __syncthreads();
-        if (threadIdx.x < CHUNK) rows[threadIdx.x] = tile_key(m, c0 + min((int)threadIdx.x, count - 1));
-        __syncthreads();
-        stage<D>(sk, qkv + E + h * D, 3 * E, rows, count, CHUNK, 1.f);
-        stage<D>(sv, qkv + 2 * E + h * D, 3 * E, rows, count, CHUNK, 1.f);
-        __syncthreads();
+        const int count = stage_keys<D>(sk, sv, rows, qkv + h * D, m, c0, keys, E);
         scores<D>(ss, sq, sk);
         scores<D>(sdp, sg, sv);
         __syncthreads();

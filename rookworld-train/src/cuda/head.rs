@@ -30,13 +30,9 @@ impl Cuda {
         if span.is_empty() {
             return Ok(());
         }
-        let (block, ld) = (head_block(v, span.len()), launch::head_ld(v));
-        let mut logits = self.scratch(block * ld)?;
-        let (vi, ldi, inv_t) = (
-            int("head", v)?,
-            int("head", ld)?,
-            (1.0 / f.temperature) as f32,
-        );
+        let block = head_block(v, span.len());
+        let mut logits = self.scratch(launch::head_rows_len(block, v))?;
+        let (vi, ldi, inv_t) = row_args(v, f.temperature)?;
         let targets = self.ptr(&rows.targets);
         let entropy = f.entropy.as_ref().map_or(0, |h| h.ptr);
         for start in span.clone().step_by(block) {
@@ -76,13 +72,9 @@ impl Cuda {
         if span.is_empty() {
             return Ok(());
         }
-        let (block, ld) = (head_block(v, span.len()), launch::head_ld(v));
-        let mut logits = self.scratch(block * ld)?;
-        let (vi, ldi, inv_t) = (
-            int("head", v)?,
-            int("head", ld)?,
-            (1.0 / b.temperature) as f32,
-        );
+        let block = head_block(v, span.len());
+        let mut logits = self.scratch(launch::head_rows_len(block, v))?;
+        let (vi, ldi, inv_t) = row_args(v, b.temperature)?;
         let targets = self.ptr(&rows.targets);
         for start in span.clone().step_by(block) {
             let m = block.min(span.end - start);
@@ -123,12 +115,7 @@ impl Cuda {
         }
         let probs: &mut DevF32 = f.scratch;
         self.block_logits(probs, f.hidden, f.head, (span.start, m, v, e))?;
-        let ld = launch::head_ld(v);
-        let (vi, ldi, inv_t) = (
-            int("head", v)?,
-            int("head", ld)?,
-            (1.0 / f.temperature) as f32,
-        );
+        let (vi, ldi, inv_t) = row_args(v, f.temperature)?;
         let t = u32_at(self.ptr(&rows.targets), span.start);
         let logp = f.logp.at(span.start);
         let h = f.entropy.as_ref().map_or(0, |h| h.at(span.start));
@@ -170,13 +157,8 @@ impl Cuda {
         if m == 0 {
             return Ok(());
         }
-        let ld = launch::head_ld(v);
-        let (mi, vi, ldi, inv_t) = (
-            int("head", m)?,
-            int("head", v)?,
-            int("head", ld)?,
-            (1.0 / b.temperature) as f32,
-        );
+        let mi = int("head", m)?;
+        let (vi, ldi, inv_t) = row_args(v, b.temperature)?;
         let (t, up) = (u32_at(self.ptr(&rows.targets), start), b.dlogp.at(start));
         launch!(
             self,
@@ -254,6 +236,17 @@ fn check_span(op: &'static str, span: &std::ops::Range<usize>, n: usize) -> Resu
     } else {
         Err(fail(op, format!("rows {span:?} of {n}")))
     }
+}
+
+/// The head's kernels' row arguments: the vocabulary V, the rows' stride
+/// ([`launch::head_ld`]) and 1/τ.
+fn row_args(v: usize, temperature: f64) -> Result<(i32, i32, f32)> {
+    let ld = launch::head_ld(v);
+    Ok((
+        int("head", v)?,
+        int("head", ld)?,
+        (1.0 / temperature) as f32,
+    ))
 }
 
 /// A block per row, `m` rows (the head's kernels; [`launch::per_row`]).
