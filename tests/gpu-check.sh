@@ -314,7 +314,7 @@ rollout() {
 step_trials() {
   case $1 in
     tiles_*) echo step_attention_tiles,step_head_kept ;;
-    mma_*) echo step_attention_mma,step_head_kept ;;
+    mma_*) echo step_attention_mma,step_head_kept,step_epilogues ;;
   esac
 }
 
@@ -341,7 +341,7 @@ section_command() {
     # Where the fused step's device time goes: every kernel of one step timed by device
     # events; tiles_*: the same (and the buffers against the CPU backend's first) with the
     # step's trials, the tiled attention and the kept head; mma_*: with the attention on
-    # tensor cores and the kept head.
+    # tensor cores, the kept head and the products' epilogues on cuBLASLt.
     learner_profile)
       CMD=("$LEARNER" bench --preset "$PRESET" --device "$DEVICE" --path fused
         -p "$STEP_PROMPTS" -n "$GROUP" --steps 1 --micro-batch-groups "$MICRO" --profile

@@ -217,7 +217,8 @@ fn cuda(args: &CompareArgs, cfg: &Config) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     let backend = rookworld_train::cuda::Cuda::new(cuda.clone())
         .with_attention(rookworld_train::kernels::attention_form(&step))
-        .with_kept_head(step.enabled(StepKernel::HeadKept));
+        .with_kept_head(step.enabled(StepKernel::HeadKept))
+        .with_epilogues(step.enabled(StepKernel::Epilogues));
     compare_on(&backend, args, cfg)
 }
 

@@ -7,7 +7,7 @@
 
 use std::ops::{DerefMut, Range};
 
-use crate::gemm::Gemm;
+use crate::gemm::{EpilogueKind, Gemm};
 use crate::packed::Packed;
 
 pub(crate) mod error;
@@ -58,6 +58,81 @@ pub struct HeadBackward<'a, B: Backend + ?Sized> {
     pub probs: Option<&'a mut B::Buf>,
 }
 
+/// A product's epilogue ([`EpilogueKind`]) with its buffers, for
+/// [`Backend::gemm_epilogue`].
+pub enum Epilogue<'a, B: Backend + ?Sized> {
+    /// `c = op(a)·op(b) + bias`, `bias` (m).
+    Bias { bias: &'a B::Buf },
+    /// `pre = op(a)·op(b) + bias`, `c = gelu_new(pre)`; `pre` stored like `c`.
+    BiasGelu {
+        bias: &'a B::Buf,
+        pre: &'a mut B::Buf,
+    },
+    /// `c = (op(a)·op(b)) ⊙ gelu_new'(pre)`; `pre` stored like `c`.
+    Dgelu { pre: &'a B::Buf },
+    /// `c [+]= op(a)·op(b)`, `db (m) += Σ_l A(i, l)` (A: `a`, the whole buffer).
+    BiasGrad { db: &'a mut B::Buf },
+}
+
+impl<B: Backend + ?Sized> Epilogue<'_, B> {
+    pub fn kind(&self) -> EpilogueKind {
+        match self {
+            Epilogue::Bias { .. } => EpilogueKind::Bias,
+            Epilogue::BiasGelu { .. } => EpilogueKind::BiasGelu,
+            Epilogue::Dgelu { .. } => EpilogueKind::Dgelu,
+            Epilogue::BiasGrad { .. } => EpilogueKind::BiasGrad,
+        }
+    }
+
+    /// Checks the call with its buffers ([`Gemm::check`], [`Gemm::check_epilogue`]).
+    pub fn check(&self, b: &B, g: &Gemm, (c, a, bb): (&B::Buf, &B::Buf, &B::Buf)) -> Result<()> {
+        g.check(b.len(a), b.len(bb), b.len(c))?;
+        let (vector, pre) = match self {
+            Epilogue::Bias { bias } => (b.len(bias), 0),
+            Epilogue::BiasGelu { bias, pre } => (b.len(bias), b.len(pre)),
+            Epilogue::Dgelu { pre } => (0, b.len(pre)),
+            Epilogue::BiasGrad { db } => (b.len(db), 0),
+        };
+        g.check_epilogue(self.kind(), (b.len(a), b.len(c)), (vector, pre))
+    }
+}
+
+/// [`Backend::gemm_epilogue`] as the kernels it replaces: the product, then the bias
+/// broadcast before it (added with β = 1), GELU or its gradient after it, or the column
+/// sums of A. What every backend runs where its device has no epilogue for the call.
+pub fn composed_epilogue<B: Backend + ?Sized>(
+    b: &B,
+    c: &mut B::Buf,
+    g: &Gemm,
+    (a, bb): (&B::Buf, &B::Buf),
+    epilogue: Epilogue<'_, B>,
+) -> Result<()> {
+    epilogue.check(b, g, (c, a, bb))?;
+    let added = Gemm {
+        accumulate: true,
+        ..*g
+    };
+    match epilogue {
+        Epilogue::Bias { bias } => {
+            b.broadcast_rows(c, bias)?;
+            b.gemm(c, &added, a, bb)
+        }
+        Epilogue::BiasGelu { bias, pre } => {
+            b.broadcast_rows(pre, bias)?;
+            b.gemm(pre, &added, a, bb)?;
+            b.gelu_forward(c, pre)
+        }
+        Epilogue::Dgelu { pre } => {
+            b.gemm(c, g, a, bb)?;
+            b.gelu_backward(c, pre)
+        }
+        Epilogue::BiasGrad { db } => {
+            b.gemm(c, g, a, bb)?;
+            b.column_sums(db, a)
+        }
+    }
+}
+
 /// A device that runs the pass. `Buf` is a buffer of f32 in its memory; `Rows` a
 /// micro-batch's layout there (ids, positions, groups, predicting rows, targets).
 #[allow(clippy::too_many_arguments)]
@@ -96,6 +171,18 @@ pub trait Backend {
     /// The column-major product `g` (cuBLAS's `gemm`): `c = op(a) · op(b) [+ c]`, `a` and
     /// `b` the buffers of cuBLAS's A and B.
     fn gemm(&self, c: &mut Self::Buf, g: &Gemm, a: &Self::Buf, b: &Self::Buf) -> Result<()>;
+    /// The product `g` with `epilogue` done on its way out (see [`Epilogue`]): one
+    /// cuBLASLt call where a device has it; by default the kernels it replaces
+    /// ([`composed_epilogue`]).
+    fn gemm_epilogue(
+        &self,
+        c: &mut Self::Buf,
+        g: &Gemm,
+        (a, b): (&Self::Buf, &Self::Buf),
+        epilogue: Epilogue<'_, Self>,
+    ) -> Result<()> {
+        composed_epilogue(self, c, g, (a, b), epilogue)
+    }
     /// Every row of `out` (·, len bias) = `bias`.
     fn broadcast_rows(&self, out: &mut Self::Buf, bias: &Self::Buf) -> Result<()>;
     /// `acc (C) += Σ_rows m (·, C)`, in an order that does not depend on the thread count.

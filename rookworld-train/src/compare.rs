@@ -9,7 +9,7 @@
 //! Buffers the two backends lay out differently (an attention state of another shape)
 //! are skipped, and said so.
 
-use crate::backend::{Backend, Result};
+use crate::backend::{Backend, Epilogue, Result, composed_epilogue};
 use crate::packed::Packed;
 use crate::pass::{self, Activations};
 use crate::weights::{self, Weights};
@@ -336,3 +336,95 @@ pub fn self_check<B: Backend>(b: &B) -> Result<Comparison> {
     }
     Ok(all)
 }
+
+/// The epilogues of `b` ([`Backend::gemm_epilogue`]) against the same maths as separate
+/// kernels on `b` itself ([`composed_epilogue`]), on one linear layer of 40 rows, 24 in and
+/// 64 out ([`pass::linear_products`]): the bias and GELU forms with operands exact in BF16
+/// (so that only the epilogue can differ), the bias gradient with an output gradient that
+/// is not (so that its error says whether the device rounds it to BF16 before summing).
+/// Each result is named `epilogue <kind>: <buffer>`. Tolerances: [`Tolerance::F32`] for
+/// the bias and the kept pre-activation; [`EPILOGUE_GELU`] for GELU and its gradient;
+/// [`Tolerance::SAME_PRODUCTS`] for the bias gradient. Where the backend runs them
+/// composed (the CPU; a device without the trial), every buffer is equal.
+pub fn epilogue_check<B: Backend>(b: &B) -> Result<Comparison> {
+    let (r, k, n) = (40, 24, 64);
+    let [fwd, dgrad, wgrad] = pass::linear_products((r, k, n));
+    let values = |len: usize, f: &dyn Fn(usize) -> f32| (0..len).map(f).collect::<Vec<f32>>();
+    // Multiples of 1/8 and 1/16 below 1: exact in BF16, and so are their products' sums.
+    let x = values(r * k, &|i| ((i * 7 % 9) as f32 - 4.0) / 8.0);
+    let w = values(k * n, &|i| ((i * 5 % 7) as f32 - 3.0) / 16.0);
+    let g = values(r * n, &|i| ((i * 3 % 11) as f32 - 5.0) / 16.0);
+    let bias = values(n, &|i| (i as f32 - 32.0) / 8.0);
+    let pre = values(r * k, &|i| (i as f32 * 0.21).cos() * 3.0);
+    // Not exact in BF16.
+    let dout = values(r * n, &|i| (i as f32 * 0.37).sin());
+    let held = upload(b, &[x, w, g, bias, pre, dout])?;
+    let [x, w, g, bias, pre, dout] = [0, 1, 2, 3, 4, 5].map(|i| &*held[i]);
+    let zero = |len: usize| -> Result<B::Owned> {
+        let mut buf = B::Owned::default();
+        b.fit(&mut buf, len)?;
+        b.fill(&mut buf, 0.0)?;
+        Ok(buf)
+    };
+    let mut all = Comparison::default();
+    let mut compare = |name: &str, fused: &B::Buf, composed: &B::Buf, tol| -> Result<()> {
+        let (l, r) = (b.read(fused)?, b.read(composed)?);
+        all.checked
+            .extend(check(&format!("epilogue {name}"), &l, &r, tol));
+        Ok(())
+    };
+
+    let (mut c1, mut c2) = (zero(r * n)?, zero(r * n)?);
+    b.gemm_epilogue(&mut c1, &fwd, (w, x), Epilogue::Bias { bias })?;
+    composed_epilogue(b, &mut c2, &fwd, (w, x), Epilogue::Bias { bias })?;
+    compare("bias: output", &c1, &c2, Tolerance::F32)?;
+
+    let (mut p1, mut p2) = (zero(r * n)?, zero(r * n)?);
+    let gelu = |pre| Epilogue::BiasGelu { bias, pre };
+    b.gemm_epilogue(&mut c1, &fwd, (w, x), gelu(&mut *p1))?;
+    composed_epilogue(b, &mut c2, &fwd, (w, x), gelu(&mut *p2))?;
+    compare("bias+gelu: pre-activation", &p1, &p2, Tolerance::F32)?;
+    compare("bias+gelu: output", &c1, &c2, EPILOGUE_GELU)?;
+
+    let (mut d1, mut d2) = (zero(r * k)?, zero(r * k)?);
+    b.gemm_epilogue(&mut d1, &dgrad, (w, g), Epilogue::Dgelu { pre })?;
+    composed_epilogue(b, &mut d2, &dgrad, (w, g), Epilogue::Dgelu { pre })?;
+    compare("dgelu: input gradient", &d1, &d2, EPILOGUE_GELU)?;
+
+    let (mut dw1, mut dw2) = (zero(k * n)?, zero(k * n)?);
+    let (mut db1, mut db2) = (zero(n)?, zero(n)?);
+    b.gemm_epilogue(
+        &mut dw1,
+        &wgrad,
+        (dout, x),
+        Epilogue::BiasGrad { db: &mut db1 },
+    )?;
+    composed_epilogue(
+        b,
+        &mut dw2,
+        &wgrad,
+        (dout, x),
+        Epilogue::BiasGrad { db: &mut db2 },
+    )?;
+    compare(
+        "bias grad: weight gradient",
+        &dw1,
+        &dw2,
+        Tolerance::SAME_PRODUCTS,
+    )?;
+    compare(
+        "bias grad: bias gradient",
+        &db1,
+        &db2,
+        Tolerance::SAME_PRODUCTS,
+    )?;
+    Ok(all)
+}
+
+/// GELU's value or its gradient from another implementation of the same tanh form, as
+/// [`epilogue_check`] holds cuBLASLt's: another f32 tanh is about 1e-6 of the scale off;
+/// the erf form, or a hardware `tanh.approx`, some 1e-4 — within this, and reported.
+pub const EPILOGUE_GELU: Tolerance = Tolerance {
+    atol: 1e-5,
+    rtol: 1e-3,
+};

@@ -166,6 +166,110 @@ impl Gemm {
     }
 }
 
+/// What a product does to its result on the way out, as cuBLASLt's epilogues do it inside
+/// the product ([`crate::backend::Epilogue`] holds the buffers; these are their kinds). In
+/// the row-major terms of [`row_major`], cuBLAS's m is the result's columns and its A the
+/// pass's right operand, so a bias of m elements is added to every row of the result, and
+/// the bias gradient adds up the right operand's rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EpilogueKind {
+    /// `C = op(A)·op(B) + bias`: cuBLASLt's `BIAS`.
+    Bias,
+    /// `pre = op(A)·op(B) + bias`, `C = gelu_new(pre)`: `GELU_AUX_BIAS`, `pre` its
+    /// auxiliary output.
+    BiasGelu,
+    /// `C = (op(A)·op(B)) ⊙ gelu_new'(pre)`: `DGELU`, `pre` its auxiliary input.
+    Dgelu,
+    /// `C [+]= op(A)·op(B)` and `db (m) += Σ_l A(i, l)`, A's rows summed over the product's
+    /// inner dimension: `BGRADA` (which writes the sum; the device adds it into `db`).
+    BiasGrad,
+}
+
+impl EpilogueKind {
+    /// Its name in profiles and errors.
+    pub fn name(self) -> &'static str {
+        match self {
+            EpilogueKind::Bias => "bias",
+            EpilogueKind::BiasGelu => "bias+gelu",
+            EpilogueKind::Dgelu => "dgelu",
+            EpilogueKind::BiasGrad => "bias grad",
+        }
+    }
+}
+
+/// Where cuBLASLt reads a vector or matrix the epilogue uses: its `AUX_LD` must be a
+/// multiple of 8 elements, and its vectors and auxiliary matrices start 16-byte aligned
+/// (offset 0 of an allocation, which CUDA aligns to 256 bytes).
+pub const EPILOGUE_AUX_LD_MULTIPLE: usize = 8;
+
+impl Gemm {
+    /// Checks what `kind` asks of the call on top of [`Gemm::check`], with the lengths of
+    /// its buffers (`a`, `c`, the epilogue's vector — the bias or `db` — and `pre`, 0 where
+    /// the kind has none): the result dense from the start of C (the composed form's
+    /// kernels run over the whole buffer, and cuBLASLt's auxiliary matrix shares C's
+    /// layout), not accumulated where the epilogue replaces C; the vector m long, `pre` as
+    /// long as C; for the bias gradient, A the whole of its buffer, stored (m × k)
+    /// untransposed.
+    pub fn check_epilogue(
+        &self,
+        kind: EpilogueKind,
+        (a_len, c_len): (usize, usize),
+        (vector_len, pre_len): (usize, usize),
+    ) -> Result<()> {
+        let refuse = |why: String| {
+            Err(Error::Shape(format!(
+                "gemm {self:?} with epilogue {}: {why}",
+                kind.name()
+            )))
+        };
+        let dense = self.c_offset == 0 && self.ldc == self.m && c_len == self.m * self.n;
+        let (vector, pre) = match kind {
+            EpilogueKind::Bias => (self.m, 0),
+            EpilogueKind::BiasGelu => (self.m, c_len),
+            EpilogueKind::Dgelu => (0, c_len),
+            EpilogueKind::BiasGrad => (self.m, 0),
+        };
+        if kind == EpilogueKind::BiasGrad {
+            let whole = self.a.offset == 0 && !self.a.trans && self.a.ld == self.m;
+            if !whole || a_len != self.m * self.k {
+                return refuse(format!(
+                    "A must be the whole of its buffer ({a_len}), stored {} × {} untransposed",
+                    self.m, self.k
+                ));
+            }
+        } else {
+            if self.accumulate {
+                return refuse("the epilogue writes C; it cannot add into it".into());
+            }
+            if !dense {
+                return refuse(format!(
+                    "C must be the dense {} × {} result from its buffer's start (a buffer of {c_len})",
+                    self.m, self.n
+                ));
+            }
+        }
+        if vector_len != vector {
+            return refuse(format!(
+                "its vector holds {vector_len} elements, not {vector}"
+            ));
+        }
+        if pre_len != pre {
+            return refuse(format!(
+                "its pre-activation holds {pre_len} elements, not {pre}"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether cuBLASLt's epilogue `kind` can serve the call as [`Gemm::check_epilogue`]
+    /// passed it: the auxiliary matrix's leading dimension (C's) a multiple of
+    /// [`EPILOGUE_AUX_LD_MULTIPLE`]. Where not, a device runs the composed form.
+    pub fn lt_serves(&self, kind: EpilogueKind) -> bool {
+        let aux = matches!(kind, EpilogueKind::BiasGelu | EpilogueKind::Dgelu);
+        !aux || self.ldc.is_multiple_of(EPILOGUE_AUX_LD_MULTIPLE)
+    }
+}
+
 /// A [`Gemm`] as a row-major strided product: `dst (rows × cols) = lhs (rows × inner) ·
 /// rhs (inner × cols)`, `shape` = (rows, cols, inner), operands as (offset, row stride,
 /// column stride), `dst` as (offset, row stride).
@@ -271,6 +375,72 @@ mod tests {
             }
             prop_assert_eq!(&strided, &want);
         }
+    }
+
+    #[test]
+    fn an_epilogue_is_refused_where_its_buffers_or_the_result_do_not_fit_it() {
+        use EpilogueKind::*;
+        // A linear layer of 5 rows, 4 in, 8 out: the forward (m = 8, n = 5, k = 4) and
+        // the weight's gradient (m = 8, n = 4, k = 5).
+        let fwd = row_major((5, 8, 4), RowMajor::plain(4), RowMajor::plain(8), 0, false);
+        let wgrad = row_major(
+            (4, 8, 5),
+            RowMajor::transposed(4),
+            RowMajor::plain(8),
+            0,
+            true,
+        );
+        fwd.check_epilogue(Bias, (32, 40), (8, 0)).unwrap();
+        fwd.check_epilogue(BiasGelu, (32, 40), (8, 40)).unwrap();
+        fwd.check_epilogue(Dgelu, (32, 40), (0, 40)).unwrap();
+        wgrad.check_epilogue(BiasGrad, (40, 32), (8, 0)).unwrap();
+        let refused = |g: Gemm, kind, lens, extra, why: &str| {
+            let e = g.check_epilogue(kind, lens, extra).unwrap_err().to_string();
+            assert!(e.contains(why) && e.contains(kind.name()), "{e}");
+        };
+        refused(
+            fwd,
+            Bias,
+            (32, 40),
+            (5, 0),
+            "vector holds 5 elements, not 8",
+        );
+        refused(fwd, BiasGelu, (32, 40), (8, 39), "pre-activation holds 39");
+        refused(fwd, Bias, (32, 48), (8, 0), "dense 8 × 5 result");
+        refused(fwd.with_ldc(9), Bias, (32, 45), (8, 0), "dense");
+        let added = Gemm {
+            accumulate: true,
+            ..fwd
+        };
+        refused(added, Bias, (32, 40), (8, 0), "cannot add into it");
+        // The bias gradient sums the whole of A, stored untransposed.
+        refused(wgrad, BiasGrad, (48, 32), (8, 0), "whole of its buffer");
+        let dgrad = row_major(
+            (5, 4, 8),
+            RowMajor::plain(8),
+            RowMajor::transposed(8),
+            0,
+            false,
+        );
+        refused(
+            dgrad,
+            BiasGrad,
+            (32, 20),
+            (4, 0),
+            "stored 4 × 8 untransposed",
+        );
+        // cuBLASLt's auxiliary matrix wants a leading dimension of a multiple of 8; the
+        // bias alone does not.
+        let odd = row_major(
+            (5, 12, 4),
+            RowMajor::plain(4),
+            RowMajor::plain(12),
+            0,
+            false,
+        );
+        assert!(odd.lt_serves(Bias) && odd.lt_serves(BiasGrad));
+        assert!(!odd.lt_serves(BiasGelu) && !odd.lt_serves(Dgelu));
+        assert!(fwd.lt_serves(BiasGelu) && fwd.lt_serves(Dgelu));
     }
 
     #[test]

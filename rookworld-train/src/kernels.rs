@@ -34,6 +34,15 @@ pub enum StepKernel {
     /// like [`StepKernel::Backend`]; without it, the backward recomputes each block's
     /// logits.
     HeadKept,
+    /// The step backend's products with their epilogues inside them (cuBLASLt): the
+    /// linear layers' bias, the MLP's bias and GELU (its pre-activation kept as the
+    /// product's auxiliary output), GELU's gradient in the product that reaches it, and
+    /// each bias's gradient in its weight's gradient product
+    /// ([`crate::backend::Epilogue`]). A trial ([`Family::trial`]), checked like
+    /// [`StepKernel::Backend`]; without it, or for a call cuBLASLt has no algorithm for,
+    /// the kernels each epilogue replaces (`broadcast_rows`, `gelu_fwd`, `gelu_bwd`,
+    /// `column_partials`).
+    Epilogues,
 }
 
 impl Family for StepKernel {
@@ -42,6 +51,7 @@ impl Family for StepKernel {
         StepKernel::AttentionTiles,
         StepKernel::AttentionMma,
         StepKernel::HeadKept,
+        StepKernel::Epilogues,
     ];
 
     fn name(self) -> &'static str {
@@ -50,13 +60,17 @@ impl Family for StepKernel {
             StepKernel::AttentionTiles => "step_attention_tiles",
             StepKernel::AttentionMma => "step_attention_mma",
             StepKernel::HeadKept => "step_head_kept",
+            StepKernel::Epilogues => "step_epilogues",
         }
     }
 
     fn trial(self) -> bool {
         matches!(
             self,
-            StepKernel::AttentionTiles | StepKernel::AttentionMma | StepKernel::HeadKept
+            StepKernel::AttentionTiles
+                | StepKernel::AttentionMma
+                | StepKernel::HeadKept
+                | StepKernel::Epilogues
         )
     }
 

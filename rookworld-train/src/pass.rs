@@ -13,8 +13,8 @@ use std::time::Instant;
 
 use rookworld_lm::config::Config;
 
-use crate::backend::{Backend, HeadBackward, HeadForward, Heads, Result};
-use crate::gemm::{RowMajor, row_major};
+use crate::backend::{Backend, Epilogue, HeadBackward, HeadForward, Heads, Result};
+use crate::gemm::{Gemm, RowMajor, row_major};
 use crate::packed::Packed;
 use crate::weights::{self, Weights};
 
@@ -277,25 +277,56 @@ impl<B: Backend> Activations<B> {
     }
 }
 
-/// `out (R, N) = x (R, K) · w (K, N) + bias (N)`: Hugging Face's Conv1D.
+/// The three products of a linear layer over `r` rows, `k` in and `n` out (weight stored
+/// (K, N)), as [`linear_forward`] and [`linear_backward`] make them: the forward `x · w`,
+/// the input's gradient `dout · wᵀ` and the weight's `xᵀ · dout` (added into `dw`). In
+/// each, cuBLAS's A is the right operand.
+pub fn linear_products((r, k, n): (usize, usize, usize)) -> [Gemm; 3] {
+    [
+        row_major((r, n, k), RowMajor::plain(k), RowMajor::plain(n), 0, false),
+        row_major(
+            (r, k, n),
+            RowMajor::plain(n),
+            RowMajor::transposed(n),
+            0,
+            false,
+        ),
+        row_major(
+            (k, n, r),
+            RowMajor::transposed(k),
+            RowMajor::plain(n),
+            0,
+            true,
+        ),
+    ]
+}
+
+/// `out (R, N) = x (R, K) · w (K, N) + bias (N)`: Hugging Face's Conv1D, the bias added
+/// on the product's way out ([`Epilogue::Bias`]); with `gelu`, `pre (R, N)` holds that and
+/// `out = gelu_new(pre)` ([`Epilogue::BiasGelu`]).
 pub fn linear_forward<B: Backend>(
     b: &B,
-    out: &mut B::Buf,
+    (out, gelu): (&mut B::Buf, Option<&mut B::Buf>),
     (x, w, bias): (&B::Buf, &B::Buf, &B::Buf),
     (r, k, n): (usize, usize, usize),
 ) -> Result<()> {
-    b.broadcast_rows(out, bias)?;
-    let g = row_major((r, n, k), RowMajor::plain(k), RowMajor::plain(n), 0, true);
+    let [g, ..] = linear_products((r, k, n));
+    let epilogue = match gelu {
+        Some(pre) => Epilogue::BiasGelu { bias, pre },
+        None => Epilogue::Bias { bias },
+    };
     // cuBLAS's A is the right operand.
-    b.gemm(out, &g, w, x)
+    b.gemm_epilogue(out, &g, (w, x), epilogue)
 }
 
-/// Backward of [`linear_forward`]: `dx (R, K) [+]= dout · wᵀ`, `dw (K, N) += xᵀ · dout`,
-/// `db (N) += Σ_rows dout`.
+/// Backward of [`linear_forward`]: `dx (R, K) = dout · wᵀ`, or with `gelu_pre` (the
+/// forward's `pre` of the GELU that made x) `dx = (dout · wᵀ) ⊙ gelu_new'(pre)`
+/// ([`Epilogue::Dgelu`]); `dw (K, N) += xᵀ · dout` with `db (N) += Σ_rows dout` on its way
+/// out ([`Epilogue::BiasGrad`]).
 #[allow(clippy::too_many_arguments)]
 pub fn linear_backward<B: Backend>(
     b: &B,
-    (dx, accumulate_dx): (&mut B::Buf, bool),
+    (dx, gelu_pre): (&mut B::Buf, Option<&B::Buf>),
     dw: &mut B::Buf,
     db: &mut B::Buf,
     dout: &B::Buf,
@@ -303,25 +334,12 @@ pub fn linear_backward<B: Backend>(
     w: &B::Buf,
     (r, k, n): (usize, usize, usize),
 ) -> Result<()> {
-    // dout (R, N) · wᵀ, w stored (K, N).
-    let g = row_major(
-        (r, k, n),
-        RowMajor::plain(n),
-        RowMajor::transposed(n),
-        0,
-        accumulate_dx,
-    );
-    b.gemm(dx, &g, w, dout)?;
-    // xᵀ, x stored (R, K), · dout (R, N).
-    let g = row_major(
-        (k, n, r),
-        RowMajor::transposed(k),
-        RowMajor::plain(n),
-        0,
-        true,
-    );
-    b.gemm(dw, &g, dout, x)?;
-    b.column_sums(db, dout)
+    let [_, dgrad, wgrad] = linear_products((r, k, n));
+    match gelu_pre {
+        Some(pre) => b.gemm_epilogue(dx, &dgrad, (w, dout), Epilogue::Dgelu { pre })?,
+        None => b.gemm(dx, &dgrad, w, dout)?,
+    }
+    b.gemm_epilogue(dw, &wgrad, (dout, x), Epilogue::BiasGrad { db })
 }
 
 /// Forward of `packed`: the log-prob of every predicted token (N), under
@@ -497,9 +515,9 @@ fn forward_blocks<B: Backend>(
             w(l, 1),
             eps,
         )?;
-        linear_forward(b, &mut a.qkv, (ln, w(l, 2), w(l, 3)), (r, e, 3 * e))?;
+        linear_forward(b, (&mut a.qkv, None), (ln, w(l, 2), w(l, 3)), (r, e, 3 * e))?;
         b.attention_forward(&mut a.atty, &mut a.attention, &a.qkv, rows, heads)?;
-        linear_forward(b, scratch, (&a.atty, w(l, 4), w(l, 5)), (r, e, e))?;
+        linear_forward(b, (scratch, None), (&a.atty, w(l, 4), w(l, 5)), (r, e, e))?;
         b.add(&mut a.x2, &a.x, scratch)?;
         b.layernorm_forward(
             ln,
@@ -510,9 +528,13 @@ fn forward_blocks<B: Backend>(
             w(l, 7),
             eps,
         )?;
-        linear_forward(b, &mut a.fch, (ln, w(l, 8), w(l, 9)), (r, e, i))?;
-        b.gelu_forward(gelu, &a.fch)?;
-        linear_forward(b, scratch, (gelu, w(l, 10), w(l, 11)), (r, i, e))?;
+        linear_forward(
+            b,
+            (gelu, Some(&mut a.fch)),
+            (ln, w(l, 8), w(l, 9)),
+            (r, e, i),
+        )?;
+        linear_forward(b, (scratch, None), (gelu, w(l, 10), w(l, 11)), (r, i, e))?;
         b.add(out, &a.x2, scratch)?;
         if l + 1 < cfg.n_layer {
             // The output is the next block's input.
@@ -656,7 +678,7 @@ fn backward_blocks<B: Backend, G: DerefMut<Target = B::Buf>>(
         let dims = (r, i, e);
         linear_backward(
             b,
-            (&mut g.fc, false),
+            (&mut g.fc, Some(&a.fch)),
             gw,
             gb,
             &g.res,
@@ -664,7 +686,6 @@ fn backward_blocks<B: Backend, G: DerefMut<Target = B::Buf>>(
             w(l, 10),
             dims,
         )?;
-        b.gelu_backward(&mut g.fc, &a.fch)?;
         b.layernorm_forward(
             &mut acts.ln,
             &mut g.mean,
@@ -677,7 +698,7 @@ fn backward_blocks<B: Backend, G: DerefMut<Target = B::Buf>>(
         let (gw, gb) = pair::<B, G>(grads, p(8));
         linear_backward(
             b,
-            (&mut g.tmp, false),
+            (&mut g.tmp, None),
             gw,
             gb,
             &g.fc,
@@ -700,7 +721,7 @@ fn backward_blocks<B: Backend, G: DerefMut<Target = B::Buf>>(
         let (gw, gb) = pair::<B, G>(grads, p(4));
         linear_backward(
             b,
-            (&mut g.atty, false),
+            (&mut g.atty, None),
             gw,
             gb,
             &g.res,
@@ -730,7 +751,7 @@ fn backward_blocks<B: Backend, G: DerefMut<Target = B::Buf>>(
         let dims = (r, e, 3 * e);
         linear_backward(
             b,
-            (&mut g.tmp, false),
+            (&mut g.tmp, None),
             gw,
             gb,
             &g.qkv,

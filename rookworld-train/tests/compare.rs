@@ -4,7 +4,7 @@
 //! buffer it writes).
 
 use rookworld_lm::config::Config;
-use rookworld_train::backend::{Backend, HeadBackward, HeadForward, Heads, Result};
+use rookworld_train::backend::{Backend, Epilogue, HeadBackward, HeadForward, Heads, Result};
 use rookworld_train::compare::{self, Side, Tolerance};
 use rookworld_train::cpu::Cpu;
 use rookworld_train::cpu::ops::Matmuls;
@@ -181,6 +181,19 @@ impl Backend for Faulty {
     fn gemm(&self, c: &mut [f32], g: &Gemm, a: &[f32], b: &[f32]) -> Result<()> {
         self.cpu.gemm(c, g, a, b)
     }
+    fn gemm_epilogue(
+        &self,
+        c: &mut [f32],
+        g: &Gemm,
+        (a, b): (&[f32], &[f32]),
+        epilogue: Epilogue<'_, Self>,
+    ) -> Result<()> {
+        // One epilogue wrong, as a device's could be: the rest composed, as the CPU's.
+        let kind = epilogue.kind();
+        rookworld_train::backend::composed_epilogue(self, c, g, (a, b), epilogue)?;
+        self.spoil(&format!("epilogue {}", kind.name()), c);
+        Ok(())
+    }
     fn broadcast_rows(&self, out: &mut [f32], bias: &[f32]) -> Result<()> {
         self.cpu.broadcast_rows(out, bias)
     }
@@ -344,4 +357,35 @@ fn the_self_check_passes_a_right_backend_and_names_a_wrong_kernel() {
         "{}",
         wrong.summary()
     );
+}
+
+#[test]
+fn the_epilogue_check_holds_each_epilogue_to_its_composed_form() {
+    // The CPU runs every epilogue composed: each buffer equal, to the bit.
+    let right = compare::epilogue_check(&Cpu::new(Matmuls::Bf16)).unwrap();
+    assert_eq!(right.checked.len(), 6, "{}", right.summary());
+    for c in &right.checked {
+        assert!(
+            c.name.starts_with("epilogue ") && c.max_diff == 0.0,
+            "{c:?}"
+        );
+    }
+    // One epilogue off by 1% of its scale is named by its first buffer, as is GELU's
+    // output where a device's differs by more than the form's tolerance.
+    for (broken, first) in [
+        ("epilogue bias", "epilogue bias: output"),
+        ("epilogue bias+gelu", "epilogue bias+gelu: output"),
+        ("epilogue dgelu", "epilogue dgelu: input gradient"),
+        ("epilogue bias grad", "epilogue bias grad: weight gradient"),
+    ] {
+        let faulty = Faulty {
+            cpu: Cpu::new(Matmuls::Bf16),
+            broken,
+        };
+        let wrong = compare::epilogue_check(&faulty).unwrap();
+        let found = wrong
+            .first_divergence()
+            .expect("the wrong epilogue is found");
+        assert_eq!(found.name, first, "{}", wrong.summary());
+    }
 }

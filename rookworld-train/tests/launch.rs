@@ -6,10 +6,12 @@
 
 use rookworld_lm::config::Config;
 use rookworld_train::compare::{SELF_CHECK_BATCHES, self_check_config};
+use rookworld_train::gemm::EpilogueKind;
 use rookworld_train::launch::{
     self, ATTENTION_WIDTHS, AttentionForm, MMA_WIDTHS, Part, TILE, TILE_WIDTHS,
 };
 use rookworld_train::packed::synthetic;
+use rookworld_train::pass::linear_products;
 use rookworld_train::{Heads, Packed};
 
 fn heads(cfg: &Config) -> Heads {
@@ -102,6 +104,31 @@ fn every_launch(cfg: &Config, packed: &Packed) {
             grid.grid.0 as usize * grid.block.0 as usize >= cols,
             "{what}"
         );
+    }
+    // The linear layers' products with the epilogues the pass gives them: each passes its
+    // checks against buffers of the pass's sizes, and cuBLASLt's leading-dimension rule
+    // holds, so that `step_epilogues` runs every one inside its product. Every forward
+    // adds its bias and every weight's gradient sums its bias's; the MLP's up-projection
+    // (e → i) applies GELU, and the gradient into its output (from the down-projection,
+    // i → e) GELU's derivative.
+    for (k, n) in [(e, 3 * e), (e, e), (e, i), (i, e)] {
+        let [fwd, dgrad, wgrad] = linear_products((r, k, n));
+        let mut checks = vec![
+            (fwd, EpilogueKind::Bias, (k * n, r * n), (n, 0)),
+            (wgrad, EpilogueKind::BiasGrad, (r * n, k * n), (n, 0)),
+        ];
+        if (k, n) == (e, i) {
+            checks.push((fwd, EpilogueKind::BiasGelu, (k * n, r * n), (n, r * n)));
+        }
+        if (k, n) == (i, e) {
+            checks.push((dgrad, EpilogueKind::Dgelu, (k * n, r * k), (0, r * k)));
+        }
+        for (g, kind, (a, c), extra) in checks {
+            let at = format!("{what}: the {k}×{n} linear's {}", kind.name());
+            g.check_epilogue(kind, (a, c), extra)
+                .unwrap_or_else(|e| panic!("{at}: {e}"));
+            assert!(g.lt_serves(kind), "{at}: cuBLASLt cannot serve it");
+        }
     }
     // The head: blocks of recomputed logits and kept chunks, each within an int.
     for rows in [launch::head_block(v, n), launch::keep_rows(v).min(n.max(1))] {

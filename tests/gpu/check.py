@@ -689,7 +689,7 @@ def cmd_table(args):
     # The step's trials, each with the kept head: its buffers against the CPU backend's
     # (*_compare) and its step against the step without trials (*_profile).
     trials = (("tiles", "step trials (tiled attention, kept head)"),
-              ("mma", "step trials (tensor-core attention, kept head)"))
+              ("mma", "step trials (tensor-core attention, kept head, epilogues)"))
     for prefix, label in trials:
         tp, tc = bench_profile(f"{prefix}_profile"), d.get(f"{prefix}_compare", {})
         if tc:
@@ -705,7 +705,7 @@ def cmd_table(args):
     for key, label, top, prof in (
             ("learner_profile", "learner kernels (per step)", 8, lp),
             ("tiles_profile", "learner kernels, step trials", 8, bench_profile("tiles_profile")),
-            ("mma_profile", "learner kernels, tensor-core attention", 8, bench_profile("mma_profile")),
+            ("mma_profile", "learner kernels, tensor-core attention, epilogues", 8, bench_profile("mma_profile")),
             ("decode_profile", "decode kernels (ncu)", 6, d.get("decode_profile", {}))):
         if problem(prof) or (prof and not prof.get("by_kernel")):
             add(label, "result", problem(prof) or "no kernels")

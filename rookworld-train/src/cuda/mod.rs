@@ -30,8 +30,10 @@ use candle_core::cuda::cudarc::driver::{
     CudaEvent, CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg, result as drv,
 };
 
-use crate::backend::{Backend, Error, HeadBackward, HeadForward, Heads, Result};
-use crate::gemm::Gemm;
+use crate::backend::{
+    Backend, Epilogue, Error, HeadBackward, HeadForward, Heads, Result, composed_epilogue,
+};
+use crate::gemm::{EpilogueKind, Gemm};
 use crate::launch::{self, Grid, int};
 use crate::packed::{Packed, ScatterPlan};
 use crate::profile::KernelProfile;
@@ -88,6 +90,7 @@ macro_rules! launch {
 
 mod attention;
 mod head;
+mod lt;
 
 /// The CUDA backend on a candle CUDA device.
 pub struct Cuda {
@@ -101,6 +104,8 @@ pub struct Cuda {
     /// The head's probabilities kept from its forward for its backward
     /// ([`Cuda::with_kept_head`]).
     kept_head: bool,
+    /// The products' epilogues inside them on cuBLASLt ([`Cuda::with_epilogues`]).
+    epilogues: bool,
     /// Profiled: each timed operation's name and the events recorded before and after it,
     /// read by [`Cuda::take_profile`].
     timing: Option<RefCell<Vec<(String, CudaEvent, CudaEvent)>>>,
@@ -144,6 +149,7 @@ impl Cuda {
             functions: RefCell::default(),
             attention: launch::AttentionForm::Warp,
             kept_head: false,
+            epilogues: false,
             timing: None,
             _one_thread: std::marker::PhantomData,
         }
@@ -171,6 +177,18 @@ impl Cuda {
     pub fn with_kept_head(self, on: bool) -> Self {
         Self {
             kept_head: on,
+            ..self
+        }
+    }
+
+    /// The backend with each product's epilogue inside it (the trial family
+    /// `step_epilogues`, [`Backend::gemm_epilogue`]): one `cublasLtMatmul` adds the bias,
+    /// applies GELU keeping its input, applies GELU's gradient, or sums the bias's
+    /// gradient, where without it a kernel of its own reads and writes the whole result
+    /// again. A call cuBLASLt has no algorithm for runs composed (logged once per kind).
+    pub fn with_epilogues(self, on: bool) -> Self {
+        Self {
+            epilogues: on,
             ..self
         }
     }
@@ -513,6 +531,70 @@ impl Backend for Cuda {
             let (ta, tb) = (t(g.a.trans), t(g.b.trans));
             format!("gemm {}×{}×{} {ta}{tb}", g.m, g.n, g.k)
         })
+    }
+
+    fn gemm_epilogue(
+        &self,
+        c: &mut DevF32,
+        g: &Gemm,
+        (a, b): (&DevF32, &DevF32),
+        epilogue: Epilogue<'_, Self>,
+    ) -> Result<()> {
+        let kind = epilogue.kind();
+        if !self.epilogues || !g.lt_serves(kind) || g.m == 0 || g.n == 0 || g.k == 0 {
+            return composed_epilogue(self, c, g, (a, b), epilogue);
+        }
+        epilogue.check(self, g, (c, a, b))?;
+        let lt = lt::Lt::of(&self.device)?;
+        self.bind("gemm")?;
+        // The bias gradient is written by the product, then added into `db`.
+        let partial = match kind {
+            EpilogueKind::BiasGrad => Some(self.scratch(g.m)?),
+            _ => None,
+        };
+        let (vector, aux) = match &epilogue {
+            Epilogue::Bias { bias } => (Some(bias.ptr), None),
+            Epilogue::BiasGelu { bias, pre } => (Some(bias.ptr), Some(pre.ptr)),
+            Epilogue::Dgelu { pre } => (None, Some(pre.ptr)),
+            Epilogue::BiasGrad { .. } => (partial.as_ref().map(|p| p.ptr), None),
+        };
+        let pointers = lt::Pointers {
+            a: a.at(g.a.offset),
+            b: b.at(g.b.offset),
+            c: c.at(g.c_offset),
+            vector,
+            aux,
+        };
+        let timed = self.time_start()?;
+        // SAFETY: `check` proved every element the call touches lies inside its buffer
+        // (the vector and `pre` included); the buffers outlive the enqueued call (the
+        // pass's, or the scratch, which nothing else uses before `column_finish` below).
+        let outcome = unsafe { lt.matmul(&self.device, g, kind, pointers) }?;
+        if let lt::Outcome::Refused(why) = outcome {
+            if lt.first_refusal(kind) {
+                tracing::warn!("step_epilogues: {why}; such products run composed");
+            }
+            drop(partial);
+            return composed_epilogue(self, c, g, (a, b), epilogue);
+        }
+        self.time_end(timed, || {
+            let t = |trans: bool| if trans { 'T' } else { 'N' };
+            let (ta, tb) = (t(g.a.trans), t(g.b.trans));
+            format!("gemm+{} {}×{}×{} {ta}{tb}", kind.name(), g.m, g.n, g.k)
+        })?;
+        if let (Epilogue::BiasGrad { db }, Some(partial)) = (epilogue, partial) {
+            let (one, n) = (1i32, int("bias grad", g.m)?);
+            launch!(
+                self,
+                "column_finish",
+                elementwise(g.m)?,
+                &db.ptr,
+                &partial.ptr,
+                &one,
+                &n
+            )?;
+        }
+        Ok(())
     }
 
     fn broadcast_rows(&self, out: &mut DevF32, bias: &DevF32) -> Result<()> {

@@ -84,7 +84,8 @@ pub fn with_pass<R>(
     let mut grads = views(&work.grads)?;
     let mut b = Cuda::with_scratch(cuda.clone(), std::mem::take(&mut work.scratch))
         .with_attention(crate::kernels::attention_form(kernels))
-        .with_kept_head(kernels.enabled(StepKernel::HeadKept));
+        .with_kept_head(kernels.enabled(StepKernel::HeadKept))
+        .with_epilogues(kernels.enabled(StepKernel::Epilogues));
     if work.profile.is_some() {
         b = b.profiled();
     }
@@ -120,8 +121,8 @@ pub fn with_pass<R>(
 /// The CUDA backend of `device` against the CPU's on a small synthetic micro-batch
 /// ([`crate::compare::self_check`]): a finding for the `step_backend` kernel
 /// family when a buffer differs beyond tolerance (naming it) or the check cannot run;
-/// and, for each of the trials `step_attention_tiles`, `step_attention_mma` and
-/// `step_head_kept` turned on, the same with it, a finding for that family (so that it
+/// and, for each of the trials `step_attention_tiles`, `step_attention_mma`,
+/// `step_head_kept` and `step_epilogues` turned on, the same with it, a finding for that family (so that it
 /// alone is turned off). Only the families `kernels` has on are checked
 /// ([`rookworld_lm::kernels::Switches::to_check`]: none when `step_backend` is turned
 /// off), each followed by a synchronisation of the device; a fault that poisons the CUDA
@@ -132,7 +133,7 @@ pub fn startup_check(device: &Device, kernels: &StepKernels) -> Vec<Finding<Step
     let Device::Cuda(cuda) = device else {
         return Vec::new();
     };
-    let check = |kernel: StepKernel, b: Cuda| match crate::compare::self_check(&b) {
+    let check = |kernel: StepKernel, b: Cuda| match checked(kernel, &b) {
         Ok(c) => c.first_divergence().map(|_| Finding {
             kernel,
             problem: c.summary(),
@@ -154,6 +155,7 @@ pub fn startup_check(device: &Device, kernels: &StepKernels) -> Vec<Finding<Step
             StepKernel::AttentionTiles => backend.with_attention(AttentionForm::Tiles),
             StepKernel::AttentionMma => backend.with_attention(AttentionForm::Mma),
             StepKernel::HeadKept => backend.with_kept_head(true),
+            StepKernel::Epilogues => backend.with_epilogues(true),
             StepKernel::Backend => backend,
         };
         let found = check(kernel, backend);
@@ -161,4 +163,27 @@ pub fn startup_check(device: &Device, kernels: &StepKernels) -> Vec<Finding<Step
         findings.extend(found.or(settled));
     }
     findings
+}
+
+/// The start-up check of `kernel` on `b`: the step's buffers against the CPU backend's
+/// ([`crate::compare::self_check`]), after, for `step_epilogues`, each epilogue against
+/// its composed form on the device ([`crate::compare::epilogue_check`], whose measured
+/// errors are logged: they say which GELU and which bias-gradient sum the device has).
+fn checked(kernel: StepKernel, b: &Cuda) -> crate::Result<crate::compare::Comparison> {
+    let mut all = crate::compare::Comparison::default();
+    if kernel == StepKernel::Epilogues {
+        all = crate::compare::epilogue_check(b)?;
+        for c in &all.checked {
+            tracing::info!(
+                "step_epilogues: {}: max |Δ| {:.2e} against a scale of {:.2e}",
+                c.name,
+                c.max_diff,
+                c.scale
+            );
+        }
+    }
+    let step = crate::compare::self_check(b)?;
+    all.checked.extend(step.checked);
+    all.skipped.extend(step.skipped);
+    Ok(all)
 }

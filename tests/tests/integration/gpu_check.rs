@@ -457,11 +457,13 @@ echo '==PROF== Disconnected from process 7'
         "{summary:#}"
     );
     assert_eq!(
-        summary["step trials (tensor-core attention, kept head)"]["× without them (step)"], "4",
+        summary["step trials (tensor-core attention, kept head, epilogues)"]["× without them (step)"],
+        "4",
         "{summary:#}"
     );
     assert_eq!(
-        summary["learner kernels, tensor-core attention"]["attention_mma_dkv_d64"], "25.0%",
+        summary["learner kernels, tensor-core attention, epilogues"]["attention_mma_dkv_d64"],
+        "25.0%",
         "{summary:#}"
     );
     let decode = &summary["decode kernels (ncu)"];
