@@ -17,7 +17,7 @@ use std::ops::{Deref, DerefMut};
 
 use rookworld_lm::config::Config;
 
-use crate::backend::{Backend, HeadBackward, HeadForward, Heads, Result};
+use crate::backend::{Backend, Epilogue, HeadBackward, HeadForward, Heads, Result};
 use crate::gemm::Gemm;
 use crate::packed::Packed;
 use crate::weights::{self, Weights};
@@ -74,6 +74,9 @@ pub struct Tally {
     /// Rows of the LM head kept from its forward to its backward (`None`: recomputed),
     /// as the backend being estimated does.
     pub head_keep_rows: Option<usize>,
+    /// The products' epilogues inside them ([`Backend::gemm_epilogue`], as the trial
+    /// family `step_epilogues` runs them), or the kernels they replace.
+    pub epilogues: bool,
     work: RefCell<BTreeMap<&'static str, Work>>,
 }
 
@@ -87,7 +90,16 @@ impl Tally {
         Self {
             element_bytes,
             head_keep_rows,
+            epilogues: false,
             work: RefCell::default(),
+        }
+    }
+
+    /// The tally with the products' epilogues inside them.
+    pub fn with_epilogues(self, on: bool) -> Self {
+        Self {
+            epilogues: on,
+            ..self
         }
     }
 
@@ -97,8 +109,13 @@ impl Tally {
     }
 
     fn count(&self, op: &'static str, flops: f64, bytes: f64) {
+        self.count_calls(op, 1, flops, bytes);
+    }
+
+    /// Work done inside another call (an epilogue inside its product): no call of its own.
+    fn count_calls(&self, op: &'static str, calls: u64, flops: f64, bytes: f64) {
         self.work.borrow_mut().entry(op).or_default().add(Work {
-            calls: 1,
+            calls,
             flops,
             bytes,
         });
@@ -203,6 +220,39 @@ impl Backend for Tally {
 
     fn gemm(&self, _c: &mut Len, g: &Gemm, _a: &Len, _b: &Len) -> Result<()> {
         self.product("products", g.m, g.n, g.k, g.accumulate);
+        Ok(())
+    }
+
+    /// With epilogues, the product and what its epilogue reads and writes beside it (the
+    /// bias; GELU's input, written or read; the bias's gradient, written and then added
+    /// into the f32 gradient), counted under the kernels' names they replace; without,
+    /// those kernels.
+    fn gemm_epilogue(
+        &self,
+        c: &mut Len,
+        g: &Gemm,
+        (a, b): (&Len, &Len),
+        epilogue: Epilogue<'_, Self>,
+    ) -> Result<()> {
+        if !self.epilogues {
+            return crate::backend::composed_epilogue(self, c, g, (a, b), epilogue);
+        }
+        self.product("products", g.m, g.n, g.k, g.accumulate);
+        let out = (g.m * g.n) as f64;
+        let inside = |op, flops, bytes| self.count_calls(op, 0, flops, bytes);
+        match epilogue {
+            Epilogue::Bias { bias } => inside("bias", out, self.elems(bias.0)),
+            Epilogue::BiasGelu { bias, pre } => {
+                inside("bias", out, self.elems(bias.0));
+                inside("gelu", 15.0 * out, self.elems(pre.0));
+            }
+            Epilogue::Dgelu { pre } => inside("gelu", 25.0 * out, self.elems(pre.0)),
+            // Written by the product, then added into the f32 gradient (a call).
+            Epilogue::BiasGrad { db } => {
+                inside("bias gradient", (g.m * g.k) as f64, f32s(db.0));
+                self.count("bias gradient", g.m as f64, f32s(3 * db.0));
+            }
+        }
         Ok(())
     }
 
@@ -516,6 +566,22 @@ mod tests {
         let bf16 = step(&cfg, s, &Tally::new(2, None)).unwrap();
         assert!(bf16["products"].bytes < recomputed["products"].bytes);
         assert_eq!(bf16["products"].flops, recomputed["products"].flops);
+        // The epilogues: the same products, and the bias's, GELU's and the bias
+        // gradient's traffic mostly gone.
+        let fused = step(&cfg, s, &Tally::new(4, None).with_epilogues(true)).unwrap();
+        assert_eq!(fused["products"].flops, recomputed["products"].flops);
+        assert_eq!(fused["products"].calls, recomputed["products"].calls);
+        for op in ["bias", "bias gradient"] {
+            assert!(fused[op].bytes < recomputed[op].bytes / 10.0, "{op}");
+        }
+        // The bias and the forwards' GELU launch nothing of their own; GELU's gradient
+        // neither (the output's GELU is recomputed in the backward, a call a layer).
+        assert_eq!(fused["bias"].calls, 0);
+        assert_eq!(fused["gelu"].calls, recomputed["gelu"].calls / 3);
+        // GELU's output is still recomputed in the backward, for the weight's gradient.
+        assert!(fused["gelu"].bytes < recomputed["gelu"].bytes * 0.6);
+        // The forward's products no longer add into a broadcast bias.
+        assert!(fused["products"].bytes < recomputed["products"].bytes);
     }
 
     /// A decode step at 256 rows of 142 positions: the weights (249 MB) and the caches

@@ -6,7 +6,8 @@ use rookworld_train::desk::{self, H100, H200, StepShape, Tally};
 
 /// The desk estimate of a step of `shape` on a model of `cfg` on a GPU
 /// ([`rookworld_train::desk`]) in two configurations — today's CUDA backend (f32 operands,
-/// the head's logits recomputed in its backward) and BF16 operands with the head kept —
+/// the head's logits recomputed in its backward) and BF16 operands with the head kept and
+/// the products' epilogues inside them —
 /// and of a decode step of P × G rows at the completions' middle position: the table for
 /// stderr and the JSON line.
 pub fn report(
@@ -18,13 +19,14 @@ pub fn report(
     let planned = desk::step(
         cfg,
         shape,
-        &Tally::new(2, Some(rookworld_train::launch::keep_rows(cfg.vocab_size))),
+        &Tally::new(2, Some(rookworld_train::launch::keep_rows(cfg.vocab_size)))
+            .with_epilogues(true),
     )?;
     let rows = shape.prompts * shape.group;
     let decode = desk::decode_step(cfg, rows, shape.prompt + shape.completion / 2);
     let mut table = String::new();
     let mut json = serde_json::Map::new();
-    for (name, work) in [("today", &today), ("bf16_kept_head", &planned)] {
+    for (name, work) in [("today", &today), ("planned", &planned)] {
         table.push_str(&format!(
             "step, {name}: operation, calls, GFLOP, GB, µs on {}, µs on {}\n",
             H100.name, H200.name

@@ -57,7 +57,7 @@ fn bench_prints_one_json_line_with_the_step_split() {
 }
 
 /// `--desk`: the step counted, not run — one JSON line with both configurations and the
-/// decode step, the planned one (BF16, head kept) bound below today's, and a table on
+/// decode step, the planned one (BF16, head kept, epilogues) bound below today's, and a table on
 /// stderr.
 #[test]
 fn desk_prints_the_counted_step_and_its_bounds() {
@@ -69,7 +69,7 @@ fn desk_prints_the_counted_step_and_its_bounds() {
         "{stderr}"
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let (today, planned) = (&v["today"], &v["bf16_kept_head"]);
+    let (today, planned) = (&v["today"], &v["planned"]);
     for device in ["seconds_h100", "seconds_h200"] {
         let (t, p) = (
             today[device].as_f64().unwrap(),
