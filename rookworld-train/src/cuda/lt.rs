@@ -10,14 +10,16 @@
 //! | `Dgelu` | `DGELU` | — | `pre`, read, C's layout |
 //! | `BiasGrad` | `BGRADA` | the gradient, written (m), then added into `db` | — |
 //!
-//! cuBLASLt's GELU is the tanh form (`gelu_new`). The algorithm for a call is asked of
-//! cuBLASLt's heuristic once per shape, transposes, epilogue and the operands' alignment,
-//! and kept ([`Lt`]); where it has none (any error of the heuristic's, or
+//! cuBLASLt's GELU is the tanh form (`gelu_new`). A call's descriptor and layouts are made,
+//! and its algorithm asked of cuBLASLt's heuristic, once per shape, transposes, epilogue
+//! and the operands' alignment, and kept ([`Plan`]: a call then only sets its vector's and
+//! auxiliary matrix's pointers, where making them took some ten host calls); where it has none (any error of the heuristic's, or
 //! `NOT_SUPPORTED`, `INVALID_VALUE` or `ARCH_MISMATCH` from the call itself, which it says
 //! before enqueuing anything), the call runs composed ([`crate::backend::composed_epilogue`]) and the first such
 //! refusal of each kind is logged.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -76,19 +78,20 @@ struct Key {
     align: [u32; 5],
 }
 
-/// cuBLASLt's handle and workspace for one stream, and the algorithms its heuristic chose
-/// (an error status: it had none, or cuBLASLt refused the call). Made once per stream ([`Lt::of`]) and kept for the process.
+/// cuBLASLt's handle and workspace for one stream, and the [`Plan`] of each [`Key`] its
+/// calls have had. Made once per stream ([`Lt::of`]) and kept for the process.
 pub(super) struct Lt {
     handle: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
-    algos: Mutex<HashMap<Key, std::result::Result<sys::cublasLtMatmulAlgo_t, sys::cublasStatus_t>>>,
+    plans: Mutex<HashMap<Key, Plan>>,
     /// The kinds whose refusal has been logged.
     logged: Mutex<Vec<EpilogueKind>>,
 }
 
 // SAFETY: a cuBLASLt handle may be used from any thread (NVIDIA: it is not bound to a
 // thread or stream); every call on it here is enqueued on the one stream it was made for,
-// whose order makes the workspace's uses take turns. The maps are behind mutexes.
+// whose order makes the workspace's uses take turns. The plans (descriptors and layouts,
+// which cuBLASLt reads only while a call is enqueued) are behind a mutex held across it.
 unsafe impl Send for Lt {}
 // SAFETY: as for `Send`: shared use enqueues on the one stream, and the maps lock.
 unsafe impl Sync for Lt {}
@@ -112,7 +115,7 @@ impl Lt {
             Ok(Lt {
                 handle,
                 workspace,
-                algos: Mutex::default(),
+                plans: Mutex::default(),
                 logged: Mutex::default(),
             })
         })
@@ -142,54 +145,6 @@ impl Lt {
         kind: EpilogueKind,
         p: Pointers,
     ) -> Result<Outcome> {
-        let no = |e: CublasError| fail("cublaslt", e);
-        let stream = device.cuda_stream();
-        let desc = Desc::new()?;
-        let trans = |t: bool| -> i32 { t.into() }; // CUBLAS_OP_T = 1, CUBLAS_OP_N = 0
-        desc.set(
-            sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-            &trans(g.a.trans),
-        )?;
-        desc.set(
-            sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
-            &trans(g.b.trans),
-        )?;
-        let epilogue = match kind {
-            EpilogueKind::Bias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
-            EpilogueKind::BiasGelu => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
-            EpilogueKind::Dgelu => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DGELU,
-            EpilogueKind::BiasGrad => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADA,
-        };
-        desc.set(
-            sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
-            &epilogue,
-        )?;
-        if let Some(vector) = p.vector {
-            desc.set(
-                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                &vector,
-            )?;
-        }
-        if let Some(aux) = p.aux {
-            desc.set(
-                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
-                &aux,
-            )?;
-            // The auxiliary matrix has C's layout ([`Gemm::check_epilogue`]).
-            let ld = g.ldc as i64;
-            desc.set(
-                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
-                &ld,
-            )?;
-        }
-        // Column-major stored matrices: op(A) is (m × k), op(B) (k × n), C (m × n).
-        let stored = |trans: bool, rows: usize, cols: usize| {
-            if trans { (cols, rows) } else { (rows, cols) }
-        };
-        let a = Layout::new(stored(g.a.trans, g.m, g.k), g.a.ld)?;
-        let b = Layout::new(stored(g.b.trans, g.k, g.n), g.b.ld)?;
-        let c = Layout::new((g.m, g.n), g.ldc)?;
-
         let align = [p.a, p.b, p.c, p.vector.unwrap_or(0), p.aux.unwrap_or(0)].map(alignment);
         let key = Key {
             dims: [g.m, g.n, g.k, g.a.ld, g.b.ld, g.ldc],
@@ -197,28 +152,6 @@ impl Lt {
             accumulate: g.accumulate,
             kind,
             align,
-        };
-        let known = self
-            .algos
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(&key)
-            .copied();
-        let algo = match known {
-            Some(algo) => algo,
-            None => {
-                let pref = Pref::new([align[0], align[1], align[2]])?;
-                // SAFETY: every handle is live (owned above or by `self`).
-                let found = unsafe {
-                    lt::get_matmul_algo_heuristic(self.handle, desc.0, a.0, b.0, c.0, c.0, pref.0)
-                };
-                // Any refusal of the heuristic's — NOT_SUPPORTED or no algorithm, but also
-                // INVALID_VALUE for a configuration it will not take — is the composed
-                // form's to run, not the step's to fail.
-                let algo = found.map(|h| h.algo).map_err(|e| e.0);
-                self.remember(key, algo);
-                algo
-            }
         };
         let refused = |status: sys::cublasStatus_t| {
             Outcome::Refused(format!(
@@ -230,30 +163,39 @@ impl Lt {
                 kind.name()
             ))
         };
-        let algo = match algo {
+        // Held until the call is enqueued: its plan's descriptor takes this call's
+        // pointers.
+        let mut plans = self.plans.lock().unwrap_or_else(PoisonError::into_inner);
+        let plan = match plans.entry(key) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => e.insert(self.plan(g, kind, p, align)?),
+        };
+        let algo = match plan.algo {
             Ok(algo) => algo,
             Err(status) => return Ok(refused(status)),
         };
+        plan.point(p)?;
+        let stream = device.cuda_stream();
         let (alpha, beta) = (1f32, if g.accumulate { 1f32 } else { 0f32 });
         let (workspace, _record) = self.workspace.device_ptr(&stream);
         let at = |ptr: CUdeviceptr| ptr as *const c_void;
         // SAFETY: the caller's contract covers the buffers; the handles, α, β and the
         // algorithm outlive the call (host pointer mode: α and β are read as it is
-        // enqueued); the workspace is this stream's own.
+        // enqueued, as is the descriptor); the workspace is this stream's own.
         let status = unsafe {
             lt::matmul(
                 self.handle,
-                desc.0,
+                plan.desc.0,
                 (&alpha as *const f32).cast(),
                 (&beta as *const f32).cast(),
                 at(p.a),
-                a.0,
+                plan.a.0,
                 at(p.b),
-                b.0,
+                plan.b.0,
                 at(p.c),
-                c.0,
+                plan.c.0,
                 p.c as *mut c_void,
-                c.0,
+                plan.c.0,
                 &algo,
                 workspace as *mut c_void,
                 WORKSPACE_BYTES,
@@ -270,23 +212,90 @@ impl Lt {
                 | sys::cublasStatus_t::CUBLAS_STATUS_INVALID_VALUE
                 | sys::cublasStatus_t::CUBLAS_STATUS_ARCH_MISMATCH),
             ) => {
-                self.remember(key, Err(status));
+                plan.algo = Err(status);
                 Ok(refused(status))
             }
-            Err(status) => Err(no(CublasError(status))),
+            Err(status) => Err(fail("cublaslt", CublasError(status))),
         }
     }
 
-    /// Keeps the heuristic's answer for `key` (an error status: the composed form's).
-    fn remember(
-        &self,
-        key: Key,
-        algo: std::result::Result<sys::cublasLtMatmulAlgo_t, sys::cublasStatus_t>,
-    ) {
-        self.algos
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(key, algo);
+    /// The descriptor, layouts and algorithm of the calls of `g` with `kind`, made for
+    /// their first (whose pointers the heuristic reads the alignment of).
+    fn plan(&self, g: &Gemm, kind: EpilogueKind, p: Pointers, align: [u32; 5]) -> Result<Plan> {
+        let desc = Desc::new()?;
+        use sys::cublasLtMatmulDescAttributes_t as D;
+        let trans = |t: bool| -> i32 { t.into() }; // CUBLAS_OP_T = 1, CUBLAS_OP_N = 0
+        desc.set(D::CUBLASLT_MATMUL_DESC_TRANSA, &trans(g.a.trans))?;
+        desc.set(D::CUBLASLT_MATMUL_DESC_TRANSB, &trans(g.b.trans))?;
+        let epilogue = match kind {
+            EpilogueKind::Bias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
+            EpilogueKind::BiasGelu => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+            EpilogueKind::Dgelu => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DGELU,
+            EpilogueKind::BiasGrad => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADA,
+        };
+        desc.set(D::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+        if p.aux.is_some() {
+            // The auxiliary matrix has C's layout ([`Gemm::check_epilogue`]).
+            let ld = g.ldc as i64;
+            desc.set(D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld)?;
+        }
+        // Column-major stored matrices: op(A) is (m × k), op(B) (k × n), C (m × n).
+        let stored = |trans: bool, rows: usize, cols: usize| {
+            if trans { (cols, rows) } else { (rows, cols) }
+        };
+        let mut plan = Plan {
+            desc,
+            a: Layout::new(stored(g.a.trans, g.m, g.k), g.a.ld)?,
+            b: Layout::new(stored(g.b.trans, g.k, g.n), g.b.ld)?,
+            c: Layout::new((g.m, g.n), g.ldc)?,
+            algo: Err(sys::cublasStatus_t::CUBLAS_STATUS_NOT_INITIALIZED),
+        };
+        plan.point(p)?;
+        let pref = Pref::new([align[0], align[1], align[2]])?;
+        // SAFETY: every handle is live (owned by `plan`, `pref` or `self`).
+        let found = unsafe {
+            lt::get_matmul_algo_heuristic(
+                self.handle,
+                plan.desc.0,
+                plan.a.0,
+                plan.b.0,
+                plan.c.0,
+                plan.c.0,
+                pref.0,
+            )
+        };
+        // Any refusal of the heuristic's — NOT_SUPPORTED or no algorithm, but also
+        // INVALID_VALUE for a configuration it will not take — is the composed form's to
+        // run, not the step's to fail.
+        plan.algo = found.map(|h| h.algo).map_err(|e| e.0);
+        Ok(plan)
+    }
+}
+
+/// What the calls of one [`Key`] share: their descriptor (whose vector and auxiliary
+/// pointers each call sets), their matrices' layouts, and the heuristic's algorithm (an
+/// error status: it had none, or cuBLASLt refused the call).
+struct Plan {
+    desc: Desc,
+    a: Layout,
+    b: Layout,
+    c: Layout,
+    algo: std::result::Result<sys::cublasLtMatmulAlgo_t, sys::cublasStatus_t>,
+}
+
+impl Plan {
+    /// Points the descriptor at this call's vector and auxiliary matrix.
+    fn point(&self, p: Pointers) -> Result<()> {
+        use sys::cublasLtMatmulDescAttributes_t as D;
+        if let Some(vector) = p.vector {
+            self.desc
+                .set(D::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &vector)?;
+        }
+        if let Some(aux) = p.aux {
+            self.desc
+                .set(D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux)?;
+        }
+        Ok(())
     }
 }
 
