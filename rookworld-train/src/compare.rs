@@ -342,11 +342,28 @@ pub fn self_check<B: Backend>(b: &B) -> Result<Comparison> {
 /// 64 out ([`pass::linear_products`]): the bias and GELU forms with operands exact in BF16
 /// (so that only the epilogue can differ), the bias gradient with an output gradient that
 /// is not (so that its error says whether the device rounds it to BF16 before summing).
-/// Each result is named `epilogue <kind>: <buffer>`. Tolerances: [`Tolerance::F32`] for
+/// Each result is named `epilogue <kind>: <buffer>`, and again with `, a second call`
+/// (fresh buffers, other values: a device's reuse of the first call's set-up). Tolerances: [`Tolerance::F32`] for
 /// the bias and the kept pre-activation; [`EPILOGUE_GELU`] for GELU and its gradient;
 /// [`Tolerance::SAME_PRODUCTS`] for the bias gradient. Where the backend runs them
 /// composed (the CPU; a device without the trial), every buffer is equal.
 pub fn epilogue_check<B: Backend>(b: &B) -> Result<Comparison> {
+    let mut all = Comparison::default();
+    // Twice, into buffers of their own with other values: a device's second call of a
+    // shape reuses what its first one set up, with the new call's pointers.
+    for (round, sign) in [("", 1.0), (", a second call", -1.0)] {
+        let one = epilogue_round(b, sign)?;
+        all.checked.extend(one.checked.into_iter().map(|mut c| {
+            c.name = format!("{}{round}", c.name);
+            c
+        }));
+    }
+    Ok(all)
+}
+
+/// One round of [`epilogue_check`], its bias, pre-activation and output gradient times
+/// `sign`.
+fn epilogue_round<B: Backend>(b: &B, sign: f32) -> Result<Comparison> {
     let (r, k, n) = (40, 24, 64);
     let [fwd, dgrad, wgrad] = pass::linear_products((r, k, n));
     let values = |len: usize, f: &dyn Fn(usize) -> f32| (0..len).map(f).collect::<Vec<f32>>();
@@ -354,10 +371,10 @@ pub fn epilogue_check<B: Backend>(b: &B) -> Result<Comparison> {
     let x = values(r * k, &|i| ((i * 7 % 9) as f32 - 4.0) / 8.0);
     let w = values(k * n, &|i| ((i * 5 % 7) as f32 - 3.0) / 16.0);
     let g = values(r * n, &|i| ((i * 3 % 11) as f32 - 5.0) / 16.0);
-    let bias = values(n, &|i| (i as f32 - 32.0) / 8.0);
-    let pre = values(r * k, &|i| (i as f32 * 0.21).cos() * 3.0);
+    let bias = values(n, &|i| sign * (i as f32 - 32.0) / 8.0);
+    let pre = values(r * k, &|i| sign * (i as f32 * 0.21).cos() * 3.0);
     // Not exact in BF16.
-    let dout = values(r * n, &|i| (i as f32 * 0.37).sin());
+    let dout = values(r * n, &|i| sign * (i as f32 * 0.37).sin());
     let held = upload(b, &[x, w, g, bias, pre, dout])?;
     let [x, w, g, bias, pre, dout] = [0, 1, 2, 3, 4, 5].map(|i| &*held[i]);
     let zero = |len: usize| -> Result<B::Owned> {
@@ -393,31 +410,12 @@ pub fn epilogue_check<B: Backend>(b: &B) -> Result<Comparison> {
 
     let (mut dw1, mut dw2) = (zero(k * n)?, zero(k * n)?);
     let (mut db1, mut db2) = (zero(n)?, zero(n)?);
-    b.gemm_epilogue(
-        &mut dw1,
-        &wgrad,
-        (dout, x),
-        Epilogue::BiasGrad { db: &mut db1 },
-    )?;
-    composed_epilogue(
-        b,
-        &mut dw2,
-        &wgrad,
-        (dout, x),
-        Epilogue::BiasGrad { db: &mut db2 },
-    )?;
-    compare(
-        "bias grad: weight gradient",
-        &dw1,
-        &dw2,
-        Tolerance::SAME_PRODUCTS,
-    )?;
-    compare(
-        "bias grad: bias gradient",
-        &db1,
-        &db2,
-        Tolerance::SAME_PRODUCTS,
-    )?;
+    let grad = |db| Epilogue::BiasGrad { db };
+    b.gemm_epilogue(&mut dw1, &wgrad, (dout, x), grad(&mut *db1))?;
+    composed_epilogue(b, &mut dw2, &wgrad, (dout, x), grad(&mut *db2))?;
+    let tol = Tolerance::SAME_PRODUCTS;
+    compare("bias grad: weight gradient", &dw1, &dw2, tol)?;
+    compare("bias grad: bias gradient", &db1, &db2, tol)?;
     Ok(all)
 }
 

@@ -363,7 +363,8 @@ fn the_self_check_passes_a_right_backend_and_names_a_wrong_kernel() {
 fn the_epilogue_check_holds_each_epilogue_to_its_composed_form() {
     // The CPU runs every epilogue composed: each buffer equal, to the bit.
     let right = compare::epilogue_check(&Cpu::new(Matmuls::Bf16)).unwrap();
-    assert_eq!(right.checked.len(), 6, "{}", right.summary());
+    assert_eq!(right.checked.len(), 12, "{}", right.summary());
+    assert!(right.checked[11].name.ends_with(", a second call"));
     for c in &right.checked {
         assert!(
             c.name.starts_with("epilogue ") && c.max_diff == 0.0,

@@ -145,6 +145,15 @@ impl Lt {
         kind: EpilogueKind,
         p: Pointers,
     ) -> Result<Outcome> {
+        // Each kind's vector and auxiliary matrix, exactly (a plan's descriptor keeps the
+        // pointers of the last call of its key, which every call of the key sets again).
+        let aux = matches!(kind, EpilogueKind::BiasGelu | EpilogueKind::Dgelu);
+        if p.vector.is_some() != (kind != EpilogueKind::Dgelu) || p.aux.is_some() != aux {
+            return Err(fail(
+                "cublaslt",
+                format!("epilogue {} given the wrong pointers: {p:?}", kind.name()),
+            ));
+        }
         let align = [p.a, p.b, p.c, p.vector.unwrap_or(0), p.aux.unwrap_or(0)].map(alignment);
         let key = Key {
             dims: [g.m, g.n, g.k, g.a.ld, g.b.ld, g.ldc],
@@ -234,7 +243,7 @@ impl Lt {
             EpilogueKind::BiasGrad => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADA,
         };
         desc.set(D::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
-        if p.aux.is_some() {
+        if matches!(kind, EpilogueKind::BiasGelu | EpilogueKind::Dgelu) {
             // The auxiliary matrix has C's layout ([`Gemm::check_epilogue`]).
             let ld = g.ldc as i64;
             desc.set(D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld)?;
