@@ -131,6 +131,15 @@ fn config(g: Grid) -> LaunchConfig {
     }
 }
 
+/// A product's name in profiles: `gemm M×N×K` and its transposes, `gemm+<epilogue> …`
+/// with an epilogue inside it.
+fn product_name(g: &Gemm, epilogue: Option<EpilogueKind>) -> String {
+    let t = |trans: bool| if trans { 'T' } else { 'N' };
+    let (ta, tb) = (t(g.a.trans), t(g.b.trans));
+    let with = epilogue.map_or(String::new(), |k| format!("+{}", k.name()));
+    format!("gemm{with} {}×{}×{} {ta}{tb}", g.m, g.n, g.k)
+}
+
 /// A grid-stride launch over `n` elements ([`launch::elementwise`]).
 fn elementwise(n: usize) -> Result<LaunchConfig> {
     launch::elementwise("elementwise", n).map(config)
@@ -526,11 +535,7 @@ impl Backend for Cuda {
             )
         }
         .map_err(|e| fail("gemm", e))?;
-        self.time_end(timed, || {
-            let t = |trans: bool| if trans { 'T' } else { 'N' };
-            let (ta, tb) = (t(g.a.trans), t(g.b.trans));
-            format!("gemm {}×{}×{} {ta}{tb}", g.m, g.n, g.k)
-        })
+        self.time_end(timed, || product_name(g, None))
     }
 
     fn gemm_epilogue(
@@ -577,11 +582,7 @@ impl Backend for Cuda {
             drop(partial);
             return composed_epilogue(self, c, g, (a, b), epilogue);
         }
-        self.time_end(timed, || {
-            let t = |trans: bool| if trans { 'T' } else { 'N' };
-            let (ta, tb) = (t(g.a.trans), t(g.b.trans));
-            format!("gemm+{} {}×{}×{} {ta}{tb}", kind.name(), g.m, g.n, g.k)
-        })?;
+        self.time_end(timed, || product_name(g, Some(kind)))?;
         if let (Epilogue::BiasGrad { db }, Some(partial)) = (epilogue, partial) {
             let (one, n) = (1i32, int("bias grad", g.m)?);
             launch!(
